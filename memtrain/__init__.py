@@ -1,0 +1,7 @@
+"""memtrain: a memory-optimized PyTorch trainer.
+
+One loop over DDP (and, later, FSDP2 and DeepSpeed), built around the global batch as the
+unit of work (see ../shared/DESIGN.md).
+"""
+
+__version__ = "0.1.0"

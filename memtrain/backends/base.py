@@ -1,0 +1,69 @@
+"""The engine interface every backend implements (a ``typing.Protocol``, as in torchtune).
+
+The loop talks only to this interface, never to DDP, FSDP or DeepSpeed directly, so switching
+engines is one config key (``backend.name``) and the loop never branches on the engine.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Callable, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One distributed engine.
+
+    Attributes:
+        name: ``ddp`` (later ``fsdp``, ``deepspeed``).
+        rank: this process's rank, 0 … world_size-1.
+        world_size: number of processes.
+        device: where the model and batches live.
+        is_main: rank 0 (writes metrics and exports).
+        precision: resolved ``bf16|fp16|fp32``.
+        grad_average_factor: the number the engine divides summed gradients by when it reduces
+            them across ranks (world_size for DDP-style averaging). The loop multiplies each
+            micro-batch loss by it so the reduced gradient is ``sum of token losses / global
+            token count`` (DESIGN.md rule 3).
+    """
+
+    name: str
+    rank: int
+    world_size: int
+    device: torch.device
+    is_main: bool
+    precision: str
+    grad_average_factor: float
+
+    def prepare(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
+                ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Wrap the model for the engine and build its optimizer (on the wrapped parameters)."""
+
+    def sync_context(self, model: nn.Module, sync: bool) -> AbstractContextManager:
+        """Context for one micro-batch's forward+backward; ``sync=False`` skips the gradient
+        reduction (non-final micro-batches of an accumulation)."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of a scalar loss (with loss scaling where the precision needs it)."""
+
+    def clip_and_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
+        """Clip gradients to ``max_norm`` (0 = no clipping), step the optimizer, zero gradients.
+
+        Returns:
+            The global gradient L2 norm before clipping.
+        """
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum a tensor over ranks in place and return it."""
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module inside the engine's wrapper."""
+
+    def barrier(self) -> None:
+        """Wait for all ranks."""
+
+    def main_process_first(self) -> AbstractContextManager:
+        """Run the body on rank 0 first, then on the others (for building caches)."""

@@ -1,0 +1,269 @@
+"""Run configuration: one dataclass per section, YAML recipes, ``--section.key value`` overrides.
+
+Parsing (types, unknown keys, choices) is done by jsonargparse; :func:`validate` adds the
+checks that need several fields at once (batch divisibility, sequence length against the
+model's positions, data files that exist). Every error names the field and what is allowed,
+and is raised before anything is written to ``output_dir``.
+
+Contract (../shared/DESIGN.md): ``python memtrain/train.py --config recipes/code_lm_tiny.yaml
+--output_dir DIR --training.max_steps 50``; any key overridable as ``--section.key value``.
+The DeepSpeed launcher's ``--local_rank N`` and ``--deepspeed FILE`` are accepted too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the valid choices."""
+
+    def __init__(self, field_name: str, message: str):
+        self.field = field_name
+        super().__init__(f"config error in '{field_name}': {message}")
+
+
+@dataclass
+class DataConfig:
+    """Where the training text comes from and how it is tokenised and packed."""
+
+    files: Optional[list[str]] = None
+    """Text (.txt, .py, …) or JSONL files, or glob patterns. None = the Python standard library
+    source of the running interpreter (the embedded default corpus)."""
+    text_field: str = "text"
+    """Field holding the document text in JSONL files."""
+    max_bytes: int = 0
+    """Use at most this many bytes of source text (files in sorted order); 0 = all."""
+    validation_fraction: float = 0.05
+    """Fraction of files (chosen by a hash of their path, deterministic) held out for validation."""
+    vocab_size: int = 8192
+    """Size of the byte-level BPE vocabulary trained on the training split."""
+    seq_len: int = 256
+    """Tokens per packed training sample."""
+    cache_dir: Optional[str] = None
+    """Where the tokenizer and token streams are cached (keyed by a hash of the inputs).
+    None = $MEMTRAIN_CACHE or ~/.cache/memtrain."""
+
+
+@dataclass
+class ModelConfig:
+    """The model: a transformers config, or a factory for a plain ``nn.Module``."""
+
+    config: dict = field(default_factory=dict)
+    """transformers config keys with ``model_type`` (e.g. gpt2, llama). ``vocab_size`` defaults
+    to the tokenizer's. With ``factory``, these are passed to it as keyword arguments."""
+    factory: Optional[str] = None
+    """``package.module:function`` returning an ``nn.Module`` mapping input_ids [B, T] (int64)
+    to logits [B, T, V]; called as ``function(vocab_size=V, **config)``."""
+
+
+@dataclass
+class TrainingConfig:
+    """Optimisation: batch geometry, schedule, evaluation."""
+
+    global_batch_size: int = 32
+    """Samples per optimizer step, summed over all ranks and micro-batches."""
+    micro_batch_size: int = 8
+    """Samples per forward/backward on one rank."""
+    max_steps: int = 100
+    """Optimizer steps to run."""
+    seed: int = 1234
+    """Seed for model init and the data order."""
+    lr: float = 1e-3
+    """Peak learning rate (after warmup)."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr * min_lr_ratio at max_steps."""
+    warmup_steps: int = 10
+    """Linear warmup length, in optimizer steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (not applied to biases and norm weights)."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    max_grad_norm: float = 1.0
+    """Gradient clipping threshold (global L2 norm); 0 disables clipping."""
+    eval_every: int = 50
+    """Evaluate on the validation split every this many optimizer steps (0 = only at the end)."""
+    eval_samples: int = 64
+    """Validation samples per evaluation (the first ones of the validation split)."""
+    log_every: int = 1
+    """Progress-bar refresh period in steps (metrics.jsonl always gets every step)."""
+
+
+@dataclass
+class BackendConfig:
+    """The distributed engine."""
+
+    name: Literal["auto", "ddp"] = "auto"
+    """auto = inferred from the launcher; ddp = data parallel (also a single process)."""
+
+
+@dataclass
+class Config:
+    """A whole run."""
+
+    output_dir: str = "runs/default"
+    """Where metrics.jsonl, summary.json and model/ are written."""
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """auto = bf16 where the device supports it natively, else fp32 (never fp16)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+
+
+def _strip_launcher_args(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """Remove launcher arguments (``--local_rank``, ``--local-rank``, ``--deepspeed``) and
+    ``--model.config.KEY VALUE`` overrides that jsonargparse cannot put into a free dict."""
+    rest: list[str] = []
+    extra: dict[str, Any] = {"model_config": {}}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        key, eq, val = arg.partition("=")
+        takes_value = not eq
+        if key in ("--local_rank", "--local-rank", "--deepspeed") or key.startswith("--model.config."):
+            if takes_value:
+                if i + 1 >= len(argv):
+                    raise ConfigError(key.lstrip("-"), "expects a value")
+                val = argv[i + 1]
+                i += 1
+            if key.startswith("--model.config."):
+                extra["model_config"][key[len("--model.config."):]] = yaml.safe_load(val)
+            else:
+                extra[key.lstrip("-").replace("-", "_")] = val
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, extra
+
+
+def _parser():
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    parser = ArgumentParser(prog="memtrain", exit_on_error=False, description="memtrain trainer")
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML recipe")
+    parser.add_class_arguments(Config)
+    return parser
+
+
+def _to_dataclass(cls, value: dict):
+    """Build dataclass ``cls`` (recursively) from the nested dict jsonargparse returns."""
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in value:
+            sub = value[f.name]
+            kwargs[f.name] = _to_dataclass(hints[f.name], sub) if dataclasses.is_dataclass(hints[f.name]) else sub
+    return cls(**kwargs)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> Config:
+    """Parse a command line into a :class:`Config`.
+
+    Args:
+        argv: arguments without the program name; None = ``sys.argv[1:]``.
+
+    Returns:
+        The config, with ``--model.config.KEY`` overrides merged into ``model.config``.
+
+    Raises:
+        ConfigError: unknown key, wrong type or value outside the allowed choices; the message
+            names the field (e.g. ``training.max_steps``) and what is expected.
+    """
+    import argparse
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest, extra = _strip_launcher_args(argv)
+    parser = _parser()
+    try:
+        ns = parser.parse_args(rest)
+    except argparse.ArgumentError as exc:  # jsonargparse names the key in its message
+        msg = str(exc)
+        key = "config"
+        if 'Parser key "' in msg:
+            key = msg.split('Parser key "', 1)[1].split('"', 1)[0]
+        elif "unrecognized arguments:" in msg:
+            key = msg.split("unrecognized arguments:", 1)[1].split()[0].lstrip("-")
+            msg = f"unknown key '{key}'. " + msg
+        raise ConfigError(key, msg.replace("\n", " ")) from None
+    d = ns.as_dict()
+    d.pop("config", None)
+    d.pop("__path__", None)
+    cfg = _to_dataclass(Config, d)
+    cfg.model.config = {**(cfg.model.config or {}), **extra["model_config"]}
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    """The config as plain JSON-serialisable data (for summaries and checkpoints)."""
+    return dataclasses.asdict(cfg)
+
+
+def _positive(name: str, value) -> None:
+    if value is None or value <= 0:
+        raise ConfigError(name, f"must be a positive integer, got {value!r}")
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Check cross-field constraints before any work is done.
+
+    Args:
+        cfg: the parsed config.
+        world_size: number of ranks (processes) taking part.
+
+    Raises:
+        ConfigError: with the field name: non-positive sizes; ``training.global_batch_size``
+            not divisible by ``micro_batch_size × world_size``; ``data.files`` matching no file;
+            ``data.seq_len`` longer than the model's positions; a model config without
+            ``model_type`` and no ``model.factory``.
+    """
+    t = cfg.training
+    for name in ("global_batch_size", "micro_batch_size", "max_steps"):
+        _positive(f"training.{name}", getattr(t, name))
+    _positive("data.seq_len", cfg.data.seq_len)
+    _positive("data.vocab_size", cfg.data.vocab_size)
+    if not 0.0 < cfg.data.validation_fraction < 1.0:
+        raise ConfigError("data.validation_fraction", f"must be in (0, 1), got {cfg.data.validation_fraction}")
+    if t.global_batch_size % (t.micro_batch_size * world_size) != 0:
+        raise ConfigError(
+            "training.global_batch_size",
+            f"{t.global_batch_size} is not divisible by micro_batch_size × world_size = "
+            f"{t.micro_batch_size} × {world_size}; choose a global_batch_size that is a multiple of "
+            f"{t.micro_batch_size * world_size}, or a micro_batch_size dividing "
+            f"{t.global_batch_size // world_size if t.global_batch_size % world_size == 0 else 'global_batch_size / world_size'}",
+        )
+    if cfg.data.files is not None:
+        if not cfg.data.files:
+            raise ConfigError("data.files", "is an empty list; give text/JSONL files or leave it unset for the default corpus")
+        for pattern in cfg.data.files:
+            if not glob.glob(os.path.expanduser(pattern), recursive=True):
+                raise ConfigError("data.files", f"'{pattern}' matches no file")
+    mc = cfg.model.config or {}
+    if cfg.model.factory is None:
+        if "model_type" not in mc:
+            raise ConfigError("model.config", "needs 'model_type' (e.g. gpt2, llama) unless model.factory is set")
+        positions = mc.get("n_positions", mc.get("max_position_embeddings"))
+        if positions is None:
+            from transformers import AutoConfig
+
+            try:
+                positions = getattr(AutoConfig.for_model(mc["model_type"]), "max_position_embeddings", None)
+            except ValueError as exc:
+                raise ConfigError("model.config.model_type", str(exc)) from None
+        if positions is not None and cfg.data.seq_len > positions:
+            raise ConfigError(
+                "data.seq_len",
+                f"{cfg.data.seq_len} is longer than the model's {positions} positions "
+                "(model.config n_positions / max_position_embeddings); lower data.seq_len or raise the positions",
+            )
+    elif ":" not in cfg.model.factory:
+        raise ConfigError("model.factory", f"must look like 'package.module:function', got '{cfg.model.factory}'")

@@ -1,0 +1,92 @@
+"""Data: corpora, tokenisation, packing and the global-batch sampler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from memtrain.data.sampler import Cursor, GlobalBatchSampler, batch_fingerprint
+from memtrain.data.tokens import TokenizedCorpus
+
+IGNORE_INDEX = -100
+"""Label value excluded from the loss and from the token count (as in transformers)."""
+
+__all__ = ["Cursor", "GlobalBatchSampler", "batch_fingerprint", "PackedDataset", "IGNORE_INDEX", "build_corpus"]
+
+
+class PackedDataset:
+    """A token stream cut into fixed-length causal-LM samples.
+
+    Sample ``i`` is ``stream[i*seq_len : i*seq_len + seq_len + 1]``: its first ``seq_len`` tokens
+    are the inputs and the last ``seq_len`` the labels (next-token targets). Documents are packed
+    back to back, separated by the end-of-text token.
+
+    Args:
+        stream: 1-D integer array of token ids (memory-mapped is fine).
+        seq_len: tokens per sample.
+
+    Raises:
+        ValueError: the stream is shorter than one sample.
+    """
+
+    def __init__(self, stream: np.ndarray, seq_len: int):
+        self.stream = stream
+        self.seq_len = seq_len
+        self.num_samples = (len(stream) - 1) // seq_len
+        if self.num_samples < 1:
+            raise ValueError(f"token stream of {len(stream)} tokens is shorter than one sample of data.seq_len {seq_len}")
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
+        """Collate samples.
+
+        Args:
+            indices: sample indices, int [B].
+
+        Returns:
+            ``input_ids`` and ``labels``, both int64 [B, seq_len].
+        """
+        rows = np.stack([np.asarray(self.stream[i * self.seq_len:i * self.seq_len + self.seq_len + 1], dtype=np.int64)
+                         for i in indices]) if len(indices) else np.zeros((0, self.seq_len + 1), np.int64)
+        t = torch.from_numpy(rows)
+        return {"input_ids": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous()}
+
+
+@dataclass
+class Corpus:
+    """Training and validation data of a run.
+
+    Attributes:
+        train: packed training samples.
+        validation: packed validation samples.
+        tokenized: the token streams and tokenizer behind them.
+    """
+
+    train: PackedDataset
+    validation: PackedDataset
+    tokenized: TokenizedCorpus
+
+
+def build_corpus(data_cfg) -> Corpus:
+    """Select, split, tokenise (cached) and pack the corpus described by ``data_cfg``.
+
+    Args:
+        data_cfg: a :class:`memtrain.config.DataConfig`.
+
+    Raises:
+        FileNotFoundError: ``data.files`` matches nothing.
+        ValueError: a split too small for one ``seq_len`` sample.
+    """
+    from memtrain.data.corpus import select_files, split_files
+    from memtrain.data.tokens import load_or_build
+
+    files = select_files(data_cfg.files, data_cfg.max_bytes)
+    train_files, val_files = split_files(files, data_cfg.validation_fraction)
+    if not val_files:
+        raise ValueError("data.files: need at least two files (one is held out for validation)")
+    tok = load_or_build(train_files, val_files, data_cfg.vocab_size, data_cfg.text_field, data_cfg.cache_dir)
+    return Corpus(PackedDataset(tok.train, data_cfg.seq_len), PackedDataset(tok.validation, data_cfg.seq_len), tok)

@@ -1,0 +1,137 @@
+"""Tokenizer training and the cached token streams.
+
+A byte-level BPE tokenizer (HuggingFace ``tokenizers``, the GPT-2 scheme) is trained on the
+training split only. Each split is encoded once into a flat memory-mapped ``.npy`` array of
+token ids (documents joined by the end-of-text token). Both live in
+``cache_dir/<hash of files and settings>/``, written to a temporary directory and renamed, so a
+killed build never leaves a half cache and a second run starts in seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+import numpy as np
+
+from memtrain.data.corpus import SourceFile, fingerprint, iter_documents
+
+EOS_TOKEN = "<|endoftext|>"
+_CACHE_FORMAT = 1  # bump when the cache layout or tokenisation changes
+
+
+@dataclass
+class TokenizedCorpus:
+    """Token streams of both splits and the tokenizer that made them.
+
+    Attributes:
+        directory: the cache directory holding ``tokenizer.json``, ``train.npy``, ``validation.npy``.
+        train: 1-D array (uint16 when the vocabulary fits, else uint32) of token ids, memory-mapped.
+        validation: the same for the validation split.
+        vocab_size: number of token ids the tokenizer can produce.
+        eos_id: id of the end-of-text token separating documents.
+    """
+
+    directory: str
+    train: np.ndarray
+    validation: np.ndarray
+    vocab_size: int
+    eos_id: int
+
+    @property
+    def tokenizer_path(self) -> str:
+        return os.path.join(self.directory, "tokenizer.json")
+
+    def hf_tokenizer(self):
+        """The tokenizer as a ``transformers.PreTrainedTokenizerFast`` (for ``save_pretrained``)."""
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast(
+            tokenizer_file=self.tokenizer_path, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, unk_token=EOS_TOKEN
+        )
+
+
+def default_cache_dir() -> str:
+    """``$MEMTRAIN_CACHE`` or ``~/.cache/memtrain``."""
+    return os.environ.get("MEMTRAIN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "memtrain")
+
+
+def _encode(tokenizer, docs, eos_id: int, dtype) -> np.ndarray:
+    chunks, batch = [], []
+
+    def flush():
+        for enc in tokenizer.encode_batch(batch):
+            chunks.append(np.asarray(enc.ids + [eos_id], dtype=dtype))
+        batch.clear()
+
+    for doc in docs:
+        batch.append(doc)
+        if len(batch) >= 256:
+            flush()
+    flush()
+    return np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
+
+
+def _build(directory: str, train_files, val_files, vocab_size: int, text_field: str) -> None:
+    from tokenizers import ByteLevelBPETokenizer
+
+    parent = os.path.dirname(directory)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
+    try:
+        tok = ByteLevelBPETokenizer()
+        tok.train_from_iterator(
+            iter_documents(train_files, text_field), vocab_size=vocab_size, min_frequency=2,
+            special_tokens=[EOS_TOKEN], show_progress=False,
+        )
+        tok.save(os.path.join(tmp, "tokenizer.json"))
+        eos_id = tok.token_to_id(EOS_TOKEN)
+        dtype = np.uint16 if tok.get_vocab_size() <= 2**16 else np.uint32
+        for split, files in (("train", train_files), ("validation", val_files)):
+            arr = _encode(tok, iter_documents(files, text_field), eos_id, dtype)
+            np.save(os.path.join(tmp, f"{split}.npy"), arr)
+        try:
+            os.rename(tmp, directory)
+        except OSError:  # another process finished the same build first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load_or_build(
+    train_files: list[SourceFile], val_files: list[SourceFile], vocab_size: int,
+    text_field: str = "text", cache_dir: str | None = None,
+) -> TokenizedCorpus:
+    """Return the tokenized corpus for these files and settings, building it if not cached.
+
+    Safe to call from several processes at once (each build goes to its own temporary
+    directory; the first rename wins), but the loop calls it on the main process first so the
+    others only read.
+
+    Args:
+        train_files: files the tokenizer is trained on and the training stream comes from.
+        val_files: files of the validation stream.
+        vocab_size: BPE vocabulary size (including the end-of-text token).
+        text_field: JSONL field holding the text.
+        cache_dir: cache root; None = :func:`default_cache_dir`.
+
+    Returns:
+        The corpus with memory-mapped streams.
+    """
+    key = fingerprint(train_files + val_files, len(train_files), vocab_size, text_field, _CACHE_FORMAT)
+    directory = os.path.join(cache_dir or default_cache_dir(), f"corpus-{key}")
+    if not os.path.exists(os.path.join(directory, "validation.npy")):
+        _build(directory, train_files, val_files, vocab_size, text_field)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(directory, "tokenizer.json"))
+    return TokenizedCorpus(
+        directory=directory,
+        train=np.load(os.path.join(directory, "train.npy"), mmap_mode="r"),
+        validation=np.load(os.path.join(directory, "validation.npy"), mmap_mode="r"),
+        vocab_size=tok.get_vocab_size(),
+        eos_id=tok.token_to_id(EOS_TOKEN),
+    )

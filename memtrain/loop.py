@@ -1,0 +1,226 @@
+"""The training loop: cursor → rank batch → micro-batches → step → metrics → export.
+
+It reads top to bottom; the mechanisms live elsewhere (sampler in data/, plan in memory.py,
+engine in backends/). Three rules from ../shared/DESIGN.md hold it together:
+
+* one optimizer step per global batch, the LR scheduler steps once per optimizer step;
+* each micro-batch contributes ``sum of token losses / global token count``, the count summed
+  over ranks once per step, so the gradient does not depend on how the batch was split;
+* the data position is the cursor ``(epoch, step)``, never a micro-batch counter.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memtrain.backends.base import Backend
+from memtrain.config import Config, to_dict
+from memtrain.data import IGNORE_INDEX, Corpus, GlobalBatchSampler, batch_fingerprint
+from memtrain.memory import MicroBatchPlan, peak_memory_bytes
+from memtrain.metrics import MetricsLogger
+from memtrain.models import count_parameters, logits_of
+
+
+def token_loss_sum(model: nn.Module, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Summed next-token cross-entropy of one micro-batch.
+
+    Args:
+        model: maps ``input_ids`` int64 [B, T] to logits [B, T, V].
+        micro_batch: ``input_ids`` and ``labels`` int64 [B, T]; labels equal to
+            :data:`IGNORE_INDEX` (-100) are excluded.
+
+    Returns:
+        fp32 scalar: sum over valid positions of ``-log p(label)`` (nats).
+    """
+    logits = logits_of(model(input_ids=micro_batch["input_ids"]))
+    return F.cross_entropy(logits.float().flatten(0, 1), micro_batch["labels"].flatten(),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def count_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Number of valid label positions (labels != -100), as a float64 scalar tensor."""
+    return (batch["labels"] != IGNORE_INDEX).sum().to(torch.float64)
+
+
+def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.Tensor],
+               plan: MicroBatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward of one rank batch, accumulated over the plan's micro-batches.
+
+    Gradients are left in the parameters (not stepped). Each micro-batch's loss is
+    ``token_loss_sum × grad_average_factor / global_tokens``, so after the engine's reduction the
+    gradient equals that of the mean token loss over the whole global batch, whatever the split.
+
+    Args:
+        model: the prepared (engine-wrapped) model.
+        backend: the engine.
+        rank_batch: this rank's share of the global batch, tensors [B_rank, T] on the device.
+        plan: the micro-batch plan; B_rank must equal micro_batch_size × accumulation steps.
+
+    Returns:
+        (global loss sum, global token count): fp64 scalars summed over all ranks; their
+        ratio is the step's mean token loss.
+    """
+    global_tokens = backend.all_reduce_sum(count_tokens(rank_batch).to(backend.device))
+    scale = backend.grad_average_factor / global_tokens.clamp(min=1).item()
+    micro_batches = plan.split(rank_batch)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=backend.device)
+    for i, micro_batch in enumerate(micro_batches):
+        with backend.sync_context(model, sync=i == len(micro_batches) - 1):
+            micro_loss = token_loss_sum(model, micro_batch)
+            backend.backward(micro_loss * scale)
+        loss_sum += micro_loss.detach().to(torch.float64)
+    return backend.all_reduce_sum(loss_sum), global_tokens
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, backend: Backend, corpus: Corpus, num_samples: int, micro_batch_size: int) -> float:
+    """Mean token loss (nats) over the first ``num_samples`` validation samples.
+
+    The samples are cut to a multiple of ``world_size`` and dealt round-robin, so every rank
+    runs the same number of forwards (the engines' collectives stay matched).
+    """
+    n = min(num_samples, len(corpus.validation))
+    n -= n % backend.world_size
+    mine = list(range(backend.rank, n, backend.world_size))
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=backend.device)
+    for i in range(0, len(mine), micro_batch_size):
+        batch = {k: v.to(backend.device) for k, v in corpus.validation.batch(mine[i:i + micro_batch_size]).items()}
+        totals[0] += token_loss_sum(model, batch).to(torch.float64)
+        totals[1] += count_tokens(batch)
+    model.train(was_training)
+    backend.all_reduce_sum(totals)
+    return float(totals[0] / totals[1].clamp(min=1))
+
+
+def make_optimizer(model: nn.Module, tcfg) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (not biases, norms or other 1-D parameters)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": tcfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=tcfg.lr, betas=(tcfg.adam_beta1, tcfg.adam_beta2),
+    )
+
+
+def lr_lambda(tcfg):
+    """Multiplier of the peak LR after ``step`` optimizer steps: linear warmup over
+    ``warmup_steps``, then cosine decay to ``min_lr_ratio`` at ``max_steps``."""
+    def f(step: int) -> float:
+        if step < tcfg.warmup_steps:
+            return (step + 1) / tcfg.warmup_steps
+        progress = min(1.0, (step - tcfg.warmup_steps) / max(1, tcfg.max_steps - tcfg.warmup_steps))
+        return tcfg.min_lr_ratio + (1 - tcfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+@dataclass
+class RunResult:
+    """What :func:`run` returns (for tests and callers embedding memtrain).
+
+    Attributes:
+        model: the user's module (unwrapped) after training.
+        records: the per-step metric records (on every rank, not only rank 0).
+        summary: the run summary written to ``summary.json``.
+    """
+
+    model: nn.Module
+    records: list[dict[str, Any]] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def export_model(model: nn.Module, corpus: Corpus, directory: str) -> None:
+    """Write ``directory/model.safetensors`` (+ ``config.json`` and the tokenizer for transformers
+    models), via a temporary directory renamed into place so a failed export never leaves a
+    half-written model. Call on the main process only."""
+    tmp = directory + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(tmp)
+        corpus.tokenized.hf_tokenizer().save_pretrained(tmp)
+    else:
+        from safetensors.torch import save_model
+
+        save_model(model, os.path.join(tmp, "model.safetensors"))
+    shutil.rmtree(directory, ignore_errors=True)
+    os.replace(tmp, directory)
+
+
+def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunResult:
+    """Train ``model`` on ``corpus`` as ``cfg`` says, then export it to ``output_dir/model``.
+
+    Args:
+        cfg: the validated config.
+        backend: the engine (process group already up).
+        model: freshly built model (identical on every rank).
+        corpus: tokenized, packed data.
+
+    Returns:
+        The trained model, the step records and the summary.
+    """
+    t = cfg.training
+    sampler = GlobalBatchSampler(len(corpus.train), t.global_batch_size, t.seed, backend.world_size, backend.rank)
+    plan = MicroBatchPlan.for_global_batch(t.global_batch_size, t.micro_batch_size, backend.world_size)
+    n_params = count_parameters(model)
+    model, optimizer = backend.prepare(model, lambda m: make_optimizer(m, t))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t))
+    log = MetricsLogger(cfg.output_dir, backend.is_main, t.max_steps)
+    log.message(f"memtrain: {backend.name} × {backend.world_size} rank(s) on {backend.device}, {backend.precision}, "
+                f"{n_params / 1e6:.2f}M parameters, {len(corpus.train)} training samples of {cfg.data.seq_len} tokens, "
+                f"plan {plan} (micro-batch × accumulation)")
+
+    initial_val_loss = evaluate(model, backend, corpus, t.eval_samples, plan.micro_batch_size)
+    val_loss = initial_val_loss
+    records: list[dict[str, Any]] = []
+    tokens_seen = 0
+    run_start = time.perf_counter()
+    for step in range(1, t.max_steps + 1):
+        step_start = time.perf_counter()
+        cursor = sampler.cursor(step - 1)
+        indices = sampler.rank_batch(cursor)
+        rank_batch = {k: v.to(backend.device) for k, v in corpus.train.batch(indices).items()}
+        lr = scheduler.get_last_lr()[0]
+
+        loss_sum, tokens = train_step(model, backend, rank_batch, plan)
+        grad_norm = backend.clip_and_step(model, optimizer, t.max_grad_norm)
+        scheduler.step()
+        tokens_seen += int(tokens)
+
+        record = {
+            "step": step, "epoch": cursor.epoch, "loss": float(loss_sum / tokens), "lr": lr, "grad_norm": grad_norm,
+            "micro_batch_size": plan.micro_batch_size, "gradient_accumulation_steps": plan.gradient_accumulation_steps,
+            "global_batch_size": t.global_batch_size, "samples_seen": step * t.global_batch_size,
+            "tokens_seen": tokens_seen, "tokens_per_s": float(tokens) / (time.perf_counter() - step_start),
+            "peak_memory_bytes": peak_memory_bytes(backend.device),
+            "batch_fingerprint": batch_fingerprint(sampler.global_batch(cursor)),
+        }
+        if step == t.max_steps or (t.eval_every and step % t.eval_every == 0):
+            val_loss = record["val_loss"] = evaluate(model, backend, corpus, t.eval_samples, plan.micro_batch_size)
+        records.append(record)
+        log.log_step(record, show=step % t.log_every == 0 or "val_loss" in record)
+
+    elapsed = time.perf_counter() - run_start
+    model_dir = os.path.join(cfg.output_dir, "model")
+    if backend.is_main:
+        export_model(backend.unwrap(model), corpus, model_dir)
+    backend.barrier()
+    summary = {
+        "steps": t.max_steps, "minutes": elapsed / 60, "first_loss": records[0]["loss"], "last_loss": records[-1]["loss"],
+        "initial_val_loss": initial_val_loss, "final_val_loss": val_loss,
+        "tokens_per_s": tokens_seen / elapsed, "parameters": n_params,
+        "backend": backend.name, "world_size": backend.world_size, "precision": backend.precision,
+        "model_dir": model_dir, "config": to_dict(cfg),
+    }
+    log.finish(summary)
+    return RunResult(backend.unwrap(model), records, summary)

@@ -1,0 +1,74 @@
+"""Build a model from the recipe: a transformers config (no hub download) or a factory.
+
+``model.config`` with a ``model_type`` (gpt2, llama, mistral, …) builds
+``AutoModelForCausalLM.from_config``; ``model.factory: package.module:function`` calls the
+function with ``vocab_size=`` and the ``model.config`` keys and expects an ``nn.Module`` mapping
+``input_ids`` [B, T] to logits [B, T, V] (a tensor or an object with ``.logits``).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import nn
+
+from memtrain.config import ConfigError, ModelConfig
+
+
+def load_factory(spec: str):
+    """Import ``package.module:function``.
+
+    Raises:
+        ConfigError: malformed spec, module or attribute not found (field ``model.factory``).
+    """
+    module_name, _, attr = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError("model.factory", f"cannot load '{spec}': {exc}") from None
+
+
+def build_model(model_cfg: ModelConfig, vocab_size: int) -> nn.Module:
+    """Instantiate the model with freshly initialised weights (seed the RNG before calling).
+
+    Args:
+        model_cfg: the ``model`` section.
+        vocab_size: the tokenizer's vocabulary size; used unless the config sets ``vocab_size``.
+
+    Returns:
+        The model in fp32 on CPU, in train mode.
+
+    Raises:
+        ConfigError: unknown ``model_type`` or bad config keys (field ``model.config``).
+    """
+    kwargs = dict(model_cfg.config or {})
+    kwargs.setdefault("vocab_size", vocab_size)
+    if kwargs["vocab_size"] < vocab_size:
+        raise ConfigError("model.config.vocab_size", f"{kwargs['vocab_size']} is smaller than the tokenizer's {vocab_size}")
+    if model_cfg.factory:
+        model = load_factory(model_cfg.factory)(**kwargs)
+    else:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        model_type = kwargs.pop("model_type")
+        try:
+            hf_config = AutoConfig.for_model(model_type, **kwargs)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError("model.config", str(exc)) from None
+        hf_config.use_cache = False  # training only; no KV cache
+        if getattr(hf_config, "eos_token_id", None) is None or hf_config.eos_token_id >= vocab_size:
+            hf_config.bos_token_id = hf_config.eos_token_id = 0
+        hf_config.pad_token_id = None
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return model.float().train()
+
+
+def logits_of(output) -> torch.Tensor:
+    """The logits tensor [B, T, V] of a model's output (tensor, or object with ``.logits``)."""
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of parameters (tied weights counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

@@ -1,0 +1,53 @@
+"""Precision selection: ``auto|bf16|fp16|fp32``.
+
+``auto`` picks bf16 where the device computes it natively (CUDA compute capability ≥ 8.0, or a
+CPU with bf16 instructions such as AVX512-BF16/AMX) and fp32 otherwise. It never picks fp16:
+on V100-class GPUs bf16 is not native and fp16 overflows in speech models; fp16 (with dynamic
+loss scaling) is used only when asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+
+
+def device_supports_bf16(device_type: str, cuda_capability: Optional[tuple[int, int]] = None,
+                         cpu_bf16: Optional[bool] = None) -> bool:
+    """Whether the device has native bf16 arithmetic.
+
+    Args:
+        device_type: ``cuda`` or ``cpu``.
+        cuda_capability: (major, minor); None = ask the current CUDA device.
+        cpu_bf16: override for the CPU check; None = ask oneDNN.
+    """
+    if device_type == "cuda":
+        major, _ = cuda_capability if cuda_capability is not None else torch.cuda.get_device_capability()
+        return major >= 8
+    if cpu_bf16 is not None:
+        return cpu_bf16
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def resolve_precision(requested: str, device_type: str, **probe) -> str:
+    """Turn the ``precision`` setting into ``bf16``, ``fp16`` or ``fp32``.
+
+    Args:
+        requested: one of :data:`PRECISIONS`.
+        device_type: ``cuda`` or ``cpu``.
+        **probe: ``cuda_capability`` / ``cpu_bf16`` overrides for :func:`device_supports_bf16`.
+
+    Raises:
+        ValueError: ``requested`` is not a known precision (names ``precision`` and the choices).
+    """
+    if requested not in PRECISIONS:
+        raise ValueError(f"precision: '{requested}' is not one of {', '.join(PRECISIONS)}")
+    if requested != "auto":
+        return requested
+    return "bf16" if device_supports_bf16(device_type, **probe) else "fp32"

@@ -1,0 +1,78 @@
+"""The script every launcher runs, and the ``memtrain`` console entry point.
+
+    python memtrain/train.py --config recipes/code_lm_tiny.yaml [--section.key value ...]
+    torchrun --nproc_per_node 2 memtrain/train.py --config ...
+    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 memtrain/train.py --config ...
+
+Order of work: parse and validate the config (nothing is written before this passes), start
+the engine (process group), build the data on rank 0 first, build the model from the seed,
+train, export.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional
+
+if __package__ in (None, ""):  # run as a script: make the package importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from memtrain.config import Config, ConfigError, parse_args, validate  # noqa: E402
+
+
+def prepare_config(argv: Optional[list[str]] = None) -> Config:
+    """Parse and validate a command line against the launcher's world size (``WORLD_SIZE``).
+
+    Raises:
+        ConfigError: any invalid field (named in the message).
+    """
+    cfg = parse_args(argv)
+    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    return cfg
+
+
+def main(argv: Optional[list[str]] = None):
+    """Run training from a command line; returns the :class:`memtrain.loop.RunResult`.
+
+    Raises:
+        ConfigError: invalid configuration (before any process group or file is created).
+    """
+    cfg = prepare_config(argv)
+
+    import torch
+    from accelerate.utils import set_seed
+
+    from memtrain.backends import infer_backend_name, make_backend
+    from memtrain.data import build_corpus
+    from memtrain.loop import run
+    from memtrain.models import build_model
+    from memtrain.precision import resolve_precision
+
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        backend_name = infer_backend_name(cfg.backend.name)
+    except ValueError as exc:
+        raise ConfigError("backend.name", str(exc)) from None
+    backend = make_backend(backend_name, resolve_precision(cfg.precision, device_type), cpu=device_type == "cpu")
+    try:
+        with backend.main_process_first():
+            corpus = build_corpus(cfg.data)
+        set_seed(cfg.training.seed)  # same initial weights on every rank
+        model = build_model(cfg.model, corpus.tokenized.vocab_size)
+        return run(cfg, backend, model, corpus)
+    finally:
+        backend.close()
+
+
+def cli() -> None:
+    """Console entry point: exit 2 with the message on a config error."""
+    try:
+        main()
+    except ConfigError as exc:
+        print(f"memtrain: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    cli()
