@@ -39,10 +39,12 @@ def token_loss_sum(model: nn.Module, micro_batch: dict[str, torch.Tensor]) -> to
             :data:`IGNORE_INDEX` (-100) are excluded.
 
     Returns:
-        fp32 scalar: sum over valid positions of ``-log p(label)`` (nats).
+        scalar (fp32, or fp64 for a float64 model): sum over valid positions of ``-log p(label)`` (nats).
     """
     logits = logits_of(model(input_ids=micro_batch["input_ids"]))
-    return F.cross_entropy(logits.float().flatten(0, 1), micro_batch["labels"].flatten(),
+    if logits.dtype in (torch.float16, torch.bfloat16):  # the softmax in half precision loses digits
+        logits = logits.float()
+    return F.cross_entropy(logits.flatten(0, 1), micro_batch["labels"].flatten(),
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 

@@ -47,7 +47,10 @@ def build_model(model_cfg: ModelConfig, vocab_size: int) -> nn.Module:
     if kwargs["vocab_size"] < vocab_size:
         raise ConfigError("model.config.vocab_size", f"{kwargs['vocab_size']} is smaller than the tokenizer's {vocab_size}")
     if model_cfg.factory:
-        model = load_factory(model_cfg.factory)(**kwargs)
+        try:
+            model = load_factory(model_cfg.factory)(**kwargs)
+        except TypeError as exc:  # the config keys do not fit the factory's signature
+            raise ConfigError("model.config", f"{model_cfg.factory}: {exc}") from None
     else:
         from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -1,0 +1,77 @@
+"""Shared fixtures: a small cached corpus, a tiny model recipe, and a 2-rank gloo launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = str(REPO / "memtrain" / "train.py")
+sys.path.insert(0, str(Path(__file__).parent))  # for model factories in tests/toy_models.py
+
+# A ~50k-parameter GPT-2 on a 300 kB slice of the standard library: enough to show every
+# property, small enough for 2 CPU cores.
+TINY_MODEL_ARGS = [
+    "--model.config.n_layer", "2", "--model.config.n_embd", "32", "--model.config.n_head", "2",
+    "--model.config.n_positions", "32",
+]
+TINY_BASE_ARGS = [
+    "--config", str(REPO / "recipes" / "code_lm_tiny.yaml"),
+    "--precision", "fp32",
+    "--data.max_bytes", "300000", "--data.vocab_size", "512", "--data.seq_len", "32",
+    "--training.global_batch_size", "8", "--training.micro_batch_size", "2",
+    "--training.warmup_steps", "2", "--training.eval_every", "0", "--training.eval_samples", "8",
+]
+TINY_ARGS = TINY_BASE_ARGS + TINY_MODEL_ARGS
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> str:
+    """One corpus cache for the whole session (tokenizer trained once)."""
+    path = tmp_path_factory.mktemp("cache")
+    from memtrain.config import parse_args
+    from memtrain.data import build_corpus
+
+    build_corpus(parse_args(TINY_ARGS + ["--data.cache_dir", str(path)]).data)
+    return str(path)
+
+
+def tiny_args(output_dir, cache_dir, *extra: str, model: bool = True) -> list[str]:
+    """Command-line arguments of the tiny test run (``model=False``: without the GPT-2 size keys)."""
+    return (TINY_ARGS if model else TINY_BASE_ARGS) + ["--output_dir", str(output_dir), "--data.cache_dir", str(cache_dir), *extra]
+
+
+def read_metrics(output_dir) -> list[dict]:
+    """The records of ``output_dir/metrics.jsonl``."""
+    with open(Path(output_dir) / "metrics.jsonl") as fh:
+        return [json.loads(line) for line in fh]
+
+
+def launch(args: list[str], nproc: int = 2, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``memtrain/train.py`` under torchrun with ``nproc`` CPU ranks (gloo).
+
+    Fails the test (instead of hanging CI) when the run does not finish within ``timeout`` s.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(_free_port()), TRAIN, *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"distributed run timed out after {timeout}s: {' '.join(cmd)}\n{exc.stdout}\n{exc.stderr}")
+    if proc.returncode != 0:
+        pytest.fail(f"run failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,75 @@
+"""The loop's normalisation: the gradient does not depend on how a global batch is split."""
+
+import pytest
+import torch
+
+from memtrain.data import IGNORE_INDEX
+from memtrain.loop import lr_lambda, train_step
+from memtrain.memory import MicroBatchPlan
+
+
+@pytest.fixture(scope="module")
+def backend():
+    from memtrain.backends.ddp import DDPBackend
+
+    b = DDPBackend("fp32", cpu=True)
+    yield b
+    b.close()
+
+
+def _model(dtype=torch.float64):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=97, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg).to(dtype).train()
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, 97, (8, 16), generator=g)
+    labels = torch.randint(0, 97, (8, 16), generator=g)
+    # uneven valid-token counts per sample: padding-style masked tails of different lengths
+    for i, keep in enumerate([16, 3, 11, 16, 1, 8, 14, 5]):
+        labels[i, keep:] = IGNORE_INDEX
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def _grads(backend, plan, dtype=torch.float64):
+    model = _model(dtype)
+    loss_sum, tokens = train_step(model, backend, _batch(), plan)
+    return float(loss_sum / tokens), [p.grad.clone() for p in model.parameters()]
+
+
+def test_gradient_is_split_invariant(backend):
+    """fp32, as training runs: 1×8 and 4×2 agree to 1e-6 relative (summation order only)."""
+    whole_loss, whole = _grads(backend, MicroBatchPlan(8, 1), torch.float32)
+    split_loss, split = _grads(backend, MicroBatchPlan(2, 4), torch.float32)
+    assert split_loss == pytest.approx(whole_loss, rel=1e-6)
+    scale = max(g.abs().max().item() for g in whole)
+    for a, b in zip(whole, split):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6 * scale)
+
+
+def test_loss_is_mean_over_valid_tokens_of_global_batch(backend):
+    """float64, so the check is about the math, not rounding. Not the mean of per-micro-batch means: a sample with 1 valid token weighs 1/85."""
+    model = _model()
+    batch = _batch()
+    logits = model(input_ids=batch["input_ids"]).logits
+    ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX)
+    ref.backward()
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+    loss, grads = _grads(backend, MicroBatchPlan(2, 4))
+    assert loss == pytest.approx(ref.item(), rel=1e-12)
+    for a, b in zip(ref_grads, grads):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-12)
+
+
+def test_lr_schedule_warmup_then_cosine():
+    from memtrain.config import TrainingConfig
+
+    f = lr_lambda(TrainingConfig(warmup_steps=4, max_steps=20, min_lr_ratio=0.1))
+    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4) == pytest.approx(1.0) and f(20) == pytest.approx(0.1) and f(100) == pytest.approx(0.1)
+    assert all(f(s) >= f(s + 1) for s in range(4, 25))
