@@ -99,8 +99,25 @@ class TrainingConfig:
 class BackendConfig:
     """The distributed engine."""
 
-    name: Literal["auto", "ddp"] = "auto"
-    """auto = inferred from the launcher; ddp = data parallel (also a single process)."""
+    name: Literal["auto", "ddp", "fsdp", "deepspeed"] = "auto"
+    """auto = inferred from the launcher (accelerate's FSDP/DeepSpeed environment, or the DeepSpeed
+    launcher's --deepspeed FILE), else ddp. ddp also covers a single process."""
+    zero_stage: Optional[Literal[1, 2, 3]] = None
+    """DeepSpeed ZeRO stage: 1 = shard optimizer state, 2 = + gradients, 3 = + parameters.
+    None = the DeepSpeed JSON's stage, else 2."""
+    offload: Optional[Literal["none", "optimizer", "optimizer_and_params"]] = None
+    """Move optimizer state (and parameters) to CPU memory: DeepSpeed ZeRO offload, FSDP2
+    CPUOffloadPolicy (FSDP2 offloads both whenever this is not none). None = the DeepSpeed JSON's
+    offload, else none."""
+    reshard_after_forward: bool = True
+    """FSDP2: free the gathered parameters after forward (ZeRO-3 style, less memory) instead of
+    keeping them until backward (ZeRO-2 style, less communication)."""
+    deepspeed_config: Optional[str] = None
+    """A DeepSpeed JSON config (the launcher's --deepspeed FILE sets it). Its "auto" values are
+    filled from this config; a value that contradicts this config is an error."""
+    find_unused_parameters: Literal["auto", "true", "false"] = "auto"
+    """DDP: auto = on when the model skips layers at random (layerdrop > 0) or when a parameter
+    received no gradient on the first step (that step is then redone)."""
 
 
 @dataclass
@@ -200,6 +217,8 @@ def parse_args(argv: Optional[list[str]] = None) -> Config:
     d.pop("__path__", None)
     cfg = _to_dataclass(Config, d)
     cfg.model.config = {**(cfg.model.config or {}), **extra["model_config"]}
+    if extra.get("deepspeed"):  # the DeepSpeed launcher's --deepspeed FILE
+        cfg.backend.deepspeed_config = extra["deepspeed"]
     return cfg
 
 
@@ -265,5 +284,11 @@ def validate(cfg: Config, world_size: int) -> None:
                 f"{cfg.data.seq_len} is longer than the model's {positions} positions "
                 "(model.config n_positions / max_position_embeddings); lower data.seq_len or raise the positions",
             )
-    elif ":" not in cfg.model.factory:
+    ds = cfg.backend.deepspeed_config
+    if ds is not None and not os.path.isfile(ds):
+        raise ConfigError("backend.deepspeed_config", f"'{ds}' is not a file (a DeepSpeed JSON config is expected)")
+    if ds is not None and cfg.backend.name not in ("auto", "deepspeed"):
+        raise ConfigError("backend.deepspeed_config", f"is set but backend.name is '{cfg.backend.name}'; "
+                          "use backend.name deepspeed (or auto), or drop the DeepSpeed config")
+    if cfg.model.factory is not None and ":" not in cfg.model.factory:
         raise ConfigError("model.factory", f"must look like 'package.module:function', got '{cfg.model.factory}'")

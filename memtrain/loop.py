@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memtrain.backends.base import Backend
+from memtrain.backends.common import sync_replicated_state
 from memtrain.config import Config, to_dict
 from memtrain.data import IGNORE_INDEX, Corpus, GlobalBatchSampler, batch_fingerprint
 from memtrain.memory import MicroBatchPlan, peak_memory_bytes
@@ -141,20 +142,28 @@ class RunResult:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
-def export_model(model: nn.Module, corpus: Corpus, directory: str) -> None:
+def export_model(model: nn.Module, state_dict: dict[str, torch.Tensor], corpus: Corpus, directory: str) -> None:
     """Write ``directory/model.safetensors`` (+ ``config.json`` and the tokenizer for transformers
     models), via a temporary directory renamed into place so a failed export never leaves a
-    half-written model. Call on the main process only."""
+    half-written model. Call on the main process only.
+
+    Args:
+        model: the unwrapped module (for its class and transformers config).
+        state_dict: the full (gathered) weights, on CPU.
+        corpus: its tokenizer is saved beside a transformers model.
+        directory: target directory (replaced).
+    """
     tmp = directory + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     if hasattr(model, "save_pretrained"):
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, state_dict=state_dict)
         corpus.tokenized.hf_tokenizer().save_pretrained(tmp)
     else:
-        from safetensors.torch import save_model
+        from safetensors.torch import save_file
 
-        save_model(model, os.path.join(tmp, "model.safetensors"))
+        # clone: tied weights would share storage, which safetensors refuses
+        save_file({k: v.contiguous().clone() for k, v in state_dict.items()}, os.path.join(tmp, "model.safetensors"))
     shutil.rmtree(directory, ignore_errors=True)
     os.replace(tmp, directory)
 
@@ -175,6 +184,7 @@ def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunR
     sampler = GlobalBatchSampler(len(corpus.train), t.global_batch_size, t.seed, backend.world_size, backend.rank)
     plan = MicroBatchPlan.for_global_batch(t.global_batch_size, t.micro_batch_size, backend.world_size)
     n_params = count_parameters(model)
+    sync_replicated_state(model, backend.device)
     model, optimizer = backend.prepare(model, lambda m: make_optimizer(m, t))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t))
     log = MetricsLogger(cfg.output_dir, backend.is_main, t.max_steps)
@@ -214,8 +224,9 @@ def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunR
 
     elapsed = time.perf_counter() - run_start
     model_dir = os.path.join(cfg.output_dir, "model")
+    state_dict = backend.full_state_dict(model)  # a collective for sharded engines
     if backend.is_main:
-        export_model(backend.unwrap(model), corpus, model_dir)
+        export_model(backend.unwrap(model), state_dict, corpus, model_dir)
     backend.barrier()
     summary = {
         "steps": t.max_steps, "minutes": elapsed / 60, "first_loss": records[0]["loss"], "last_loss": records[-1]["loss"],

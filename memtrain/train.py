@@ -43,18 +43,14 @@ def main(argv: Optional[list[str]] = None):
     import torch
     from accelerate.utils import set_seed
 
-    from memtrain.backends import infer_backend_name, make_backend
+    from memtrain.backends import make_backend
     from memtrain.data import build_corpus
     from memtrain.loop import run
     from memtrain.models import build_model
     from memtrain.precision import resolve_precision
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        backend_name = infer_backend_name(cfg.backend.name)
-    except ValueError as exc:
-        raise ConfigError("backend.name", str(exc)) from None
-    backend = make_backend(backend_name, resolve_precision(cfg.precision, device_type), cpu=device_type == "cpu")
+    backend = make_backend(cfg, resolve_precision(cfg.precision, device_type), cpu=device_type == "cpu")
     try:
         with backend.main_process_first():
             corpus = build_corpus(cfg.data)

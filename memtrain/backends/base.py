@@ -18,7 +18,7 @@ class Backend(Protocol):
     """One distributed engine.
 
     Attributes:
-        name: ``ddp`` (later ``fsdp``, ``deepspeed``).
+        name: ``ddp``, ``fsdp`` or ``deepspeed``.
         rank: this process's rank, 0 … world_size-1.
         world_size: number of processes.
         device: where the model and batches live.
@@ -62,8 +62,15 @@ class Backend(Protocol):
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside the engine's wrapper."""
 
+    def full_state_dict(self, model: nn.Module) -> "dict[str, torch.Tensor] | None":
+        """The whole model's state dict on CPU, on rank 0 (None elsewhere). A collective: every
+        rank must call it (sharded engines gather here)."""
+
     def barrier(self) -> None:
         """Wait for all ranks."""
 
     def main_process_first(self) -> AbstractContextManager:
         """Run the body on rank 0 first, then on the others (for building caches)."""
+
+    def close(self) -> None:
+        """Release what the engine holds (process group state created by the backend)."""

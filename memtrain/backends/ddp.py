@@ -7,29 +7,56 @@ fp16 GradScaler; this class adapts it to :class:`memtrain.backends.base.Backend`
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from typing import Callable
 
 import torch
 from torch import nn
 
+log = logging.getLogger("memtrain")
+
+
+def skips_layers(model: nn.Module) -> bool:
+    """Whether the model drops layers at random in training: a ``layerdrop`` (transformers'
+    wav2vec2/WavLM/HuBERT name) or ``layer_drop`` > 0 in its config or on any module."""
+    for obj in [getattr(model, "config", None), *model.modules()]:
+        for attr in ("layerdrop", "layer_drop"):
+            value = getattr(obj, attr, None)
+            if isinstance(value, (int, float)) and value > 0:
+                return True
+    return False
+
 
 class DDPBackend:
     """Data parallel: every rank holds the whole model; gradients are averaged by all-reduce
     on the last micro-batch of each step (``no_sync`` on the others).
 
+    Parameters that receive no gradient on some steps (LayerDrop in wav2vec2/WavLM, conditional
+    branches) break DDP's default reducer ("Expected to have finished reduction in the prior
+    iteration"). With ``find_unused_parameters="auto"`` memtrain turns DDP's unused-parameter
+    search on by itself when the model skips layers at random (a ``layerdrop`` > 0 in its config
+    or modules), and checks after the first step that every parameter received a gradient on
+    every rank; if not, it stops with the parameters' names and the setting to change.
+
     Args:
         precision: resolved ``bf16|fp16|fp32``.
         cpu: force CPU even where CUDA is present.
+        find_unused_parameters: ``auto|true|false``.
     """
 
     name = "ddp"
 
-    def __init__(self, precision: str, cpu: bool = False):
+    def __init__(self, precision: str, cpu: bool = False, find_unused_parameters: str = "auto"):
         from accelerate import Accelerator
+        from accelerate.utils import DistributedDataParallelKwargs
 
         self.precision = precision
-        self.accelerator = Accelerator(cpu=cpu, mixed_precision="no" if precision == "fp32" else precision)
+        self.find_unused_parameters = find_unused_parameters
+        self._ddp_kwargs = DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters == "true")
+        self._checked_unused = find_unused_parameters != "auto"
+        self.accelerator = Accelerator(cpu=cpu, mixed_precision="no" if precision == "fp32" else precision,
+                                       kwargs_handlers=[self._ddp_kwargs])
         self.rank = self.accelerator.process_index
         self.world_size = self.accelerator.num_processes
         self.device = self.accelerator.device
@@ -38,6 +65,11 @@ class DDPBackend:
         self.grad_average_factor = float(self.world_size)
 
     def prepare(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]):
+        if self.find_unused_parameters == "auto" and self.world_size > 1 and skips_layers(model):
+            self._ddp_kwargs.find_unused_parameters = True
+            self._checked_unused = True
+            log.warning("memtrain: the model skips layers at random (layerdrop > 0): DDP's unused-parameter "
+                        "search is on (find_unused_parameters=True)")
         model = model.to(self.device)
         optimizer = make_optimizer(model)
         model, optimizer = self.accelerator.prepare(model, optimizer)
@@ -50,10 +82,31 @@ class DDPBackend:
         self.accelerator.backward(loss)
 
     def clip_and_step(self, model: nn.Module, optimizer, max_norm: float) -> float:
+        if not self._checked_unused:
+            self._check_all_parameters_used(model)
         norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return float(norm)
+
+    def _check_all_parameters_used(self, model: nn.Module) -> None:
+        """After the first step's backward: every trainable parameter got a gradient on every rank.
+
+        Raises:
+            RuntimeError: naming the parameters without gradient and ``backend.find_unused_parameters``.
+        """
+        self._checked_unused = True
+        named = [(n, p) for n, p in self.unwrap(model).named_parameters() if p.requires_grad]
+        unused = torch.tensor([float(p.grad is None) for _, p in named], device=self.device)
+        if self.world_size > 1:
+            torch.distributed.all_reduce(unused, op=torch.distributed.ReduceOp.MAX)
+        names = [n for (n, _), u in zip(named, unused.tolist()) if u]
+        if names:
+            raise RuntimeError(
+                f"memtrain: {len(names)} parameter(s) received no gradient on step 1 on some rank: "
+                f"{', '.join(names[:10])}{' …' if len(names) > 10 else ''}. DDP cannot reduce them. If they are "
+                "used on some steps only, set backend.find_unused_parameters true; if never, freeze them "
+                "(requires_grad=False) or remove them.")
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
@@ -62,6 +115,9 @@ class DDPBackend:
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return self.accelerator.unwrap_model(model)
+
+    def full_state_dict(self, model: nn.Module):
+        return {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()} if self.is_main else None
 
     def barrier(self) -> None:
         self.accelerator.wait_for_everyone()

@@ -1,0 +1,67 @@
+"""Engine-independent helpers the backends share (no engine-specific code here)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+log = logging.getLogger("memtrain")
+
+
+def sync_replicated_state(model: nn.Module, device: torch.device) -> list[str]:
+    """Make parameters and buffers identical on every rank (rank 0's values win) before training.
+
+    A module built differently on each rank (a frozen random projection, a buffer filled from an
+    unseeded RNG) would otherwise train silently wrong (a known SpeechBrain failure). Each
+    tensor's (sum, sum of squares) in float64 is compared across ranks with one all-reduce of
+    MAX and one of MIN; every tensor is then broadcast from rank 0.
+
+    Args:
+        model: the unwrapped module (same structure on every rank).
+        device: device to communicate on (CUDA tensors for nccl, CPU for gloo).
+
+    Returns:
+        Names of the tensors that differed between ranks (empty on one process). Also logged.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return []
+    named = [(f"parameter {n}", p) for n, p in model.named_parameters()] + \
+            [(f"buffer {n}", b) for n, b in model.named_buffers()]
+    stats = torch.tensor([[t.detach().double().sum().item(), t.detach().double().square().sum().item()]
+                          for _, t in named], dtype=torch.float64, device=device).reshape(-1, 2)
+    hi, lo = stats.clone(), stats.clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    differing = [name for (name, _), h, l in zip(named, hi, lo) if not torch.equal(h, l)]
+    with torch.no_grad():
+        for _, t in named:
+            on_device = t.detach().to(device)
+            dist.broadcast(on_device, src=0)
+            t.copy_(on_device)
+    if differing:
+        log.warning("memtrain: %d tensor(s) differed between ranks and were replaced by rank 0's: %s",
+                    len(differing), ", ".join(differing[:10]) + (" …" if len(differing) > 10 else ""))
+    return differing
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks (transformer layers), the unit FSDP2 shards and activation
+    checkpointing wraps.
+
+    transformers models name their block classes in ``_no_split_modules`` (GPT2Block,
+    LlamaDecoderLayer, …); for other modules, the children of every ``nn.ModuleList`` that hold
+    parameters.
+
+    Returns:
+        Blocks in module order; empty when none is found.
+    """
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    if names:
+        blocks = [m for m in model.modules() if type(m).__name__ in names]
+        if blocks:
+            return blocks
+    return [child for m in model.modules() if isinstance(m, nn.ModuleList)
+            for child in m if any(True for _ in child.parameters())]

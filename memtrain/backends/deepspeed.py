@@ -1,0 +1,217 @@
+"""DeepSpeed ZeRO 1/2/3 with optional CPU offload.
+
+memtrain owns the optimizer (AdamW from ``training.*``; DeepSpeedCPUAdam when offloading), the
+LR schedule and the accumulation: the engine is told where each accumulation boundary is
+(``set_gradient_accumulation_boundary``), ``backward`` runs with ``scale_wrt_gas=False`` because
+the loop already divides every micro-batch loss by the global token count (DESIGN.md rule 3),
+and ``step`` is called once per global batch.
+
+A user's DeepSpeed JSON may hold ``"auto"`` values (the HuggingFace convention); they are filled
+from the memtrain config. A value that contradicts the memtrain config is an error naming both.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from memtrain.config import ConfigError
+
+
+def _get(d: dict, path: str):
+    for key in path.split("."):
+        if not isinstance(d, dict) or key not in d:
+            return None
+        d = d[key]
+    return d
+
+
+def _set(d: dict, path: str, value) -> None:
+    keys = path.split(".")
+    for key in keys[:-1]:
+        d = d.setdefault(key, {})
+    d[keys[-1]] = value
+
+
+def build_ds_config(user: Optional[dict], source: str, *, global_batch_size: int, micro_batch_size: int,
+                    gradient_accumulation_steps: int, max_grad_norm: float, precision: str,
+                    precision_requested: str, zero_stage: Optional[int], offload: Optional[str]) -> dict[str, Any]:
+    """The DeepSpeed config for this run: the user's JSON (or an empty one), ``"auto"`` values
+    filled from memtrain's settings, contradictions rejected.
+
+    Args:
+        user: the parsed DeepSpeed JSON, or None.
+        source: its file name (for messages).
+        global_batch_size, micro_batch_size, gradient_accumulation_steps: the batch plan (samples).
+        max_grad_norm: clipping threshold (0 = none).
+        precision: resolved precision; precision_requested: the setting (``auto`` defers to the JSON).
+        zero_stage, offload: ``backend.zero_stage`` / ``backend.offload``; None = take the JSON's
+            (defaults 2 / none).
+
+    Returns:
+        A complete DeepSpeed config dict.
+
+    Raises:
+        ConfigError: a JSON value contradicts memtrain's (names both), or the JSON has an
+            ``optimizer``/``scheduler`` section (memtrain owns both).
+    """
+    cfg = copy.deepcopy(user or {})
+    for section in ("optimizer", "scheduler"):
+        if section in cfg:
+            raise ConfigError("backend.deepspeed_config", f"{source}: remove the '{section}' section; memtrain builds "
+                              "AdamW and the warmup+cosine schedule from training.* (lr, warmup_steps, …)")
+
+    def reconcile(path: str, ours, field: str, default_from_json: bool = False):
+        theirs = _get(cfg, path)
+        if theirs is None or theirs == "auto":
+            _set(cfg, path, ours)
+        elif theirs != ours:
+            if default_from_json:
+                return theirs
+            raise ConfigError(field, f"{source} sets {path} = {theirs!r}, which contradicts {field} = {ours!r}; "
+                              "set one of them to agree, or use \"auto\" in the JSON")
+        return _get(cfg, path)
+
+    reconcile("train_batch_size", global_batch_size, "training.global_batch_size")
+    reconcile("train_micro_batch_size_per_gpu", micro_batch_size, "training.micro_batch_size")
+    reconcile("gradient_accumulation_steps", gradient_accumulation_steps, "training.micro_batch_size")
+    reconcile("gradient_clipping", float(max_grad_norm), "training.max_grad_norm")
+
+    json_stage = _get(cfg, "zero_optimization.stage")
+    stage = reconcile("zero_optimization.stage", zero_stage if zero_stage is not None else
+                      (json_stage if json_stage not in (None, "auto") else 2), "backend.zero_stage")
+    if stage not in (1, 2, 3):
+        raise ConfigError("backend.zero_stage", f"{source}: zero_optimization.stage = {stage!r}; choices: 1, 2, 3")
+
+    json_offload = "none"
+    if _get(cfg, "zero_optimization.offload_optimizer.device") == "cpu":
+        json_offload = "optimizer_and_params" if _get(cfg, "zero_optimization.offload_param.device") == "cpu" else "optimizer"
+    if offload is None:
+        offload = json_offload
+    elif offload != json_offload and json_offload != "none":
+        raise ConfigError("backend.offload", f"{source} offloads '{json_offload}', which contradicts backend.offload = "
+                          f"'{offload}'")
+    if offload in ("optimizer", "optimizer_and_params"):
+        _set(cfg, "zero_optimization.offload_optimizer.device", "cpu")
+    if offload == "optimizer_and_params":
+        if stage != 3:
+            raise ConfigError("backend.offload", f"optimizer_and_params needs ZeRO stage 3, got stage {stage}")
+        _set(cfg, "zero_optimization.offload_param.device", "cpu")
+
+    for name in ("bf16", "fp16"):
+        enabled = _get(cfg, f"{name}.enabled")
+        if precision_requested == "auto" and enabled is True:
+            precision = name  # "auto" defers to an explicit choice in the JSON
+    for name in ("bf16", "fp16"):
+        enabled = _get(cfg, f"{name}.enabled")
+        want = precision == name
+        if enabled in (None, "auto"):
+            _set(cfg, f"{name}.enabled", want)
+        elif bool(enabled) != want:
+            raise ConfigError("precision", f"{source} sets {name}.enabled = {enabled}, which contradicts precision = "
+                              f"{precision_requested} (resolved: {precision})")
+    cfg.setdefault("steps_per_print", 2**31 - 1)
+    cfg.setdefault("wall_clock_breakdown", False)
+    return cfg
+
+
+class DeepSpeedBackend:
+    """ZeRO data parallel through ``deepspeed.initialize``.
+
+    Args:
+        precision: resolved ``bf16|fp16|fp32``; precision_requested: the ``precision`` setting.
+        cpu: run on CPU (DeepSpeed's CPU accelerator, gloo).
+        ds_config_path: the user's DeepSpeed JSON, or None.
+        zero_stage, offload: None = from the JSON (defaults 2, none).
+        global_batch_size, micro_batch_size, max_grad_norm: from ``training``.
+    """
+
+    name = "deepspeed"
+
+    def __init__(self, precision: str, precision_requested: str, cpu: bool, ds_config_path: Optional[str],
+                 zero_stage: Optional[int], offload: Optional[str], global_batch_size: int, micro_batch_size: int,
+                 max_grad_norm: float):
+        from accelerate import PartialState
+
+        self.state = PartialState(cpu=cpu)
+        self.rank = self.state.process_index
+        self.world_size = self.state.num_processes
+        self.device = self.state.device
+        self.is_main = self.state.is_main_process
+        user = None
+        if ds_config_path:
+            with open(ds_config_path) as fh:
+                user = json.load(fh)
+        self.ds_config = build_ds_config(
+            user, ds_config_path or "the DeepSpeed config", global_batch_size=global_batch_size,
+            micro_batch_size=micro_batch_size,
+            gradient_accumulation_steps=global_batch_size // (micro_batch_size * self.world_size),
+            max_grad_norm=max_grad_norm, precision=precision, precision_requested=precision_requested,
+            zero_stage=zero_stage, offload=offload,
+        )
+        self.precision = "bf16" if self.ds_config["bf16"]["enabled"] else "fp16" if self.ds_config["fp16"]["enabled"] else "fp32"
+        self.zero_stage = self.ds_config["zero_optimization"]["stage"]
+        self.offload_optimizer = _get(self.ds_config, "zero_optimization.offload_optimizer.device") == "cpu"
+        self.grad_average_factor = float(self.world_size)  # ZeRO averages gradients over ranks
+        self.engine = None
+
+    def prepare(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]):
+        import deepspeed
+
+        optimizer = make_optimizer(model)
+        if self.offload_optimizer:  # ZeRO-Offload steps on CPU with its own Adam kernel (same AdamW math)
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            groups = [{k: v for k, v in g.items() if k not in ("foreach", "fused", "capturable", "differentiable",
+                                                                "maximize", "amsgrad", "decoupled_weight_decay")}
+                      for g in optimizer.param_groups]
+            optimizer = DeepSpeedCPUAdam(groups, adamw_mode=True)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config,
+                                                    dist_init_required=False)
+        # the LR schedule acts on the client optimizer's param_groups, which ZeRO steps with
+        return self.engine, optimizer
+
+    def sync_context(self, model: nn.Module, sync: bool):
+        import contextlib
+
+        self.engine.set_gradient_accumulation_boundary(sync)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def clip_and_step(self, model: nn.Module, optimizer, max_norm: float) -> float:
+        self.engine.set_gradient_accumulation_boundary(True)
+        self.engine.step()  # clips to gradient_clipping, steps, zeroes gradients
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
+        return tensor
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if hasattr(model, "module") else model
+
+    def full_state_dict(self, model: nn.Module) -> Optional[dict[str, torch.Tensor]]:
+        import deepspeed
+
+        module = self.unwrap(model)
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            sd = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()} if self.is_main else None
+        return sd
+
+    def barrier(self) -> None:
+        torch.distributed.barrier()
+
+    def main_process_first(self):
+        return self.state.main_process_first()
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.destroy() if hasattr(self.engine, "destroy") else None

@@ -1,0 +1,117 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``), applied by memtrain itself.
+
+Accelerate does not turn FSDP on for CPU processes, so memtrain shards the model directly —
+``fully_shard`` on every repeated block, then on the root, as torchtitan does — over a 1-D
+device mesh of all ranks. The same code runs on CPU (gloo) and GPU (nccl); Accelerate still
+owns the process group and the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from memtrain.backends.common import repeated_blocks
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+
+
+class FSDPBackend:
+    """Fully sharded data parallel: parameters, gradients and optimizer state are sharded over
+    all ranks; blocks are all-gathered for their forward and backward, gradients reduce-scattered.
+
+    Args:
+        precision: ``bf16|fp32`` (parameters cast to it for compute; gradients reduced in fp32).
+        cpu: run on CPU even where CUDA is present.
+        reshard_after_forward: free gathered parameters after forward (less memory).
+        offload: ``none`` or anything else = CPUOffloadPolicy (parameters, gradients and
+            optimizer state live in CPU memory; the optimizer steps on CPU).
+
+    Raises:
+        ValueError: fp16 (needs a sharded GradScaler memtrain does not wire up yet).
+    """
+
+    name = "fsdp"
+
+    def __init__(self, precision: str, cpu: bool = False, reshard_after_forward: bool = True, offload: str = "none"):
+        from accelerate import PartialState
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if precision == "fp16":
+            raise ValueError("precision: fp16 is not supported with backend.name fsdp; choose bf16 or fp32")
+        self.precision = precision
+        self.state = PartialState(cpu=cpu)
+        self.rank = self.state.process_index
+        self.world_size = self.state.num_processes
+        self.device = self.state.device
+        self.is_main = self.state.is_main_process
+        self.reshard_after_forward = reshard_after_forward
+        self.offload = offload
+        if not torch.distributed.is_initialized():  # a single process: FSDP2 still wants a group
+            torch.distributed.init_process_group("gloo" if self.device.type == "cpu" else "nccl",
+                                                 store=torch.distributed.HashStore(), rank=0, world_size=1)
+            self._own_group = True
+        else:
+            self._own_group = False
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        self.grad_average_factor = float(self.world_size)  # reduce-scatter averages over ranks
+
+    def prepare(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]):
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        if self.offload == "none":
+            model = model.to(self.device)
+        kwargs = dict(
+            mesh=self.mesh,
+            mp_policy=MixedPrecisionPolicy(param_dtype=_DTYPES[self.precision], reduce_dtype=torch.float32),
+            offload_policy=CPUOffloadPolicy() if self.offload != "none" else OffloadPolicy(),
+        )
+        for block in repeated_blocks(model):
+            fully_shard(block, reshard_after_forward=self.reshard_after_forward, **kwargs)
+        # the root is gathered for the whole step anyway (embeddings, head): no resharding after forward
+        fully_shard(model, reshard_after_forward=False, **kwargs)
+        return model, make_optimizer(model)
+
+    def sync_context(self, model: nn.Module, sync: bool):
+        # non-final micro-batches keep unsharded gradients and skip the reduce-scatter
+        model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def clip_and_step(self, model: nn.Module, optimizer, max_norm: float) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
+        if hasattr(norm, "full_tensor"):  # a DTensor: the norm of the sharded gradients
+            norm = norm.full_tensor()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
+        return tensor
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def full_state_dict(self, model: nn.Module) -> Optional[dict[str, torch.Tensor]]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return sd if self.is_main else None
+
+    def barrier(self) -> None:
+        torch.distributed.barrier()
+
+    def main_process_first(self):
+        return self.state.main_process_first()
+
+    def close(self) -> None:
+        if self._own_group:
+            torch.distributed.destroy_process_group()
