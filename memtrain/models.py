@@ -22,7 +22,12 @@ def load_factory(spec: str):
     Raises:
         ConfigError: malformed spec, module or attribute not found (field ``model.factory``).
     """
+    import os
+    import sys
+
     module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path:  # like `python -m`: the user's own modules in the working directory
+        sys.path.append(os.getcwd())
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:

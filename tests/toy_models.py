@@ -20,3 +20,60 @@ class TinyLM(nn.Module):
 
 def make(vocab_size: int, dim: int = 16) -> nn.Module:
     return TinyLM(vocab_size, dim)
+
+
+class LayerDropLM(nn.Module):
+    """Two residual MLP blocks, each skipped with probability ``layerdrop`` in training (as
+    wav2vec2/WavLM do), so some parameters get no gradient on some steps. ``drops`` counts skips."""
+
+    def __init__(self, vocab_size: int, dim: int = 16, layerdrop: float = 0.5):
+        super().__init__()
+        self.layerdrop = layerdrop
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.GELU()) for _ in range(2))
+        self.head = nn.Linear(dim, vocab_size)
+        self.register_buffer("drops", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            if self.training and torch.rand(()) < self.layerdrop:
+                self.drops += 1
+                continue
+            h = h + layer(h)
+        return self.head(h)
+
+
+def make_layerdrop(vocab_size: int, dim: int = 16, layerdrop: float = 0.5) -> nn.Module:
+    return LayerDropLM(vocab_size, dim, layerdrop)
+
+
+class UnusedBranchLM(TinyLM):
+    """A TinyLM with a parameter that never takes part in the loss (a forgotten branch)."""
+
+    def __init__(self, vocab_size: int, dim: int = 16):
+        super().__init__(vocab_size, dim)
+        self.forgotten = nn.Linear(dim, dim)
+
+
+def make_unused(vocab_size: int, dim: int = 16) -> nn.Module:
+    return UnusedBranchLM(vocab_size, dim)
+
+
+class PlantedBufferLM(TinyLM):
+    """A TinyLM whose frozen random buffer is drawn differently on each rank (unseeded per rank,
+    the SpeechBrain failure), and added to the logits."""
+
+    def __init__(self, vocab_size: int, dim: int = 16):
+        super().__init__(vocab_size, dim)
+        import os
+
+        g = torch.Generator().manual_seed(1000 + int(os.environ.get("RANK", "0")))
+        self.register_buffer("planted", torch.randn(vocab_size, generator=g))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(input_ids) + self.planted
+
+
+def make_planted(vocab_size: int, dim: int = 16) -> nn.Module:
+    return PlantedBufferLM(vocab_size, dim)

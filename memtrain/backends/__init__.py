@@ -39,8 +39,11 @@ def _accelerate_deepspeed_settings() -> tuple[Optional[str], Optional[int], Opti
 
 def _accelerate_fsdp_settings() -> tuple[Optional[bool], Optional[str]]:
     """(reshard_after_forward, offload) from ``accelerate launch``'s FSDP environment."""
-    strategy = os.environ.get("FSDP_RESHARDING_STRATEGY") or os.environ.get("FSDP_SHARDING_STRATEGY")
-    reshard = None if strategy is None else strategy.upper() not in ("SHARD_GRAD_OP", "2", "FALSE")
+    if "FSDP_RESHARD_AFTER_FORWARD" in os.environ:  # fsdp_version 2
+        reshard = _env_true("FSDP_RESHARD_AFTER_FORWARD")
+    else:  # fsdp_version 1 names: SHARD_GRAD_OP (2) keeps parameters gathered between forward and backward
+        strategy = os.environ.get("FSDP_SHARDING_STRATEGY")
+        reshard = None if strategy is None else strategy.upper() not in ("SHARD_GRAD_OP", "2")
     offload = "optimizer_and_params" if _env_true("FSDP_OFFLOAD_PARAMS") else None
     return reshard, offload
 

@@ -1,0 +1,94 @@
+"""One interface, three engines: the same run under DDP, FSDP2 and DeepSpeed ZeRO 1/2/3 (+offload)
+on 2 CPU ranks gives the same losses, whichever launcher starts it."""
+
+import os
+import sys
+
+import pytest
+
+from conftest import REPO, launch, read_metrics, tiny_args
+
+pytestmark = pytest.mark.slow
+STEPS = ["--training.max_steps", "8"]
+ENGINES = {
+    "fsdp": ["--backend.name", "fsdp"],
+    "fsdp_keep_gathered": ["--backend.name", "fsdp", "--backend.reshard_after_forward", "false"],
+    "zero1": ["--backend.name", "deepspeed", "--backend.zero_stage", "1"],
+    "zero2": ["--backend.name", "deepspeed", "--backend.zero_stage", "2"],
+    "zero3": ["--backend.name", "deepspeed", "--backend.zero_stage", "3"],
+    "zero3_offload": ["--backend.deepspeed_config", str(REPO / "ds_configs" / "zero3_offload.json")],
+}
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory, cache_dir):
+    out = tmp_path_factory.mktemp("ddp")
+    launch(tiny_args(out, cache_dir, *STEPS, "--backend.name", "ddp"))
+    return read_metrics(out)
+
+
+def _assert_matches_ddp(records, ddp):
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert records[0]["loss"] == ddp[0]["loss"]  # same seed, same weights, same batch: identical
+    for r, ref in zip(records, ddp):
+        assert r["batch_fingerprint"] == ref["batch_fingerprint"] and r["lr"] == ref["lr"]
+        assert r["micro_batch_size"] == 2 and r["gradient_accumulation_steps"] == 2
+        assert r["loss"] == pytest.approx(ref["loss"], rel=1e-4)
+        assert r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-3)
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_engine_matches_ddp(tmp_path, cache_dir, ddp_run, engine):
+    proc = launch(tiny_args(tmp_path, cache_dir, *STEPS, *ENGINES[engine]), timeout=420)
+    name = "fsdp" if engine.startswith("fsdp") else "deepspeed"
+    assert f"memtrain: {name} × 2 rank(s)" in proc.stdout + proc.stderr
+    _assert_matches_ddp(read_metrics(tmp_path), ddp_run)
+    assert (tmp_path / "model" / "model.safetensors").stat().st_size > 0
+
+
+def test_deepspeed_launcher_with_zero2_json(tmp_path, cache_dir, ddp_run):
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", "{port}"]
+    proc = launch(tiny_args(tmp_path, cache_dir, *STEPS, "--deepspeed", str(REPO / "ds_configs" / "zero2.json")),
+                  launcher=launcher, timeout=420)
+    assert "memtrain: deepspeed × 2 rank(s)" in proc.stdout + proc.stderr
+    _assert_matches_ddp(read_metrics(tmp_path), ddp_run)
+
+
+@pytest.mark.parametrize("accelerate_config,engine", [("deepspeed_zero2.yaml", "deepspeed"), ("fsdp2.yaml", "fsdp")])
+def test_accelerate_launch_with_engine_config(tmp_path, cache_dir, ddp_run, accelerate_config, engine):
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                str(REPO / "recipes" / "accelerate" / accelerate_config), "--main_process_port", "{port}"]
+    proc = launch(tiny_args(tmp_path, cache_dir, *STEPS), launcher=launcher, env={"ACCELERATE_USE_CPU": "1"},
+                  timeout=420)
+    assert f"memtrain: {engine} × 2 rank(s)" in proc.stdout + proc.stderr
+    _assert_matches_ddp(read_metrics(tmp_path), ddp_run)
+
+
+def test_layerdrop_model_trains_under_ddp(tmp_path, cache_dir):
+    from safetensors.torch import load_file
+
+    proc = launch(tiny_args(tmp_path, cache_dir, "--training.max_steps", "6", "--backend.name", "ddp",
+                            "--model.factory", "toy_models:make_layerdrop", "--model.config", "{layerdrop: 0.5}",
+                            model=False))
+    assert "find_unused_parameters=True" in proc.stderr
+    assert len(read_metrics(tmp_path)) == 6
+    assert int(load_file(tmp_path / "model" / "model.safetensors")["drops"]) > 0  # layers were really skipped
+
+
+def test_never_used_parameter_is_named(tmp_path, cache_dir):
+    proc = launch(tiny_args(tmp_path, cache_dir, "--training.max_steps", "3", "--backend.name", "ddp",
+                            "--model.factory", "toy_models:make_unused", "--model.config", "{}", model=False),
+                  check=False)
+    assert proc.returncode != 0
+    assert "forgotten.weight" in proc.stderr and "backend.find_unused_parameters" in proc.stderr
+
+
+def test_rank_divergent_buffer_is_made_equal_before_step_1(tmp_path, cache_dir):
+    """2 ranks with a per-rank random buffer train exactly like 1 rank holding rank 0's buffer."""
+    args = ["--training.max_steps", "3", "--backend.name", "ddp", "--model.factory", "toy_models:make_planted",
+            "--model.config", "{}"]
+    two = launch(tiny_args(tmp_path / "two", cache_dir, *args, model=False))
+    assert "buffer planted" in two.stderr
+    launch(tiny_args(tmp_path / "one", cache_dir, *args, model=False), nproc=1)
+    for a, b in zip(read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one")):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
