@@ -11,6 +11,16 @@ from torch import nn
 log = logging.getLogger("memtrain")
 
 
+def ensure_process_group(device: torch.device) -> bool:
+    """Start a one-process group when none is up (plain ``python`` with a sharded engine, which
+    needs a group even alone). Returns True when this call created it (the caller destroys it)."""
+    if dist.is_initialized():
+        return False
+    dist.init_process_group("gloo" if device.type == "cpu" else "nccl", store=dist.HashStore(), rank=0, world_size=1,
+                            **({"device_id": device} if device.type == "cuda" else {}))
+    return True
+
+
 def sync_replicated_state(model: nn.Module, device: torch.device) -> list[str]:
     """Make parameters and buffers identical on every rank (rank 0's values win) before training.
 

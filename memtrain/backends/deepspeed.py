@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from memtrain.backends.common import ensure_process_group
 from memtrain.config import ConfigError
 
 
@@ -142,6 +143,7 @@ class DeepSpeedBackend:
         self.world_size = self.state.num_processes
         self.device = self.state.device
         self.is_main = self.state.is_main_process
+        self._own_group = ensure_process_group(self.device)
         user = None
         if ds_config_path:
             with open(ds_config_path) as fh:
@@ -213,5 +215,7 @@ class DeepSpeedBackend:
         return self.state.main_process_first()
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.destroy() if hasattr(self.engine, "destroy") else None
+        if self.engine is not None and hasattr(self.engine, "destroy"):
+            self.engine.destroy()
+        if self._own_group:
+            torch.distributed.destroy_process_group()

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from memtrain.backends.common import repeated_blocks
+from memtrain.backends.common import ensure_process_group, repeated_blocks
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
@@ -51,12 +51,7 @@ class FSDPBackend:
         self.is_main = self.state.is_main_process
         self.reshard_after_forward = reshard_after_forward
         self.offload = offload
-        if not torch.distributed.is_initialized():  # a single process: FSDP2 still wants a group
-            torch.distributed.init_process_group("gloo" if self.device.type == "cpu" else "nccl",
-                                                 store=torch.distributed.HashStore(), rank=0, world_size=1)
-            self._own_group = True
-        else:
-            self._own_group = False
+        self._own_group = ensure_process_group(self.device)
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         self.grad_average_factor = float(self.world_size)  # reduce-scatter averages over ranks
 
