@@ -144,6 +144,11 @@ class DeepSpeedBackend:
         self.device = self.state.device
         self.is_main = self.state.is_main_process
         self._own_group = ensure_process_group(self.device)
+        if self._own_group:  # plain `python`: DeepSpeed reads the launcher's variables
+            import os
+
+            for var, value in (("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+                os.environ.setdefault(var, value)
         user = None
         if ds_config_path:
             with open(ds_config_path) as fh:
