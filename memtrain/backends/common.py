@@ -16,8 +16,11 @@ def ensure_process_group(device: torch.device) -> bool:
     needs a group even alone). Returns True when this call created it (the caller destroys it)."""
     if dist.is_initialized():
         return False
+    kwargs = {}
+    if device.type == "cuda":
+        kwargs["device_id"] = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
     dist.init_process_group("gloo" if device.type == "cpu" else "nccl", store=dist.HashStore(), rank=0, world_size=1,
-                            **({"device_id": device} if device.type == "cuda" else {}))
+                            **kwargs)
     return True
 
 
