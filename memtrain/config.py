@@ -121,6 +121,35 @@ class BackendConfig:
 
 
 @dataclass
+class MemoryConfig:
+    """Out-of-memory recovery and memory levers (../shared/DESIGN.md, "The OOM protocol")."""
+
+    oom_recovery: bool = True
+    """On out-of-memory, all ranks agree, halve micro_batch_size, double accumulation and retry
+    the same samples. Also defers DDP's gradient all-reduce until every rank finished its
+    micro-batches, so an OOM on one rank never leaves another waiting in a collective."""
+    activation_checkpointing: Literal["off", "on", "auto"] = "auto"
+    """Recompute block activations in backward. auto = off until an OOM at micro-batch 1 asks for it."""
+    grow_back_window: int = 50
+    """After this many OOM-free optimizer steps, try the previous (2×) micro-batch again; the
+    window doubles after each failed try. 0 = never grow back."""
+
+
+@dataclass
+class FaultsConfig:
+    """Fault injection for tests and benchmarks (raises real torch.OutOfMemoryError inside the model)."""
+
+    oom_above_tokens: int = 0
+    """Raise OOM in a micro-batch holding more than this many tokens (0 = off)."""
+    oom_ranks: Optional[list[int]] = None
+    """Ranks that raise (None = all)."""
+    oom_in: Literal["forward", "backward"] = "forward"
+    """Raise from the first block's forward pre-hook, or from its backward."""
+    oom_until_step: int = 0
+    """Inject only up to this optimizer step (0 = for the whole run); lets a test watch grow-back."""
+
+
+@dataclass
 class Config:
     """A whole run."""
 
@@ -132,6 +161,8 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
 
 
 def _strip_launcher_args(argv: list[str]) -> tuple[list[str], dict[str, Any]]:

@@ -11,6 +11,7 @@ engine in backends/). Three rules from ../shared/DESIGN.md hold it together:
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import shutil
@@ -26,9 +27,14 @@ from memtrain.backends.base import Backend
 from memtrain.backends.common import sync_replicated_state
 from memtrain.config import Config, to_dict
 from memtrain.data import IGNORE_INDEX, Corpus, GlobalBatchSampler, batch_fingerprint
-from memtrain.memory import MicroBatchPlan, peak_memory_bytes
+from memtrain.activation import enable_activation_checkpointing
+from memtrain.backends.common import repeated_blocks
+from memtrain.memory import (AgreedOOM, FaultInjector, MicroBatchPlan, OOMStop, OOMSync, PlanChange, PlanController,
+                             is_oom, memory_report, peak_memory_bytes)
 from memtrain.metrics import MetricsLogger
 from memtrain.models import count_parameters, logits_of
+
+log = logging.getLogger("memtrain")
 
 
 def token_loss_sum(model: nn.Module, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -55,7 +61,7 @@ def count_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.Tensor],
-               plan: MicroBatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
+               plan: MicroBatchPlan, sync: Optional[OOMSync] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward of one rank batch, accumulated over the plan's micro-batches.
 
     Gradients are left in the parameters (not stepped). Each micro-batch's loss is
@@ -67,6 +73,7 @@ def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.T
         backend: the engine.
         rank_batch: this rank's share of the global batch, tensors [B_rank, T] on the device.
         plan: the micro-batch plan; B_rank must equal micro_batch_size × accumulation steps.
+        sync: OOM agreement points (one after every micro-batch); None = none.
 
     Returns:
         (global loss sum, global token count): fp64 scalars summed over all ranks; their
@@ -80,30 +87,86 @@ def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.T
         with backend.sync_context(model, sync=i == len(micro_batches) - 1):
             micro_loss = token_loss_sum(model, micro_batch)
             backend.backward(micro_loss * scale)
+        if sync is not None:
+            sync.checkpoint()
         loss_sum += micro_loss.detach().to(torch.float64)
     return backend.all_reduce_sum(loss_sum), global_tokens
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, backend: Backend, corpus: Corpus, num_samples: int, micro_batch_size: int) -> float:
+def step_with_recovery(model, backend: Backend, rank_batch, controller: PlanController, sync: OOMSync,
+                       on_change) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`train_step` under the OOM protocol: on an out-of-memory error on any rank, every rank
+    discards the partial gradients, adopts the same smaller plan and retries the same rank batch.
+
+    Args:
+        on_change: called with each :class:`PlanChange` and the list of ranks that ran out of memory.
+
+    Raises:
+        OOMStop: at the plan floor. Any non-OOM error is re-raised untouched.
+    """
+    while True:
+        try:
+            return train_step(model, backend, rank_batch, controller.plan, sync)
+        except BaseException as exc:
+            if not sync.enabled or not is_oom(exc):
+                raise
+            where = "backward" if "backward" in str(exc) else "forward"
+            # a rank that ran out of memory itself pairs this with the others' next agreement point
+            ranks = exc.ranks if isinstance(exc, AgreedOOM) else sync.agree(True)
+            del exc
+            backend.reset_after_oom(model)
+            change = controller.on_oom(where)
+            backend.set_plan(controller.plan)
+            on_change(change, ranks)
+
+
+class Evaluator:
     """Mean token loss (nats) over the first ``num_samples`` validation samples.
 
-    The samples are cut to a multiple of ``world_size`` and dealt round-robin, so every rank
-    runs the same number of forwards (the engines' collectives stay matched).
+    The samples are cut to a multiple of ``world_size`` and dealt round-robin, so every rank runs
+    the same number of forwards (the engines' collectives stay matched). Evaluation has its own
+    micro-batch size: an OOM here halves it (all ranks agree after every micro-batch) and never
+    touches the training plan.
     """
-    n = min(num_samples, len(corpus.validation))
-    n -= n % backend.world_size
-    mine = list(range(backend.rank, n, backend.world_size))
-    was_training = model.training
-    model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=backend.device)
-    for i in range(0, len(mine), micro_batch_size):
-        batch = {k: v.to(backend.device) for k, v in corpus.validation.batch(mine[i:i + micro_batch_size]).items()}
-        totals[0] += token_loss_sum(model, batch).to(torch.float64)
-        totals[1] += count_tokens(batch)
-    model.train(was_training)
-    backend.all_reduce_sum(totals)
-    return float(totals[0] / totals[1].clamp(min=1))
+
+    def __init__(self, backend: Backend, corpus: Corpus, num_samples: int, micro_batch_size: int, sync: OOMSync):
+        self.backend, self.corpus, self.sync = backend, corpus, sync
+        n = min(num_samples, len(corpus.validation))
+        self.mine = list(range(backend.rank, n - n % backend.world_size, backend.world_size))
+        self.micro_batch_size = micro_batch_size
+
+    @torch.no_grad()
+    def __call__(self, model: nn.Module) -> float:
+        was_training = model.training
+        model.eval()
+        try:
+            while True:
+                try:
+                    totals = self._run(model)
+                    break
+                except BaseException as exc:
+                    if not self.sync.enabled or not is_oom(exc) or self.micro_batch_size == 1:
+                        raise
+                    if not isinstance(exc, AgreedOOM):
+                        self.sync.agree(True)
+                    del exc
+                    self.micro_batch_size //= 2
+                    log.warning("memtrain: rank %d: OOM in evaluation; evaluation micro-batch → %d",
+                                self.backend.rank, self.micro_batch_size)
+        finally:
+            model.train(was_training)
+        self.backend.all_reduce_sum(totals)
+        return float(totals[0] / totals[1].clamp(min=1))
+
+    def _run(self, model: nn.Module) -> torch.Tensor:
+        totals = torch.zeros(2, dtype=torch.float64, device=self.backend.device)
+        for i in range(0, len(self.mine), self.micro_batch_size):
+            ids = self.mine[i:i + self.micro_batch_size]
+            batch = {k: v.to(self.backend.device) for k, v in self.corpus.validation.batch(ids).items()}
+            totals[0] += token_loss_sum(model, batch).to(torch.float64)
+            totals[1] += count_tokens(batch)
+            self.sync.checkpoint()
+        return totals
 
 
 def make_optimizer(model: nn.Module, tcfg) -> torch.optim.Optimizer:
@@ -179,35 +242,73 @@ def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunR
 
     Returns:
         The trained model, the step records and the summary.
+
+    Raises:
+        OOMStop: out of memory at micro-batch 1 (with the memory report in the message).
     """
     t = cfg.training
     sampler = GlobalBatchSampler(len(corpus.train), t.global_batch_size, t.seed, backend.world_size, backend.rank)
-    plan = MicroBatchPlan.for_global_batch(t.global_batch_size, t.micro_batch_size, backend.world_size)
+    controller = PlanController(
+        MicroBatchPlan.for_global_batch(t.global_batch_size, t.micro_batch_size, backend.world_size),
+        t.global_batch_size // backend.world_size, cfg.memory.activation_checkpointing, cfg.memory.grow_back_window)
     n_params = count_parameters(model)
+    blocks = repeated_blocks(model)  # found before the engine wraps (and renames) them
     sync_replicated_state(model, backend.device)
     model, optimizer = backend.prepare(model, lambda m: make_optimizer(m, t))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t))
-    log = MetricsLogger(cfg.output_dir, backend.is_main, t.max_steps)
-    log.message(f"memtrain: {backend.name} × {backend.world_size} rank(s) on {backend.device}, {backend.precision}, "
-                f"{n_params / 1e6:.2f}M parameters, {len(corpus.train)} training samples of {cfg.data.seq_len} tokens, "
-                f"plan {plan} (micro-batch × accumulation)")
+    sync = OOMSync(backend.world_size, backend.rank, backend.device, backend.collectives_in_compute,
+                   enabled=cfg.memory.oom_recovery)
+    faults = FaultInjector(cfg.faults, sync, backend.rank)
+    faults.install(blocks)  # after wrapping, so its agreement hooks run before the engine's collectives
 
-    initial_val_loss = evaluate(model, backend, corpus, t.eval_samples, plan.micro_batch_size)
-    val_loss = initial_val_loss
+    def set_activation_checkpointing() -> None:
+        enable_activation_checkpointing(backend.unwrap(model), blocks)
+        faults.activation_checkpointing = True
+
+    if controller.activation_checkpointing:
+        set_activation_checkpointing()
+    metrics = MetricsLogger(cfg.output_dir, backend.is_main, t.max_steps)
+    metrics.message(f"memtrain: {backend.name} × {backend.world_size} rank(s) on {backend.device}, {backend.precision}, "
+                    f"{n_params / 1e6:.2f}M parameters, {len(corpus.train)} training samples of {cfg.data.seq_len} "
+                    f"tokens, plan {controller.plan} (micro-batch × accumulation)")
+    evaluate = Evaluator(backend, corpus, t.eval_samples, t.micro_batch_size, sync)
+
+    initial_val_loss = val_loss = evaluate(model)
     records: list[dict[str, Any]] = []
     tokens_seen = 0
     run_start = time.perf_counter()
     for step in range(1, t.max_steps + 1):
         step_start = time.perf_counter()
         cursor = sampler.cursor(step - 1)
-        indices = sampler.rank_batch(cursor)
-        rank_batch = {k: v.to(backend.device) for k, v in corpus.train.batch(indices).items()}
+        rank_batch = {k: v.to(backend.device) for k, v in corpus.train.batch(sampler.rank_batch(cursor)).items()}
         lr = scheduler.get_last_lr()[0]
+        faults.step = step
+        events: list[dict] = []
 
-        loss_sum, tokens = train_step(model, backend, rank_batch, plan)
+        def on_change(change: PlanChange, ranks: list[int]) -> None:
+            events.append({**change.as_dict(), "step": step, "ranks": ranks})
+            log.warning("memtrain: rank %d, step %d: %s on rank(s) %s: plan %s → %s (%s)", backend.rank, step,
+                        change.event, ranks, change.old, change.new, change.reason)
+            if change.event == "activation_checkpointing_on":
+                set_activation_checkpointing()
+
+        try:
+            loss_sum, tokens = step_with_recovery(model, backend, rank_batch, controller, sync, on_change)
+        except OOMStop as exc:
+            report = memory_report(model, optimizer)
+            raise OOMStop(f"{exc} at step {step} (rank {backend.rank}). Memory on this rank: "
+                          + ", ".join(f"{k} = {v / 2**20:.1f} MiB" for k, v in report.items())
+                          + ". To fit: use backend.name deepspeed with backend.zero_stage 3 or backend.name fsdp, "
+                          "backend.offload optimizer, memory.activation_checkpointing on/auto, or a shorter "
+                          "data.seq_len.") from None
         grad_norm = backend.clip_and_step(model, optimizer, t.max_grad_norm)
         scheduler.step()
         tokens_seen += int(tokens)
+        plan = controller.plan  # the plan that completed this step
+        grown = controller.on_success()
+        if grown is not None:
+            backend.set_plan(controller.plan)
+            on_change(grown, [])
 
         record = {
             "step": step, "epoch": cursor.epoch, "loss": float(loss_sum / tokens), "lr": lr, "grad_norm": grad_norm,
@@ -217,10 +318,13 @@ def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunR
             "peak_memory_bytes": peak_memory_bytes(backend.device),
             "batch_fingerprint": batch_fingerprint(sampler.global_batch(cursor)),
         }
+        if events:
+            record["event"] = ",".join(e["event"] for e in events)
+            record["plan_changes"] = events
         if step == t.max_steps or (t.eval_every and step % t.eval_every == 0):
-            val_loss = record["val_loss"] = evaluate(model, backend, corpus, t.eval_samples, plan.micro_batch_size)
+            val_loss = record["val_loss"] = evaluate(model)
         records.append(record)
-        log.log_step(record, show=step % t.log_every == 0 or "val_loss" in record)
+        metrics.log_step(record, show=step % t.log_every == 0 or "val_loss" in record)
 
     elapsed = time.perf_counter() - run_start
     model_dir = os.path.join(cfg.output_dir, "model")
@@ -233,7 +337,8 @@ def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunR
         "initial_val_loss": initial_val_loss, "final_val_loss": val_loss,
         "tokens_per_s": tokens_seen / elapsed, "parameters": n_params,
         "backend": backend.name, "world_size": backend.world_size, "precision": backend.precision,
+        "final_plan": str(controller.plan), "plan_changes": sum(len(r.get("plan_changes", [])) for r in records),
         "model_dir": model_dir, "config": to_dict(cfg),
     }
-    log.finish(summary)
+    metrics.finish(summary)
     return RunResult(backend.unwrap(model), records, summary)

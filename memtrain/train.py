@@ -62,12 +62,18 @@ def main(argv: Optional[list[str]] = None):
 
 
 def cli() -> None:
-    """Console entry point: exit 2 with the message on a config error."""
+    """Console entry point: exit 2 with the message on a config error, 3 when out of memory at
+    the plan floor (the message holds the memory report)."""
+    from memtrain.memory import OOMStop
+
     try:
         main()
     except ConfigError as exc:
         print(f"memtrain: {exc}", file=sys.stderr)
         sys.exit(2)
+    except OOMStop as exc:
+        print(f"memtrain: {exc}", file=sys.stderr)
+        sys.exit(3)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,8 @@ def make_backend(cfg, precision: str, cpu: bool) -> Backend:
     if name == "ddp":
         from memtrain.backends.ddp import DDPBackend
 
-        return DDPBackend(precision, cpu=cpu, find_unused_parameters=b.find_unused_parameters)
+        return DDPBackend(precision, cpu=cpu, find_unused_parameters=b.find_unused_parameters,
+                          defer_reduction=cfg.memory.oom_recovery)
     if name == "fsdp":
         from memtrain.backends.fsdp import FSDPBackend
 

@@ -28,6 +28,9 @@ class Backend(Protocol):
             them across ranks (world_size for DDP-style averaging). The loop multiplies each
             micro-batch loss by it so the reduced gradient is ``sum of token losses / global
             token count`` (DESIGN.md rule 3).
+        collectives_in_compute: the engine communicates inside forward/backward (FSDP2
+            all-gathers, ZeRO parameter fetches and gradient partitioning, DDP's overlapped
+            bucket all-reduce), so the OOM protocol must agree at every block boundary.
     """
 
     name: str
@@ -37,6 +40,7 @@ class Backend(Protocol):
     is_main: bool
     precision: str
     grad_average_factor: float
+    collectives_in_compute: bool
 
     def prepare(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
                 ) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -55,6 +59,13 @@ class Backend(Protocol):
         Returns:
             The global gradient L2 norm before clipping.
         """
+
+    def set_plan(self, plan) -> None:
+        """Adopt a new micro-batch plan (engines that track accumulation themselves)."""
+
+    def reset_after_oom(self, model: nn.Module) -> None:
+        """After all ranks agreed on an OOM: discard partial gradients and engine per-step state
+        so that retrying the same batch is legal; free cached memory."""
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum a tensor over ranks in place and return it."""

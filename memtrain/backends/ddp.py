@@ -47,7 +47,8 @@ class DDPBackend:
 
     name = "ddp"
 
-    def __init__(self, precision: str, cpu: bool = False, find_unused_parameters: str = "auto"):
+    def __init__(self, precision: str, cpu: bool = False, find_unused_parameters: str = "auto",
+                 defer_reduction: bool = False):
         from accelerate import Accelerator
         from accelerate.utils import DistributedDataParallelKwargs
 
@@ -63,6 +64,14 @@ class DDPBackend:
         self.is_main = self.accelerator.is_main_process
         # DDP divides the all-reduced gradient sum by world_size
         self.grad_average_factor = float(self.world_size)
+        # With OOM recovery, gradients are all-reduced only after every rank finished all its
+        # micro-batches (and agreed nobody ran out of memory): no collective ever runs inside a
+        # forward or backward, so an OOM on one rank cannot strand another in DDP's bucket
+        # all-reduce. The price: no overlap of that all-reduce with the last backward.
+        self.defer_reduction = defer_reduction and self.world_size > 1
+        self.collectives_in_compute = not self.defer_reduction and self.world_size > 1
+        if self.defer_reduction:
+            self._checked_unused = True  # every gradient is reduced explicitly (zeros when unused)
 
     def prepare(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]):
         if self.find_unused_parameters == "auto" and self.world_size > 1 and skips_layers(model):
@@ -76,7 +85,40 @@ class DDPBackend:
         return model, optimizer
 
     def sync_context(self, model: nn.Module, sync: bool):
-        return contextlib.nullcontext() if sync else self.accelerator.no_sync(model)
+        if sync and not self.defer_reduction:
+            return contextlib.nullcontext()
+        return self.accelerator.no_sync(model)
+
+    def _all_reduce_gradients(self, model: nn.Module, bucket_bytes: int = 64 * 2**20) -> None:
+        """Average gradients over ranks in flat buckets of ~``bucket_bytes`` (a missing gradient
+        counts as zeros, as DDP's unused-parameter mode does)."""
+        params = [p for p in self.unwrap(model).parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        bucket, size = [], 0
+        for i, p in enumerate(params):
+            bucket.append(p.grad)
+            size += p.grad.numel() * p.grad.element_size()
+            if size >= bucket_bytes or i == len(params) - 1 or params[i + 1].grad.dtype != p.grad.dtype:
+                flat = torch.cat([g.reshape(-1) for g in bucket])
+                torch.distributed.all_reduce(flat)
+                flat /= self.world_size
+                offset = 0
+                for g in bucket:
+                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                    offset += g.numel()
+                bucket, size = [], 0
+
+    def set_plan(self, plan) -> None:
+        """Nothing to tell DDP: the plan lives in the loop."""
+
+    def reset_after_oom(self, model: nn.Module) -> None:
+        """Drop the failed step's partial gradients and cached blocks."""
+        for p in model.parameters():
+            p.grad = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def backward(self, loss: torch.Tensor) -> None:
         self.accelerator.backward(loss)
@@ -84,6 +126,8 @@ class DDPBackend:
     def clip_and_step(self, model: nn.Module, optimizer, max_norm: float) -> float:
         if not self._checked_unused:
             self._check_all_parameters_used(model)
+        if self.defer_reduction:
+            self._all_reduce_gradients(model)
         norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -164,6 +164,7 @@ class DeepSpeedBackend:
         self.zero_stage = self.ds_config["zero_optimization"]["stage"]
         self.offload_optimizer = _get(self.ds_config, "zero_optimization.offload_optimizer.device") == "cpu"
         self.grad_average_factor = float(self.world_size)  # ZeRO averages gradients over ranks
+        self.collectives_in_compute = self.world_size > 1  # ZeRO-3 fetches, ZeRO-2 partitions in backward
         self.engine = None
 
     def prepare(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]):
@@ -187,6 +188,29 @@ class DeepSpeedBackend:
 
         self.engine.set_gradient_accumulation_boundary(sync)
         return contextlib.nullcontext()
+
+    def set_plan(self, plan) -> None:
+        """Tell the engine the new plan: micro-batch first, then the global batch, so DeepSpeed
+        derives accumulation = global / (micro × world_size) and its batch checks hold."""
+        self.engine.set_train_micro_batch_size(plan.micro_batch_size)
+        self.engine.set_train_batch_size(plan.micro_batch_size * plan.gradient_accumulation_steps * self.world_size)
+
+    def reset_after_oom(self, model: nn.Module) -> None:
+        """Drop the failed step's partial gradients (ZeRO buckets included) and free the cache."""
+        opt = self.engine.optimizer
+        opt.zero_grad(set_to_none=True)
+        for attr in ("params_in_ipg_bucket", "grads_in_ipg_bucket"):
+            if isinstance(getattr(opt, attr, None), list):
+                getattr(opt, attr).clear()
+        if hasattr(opt, "elements_in_ipg_bucket"):
+            opt.elements_in_ipg_bucket = 0
+        offload = getattr(opt, "parameter_offload", None)
+        if offload is not None:  # ZeRO-3: release gathered parameters, restart the fetch trace
+            coordinator = offload.get_param_coordinator()
+            coordinator.release_and_reset_all(self.engine.module)
+            coordinator.reset_step()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)

@@ -54,6 +54,7 @@ class FSDPBackend:
         self._own_group = ensure_process_group(self.device)
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         self.grad_average_factor = float(self.world_size)  # reduce-scatter averages over ranks
+        self.collectives_in_compute = self.world_size > 1  # all-gather in forward, reduce-scatter in backward
 
     def prepare(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -75,6 +76,19 @@ class FSDPBackend:
         # non-final micro-batches keep unsharded gradients and skip the reduce-scatter
         model.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
+
+    def set_plan(self, plan) -> None:
+        """Nothing to tell FSDP2: the plan lives in the loop."""
+
+    def reset_after_oom(self, model: nn.Module) -> None:
+        """Make the retry legal: reset FSDP2's per-iteration state (reshard, drop in-flight
+        reductions; ``FSDPModule.reset_iter_state``), drop partial gradients, free the cache."""
+        model.reset_iter_state()
+        model.set_requires_gradient_sync(True)
+        for p in model.parameters():
+            p.grad = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

@@ -1,0 +1,36 @@
+"""Activation (gradient) checkpointing: recompute each block's activations in backward instead
+of keeping them (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost").
+
+transformers models use their own switch (non-reentrant); plain modules get their repeated
+blocks' ``forward`` wrapped in ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``.
+Module hooks (FSDP2's all-gathers, memtrain's OOM hooks) stay outside the wrapped forward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def enable_activation_checkpointing(model: nn.Module, blocks: list[nn.Module], every: int = 1) -> int:
+    """Turn activation checkpointing on for every ``every``-th block.
+
+    Args:
+        model: the unwrapped model.
+        blocks: its repeated blocks (see :func:`memtrain.backends.common.repeated_blocks`).
+        every: checkpoint blocks 0, every, 2·every, … (transformers models: all blocks).
+
+    Returns:
+        Number of blocks checkpointed.
+    """
+    if hasattr(model, "gradient_checkpointing_enable") and getattr(model, "supports_gradient_checkpointing", False):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return len(blocks)
+    chosen = blocks[::every]
+    for block in chosen:
+        if not getattr(block, "_memtrain_checkpointed", False):
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+            block._memtrain_checkpointed = True
+    return len(chosen)

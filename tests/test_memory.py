@@ -1,0 +1,97 @@
+"""Automatic OOM recovery on 2 CPU ranks: injected OOMs (real torch.OutOfMemoryError raised inside
+the model) on one rank or both, in forward or backward, under DDP, FSDP2, ZeRO-2 and ZeRO-3."""
+
+import pytest
+
+from conftest import launch, read_metrics, tiny_args
+
+pytestmark = pytest.mark.slow
+STEPS = ["--training.max_steps", "5"]
+ENGINES = {
+    "ddp": ["--backend.name", "ddp"],
+    "fsdp": ["--backend.name", "fsdp"],
+    "zero2": ["--backend.name", "deepspeed", "--backend.zero_stage", "2"],
+    "zero3": ["--backend.name", "deepspeed", "--backend.zero_stage", "3"],
+}
+# micro-batch 2 × 32 tokens = 64 > 32 runs out of memory; micro-batch 1 fits
+OOM = ["--faults.oom_above_tokens", "32"]
+INJECTIONS = {
+    "forward_rank1": ["--faults.oom_in", "forward", "--faults.oom_ranks", "[1]"],
+    "backward_rank1": ["--faults.oom_in", "backward", "--faults.oom_ranks", "[1]"],
+    "both_ranks": ["--faults.oom_in", "backward"],
+}
+_baselines: dict = {}
+
+
+def baseline(engine, tmp_path_factory, cache_dir):
+    if engine not in _baselines:
+        out = tmp_path_factory.mktemp(f"base_{engine}")
+        launch(tiny_args(out, cache_dir, *STEPS, *ENGINES[engine]))
+        _baselines[engine] = read_metrics(out)
+    return _baselines[engine]
+
+
+def assert_same_training(records, base, rel=1e-5):
+    assert len(records) == len(base)
+    for r, b in zip(records, base):
+        for key in ("step", "lr", "global_batch_size", "samples_seen", "batch_fingerprint"):
+            assert r[key] == b[key], key
+        assert r["loss"] == pytest.approx(b["loss"], rel=rel)
+
+
+@pytest.mark.parametrize("injection", list(INJECTIONS))
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_oom_shrinks_plan_and_training_is_unchanged(tmp_path, tmp_path_factory, cache_dir, engine, injection):
+    base = baseline(engine, tmp_path_factory, cache_dir)
+    proc = launch(tiny_args(tmp_path, cache_dir, *STEPS, *ENGINES[engine], *OOM, *INJECTIONS[injection]),
+                  timeout=300)
+    records = read_metrics(tmp_path)
+    first = records[0]
+    assert base[0]["micro_batch_size"] == 2 and base[0]["gradient_accumulation_steps"] == 2
+    assert (first["micro_batch_size"], first["gradient_accumulation_steps"]) == (1, 4)
+    assert first["event"] == "oom_shrink"
+    expected_ranks = [0, 1] if injection == "both_ranks" else [1]
+    assert first["plan_changes"][0]["ranks"] == expected_ranks
+    assert all("event" not in r and r["micro_batch_size"] == 1 for r in records[1:])
+    for rank in (0, 1):  # every rank logged the same decision
+        assert f"rank {rank}, step 1: oom_shrink on rank(s) {expected_ranks}: plan 2×2 → 1×4" in proc.stderr
+    assert_same_training(records, base)
+
+
+@pytest.mark.parametrize("engine", ["ddp", "zero2"])
+def test_plan_grows_back_after_injection_stops(tmp_path, tmp_path_factory, cache_dir, engine):
+    base = baseline(engine, tmp_path_factory, cache_dir)
+    launch(tiny_args(tmp_path, cache_dir, *STEPS, *ENGINES[engine], *OOM, "--faults.oom_until_step", "2",
+                     "--memory.grow_back_window", "2"))
+    records = read_metrics(tmp_path)
+    assert [r["micro_batch_size"] for r in records] == [1, 1, 2, 2, 2]
+    assert records[0]["event"] == "oom_shrink" and records[1]["event"] == "grow_back"
+    assert_same_training(records, base)
+
+
+def test_grow_back_that_fails_backs_off(tmp_path, cache_dir):
+    launch(tiny_args(tmp_path, cache_dir, "--training.max_steps", "6", "--backend.name", "ddp", *OOM,
+                     "--memory.grow_back_window", "1"))
+    records = read_metrics(tmp_path)
+    assert [r.get("event") for r in records] == ["oom_shrink", "grow_back", "grow_back_failed", None, "grow_back",
+                                                 "grow_back_failed"]
+    assert all(r["micro_batch_size"] == 1 for r in records)
+
+
+def test_oom_at_micro_batch_1_turns_on_activation_checkpointing(tmp_path, tmp_path_factory, cache_dir):
+    base = baseline("ddp", tmp_path_factory, cache_dir)
+    # 32 tokens per micro-batch of 1 exceed 20; with activation checkpointing 32 / 2 blocks fit
+    proc = launch(tiny_args(tmp_path, cache_dir, *STEPS, *ENGINES["ddp"], "--faults.oom_above_tokens", "20",
+                            "--memory.activation_checkpointing", "auto"))
+    records = read_metrics(tmp_path)
+    assert records[0]["event"] == "oom_shrink,activation_checkpointing_on"
+    assert "activation_checkpointing_on" in proc.stderr
+    assert_same_training(records, base)
+
+
+def test_oom_at_floor_with_checkpointing_off_stops_with_report(tmp_path, cache_dir):
+    proc = launch(tiny_args(tmp_path, cache_dir, *STEPS, *ENGINES["ddp"], "--faults.oom_above_tokens", "20",
+                            "--memory.activation_checkpointing", "off"), check=False)
+    assert proc.returncode != 0
+    for word in ("micro-batch 1", "parameter_bytes", "optimizer_bytes", "zero_stage", "activation_checkpointing"):
+        assert word in proc.stderr, word
