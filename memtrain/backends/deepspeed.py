@@ -199,11 +199,13 @@ class DeepSpeedBackend:
         """Drop the failed step's partial gradients (ZeRO buckets included) and free the cache."""
         opt = self.engine.optimizer
         opt.zero_grad(set_to_none=True)
-        for attr in ("params_in_ipg_bucket", "grads_in_ipg_bucket"):
-            if isinstance(getattr(opt, attr, None), list):
-                getattr(opt, attr).clear()
-        if hasattr(opt, "elements_in_ipg_bucket"):
-            opt.elements_in_ipg_bucket = 0
+        for bucket in getattr(opt, "ipg_buckets", {}).values():  # half-filled reduction buckets
+            (bucket.clear_params if hasattr(bucket, "clear_params") else bucket.clear)()
+        reduced = getattr(opt, "params_already_reduced", None)  # ZeRO-1/2 (list) and ZeRO-3 (dict)
+        for key in (range(len(reduced)) if isinstance(reduced, list) else list(reduced or {})):
+            reduced[key] = False
+        if hasattr(opt, "_clear_previous_reduced_grads"):
+            opt._clear_previous_reduced_grads()
         offload = getattr(opt, "parameter_offload", None)
         if offload is not None:  # ZeRO-3: release gathered parameters, restart the fetch trace
             coordinator = offload.get_param_coordinator()

@@ -83,8 +83,19 @@ class FSDPBackend:
     def reset_after_oom(self, model: nn.Module) -> None:
         """Make the retry legal: reset FSDP2's per-iteration state (reshard, drop in-flight
         reductions; ``FSDPModule.reset_iter_state``), drop partial gradients, free the cache."""
+        from torch.distributed.fsdp import FSDPModule
+
         model.reset_iter_state()
         model.set_requires_gradient_sync(True)
+        # reset_iter_state keeps the unsharded gradients that no_sync micro-batches accumulated
+        # (torch 2.13); a retry must not add the failed attempt's partial sums to its own
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                for group in module._get_fsdp_state()._fsdp_param_groups:
+                    for fsdp_param in group.fsdp_params:
+                        fsdp_param.unsharded_accumulated_grad = None
+                        if hasattr(fsdp_param, "_unsharded_param"):
+                            fsdp_param._unsharded_param.grad = None
         for p in model.parameters():
             p.grad = None
         if self.device.type == "cuda":
