@@ -198,7 +198,8 @@ class DeepSpeedBackend:
     def reset_after_oom(self, model: nn.Module) -> None:
         """Drop the failed step's partial gradients (ZeRO buckets included) and free the cache."""
         opt = self.engine.optimizer
-        opt.zero_grad(set_to_none=True)
+        # set_to_none records CUDA streams, which DeepSpeed's CPU accelerator cannot: zero in place there
+        opt.zero_grad(set_to_none=self.device.type == "cuda")
         for bucket in getattr(opt, "ipg_buckets", {}).values():  # half-filled reduction buckets
             (bucket.clear_params if hasattr(bucket, "clear_params") else bucket.clear)()
         reduced = getattr(opt, "params_already_reduced", None)  # ZeRO-1/2 (list) and ZeRO-3 (dict)
