@@ -71,7 +71,7 @@ class DDPBackend:
         self.defer_reduction = defer_reduction and self.world_size > 1
         self.collectives_in_compute = not self.defer_reduction and self.world_size > 1
         if self.defer_reduction:
-            self._checked_unused = True  # every gradient is reduced explicitly (zeros when unused)
+            self._checked_unused = find_unused_parameters == "true"
 
     def prepare(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]):
         if self.find_unused_parameters == "auto" and self.world_size > 1 and skips_layers(model):
@@ -125,7 +125,7 @@ class DDPBackend:
 
     def clip_and_step(self, model: nn.Module, optimizer, max_norm: float) -> float:
         if not self._checked_unused:
-            self._check_all_parameters_used(model)
+            self._check_all_parameters_used(model)  # before the deferred reduction fills in zeros
         if self.defer_reduction:
             self._all_reduce_gradients(model)
         norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
@@ -137,7 +137,8 @@ class DDPBackend:
         """After the first step's backward: every trainable parameter got a gradient on every rank.
 
         Raises:
-            RuntimeError: naming the parameters without gradient and ``backend.find_unused_parameters``.
+            RuntimeError: naming the parameters without gradient and ``backend.find_unused_parameters``
+                (with deferred reduction they are only named in a warning: zeros are reduced for them).
         """
         self._checked_unused = True
         named = [(n, p) for n, p in self.unwrap(model).named_parameters() if p.requires_grad]
@@ -145,7 +146,10 @@ class DDPBackend:
         if self.world_size > 1:
             torch.distributed.all_reduce(unused, op=torch.distributed.ReduceOp.MAX)
         names = [n for (n, _), u in zip(named, unused.tolist()) if u]
-        if names:
+        if names and self.defer_reduction:  # reduced explicitly as zeros: correct, but maybe a bug
+            log.warning("memtrain: %d parameter(s) received no gradient on step 1: %s (their gradient is reduced "
+                        "as zero)", len(names), ", ".join(names[:10]) + (" …" if len(names) > 10 else ""))
+        elif names:
             raise RuntimeError(
                 f"memtrain: {len(names)} parameter(s) received no gradient on step 1 on some rank: "
                 f"{', '.join(names[:10])}{' …' if len(names) > 10 else ''}. DDP cannot reduce them. If they are "
