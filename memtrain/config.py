@@ -130,6 +130,9 @@ class MemoryConfig:
     micro-batches, so an OOM on one rank never leaves another waiting in a collective."""
     activation_checkpointing: Literal["off", "on", "auto"] = "auto"
     """Recompute block activations in backward. auto = off until an OOM at micro-batch 1 asks for it."""
+    cuda_memory_cap_gib: float = 0.0
+    """Cap this process's CUDA memory (torch.cuda.set_per_process_memory_fraction) to this many
+    GiB, to reproduce a smaller GPU; 0 = no cap. Ignored on CPU."""
     grow_back_window: int = 50
     """After this many OOM-free optimizer steps, try the previous (2×) micro-batch again; the
     window doubles after each failed try. 0 = never grow back."""
@@ -143,8 +146,8 @@ class FaultsConfig:
     """Raise OOM in a micro-batch holding more than this many tokens (0 = off)."""
     oom_ranks: Optional[list[int]] = None
     """Ranks that raise (None = all)."""
-    oom_in: Literal["forward", "backward"] = "forward"
-    """Raise from the first block's forward pre-hook, or from its backward."""
+    oom_in: Literal["forward", "backward", "eval"] = "forward"
+    """Raise from the first block's forward pre-hook, from its backward, or in evaluation forwards."""
     oom_until_step: int = 0
     """Inject only up to this optimizer step (0 = for the whole run); lets a test watch grow-back."""
 

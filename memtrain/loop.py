@@ -110,14 +110,15 @@ def step_with_recovery(model, backend: Backend, rank_batch, controller: PlanCont
         except BaseException as exc:
             if not sync.enabled or not is_oom(exc):
                 raise
+            agreed = exc.ranks if isinstance(exc, AgreedOOM) else None
             where = "backward" if "backward" in str(exc) else "forward"
-            # a rank that ran out of memory itself pairs this with the others' next agreement point
-            ranks = exc.ranks if isinstance(exc, AgreedOOM) else sync.agree(True)
-            del exc
-            backend.reset_after_oom(model)
-            change = controller.on_oom(where)
-            backend.set_plan(controller.plan)
-            on_change(change, ranks)
+        # outside the except block: the traceback (and the activations its frames hold) is freed
+        # a rank that ran out of memory itself pairs this with the others' next agreement point
+        ranks = agreed if agreed is not None else sync.agree(True)
+        backend.reset_after_oom(model)
+        change = controller.on_oom(where)
+        backend.set_plan(controller.plan)
+        on_change(change, ranks)
 
 
 class Evaluator:
@@ -147,12 +148,14 @@ class Evaluator:
                 except BaseException as exc:
                     if not self.sync.enabled or not is_oom(exc) or self.micro_batch_size == 1:
                         raise
-                    if not isinstance(exc, AgreedOOM):
-                        self.sync.agree(True)
-                    del exc
-                    self.micro_batch_size //= 2
-                    log.warning("memtrain: rank %d: OOM in evaluation; evaluation micro-batch → %d",
-                                self.backend.rank, self.micro_batch_size)
+                    agreed = isinstance(exc, AgreedOOM)
+                if not agreed:
+                    self.sync.agree(True)
+                if self.backend.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                self.micro_batch_size //= 2
+                log.warning("memtrain: rank %d: OOM in evaluation; evaluation micro-batch → %d",
+                            self.backend.rank, self.micro_batch_size)
         finally:
             model.train(was_training)
         self.backend.all_reduce_sum(totals)
@@ -286,7 +289,8 @@ def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunR
         events: list[dict] = []
 
         def on_change(change: PlanChange, ranks: list[int]) -> None:
-            events.append({**change.as_dict(), "step": step, "ranks": ranks})
+            events.append({**change.as_dict(), "step": step, "ranks": ranks,
+                           "elapsed_s": time.perf_counter() - run_start})
             log.warning("memtrain: rank %d, step %d: %s on rank(s) %s: plan %s → %s (%s)", backend.rank, step,
                         change.event, ranks, change.old, change.new, change.reason)
             if change.event == "activation_checkpointing_on":
@@ -315,7 +319,7 @@ def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunR
             "micro_batch_size": plan.micro_batch_size, "gradient_accumulation_steps": plan.gradient_accumulation_steps,
             "global_batch_size": t.global_batch_size, "samples_seen": step * t.global_batch_size,
             "tokens_seen": tokens_seen, "tokens_per_s": float(tokens) / (time.perf_counter() - step_start),
-            "peak_memory_bytes": peak_memory_bytes(backend.device),
+            "peak_memory_bytes": peak_memory_bytes(backend.device), "elapsed_s": time.perf_counter() - run_start,
             "batch_fingerprint": batch_fingerprint(sampler.global_batch(cursor)),
         }
         if events:

@@ -182,7 +182,7 @@ class FaultInjector:
             raise torch.OutOfMemoryError(
                 f"CUDA out of memory (injected by memtrain faults.oom_above_tokens={self.faults.oom_above_tokens} "
                 f"in {where} on rank {self.rank})")
-        if self.sync.in_hooks:
+        if self.sync.in_hooks and where != "eval":  # evaluation agrees once per micro-batch
             self.sync.checkpoint()
 
     def install(self, blocks: list) -> None:
@@ -199,8 +199,8 @@ class FaultInjector:
         for i, block in enumerate(blocks):
             def pre(module, args, kwargs, first=i == 0):
                 h = first_tensor(args) if args else first_tensor(next(iter(kwargs.values()), None))
-                if h is not None and torch.is_grad_enabled():
-                    self._at_block("forward", first, h.shape)
+                if h is not None:
+                    self._at_block("forward" if torch.is_grad_enabled() else "eval", first, h.shape)
 
             def post(module, args, output, first=i == 0):
                 h = first_tensor(output)

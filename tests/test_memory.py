@@ -96,3 +96,14 @@ def test_oom_at_floor_with_checkpointing_off_stops_with_report(tmp_path, cache_d
     assert proc.returncode != 0
     for word in ("micro-batch 1", "parameter_bytes", "optimizer_bytes", "zero_stage", "activation_checkpointing"):
         assert word in proc.stderr, word
+
+
+def test_eval_oom_has_its_own_plan(tmp_path, tmp_path_factory, cache_dir):
+    base = baseline("ddp", tmp_path_factory, cache_dir)
+    proc = launch(tiny_args(tmp_path, cache_dir, *STEPS, *ENGINES["ddp"], *OOM, "--faults.oom_in", "eval",
+                            "--faults.oom_ranks", "[1]"))
+    records = read_metrics(tmp_path)
+    assert "OOM in evaluation; evaluation micro-batch → 1" in proc.stderr
+    assert all(r["micro_batch_size"] == 2 and "event" not in r for r in records)  # training plan untouched
+    assert_same_training(records, base)
+    assert records[-1]["val_loss"] == pytest.approx(base[-1]["val_loss"], rel=1e-6)
