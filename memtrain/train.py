@@ -52,8 +52,9 @@ def main(argv: Optional[list[str]] = None):
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     backend = make_backend(cfg, resolve_precision(cfg.precision, device_type), cpu=device_type == "cpu")
     if cfg.memory.cuda_memory_cap_gib > 0 and backend.device.type == "cuda":
-        total = torch.cuda.get_device_properties(backend.device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.memory.cuda_memory_cap_gib * 2**30 / total), backend.device)
+        index = backend.device.index if backend.device.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.memory.cuda_memory_cap_gib * 2**30 / total), index)
     try:
         with backend.main_process_first():
             corpus = build_corpus(cfg.data)
