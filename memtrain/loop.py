@@ -111,7 +111,7 @@ def step_with_recovery(model, backend: Backend, rank_batch, controller: PlanCont
             if not sync.enabled or not is_oom(exc):
                 raise
             agreed = exc.ranks if isinstance(exc, AgreedOOM) else None
-            where = "backward" if "backward" in str(exc) else "forward"
+            where = "another rank" if agreed is not None else "backward" if "backward" in str(exc) else "forward"
         # outside the except block: the traceback (and the activations its frames hold) is freed
         # a rank that ran out of memory itself pairs this with the others' next agreement point
         ranks = agreed if agreed is not None else sync.agree(True)

@@ -85,7 +85,10 @@ class FSDPBackend:
         reductions; ``FSDPModule.reset_iter_state``), drop partial gradients, free the cache."""
         from torch.distributed.fsdp import FSDPModule
 
-        model.reset_iter_state()
+        if hasattr(model, "reset_iter_state"):  # torch >= 2.13
+            model.reset_iter_state()
+        else:
+            _reset_iter_state_before_2_13(model)
         model.set_requires_gradient_sync(True)
         # reset_iter_state keeps the unsharded gradients that no_sync micro-batches accumulated
         # (torch 2.13); a retry must not add the failed attempt's partial sums to its own
@@ -135,3 +138,37 @@ class FSDPBackend:
     def close(self) -> None:
         if self._own_group:
             torch.distributed.destroy_process_group()
+
+
+def _reset_iter_state_before_2_13(model: nn.Module) -> None:
+    """What ``FSDPModule.reset_iter_state`` (torch 2.13) does, for older torch: wait for and drop
+    in-flight collectives, reshard every parameter group, clear the per-iteration trackers."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    root = model._get_fsdp_state()
+    comm = root._comm_ctx
+    comm.all_gather_state = None
+    comm.reduce_scatter_state = None
+    for attr in ("reduce_scatter_states",):
+        if hasattr(comm, attr):
+            getattr(comm, attr).clear()
+    if hasattr(comm, "post_forward_order"):
+        comm.post_forward_order.clear()
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        state._training_state = TrainingState.IDLE
+        if hasattr(state, "_modules_to_run_forward"):
+            state._modules_to_run_forward.clear()
+        for group in state._fsdp_param_groups:
+            group._all_gather_result = None
+            group._post_reduce_event = None
+            group._all_reduce_state = None
+            group._partial_reduce_output = None
+            group._post_forward_indices.clear()
+            group._training_state = TrainingState.IDLE
+            group._to_sharded()
+    root._state_ctx.iter_forward_root = None
+    root._state_ctx.post_backward_final_callback_queued = False
