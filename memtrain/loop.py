@@ -104,6 +104,8 @@ def step_with_recovery(model, backend: Backend, rank_batch, controller: PlanCont
     Raises:
         OOMStop: at the plan floor. Any non-OOM error is re-raised untouched.
     """
+    # a retry replays the same random stream (dropout masks…) as the failed attempt started with
+    rng = torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
     while True:
         try:
             return train_step(model, backend, rank_batch, controller.plan, sync)
@@ -116,6 +118,9 @@ def step_with_recovery(model, backend: Backend, rank_batch, controller: PlanCont
         # a rank that ran out of memory itself pairs this with the others' next agreement point
         ranks = agreed if agreed is not None else sync.agree(True)
         backend.reset_after_oom(model)
+        torch.set_rng_state(rng[0])
+        if rng[1] is not None:
+            torch.cuda.set_rng_state_all(rng[1])
         change = controller.on_oom(where)
         backend.set_plan(controller.plan)
         on_change(change, ranks)

@@ -107,3 +107,14 @@ def test_eval_oom_has_its_own_plan(tmp_path, tmp_path_factory, cache_dir):
     assert all(r["micro_batch_size"] == 2 and "event" not in r for r in records)  # training plan untouched
     assert_same_training(records, base)
     assert records[-1]["val_loss"] == pytest.approx(base[-1]["val_loss"], rel=1e-6)
+
+
+def test_retry_replays_dropout_like_a_run_started_at_the_smaller_plan(tmp_path, cache_dir):
+    """Random ops (dropout) in a retried step see the random stream the step started with, so a
+    recovered run equals one that started at the plan recovery found."""
+    dropout = ["--model.config.resid_pdrop", "0.1", "--model.config.attn_pdrop", "0.1"]
+    launch(tiny_args(tmp_path / "oom", cache_dir, *STEPS, *dropout, *OOM, "--faults.oom_in", "backward"))
+    launch(tiny_args(tmp_path / "small", cache_dir, *STEPS, *dropout, "--training.micro_batch_size", "1"))
+    recovered, small = read_metrics(tmp_path / "oom"), read_metrics(tmp_path / "small")
+    assert recovered[0]["event"] == "oom_shrink"
+    assert_same_training(recovered, small)

@@ -94,7 +94,7 @@ class FSDPBackend:
         # (torch 2.13); a retry must not add the failed attempt's partial sums to its own
         for module in model.modules():
             if isinstance(module, FSDPModule):
-                for group in module._get_fsdp_state()._fsdp_param_groups:
+                for group in _param_groups(module._get_fsdp_state()):
                     for fsdp_param in group.fsdp_params:
                         fsdp_param.unsharded_accumulated_grad = None
                         if hasattr(fsdp_param, "_unsharded_param"):
@@ -140,6 +140,15 @@ class FSDPBackend:
             torch.distributed.destroy_process_group()
 
 
+def _param_groups(state) -> list:
+    """An FSDP state's parameter groups (a list from torch 2.13 on, a single optional group before)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
+
+
 def _reset_iter_state_before_2_13(model: nn.Module) -> None:
     """What ``FSDPModule.reset_iter_state`` (torch 2.13) does, for older torch: wait for and drop
     in-flight collectives, reshard every parameter group, clear the per-iteration trackers."""
@@ -162,11 +171,15 @@ def _reset_iter_state_before_2_13(model: nn.Module) -> None:
         state._training_state = TrainingState.IDLE
         if hasattr(state, "_modules_to_run_forward"):
             state._modules_to_run_forward.clear()
-        for group in state._fsdp_param_groups:
-            group._all_gather_result = None
-            group._post_reduce_event = None
-            group._all_reduce_state = None
-            group._partial_reduce_output = None
+        for group in _param_groups(state):
+            if hasattr(group, "_all_gather_result"):
+                group._all_gather_result = None
+            if hasattr(group, "_post_reduce_event"):
+                group._post_reduce_event = None
+            if hasattr(group, "_all_reduce_state"):
+                group._all_reduce_state = None
+            if hasattr(group, "_partial_reduce_output"):
+                group._partial_reduce_output = None
             group._post_forward_indices.clear()
             group._training_state = TrainingState.IDLE
             group._to_sharded()
