@@ -140,6 +140,8 @@ class Evaluator:
         n = min(num_samples, len(corpus.validation))
         self.mine = list(range(backend.rank, n - n % backend.world_size, backend.world_size))
         self.micro_batch_size = micro_batch_size
+        self.events: list[dict] = []
+        """Evaluation plan changes not yet written to metrics (the loop drains them)."""
 
     @torch.no_grad()
     def __call__(self, model: nn.Module) -> float:
@@ -153,14 +155,15 @@ class Evaluator:
                 except BaseException as exc:
                     if not self.sync.enabled or not is_oom(exc) or self.micro_batch_size == 1:
                         raise
-                    agreed = isinstance(exc, AgreedOOM)
-                if not agreed:
-                    self.sync.agree(True)
+                    agreed = exc.ranks if isinstance(exc, AgreedOOM) else None
+                ranks = agreed if agreed is not None else self.sync.agree(True)
                 if self.backend.device.type == "cuda":
                     torch.cuda.empty_cache()
-                self.micro_batch_size //= 2
-                log.warning("memtrain: rank %d: OOM in evaluation; evaluation micro-batch → %d",
-                            self.backend.rank, self.micro_batch_size)
+                old, self.micro_batch_size = self.micro_batch_size, self.micro_batch_size // 2
+                self.events.append({"event": "eval_oom_shrink", "old": old, "new": self.micro_batch_size,
+                                    "ranks": ranks, "reason": "out of memory in evaluation"})
+                log.warning("memtrain: rank %d: OOM in evaluation on rank(s) %s; evaluation micro-batch %d → %d",
+                            self.backend.rank, ranks, old, self.micro_batch_size)
         finally:
             model.train(was_training)
         self.backend.all_reduce_sum(totals)
@@ -327,11 +330,13 @@ def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunR
             "peak_memory_bytes": peak_memory_bytes(backend.device), "elapsed_s": time.perf_counter() - run_start,
             "batch_fingerprint": batch_fingerprint(sampler.global_batch(cursor)),
         }
+        if step == t.max_steps or (t.eval_every and step % t.eval_every == 0):
+            val_loss = record["val_loss"] = evaluate(model)
+        events += [{**e, "step": step} for e in evaluate.events]  # incl. the evaluation before step 1
+        evaluate.events.clear()
         if events:
             record["event"] = ",".join(e["event"] for e in events)
             record["plan_changes"] = events
-        if step == t.max_steps or (t.eval_every and step % t.eval_every == 0):
-            val_loss = record["val_loss"] = evaluate(model)
         records.append(record)
         metrics.log_step(record, show=step % t.log_every == 0 or "val_loss" in record)
 

@@ -103,8 +103,11 @@ def test_eval_oom_has_its_own_plan(tmp_path, tmp_path_factory, cache_dir):
     proc = launch(tiny_args(tmp_path, cache_dir, *STEPS, *ENGINES["ddp"], *OOM, "--faults.oom_in", "eval",
                             "--faults.oom_ranks", "[1]"))
     records = read_metrics(tmp_path)
-    assert "OOM in evaluation; evaluation micro-batch → 1" in proc.stderr
-    assert all(r["micro_batch_size"] == 2 and "event" not in r for r in records)  # training plan untouched
+    assert "OOM in evaluation on rank(s) [1]; evaluation micro-batch 2 → 1" in proc.stderr
+    assert all(r["micro_batch_size"] == 2 for r in records)  # training plan untouched
+    # the evaluation before step 1 shrank its own plan once; the change is in step 1's metrics line
+    assert [r.get("event") for r in records] == ["eval_oom_shrink"] + [None] * (len(records) - 1)
+    assert records[0]["plan_changes"][0]["ranks"] == [1]
     assert_same_training(records, base)
     assert records[-1]["val_loss"] == pytest.approx(base[-1]["val_loss"], rel=1e-6)
 
