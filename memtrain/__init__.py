@@ -1,6 +1,6 @@
 """memtrain: a memory-optimized PyTorch trainer.
 
-One loop over DDP (and, later, FSDP2 and DeepSpeed), built around the global batch as the
+One loop over DDP, FSDP2 and DeepSpeed ZeRO, built around the global batch as the
 unit of work (see ../shared/DESIGN.md).
 """
 

@@ -150,6 +150,32 @@ class FaultsConfig:
     """Raise from the first block's forward pre-hook, from its backward, or in evaluation forwards."""
     oom_until_step: int = 0
     """Inject only up to this optimizer step (0 = for the whole run); lets a test watch grow-back."""
+    kill_at_step: int = 0
+    """End the process with ``os._exit(137)`` right after this optimizer step (after its
+    checkpoint, if one is due); 0 = off."""
+    kill_mid_step: bool = False
+    """With ``kill_at_step``: end the process inside that step instead, after its first
+    micro-batch's backward (in the middle of gradient accumulation)."""
+    kill_during_save: int = 0
+    """End the process half-way through writing this step's checkpoint (engine state written,
+    no manifest yet); 0 = off."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Crash-safe checkpoints (layout in ../shared/DESIGN.md, "Checkpoint layout")."""
+
+    every_steps: int = 0
+    """Save every this many optimizer steps and after the last one; 0 = only on a preemption
+    signal (SIGTERM/SIGUSR1)."""
+    keep_last: int = 2
+    """Complete checkpoints to keep (the newest is never deleted)."""
+    async_save: bool = False
+    """FSDP2: write the torch.distributed.checkpoint shards in a background thread; the commit
+    (manifest, rename, ``latest``) happens at the next save or at the end of the run."""
+    max_shard_size: str = "5GB"
+    """DDP model files and exports: split ``model.safetensors`` into shards of at most this size
+    (with a ``model.safetensors.index.json``), as transformers' ``save_pretrained`` does."""
 
 
 @dataclass
@@ -166,6 +192,10 @@ class Config:
     backend: BackendConfig = field(default_factory=BackendConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resume: str = "auto"
+    """auto = continue from ``output_dir/checkpoints/latest`` when a complete checkpoint exists
+    (falling back to older complete ones); never = start fresh; or the path of a checkpoint."""
 
 
 def _strip_launcher_args(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
@@ -324,5 +354,15 @@ def validate(cfg: Config, world_size: int) -> None:
     if ds is not None and cfg.backend.name not in ("auto", "deepspeed"):
         raise ConfigError("backend.deepspeed_config", f"is set but backend.name is '{cfg.backend.name}'; "
                           "use backend.name deepspeed (or auto), or drop the DeepSpeed config")
+    ck = cfg.checkpoint
+    if ck.every_steps < 0:
+        raise ConfigError("checkpoint.every_steps", f"must be >= 0 (0 = only on a preemption signal), got {ck.every_steps}")
+    if ck.keep_last < 1:
+        raise ConfigError("checkpoint.keep_last", f"must be >= 1 (the newest complete checkpoint is always kept), "
+                          f"got {ck.keep_last}")
+    if cfg.resume not in ("auto", "never") and not os.path.isdir(cfg.resume):
+        raise ConfigError("resume", f"'{cfg.resume}' is neither auto, never nor a checkpoint directory")
+    if cfg.faults.kill_mid_step and not cfg.faults.kill_at_step:
+        raise ConfigError("faults.kill_mid_step", "needs faults.kill_at_step (the step to end in)")
     if cfg.model.factory is not None and ":" not in cfg.model.factory:
         raise ConfigError("model.factory", f"must look like 'package.module:function', got '{cfg.model.factory}'")

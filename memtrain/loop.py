@@ -14,10 +14,9 @@ from __future__ import annotations
 import logging
 import math
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +30,8 @@ from memtrain.activation import enable_activation_checkpointing
 from memtrain.backends.common import repeated_blocks
 from memtrain.memory import (AgreedOOM, FaultInjector, MicroBatchPlan, OOMStop, OOMSync, PlanChange, PlanController,
                              is_oom, memory_report, peak_memory_bytes)
+from memtrain.checkpoint import Checkpointer
+from memtrain.export import export_model
 from memtrain.metrics import MetricsLogger
 from memtrain.models import count_parameters, logits_of
 
@@ -61,7 +62,8 @@ def count_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.Tensor],
-               plan: MicroBatchPlan, sync: Optional[OOMSync] = None) -> tuple[torch.Tensor, torch.Tensor]:
+               plan: MicroBatchPlan, sync: Optional[OOMSync] = None,
+               after_micro_batch: Optional[Callable[[int], None]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward of one rank batch, accumulated over the plan's micro-batches.
 
     Gradients are left in the parameters (not stepped). Each micro-batch's loss is
@@ -74,6 +76,7 @@ def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.T
         rank_batch: this rank's share of the global batch, tensors [B_rank, T] on the device.
         plan: the micro-batch plan; B_rank must equal micro_batch_size × accumulation steps.
         sync: OOM agreement points (one after every micro-batch); None = none.
+        after_micro_batch: called with the micro-batch index after its backward (fault injection).
 
     Returns:
         (global loss sum, global token count): fp64 scalars summed over all ranks; their
@@ -87,6 +90,8 @@ def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.T
         with backend.sync_context(model, sync=i == len(micro_batches) - 1):
             micro_loss = token_loss_sum(model, micro_batch)
             backend.backward(micro_loss * scale)
+        if after_micro_batch is not None:
+            after_micro_batch(i)
         if sync is not None:
             sync.checkpoint()
         loss_sum += micro_loss.detach().to(torch.float64)
@@ -94,7 +99,8 @@ def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.T
 
 
 def step_with_recovery(model, backend: Backend, rank_batch, controller: PlanController, sync: OOMSync,
-                       on_change) -> tuple[torch.Tensor, torch.Tensor]:
+                       on_change, after_micro_batch: Optional[Callable[[int], None]] = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`train_step` under the OOM protocol: on an out-of-memory error on any rank, every rank
     discards the partial gradients, adopts the same smaller plan and retries the same rank batch.
 
@@ -108,7 +114,7 @@ def step_with_recovery(model, backend: Backend, rank_batch, controller: PlanCont
     rng = torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
     while True:
         try:
-            return train_step(model, backend, rank_batch, controller.plan, sync)
+            return train_step(model, backend, rank_batch, controller.plan, sync, after_micro_batch)
         except BaseException as exc:
             if not sync.enabled or not is_oom(exc):
                 raise
@@ -216,32 +222,6 @@ class RunResult:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
-def export_model(model: nn.Module, state_dict: dict[str, torch.Tensor], corpus: Corpus, directory: str) -> None:
-    """Write ``directory/model.safetensors`` (+ ``config.json`` and the tokenizer for transformers
-    models), via a temporary directory renamed into place so a failed export never leaves a
-    half-written model. Call on the main process only.
-
-    Args:
-        model: the unwrapped module (for its class and transformers config).
-        state_dict: the full (gathered) weights, on CPU.
-        corpus: its tokenizer is saved beside a transformers model.
-        directory: target directory (replaced).
-    """
-    tmp = directory + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    if hasattr(model, "save_pretrained"):
-        model.save_pretrained(tmp, state_dict=state_dict)
-        corpus.tokenized.hf_tokenizer().save_pretrained(tmp)
-    else:
-        from safetensors.torch import save_file
-
-        # clone: tied weights would share storage, which safetensors refuses
-        save_file({k: v.contiguous().clone() for k, v in state_dict.items()}, os.path.join(tmp, "model.safetensors"))
-    shutil.rmtree(directory, ignore_errors=True)
-    os.replace(tmp, directory)
-
-
 def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunResult:
     """Train ``model`` on ``corpus`` as ``cfg`` says, then export it to ``output_dir/model``.
 
@@ -276,19 +256,33 @@ def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunR
         enable_activation_checkpointing(backend.unwrap(model), blocks)
         faults.activation_checkpointing = True
 
+    evaluate = Evaluator(backend, corpus, t.eval_samples, t.micro_batch_size, sync)
+    checkpointer = Checkpointer(cfg, backend, corpus.tokenized.vocab_size, corpus.tokenized.hf_tokenizer())
+    resume_from = checkpointer.resume_path()
+    start_step, state = 0, {}
+    if resume_from is not None:
+        state = checkpointer.load(resume_from, model, optimizer, scheduler, controller)
+        start_step = state["step"]
+        evaluate.micro_batch_size = state["eval_micro_batch_size"]
     if controller.activation_checkpointing:
         set_activation_checkpointing()
-    metrics = MetricsLogger(cfg.output_dir, backend.is_main, t.max_steps)
+    metrics = MetricsLogger(cfg.output_dir, backend.is_main, t.max_steps, initial_step=start_step,
+                            keep_until_step=start_step if resume_from is not None else None)
+    if resume_from is not None:
+        metrics.message(f"memtrain: resumed from {resume_from} at step {start_step}, plan {controller.plan}")
     metrics.message(f"memtrain: {backend.name} × {backend.world_size} rank(s) on {backend.device}, {backend.precision}, "
                     f"{n_params / 1e6:.2f}M parameters, {len(corpus.train)} training samples of {cfg.data.seq_len} "
                     f"tokens, plan {controller.plan} (micro-batch × accumulation)")
-    evaluate = Evaluator(backend, corpus, t.eval_samples, t.micro_batch_size, sync)
-
-    initial_val_loss = val_loss = evaluate(model)
+    if resume_from is None:
+        initial_val_loss = val_loss = evaluate(model)
+        tokens_seen, first_loss, last_loss = 0, None, None
+    else:
+        initial_val_loss, val_loss = state["initial_val_loss"], state["val_loss"]
+        tokens_seen, first_loss, last_loss = state["tokens_seen"], state["first_loss"], state["last_loss"]
     records: list[dict[str, Any]] = []
-    tokens_seen = 0
+    preempted = None
     run_start = time.perf_counter()
-    for step in range(1, t.max_steps + 1):
+    for step in range(start_step + 1, t.max_steps + 1):
         step_start = time.perf_counter()
         cursor = sampler.cursor(step - 1)
         rank_batch = {k: v.to(backend.device) for k, v in corpus.train.batch(sampler.rank_batch(cursor)).items()}
@@ -305,7 +299,8 @@ def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunR
                 set_activation_checkpointing()
 
         try:
-            loss_sum, tokens = step_with_recovery(model, backend, rank_batch, controller, sync, on_change)
+            loss_sum, tokens = step_with_recovery(model, backend, rank_batch, controller, sync, on_change,
+                                                  faults.after_micro_batch)
         except OOMStop as exc:
             report = memory_report(model, optimizer)
             raise OOMStop(f"{exc} at step {step} (rank {backend.rank}). Memory on this rank: "
@@ -334,25 +329,45 @@ def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunR
             val_loss = record["val_loss"] = evaluate(model)
         events += [{**e, "step": step} for e in evaluate.events]  # incl. the evaluation before step 1
         evaluate.events.clear()
+        if step == start_step + 1 and resume_from is not None:
+            events.insert(0, {"event": "resume", "step": step, "from": resume_from})
         if events:
             record["event"] = ",".join(e["event"] for e in events)
             record["plan_changes"] = events
         records.append(record)
         metrics.log_step(record, show=step % t.log_every == 0 or "val_loss" in record)
+        first_loss = record["loss"] if first_loss is None else first_loss
+        last_loss = record["loss"]
+
+        # all ranks agree on stopping and saving; what is saved is the state after this step
+        preempted = checkpointer.after_step(step, step == t.max_steps, model, optimizer, scheduler, controller, {
+            "step": step, "epoch": cursor.epoch, "samples_seen": record["samples_seen"],
+            "tokens_seen": tokens_seen, "first_loss": first_loss, "last_loss": last_loss,
+            "initial_val_loss": initial_val_loss, "val_loss": val_loss,
+            "eval_micro_batch_size": evaluate.micro_batch_size})
+        faults.after_step()
+        if preempted:
+            metrics.message(f"memtrain: {preempted}: saved step {step} and stopping; rerun the same command to resume")
+            break
+    checkpointer.close()
 
     elapsed = time.perf_counter() - run_start
     model_dir = os.path.join(cfg.output_dir, "model")
-    state_dict = backend.full_state_dict(model)  # a collective for sharded engines
-    if backend.is_main:
-        export_model(backend.unwrap(model), state_dict, corpus, model_dir)
-    backend.barrier()
+    if not preempted:
+        state_dict = backend.full_state_dict(model)  # a collective for sharded engines
+        if backend.is_main:
+            export_model(backend.unwrap(model), state_dict, model_dir, corpus.tokenized.hf_tokenizer(),
+                         cfg.checkpoint.max_shard_size)
+        backend.barrier()
     summary = {
-        "steps": t.max_steps, "minutes": elapsed / 60, "first_loss": records[0]["loss"], "last_loss": records[-1]["loss"],
+        "steps": records[-1]["step"] if records else start_step, "minutes": elapsed / 60,
+        "first_loss": first_loss, "last_loss": last_loss, "resumed_from": resume_from, "preempted": preempted,
         "initial_val_loss": initial_val_loss, "final_val_loss": val_loss,
-        "tokens_per_s": tokens_seen / elapsed, "parameters": n_params,
+        "tokens_per_s": (tokens_seen - state.get("tokens_seen", 0)) / elapsed,  # this session's
+        "parameters": n_params,
         "backend": backend.name, "world_size": backend.world_size, "precision": backend.precision,
         "final_plan": str(controller.plan), "plan_changes": sum(len(r.get("plan_changes", [])) for r in records),
-        "model_dir": model_dir, "config": to_dict(cfg),
+        "model_dir": None if preempted else model_dir, "config": to_dict(cfg),
     }
     metrics.finish(summary)
     return RunResult(backend.unwrap(model), records, summary)

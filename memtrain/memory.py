@@ -144,6 +144,18 @@ class OOMSync:
                 raise AgreedOOM(ranks)
 
 
+def kill(where: str) -> None:
+    """End this process at once, the way a preempted or crashed job ends (exit status 137, no
+    cleanup, no flushing beyond what is already on disk)."""
+    import logging
+    import os
+    import sys
+
+    logging.getLogger("memtrain").warning("memtrain: faults: killing the process %s", where)
+    sys.stderr.flush()
+    os._exit(137)
+
+
 class FaultInjector:
     """Raises a real ``torch.OutOfMemoryError`` from inside the model (``faults.*``), so CPU tests
     walk the same path as a CUDA OOM. Hooks sit on the model's repeated blocks: a forward
@@ -184,6 +196,19 @@ class FaultInjector:
                 f"in {where} on rank {self.rank})")
         if self.sync.in_hooks and where != "eval":  # evaluation agrees once per micro-batch
             self.sync.checkpoint()
+
+    def after_micro_batch(self, index: int) -> None:
+        """``faults.kill_at_step`` with ``kill_mid_step``: end the process after the first
+        micro-batch's backward of that step (in the middle of gradient accumulation)."""
+        f = self.faults
+        if f.kill_mid_step and f.kill_at_step == self.step and index == 0:
+            kill(f"inside step {self.step}, after micro-batch 1")
+
+    def after_step(self) -> None:
+        """``faults.kill_at_step``: end the process right after that optimizer step."""
+        f = self.faults
+        if f.kill_at_step == self.step and not f.kill_mid_step:
+            kill(f"after step {self.step}")
 
     def install(self, blocks: list) -> None:
         """Register the hooks on ``blocks`` (in forward order)."""
@@ -314,7 +339,10 @@ class PlanController:
                 "activation_checkpointing": self.activation_checkpointing}
 
     def load_state_dict(self, state: dict) -> None:
-        self.plan = self._with_micro(state["micro_batch_size"])
+        """Restore :meth:`state_dict`'s plan. On another world size the per-rank batch may change:
+        the largest micro-batch dividing it, at most the saved one, is taken."""
+        self.plan = self._with_micro(max(d for d in self._divisors() if d <= state["micro_batch_size"]))
+        self.trying_grow = False
         self.window, self.ok_steps = state["window"], state["ok_steps"]
         self.activation_checkpointing = state["activation_checkpointing"]
 

@@ -24,16 +24,33 @@ class MetricsLogger:
         enabled: True on rank 0.
         total_steps: progress-bar length (optimizer steps).
         initial_step: steps already done (progress bar start).
+        keep_until_step: on resume, the checkpoint's step: lines of later steps (written by the
+            interrupted run after its last checkpoint) are dropped, so each step appears once.
+            None = a fresh run: ``metrics.jsonl`` starts empty.
     """
 
-    def __init__(self, output_dir: str, enabled: bool, total_steps: int, initial_step: int = 0):
+    def __init__(self, output_dir: str, enabled: bool, total_steps: int, initial_step: int = 0,
+                 keep_until_step: Optional[int] = None):
         self.enabled = enabled
         self.output_dir = output_dir
         self._file = None
         self._bar: Optional[tqdm] = None
         if enabled:
             os.makedirs(output_dir, exist_ok=True)
-            self._file = open(os.path.join(output_dir, "metrics.jsonl"), "a", encoding="utf-8")
+            path = os.path.join(output_dir, "metrics.jsonl")
+            kept = []
+            if keep_until_step is not None and os.path.exists(path):
+                with open(path, encoding="utf-8") as fh:
+                    for line in fh:
+                        try:
+                            if json.loads(line)["step"] <= keep_until_step:
+                                kept.append(line if line.endswith("\n") else line + "\n")
+                        except (ValueError, KeyError):
+                            pass  # a line cut short by the kill
+            with open(path + ".tmp", "w", encoding="utf-8") as fh:
+                fh.writelines(kept)
+            os.replace(path + ".tmp", path)
+            self._file = open(path, "a", encoding="utf-8")
             self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step", dynamic_ncols=True)
 
     def log_step(self, record: dict[str, Any], show: bool = True) -> None:
@@ -69,9 +86,10 @@ class MetricsLogger:
         with open(path + ".tmp", "w", encoding="utf-8") as fh:
             json.dump(summary, fh, indent=2)
         os.replace(path + ".tmp", path)
-        print(
-            "memtrain: done — {steps} steps in {minutes:.2f} min, loss {first_loss:.4f} → {last_loss:.4f}, "
-            "val_loss {initial_val_loss:.4f} → {final_val_loss:.4f}, {tokens_per_s:.0f} tokens/s, "
-            "model in {model_dir}".format(**summary),
-            flush=True,
-        )
+        if summary.get("preempted"):
+            line = f"memtrain: stopped by {summary['preempted']} after step {summary['steps']}; checkpoint saved"
+        else:
+            line = ("memtrain: done — {steps} steps in {minutes:.2f} min, loss {first_loss:.4f} → {last_loss:.4f}, "
+                    "val_loss {initial_val_loss:.4f} → {final_val_loss:.4f}, {tokens_per_s:.0f} tokens/s, "
+                    "model in {model_dir}").format(**summary)
+        print(line, flush=True)

@@ -66,9 +66,16 @@ def main(argv: Optional[list[str]] = None):
 
 
 def cli() -> None:
-    """Console entry point: exit 2 with the message on a config error, 3 when out of memory at
-    the plan floor (the message holds the memory report)."""
+    """Console entry point (``memtrain export …`` goes to :mod:`memtrain.export`): exit 2 with
+    the message on a config error, 3 when out of memory at the plan floor (the message holds the
+    memory report), 4 when a checkpoint cannot be saved or resumed."""
     from memtrain.memory import OOMStop
+
+    if sys.argv[1:2] == ["export"]:  # memtrain export CKPT OUT
+        from memtrain.export import main as export_main
+
+        sys.exit(export_main(sys.argv[2:]))
+    from memtrain.checkpoint import CheckpointError
 
     try:
         main()
@@ -78,6 +85,9 @@ def cli() -> None:
     except OOMStop as exc:
         print(f"memtrain: {exc}", file=sys.stderr)
         sys.exit(3)
+    except CheckpointError as exc:
+        print(f"memtrain: checkpoint: {exc}", file=sys.stderr)
+        sys.exit(4)
 
 
 if __name__ == "__main__":

@@ -77,3 +77,21 @@ class PlantedBufferLM(TinyLM):
 
 def make_planted(vocab_size: int, dim: int = 16) -> nn.Module:
     return PlantedBufferLM(vocab_size, dim)
+
+
+class RankLocalStatsLM(TinyLM):
+    """A TinyLM with a buffer that accumulates statistics of each rank's own inputs (like
+    BatchNorm running stats without synchronisation), so it drifts apart across ranks."""
+
+    def __init__(self, vocab_size: int, dim: int = 16):
+        super().__init__(vocab_size, dim)
+        self.register_buffer("input_stats", torch.zeros(()))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.input_stats += input_ids.float().mean()
+        return super().forward(input_ids)
+
+
+def make_rank_local_stats(vocab_size: int, dim: int = 16) -> nn.Module:
+    return RankLocalStatsLM(vocab_size, dim)

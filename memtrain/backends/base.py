@@ -7,7 +7,8 @@ engines is one config key (``backend.name``) and the loop never branches on the 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Callable, Protocol, runtime_checkable
+from concurrent.futures import Future
+from typing import Callable, Optional, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -76,6 +77,35 @@ class Backend(Protocol):
     def full_state_dict(self, model: nn.Module) -> "dict[str, torch.Tensor] | None":
         """The whole model's state dict on CPU, on rank 0 (None elsewhere). A collective: every
         rank must call it (sharded engines gather here)."""
+
+    checkpoint_format: str
+    """``safetensors`` (DDP), ``dcp`` (FSDP2: torch.distributed.checkpoint) or ``deepspeed``."""
+
+    def save_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: str,
+                   max_shard_size: str = "5GB", async_save: bool = False) -> "Optional[Future]":
+        """Write model and optimizer state (and the engine's loss-scaler state) into ``directory``.
+
+        Every rank calls it; the engine decides who writes what, and no two ranks write the same
+        file. With ``async_save`` an engine that can (FSDP2) returns a future whose ``result()``
+        every rank must wait for before the checkpoint is committed; others return None.
+        """
+
+    def expected_files(self) -> list[str]:
+        """Glob patterns, relative to the checkpoint directory, that a complete save of this
+        engine at this world size matches (each at least once)."""
+
+    def load_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: str,
+                   saved_world_size: int) -> None:
+        """Load what :meth:`save_state` wrote (every rank calls it).
+
+        Raises:
+            memtrain.checkpoint.CheckpointError: the engine cannot load a checkpoint written by
+                ``saved_world_size`` ranks on this many.
+        """
+
+    def replicated_tensors(self, model: nn.Module) -> "list[tuple[str, torch.Tensor]]":
+        """The named tensors every rank holds a full identical copy of (parameters under DDP and
+        ZeRO-1/2, buffers everywhere), for the save-time divergence check."""
 
     def barrier(self) -> None:
         """Wait for all ranks."""

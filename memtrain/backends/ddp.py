@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from typing import Callable
 
 import torch
@@ -155,6 +156,39 @@ class DDPBackend:
                 f"{', '.join(names[:10])}{' …' if len(names) > 10 else ''}. DDP cannot reduce them. If they are "
                 "used on some steps only, set backend.find_unused_parameters true; if never, freeze them "
                 "(requires_grad=False) or remove them.")
+
+    checkpoint_format = "safetensors"
+
+    def save_state(self, model: nn.Module, optimizer, directory: str, max_shard_size: str = "5GB",
+                   async_save: bool = False) -> None:
+        """Rank 0 writes the (replicated) weights as safetensors, sharded past ``max_shard_size``,
+        and ``optimizer.pt`` (optimizer state and the fp16 GradScaler's state)."""
+        if not self.is_main:
+            return
+        from memtrain.weights import save_weights
+
+        save_weights(self.unwrap(model).state_dict(), directory, max_shard_size)
+        scaler = getattr(self.accelerator, "scaler", None)
+        torch.save({"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict() if scaler is not None else None},
+                   os.path.join(directory, "optimizer.pt"))
+
+    def expected_files(self) -> list[str]:
+        return ["model*.safetensors", "optimizer.pt"]
+
+    def load_state(self, model: nn.Module, optimizer, directory: str, saved_world_size: int) -> None:
+        """Every rank reads the full weights and optimizer state (any world size: nothing is sharded)."""
+        from memtrain.weights import load_into, load_weights
+
+        load_into(self.unwrap(model), load_weights(directory))
+        state = torch.load(os.path.join(directory, "optimizer.pt"), map_location="cpu", weights_only=True)
+        optimizer.load_state_dict(state["optimizer"])
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and state["scaler"] is not None:
+            scaler.load_state_dict(state["scaler"])
+
+    def replicated_tensors(self, model: nn.Module):
+        module = self.unwrap(model)
+        return list(module.named_parameters()) + list(module.named_buffers())
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:

@@ -240,6 +240,47 @@ class DeepSpeedBackend:
             sd = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()} if self.is_main else None
         return sd
 
+    checkpoint_format = "deepspeed"
+    _TAG = "zero"
+
+    def save_state(self, model: nn.Module, optimizer, directory: str, max_shard_size: str = "5GB",
+                   async_save: bool = False) -> None:
+        """DeepSpeed's native checkpoint under ``directory/zero`` (every rank writes its own
+        ZeRO partition; the loss scaler and engine counters are included)."""
+        self.engine.save_checkpoint(directory, tag=self._TAG, client_state={}, save_latest=False)
+
+    def expected_files(self) -> list[str]:
+        files = [f"{self._TAG}/*model_states.pt"]
+        if self.zero_stage > 0:
+            files += [f"{self._TAG}/*zero_pp_rank_{r}_mp_rank_*optim_states.pt" for r in range(self.world_size)]
+        return files
+
+    def load_state(self, model: nn.Module, optimizer, directory: str, saved_world_size: int) -> None:
+        """Load DeepSpeed's checkpoint. ZeRO partitions are tied to the world size that wrote
+        them: a different world size is refused (DeepSpeed's universal-checkpoint conversion,
+        ``ds_to_universal``, is not wired into memtrain); ``memtrain export`` still gets the
+        weights out of any such checkpoint.
+
+        Raises:
+            CheckpointError: different world size, or DeepSpeed found no checkpoint.
+        """
+        from memtrain.checkpoint import CheckpointError
+
+        if saved_world_size != self.world_size and self.zero_stage > 0:
+            raise CheckpointError(
+                f"{directory}: a DeepSpeed ZeRO-{self.zero_stage} checkpoint written by {saved_world_size} ranks cannot "
+                f"be resumed on {self.world_size}: ZeRO partitions are per rank. Resume on {saved_world_size} ranks, or "
+                "export the weights with `memtrain export` and start a new run from them")
+        path, _ = self.engine.load_checkpoint(directory, tag=self._TAG, load_module_strict=True,
+                                              load_optimizer_states=True, load_lr_scheduler_states=False)
+        if path is None:
+            raise CheckpointError(f"{directory}: DeepSpeed found no checkpoint under tag '{self._TAG}'")
+
+    def replicated_tensors(self, model: nn.Module):
+        module = self.unwrap(model)
+        params = list(module.named_parameters()) if self.zero_stage < 3 else []  # ZeRO-3 partitions parameters
+        return params + list(module.named_buffers())
+
     def barrier(self) -> None:
         torch.distributed.barrier()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from typing import Callable, Optional
 
 import torch
@@ -53,6 +54,7 @@ class FSDPBackend:
         self.offload = offload
         self._own_group = ensure_process_group(self.device)
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        self._async_group = None  # process group of background checkpoint writes (made on first use)
         self.grad_average_factor = float(self.world_size)  # reduce-scatter averages over ranks
         self.collectives_in_compute = self.world_size > 1  # all-gather in forward, reduce-scatter in backward
 
@@ -128,6 +130,43 @@ class FSDPBackend:
 
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return sd if self.is_main else None
+
+    checkpoint_format = "dcp"
+
+    def save_state(self, model: nn.Module, optimizer, directory: str, max_shard_size: str = "5GB",
+                   async_save: bool = False):
+        """torch.distributed.checkpoint into ``directory/dcp``: every rank writes its own shard
+        file (``__RANK_0.distcp``), rank 0 the ``.metadata``. ``async_save``: stage to CPU, write in
+        a background thread over a separate gloo group, return the future."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        path = os.path.join(directory, "dcp")
+        if async_save:
+            if self._async_group is None:  # a collective: every rank gets here at the same save
+                self._async_group = torch.distributed.new_group(backend="gloo")
+            return dcp.async_save(state, checkpoint_id=path, process_group=self._async_group)
+        dcp.save(state, checkpoint_id=path)
+        return None
+
+    def expected_files(self) -> list[str]:
+        return ["dcp/.metadata"] + [f"dcp/__{r}_*.distcp" for r in range(self.world_size)]
+
+    def load_state(self, model: nn.Module, optimizer, directory: str, saved_world_size: int) -> None:
+        """Load the DCP shards into this run's sharding; torch.distributed.checkpoint reshards, so
+        the saved world size may differ from this one."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=os.path.join(directory, "dcp"))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def replicated_tensors(self, model: nn.Module):
+        return list(model.named_buffers())  # parameters are sharded DTensors
 
     def barrier(self) -> None:
         torch.distributed.barrier()

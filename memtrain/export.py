@@ -1,0 +1,136 @@
+"""Consolidated model export, from a live run or from any engine's checkpoint.
+
+    memtrain export OUTPUT_DIR/checkpoints/step_00000100 OUT_DIR
+    python -m memtrain.export OUTPUT_DIR/checkpoints/step_00000100 OUT_DIR
+
+writes ``OUT_DIR/model.safetensors`` (sharded with ``model.safetensors.index.json`` past
+``--max_shard_size``) and, for transformers models, ``config.json`` (and the tokenizer when the
+checkpoint holds it), so ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads it.
+The weights are read with the engine's own format: safetensors (DDP),
+torch.distributed.checkpoint (FSDP2, read without a process group), DeepSpeed's
+``zero_to_fp32`` (ZeRO 1/2/3), all on CPU in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+from typing import Optional
+
+import torch
+from torch import nn
+
+from memtrain.weights import load_into, load_weights, save_weights
+
+log = logging.getLogger("memtrain")
+
+
+def export_model(model: nn.Module, state_dict: dict[str, torch.Tensor], directory: str, tokenizer=None,
+                 max_shard_size: str = "5GB") -> None:
+    """Write ``directory/model.safetensors`` (+ ``config.json`` and the tokenizer for transformers
+    models), via a temporary directory renamed into place so a failed export never leaves a
+    half-written model. Call on one process only.
+
+    Args:
+        model: the unwrapped module (for its class and transformers config).
+        state_dict: the full (gathered) weights, on CPU.
+        directory: target directory (replaced).
+        tokenizer: a ``transformers`` tokenizer saved beside the model, or None.
+        max_shard_size: larger models are split into shards plus an index JSON.
+    """
+    tmp = directory.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(tmp, state_dict=state_dict, max_shard_size=max_shard_size)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    else:
+        save_weights(state_dict, tmp, max_shard_size)
+    shutil.rmtree(directory, ignore_errors=True)
+    os.replace(tmp, directory)
+
+
+def checkpoint_weights(path: str, manifest: dict) -> dict[str, torch.Tensor]:
+    """The full model weights (CPU, fp32 for DeepSpeed) of a verified checkpoint, in one process.
+
+    Raises:
+        memtrain.checkpoint.CheckpointError: an unknown checkpoint format.
+    """
+    fmt = manifest["checkpoint_format"]
+    if fmt == "safetensors":
+        return load_weights(path)
+    if fmt == "deepspeed":
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return dict(get_fp32_state_dict_from_zero_checkpoint(path, tag="zero"))
+    if fmt == "dcp":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        metadata = dcp.FileSystemReader(os.path.join(path, "dcp")).read_metadata()
+        state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+                 for key, meta in metadata.state_dict_metadata.items()
+                 if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+        dcp.load(state, checkpoint_id=os.path.join(path, "dcp"), no_dist=True)
+        return {key[len("model."):]: value for key, value in state.items()}
+    from memtrain.checkpoint import CheckpointError
+
+    raise CheckpointError(f"{path}: unknown checkpoint_format '{fmt}' in its manifest")
+
+
+def export_checkpoint(path: str, out: str, max_shard_size: str = "5GB") -> str:
+    """Export checkpoint ``path`` (a ``step_XXXXXXXX`` directory, or a run's ``checkpoints``
+    directory, meaning its ``latest``) to ``out``.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        memtrain.checkpoint.CheckpointError: the checkpoint is incomplete or corrupt (named file).
+    """
+    from memtrain.checkpoint import LATEST, verify
+    from memtrain.config import Config, _to_dataclass
+    from memtrain.models import build_model
+
+    if os.path.isfile(os.path.join(path, LATEST)):
+        with open(os.path.join(path, LATEST)) as fh:
+            path = os.path.join(path, fh.read().strip())
+    manifest = verify(path)
+    cfg = _to_dataclass(Config, manifest["config"])
+    state = checkpoint_weights(path, manifest)
+    model = build_model(cfg.model, manifest["vocab_size"])
+    load_into(model, state)
+    tokenizer = None
+    if hasattr(model, "save_pretrained") and os.path.isdir(os.path.join(path, "tokenizer")):
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(os.path.join(path, "tokenizer"))
+    export_model(model, model.state_dict(), out, tokenizer, max_shard_size)
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``memtrain export CKPT OUT``; returns the exit status (2 for a refused checkpoint)."""
+    from memtrain.checkpoint import CheckpointError
+
+    parser = argparse.ArgumentParser(prog="memtrain export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="a checkpoints/step_XXXXXXXX directory (or checkpoints/ for its latest)")
+    parser.add_argument("out", help="directory to write model.safetensors and config.json into")
+    parser.add_argument("--max_shard_size", default="5GB", help="split larger models into shards (default 5GB)")
+    args = parser.parse_args(argv)
+    try:
+        out = export_checkpoint(args.checkpoint, args.out, args.max_shard_size)
+    except CheckpointError as exc:
+        print(f"memtrain export: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({"exported": out, "files": sorted(os.listdir(out))}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""Crash-safe checkpoints and exact resume on 2 CPU ranks (gloo, fp32) under DDP, FSDP2, ZeRO-2
+and ZeRO-3: an interrupted-and-resumed run trains bitwise like one that never stopped."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from conftest import launch, read_metrics, tiny_args
+
+pytestmark = pytest.mark.slow
+STEPS = 16
+CKPT = ["--training.max_steps", str(STEPS), "--checkpoint.every_steps", "3", "--checkpoint.keep_last", "2"]
+ENGINES = {
+    "ddp": ["--backend.name", "ddp"],
+    "fsdp": ["--backend.name", "fsdp"],
+    "zero2": ["--backend.name", "deepspeed", "--backend.zero_stage", "2"],
+    "zero3": ["--backend.name", "deepspeed", "--backend.zero_stage", "3"],
+}
+EXACT = ("step", "loss", "lr", "grad_norm", "batch_fingerprint")
+_continuous: dict = {}
+
+
+def continuous(engine, tmp_path_factory, cache_dir):
+    """The uninterrupted 16-step run of ``engine`` (one per session)."""
+    if engine not in _continuous:
+        out = tmp_path_factory.mktemp(f"continuous_{engine}")
+        launch(tiny_args(out, cache_dir, *CKPT, *ENGINES[engine]))
+        _continuous[engine] = out
+    return _continuous[engine]
+
+
+def assert_bitwise_from(records, base, first_step):
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # each step exactly once
+    for r, b in zip(records[first_step - 1:], base[first_step - 1:]):
+        for key in EXACT:
+            assert r[key] == b[key], (r["step"], key, r[key], b[key])
+
+
+def checkpoint_steps(out):
+    return sorted(int(n[5:]) for n in os.listdir(out / "checkpoints") if n.startswith("step_"))
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("where", ["after_step", "mid_step"])
+def test_killed_and_resumed_run_is_bitwise_identical(tmp_path, tmp_path_factory, cache_dir, engine, where):
+    base = read_metrics(continuous(engine, tmp_path_factory, cache_dir))
+    kill = ["--faults.kill_at_step", "7"] + (["--faults.kill_mid_step", "true"] if where == "mid_step" else [])
+    killed = launch(tiny_args(tmp_path, cache_dir, *CKPT, *ENGINES[engine], *kill), check=False)
+    assert killed.returncode != 0
+    assert checkpoint_steps(tmp_path) == [3, 6]
+    assert read_metrics(tmp_path)[-1]["step"] == (7 if where == "after_step" else 6)
+    launch(tiny_args(tmp_path, cache_dir, *CKPT, *ENGINES[engine]))  # resume: auto
+    records = read_metrics(tmp_path)
+    assert records[6]["event"].startswith("resume")  # step 7 is the first resumed step
+    assert_bitwise_from(records, base, 7)
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_kill_during_save_then_corrupt_newest_falls_back(tmp_path, tmp_path_factory, cache_dir, engine):
+    """A save killed half-way leaves no checkpoint (its temporary directory is removed on start);
+    a corrupted file in the newest complete checkpoint is refused by name; resume: auto takes the
+    one before, and the run still ends exactly like the continuous one."""
+    base = read_metrics(continuous(engine, tmp_path_factory, cache_dir))
+    killed = launch(tiny_args(tmp_path, cache_dir, *CKPT, *ENGINES[engine], "--faults.kill_during_save", "9"),
+                    check=False)
+    assert killed.returncode != 0
+    assert checkpoint_steps(tmp_path) == [3, 6]
+    assert (tmp_path / "checkpoints" / ".tmp-step_00000009").is_dir()  # the half-written save
+    newest = tmp_path / "checkpoints" / "step_00000006"
+    victim = max((p for p in newest.rglob("*") if p.is_file() and p.name != "manifest.json"),
+                 key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    resumed = launch(tiny_args(tmp_path, cache_dir, *CKPT, *ENGINES[engine]))
+    assert str(victim) in resumed.stderr and "corrupt" in resumed.stderr
+    assert ".tmp-step_00000009" in resumed.stderr  # named when removed
+    records = read_metrics(tmp_path)
+    assert "resume" in records[3]["event"] and records[3]["plan_changes"][0]["from"].endswith("step_00000003")
+    assert_bitwise_from(records, base, 4)
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_export_round_trip(tmp_path, tmp_path_factory, cache_dir, engine):
+    """``memtrain export`` of the final checkpoint loads with transformers and gives the same
+    logits as the model the run exported itself."""
+    from transformers import AutoModelForCausalLM
+
+    from memtrain.export import main as export_main
+
+    out = continuous(engine, tmp_path_factory, cache_dir)
+    assert checkpoint_steps(out) == [15, 16]  # keep_last 2; the last step is always saved
+    assert export_main([str(out / "checkpoints"), str(tmp_path / "exported")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    trained = AutoModelForCausalLM.from_pretrained(out / "model")
+    ids = torch.randint(0, exported.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, trained(ids).logits, rtol=0, atol=0)
+
+
+def test_export_refuses_corrupt_checkpoint(tmp_path, tmp_path_factory, cache_dir):
+    from memtrain.export import main as export_main
+
+    ckpt = tmp_path / "step"
+    shutil.copytree(continuous("ddp", tmp_path_factory, cache_dir) / "checkpoints" / "step_00000016", ckpt)
+    (ckpt / "optimizer.pt").write_bytes(b"garbage")
+    assert export_main([str(ckpt), str(tmp_path / "exported")]) == 2
+    assert not (tmp_path / "exported").exists()
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_resume_two_rank_checkpoint_on_one_rank(tmp_path, tmp_path_factory, cache_dir, engine):
+    """The cursor is world-size independent: a 2-rank checkpoint resumed by 1 rank (same global
+    batch) continues with the same samples and the same losses (to float summation order)."""
+    base = read_metrics(continuous(engine, tmp_path_factory, cache_dir))
+    shutil.copytree(continuous(engine, tmp_path_factory, cache_dir) / "checkpoints" / "step_00000015",
+                    tmp_path / "from")
+    launch(tiny_args(tmp_path / "run", cache_dir, *CKPT, *ENGINES[engine], "--resume", str(tmp_path / "from")), nproc=1)
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == [16]
+    assert records[0]["batch_fingerprint"] == base[15]["batch_fingerprint"]
+    assert records[0]["loss"] == pytest.approx(base[15]["loss"], rel=1e-5)
+
+
+def test_deepspeed_refuses_another_world_size(tmp_path, tmp_path_factory, cache_dir):
+    src = continuous("zero2", tmp_path_factory, cache_dir) / "checkpoints" / "step_00000015"
+    proc = launch(tiny_args(tmp_path, cache_dir, *CKPT, *ENGINES["zero2"], "--resume", str(src)), nproc=1, check=False)
+    assert proc.returncode == 4
+    assert "written by 2 ranks cannot be resumed on 1" in proc.stderr
+
+
+def test_explicit_corrupt_checkpoint_is_refused_by_name(tmp_path, tmp_path_factory, cache_dir):
+    ckpt = tmp_path / "step"
+    shutil.copytree(continuous("ddp", tmp_path_factory, cache_dir) / "checkpoints" / "step_00000015", ckpt)
+    victim = ckpt / "model.safetensors"
+    victim.write_bytes(victim.read_bytes()[:-7])
+    proc = launch(tiny_args(tmp_path / "run", cache_dir, *CKPT, "--resume", str(ckpt)), nproc=1, check=False)
+    assert proc.returncode == 4
+    assert f"{victim} has" in proc.stderr and "truncated" in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "run")
+
+
+def test_manifest_lists_every_file_with_checksum(tmp_path_factory, cache_dir):
+    ckpt = continuous("fsdp", tmp_path_factory, cache_dir) / "checkpoints" / "step_00000016"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    on_disk = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file() and p.name != "manifest.json")
+    assert sorted(manifest["files"]) == on_disk
+    assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "rank_00000.pt", "rank_00001.pt"} <= set(on_disk)
+    assert manifest["world_size"] == 2 and manifest["backend"] == "fsdp" and manifest["step"] == 16
+    assert (ckpt.parent / "latest").read_text().strip() == "step_00000016"
+
+
+def test_rank_divergent_buffer_is_named_at_save(tmp_path, cache_dir):
+    proc = launch(tiny_args(tmp_path, cache_dir, "--training.max_steps", "2", "--checkpoint.every_steps", "2",
+                            "--backend.name", "fsdp", "--model.factory", "toy_models:make_rank_local_stats", model=False))
+    assert "replicated tensor(s) differ between ranks, first: buffer input_stats" in proc.stderr
+
+
+def test_sigterm_saves_and_resume_matches(tmp_path, tmp_path_factory, cache_dir):
+    """SIGTERM (as SLURM/Kubernetes send) to the launcher: the ranks finish the step, save it and
+    stop; rerunning the command continues exactly."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO, TRAIN
+
+    base = read_metrics(continuous("ddp", tmp_path_factory, cache_dir))
+    args = tiny_args(tmp_path, cache_dir, *CKPT, *ENGINES["ddp"], "--checkpoint.every_steps", "0")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "tests")}
+    proc = subprocess.Popen([sys.executable, TRAIN, *args], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    stopped = read_metrics(tmp_path)[-1]["step"]
+    assert stopped < STEPS and checkpoint_steps(tmp_path) == [stopped]
+    assert "SIGTERM" in err
+    launch(tiny_args(tmp_path, cache_dir, *CKPT, *ENGINES["ddp"]), nproc=1)
+    # one process here, two in the baseline: same samples, same losses to summation order
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert [r["batch_fingerprint"] for r in records] == [b["batch_fingerprint"] for b in base]
+    for r, b in zip(records, base):
+        assert r["loss"] == pytest.approx(b["loss"], rel=1e-5)
