@@ -208,7 +208,11 @@ class Checkpointer:
         self.root = os.path.join(cfg.output_dir, "checkpoints")
         self.config_dict = to_dict(cfg)
         self._pending: Optional[tuple] = None  # (tmp dir, step, future, manifest extras) of an async save
+        self.report = log.info  # where "saved …" lines go (the loop points it at the progress bar)
         self.preemption = Preemption(backend)
+        if cfg.checkpoint.async_save and backend.checkpoint_format != "dcp" and backend.is_main:
+            log.warning("memtrain: checkpoint.async_save applies to backend.name fsdp only; %s saves synchronously",
+                        backend.name)
         self._clean_stale()
 
     # -- agreement helpers -------------------------------------------------------------------
@@ -410,9 +414,8 @@ class Checkpointer:
             future.result()
         if self.backend.world_size > 1:
             dist.barrier()
-        path = self._on_main(self._commit, tmp, step, extras)
-        if self.backend.is_main:
-            log.info("memtrain: saved %s in %.2f s", path, time.perf_counter() - start)
+        path, size = self._on_main(self._commit, tmp, step, extras)
+        self.report(f"memtrain: saved {path} ({size / 2**20:.1f} MiB) in {time.perf_counter() - start:.2f} s")
 
     def _commit(self, tmp: str, step: int, extras: dict) -> str:
         """Rank 0 only, no collectives: check, manifest, fsync, rename, ``latest``, retention."""
@@ -454,7 +457,7 @@ class Checkpointer:
         os.replace(latest_tmp, os.path.join(self.root, LATEST))
         _fsync(self.root)
         self._retain(final)
-        return final
+        return final, sum(f["bytes"] for f in files.values())
 
     def _retain(self, newest: str) -> None:
         """Delete complete checkpoints older than the newest ``keep_last`` (never ``newest``, and

@@ -261,15 +261,19 @@ def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunR
     resume_from = checkpointer.resume_path()
     start_step, state = 0, {}
     if resume_from is not None:
+        load_start = time.perf_counter()
         state = checkpointer.load(resume_from, model, optimizer, scheduler, controller)
+        load_seconds = time.perf_counter() - load_start
         start_step = state["step"]
         evaluate.micro_batch_size = state["eval_micro_batch_size"]
     if controller.activation_checkpointing:
         set_activation_checkpointing()
     metrics = MetricsLogger(cfg.output_dir, backend.is_main, t.max_steps, initial_step=start_step,
                             keep_until_step=start_step if resume_from is not None else None)
+    checkpointer.report = metrics.message
     if resume_from is not None:
-        metrics.message(f"memtrain: resumed from {resume_from} at step {start_step}, plan {controller.plan}")
+        metrics.message(f"memtrain: resumed from {resume_from} at step {start_step} (loaded in {load_seconds:.2f} s), "
+                        f"plan {controller.plan}")
     metrics.message(f"memtrain: {backend.name} × {backend.world_size} rank(s) on {backend.device}, {backend.precision}, "
                     f"{n_params / 1e6:.2f}M parameters, {len(corpus.train)} training samples of {cfg.data.seq_len} "
                     f"tokens, plan {controller.plan} (micro-batch × accumulation)")

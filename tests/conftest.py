@@ -26,6 +26,7 @@ TINY_BASE_ARGS = [
     "--data.max_bytes", "300000", "--data.vocab_size", "512", "--data.seq_len", "32",
     "--training.global_batch_size", "8", "--training.micro_batch_size", "2",
     "--training.warmup_steps", "2", "--training.eval_every", "0", "--training.eval_samples", "8",
+    "--checkpoint.every_steps", "0",  # tests that need checkpoints turn them on
 ]
 TINY_ARGS = TINY_BASE_ARGS + TINY_MODEL_ARGS
 

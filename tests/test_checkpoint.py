@@ -4,6 +4,7 @@ and ZeRO-3: an interrupted-and-resumed run trains bitwise like one that never st
 import json
 import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -127,7 +128,8 @@ def test_resume_two_rank_checkpoint_on_one_rank(tmp_path, tmp_path_factory, cach
 
 def test_deepspeed_refuses_another_world_size(tmp_path, tmp_path_factory, cache_dir):
     src = continuous("zero2", tmp_path_factory, cache_dir) / "checkpoints" / "step_00000015"
-    proc = launch(tiny_args(tmp_path, cache_dir, *CKPT, *ENGINES["zero2"], "--resume", str(src)), nproc=1, check=False)
+    proc = launch(tiny_args(tmp_path, cache_dir, *CKPT, *ENGINES["zero2"], "--resume", str(src)),
+                  launcher=[sys.executable], check=False)
     assert proc.returncode == 4
     assert "written by 2 ranks cannot be resumed on 1" in proc.stderr
 
@@ -137,7 +139,8 @@ def test_explicit_corrupt_checkpoint_is_refused_by_name(tmp_path, tmp_path_facto
     shutil.copytree(continuous("ddp", tmp_path_factory, cache_dir) / "checkpoints" / "step_00000015", ckpt)
     victim = ckpt / "model.safetensors"
     victim.write_bytes(victim.read_bytes()[:-7])
-    proc = launch(tiny_args(tmp_path / "run", cache_dir, *CKPT, "--resume", str(ckpt)), nproc=1, check=False)
+    proc = launch(tiny_args(tmp_path / "run", cache_dir, *CKPT, "--resume", str(ckpt)), launcher=[sys.executable],
+                  check=False)
     assert proc.returncode == 4
     assert f"{victim} has" in proc.stderr and "truncated" in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "run")
@@ -164,7 +167,6 @@ def test_sigterm_saves_and_resume_matches(tmp_path, tmp_path_factory, cache_dir)
     stop; rerunning the command continues exactly."""
     import signal
     import subprocess
-    import sys
     import time
 
     from conftest import REPO, TRAIN
@@ -191,3 +193,19 @@ def test_sigterm_saves_and_resume_matches(tmp_path, tmp_path_factory, cache_dir)
     assert [r["batch_fingerprint"] for r in records] == [b["batch_fingerprint"] for b in base]
     for r, b in zip(records, base):
         assert r["loss"] == pytest.approx(b["loss"], rel=1e-5)
+
+
+def test_fsdp_async_save_resumes_exactly(tmp_path, tmp_path_factory, cache_dir):
+    """checkpoint.async_save (FSDP2: torch.distributed.checkpoint.async_save in the background,
+    committed once every rank's write finished) trains and resumes like synchronous saving."""
+    base = read_metrics(continuous("fsdp", tmp_path_factory, cache_dir))
+    args = [*CKPT, *ENGINES["fsdp"], "--checkpoint.async_save", "true"]
+    killed = launch(tiny_args(tmp_path, cache_dir, *args, "--faults.kill_at_step", "8"), check=False)
+    assert killed.returncode != 0
+    committed = checkpoint_steps(tmp_path)
+    assert committed and committed[-1] in (3, 6)  # step 6's write commits at step 7 or 8 when done
+    launch(tiny_args(tmp_path, cache_dir, *args))
+    records = read_metrics(tmp_path)
+    assert_bitwise_from(records, base, 1)
+    manifest = json.loads((tmp_path / "checkpoints" / "step_00000016" / "manifest.json").read_text())
+    assert "dcp/.metadata" in manifest["files"]
