@@ -25,9 +25,13 @@ def enable_activation_checkpointing(model: nn.Module, blocks: list[nn.Module], e
     Returns:
         Number of blocks checkpointed.
     """
-    if hasattr(model, "gradient_checkpointing_enable") and getattr(model, "supports_gradient_checkpointing", False):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return len(blocks)
+    if getattr(model, "supports_gradient_checkpointing", False):
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5: every n-th layer
+            model.activation_checkpointing_enable({"use_reentrant": False}, every_n_layers=every)
+            return len(blocks[::every])
+        if every == 1:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            return len(blocks)
     chosen = blocks[::every]
     for block in chosen:
         if not getattr(block, "_memtrain_checkpointed", False):

@@ -93,6 +93,9 @@ class TrainingConfig:
     """Validation samples per evaluation (the first ones of the validation split)."""
     log_every: int = 1
     """Progress-bar refresh period in steps (metrics.jsonl always gets every step)."""
+    max_nonfinite_steps: int = 10
+    """A non-finite loss or gradient norm skips that optimizer step on every rank; after this
+    many consecutive skips the run stops (the last good checkpoint is left as it was)."""
 
 
 @dataclass
@@ -133,6 +136,9 @@ class MemoryConfig:
     cuda_memory_cap_gib: float = 0.0
     """Cap this process's CUDA memory (torch.cuda.set_per_process_memory_fraction) to this many
     GiB, to reproduce a smaller GPU; 0 = no cap. Ignored on CPU."""
+    checkpoint_every: int = 1
+    """With activation checkpointing on: checkpoint every k-th block (1 = all; 2 = half the
+    blocks, less recompute, more memory)."""
     grow_back_window: int = 50
     """After this many OOM-free optimizer steps, try the previous (2×) micro-batch again; the
     window doubles after each failed try. 0 = never grow back."""
@@ -150,6 +156,11 @@ class FaultsConfig:
     """Raise from the first block's forward pre-hook, from its backward, or in evaluation forwards."""
     oom_until_step: int = 0
     """Inject only up to this optimizer step (0 = for the whole run); lets a test watch grow-back."""
+    nan_at_step: int = 0
+    """Make this optimizer step's loss (and so its gradients) NaN on every rank, by poisoning
+    the first block's input in training forwards; 0 = off."""
+    nan_steps: int = 1
+    """With ``nan_at_step``: how many consecutive steps are poisoned."""
     kill_at_step: int = 0
     """End the process with ``os._exit(137)`` right after this optimizer step (after its
     checkpoint, if one is due); 0 = off."""
@@ -354,6 +365,10 @@ def validate(cfg: Config, world_size: int) -> None:
     if ds is not None and cfg.backend.name not in ("auto", "deepspeed"):
         raise ConfigError("backend.deepspeed_config", f"is set but backend.name is '{cfg.backend.name}'; "
                           "use backend.name deepspeed (or auto), or drop the DeepSpeed config")
+    if cfg.memory.checkpoint_every < 1:
+        raise ConfigError("memory.checkpoint_every", f"must be >= 1 (1 = every block), got {cfg.memory.checkpoint_every}")
+    if t.max_nonfinite_steps < 1:
+        raise ConfigError("training.max_nonfinite_steps", f"must be >= 1, got {t.max_nonfinite_steps}")
     ck = cfg.checkpoint
     if ck.every_steps < 0:
         raise ConfigError("checkpoint.every_steps", f"must be >= 0 (0 = only on a preemption signal), got {ck.every_steps}")

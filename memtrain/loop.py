@@ -34,6 +34,7 @@ from memtrain.checkpoint import Checkpointer
 from memtrain.export import export_model
 from memtrain.metrics import MetricsLogger
 from memtrain.models import count_parameters, logits_of
+from memtrain.precision import NonFiniteGuard
 
 log = logging.getLogger("memtrain")
 
@@ -253,7 +254,7 @@ def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunR
     faults.install(blocks)  # after wrapping, so its agreement hooks run before the engine's collectives
 
     def set_activation_checkpointing() -> None:
-        enable_activation_checkpointing(backend.unwrap(model), blocks)
+        enable_activation_checkpointing(backend.unwrap(model), blocks, cfg.memory.checkpoint_every)
         faults.activation_checkpointing = True
 
     evaluate = Evaluator(backend, corpus, t.eval_samples, t.micro_batch_size, sync)
@@ -284,6 +285,8 @@ def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunR
         initial_val_loss, val_loss = state["initial_val_loss"], state["val_loss"]
         tokens_seen, first_loss, last_loss = state["tokens_seen"], state["first_loss"], state["last_loss"]
     records: list[dict[str, Any]] = []
+    guard = NonFiniteGuard(t.max_nonfinite_steps)
+    guard.streak = state.get("nonfinite_streak", 0)
     preempted = None
     run_start = time.perf_counter()
     for step in range(start_step + 1, t.max_steps + 1):
@@ -312,7 +315,14 @@ def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunR
                           + ". To fit: use backend.name deepspeed with backend.zero_stage 3 or backend.name fsdp, "
                           "backend.offload optimizer, memory.activation_checkpointing on/auto, or a shorter "
                           "data.seq_len.") from None
-        grad_norm = backend.clip_and_step(model, optimizer, t.max_grad_norm)
+        loss = float(loss_sum / tokens)
+        # the non-finite guard: loss and norm are global, so every rank skips the same steps
+        grad_norm = backend.clip_and_step(model, optimizer, t.max_grad_norm, skip=not math.isfinite(loss))
+        if guard.update(step, loss, grad_norm):
+            events.append({"event": "nonfinite_skip", "step": step, "loss": loss, "grad_norm": grad_norm,
+                           "consecutive": guard.streak})
+            log.warning("memtrain: rank %d, step %d: non-finite loss %s / grad_norm %s: optimizer step skipped "
+                        "(%d in a row)", backend.rank, step, loss, grad_norm, guard.streak)
         scheduler.step()
         tokens_seen += int(tokens)
         plan = controller.plan  # the plan that completed this step
@@ -322,13 +332,15 @@ def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunR
             on_change(grown, [])
 
         record = {
-            "step": step, "epoch": cursor.epoch, "loss": float(loss_sum / tokens), "lr": lr, "grad_norm": grad_norm,
+            "step": step, "epoch": cursor.epoch, "loss": loss, "lr": lr, "grad_norm": grad_norm,
             "micro_batch_size": plan.micro_batch_size, "gradient_accumulation_steps": plan.gradient_accumulation_steps,
             "global_batch_size": t.global_batch_size, "samples_seen": step * t.global_batch_size,
             "tokens_seen": tokens_seen, "tokens_per_s": float(tokens) / (time.perf_counter() - step_start),
             "peak_memory_bytes": peak_memory_bytes(backend.device), "elapsed_s": time.perf_counter() - run_start,
             "batch_fingerprint": batch_fingerprint(sampler.global_batch(cursor)),
         }
+        if backend.loss_scale() is not None:
+            record["loss_scale"] = backend.loss_scale()
         if step == t.max_steps or (t.eval_every and step % t.eval_every == 0):
             val_loss = record["val_loss"] = evaluate(model)
         events += [{**e, "step": step} for e in evaluate.events]  # incl. the evaluation before step 1
@@ -348,7 +360,7 @@ def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunR
             "step": step, "epoch": cursor.epoch, "samples_seen": record["samples_seen"],
             "tokens_seen": tokens_seen, "first_loss": first_loss, "last_loss": last_loss,
             "initial_val_loss": initial_val_loss, "val_loss": val_loss,
-            "eval_micro_batch_size": evaluate.micro_batch_size})
+            "eval_micro_batch_size": evaluate.micro_batch_size, "nonfinite_streak": guard.streak})
         faults.after_step()
         if preempted:
             metrics.message(f"memtrain: {preempted}: saved step {step} and stopping; rerun the same command to resume")

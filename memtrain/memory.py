@@ -197,6 +197,23 @@ class FaultInjector:
         if self.sync.in_hooks and where != "eval":  # evaluation agrees once per micro-batch
             self.sync.checkpoint()
 
+    def _poisoned(self) -> bool:
+        f = self.faults
+        return f.nan_at_step > 0 and f.nan_at_step <= self.step < f.nan_at_step + f.nan_steps
+
+    @staticmethod
+    def _poison(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``faults.nan_at_step``: the block's first floating-point input times NaN, so the loss
+        and every gradient upstream of the block become NaN, as a real overflow would."""
+        args = list(args)
+        for container in (args, kwargs):
+            keys = range(len(container)) if isinstance(container, list) else list(container)
+            for k in keys:
+                if isinstance(container[k], torch.Tensor) and container[k].is_floating_point():
+                    container[k] = container[k] * float("nan")
+                    return tuple(args), kwargs
+        return tuple(args), kwargs
+
     def after_micro_batch(self, index: int) -> None:
         """``faults.kill_at_step`` with ``kill_mid_step``: end the process after the first
         micro-batch's backward of that step (in the middle of gradient accumulation)."""
@@ -226,6 +243,9 @@ class FaultInjector:
                 h = first_tensor(args) if args else first_tensor(next(iter(kwargs.values()), None))
                 if h is not None:
                     self._at_block("forward" if torch.is_grad_enabled() else "eval", first, h.shape)
+                if first and torch.is_grad_enabled() and self._poisoned():
+                    return self._poison(args, kwargs)
+                return None
 
             def post(module, args, output, first=i == 0):
                 h = first_tensor(output)

@@ -51,3 +51,42 @@ def resolve_precision(requested: str, device_type: str, **probe) -> str:
     if requested != "auto":
         return requested
     return "bf16" if device_supports_bf16(device_type, **probe) else "fp32"
+
+
+class NonFiniteStop(RuntimeError):
+    """Too many consecutive optimizer steps had a non-finite loss or gradient norm."""
+
+
+class NonFiniteGuard:
+    """Counts consecutive optimizer steps skipped for a non-finite loss or gradient norm.
+
+    The loss and the gradient norm it looks at are global (all-reduced over ranks), so every rank
+    reaches the same decision without another collective.
+
+    Args:
+        max_consecutive: ``training.max_nonfinite_steps``; reaching it raises :class:`NonFiniteStop`.
+    """
+
+    def __init__(self, max_consecutive: int):
+        self.max_consecutive = max_consecutive
+        self.streak = 0
+
+    def update(self, step: int, loss: float, grad_norm: float) -> bool:
+        """Record one step's outcome; returns True when the step was skipped.
+
+        Raises:
+            NonFiniteStop: the ``max_consecutive``-th consecutive skip.
+        """
+        import math
+
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            self.streak = 0
+            return False
+        self.streak += 1
+        if self.streak >= self.max_consecutive:
+            raise NonFiniteStop(
+                f"{self.streak} consecutive steps (up to step {step}) had a non-finite loss or gradient norm "
+                f"(last: loss {loss}, grad_norm {grad_norm}); stopping (training.max_nonfinite_steps = "
+                f"{self.max_consecutive}). The last checkpoint holds the last good weights. Try a lower training.lr, "
+                "precision bf16 or fp32 instead of fp16, or training.max_grad_norm")
+        return True

@@ -68,14 +68,20 @@ def main(argv: Optional[list[str]] = None):
 def cli() -> None:
     """Console entry point (``memtrain export …`` goes to :mod:`memtrain.export`): exit 2 with
     the message on a config error, 3 when out of memory at the plan floor (the message holds the
-    memory report), 4 when a checkpoint cannot be saved or resumed."""
+    memory report), 4 when a checkpoint cannot be saved or resumed, 5 after too many consecutive
+    non-finite steps."""
     from memtrain.memory import OOMStop
 
     if sys.argv[1:2] == ["export"]:  # memtrain export CKPT OUT
         from memtrain.export import main as export_main
 
         sys.exit(export_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["memory"]:  # memtrain memory --config ...
+        from memtrain.estimate import main as memory_main
+
+        sys.exit(memory_main(sys.argv[2:]))
     from memtrain.checkpoint import CheckpointError
+    from memtrain.precision import NonFiniteStop
 
     try:
         main()
@@ -88,6 +94,9 @@ def cli() -> None:
     except CheckpointError as exc:
         print(f"memtrain: checkpoint: {exc}", file=sys.stderr)
         sys.exit(4)
+    except NonFiniteStop as exc:
+        print(f"memtrain: {exc}", file=sys.stderr)
+        sys.exit(5)
 
 
 if __name__ == "__main__":

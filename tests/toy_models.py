@@ -95,3 +95,25 @@ class RankLocalStatsLM(TinyLM):
 
 def make_rank_local_stats(vocab_size: int, dim: int = 16) -> nn.Module:
     return RankLocalStatsLM(vocab_size, dim)
+
+
+class StackLM(nn.Module):
+    """Embedding → a ``ModuleList`` of residual MLP blocks (with dropout) → vocabulary projection:
+    a plain module whose repeated blocks activation checkpointing wraps."""
+
+    def __init__(self, vocab_size: int, dim: int = 32, layers: int = 4, dropout: float = 0.1):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Dropout(dropout),
+                                                  nn.Linear(4 * dim, dim)) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.head(h)
+
+
+def make_stack(vocab_size: int, dim: int = 32, layers: int = 4, dropout: float = 0.1) -> nn.Module:
+    return StackLM(vocab_size, dim, layers, dropout)

@@ -54,12 +54,21 @@ class Backend(Protocol):
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of a scalar loss (with loss scaling where the precision needs it)."""
 
-    def clip_and_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
+    def clip_and_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float,
+                      skip: bool = False) -> float:
         """Clip gradients to ``max_norm`` (0 = no clipping), step the optimizer, zero gradients.
 
+        The optimizer step is skipped (gradients and the engine's per-step state discarded) when
+        ``skip`` is set (a non-finite loss) or the global gradient norm is not finite; the
+        norm is the same on every rank, so all ranks skip together. An fp16 loss scaler still
+        updates its scale.
+
         Returns:
-            The global gradient L2 norm before clipping.
+            The global gradient L2 norm before clipping (nan when skipped before computing it).
         """
+
+    def loss_scale(self) -> "Optional[float]":
+        """The fp16 dynamic loss scale, or None when no loss scaling is used."""
 
     def set_plan(self, plan) -> None:
         """Adopt a new micro-batch plan (engines that track accumulation themselves)."""

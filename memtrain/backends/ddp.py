@@ -124,15 +124,24 @@ class DDPBackend:
     def backward(self, loss: torch.Tensor) -> None:
         self.accelerator.backward(loss)
 
-    def clip_and_step(self, model: nn.Module, optimizer, max_norm: float) -> float:
+    def clip_and_step(self, model: nn.Module, optimizer, max_norm: float, skip: bool = False) -> float:
         if not self._checked_unused:
             self._check_all_parameters_used(model)  # before the deferred reduction fills in zeros
         if self.defer_reduction:
             self._all_reduce_gradients(model)
-        norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
-        optimizer.step()
+        # unscales first under fp16; the norm of the all-reduced gradients is the same on every rank
+        norm = float(self.accelerator.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf))
+        scaler = getattr(self.accelerator, "scaler", None)
+        if not skip and math.isfinite(norm):
+            optimizer.step()  # with a scaler: scaler.step + scaler.update
+        elif scaler is not None:
+            scaler.update()  # an overflow lowers the scale (the inf check was recorded when unscaling)
         optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm
+
+    def loss_scale(self):
+        scaler = getattr(self.accelerator, "scaler", None)
+        return float(scaler.get_scale()) if scaler is not None else None
 
     def _check_all_parameters_used(self, model: nn.Module) -> None:
         """After the first step's backward: every trainable parameter got a gradient on every rank.

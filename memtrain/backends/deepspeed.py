@@ -218,11 +218,23 @@ class DeepSpeedBackend:
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)
 
-    def clip_and_step(self, model: nn.Module, optimizer, max_norm: float) -> float:
+    def clip_and_step(self, model: nn.Module, optimizer, max_norm: float, skip: bool = False) -> float:
+        if skip:  # a non-finite loss: drop the reduced/partitioned gradients like after an OOM
+            self.reset_after_oom(model)
+            return float("nan")
         self.engine.set_gradient_accumulation_boundary(True)
-        self.engine.step()  # clips to gradient_clipping, steps, zeroes gradients
+        # clips to gradient_clipping, steps, zeroes gradients; ZeRO itself skips the step when
+        # the gradients overflow (and lowers the fp16 loss scale)
+        self.engine.step()
         norm = self.engine.get_global_grad_norm()
-        return float(norm) if norm is not None else float("nan")
+        norm = float(norm) if norm is not None else float("nan")
+        return norm if norm >= 0 else float("inf")  # DeepSpeed reports an overflow as -1
+
+    def loss_scale(self):
+        if self.precision != "fp16":
+            return None
+        scale = getattr(self.engine.optimizer, "loss_scale", None)
+        return float(scale) if scale is not None else None
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:

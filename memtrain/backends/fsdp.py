@@ -109,13 +109,18 @@ class FSDPBackend:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def clip_and_step(self, model: nn.Module, optimizer, max_norm: float) -> float:
+    def clip_and_step(self, model: nn.Module, optimizer, max_norm: float, skip: bool = False) -> float:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
-        if hasattr(norm, "full_tensor"):  # a DTensor: the norm of the sharded gradients
+        if hasattr(norm, "full_tensor"):  # a DTensor: the norm of the sharded gradients, same on every rank
             norm = norm.full_tensor()
-        optimizer.step()
+        norm = float(norm)
+        if not skip and math.isfinite(norm):
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm
+
+    def loss_scale(self):
+        return None  # fp16 is refused for FSDP2
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
