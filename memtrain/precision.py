@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from memtrain.config import ConfigError
+
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 
 
@@ -44,10 +46,15 @@ def resolve_precision(requested: str, device_type: str, **probe) -> str:
         **probe: ``cuda_capability`` / ``cpu_bf16`` overrides for :func:`device_supports_bf16`.
 
     Raises:
-        ValueError: ``requested`` is not a known precision (names ``precision`` and the choices).
+        ConfigError: ``requested`` is not a known precision (names ``precision`` and the choices),
+            or fp16 on CPU.
     """
     if requested not in PRECISIONS:
-        raise ValueError(f"precision: '{requested}' is not one of {', '.join(PRECISIONS)}")
+        raise ConfigError("precision", f"'{requested}' is not one of {', '.join(PRECISIONS)}")
+    if requested == "fp16" and device_type == "cpu":
+        # Accelerate would silently train in fp32 (no CPU fp16 autocast, no loss scaler)
+        raise ConfigError("precision", "fp16 needs a CUDA GPU (fp16 autocast with dynamic loss scaling); "
+                          "on CPU choose bf16, fp32 or auto")
     if requested != "auto":
         return requested
     return "bf16" if device_supports_bf16(device_type, **probe) else "fp32"

@@ -34,6 +34,13 @@ def test_unknown_precision_names_field():
         resolve_precision("fp8", "cpu")
 
 
+def test_fp16_on_cpu_is_refused_not_silently_fp32():
+    from memtrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match="precision.*fp16 needs a CUDA GPU"):
+        resolve_precision("fp16", "cpu")
+
+
 def test_guard_counts_consecutive_skips_only():
     guard = NonFiniteGuard(3)
     assert guard.update(1, math.nan, 1.0) and guard.update(2, 1.0, math.inf)
