@@ -209,6 +209,8 @@ class Checkpointer:
         self.config_dict = to_dict(cfg)
         self._pending: Optional[tuple] = None  # (tmp dir, step, future, manifest extras) of an async save
         self.report = log.info  # where "saved …" lines go (the loop points it at the progress bar)
+        self.events: list[dict] = []
+        """``checkpoint_saved`` events not yet written to metrics (the loop drains them)."""
         self.preemption = Preemption(backend)
         if cfg.checkpoint.async_save and backend.checkpoint_format != "dcp" and backend.is_main:
             log.warning("memtrain: checkpoint.async_save applies to backend.name fsdp only; %s saves synchronously",
@@ -353,6 +355,8 @@ class Checkpointer:
         every = self.cfg.checkpoint.every_steps
         if stop or (every and (step % every == 0 or last)):
             self.save(step, model, optimizer, scheduler, controller, state)
+        if stop or last:
+            self.finish()  # nothing left to overlap a background write with
         return (self.preemption.signal_name or "a stop signal on another rank") if stop else None
 
     def save(self, step: int, model: nn.Module, optimizer, scheduler, controller, state: dict[str, Any]) -> None:
@@ -395,7 +399,7 @@ class Checkpointer:
                 json.dump(trainer_state, fh, indent=1)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
-        self._pending = (tmp, step, future, extras, start)
+        self._pending = (tmp, step, future, extras, start, time.perf_counter() - start)
         if future is None:
             self.finish()
 
@@ -408,14 +412,20 @@ class Checkpointer:
         """Commit the pending save (waiting for an asynchronous write first); all ranks call."""
         if self._pending is None:
             return
-        tmp, step, future, extras, start = self._pending
+        tmp, step, future, extras, start, blocked = self._pending
         self._pending = None
+        wait_start = time.perf_counter()
         if future is not None:
             future.result()
         if self.backend.world_size > 1:
             dist.barrier()
         path, size = self._on_main(self._commit, tmp, step, extras)
-        self.report(f"memtrain: saved {path} ({size / 2**20:.1f} MiB) in {time.perf_counter() - start:.2f} s")
+        now = time.perf_counter()
+        blocked += now - wait_start  # the loop waits in save() and here, not while a background write runs
+        self.events.append({"event": "checkpoint_saved", "step": step, "path": path, "bytes": size,
+                            "save_s": now - start, "blocked_s": blocked, "async": future is not None})
+        self.report(f"memtrain: saved {path} ({size / 2**20:.1f} MiB) in {now - start:.2f} s "
+                    f"(training blocked {blocked:.2f} s)")
 
     def _commit(self, tmp: str, step: int, extras: dict) -> str:
         """Rank 0 only, no collectives: check, manifest, fsync, rename, ``latest``, retention."""

@@ -156,6 +156,8 @@ class FaultsConfig:
     """Raise from the first block's forward pre-hook, from its backward, or in evaluation forwards."""
     oom_until_step: int = 0
     """Inject only up to this optimizer step (0 = for the whole run); lets a test watch grow-back."""
+    oom_at_steps: Optional[list[int]] = None
+    """Inject OOMs only at these optimizer steps (rare long inputs: memory spikes); None = every step."""
     nan_at_step: int = 0
     """Make this optimizer step's loss (and so its gradients) NaN on every rank, by poisoning
     the first block's input in training forwards; 0 = off."""

@@ -343,15 +343,6 @@ def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunR
             record["loss_scale"] = backend.loss_scale()
         if step == t.max_steps or (t.eval_every and step % t.eval_every == 0):
             val_loss = record["val_loss"] = evaluate(model)
-        events += [{**e, "step": step} for e in evaluate.events]  # incl. the evaluation before step 1
-        evaluate.events.clear()
-        if step == start_step + 1 and resume_from is not None:
-            events.insert(0, {"event": "resume", "step": step, "from": resume_from})
-        if events:
-            record["event"] = ",".join(e["event"] for e in events)
-            record["plan_changes"] = events
-        records.append(record)
-        metrics.log_step(record, show=step % t.log_every == 0 or "val_loss" in record)
         first_loss = record["loss"] if first_loss is None else first_loss
         last_loss = record["loss"]
 
@@ -361,6 +352,17 @@ def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunR
             "tokens_seen": tokens_seen, "first_loss": first_loss, "last_loss": last_loss,
             "initial_val_loss": initial_val_loss, "val_loss": val_loss,
             "eval_micro_batch_size": evaluate.micro_batch_size, "nonfinite_streak": guard.streak})
+
+        if step == start_step + 1 and resume_from is not None:
+            events.insert(0, {"event": "resume", "step": step, "from": resume_from, "load_s": load_seconds})
+        for source in (evaluate.events, checkpointer.events):  # incl. the evaluation before step 1
+            events += [{**e, "step": step} for e in source]
+            source.clear()
+        if events:
+            record["event"] = ",".join(e["event"] for e in events)
+            record["plan_changes"] = events
+        records.append(record)
+        metrics.log_step(record, show=step % t.log_every == 0 or "val_loss" in record)
         faults.after_step()
         if preempted:
             metrics.message(f"memtrain: {preempted}: saved step {step} and stopping; rerun the same command to resume")

@@ -186,6 +186,8 @@ class FaultInjector:
             return False
         if f.oom_ranks is not None and self.rank not in f.oom_ranks:
             return False
+        if f.oom_at_steps is not None and self.step not in f.oom_at_steps:
+            return False
         held = tokens / self.num_blocks if self.activation_checkpointing else tokens
         return held > f.oom_above_tokens
 
@@ -228,8 +230,13 @@ class FaultInjector:
             kill(f"after step {self.step}")
 
     def install(self, blocks: list) -> None:
-        """Register the hooks on ``blocks`` (in forward order)."""
+        """Register the hooks on ``blocks`` (in forward order) — only when something needs them
+        (an OOM or NaN injection, or agreement points inside compute), so a plain DDP run pays
+        for no Python hook in its forward or backward."""
         self.num_blocks = max(1, len(blocks))
+        f = self.faults
+        if not (f.oom_above_tokens > 0 or f.nan_at_step > 0 or (self.sync.enabled and self.sync.in_hooks)):
+            return
 
         def first_tensor(x):
             if isinstance(x, torch.Tensor):

@@ -1,0 +1,136 @@
+"""What the benchmarks share: launching memtrain runs, reading their metrics, writing results.
+
+Every benchmark prints one JSON object per configuration to stdout, appends the same to
+``benchmarks/results/<name>-<device>.jsonl`` with ``--results``, and draws a PNG with ``--plot``
+(matplotlib, ``pip install -e '.[bench]'``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = str(REPO / "memtrain" / "train.py")
+RESULTS = REPO / "benchmarks" / "results"
+
+ENGINES = {
+    "ddp": ["--backend.name", "ddp"],
+    "fsdp": ["--backend.name", "fsdp"],
+    "zero2": ["--backend.name", "deepspeed", "--backend.zero_stage", "2"],
+    "zero3": ["--backend.name", "deepspeed", "--backend.zero_stage", "3"],
+}
+
+# CPU size: a ~0.4M-parameter GPT-2 on a 1 MB slice of the standard library (fp32)
+CPU_ARGS = [
+    "--config", str(REPO / "recipes" / "code_lm_tiny.yaml"), "--precision", "fp32",
+    "--data.max_bytes", "1000000", "--data.vocab_size", "1024", "--data.seq_len", "64",
+    "--model.config.n_layer", "4", "--model.config.n_embd", "64", "--model.config.n_head", "4",
+    "--model.config.n_positions", "64", "--training.warmup_steps", "2", "--training.eval_every", "0",
+    "--training.eval_samples", "8", "--checkpoint.every_steps", "0",
+]
+GPU_ARGS = ["--config", str(REPO / "recipes" / "code_lm_350m.yaml"), "--training.eval_every", "0",
+            "--training.eval_samples", "16", "--checkpoint.every_steps", "0"]
+
+
+def device_name(device: str) -> str:
+    """``cpu`` or the CUDA device's name, for result file names (``nvidia-h100-80gb-hbm3``)."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(0).lower().replace(" ", "-")
+    return "cpu"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunFailed(RuntimeError):
+    """A memtrain run exited non-zero (``returncode`` and the tail of stderr attached)."""
+
+    def __init__(self, returncode: int, stderr: str):
+        self.returncode, self.stderr = returncode, stderr
+        super().__init__(f"run failed ({returncode}): {stderr[-2000:]}")
+
+
+def run_memtrain(args: list[str], output_dir: str, nproc: int, timeout: float = 1800,
+                 env: Optional[dict] = None) -> list[dict]:
+    """Run ``memtrain/train.py`` with ``nproc`` ranks (torchrun; gloo on CPU) and return its
+    ``metrics.jsonl`` records.
+
+    Raises:
+        RunFailed: non-zero exit (e.g. 3 = out of memory at micro-batch 1).
+        subprocess.TimeoutExpired: the run took longer than ``timeout`` seconds.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(_free_port()), TRAIN, *args, "--output_dir", output_dir]
+    full_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+    if proc.returncode != 0:
+        raise RunFailed(proc.returncode, proc.stderr)
+    return read_metrics(output_dir)
+
+
+def read_metrics(output_dir: str) -> list[dict]:
+    with open(os.path.join(output_dir, "metrics.jsonl")) as fh:
+        return [json.loads(line) for line in fh]
+
+
+def step_times(records: list[dict]) -> list[float]:
+    """Seconds per optimizer step, from the ``elapsed_s`` of consecutive records."""
+    return [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(records, records[1:])]
+
+
+def tokens_per_s(records: list[dict]) -> float:
+    """Median tokens/s over ``records`` (per-step values, robust to one slow step)."""
+    return statistics.median(r["tokens_per_s"] for r in records) if records else float("nan")
+
+
+def scratch_dir(prefix: str) -> str:
+    return tempfile.mkdtemp(prefix=f"memtrain-bench-{prefix}-")
+
+
+def emit(name: str, device: str, result: dict, save: bool) -> None:
+    """Print one result as a JSON line; with ``save`` also append it to benchmarks/results/."""
+    line = json.dumps(result)
+    print(line, flush=True)
+    if save:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        with open(RESULTS / f"{name}-{device_name(device)}.jsonl", "a") as fh:
+            fh.write(line + "\n")
+
+
+def bar_chart(path: str, title: str, labels: list[str], series: dict[str, list[float]], ylabel: str) -> None:
+    """A grouped bar chart (PNG).
+
+    Raises:
+        SystemExit: matplotlib is not installed (``pip install -e '.[bench]'``).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install -e '.[bench]'") from None
+    fig, ax = plt.subplots(figsize=(1.6 * len(labels) + 3, 4))
+    width = 0.8 / max(1, len(series))
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar([x + i * width for x in range(len(labels))], values, width, label=name)
+    ax.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(labels))], labels)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

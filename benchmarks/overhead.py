@@ -1,0 +1,156 @@
+"""Loop overhead: what memtrain costs when nothing goes wrong.
+
+    python benchmarks/overhead.py --quick                      # CPU, 2 ranks, CI size (< 60 s)
+    python benchmarks/overhead.py --steps 30 --repeats 5 --results
+    python benchmarks/overhead.py --device cuda                # recipes/code_lm_350m.yaml on one GPU
+
+The same model, data, global batch, micro-batch and precision are trained by memtrain and by the
+plain Accelerate loop below (the loop Accelerate's documentation teaches: ``accumulate``,
+``backward``, ``clip_grad_norm_``, AdamW, a LambdaLR), alternating runs. Reported: the median
+step time of each, and the ratio memtrain / plain with min, median and max over repeats.
+Goal: ratio ≤ 1.02. memtrain's extra work per step: the OOM agreement (one small all-reduce
+per micro-batch), the global token count, the stop-signal check, and — with OOM recovery on —
+a gradient all-reduce after backward instead of one overlapped with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import CPU_ARGS, GPU_ARGS, REPO, _free_port, emit, run_memtrain, scratch_dir, step_times  # noqa: E402
+
+
+def plain_accelerate_loop(memtrain_args: list[str], out_file: str) -> None:
+    """A hand-written Accelerate training loop (runs under torchrun); writes its step times.
+
+    Only the model and the token blocks come from memtrain (so both loops train the same
+    thing); everything else is what a user writes from Accelerate's docs.
+    """
+    sys.path.insert(0, str(REPO))
+    import torch
+    import torch.nn.functional as F
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    from memtrain.config import parse_args
+    from memtrain.data import build_corpus
+    from memtrain.models import build_model
+    from memtrain.precision import resolve_precision
+
+    cfg = parse_args(memtrain_args)
+    t = cfg.training
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    accumulation = t.global_batch_size // (t.micro_batch_size * world)
+    cuda = torch.cuda.is_available()
+    precision = resolve_precision(cfg.precision, "cuda" if cuda else "cpu")
+    accelerator = Accelerator(cpu=not cuda, gradient_accumulation_steps=accumulation,
+                              mixed_precision="no" if precision == "fp32" else precision)
+    with accelerator.main_process_first():
+        corpus = build_corpus(cfg.data)
+    set_seed(t.seed)
+    model = build_model(cfg.model, corpus.tokenized.vocab_size)
+
+    class Blocks(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(corpus.train)
+
+        def __getitem__(self, i):
+            return {k: v[0] for k, v in corpus.train.batch([i]).items()}
+
+    loader = torch.utils.data.DataLoader(Blocks(), batch_size=t.micro_batch_size, shuffle=True, drop_last=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / t.warmup_steps))
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    model.train()
+    times, last, steps = [], time.perf_counter(), 0
+    while steps < t.max_steps:
+        for batch in loader:
+            with accelerator.accumulate(model):
+                logits = model(input_ids=batch["input_ids"]).logits
+                loss = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            if accelerator.sync_gradients:
+                loss.item()  # wait for the step, as memtrain's metrics do
+                now = time.perf_counter()
+                times.append(now - last)
+                last, steps = now, steps + 1
+                if steps >= t.max_steps:
+                    break
+    if accelerator.is_main_process:
+        with open(out_file, "w") as fh:
+            json.dump(times, fh)
+    accelerator.end_training()
+
+
+def run_plain(args: list[str], nproc: int) -> list[float]:
+    out = os.path.join(scratch_dir("plain"), "times.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(_free_port()), __file__, "--worker", out, "--", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"plain loop failed: {proc.stderr[-3000:]}")
+    with open(out) as fh:
+        times = json.load(fh)
+    shutil.rmtree(os.path.dirname(out), ignore_errors=True)
+    return times
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:  # inside torchrun: the plain loop
+        plain_accelerate_loop(argv[3:], argv[1])
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the median")
+    parser.add_argument("--nproc", type=int, default=None, help="ranks (CPU default 2, CUDA default 1)")
+    parser.add_argument("--quick", action="store_true", help="CI size: 8 steps, 2 repeats")
+    parser.add_argument("--results", action="store_true", help="append to benchmarks/results/overhead-<device>.jsonl")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.repeats = 8, 2
+    nproc = args.nproc or (2 if args.device == "cpu" else 1)
+    if args.device == "cuda":
+        base = GPU_ARGS + ["--precision", "bf16", "--training.global_batch_size", "64", "--training.micro_batch_size", "16"]
+    else:
+        base = CPU_ARGS + ["--training.global_batch_size", "32", "--training.micro_batch_size", "8"]
+    base = base + ["--training.max_steps", str(args.steps), "--backend.name", "ddp"]
+    plain_medians, memtrain_medians, ratios = [], [], []
+    for _ in range(args.repeats):  # alternate, so drift in machine load hits both alike
+        plain = statistics.median(run_plain(base, nproc)[args.warmup:])
+        out = scratch_dir("memtrain")
+        mem = statistics.median(step_times(run_memtrain(base, out, nproc))[args.warmup - 1:])
+        shutil.rmtree(out, ignore_errors=True)
+        plain_medians.append(plain)
+        memtrain_medians.append(mem)
+        ratios.append(mem / plain)
+    emit("overhead", args.device, {
+        "benchmark": "overhead", "device": args.device, "world_size": nproc, "engine": "ddp", "steps": args.steps,
+        "repeats": args.repeats, "plain_step_s_median": statistics.median(plain_medians),
+        "memtrain_step_s_median": statistics.median(memtrain_medians),
+        "ratio_min": min(ratios), "ratio_median": statistics.median(ratios), "ratio_max": max(ratios),
+        "ratios": ratios, "goal": 1.02,
+    }, args.results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

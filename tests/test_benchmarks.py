@@ -1,0 +1,45 @@
+"""Each benchmark's --quick mode runs and prints the JSON it promises (no timing asserts:
+numbers live in the benchmarks, not in tests)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def run_quick(name: str, *extra: str) -> list[dict]:
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / f"{name}.py"), "--quick", *extra],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_oom_stress_quick_recovers_without_losing_samples():
+    (row,) = run_quick("oom_stress")
+    assert row["ooms"] >= 1 and row["start_plan"] == "16x1" and row["final_plan"] == "4x4"
+    assert row["samples_lost_or_duplicated"] == 0
+    assert row["max_rel_loss_diff_vs_reference"] < 1e-5
+    assert row["best_static_plan"] == "4x4"  # injected: more than 4 × 64 tokens per micro-batch "does not fit"
+    for key in ("first_oom_to_first_step_s", "tokens_per_s_after_recovery", "best_static_tokens_per_s",
+                "ratio_to_best_static"):
+        assert row[key] > 0, key
+
+
+def test_overhead_quick_reports_ratio():
+    (row,) = run_quick("overhead")
+    assert row["ratio_min"] <= row["ratio_median"] <= row["ratio_max"]
+    assert len(row["ratios"]) == row["repeats"] == 2
+    assert row["plain_step_s_median"] > 0 and row["memtrain_step_s_median"] > 0
+
+
+def test_checkpoint_io_quick_reports_each_format():
+    rows = run_quick("checkpoint_io")
+    assert [r["config"] for r in rows] == ["ddp", "fsdp_async"]
+    for row in rows:
+        assert row["checkpoints"] == 2 and row["bytes"] > 0 and row["load_s"] > 0
+        assert 0 < row["blocked_s_median"] <= row["save_s_median"] + 1e-6
