@@ -160,22 +160,21 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.nproc = args.nproc or (2 if args.device == "cpu" else 1)
     engines = args.engines.split(",")
+    requested_steps = 4 if args.quick else args.steps
     if args.quick:
-        engines, args.steps = engines[:1], 4
+        engines = engines[:1]
     rows = []
     for engine in engines:
         if engine not in ENGINES:
             parser.error(f"--engines: '{engine}' is not one of {', '.join(ENGINES)}")
         if args.scenario in ("steady", "both"):
-            args.steps = args.steps or 20
+            args.steps = requested_steps or 20
             rows.append(steady(engine, args))
             emit("oom_stress", args.device, rows[-1], args.results)
         if args.scenario in ("spike", "both"):
-            steps = args.steps
-            args.steps = max(steps or 40, 2 * args.spike_every)
+            args.steps = max(requested_steps or 40, 2 * args.spike_every)
             rows.append(spike(engine, args))
             emit("oom_stress", args.device, rows[-1], args.results)
-            args.steps = steps
     if args.plot:
         steady_rows = [r for r in rows if r["scenario"] == "steady"]
         bar_chart(args.plot, f"OOM recovery vs best static plan ({args.device})", [r["engine"] for r in steady_rows],

@@ -120,7 +120,10 @@ def verify(path: str) -> dict[str, Any]:
             manifest = json.load(fh)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{manifest_path} is unreadable: {exc}") from None
-    for rel, info in manifest["files"].items():
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(i, dict) and {"bytes", "sha256"} <= set(i) for i in files.values()):
+        raise CheckpointError(f"{manifest_path} is malformed: no file list with sizes and checksums")
+    for rel, info in files.items():
         file = os.path.join(path, rel)
         if not os.path.isfile(file):
             raise CheckpointError(f"{file} is missing (listed in {MANIFEST})")
@@ -207,7 +210,8 @@ class Checkpointer:
         self.vocab_size, self.tokenizer = vocab_size, tokenizer
         self.root = os.path.join(cfg.output_dir, "checkpoints")
         self.config_dict = to_dict(cfg)
-        self._pending: Optional[tuple] = None  # (tmp dir, step, future, manifest extras) of an async save
+        # (tmp dir, step, future or None, manifest extras, start time, seconds blocked so far)
+        self._pending: Optional[tuple] = None
         self.report = log.info  # where "saved …" lines go (the loop points it at the progress bar)
         self.events: list[dict] = []
         """``checkpoint_saved`` events not yet written to metrics (the loop drains them)."""
@@ -233,8 +237,9 @@ class Checkpointer:
         if self.backend.is_main:
             try:
                 result = ("ok", fn(*args))
-            except (CheckpointError, OSError) as exc:
-                result = ("error", str(exc))
+            except Exception as exc:  # noqa: BLE001 — any failure must reach the other ranks, or they hang
+                result = ("error", str(exc) if isinstance(exc, (CheckpointError, OSError))
+                          else f"{type(exc).__name__}: {exc}")
         status, value = self._broadcast(result)
         if status == "error":
             raise CheckpointError(value)

@@ -76,7 +76,8 @@ def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.T
         backend: the engine.
         rank_batch: this rank's share of the global batch, tensors [B_rank, T] on the device.
         plan: the micro-batch plan; B_rank must equal micro_batch_size × accumulation steps.
-        sync: OOM agreement points (one after every micro-batch); None = none.
+        sync: OOM agreement points (after every micro-batch for engines with collectives inside
+            compute, else after the last); None = none.
         after_micro_batch: called with the micro-batch index after its backward (fault injection).
 
     Returns:
@@ -93,7 +94,10 @@ def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.T
             backend.backward(micro_loss * scale)
         if after_micro_batch is not None:
             after_micro_batch(i)
-        if sync is not None:
+        # Agree after every micro-batch where the engine communicates inside compute (a rank
+        # that ran out of memory must not strand the others in the next micro-batch's
+        # collectives); otherwise (DDP with deferred reduction) once, after the last one.
+        if sync is not None and (sync.in_hooks or i == len(micro_batches) - 1):
             sync.checkpoint()
         loss_sum += micro_loss.detach().to(torch.float64)
     return backend.all_reduce_sum(loss_sum), global_tokens

@@ -210,3 +210,16 @@ def test_fsdp_async_save_resumes_exactly(tmp_path, tmp_path_factory, cache_dir):
     assert_bitwise_from(records, base, 1)
     manifest = json.loads((tmp_path / "checkpoints" / "step_00000016" / "manifest.json").read_text())
     assert "dcp/.metadata" in manifest["files"]
+
+
+def test_resumed_run_starts_with_the_plan_that_worked(tmp_path, cache_dir):
+    """The micro-batch plan is part of the checkpoint: after an OOM shrank it, a resumed run
+    starts at the smaller plan instead of running out of memory again."""
+    args = [*CKPT, "--training.max_steps", "4", "--checkpoint.every_steps", "2", *ENGINES["ddp"],
+            "--faults.oom_above_tokens", "32", "--memory.grow_back_window", "0"]
+    launch(tiny_args(tmp_path, cache_dir, *args, "--faults.kill_at_step", "3"), check=False)
+    assert read_metrics(tmp_path)[0]["event"] == "oom_shrink"
+    launch(tiny_args(tmp_path, cache_dir, *args))
+    records = read_metrics(tmp_path)
+    assert records[2]["event"] == "resume"  # no oom_shrink: the saved plan was used
+    assert [r["micro_batch_size"] for r in records] == [1, 1, 1, 1]
