@@ -70,8 +70,6 @@ def cli() -> None:
     the message on a config error, 3 when out of memory at the plan floor (the message holds the
     memory report), 4 when a checkpoint cannot be saved or resumed, 5 after too many consecutive
     non-finite steps."""
-    from memtrain.memory import OOMStop
-
     if sys.argv[1:2] == ["export"]:  # memtrain export CKPT OUT
         from memtrain.export import main as export_main
 
@@ -81,23 +79,16 @@ def cli() -> None:
 
         sys.exit(memory_main(sys.argv[2:]))
     from memtrain.checkpoint import CheckpointError
+    from memtrain.memory import OOMStop
     from memtrain.precision import NonFiniteStop
 
+    exit_codes = {ConfigError: 2, OOMStop: 3, CheckpointError: 4, NonFiniteStop: 5}
     try:
         main()
-    except ConfigError as exc:
-        print(f"memtrain: {exc}", file=sys.stderr)
-        sys.exit(2)
-    except OOMStop as exc:
-        print(f"memtrain: {exc}", file=sys.stderr)
-        sys.exit(3)
-    except CheckpointError as exc:
-        print(f"memtrain: checkpoint: {exc}", file=sys.stderr)
-        sys.exit(4)
-    except NonFiniteStop as exc:
-        print(f"memtrain: {exc}", file=sys.stderr)
-        sys.exit(5)
-
+    except tuple(exit_codes) as exc:
+        prefix = "checkpoint: " if isinstance(exc, CheckpointError) else ""
+        print(f"memtrain: {prefix}{exc}", file=sys.stderr)
+        sys.exit(next(code for kind, code in exit_codes.items() if isinstance(exc, kind)))
 
 if __name__ == "__main__":
     cli()
