@@ -228,7 +228,9 @@ class RunResult:
 
 
 def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunResult:
-    """Train ``model`` on ``corpus`` as ``cfg`` says, then export it to ``output_dir/model``.
+    """Train ``model`` on ``corpus`` as ``cfg`` says (resuming from a checkpoint when
+    ``cfg.resume`` finds one), then export it to ``output_dir/model``. A stop signal ends the run
+    after a saved step, without export.
 
     Args:
         cfg: the validated config.
@@ -241,6 +243,8 @@ def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunR
 
     Raises:
         OOMStop: out of memory at micro-batch 1 (with the memory report in the message).
+        memtrain.checkpoint.CheckpointError: a checkpoint cannot be resumed or saved.
+        memtrain.precision.NonFiniteStop: ``training.max_nonfinite_steps`` skipped steps in a row.
     """
     t = cfg.training
     sampler = GlobalBatchSampler(len(corpus.train), t.global_batch_size, t.seed, backend.world_size, backend.rank)
