@@ -210,7 +210,7 @@ class Checkpointer:
         self.vocab_size, self.tokenizer = vocab_size, tokenizer
         self.root = os.path.join(cfg.output_dir, "checkpoints")
         self.config_dict = to_dict(cfg)
-        # (tmp dir, step, future or None, manifest extras, start time, seconds blocked so far)
+        # (tmp dir, step, future or None, manifest extras, start time, seconds blocked so far, error)
         self._pending: Optional[tuple] = None
         self.report = log.info  # where "saved …" lines go (the loop points it at the progress bar)
         self.events: list[dict] = []
@@ -392,19 +392,26 @@ class Checkpointer:
             os.makedirs(tmp)
         self._on_main(make_tmp)  # doubles as the barrier before anyone writes
         start = time.perf_counter()
-        future = b.save_state(model, optimizer, tmp, self.cfg.checkpoint.max_shard_size, self.cfg.checkpoint.async_save)
-        if self.cfg.faults.kill_during_save == step:
-            kill(f"half-way through saving step {step}")
-        torch.save(rng_state(), os.path.join(tmp, _rank_file(b.rank)))
-        extras = {"plan": controller.state_dict(), "model_shapes": model_shapes(b.unwrap(model)), "vocab_size": self.vocab_size,
-                  "replicated_mismatch": divergent}
-        if b.is_main:
-            trainer_state = {**state, "scheduler": scheduler.state_dict(), "plan": controller.state_dict()}
-            with open(os.path.join(tmp, TRAINER_STATE), "w") as fh:
-                json.dump(trainer_state, fh, indent=1)
-            if self.tokenizer is not None:
-                self.tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
-        self._pending = (tmp, step, future, extras, start, time.perf_counter() - start)
+        future, error = None, None
+        try:
+            future = b.save_state(model, optimizer, tmp, self.cfg.checkpoint.max_shard_size,
+                                  self.cfg.checkpoint.async_save)
+            if self.cfg.faults.kill_during_save == step:
+                kill(f"half-way through saving step {step}")
+            if b.rank in (self.cfg.faults.save_error_ranks or []):
+                raise OSError(f"faults.save_error_ranks: injected write failure in {tmp}")
+            torch.save(rng_state(), os.path.join(tmp, _rank_file(b.rank)))
+            if b.is_main:
+                trainer_state = {**state, "scheduler": scheduler.state_dict(), "plan": controller.state_dict()}
+                with open(os.path.join(tmp, TRAINER_STATE), "w") as fh:
+                    json.dump(trainer_state, fh, indent=1)
+                if self.tokenizer is not None:
+                    self.tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
+        except Exception as exc:  # noqa: BLE001 — reported to every rank in finish(), never left hanging
+            error = f"rank {b.rank}: {type(exc).__name__}: {exc}"
+        extras = {"plan": controller.state_dict(), "model_shapes": model_shapes(b.unwrap(model)),
+                  "vocab_size": self.vocab_size, "replicated_mismatch": divergent}
+        self._pending = (tmp, step, future, extras, start, time.perf_counter() - start, error)
         if future is None:
             self.finish()
 
@@ -417,13 +424,22 @@ class Checkpointer:
         """Commit the pending save (waiting for an asynchronous write first); all ranks call."""
         if self._pending is None:
             return
-        tmp, step, future, extras, start, blocked = self._pending
+        tmp, step, future, extras, start, blocked, error = self._pending
         self._pending = None
         wait_start = time.perf_counter()
-        if future is not None:
-            future.result()
-        if self.backend.world_size > 1:
-            dist.barrier()
+        if future is not None and error is None:
+            try:
+                future.result()
+            except Exception as exc:  # noqa: BLE001
+                error = f"rank {self.backend.rank}: background write failed: {type(exc).__name__}: {exc}"
+        errors = [error]
+        if self.backend.world_size > 1:  # every rank learns of any rank's failure (and waits for all)
+            errors = [None] * self.backend.world_size
+            dist.all_gather_object(errors, error)
+        errors = [e for e in errors if e]
+        if errors:
+            raise CheckpointError(f"saving step {step} failed ({'; '.join(errors)}); the last complete checkpoint "
+                                  f"and {LATEST} are untouched")
         path, size = self._on_main(self._commit, tmp, step, extras)
         now = time.perf_counter()
         blocked += now - wait_start  # the loop waits in save() and here, not while a background write runs

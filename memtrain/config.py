@@ -169,6 +169,9 @@ class FaultsConfig:
     kill_mid_step: bool = False
     """With ``kill_at_step``: end the process inside that step instead, after its first
     micro-batch's backward (in the middle of gradient accumulation)."""
+    save_error_ranks: Optional[list[int]] = None
+    """Make writing every checkpoint fail (an OSError) on these ranks, after the engine's state
+    is written; None = off. Shows that a rank-local failure reaches every rank."""
     kill_during_save: int = 0
     """End the process half-way through writing this step's checkpoint (engine state written,
     no manifest yet); 0 = off."""

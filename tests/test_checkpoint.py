@@ -223,3 +223,17 @@ def test_resumed_run_starts_with_the_plan_that_worked(tmp_path, cache_dir):
     records = read_metrics(tmp_path)
     assert records[2]["event"] == "resume"  # no oom_shrink: the saved plan was used
     assert [r["micro_batch_size"] for r in records] == [1, 1, 1, 1]
+
+
+def test_write_failure_on_one_rank_stops_every_rank_and_keeps_the_last_checkpoint(tmp_path, cache_dir):
+    """A save that fails on rank 1 only (disk full, permissions…) is reported on every rank —
+    nobody waits forever for rank 1 — and the previous checkpoint stays the latest."""
+    common = [*CKPT, "--checkpoint.every_steps", "2", *ENGINES["ddp"]]
+    launch(tiny_args(tmp_path, cache_dir, *common, "--training.max_steps", "2"))  # a good checkpoint at step 2
+    proc = launch(tiny_args(tmp_path, cache_dir, *common, "--training.max_steps", "4",
+                            "--faults.save_error_ranks", "[1]"), timeout=120, check=False)
+    assert proc.returncode != 0
+    # both ranks stop with rank 1's error (rank 0 learnt of it instead of waiting)
+    assert proc.stderr.count("saving step 4 failed (rank 1: OSError: faults.save_error_ranks") == 2
+    assert checkpoint_steps(tmp_path) == [2]
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000002"
