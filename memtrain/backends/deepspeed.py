@@ -300,7 +300,9 @@ class DeepSpeedBackend:
         return self.state.main_process_first()
 
     def close(self) -> None:
+        """Release the engine, then the process group (left to interpreter exit, communicator
+        threads can abort the process; the run ends with a barrier on success)."""
         if self.engine is not None and hasattr(self.engine, "destroy"):
             self.engine.destroy()
-        if self._own_group:
+        if torch.distributed.is_initialized():  # no barrier: after an error on one rank it would hang
             torch.distributed.destroy_process_group()

@@ -52,7 +52,7 @@ class FSDPBackend:
         self.is_main = self.state.is_main_process
         self.reshard_after_forward = reshard_after_forward
         self.offload = offload
-        self._own_group = ensure_process_group(self.device)
+        ensure_process_group(self.device)  # plain `python`: a one-rank group
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         self._async_group = None  # process group of background checkpoint writes (made on first use)
         self.grad_average_factor = float(self.world_size)  # reduce-scatter averages over ranks
@@ -180,7 +180,10 @@ class FSDPBackend:
         return self.state.main_process_first()
 
     def close(self) -> None:
-        if self._own_group:
+        """Tear the process group down (left to interpreter exit, communicator threads can abort
+        the process: 'terminate called without an active exception'). The run ends with a barrier
+        on success; after an error the other ranks' pending collectives fail instead of hanging."""
+        if torch.distributed.is_initialized():  # no barrier: after an error on one rank it would hang
             torch.distributed.destroy_process_group()
 
 
