@@ -30,12 +30,41 @@ class ConfigError(ValueError):
 
 
 @dataclass
-class DataConfig:
-    """Where the training text comes from and how it is tokenised and packed."""
+class SpeechDataConfig:
+    """The embedded synthetic speech corpus (``data.kind: speech`` without ``data.files``):
+    eSpeak NG reading sentences of the standard library's docstrings and comments."""
 
+    train_utterances: int = 2000
+    """Training utterances to synthesise."""
+    test_utterances: int = 200
+    """Test utterances (sentences from held-out source files) to synthesise."""
+    min_words: int = 3
+    """Shortest sentence kept, in words."""
+    max_words: int = 12
+    """Longest sentence kept, in words."""
+    seed: int = 1234
+    """Voice, rate, pitch and synthesis noise of utterance i are a pure function of (seed, i)."""
+    bucket_batches: int = 8
+    """Length-aware batching: each epoch's permutation is cut into buckets of this many global
+    batches, each sorted by length, so a global batch holds utterances of similar length (less
+    padding); the batches' order is then shuffled. 0 = off."""
+    max_frames_per_micro_batch: int = 0
+    """Cap a step's micro-batch so that micro_batch_size × its longest utterance (in 16 kHz
+    samples, padding included) stays within this; 0 = no cap (fairseq's max_tokens)."""
+
+
+@dataclass
+class DataConfig:
+    """Where the training data comes from and how it is tokenised and packed."""
+
+    kind: Literal["text", "speech"] = "text"
+    """text: a causal language model on packed tokens; speech: CTC speech recognition on
+    utterances (``data.speech``)."""
     files: Optional[list[str]] = None
     """Text (.txt, .py, …) or JSONL files, or glob patterns. None = the Python standard library
-    source of the running interpreter (the embedded default corpus)."""
+    source of the running interpreter (the embedded default corpus). With ``kind: speech``: JSONL
+    manifests of ``{"audio": path, "text": ...}`` (WAV/FLAC/…, read by soundfile); None = the
+    synthetic corpus."""
     text_field: str = "text"
     """Field holding the document text in JSONL files."""
     max_bytes: int = 0
@@ -49,6 +78,8 @@ class DataConfig:
     cache_dir: Optional[str] = None
     """Where the tokenizer and token streams are cached (keyed by a hash of the inputs).
     None = $MEMTRAIN_CACHE or ~/.cache/memtrain."""
+    speech: SpeechDataConfig = field(default_factory=SpeechDataConfig)
+    """Speech corpus settings (``kind: speech``)."""
 
 
 @dataclass
@@ -312,6 +343,35 @@ def _positive(name: str, value) -> None:
         raise ConfigError(name, f"must be a positive integer, got {value!r}")
 
 
+def ctc_model_types() -> list[str]:
+    """transformers model types with a CTC head (wav2vec2, wavlm, hubert, …)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CTC_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CTC_MAPPING_NAMES)
+
+
+def _validate_speech(cfg: Config) -> None:
+    """``data.kind`` against the model's head, and the ``data.speech`` settings."""
+    model_type = (cfg.model.config or {}).get("model_type")
+    is_ctc = cfg.model.factory is None and model_type in ctc_model_types()
+    if cfg.data.kind == "text":
+        if is_ctc:
+            raise ConfigError("data.kind", f"model_type '{model_type}' is a CTC speech model; set data.kind speech "
+                              "(or choose a causal language model such as gpt2 or llama)")
+        return
+    if cfg.model.factory is not None or not is_ctc:
+        raise ConfigError("model.config.model_type", f"data.kind speech needs a transformers CTC model; got "
+                          f"{cfg.model.factory or model_type!r}; choose one of {', '.join(ctc_model_types())}")
+    sp = cfg.data.speech
+    for name in ("train_utterances", "test_utterances", "min_words", "max_words"):
+        _positive(f"data.speech.{name}", getattr(sp, name))
+    if sp.min_words > sp.max_words:
+        raise ConfigError("data.speech.min_words", f"{sp.min_words} is above data.speech.max_words {sp.max_words}")
+    for name in ("bucket_batches", "max_frames_per_micro_batch"):
+        if getattr(sp, name) < 0:
+            raise ConfigError(f"data.speech.{name}", f"must be >= 0 (0 = off), got {getattr(sp, name)}")
+
+
 def validate(cfg: Config, world_size: int) -> None:
     """Check cross-field constraints before any work is done.
 
@@ -347,6 +407,7 @@ def validate(cfg: Config, world_size: int) -> None:
             if not glob.glob(os.path.expanduser(pattern), recursive=True):
                 raise ConfigError("data.files", f"'{pattern}' matches no file")
     mc = cfg.model.config or {}
+    _validate_speech(cfg)
     if cfg.model.factory is None:
         if "model_type" not in mc:
             raise ConfigError("model.config", "needs 'model_type' (e.g. gpt2, llama) unless model.factory is set")

@@ -108,28 +108,30 @@ class _SavedTensorCounter:
 
 
 def activation_bytes(model: nn.Module, micro_batch: dict[str, torch.Tensor], activation_checkpointing: bool,
-                     checkpoint_every: int = 1) -> int:
+                     checkpoint_every: int = 1, objective=None) -> int:
     """Bytes of activations one training forward keeps for backward (a copy of ``model`` is used).
 
     Args:
         model: the unwrapped model (not modified).
-        micro_batch: ``input_ids`` and ``labels`` int64 [B, T].
+        micro_batch: ``input_ids`` and ``labels`` int64 [B, T] (or what ``objective`` takes).
         activation_checkpointing: measure with activation checkpointing on.
         checkpoint_every: checkpoint every k-th block when on.
+        objective: a :mod:`memtrain.objectives` objective; None = causal LM.
 
     Returns:
         Bytes saved for backward by the forward and the loss.
     """
     from memtrain.activation import enable_activation_checkpointing
     from memtrain.backends.common import repeated_blocks
-    from memtrain.loop import token_loss_sum
+    from memtrain.objectives import CausalLM
 
+    objective = objective or CausalLM()
     probe = copy.deepcopy(model).train()
     if activation_checkpointing:
         enable_activation_checkpointing(probe, repeated_blocks(probe), checkpoint_every)
     counter = _SavedTensorCounter()
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-        loss = token_loss_sum(probe, micro_batch)
+        loss = objective.loss_sum(probe, micro_batch)
     del loss
     return counter.bytes
 
@@ -146,16 +148,18 @@ def report(cfg, world_size: int) -> dict:
 
     from memtrain.data import build_corpus
     from memtrain.models import build_model, count_parameters
+    from memtrain.objectives import make_objective
     from memtrain.precision import resolve_precision
 
     precision = resolve_precision(cfg.precision, "cuda" if torch.cuda.is_available() else "cpu")
     corpus = build_corpus(cfg.data)
     set_seed(cfg.training.seed)
-    model = build_model(cfg.model, corpus.tokenized.vocab_size)
+    model = build_model(cfg.model, corpus.vocab_size, cfg.training.seed)
+    objective = make_objective(model, corpus)
     n = count_parameters(model)
     batch = corpus.train.batch(list(range(cfg.training.micro_batch_size)))
-    acts = {"off": activation_bytes(model, batch, False),
-            "on": activation_bytes(model, batch, True, cfg.memory.checkpoint_every)}
+    acts = {"off": activation_bytes(model, batch, False, objective=objective),
+            "on": activation_bytes(model, batch, True, cfg.memory.checkpoint_every, objective)}
     engines = {name: model_state_bytes(n, precision, e, s, o, world_size) for name, (e, s, o) in ENGINE_VARIANTS.items()}
     state_bytes = {name: sum(v for k, v in e.items() if k != "cpu_offloaded_bytes") for name, e in engines.items()}
     return {

@@ -19,13 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from memtrain.backends.base import Backend
 from memtrain.backends.common import sync_replicated_state
 from memtrain.config import Config, to_dict
-from memtrain.data import IGNORE_INDEX, Corpus, GlobalBatchSampler, batch_fingerprint
+from memtrain.data import GlobalBatchSampler, batch_fingerprint
 from memtrain.activation import enable_activation_checkpointing
 from memtrain.backends.common import repeated_blocks
 from memtrain.memory import (AgreedOOM, FaultInjector, MicroBatchPlan, OOMStop, OOMSync, PlanChange, PlanController,
@@ -33,64 +32,44 @@ from memtrain.memory import (AgreedOOM, FaultInjector, MicroBatchPlan, OOMStop, 
 from memtrain.checkpoint import Checkpointer
 from memtrain.export import export_model
 from memtrain.metrics import MetricsLogger
-from memtrain.models import count_parameters, logits_of
+from memtrain.models import count_parameters
+from memtrain.objectives import Objective, make_objective
 from memtrain.precision import NonFiniteGuard
 
 log = logging.getLogger("memtrain")
 
 
-def token_loss_sum(model: nn.Module, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Summed next-token cross-entropy of one micro-batch.
-
-    Args:
-        model: maps ``input_ids`` int64 [B, T] to logits [B, T, V].
-        micro_batch: ``input_ids`` and ``labels`` int64 [B, T]; labels equal to
-            :data:`IGNORE_INDEX` (-100) are excluded.
-
-    Returns:
-        scalar (fp32, or fp64 for a float64 model): sum over valid positions of ``-log p(label)`` (nats).
-    """
-    logits = logits_of(model(input_ids=micro_batch["input_ids"]))
-    if logits.dtype in (torch.float16, torch.bfloat16):  # the softmax in half precision loses digits
-        logits = logits.float()
-    return F.cross_entropy(logits.flatten(0, 1), micro_batch["labels"].flatten(),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
-
-
-def count_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Number of valid label positions (labels != -100), as a float64 scalar tensor."""
-    return (batch["labels"] != IGNORE_INDEX).sum().to(torch.float64)
-
-
 def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.Tensor],
-               plan: MicroBatchPlan, sync: Optional[OOMSync] = None,
+               plan: MicroBatchPlan, objective: Objective, sync: Optional[OOMSync] = None,
                after_micro_batch: Optional[Callable[[int], None]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward of one rank batch, accumulated over the plan's micro-batches.
 
     Gradients are left in the parameters (not stepped). Each micro-batch's loss is
-    ``token_loss_sum × grad_average_factor / global_tokens``, so after the engine's reduction the
-    gradient equals that of the mean token loss over the whole global batch, whatever the split.
+    ``loss_sum × grad_average_factor / global_count`` (tokens, or transcript characters for
+    CTC), so after the engine's reduction the gradient equals that of the mean loss per unit over
+    the whole global batch, whatever the split.
 
     Args:
         model: the prepared (engine-wrapped) model.
         backend: the engine.
-        rank_batch: this rank's share of the global batch, tensors [B_rank, T] on the device.
+        rank_batch: this rank's share of the global batch, tensors [B_rank, …] on the device.
         plan: the micro-batch plan; B_rank must equal micro_batch_size × accumulation steps.
+        objective: the loss and its normalisation count (:mod:`memtrain.objectives`).
         sync: OOM agreement points (after every micro-batch for engines with collectives inside
             compute, else after the last); None = none.
         after_micro_batch: called with the micro-batch index after its backward (fault injection).
 
     Returns:
-        (global loss sum, global token count): fp64 scalars summed over all ranks; their
-        ratio is the step's mean token loss.
+        (global loss sum, global count): fp64 scalars summed over all ranks; their ratio is the
+        step's mean loss per token (or character).
     """
-    global_tokens = backend.all_reduce_sum(count_tokens(rank_batch).to(backend.device))
+    global_tokens = backend.all_reduce_sum(objective.count(rank_batch).to(backend.device))
     scale = backend.grad_average_factor / global_tokens.clamp(min=1).item()
     micro_batches = plan.split(rank_batch)
     loss_sum = torch.zeros((), dtype=torch.float64, device=backend.device)
     for i, micro_batch in enumerate(micro_batches):
         with backend.sync_context(model, sync=i == len(micro_batches) - 1):
-            micro_loss = token_loss_sum(model, micro_batch)
+            micro_loss = objective.loss_sum(model, micro_batch)
             backend.backward(micro_loss * scale)
         if after_micro_batch is not None:
             after_micro_batch(i)
@@ -104,13 +83,19 @@ def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.T
 
 
 def step_with_recovery(model, backend: Backend, rank_batch, controller: PlanController, sync: OOMSync,
-                       on_change, after_micro_batch: Optional[Callable[[int], None]] = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       on_change, objective: Objective, after_micro_batch: Optional[Callable[[int], None]] = None,
+                       plan_for: Optional[Callable[[], MicroBatchPlan]] = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, MicroBatchPlan]:
     """:func:`train_step` under the OOM protocol: on an out-of-memory error on any rank, every rank
     discards the partial gradients, adopts the same smaller plan and retries the same rank batch.
 
     Args:
         on_change: called with each :class:`PlanChange` and the list of ranks that ran out of memory.
+        plan_for: this step's plan from the controller's (a frame-capped one, the same on every
+            rank); None = the controller's plan.
+
+    Returns:
+        (global loss sum, global count, the plan that completed the step).
 
     Raises:
         OOMStop: at the plan floor. Any non-OOM error is re-raised untouched.
@@ -118,8 +103,14 @@ def step_with_recovery(model, backend: Backend, rank_batch, controller: PlanCont
     # a retry replays the same random stream (dropout masks…) as the failed attempt started with
     rng = torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
     while True:
+        plan = plan_for() if plan_for is not None else controller.plan
+        if plan != controller.plan:
+            backend.set_plan(plan)
         try:
-            return train_step(model, backend, rank_batch, controller.plan, sync, after_micro_batch)
+            loss_sum, count = train_step(model, backend, rank_batch, plan, objective, sync, after_micro_batch)
+            if plan != controller.plan:
+                backend.set_plan(controller.plan)
+            return loss_sum, count, plan
         except BaseException as exc:
             if not sync.enabled or not is_oom(exc):
                 raise
@@ -132,13 +123,14 @@ def step_with_recovery(model, backend: Backend, rank_batch, controller: PlanCont
         torch.set_rng_state(rng[0])
         if rng[1] is not None:
             torch.cuda.set_rng_state_all(rng[1])
-        change = controller.on_oom(where)
+        change = controller.on_oom(where, tried=plan)
         backend.set_plan(controller.plan)
         on_change(change, ranks)
 
 
 class Evaluator:
-    """Mean token loss (nats) over the first ``num_samples`` validation samples.
+    """Mean loss per token (or character; nats) over the first ``num_samples`` validation samples,
+    and the objective's metrics (WER and CER for CTC). Returns ``{"loss": …, "wer": …, …}``.
 
     The samples are cut to a multiple of ``world_size`` and dealt round-robin, so every rank runs
     the same number of forwards (the engines' collectives stay matched). Evaluation has its own
@@ -146,8 +138,9 @@ class Evaluator:
     touches the training plan.
     """
 
-    def __init__(self, backend: Backend, corpus: Corpus, num_samples: int, micro_batch_size: int, sync: OOMSync):
-        self.backend, self.corpus, self.sync = backend, corpus, sync
+    def __init__(self, backend: Backend, corpus, objective: Objective, num_samples: int, micro_batch_size: int,
+                 sync: OOMSync):
+        self.backend, self.corpus, self.objective, self.sync = backend, corpus, objective, sync
         n = min(num_samples, len(corpus.validation))
         self.mine = list(range(backend.rank, n - n % backend.world_size, backend.world_size))
         self.micro_batch_size = micro_batch_size
@@ -155,7 +148,7 @@ class Evaluator:
         """Evaluation plan changes not yet written to metrics (the loop drains them)."""
 
     @torch.no_grad()
-    def __call__(self, model: nn.Module) -> float:
+    def __call__(self, model: nn.Module) -> dict[str, float]:
         was_training = model.training
         model.eval()
         try:
@@ -178,15 +171,14 @@ class Evaluator:
         finally:
             model.train(was_training)
         self.backend.all_reduce_sum(totals)
-        return float(totals[0] / totals[1].clamp(min=1))
+        return self.objective.finish(totals.tolist())
 
     def _run(self, model: nn.Module) -> torch.Tensor:
-        totals = torch.zeros(2, dtype=torch.float64, device=self.backend.device)
+        totals = torch.zeros(2 + 2 * len(self.objective.eval_metrics), dtype=torch.float64, device=self.backend.device)
         for i in range(0, len(self.mine), self.micro_batch_size):
             ids = self.mine[i:i + self.micro_batch_size]
             batch = {k: v.to(self.backend.device) for k, v in self.corpus.validation.batch(ids).items()}
-            totals[0] += token_loss_sum(model, batch).to(torch.float64)
-            totals[1] += count_tokens(batch)
+            totals += torch.tensor(self.objective.eval_sums(model, batch), dtype=torch.float64, device=self.backend.device)
             self.sync.checkpoint()
         return totals
 
@@ -227,7 +219,7 @@ class RunResult:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
-def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunResult:
+def run(cfg: Config, backend: Backend, model: nn.Module, corpus) -> RunResult:
     """Train ``model`` on ``corpus`` as ``cfg`` says (resuming from a checkpoint when
     ``cfg.resume`` finds one), then export it to ``output_dir/model``. A stop signal ends the run
     after a saved step, without export.
@@ -236,7 +228,7 @@ def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunR
         cfg: the validated config.
         backend: the engine (process group already up).
         model: freshly built model (identical on every rank).
-        corpus: tokenized, packed data.
+        corpus: the data (:func:`memtrain.data.build_corpus`: packed tokens, or speech utterances).
 
     Returns:
         The trained model, the step records and the summary.
@@ -247,11 +239,16 @@ def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunR
         memtrain.precision.NonFiniteStop: ``training.max_nonfinite_steps`` skipped steps in a row.
     """
     t = cfg.training
-    sampler = GlobalBatchSampler(len(corpus.train), t.global_batch_size, t.seed, backend.world_size, backend.rank)
+    speech = cfg.data.speech if corpus.kind == "speech" else None
+    lengths = corpus.train.lengths if speech is not None else None
+    sampler = GlobalBatchSampler(len(corpus.train), t.global_batch_size, t.seed, backend.world_size, backend.rank,
+                                 lengths=lengths, bucket_batches=speech.bucket_batches if speech is not None else 0)
     controller = PlanController(
         MicroBatchPlan.for_global_batch(t.global_batch_size, t.micro_batch_size, backend.world_size),
         t.global_batch_size // backend.world_size, cfg.memory.activation_checkpointing, cfg.memory.grow_back_window)
     n_params = count_parameters(model)
+    objective = make_objective(model, corpus)
+    layerdrop = getattr(model, "memtrain_layerdrop", None)  # memtrain.layerdrop.AgreedLayerDrop
     blocks = repeated_blocks(model)  # found before the engine wraps (and renames) them
     sync_replicated_state(model, backend.device)
     model, optimizer = backend.prepare(model, lambda m: make_optimizer(m, t))
@@ -265,8 +262,8 @@ def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunR
         enable_activation_checkpointing(backend.unwrap(model), blocks, cfg.memory.checkpoint_every)
         faults.activation_checkpointing = True
 
-    evaluate = Evaluator(backend, corpus, t.eval_samples, t.micro_batch_size, sync)
-    checkpointer = Checkpointer(cfg, backend, corpus.tokenized.vocab_size, corpus.tokenized.hf_tokenizer())
+    evaluate = Evaluator(backend, corpus, objective, t.eval_samples, t.micro_batch_size, sync)
+    checkpointer = Checkpointer(cfg, backend, corpus.vocab_size, corpus.hf_tokenizer())
     resume_from = checkpointer.resume_path()
     start_step, state = 0, {}
     if resume_from is not None:
@@ -284,10 +281,10 @@ def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunR
         metrics.message(f"memtrain: resumed from {resume_from} at step {start_step} (loaded in {load_seconds:.2f} s), "
                         f"plan {controller.plan}")
     metrics.message(f"memtrain: {backend.name} × {backend.world_size} rank(s) on {backend.device}, {backend.precision}, "
-                    f"{n_params / 1e6:.2f}M parameters, {len(corpus.train)} training samples of {cfg.data.seq_len} "
-                    f"tokens, plan {controller.plan} (micro-batch × accumulation)")
+                    f"{n_params / 1e6:.2f}M parameters, {corpus.describe()}, plan {controller.plan} "
+                    "(micro-batch × accumulation)")
     if resume_from is None:
-        initial_val_loss = val_loss = evaluate(model)
+        initial_val_loss = val_loss = evaluate(model)["loss"]
         tokens_seen, first_loss, last_loss = 0, None, None
     else:
         initial_val_loss, val_loss = state["initial_val_loss"], state["val_loss"]
@@ -303,6 +300,12 @@ def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunR
         rank_batch = {k: v.to(backend.device) for k, v in corpus.train.batch(sampler.rank_batch(cursor)).items()}
         lr = scheduler.get_last_lr()[0]
         faults.step = step
+        if layerdrop is not None:
+            layerdrop.set_step(step)  # the same layers on every rank and micro-batch
+        plan_for = None
+        if speech is not None and speech.max_frames_per_micro_batch:  # same longest on every rank
+            longest = int(lengths[sampler.global_batch(cursor)].max())
+            plan_for = lambda: controller.capped(longest, speech.max_frames_per_micro_batch)  # noqa: E731
         events: list[dict] = []
 
         def on_change(change: PlanChange, ranks: list[int]) -> None:
@@ -314,8 +317,8 @@ def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunR
                 set_activation_checkpointing()
 
         try:
-            loss_sum, tokens = step_with_recovery(model, backend, rank_batch, controller, sync, on_change,
-                                                  faults.after_micro_batch)
+            loss_sum, tokens, plan = step_with_recovery(model, backend, rank_batch, controller, sync, on_change,
+                                                        objective, faults.after_micro_batch, plan_for)
         except OOMStop as exc:
             report = memory_report(model, optimizer)
             raise OOMStop(f"{exc} at step {step} (rank {backend.rank}). Memory on this rank: "
@@ -333,7 +336,6 @@ def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunR
                         "(%d in a row)", backend.rank, step, loss, grad_norm, guard.streak)
         scheduler.step()
         tokens_seen += int(tokens)
-        plan = controller.plan  # the plan that completed this step
         grown = controller.on_success()
         if grown is not None:
             backend.set_plan(controller.plan)
@@ -347,10 +349,14 @@ def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunR
             "peak_memory_bytes": peak_memory_bytes(backend.device), "elapsed_s": time.perf_counter() - run_start,
             "batch_fingerprint": batch_fingerprint(sampler.global_batch(cursor)),
         }
+        if layerdrop is not None:
+            record["layers_dropped"] = list(layerdrop.dropped)
         if backend.loss_scale() is not None:
             record["loss_scale"] = backend.loss_scale()
         if step == t.max_steps or (t.eval_every and step % t.eval_every == 0):
-            val_loss = record["val_loss"] = evaluate(model)
+            for name, value in evaluate(model).items():
+                record[f"val_{name}"] = value
+            val_loss = record["val_loss"]
         first_loss = record["loss"] if first_loss is None else first_loss
         last_loss = record["loss"]
 
@@ -382,7 +388,7 @@ def run(cfg: Config, backend: Backend, model: nn.Module, corpus: Corpus) -> RunR
     if not preempted:
         state_dict = backend.full_state_dict(model)  # a collective for sharded engines
         if backend.is_main:
-            export_model(backend.unwrap(model), state_dict, model_dir, corpus.tokenized.hf_tokenizer(),
+            export_model(backend.unwrap(model), state_dict, model_dir, corpus.hf_tokenizer(),
                          cfg.checkpoint.max_shard_size)
         backend.barrier()
     summary = {

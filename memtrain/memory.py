@@ -319,12 +319,26 @@ class PlanController:
     def _with_micro(self, micro: int) -> MicroBatchPlan:
         return MicroBatchPlan(micro, self.per_rank_batch // micro)
 
-    def on_oom(self, where: str) -> PlanChange:
+    def capped(self, longest: int, max_frames: int) -> MicroBatchPlan:
+        """The plan for a step whose longest sample is ``longest`` frames: the largest micro-batch
+        at most the current one with ``micro_batch_size × longest <= max_frames`` (at least 1).
+        The same on every rank when ``longest`` is taken over the global batch."""
+        fitting = [d for d in self._divisors() if d <= self.plan.micro_batch_size and d * longest <= max_frames]
+        return self._with_micro(max(fitting, default=1))
+
+    def on_oom(self, where: str, tried: MicroBatchPlan | None = None) -> PlanChange:
         """The step ran out of memory on some rank: the next plan to retry with.
+
+        Args:
+            where: forward, backward or another rank (for the message).
+            tried: the plan that failed when it was smaller than the current one (a
+                :meth:`capped` step); shrinking starts from it.
 
         Raises:
             OOMStop: already at micro-batch 1 with activation checkpointing on (or ``off`` by request).
         """
+        if tried is not None and tried.micro_batch_size < self.plan.micro_batch_size and not self.trying_grow:
+            self.plan = tried
         old = self.plan
         self.ok_steps = 0
         if self.trying_grow:  # the larger plan did not fit: back off and wait twice as long

@@ -34,12 +34,18 @@ def load_factory(spec: str):
         raise ConfigError("model.factory", f"cannot load '{spec}': {exc}") from None
 
 
-def build_model(model_cfg: ModelConfig, vocab_size: int) -> nn.Module:
+def build_model(model_cfg: ModelConfig, vocab_size: int, seed: int = 0) -> nn.Module:
     """Instantiate the model with freshly initialised weights (seed the RNG before calling).
+
+    A transformers model type with a CTC head (wav2vec2, wavlm, hubert, …) is built with
+    ``AutoModelForCTC`` (CTC blank = ``pad_token_id`` 0); its ``layerdrop`` is taken over by
+    :class:`memtrain.layerdrop.AgreedLayerDrop`, which every rank agrees on. Any other type is
+    built with ``AutoModelForCausalLM``.
 
     Args:
         model_cfg: the ``model`` section.
         vocab_size: the tokenizer's vocabulary size; used unless the config sets ``vocab_size``.
+        seed: seeds the LayerDrop decisions (with the step number).
 
     Returns:
         The model in fp32 on CPU, in train mode.
@@ -57,18 +63,29 @@ def build_model(model_cfg: ModelConfig, vocab_size: int) -> nn.Module:
         except TypeError as exc:  # the config keys do not fit the factory's signature
             raise ConfigError("model.config", f"{model_cfg.factory}: {exc}") from None
     else:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForCTC
+
+        from memtrain.config import ctc_model_types
 
         model_type = kwargs.pop("model_type")
+        ctc = model_type in ctc_model_types()
+        if ctc:
+            kwargs.setdefault("pad_token_id", 0)  # the CTC blank
         try:
             hf_config = AutoConfig.for_model(model_type, **kwargs)
         except (ValueError, TypeError) as exc:
             raise ConfigError("model.config", str(exc)) from None
         hf_config.use_cache = False  # training only; no KV cache
-        if getattr(hf_config, "eos_token_id", None) is None or hf_config.eos_token_id >= vocab_size:
-            hf_config.bos_token_id = hf_config.eos_token_id = 0
-        hf_config.pad_token_id = None
-        model = AutoModelForCausalLM.from_config(hf_config)
+        if ctc:
+            model = AutoModelForCTC.from_config(hf_config)
+            from memtrain.layerdrop import install_layerdrop
+
+            install_layerdrop(model, seed)
+        else:
+            if getattr(hf_config, "eos_token_id", None) is None or hf_config.eos_token_id >= vocab_size:
+                hf_config.bos_token_id = hf_config.eos_token_id = 0
+            hf_config.pad_token_id = None
+            model = AutoModelForCausalLM.from_config(hf_config)
     return model.float().train()
 
 

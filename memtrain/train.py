@@ -59,7 +59,7 @@ def main(argv: Optional[list[str]] = None):
         with backend.main_process_first():
             corpus = build_corpus(cfg.data)
         set_seed(cfg.training.seed)  # same initial weights on every rank
-        model = build_model(cfg.model, corpus.tokenized.vocab_size)
+        model = build_model(cfg.model, corpus.vocab_size, cfg.training.seed)
         return run(cfg, backend, model, corpus)
     finally:
         backend.close()

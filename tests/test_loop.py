@@ -6,6 +6,7 @@ import torch
 from memtrain.data import IGNORE_INDEX
 from memtrain.loop import lr_lambda, train_step
 from memtrain.memory import MicroBatchPlan
+from memtrain.objectives import CTC, CausalLM
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def _batch():
 
 def _grads(backend, plan, dtype=torch.float64):
     model = _model(dtype)
-    loss_sum, tokens = train_step(model, backend, _batch(), plan)
+    loss_sum, tokens = train_step(model, backend, _batch(), plan, CausalLM())
     return float(loss_sum / tokens), [p.grad.clone() for p in model.parameters()]
 
 
@@ -73,3 +74,41 @@ def test_lr_schedule_warmup_then_cosine():
     assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert f(4) == pytest.approx(1.0) and f(20) == pytest.approx(0.1) and f(100) == pytest.approx(0.1)
     assert all(f(s) >= f(s + 1) for s in range(4, 25))
+
+
+def _speech_model():
+    from transformers import WavLMConfig, WavLMForCTC
+
+    torch.manual_seed(0)
+    cfg = WavLMConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                      conv_dim=[8] * 7, feat_extract_norm="layer", do_stable_layer_norm=True,
+                      num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2, num_buckets=16,
+                      hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0,
+                      final_dropout=0.0, mask_time_prob=0.0, layerdrop=0.0, pad_token_id=0)
+    return WavLMForCTC(cfg).double().train()
+
+
+def test_ctc_gradient_is_split_invariant(backend):
+    """CTC summed per utterance and divided by the step's character count: one micro-batch of 8
+    and four of 2 (each trimmed to its own longest utterance, so padded differently) agree."""
+    g = torch.Generator().manual_seed(2)
+    lengths = [9000, 8200, 7000, 6400, 5200, 4000, 3300, 2600]  # longest first, as SpeechDataset collates
+    chars = [11, 9, 8, 7, 6, 5, 3, 2]
+    batch = {"input_values": torch.zeros(8, 9000, dtype=torch.float64),
+             "attention_mask": torch.zeros(8, 9000, dtype=torch.int64),
+             "labels": torch.full((8, 11), IGNORE_INDEX, dtype=torch.int64)}
+    for i, (n, c) in enumerate(zip(lengths, chars)):
+        batch["input_values"][i, :n] = torch.randn(n, generator=g, dtype=torch.float64)
+        batch["attention_mask"][i, :n] = 1
+        batch["labels"][i, :c] = torch.randint(2, 40, (c,), generator=g)
+    results = []
+    for plan in (MicroBatchPlan(8, 1), MicroBatchPlan(2, 4)):
+        model = _speech_model()
+        loss_sum, count = train_step(model, backend, batch, plan, CTC(model))
+        assert float(count) == sum(chars)
+        results.append((float(loss_sum / count), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    (whole_loss, whole), (split_loss, split) = results
+    assert split_loss == pytest.approx(whole_loss, rel=1e-9)
+    assert len(whole) == len(split) > 0
+    for a, b in zip(whole, split):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-10)

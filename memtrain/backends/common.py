@@ -65,8 +65,9 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     checkpointing wraps.
 
     transformers models name their block classes in ``_no_split_modules`` (GPT2Block,
-    LlamaDecoderLayer, …); for other modules, the children of every ``nn.ModuleList`` that hold
-    parameters.
+    LlamaDecoderLayer, …); for other modules (and transformers models that name none, such as
+    WavLM), the children holding parameters of the ``nn.ModuleList`` with the most parameters —
+    a speech model's transformer layers, not its convolutional feature encoder.
 
     Returns:
         Blocks in module order; empty when none is found.
@@ -76,5 +77,8 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
         blocks = [m for m in model.modules() if type(m).__name__ in names]
         if blocks:
             return blocks
-    return [child for m in model.modules() if isinstance(m, nn.ModuleList)
-            for child in m if any(True for _ in child.parameters())]
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        return []
+    largest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+    return [child for child in largest if any(True for _ in child.parameters())]

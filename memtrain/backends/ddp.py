@@ -20,7 +20,11 @@ log = logging.getLogger("memtrain")
 
 def skips_layers(model: nn.Module) -> bool:
     """Whether the model drops layers at random in training: a ``layerdrop`` (transformers'
-    wav2vec2/WavLM/HuBERT name) or ``layer_drop`` > 0 in its config or on any module."""
+    wav2vec2/WavLM/HuBERT name) or ``layer_drop`` > 0 in its config or on any module, or
+    memtrain's :class:`memtrain.layerdrop.AgreedLayerDrop` installed on it."""
+    agreed = getattr(model, "memtrain_layerdrop", None)
+    if agreed is not None and agreed.probability > 0:
+        return True
     for obj in [getattr(model, "config", None), *model.modules()]:
         for attr in ("layerdrop", "layer_drop"):
             value = getattr(obj, attr, None)
@@ -57,6 +61,7 @@ class DDPBackend:
         self.find_unused_parameters = find_unused_parameters
         self._ddp_kwargs = DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters == "true")
         self._checked_unused = find_unused_parameters != "auto"
+        self._skips_layers = False
         self.accelerator = Accelerator(cpu=cpu, mixed_precision="no" if precision == "fp32" else precision,
                                        kwargs_handlers=[self._ddp_kwargs])
         self.rank = self.accelerator.process_index
@@ -75,6 +80,7 @@ class DDPBackend:
             self._checked_unused = find_unused_parameters == "true"
 
     def prepare(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]):
+        self._skips_layers = skips_layers(model)
         if self.find_unused_parameters == "auto" and self.world_size > 1 and skips_layers(model):
             self._ddp_kwargs.find_unused_parameters = True
             self._checked_unused = True
@@ -91,9 +97,17 @@ class DDPBackend:
         return self.accelerator.no_sync(model)
 
     def _all_reduce_gradients(self, model: nn.Module, bucket_bytes: int = 64 * 2**20) -> None:
-        """Average gradients over ranks in flat buckets of ~``bucket_bytes`` (a missing gradient
-        counts as zeros, as DDP's unused-parameter mode does)."""
+        """Average gradients over ranks in flat buckets of ~``bucket_bytes``. A gradient missing on
+        some ranks counts as zeros there, as in DDP's unused-parameter mode; for a model that drops
+        layers, a parameter without gradient on *every* rank keeps none, so the optimizer skips
+        it, as DDP's reducer and FSDP2 do (a dropped layer is not updated)."""
         params = [p for p in self.unwrap(model).parameters() if p.requires_grad]
+        if self._skips_layers:  # one flag per parameter; the same decision on every rank
+            has_grad = torch.tensor([float(p.grad is not None) for p in params], device=self.device)
+            torch.distributed.all_reduce(has_grad, op=torch.distributed.ReduceOp.MAX)
+            params = [p for p, h in zip(params, has_grad.tolist()) if h]
+        if not params:
+            return
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

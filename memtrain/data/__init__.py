@@ -69,18 +69,42 @@ class Corpus:
     train: PackedDataset
     validation: PackedDataset
     tokenized: TokenizedCorpus
+    kind: str = "text"
+    seq_len: int = 0
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the tokenizer can produce."""
+        return self.tokenized.vocab_size
+
+    def hf_tokenizer(self):
+        """The transformers tokenizer saved with checkpoints and exports."""
+        return self.tokenized.hf_tokenizer()
+
+    def describe(self) -> str:
+        """One line for the start-of-run message."""
+        return f"{len(self.train)} training samples of {self.seq_len} tokens"
 
 
-def build_corpus(data_cfg) -> Corpus:
-    """Select, split, tokenise (cached) and pack the corpus described by ``data_cfg``.
+def build_corpus(data_cfg):
+    """Select, split, tokenise (cached) and pack the corpus described by ``data_cfg``; with
+    ``data.kind: speech``, synthesise or read the utterances instead
+    (:func:`memtrain.data.speech.build_speech_corpus`).
 
     Args:
         data_cfg: a :class:`memtrain.config.DataConfig`.
 
+    Returns:
+        A :class:`Corpus` (text) or :class:`memtrain.data.speech.SpeechCorpus`.
+
     Raises:
         FileNotFoundError: ``data.files`` matches nothing.
-        ValueError: a split too small for one ``seq_len`` sample.
+        ValueError: a split too small for one ``seq_len`` sample, or a bad speech manifest.
     """
+    if data_cfg.kind == "speech":
+        from memtrain.data.speech import build_speech_corpus
+
+        return build_speech_corpus(data_cfg)
     from memtrain.data.corpus import select_files, split_files
     from memtrain.data.tokens import load_or_build
 
@@ -89,4 +113,5 @@ def build_corpus(data_cfg) -> Corpus:
     if not val_files:
         raise ValueError("data.files: need at least two files (one is held out for validation)")
     tok = load_or_build(train_files, val_files, data_cfg.vocab_size, data_cfg.text_field, data_cfg.cache_dir)
-    return Corpus(PackedDataset(tok.train, data_cfg.seq_len), PackedDataset(tok.validation, data_cfg.seq_len), tok)
+    return Corpus(PackedDataset(tok.train, data_cfg.seq_len), PackedDataset(tok.validation, data_cfg.seq_len), tok,
+                  seq_len=data_cfg.seq_len)

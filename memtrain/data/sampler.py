@@ -32,13 +32,19 @@ class GlobalBatchSampler:
         seed: data-order seed.
         world_size: number of ranks.
         rank: this process's rank.
+        lengths: int [num_samples] sample lengths, for length-aware batching; None = off.
+        bucket_batches: with ``lengths``: sort each run of this many global batches of the
+            permutation by length (ties by index), then shuffle the batches' order, so a global
+            batch holds samples of similar length (fairseq / ESPnet style bucketing). Still a pure
+            function of ``(seed, epoch)``: the cursor rules do not change. 0 = off.
 
     Raises:
         ValueError: ``global_batch_size`` not divisible by ``world_size``, or larger than the
             dataset (not one full batch per epoch).
     """
 
-    def __init__(self, num_samples: int, global_batch_size: int, seed: int, world_size: int = 1, rank: int = 0):
+    def __init__(self, num_samples: int, global_batch_size: int, seed: int, world_size: int = 1, rank: int = 0,
+                 lengths: np.ndarray | None = None, bucket_batches: int = 0):
         if global_batch_size % world_size:
             raise ValueError(f"global_batch_size {global_batch_size} not divisible by world_size {world_size}")
         if num_samples < global_batch_size:
@@ -51,6 +57,8 @@ class GlobalBatchSampler:
         self.seed = seed
         self.world_size = world_size
         self.rank = rank
+        self.lengths = None if lengths is None else np.asarray(lengths)
+        self.bucket_batches = bucket_batches if lengths is not None else 0
         self._perm_epoch = -1
         self._perm = np.zeros(0, dtype=np.int64)
 
@@ -66,8 +74,19 @@ class GlobalBatchSampler:
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._perm_epoch:
             self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+            if self.bucket_batches > 0:
+                self._perm = self._bucketed(self._perm, epoch)
             self._perm_epoch = epoch
         return self._perm
+
+    def _bucketed(self, perm: np.ndarray, epoch: int) -> np.ndarray:
+        gbs, steps = self.global_batch_size, self.steps_per_epoch
+        bucket = self.bucket_batches * gbs
+        used = perm[:steps * gbs]
+        chunks = [used[i:i + bucket] for i in range(0, len(used), bucket)]
+        ordered = np.concatenate([c[np.lexsort((c, self.lengths[c]))] for c in chunks]).reshape(steps, gbs)
+        order = np.random.default_rng([self.seed, epoch, 1]).permutation(steps)
+        return np.concatenate([ordered[order].reshape(-1), perm[steps * gbs:]])
 
     def global_batch(self, cursor: Cursor) -> np.ndarray:
         """Sample indices of the global batch at ``cursor``: int64 [global_batch_size]."""

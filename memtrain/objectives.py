@@ -1,0 +1,172 @@
+"""What a micro-batch's loss is, what the loss is normalised by, and what evaluation reports.
+
+The loop (../shared/DESIGN.md rule 3) asks an objective for the *sum* of a micro-batch's losses
+and divides by the global count (summed over ranks once per step), so the gradient does not
+depend on how the global batch was split:
+
+* :class:`CausalLM`: next-token cross-entropy summed over tokens; count = label tokens.
+* :class:`CTC`: CTC loss (Graves et al. 2006) summed over utterances; count = transcript
+  characters, so the step's loss is nats per character whatever the micro-batches held.
+  Evaluation adds greedy CTC decoding and word/character error rates (jiwer).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memtrain.data import IGNORE_INDEX
+from memtrain.models import logits_of
+
+
+def count_labels(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Number of valid label positions (labels != -100), as a float64 scalar tensor."""
+    return (batch["labels"] != IGNORE_INDEX).sum().to(torch.float64)
+
+
+class Objective(Protocol):
+    """A training objective.
+
+    Attributes:
+        unit: what :meth:`count` counts (``tokens``, ``characters``), for messages.
+        eval_metrics: names of the extra evaluation metrics (recorded as ``val_<name>``).
+    """
+
+    unit: str
+    eval_metrics: tuple[str, ...]
+
+    def loss_sum(self, model: nn.Module, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Summed loss of one micro-batch: fp32 (fp64 for a float64 model) scalar, nats."""
+
+    def count(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Normalisation count of a batch: float64 scalar."""
+
+    def eval_sums(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> list[float]:
+        """Sums over one evaluation batch, added up over batches and ranks: the loss sum, the
+        count, then numerator and denominator of each extra metric."""
+
+    def finish(self, sums: list[float]) -> dict[str, float]:
+        """``loss`` (per unit) and the extra metrics from the global :meth:`eval_sums` totals."""
+
+
+class CausalLM:
+    """Next-token prediction: ``input_ids`` int64 [B, T] → logits [B, T, V]; labels int64 [B, T]."""
+
+    unit = "tokens"
+    eval_metrics: tuple[str, ...] = ()
+
+    def loss_sum(self, model, micro_batch):
+        logits = logits_of(model(input_ids=micro_batch["input_ids"]))
+        if logits.dtype in (torch.float16, torch.bfloat16):  # the softmax in half precision loses digits
+            logits = logits.float()
+        return F.cross_entropy(logits.flatten(0, 1), micro_batch["labels"].flatten(),
+                               ignore_index=IGNORE_INDEX, reduction="sum")
+
+    def count(self, batch):
+        return count_labels(batch)
+
+    def eval_sums(self, model, batch):
+        return [float(self.loss_sum(model, batch)), float(self.count(batch))]
+
+    def finish(self, sums):
+        return {"loss": sums[0] / max(sums[1], 1.0)}
+
+
+def trim(micro_batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Cut a padded speech micro-batch to its own longest utterance and transcript (a micro-batch
+    cut from a longest-first rank batch is padded to the rank's longest otherwise)."""
+    frames = int(micro_batch["attention_mask"].sum(1).max())
+    chars = int((micro_batch["labels"] != IGNORE_INDEX).sum(1).max())
+    return {"input_values": micro_batch["input_values"][:, :frames],
+            "attention_mask": micro_batch["attention_mask"][:, :frames],
+            "labels": micro_batch["labels"][:, :max(chars, 1)]}
+
+
+class CTC:
+    """Connectionist temporal classification for a transformers ``*ForCTC`` model.
+
+    Args:
+        model: the unwrapped model (its ``_get_feat_extract_output_lengths`` maps waveform
+            samples to encoder frames).
+        blank: id of the CTC blank (``pad_token_id``).
+    """
+
+    unit = "characters"
+    eval_metrics = ("wer", "cer")
+
+    def __init__(self, model: nn.Module, blank: int = 0):
+        self.output_lengths = model._get_feat_extract_output_lengths
+        self.blank = blank
+
+    def _log_probs(self, model, mb):
+        logits = logits_of(model(input_values=mb["input_values"], attention_mask=mb["attention_mask"]))
+        frames = self.output_lengths(mb["attention_mask"].sum(-1)).to(torch.int64)
+        if logits.dtype in (torch.float16, torch.bfloat16):  # CTC's forward-backward in half precision loses digits
+            logits = logits.float()
+        return F.log_softmax(logits, dim=-1), frames
+
+    def loss_sum(self, model, micro_batch):
+        """Summed CTC loss (nats) of the micro-batch's utterances; an utterance too short for its
+        transcript contributes 0 (``zero_infinity``) instead of an infinite loss."""
+        mb = trim(micro_batch)
+        return self._ctc(mb, *self._log_probs(model, mb))
+
+    def _ctc(self, mb, log_probs, frames):
+        valid = mb["labels"] != IGNORE_INDEX
+        return F.ctc_loss(log_probs.transpose(0, 1), mb["labels"][valid], frames, valid.sum(-1),
+                          blank=self.blank, reduction="sum", zero_infinity=True)
+
+    def count(self, batch):
+        return count_labels(batch)
+
+    def decode(self, log_probs: torch.Tensor, frames: torch.Tensor) -> list[str]:
+        """Greedy CTC decoding: best class per frame, repeats collapsed, blanks removed.
+
+        Args:
+            log_probs: [B, T, V]; frames: int64 [B] valid frames per utterance.
+
+        Returns:
+            B transcripts.
+        """
+        from memtrain.data.speech import decode_ids
+
+        best = log_probs.argmax(-1).cpu()
+        out = []
+        for row, n in zip(best, frames.tolist()):
+            ids = torch.unique_consecutive(row[:n]).tolist()
+            out.append(decode_ids(i for i in ids if i != self.blank))
+        return out
+
+    def eval_sums(self, model, batch):
+        """CTC loss sum, characters, word errors, reference words, character errors, reference
+        characters (jiwer's alignment: errors = substitutions + deletions + insertions)."""
+        import jiwer
+
+        from memtrain.data.speech import decode_ids
+
+        mb = trim(batch)
+        log_probs, frames = self._log_probs(model, mb)
+        loss = self._ctc(mb, log_probs, frames)
+        hyps = self.decode(log_probs, frames)
+        refs = [decode_ids(row[row != IGNORE_INDEX].tolist()) for row in mb["labels"].cpu()]
+        words = jiwer.process_words(refs, hyps)
+        chars = jiwer.process_characters(refs, hyps)
+        return [float(loss), float(count_labels(mb)),
+                float(words.substitutions + words.deletions + words.insertions),
+                float(words.substitutions + words.deletions + words.hits),
+                float(chars.substitutions + chars.deletions + chars.insertions),
+                float(chars.substitutions + chars.deletions + chars.hits)]
+
+    def finish(self, sums):
+        return {"loss": sums[0] / max(sums[1], 1.0), "wer": sums[2] / max(sums[3], 1.0),
+                "cer": sums[4] / max(sums[5], 1.0)}
+
+
+def make_objective(model: nn.Module, corpus) -> Objective:
+    """The objective for ``corpus`` (``kind`` speech → :class:`CTC`, else :class:`CausalLM`)."""
+    if getattr(corpus, "kind", "text") == "speech":
+        return CTC(model, blank=int(getattr(getattr(model, "config", None), "pad_token_id", 0) or 0))
+    return CausalLM()
