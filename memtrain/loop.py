@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -100,8 +101,10 @@ def step_with_recovery(model, backend: Backend, rank_batch, controller: PlanCont
     Raises:
         OOMStop: at the plan floor. Any non-OOM error is re-raised untouched.
     """
-    # a retry replays the same random stream (dropout masks…) as the failed attempt started with
-    rng = torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    # a retry replays the same random streams (dropout masks; SpecAugment's masks come from NumPy)
+    # as the failed attempt started with
+    rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+           np.random.get_state())
     while True:
         plan = plan_for() if plan_for is not None else controller.plan
         if plan != controller.plan:
@@ -123,6 +126,7 @@ def step_with_recovery(model, backend: Backend, rank_batch, controller: PlanCont
         torch.set_rng_state(rng[0])
         if rng[1] is not None:
             torch.cuda.set_rng_state_all(rng[1])
+        np.random.set_state(rng[2])
         change = controller.on_oom(where, tried=plan)
         backend.set_plan(controller.plan)
         on_change(change, ranks)

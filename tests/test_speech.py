@@ -222,3 +222,22 @@ def test_frame_cap_splits_long_batches_only(speech_runs, speech_cache, tmp_path)
     for r, ref in zip(records, ddp):
         assert r["batch_fingerprint"] == ref["batch_fingerprint"]
         assert r["loss"] == pytest.approx(ref["loss"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_killed_and_resumed_speech_run_is_bitwise_identical(speech_cache, tmp_path):
+    """Bucketed batches, the LayerDrop decisions and SpecAugment's NumPy-drawn masks all resume
+    exactly: killed after step 5, resumed from step 3's checkpoint, steps 4-8 are identical."""
+    args = ["--backend.name", "ddp", "--model.config.mask_time_prob", "0.05", "--model.config.mask_time_length", "4",
+            "--checkpoint.every_steps", "3"]
+    launch(speech_args(tmp_path / "continuous", speech_cache, *args), timeout=420)
+    base = read_metrics(tmp_path / "continuous")
+    killed = launch(speech_args(tmp_path / "killed", speech_cache, *args, "--faults.kill_at_step", "5"),
+                    timeout=420, check=False)
+    assert killed.returncode != 0
+    launch(speech_args(tmp_path / "killed", speech_cache, *args), timeout=420)
+    records = read_metrics(tmp_path / "killed")
+    assert records[3]["event"].startswith("resume") and [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for r, ref in zip(records, base):
+        for key in ("loss", "grad_norm", "batch_fingerprint", "layers_dropped", "micro_batch_size"):
+            assert r[key] == ref[key], (r["step"], key)
