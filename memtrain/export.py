@@ -46,7 +46,18 @@ def export_model(model: nn.Module, state_dict: dict[str, torch.Tensor], director
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     if hasattr(model, "save_pretrained"):
-        model.save_pretrained(tmp, state_dict=state_dict, max_shard_size=max_shard_size)
+        # memtrain took the config's LayerDrop over (memtrain.layerdrop.install_layerdrop, which
+        # sets it to 0 in the live model); the exported config carries the user's value again.
+        agreed = getattr(model, "memtrain_layerdrop", None)
+        config = getattr(model, "config", None)
+        saved = getattr(config, "layerdrop", None)
+        if agreed is not None and saved is not None:
+            config.layerdrop = agreed.probability
+        try:
+            model.save_pretrained(tmp, state_dict=state_dict, max_shard_size=max_shard_size)
+        finally:
+            if agreed is not None and saved is not None:
+                config.layerdrop = saved
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     else:

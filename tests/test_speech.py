@@ -185,6 +185,7 @@ def test_layerdrop_trains_on_every_engine_without_settings(speech_runs, engine):
         processor = Wav2Vec2Processor.from_pretrained(out / "model")
         model = AutoModelForCTC.from_pretrained(out / "model")
         assert len(processor.tokenizer) == model.config.vocab_size
+        assert model.config.layerdrop == pytest.approx(0.1)  # the recipe's value, not memtrain's 0
         assert processor.tokenizer.decode([9, 9, 0, 9, 2, 10]) == "ff g"  # CTC-collapsing decode of our ids (f f _ f | g)
 
 
