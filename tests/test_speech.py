@@ -104,6 +104,21 @@ def test_manifest_audio_is_read_resampled_and_split(tmp_path):
             assert abs(len(ds.waveform(i)) - round(16000 * (0.5 + 0.1 * n))) <= 2
 
 
+def test_manifest_errors_name_the_line(tmp_path):
+    import soundfile
+
+    from memtrain.data.speech import read_manifests
+
+    soundfile.write(tmp_path / "a.wav", np.zeros(1600, dtype=np.float32), 16000)
+    (tmp_path / "m.jsonl").write_text(json.dumps({"audio": "a.wav", "text": "fine"}) + "\n"
+                                      + json.dumps({"audio": "a.wav", "text": "?!"}) + "\n")
+    with pytest.raises(ValueError, match=r"m.jsonl:2: the text '\?!' has no letters"):
+        read_manifests([str(tmp_path / "m.jsonl")])
+    (tmp_path / "n.jsonl").write_text(json.dumps({"audio": "missing.wav", "text": "x"}))
+    with pytest.raises(ValueError, match=r"n.jsonl:1: audio file .*missing.wav' does not exist"):
+        read_manifests([str(tmp_path / "n.jsonl")])
+
+
 def test_bucketing_keeps_every_sample_once_and_groups_lengths():
     from memtrain.data import GlobalBatchSampler
 

@@ -154,8 +154,8 @@ def read_manifests(paths: list[str]) -> list[tuple[str, str]]:
     ``{"audio": path, "text": ...}`` (audio paths relative to the manifest's folder).
 
     Raises:
-        ValueError: a line without ``audio`` or ``text``, or an audio file that does not exist
-            (names the manifest and line).
+        ValueError: a line without ``audio`` or ``text``, a text with nothing left after
+            normalisation, or an audio file that does not exist (names the manifest and line).
     """
     items = []
     for path in paths:
@@ -169,7 +169,11 @@ def read_manifests(paths: list[str]) -> list[tuple[str, str]]:
                 audio = os.path.join(os.path.dirname(os.path.abspath(path)), obj["audio"])
                 if not os.path.isfile(audio):
                     raise ValueError(f"{path}:{lineno}: audio file '{audio}' does not exist (data.files)")
-                items.append((audio, normalize_text(str(obj["text"]))))
+                text = normalize_text(str(obj["text"]))
+                if not text:  # nothing to align a CTC path to, and no words to score
+                    raise ValueError(f"{path}:{lineno}: the text {obj['text']!r} has no letters or digits "
+                                     "left after normalisation (data.files)")
+                items.append((audio, text))
     return items
 
 
