@@ -83,12 +83,38 @@ def cli() -> None:
     from memtrain.precision import NonFiniteStop
 
     exit_codes = {ConfigError: 2, OOMStop: 3, CheckpointError: 4, NonFiniteStop: 5}
+    code = 0
     try:
         main()
     except tuple(exit_codes) as exc:
         prefix = "checkpoint: " if isinstance(exc, CheckpointError) else ""
         print(f"memtrain: {prefix}{exc}", file=sys.stderr)
-        sys.exit(next(code for kind, code in exit_codes.items() if isinstance(exc, kind)))
+        code = next(code for kind, code in exit_codes.items() if isinstance(exc, kind))
+    _exit_now(code)
+
+
+def _exit_now(code: int) -> None:
+    """Exit with ``code`` once everything of the run is on disk, skipping the interpreter's
+    finalisation (its atexit hooks that matter here, logging's flush, are run first).
+
+    Why: the run is over (checkpoints committed, async writes joined, the process group
+    destroyed), but finalisation can still abort the process, rarely, with "terminate called
+    without an active exception" (exit -6 under torchrun, seen about once in 250 two-rank CPU
+    runs with gloo and DeepSpeed). A C++ communicator thread that still frees a tensor holding a
+    Python reference needs the GIL after the interpreter has begun shutting down; CPython ends
+    such a thread with pthread_exit, whose unwinding through a noexcept frame calls
+    std::terminate (pytorch/pytorch PR 179291 and issue 190489 describe the same crash). An
+    abort there would turn a finished run, or a clean exit code 3/4/5, into a failed job.
+    """
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing left to say
+            pass
+    os._exit(code)
 
 if __name__ == "__main__":
     cli()
