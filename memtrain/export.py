@@ -49,15 +49,13 @@ def export_model(model: nn.Module, state_dict: dict[str, torch.Tensor], director
         # memtrain took the config's LayerDrop over (memtrain.layerdrop.install_layerdrop, which
         # sets it to 0 in the live model); the exported config carries the user's value again.
         agreed = getattr(model, "memtrain_layerdrop", None)
-        config = getattr(model, "config", None)
-        saved = getattr(config, "layerdrop", None)
-        if agreed is not None and saved is not None:
-            config.layerdrop = agreed.probability
+        if agreed is not None:
+            model.config.layerdrop = agreed.probability
         try:
             model.save_pretrained(tmp, state_dict=state_dict, max_shard_size=max_shard_size)
         finally:
-            if agreed is not None and saved is not None:
-                config.layerdrop = saved
+            if agreed is not None:
+                model.config.layerdrop = 0.0
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     else:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass
 from typing import Optional
@@ -242,7 +241,7 @@ def build_speech_corpus(data_cfg, cache_dir: Optional[str] = None) -> SpeechCorp
         RuntimeError: eSpeak NG synthesis failing.
     """
     from memtrain.data.corpus import _unit_hash, user_files
-    from memtrain.data.tokens import default_cache_dir
+    from memtrain.data.tokens import building, default_cache_dir
 
     sp = data_cfg.speech
     if data_cfg.files is None:
@@ -255,9 +254,7 @@ def build_speech_corpus(data_cfg, cache_dir: Optional[str] = None) -> SpeechCorp
     key = hashlib.sha256(json.dumps([sources, _CACHE_FORMAT], sort_keys=True).encode()).hexdigest()[:20]
     directory = os.path.join(cache_dir or data_cfg.cache_dir or default_cache_dir(), f"speech-{key}")
     if not os.path.exists(os.path.join(directory, "validation_texts.json")):
-        os.makedirs(os.path.dirname(directory), exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".tmp-speech-", dir=os.path.dirname(directory))
-        try:
+        with building(directory) as tmp:
             if data_cfg.files is None:
                 train, test = synthetic_sentences(data_cfg.validation_fraction, sp.min_words, sp.max_words)
                 if len(train) < sp.train_utterances or len(test) < sp.test_utterances:
@@ -279,11 +276,4 @@ def build_speech_corpus(data_cfg, cache_dir: Optional[str] = None) -> SpeechCorp
                                      f"at data.validation_fraction {data_cfg.validation_fraction}")
                 for name, part in (("train", train_items), ("validation", val)):
                     _write_split(tmp, name, [_read_audio(a) for a, _ in part], [t for _, t in part])
-            try:
-                os.replace(tmp, directory)
-            except OSError:  # another process finished the same build first
-                shutil.rmtree(tmp, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     return SpeechCorpus(_load_split(directory, "train"), _load_split(directory, "validation"), directory)

@@ -9,9 +9,11 @@ killed build never leaves a half cache and a second run starts in seconds.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,6 +60,28 @@ def default_cache_dir() -> str:
     return os.environ.get("MEMTRAIN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "memtrain")
 
 
+@contextlib.contextmanager
+def building(directory: str) -> Iterator[str]:
+    """Build a cache directory atomically: yields a fresh temporary directory beside
+    ``directory``, renamed to it when the block ends without error and removed when it raises.
+
+    Several processes may build the same directory at once: the first rename wins and the
+    others' copies are discarded, so a reader never sees a half-written cache.
+    """
+    parent = os.path.dirname(directory)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
+    try:
+        yield tmp
+        try:
+            os.rename(tmp, directory)
+        except OSError:  # another process finished the same build first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def _encode(tokenizer, docs, eos_id: int, dtype) -> np.ndarray:
     chunks, batch = [], []
 
@@ -77,10 +101,7 @@ def _encode(tokenizer, docs, eos_id: int, dtype) -> np.ndarray:
 def _build(directory: str, train_files, val_files, vocab_size: int, text_field: str) -> None:
     from tokenizers import ByteLevelBPETokenizer
 
-    parent = os.path.dirname(directory)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
-    try:
+    with building(directory) as tmp:
         tok = ByteLevelBPETokenizer()
         tok.train_from_iterator(
             iter_documents(train_files, text_field), vocab_size=vocab_size, min_frequency=2,
@@ -92,13 +113,6 @@ def _build(directory: str, train_files, val_files, vocab_size: int, text_field: 
         for split, files in (("train", train_files), ("validation", val_files)):
             arr = _encode(tok, iter_documents(files, text_field), eos_id, dtype)
             np.save(os.path.join(tmp, f"{split}.npy"), arr)
-        try:
-            os.rename(tmp, directory)
-        except OSError:  # another process finished the same build first
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def load_or_build(
