@@ -5,7 +5,7 @@ checks that need several fields at once (batch divisibility, sequence length aga
 model's positions, data files that exist). Every error names the field and what is allowed,
 and is raised before anything is written to ``output_dir``.
 
-Contract (../shared/DESIGN.md): ``python memtrain/train.py --config recipes/code_lm_tiny.yaml
+The command line: ``python memtrain/train.py --config recipes/code_lm_tiny.yaml
 --output_dir DIR --training.max_steps 50``; any key overridable as ``--section.key value``.
 The DeepSpeed launcher's ``--local_rank N`` and ``--deepspeed FILE`` are accepted too.
 """
@@ -13,6 +13,7 @@ The DeepSpeed launcher's ``--local_rank N`` and ``--deepspeed FILE`` are accepte
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import os
 from dataclasses import dataclass, field
@@ -48,9 +49,11 @@ class SpeechDataConfig:
     """Length-aware batching: each epoch's permutation is cut into buckets of this many global
     batches, each sorted by length, so a global batch holds utterances of similar length (less
     padding); the batches' order is then shuffled. 0 = off."""
-    max_frames_per_micro_batch: int = 0
-    """Cap a step's micro-batch so that micro_batch_size × its longest utterance (in 16 kHz
-    samples, padding included) stays within this; 0 = no cap (fairseq's max_tokens)."""
+    max_audio_samples_per_micro_batch: int = 0
+    """Cap a step's micro-batch so that micro_batch_size × its longest utterance, in 16 kHz audio
+    samples (padding included), stays within this; 0 = no cap (fairseq's max_tokens)."""
+    max_frames_per_micro_batch: Optional[int] = None
+    """Deprecated name of ``max_audio_samples_per_micro_batch`` (it counts audio samples, not frames)."""
 
 
 @dataclass
@@ -156,7 +159,7 @@ class BackendConfig:
 
 @dataclass
 class MemoryConfig:
-    """Out-of-memory recovery and memory levers (../shared/DESIGN.md, "The OOM protocol")."""
+    """Out-of-memory recovery and memory levers (docs/design.md, "The OOM protocol")."""
 
     oom_recovery: bool = True
     """On out-of-memory, all ranks agree, halve micro_batch_size, double accumulation and retry
@@ -167,9 +170,11 @@ class MemoryConfig:
     cuda_memory_cap_gib: float = 0.0
     """Cap this process's CUDA memory (torch.cuda.set_per_process_memory_fraction) to this many
     GiB, to reproduce a smaller GPU; 0 = no cap. Ignored on CPU."""
-    checkpoint_every: int = 1
-    """With activation checkpointing on: checkpoint every k-th block (1 = all; 2 = half the
+    activation_checkpointing_every_n_blocks: int = 1
+    """With activation checkpointing on: recompute every n-th block (1 = all; 2 = half the
     blocks, less recompute, more memory)."""
+    checkpoint_every: Optional[int] = None
+    """Deprecated name of ``activation_checkpointing_every_n_blocks``."""
     grow_back_window: int = 50
     """After this many OOM-free optimizer steps, try the previous (2×) micro-batch again; the
     window doubles after each failed try. 0 = never grow back."""
@@ -210,7 +215,7 @@ class FaultsConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Crash-safe checkpoints (layout in ../shared/DESIGN.md, "Checkpoint layout")."""
+    """Crash-safe checkpoints (layout in docs/design.md, "Checkpoints")."""
 
     every_steps: int = 0
     """Save every this many optimizer steps and after the last one; 0 = only on a preemption
@@ -330,7 +335,39 @@ def parse_args(argv: Optional[list[str]] = None) -> Config:
     cfg.model.config = {**(cfg.model.config or {}), **extra["model_config"]}
     if extra.get("deepspeed"):  # the DeepSpeed launcher's --deepspeed FILE
         cfg.backend.deepspeed_config = extra["deepspeed"]
+    _rename_deprecated(cfg)
     return cfg
+
+
+DEPRECATED_KEYS = {
+    "memory.checkpoint_every": "memory.activation_checkpointing_every_n_blocks",
+    "data.speech.max_frames_per_micro_batch": "data.speech.max_audio_samples_per_micro_batch",
+}
+"""Old key → its new name. An old key still works (with a warning) unless it contradicts the new one."""
+
+
+def _rename_deprecated(cfg: Config) -> None:
+    """Move values given under a deprecated key to the new key, with a warning.
+
+    Raises:
+        ConfigError: both keys set to different values.
+    """
+    import logging
+
+    for old, new in DEPRECATED_KEYS.items():
+        *path, old_name = old.split(".")
+        section = functools.reduce(getattr, path, cfg)
+        value = getattr(section, old_name)
+        if value is None:
+            continue
+        new_name = new.rsplit(".", 1)[1]
+        current, default = getattr(section, new_name), getattr(type(section)(), new_name)
+        if current != default and current != value:
+            raise ConfigError(old, f"is a deprecated name of {new}, and the two are set to different values "
+                              f"({value} and {current}); keep only {new}")
+        logging.getLogger("memtrain").warning("memtrain: %s is deprecated; use %s", old, new)
+        setattr(section, new_name, value)
+        setattr(section, old_name, None)
 
 
 def to_dict(cfg: Config) -> dict:
@@ -367,7 +404,7 @@ def _validate_speech(cfg: Config) -> None:
         _positive(f"data.speech.{name}", getattr(sp, name))
     if sp.min_words > sp.max_words:
         raise ConfigError("data.speech.min_words", f"{sp.min_words} is above data.speech.max_words {sp.max_words}")
-    for name in ("bucket_batches", "max_frames_per_micro_batch"):
+    for name in ("bucket_batches", "max_audio_samples_per_micro_batch"):
         if getattr(sp, name) < 0:
             raise ConfigError(f"data.speech.{name}", f"must be >= 0 (0 = off), got {getattr(sp, name)}")
 
@@ -431,8 +468,9 @@ def validate(cfg: Config, world_size: int) -> None:
     if ds is not None and cfg.backend.name not in ("auto", "deepspeed"):
         raise ConfigError("backend.deepspeed_config", f"is set but backend.name is '{cfg.backend.name}'; "
                           "use backend.name deepspeed (or auto), or drop the DeepSpeed config")
-    if cfg.memory.checkpoint_every < 1:
-        raise ConfigError("memory.checkpoint_every", f"must be >= 1 (1 = every block), got {cfg.memory.checkpoint_every}")
+    every = cfg.memory.activation_checkpointing_every_n_blocks
+    if every < 1:
+        raise ConfigError("memory.activation_checkpointing_every_n_blocks", f"must be >= 1 (1 = every block), got {every}")
     if t.max_nonfinite_steps < 1:
         raise ConfigError("training.max_nonfinite_steps", f"must be >= 1, got {t.max_nonfinite_steps}")
     ck = cfg.checkpoint

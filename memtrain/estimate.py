@@ -4,12 +4,10 @@ without activation checkpointing.
 
     memtrain memory --config recipes/code_lm_350m.yaml [--world_size 8] [--section.key value ...]
 
-prints one JSON object. The model-state accounting follows the ZeRO paper (Rajbhandari et al.
-2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", §3.1 and §5): AdamW
-keeps two fp32 moments (8 bytes/parameter); DeepSpeed in bf16/fp16 keeps 16-bit parameters and
-gradients plus an fp32 master copy in the optimizer; Accelerate's autocast (DDP) and FSDP2's
-mixed-precision policy keep fp32 parameters and gradients and cast for compute. Transient
-buffers (one gathered block under FSDP2/ZeRO-3, communication buckets) are not counted.
+prints one JSON object. Each engine accounts for its own model state (``model_state_bytes`` in
+``memtrain/backends/``, following the ZeRO paper, Rajbhandari et al. 2020, "ZeRO: Memory
+Optimizations Toward Training Trillion Parameter Models", §3.1 and §5). Transient buffers (one
+gathered block under FSDP2/ZeRO-3, communication buckets) are not counted.
 """
 
 from __future__ import annotations
@@ -22,56 +20,6 @@ from typing import Optional
 
 import torch
 from torch import nn
-
-ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq in fp32, per parameter
-
-
-def model_state_bytes(n_params: int, precision: str, engine: str, zero_stage: Optional[int] = None,
-                      offload: str = "none", world_size: int = 1) -> dict[str, int]:
-    """Per-rank bytes of model state for AdamW training.
-
-    Args:
-        n_params: number of parameters.
-        precision: ``bf16|fp16|fp32`` (resolved).
-        engine: ``ddp|fsdp|deepspeed``.
-        zero_stage: 1, 2 or 3 for DeepSpeed (default 2).
-        offload: ``none|optimizer|optimizer_and_params``.
-        world_size: ranks that share the sharded state.
-
-    Returns:
-        ``parameter_bytes``, ``gradient_bytes``, ``optimizer_bytes`` on the accelerator (per
-        rank), and ``cpu_offloaded_bytes`` (per rank, in host memory).
-
-    Raises:
-        ValueError: an unknown engine (names the field ``backend.name`` and the choices).
-    """
-    n, w = n_params, max(1, world_size)
-    half = precision in ("bf16", "fp16")
-    if engine == "ddp":
-        params, grads, optim = 4 * n, 4 * n, ADAM_STATE_BYTES * n
-        offloaded = 0
-    elif engine == "fsdp":
-        params, grads, optim = 4 * n // w, 4 * n // w, ADAM_STATE_BYTES * n // w
-        offloaded = 0
-        if offload != "none":  # FSDP2's CPUOffloadPolicy moves all three
-            params, grads, optim, offloaded = 0, 0, 0, params + grads + optim
-    elif engine == "deepspeed":
-        stage = 2 if zero_stage is None else zero_stage
-        p_bytes = 2 if half else 4
-        master = 4 if half else 0  # fp32 master weights live with the optimizer state
-        params = p_bytes * n // (w if stage >= 3 else 1)
-        grads = p_bytes * n // (w if stage >= 2 else 1)
-        optim = (ADAM_STATE_BYTES + master) * n // (w if stage >= 1 else 1)
-        offloaded = 0
-        if offload in ("optimizer", "optimizer_and_params"):
-            offloaded, optim = optim, 0
-        if offload == "optimizer_and_params":
-            offloaded, params = offloaded + params, 0
-    else:
-        raise ValueError(f"backend.name: '{engine}' is not one of ddp, fsdp, deepspeed")
-    return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim,
-            "cpu_offloaded_bytes": offloaded}
-
 
 ENGINE_VARIANTS = {
     "ddp": ("ddp", None, "none"),
@@ -108,14 +56,14 @@ class _SavedTensorCounter:
 
 
 def activation_bytes(model: nn.Module, micro_batch: dict[str, torch.Tensor], activation_checkpointing: bool,
-                     checkpoint_every: int = 1, objective=None) -> int:
+                     every_n_blocks: int = 1, objective=None) -> int:
     """Bytes of activations one training forward keeps for backward (a copy of ``model`` is used).
 
     Args:
         model: the unwrapped model (not modified).
         micro_batch: ``input_ids`` and ``labels`` int64 [B, T] (or what ``objective`` takes).
         activation_checkpointing: measure with activation checkpointing on.
-        checkpoint_every: checkpoint every k-th block when on.
+        every_n_blocks: checkpoint every n-th block when on.
         objective: a :mod:`memtrain.objectives` objective; None = causal LM.
 
     Returns:
@@ -128,7 +76,7 @@ def activation_bytes(model: nn.Module, micro_batch: dict[str, torch.Tensor], act
     objective = objective or CausalLM()
     probe = copy.deepcopy(model).train()
     if activation_checkpointing:
-        enable_activation_checkpointing(probe, repeated_blocks(probe), checkpoint_every)
+        enable_activation_checkpointing(probe, repeated_blocks(probe), every_n_blocks)
     counter = _SavedTensorCounter()
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
         loss = objective.loss_sum(probe, micro_batch)
@@ -146,6 +94,7 @@ def report(cfg, world_size: int) -> dict:
     """
     from accelerate.utils import set_seed
 
+    from memtrain.backends import model_state_bytes
     from memtrain.data import build_corpus
     from memtrain.models import build_model, count_parameters
     from memtrain.objectives import make_objective
@@ -159,8 +108,8 @@ def report(cfg, world_size: int) -> dict:
     n = count_parameters(model)
     batch = corpus.train.batch(list(range(cfg.training.micro_batch_size)))
     acts = {"off": activation_bytes(model, batch, False, objective=objective),
-            "on": activation_bytes(model, batch, True, cfg.memory.checkpoint_every, objective)}
-    engines = {name: model_state_bytes(n, precision, e, s, o, world_size) for name, (e, s, o) in ENGINE_VARIANTS.items()}
+            "on": activation_bytes(model, batch, True, cfg.memory.activation_checkpointing_every_n_blocks, objective)}
+    engines = {name: model_state_bytes(e, n, precision, s, o, world_size) for name, (e, s, o) in ENGINE_VARIANTS.items()}
     state_bytes = {name: sum(v for k, v in e.items() if k != "cpu_offloaded_bytes") for name, e in engines.items()}
     return {
         "parameters": n, "precision": precision, "world_size": world_size,

@@ -6,9 +6,9 @@
 writes ``OUT_DIR/model.safetensors`` (sharded with ``model.safetensors.index.json`` past
 ``--max_shard_size``) and, for transformers models, ``config.json`` (and the tokenizer when the
 checkpoint holds it), so ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads it.
-The weights are read with the engine's own format: safetensors (DDP),
-torch.distributed.checkpoint (FSDP2, read without a process group), DeepSpeed's
-``zero_to_fp32`` (ZeRO 1/2/3), all on CPU in one process.
+The weights are read by the engine that wrote the checkpoint, in its own format (safetensors
+for DDP, torch.distributed.checkpoint for FSDP2 read without a process group, DeepSpeed's
+``zero_to_fp32`` for ZeRO 1/2/3), on CPU in one process.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from memtrain.weights import load_into, load_weights, save_weights
+from memtrain.weights import load_into, save_weights
 
 log = logging.getLogger("memtrain")
 
@@ -64,34 +64,6 @@ def export_model(model: nn.Module, state_dict: dict[str, torch.Tensor], director
     os.replace(tmp, directory)
 
 
-def checkpoint_weights(path: str, manifest: dict) -> dict[str, torch.Tensor]:
-    """The full model weights (CPU, fp32 for DeepSpeed) of a verified checkpoint, in one process.
-
-    Raises:
-        memtrain.checkpoint.CheckpointError: an unknown checkpoint format.
-    """
-    fmt = manifest["checkpoint_format"]
-    if fmt == "safetensors":
-        return load_weights(path)
-    if fmt == "deepspeed":
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        return dict(get_fp32_state_dict_from_zero_checkpoint(path, tag="zero"))
-    if fmt == "dcp":
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-        metadata = dcp.FileSystemReader(os.path.join(path, "dcp")).read_metadata()
-        state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
-                 for key, meta in metadata.state_dict_metadata.items()
-                 if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
-        dcp.load(state, checkpoint_id=os.path.join(path, "dcp"), no_dist=True)
-        return {key[len("model."):]: value for key, value in state.items()}
-    from memtrain.checkpoint import CheckpointError
-
-    raise CheckpointError(f"{path}: unknown checkpoint_format '{fmt}' in its manifest")
-
-
 def export_checkpoint(path: str, out: str, max_shard_size: str = "5GB") -> str:
     """Export checkpoint ``path`` (a ``step_XXXXXXXX`` directory, or a run's ``checkpoints``
     directory, meaning its ``latest``) to ``out``.
@@ -100,9 +72,10 @@ def export_checkpoint(path: str, out: str, max_shard_size: str = "5GB") -> str:
         ``out``.
 
     Raises:
-        memtrain.checkpoint.CheckpointError: the checkpoint is incomplete or corrupt (named file).
+        memtrain.errors.CheckpointError: the checkpoint is incomplete or corrupt (named file).
     """
-    from memtrain.checkpoint import LATEST, verify
+    from memtrain.backends import read_full_weights
+    from memtrain.checkpoint.layout import LATEST, verify
     from memtrain.config import Config, _to_dataclass
     from memtrain.models import build_model
 
@@ -111,7 +84,7 @@ def export_checkpoint(path: str, out: str, max_shard_size: str = "5GB") -> str:
             path = os.path.join(path, fh.read().strip())
     manifest = verify(path)
     cfg = _to_dataclass(Config, manifest["config"])
-    state = checkpoint_weights(path, manifest)
+    state = read_full_weights(path, manifest)  # by the engine that wrote it
     model = build_model(cfg.model, manifest["vocab_size"])
     load_into(model, state)
     tokenizer = None
@@ -125,7 +98,7 @@ def export_checkpoint(path: str, out: str, max_shard_size: str = "5GB") -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """``memtrain export CKPT OUT``; returns the exit status (2 for a refused checkpoint)."""
-    from memtrain.checkpoint import CheckpointError
+    from memtrain.errors import CheckpointError
 
     parser = argparse.ArgumentParser(prog="memtrain export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a checkpoints/step_XXXXXXXX directory (or checkpoints/ for its latest)")

@@ -1,16 +1,17 @@
-"""The training loop: cursor → rank batch → micro-batches → step → metrics → export.
+"""The training loop: cursor → rank batch → step (with OOM recovery) → optimizer → metrics →
+checkpoint → export. The mechanisms live elsewhere; :meth:`Trainer.run` reads as the outline.
 
-It reads top to bottom; the mechanisms live elsewhere (sampler in data/, plan in memory.py,
-engine in backends/). Three rules from ../shared/DESIGN.md hold it together:
+Three rules hold it together:
 
 * one optimizer step per global batch, the LR scheduler steps once per optimizer step;
-* each micro-batch contributes ``sum of token losses / global token count``, the count summed
-  over ranks once per step, so the gradient does not depend on how the batch was split;
+* each micro-batch contributes ``sum of losses / global count``, the count summed over ranks once
+  per step, so the gradient does not depend on how the batch was split (:mod:`memtrain.step`);
 * the data position is the cursor ``(epoch, step)``, never a micro-batch counter.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -18,199 +19,33 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-import numpy as np
-import torch
 from torch import nn
 
 from memtrain.backends.base import Backend
-from memtrain.backends.common import sync_replicated_state
+from memtrain.checkpoint import Checkpointer
 from memtrain.config import Config, to_dict
 from memtrain.data import GlobalBatchSampler, batch_fingerprint
-from memtrain.activation import enable_activation_checkpointing
-from memtrain.backends.common import repeated_blocks
-from memtrain.memory import (AgreedOOM, FaultInjector, MicroBatchPlan, OOMStop, OOMSync, PlanChange, PlanController,
-                             is_oom, memory_report, peak_memory_bytes)
-from memtrain.checkpoint import Checkpointer
+from memtrain.distributed import ProcessState
+from memtrain.evaluate import Evaluator
 from memtrain.export import export_model
+from memtrain.faults import FaultInjector
 from memtrain.metrics import MetricsLogger
-from memtrain.models import count_parameters
-from memtrain.objectives import Objective, make_objective
+from memtrain.objectives import Objective
+from memtrain.oom import OOMStop, OOMSync, memory_report, oom_stop_message, peak_memory_bytes
+from memtrain.plan import MicroBatchPlan, PlanChange, PlanController
 from memtrain.precision import NonFiniteGuard
+from memtrain.preemption import Preemption
+from memtrain.records import StepOutcome, attach_events, run_summary, step_record
+from memtrain.state import TrainState
+from memtrain.step import step_with_recovery
+from memtrain.transforms import ModelTransforms
 
 log = logging.getLogger("memtrain")
 
 
-def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.Tensor],
-               plan: MicroBatchPlan, objective: Objective, sync: Optional[OOMSync] = None,
-               after_micro_batch: Optional[Callable[[int], None]] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward and backward of one rank batch, accumulated over the plan's micro-batches.
-
-    Gradients are left in the parameters (not stepped). Each micro-batch's loss is
-    ``loss_sum × grad_average_factor / global_count`` (tokens, or transcript characters for
-    CTC), so after the engine's reduction the gradient equals that of the mean loss per unit over
-    the whole global batch, whatever the split.
-
-    Args:
-        model: the prepared (engine-wrapped) model.
-        backend: the engine.
-        rank_batch: this rank's share of the global batch, tensors [B_rank, …] on the device.
-        plan: the micro-batch plan; B_rank must equal micro_batch_size × accumulation steps.
-        objective: the loss and its normalisation count (:mod:`memtrain.objectives`).
-        sync: OOM agreement points (after every micro-batch for engines with collectives inside
-            compute, else after the last); None = none.
-        after_micro_batch: called with the micro-batch index after its backward (fault injection).
-
-    Returns:
-        (global loss sum, global count): fp64 scalars summed over all ranks; their ratio is the
-        step's mean loss per token (or character).
-    """
-    global_tokens = backend.all_reduce_sum(objective.count(rank_batch).to(backend.device))
-    scale = backend.grad_average_factor / global_tokens.clamp(min=1).item()
-    micro_batches = plan.split(rank_batch)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=backend.device)
-    for i, micro_batch in enumerate(micro_batches):
-        with backend.sync_context(model, sync=i == len(micro_batches) - 1):
-            micro_loss = objective.loss_sum(model, micro_batch)
-            backend.backward(micro_loss * scale)
-        if after_micro_batch is not None:
-            after_micro_batch(i)
-        # Agree after every micro-batch where the engine communicates inside compute (a rank
-        # that ran out of memory must not strand the others in the next micro-batch's
-        # collectives); otherwise (DDP with deferred reduction) once, after the last one.
-        if sync is not None and (sync.in_hooks or i == len(micro_batches) - 1):
-            sync.checkpoint()
-        loss_sum += micro_loss.detach().to(torch.float64)
-    return backend.all_reduce_sum(loss_sum), global_tokens
-
-
-def step_with_recovery(model, backend: Backend, rank_batch, controller: PlanController, sync: OOMSync,
-                       on_change, objective: Objective, after_micro_batch: Optional[Callable[[int], None]] = None,
-                       plan_for: Optional[Callable[[], MicroBatchPlan]] = None
-                       ) -> tuple[torch.Tensor, torch.Tensor, MicroBatchPlan]:
-    """:func:`train_step` under the OOM protocol: on an out-of-memory error on any rank, every rank
-    discards the partial gradients, adopts the same smaller plan and retries the same rank batch.
-
-    Args:
-        on_change: called with each :class:`PlanChange` and the list of ranks that ran out of memory.
-        plan_for: this step's plan from the controller's (a frame-capped one, the same on every
-            rank); None = the controller's plan.
-
-    Returns:
-        (global loss sum, global count, the plan that completed the step).
-
-    Raises:
-        OOMStop: at the plan floor. Any non-OOM error is re-raised untouched.
-    """
-    # a retry replays the same random streams (dropout masks; SpecAugment's masks come from NumPy)
-    # as the failed attempt started with
-    rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-           np.random.get_state())
-    while True:
-        plan = plan_for() if plan_for is not None else controller.plan
-        if plan != controller.plan:
-            backend.set_plan(plan)
-        try:
-            loss_sum, count = train_step(model, backend, rank_batch, plan, objective, sync, after_micro_batch)
-            if plan != controller.plan:
-                backend.set_plan(controller.plan)
-            return loss_sum, count, plan
-        except BaseException as exc:
-            if not sync.enabled or not is_oom(exc):
-                raise
-            agreed = exc.ranks if isinstance(exc, AgreedOOM) else None
-            where = "another rank" if agreed is not None else "backward" if "backward" in str(exc) else "forward"
-        # outside the except block: the traceback (and the activations its frames hold) is freed
-        # a rank that ran out of memory itself pairs this with the others' next agreement point
-        ranks = agreed if agreed is not None else sync.agree(True)
-        backend.reset_after_oom(model)
-        torch.set_rng_state(rng[0])
-        if rng[1] is not None:
-            torch.cuda.set_rng_state_all(rng[1])
-        np.random.set_state(rng[2])
-        change = controller.on_oom(where, tried=plan)
-        backend.set_plan(controller.plan)
-        on_change(change, ranks)
-
-
-class Evaluator:
-    """Mean loss per token (or character; nats) over the first ``num_samples`` validation samples,
-    and the objective's metrics (WER and CER for CTC). Returns ``{"loss": …, "wer": …, …}``.
-
-    The samples are cut to a multiple of ``world_size`` and dealt round-robin, so every rank runs
-    the same number of forwards (the engines' collectives stay matched). Evaluation has its own
-    micro-batch size: an OOM here halves it (all ranks agree after every micro-batch) and never
-    touches the training plan.
-    """
-
-    def __init__(self, backend: Backend, corpus, objective: Objective, num_samples: int, micro_batch_size: int,
-                 sync: OOMSync):
-        self.backend, self.corpus, self.objective, self.sync = backend, corpus, objective, sync
-        n = min(num_samples, len(corpus.validation))
-        self.mine = list(range(backend.rank, n - n % backend.world_size, backend.world_size))
-        self.micro_batch_size = micro_batch_size
-        self.events: list[dict] = []
-        """Evaluation plan changes not yet written to metrics (the loop drains them)."""
-
-    @torch.no_grad()
-    def __call__(self, model: nn.Module) -> dict[str, float]:
-        was_training = model.training
-        model.eval()
-        try:
-            while True:
-                try:
-                    totals = self._run(model)
-                    break
-                except BaseException as exc:
-                    if not self.sync.enabled or not is_oom(exc) or self.micro_batch_size == 1:
-                        raise
-                    agreed = exc.ranks if isinstance(exc, AgreedOOM) else None
-                ranks = agreed if agreed is not None else self.sync.agree(True)
-                if self.backend.device.type == "cuda":
-                    torch.cuda.empty_cache()
-                old, self.micro_batch_size = self.micro_batch_size, self.micro_batch_size // 2
-                self.events.append({"event": "eval_oom_shrink", "old": old, "new": self.micro_batch_size,
-                                    "ranks": ranks, "reason": "out of memory in evaluation"})
-                log.warning("memtrain: rank %d: OOM in evaluation on rank(s) %s; evaluation micro-batch %d → %d",
-                            self.backend.rank, ranks, old, self.micro_batch_size)
-        finally:
-            model.train(was_training)
-        self.backend.all_reduce_sum(totals)
-        return self.objective.finish(totals.tolist())
-
-    def _run(self, model: nn.Module) -> torch.Tensor:
-        totals = torch.zeros(2 + 2 * len(self.objective.eval_metrics), dtype=torch.float64, device=self.backend.device)
-        for i in range(0, len(self.mine), self.micro_batch_size):
-            ids = self.mine[i:i + self.micro_batch_size]
-            batch = {k: v.to(self.backend.device) for k, v in self.corpus.validation.batch(ids).items()}
-            totals += torch.tensor(self.objective.eval_sums(model, batch), dtype=torch.float64, device=self.backend.device)
-            self.sync.checkpoint()
-        return totals
-
-
-def make_optimizer(model: nn.Module, tcfg) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (not biases, norms or other 1-D parameters)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": tcfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=tcfg.lr, betas=(tcfg.adam_beta1, tcfg.adam_beta2),
-    )
-
-
-def lr_lambda(tcfg):
-    """Multiplier of the peak LR after ``step`` optimizer steps: linear warmup over
-    ``warmup_steps``, then cosine decay to ``min_lr_ratio`` at ``max_steps``."""
-    def f(step: int) -> float:
-        if step < tcfg.warmup_steps:
-            return (step + 1) / tcfg.warmup_steps
-        progress = min(1.0, (step - tcfg.warmup_steps) / max(1, tcfg.max_steps - tcfg.warmup_steps))
-        return tcfg.min_lr_ratio + (1 - tcfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    return f
-
-
 @dataclass
 class RunResult:
-    """What :func:`run` returns (for tests and callers embedding memtrain).
+    """What :meth:`Trainer.run` returns (for tests and callers embedding memtrain).
 
     Attributes:
         model: the user's module (unwrapped) after training.
@@ -223,187 +58,214 @@ class RunResult:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
-def run(cfg: Config, backend: Backend, model: nn.Module, corpus) -> RunResult:
-    """Train ``model`` on ``corpus`` as ``cfg`` says (resuming from a checkpoint when
-    ``cfg.resume`` finds one), then export it to ``output_dir/model``. A stop signal ends the run
-    after a saved step, without export.
+@dataclass
+class Trainer:
+    """Everything a run is made of, built by :func:`memtrain.build.build_trainer`, and the loop.
 
-    Args:
-        cfg: the validated config.
-        backend: the engine (process group already up).
-        model: freshly built model (identical on every rank).
-        corpus: the data (:func:`memtrain.data.build_corpus`: packed tokens, or speech utterances).
-
-    Returns:
-        The trained model, the step records and the summary.
-
-    Raises:
-        OOMStop: out of memory at micro-batch 1 (with the memory report in the message).
-        memtrain.checkpoint.CheckpointError: a checkpoint cannot be resumed or saved.
-        memtrain.precision.NonFiniteStop: ``training.max_nonfinite_steps`` skipped steps in a row.
+    ``checkpoint_states`` is what checkpoints hold (:mod:`memtrain.checkpoint.stateful`): the engine's model
+    and optimizer, the LR scheduler, the plan controller, the train state, the evaluator, the
+    non-finite guard, each rank's random states and the tokenizer.
     """
-    t = cfg.training
-    speech = cfg.data.speech if corpus.kind == "speech" else None
-    lengths = corpus.train.lengths if speech is not None else None
-    sampler = GlobalBatchSampler(len(corpus.train), t.global_batch_size, t.seed, backend.world_size, backend.rank,
-                                 lengths=lengths, bucket_batches=speech.bucket_batches if speech is not None else 0)
-    controller = PlanController(
-        MicroBatchPlan.for_global_batch(t.global_batch_size, t.micro_batch_size, backend.world_size),
-        t.global_batch_size // backend.world_size, cfg.memory.activation_checkpointing, cfg.memory.grow_back_window)
-    n_params = count_parameters(model)
-    objective = make_objective(model, corpus)
-    layerdrop = getattr(model, "memtrain_layerdrop", None)  # memtrain.layerdrop.AgreedLayerDrop
-    blocks = repeated_blocks(model)  # found before the engine wraps (and renames) them
-    sync_replicated_state(model, backend.device)
-    model, optimizer = backend.prepare(model, lambda m: make_optimizer(m, t))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t))
-    sync = OOMSync(backend.world_size, backend.rank, backend.device, backend.collectives_in_compute,
-                   enabled=cfg.memory.oom_recovery)
-    faults = FaultInjector(cfg.faults, sync, backend.rank)
-    faults.install(blocks)  # after wrapping, so its agreement hooks run before the engine's collectives
 
-    def set_activation_checkpointing() -> None:
-        enable_activation_checkpointing(backend.unwrap(model), blocks, cfg.memory.checkpoint_every)
-        faults.activation_checkpointing = True
+    cfg: Config
+    process: ProcessState
+    engine: Backend
+    model: nn.Module
+    optimizer: Any
+    scheduler: Any
+    corpus: Any
+    objective: Objective
+    sampler: GlobalBatchSampler
+    controller: PlanController
+    sync: OOMSync
+    faults: FaultInjector
+    transforms: ModelTransforms
+    evaluator: Evaluator
+    guard: NonFiniteGuard
+    checkpointer: Checkpointer
+    checkpoint_states: dict[str, Any]
+    state: TrainState
+    n_params: int
+    layerdrop: Any = None
 
-    evaluate = Evaluator(backend, corpus, objective, t.eval_samples, t.micro_batch_size, sync)
-    checkpointer = Checkpointer(cfg, backend, corpus.vocab_size, corpus.hf_tokenizer())
-    resume_from = checkpointer.resume_path()
-    start_step, state = 0, {}
-    if resume_from is not None:
-        load_start = time.perf_counter()
-        state = checkpointer.load(resume_from, model, optimizer, scheduler, controller)
-        load_seconds = time.perf_counter() - load_start
-        start_step = state["step"]
-        evaluate.micro_batch_size = state["eval_micro_batch_size"]
-    if controller.activation_checkpointing:
-        set_activation_checkpointing()
-    metrics = MetricsLogger(cfg.output_dir, backend.is_main, t.max_steps, initial_step=start_step,
-                            keep_until_step=start_step if resume_from is not None else None)
-    checkpointer.report = metrics.message
-    if resume_from is not None:
-        metrics.message(f"memtrain: resumed from {resume_from} at step {start_step} (loaded in {load_seconds:.2f} s), "
-                        f"plan {controller.plan}")
-    metrics.message(f"memtrain: {backend.name} × {backend.world_size} rank(s) on {backend.device}, {backend.precision}, "
-                    f"{n_params / 1e6:.2f}M parameters, {corpus.describe()}, plan {controller.plan} "
-                    "(micro-batch × accumulation)")
-    if resume_from is None:
-        initial_val_loss = val_loss = evaluate(model)["loss"]
-        tokens_seen, first_loss, last_loss = 0, None, None
-    else:
-        initial_val_loss, val_loss = state["initial_val_loss"], state["val_loss"]
-        tokens_seen, first_loss, last_loss = state["tokens_seen"], state["first_loss"], state["last_loss"]
-    records: list[dict[str, Any]] = []
-    guard = NonFiniteGuard(t.max_nonfinite_steps)
-    guard.streak = state.get("nonfinite_streak", 0)
-    preempted = None
-    run_start = time.perf_counter()
-    for step in range(start_step + 1, t.max_steps + 1):
-        step_start = time.perf_counter()
-        cursor = sampler.cursor(step - 1)
-        rank_batch = {k: v.to(backend.device) for k, v in corpus.train.batch(sampler.rank_batch(cursor)).items()}
-        lr = scheduler.get_last_lr()[0]
-        faults.step = step
-        if layerdrop is not None:
-            layerdrop.set_step(step)  # the same layers on every rank and micro-batch
-        plan_for = None
-        if speech is not None and speech.max_frames_per_micro_batch:  # same longest on every rank
-            longest = int(lengths[sampler.global_batch(cursor)].max())
-            plan_for = lambda: controller.capped(longest, speech.max_frames_per_micro_batch)  # noqa: E731
-        events: list[dict] = []
+    def run(self) -> RunResult:
+        """Train to ``training.max_steps`` (resuming from a checkpoint when ``resume`` finds one),
+        then export to ``output_dir/model``. A stop signal ends the run after a saved step,
+        without export.
 
-        def on_change(change: PlanChange, ranks: list[int]) -> None:
-            events.append({**change.as_dict(), "step": step, "ranks": ranks,
-                           "elapsed_s": time.perf_counter() - run_start})
-            log.warning("memtrain: rank %d, step %d: %s on rank(s) %s: plan %s → %s (%s)", backend.rank, step,
-                        change.event, ranks, change.old, change.new, change.reason)
-            if change.event == "activation_checkpointing_on":
-                set_activation_checkpointing()
-
+        Raises:
+            OOMStop: out of memory at micro-batch 1 (with the memory report in the message).
+            memtrain.errors.CheckpointError: a checkpoint cannot be resumed or saved.
+            memtrain.precision.NonFiniteStop: ``training.max_nonfinite_steps`` skipped steps in a row.
+        """
+        t = self.cfg.training
+        preemption = Preemption()  # a stop signal from here on ends the run after a saved step
         try:
-            loss_sum, tokens, plan = step_with_recovery(model, backend, rank_batch, controller, sync, on_change,
-                                                        objective, faults.after_micro_batch, plan_for)
+            resumed = self._resume()
+            metrics = self._open_metrics(resumed)
+            if resumed is None:
+                self.state.initial_val_loss = self.state.val_loss = self.evaluator(self.model)["loss"]
+            first_step, session_start_targets = self.state.step + 1, self.state.targets_seen
+            records: list[dict] = []
+            stopped_by = None
+            run_start = time.perf_counter()
+            for step in range(first_step, t.max_steps + 1):
+                outcome = self._optimizer_step(step, run_start)
+                record = self._record(outcome, run_start)
+                if step == t.max_steps or (t.eval_every and step % t.eval_every == 0):
+                    self._evaluate(record)
+                stopped_by = self._save_if_due(step, preemption)  # all ranks agree on stopping and saving
+                attach_events(record, self._drain_events(step, outcome.events, resumed if step == first_step else None))
+                records.append(record)
+                metrics.log_step(record, show=step % t.log_every == 0 or "val_loss" in record)
+                self.faults.after_step()
+                if stopped_by:
+                    metrics.message(f"memtrain: {stopped_by}: saved step {step} and stopping; rerun the same command "
+                                    "to resume")
+                    break
+        finally:
+            preemption.close()
+        self.checkpointer.finish()
+        elapsed = time.perf_counter() - run_start
+        model_dir = None if stopped_by else self._export()
+        summary = run_summary(self.state, records=records, unit=self.objective.unit,
+                              session_targets=self.state.targets_seen - session_start_targets, elapsed_s=elapsed,
+                              resumed_from=resumed[0] if resumed else None, preempted=stopped_by,
+                              model_dir=model_dir, about=self._about())
+        metrics.finish(summary)
+        return RunResult(self.engine.unwrap(self.model), records, summary)
+
+    # -- the steps of run(), in order ----------------------------------------------------------
+    def _resume(self) -> Optional[tuple[str, float]]:
+        """Load the checkpoint ``resume`` points at, if any; returns (its path, seconds to load)."""
+        path = self.checkpointer.resume_path(self.cfg.resume)
+        if path is None:
+            return None
+        start = time.perf_counter()
+        self.checkpointer.load(path, self.checkpoint_states)
+        self.engine.set_plan(self.controller.plan)
+        if self.controller.activation_checkpointing:  # switched on by an OOM before the checkpoint
+            self.transforms.enable_activation_checkpointing(self.engine.unwrap(self.model))
+        return path, time.perf_counter() - start
+
+    def _open_metrics(self, resumed: Optional[tuple[str, float]]) -> MetricsLogger:
+        metrics = MetricsLogger(self.cfg.output_dir, self.process.is_main, self.cfg.training.max_steps,
+                                initial_step=self.state.step, keep_until_step=self.state.step if resumed else None,
+                                unit=self.objective.unit)
+        self.checkpointer.report = metrics.message
+        if resumed is not None:
+            metrics.message(f"memtrain: resumed from {resumed[0]} at step {self.state.step} (loaded in "
+                            f"{resumed[1]:.2f} s), plan {self.controller.plan}")
+        metrics.message(f"memtrain: {self.engine.name} × {self.process.world_size} rank(s) on {self.process.device}, "
+                        f"{self.engine.precision}, {self.n_params / 1e6:.2f}M parameters, {self.corpus.describe()}, "
+                        f"plan {self.controller.plan} (micro-batch × accumulation)")
+        return metrics
+
+    def _optimizer_step(self, step: int, run_start: float) -> StepOutcome:
+        """Data of ``step`` → forward/backward with OOM recovery → optimizer step → state advanced."""
+        t, device = self.cfg.training, self.process.device
+        step_start = time.perf_counter()
+        cursor = self.sampler.cursor(step - 1)
+        rank_batch = {k: v.to(device) for k, v in self.corpus.train.batch(self.sampler.rank_batch(cursor)).items()}
+        lr = self.scheduler.get_last_lr()[0]
+        self.faults.step = step
+        if self.layerdrop is not None:
+            self.layerdrop.set_step(step)  # the same layers on every rank and micro-batch
+        events: list[dict] = []
+        on_change = functools.partial(self._on_plan_change, events, step, run_start)
+        try:
+            loss_sum, count, plan = step_with_recovery(self.model, self.engine, rank_batch, self.controller, self.sync,
+                                                       on_change, self.objective, self.faults.after_micro_batch,
+                                                       self._capped_plan(cursor))
         except OOMStop as exc:
-            report = memory_report(model, optimizer)
-            raise OOMStop(f"{exc} at step {step} (rank {backend.rank}). Memory on this rank: "
-                          + ", ".join(f"{k} = {v / 2**20:.1f} MiB" for k, v in report.items())
-                          + ". To fit: use backend.name deepspeed with backend.zero_stage 3 or backend.name fsdp, "
-                          "backend.offload optimizer, memory.activation_checkpointing on/auto, or a shorter "
-                          "data.seq_len.") from None
-        loss = float(loss_sum / tokens)
+            report = memory_report(self.model, self.optimizer)
+            raise OOMStop(oom_stop_message(exc, step, self.process.rank, report)) from None
+        loss = float(loss_sum / count)
         # the non-finite guard: loss and norm are global, so every rank skips the same steps
-        grad_norm = backend.clip_and_step(model, optimizer, t.max_grad_norm, skip=not math.isfinite(loss))
-        if guard.update(step, loss, grad_norm):
+        grad_norm = self.engine.clip_and_step(self.model, self.optimizer, t.max_grad_norm, skip=not math.isfinite(loss))
+        if self.guard.update(step, loss, grad_norm):
             events.append({"event": "nonfinite_skip", "step": step, "loss": loss, "grad_norm": grad_norm,
-                           "consecutive": guard.streak})
+                           "consecutive": self.guard.streak})
             log.warning("memtrain: rank %d, step %d: non-finite loss %s / grad_norm %s: optimizer step skipped "
-                        "(%d in a row)", backend.rank, step, loss, grad_norm, guard.streak)
-        scheduler.step()
-        tokens_seen += int(tokens)
-        grown = controller.on_success()
+                        "(%d in a row)", self.process.rank, step, loss, grad_norm, self.guard.streak)
+        self.scheduler.step()
+        grown = self.controller.on_success()
         if grown is not None:
-            backend.set_plan(controller.plan)
+            self.engine.set_plan(self.controller.plan)
             on_change(grown, [])
+        s = self.state
+        s.step, s.epoch, s.samples_seen = step, cursor.epoch, step * t.global_batch_size
+        s.targets_seen += int(count)
+        s.first_loss = loss if s.first_loss is None else s.first_loss
+        s.last_loss = loss
+        return StepOutcome(loss, lr, grad_norm, plan, int(count), time.perf_counter() - step_start,
+                           batch_fingerprint(self.sampler.global_batch(cursor)), events)
 
-        record = {
-            "step": step, "epoch": cursor.epoch, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-            "micro_batch_size": plan.micro_batch_size, "gradient_accumulation_steps": plan.gradient_accumulation_steps,
-            "global_batch_size": t.global_batch_size, "samples_seen": step * t.global_batch_size,
-            "tokens_seen": tokens_seen, "tokens_per_s": float(tokens) / (time.perf_counter() - step_start),
-            "peak_memory_bytes": peak_memory_bytes(backend.device), "elapsed_s": time.perf_counter() - run_start,
-            "batch_fingerprint": batch_fingerprint(sampler.global_batch(cursor)),
-        }
-        if layerdrop is not None:
-            record["layers_dropped"] = list(layerdrop.dropped)
-        if backend.loss_scale() is not None:
-            record["loss_scale"] = backend.loss_scale()
-        if step == t.max_steps or (t.eval_every and step % t.eval_every == 0):
-            for name, value in evaluate(model).items():
-                record[f"val_{name}"] = value
-            val_loss = record["val_loss"]
-        first_loss = record["loss"] if first_loss is None else first_loss
-        last_loss = record["loss"]
+    def _record(self, outcome: StepOutcome, run_start: float) -> dict[str, Any]:
+        """The step's ``metrics.jsonl`` record (:mod:`memtrain.records`), without events yet."""
+        record = step_record(self.state, outcome, self.cfg.training.global_batch_size, self.objective.unit,
+                             peak_memory_bytes(self.process.device), time.perf_counter() - run_start)
+        if self.layerdrop is not None:
+            record["layers_dropped"] = list(self.layerdrop.dropped)
+        if self.engine.loss_scale() is not None:
+            record["loss_scale"] = self.engine.loss_scale()
+        return record
 
-        # all ranks agree on stopping and saving; what is saved is the state after this step
-        preempted = checkpointer.after_step(step, step == t.max_steps, model, optimizer, scheduler, controller, {
-            "step": step, "epoch": cursor.epoch, "samples_seen": record["samples_seen"],
-            "tokens_seen": tokens_seen, "first_loss": first_loss, "last_loss": last_loss,
-            "initial_val_loss": initial_val_loss, "val_loss": val_loss,
-            "eval_micro_batch_size": evaluate.micro_batch_size, "nonfinite_streak": guard.streak})
+    def _capped_plan(self, cursor) -> Optional[Callable[[], MicroBatchPlan]]:
+        """Speech with ``data.speech.max_audio_samples_per_micro_batch``: the step's plan capped by
+        the global batch's longest utterance (the same on every rank); else None."""
+        cap = self.cfg.data.speech.max_audio_samples_per_micro_batch
+        if self.corpus.kind != "speech" or not cap:
+            return None
+        longest = int(self.corpus.train.lengths[self.sampler.global_batch(cursor)].max())
+        return lambda: self.controller.capped(longest, cap)
 
-        if step == start_step + 1 and resume_from is not None:
-            events.insert(0, {"event": "resume", "step": step, "from": resume_from, "load_s": load_seconds})
-        for source in (evaluate.events, checkpointer.events):  # incl. the evaluation before step 1
+    def _on_plan_change(self, events: list[dict], step: int, run_start: float, change: PlanChange,
+                        ranks: list[int]) -> None:
+        events.append({**change.as_dict(), "step": step, "ranks": ranks, "elapsed_s": time.perf_counter() - run_start})
+        log.warning("memtrain: rank %d, step %d: %s on rank(s) %s: plan %s → %s (%s)", self.process.rank, step,
+                    change.event, ranks, change.old, change.new, change.reason)
+        if change.event == "activation_checkpointing_on":
+            self.transforms.enable_activation_checkpointing(self.engine.unwrap(self.model))
+
+    def _evaluate(self, record: dict[str, Any]) -> None:
+        for name, value in self.evaluator(self.model).items():
+            record[f"val_{name}"] = value
+        self.state.val_loss = record["val_loss"]
+
+    def _save_if_due(self, step: int, preemption: Preemption) -> Optional[str]:
+        """Save when ``checkpoint.every_steps`` divides ``step``, at the last step (when periodic
+        saving is on), and on a stop signal that reached any rank; returns that signal's name."""
+        stop = self.process.any_rank(preemption.requested)
+        self.checkpointer.poll()  # commit an asynchronous save every rank finished writing
+        last = step == self.cfg.training.max_steps
+        every = self.cfg.checkpoint.every_steps
+        if stop or (every and (step % every == 0 or last)):
+            self.checkpointer.save(step, self.checkpoint_states)
+        if stop or last:
+            self.checkpointer.finish()  # nothing left to overlap a background write with
+        return (preemption.signal_name or "a stop signal on another rank") if stop else None
+
+    def _drain_events(self, step: int, events: list[dict], resumed: Optional[tuple[str, float]]) -> list[dict]:
+        """The step's events: the resume (first resumed step), plan changes, then evaluation and
+        checkpoint events (including the evaluation before step 1)."""
+        if resumed is not None:
+            events.insert(0, {"event": "resume", "step": step, "from": resumed[0], "load_s": resumed[1]})
+        for source in (self.evaluator.events, self.checkpointer.events):
             events += [{**e, "step": step} for e in source]
             source.clear()
-        if events:
-            record["event"] = ",".join(e["event"] for e in events)
-            record["plan_changes"] = events
-        records.append(record)
-        metrics.log_step(record, show=step % t.log_every == 0 or "val_loss" in record)
-        faults.after_step()
-        if preempted:
-            metrics.message(f"memtrain: {preempted}: saved step {step} and stopping; rerun the same command to resume")
-            break
-    checkpointer.close()
+        return events
 
-    elapsed = time.perf_counter() - run_start
-    model_dir = os.path.join(cfg.output_dir, "model")
-    if not preempted:
-        state_dict = backend.full_state_dict(model)  # a collective for sharded engines
-        if backend.is_main:
-            export_model(backend.unwrap(model), state_dict, model_dir, corpus.hf_tokenizer(),
-                         cfg.checkpoint.max_shard_size)
-        backend.barrier()
-    summary = {
-        "steps": records[-1]["step"] if records else start_step, "minutes": elapsed / 60,
-        "first_loss": first_loss, "last_loss": last_loss, "resumed_from": resume_from, "preempted": preempted,
-        "initial_val_loss": initial_val_loss, "final_val_loss": val_loss,
-        "tokens_per_s": (tokens_seen - state.get("tokens_seen", 0)) / elapsed,  # this session's
-        "parameters": n_params,
-        "backend": backend.name, "world_size": backend.world_size, "precision": backend.precision,
-        "final_plan": str(controller.plan), "plan_changes": sum(len(r.get("plan_changes", [])) for r in records),
-        "model_dir": None if preempted else model_dir, "config": to_dict(cfg),
-    }
-    metrics.finish(summary)
-    return RunResult(backend.unwrap(model), records, summary)
+    def _export(self) -> str:
+        """Write the consolidated model to ``output_dir/model`` (a collective for sharded engines)."""
+        model_dir = os.path.join(self.cfg.output_dir, "model")
+        state_dict = self.engine.full_state_dict(self.model)
+        if self.process.is_main:
+            export_model(self.engine.unwrap(self.model), state_dict, model_dir, self.corpus.hf_tokenizer(),
+                         self.cfg.checkpoint.max_shard_size)
+        self.process.barrier()
+        return model_dir
+
+    def _about(self) -> dict[str, Any]:
+        return {"parameters": self.n_params, "backend": self.engine.name, "world_size": self.process.world_size,
+                "precision": self.engine.precision, "final_plan": str(self.controller.plan), "config": to_dict(self.cfg)}

@@ -1,10 +1,7 @@
 """Run output on rank 0: the tqdm progress bar, ``metrics.jsonl`` and the run summary.
 
-``metrics.jsonl`` holds one JSON object per optimizer step (contract in ../shared/DESIGN.md):
-``step``, ``epoch``, ``loss`` (full float precision), ``lr``, ``grad_norm``, ``micro_batch_size``,
-``gradient_accumulation_steps``, ``global_batch_size``, ``samples_seen``, ``tokens_per_s``,
-``peak_memory_bytes``, ``batch_fingerprint``; ``val_loss`` on evaluation steps; ``event`` when
-something happened.
+``metrics.jsonl`` holds one JSON object per optimizer step (the fields are listed in
+:mod:`memtrain.records` and ``docs/design.md``); after a resume each step appears once.
 """
 
 from __future__ import annotations
@@ -27,11 +24,14 @@ class MetricsLogger:
         keep_until_step: on resume, the checkpoint's step: lines of later steps (written by the
             interrupted run after its last checkpoint) are dropped, so each step appears once.
             None = a fresh run: ``metrics.jsonl`` starts empty.
+        unit: what the throughput counts (``tokens``, or ``characters`` for CTC): records carry
+            ``<unit>_per_s``.
     """
 
     def __init__(self, output_dir: str, enabled: bool, total_steps: int, initial_step: int = 0,
-                 keep_until_step: Optional[int] = None):
+                 keep_until_step: Optional[int] = None, unit: str = "tokens"):
         self.enabled = enabled
+        self.unit = unit
         self.output_dir = output_dir
         self._file = None
         self._bar: Optional[tqdm] = None
@@ -65,7 +65,8 @@ class MetricsLogger:
                 "loss": f"{record['loss']:.4f}",
                 "lr": f"{record['lr']:.2e}",
                 "mb×acc": f"{record['micro_batch_size']}×{record['gradient_accumulation_steps']}",
-                "tok/s": f"{record['tokens_per_s']:.0f}",
+                {"tokens": "tok/s", "characters": "char/s"}.get(self.unit, f"{self.unit}/s"):
+                    f"{record[self.unit + '_per_s']:.0f}",
             }
             if "val_loss" in record:
                 postfix["val"] = f"{record['val_loss']:.4f}"
@@ -90,6 +91,6 @@ class MetricsLogger:
             line = f"memtrain: stopped by {summary['preempted']} after step {summary['steps']}; checkpoint saved"
         else:
             line = ("memtrain: done — {steps} steps in {minutes:.2f} min, loss {first_loss:.4f} → {last_loss:.4f}, "
-                    "val_loss {initial_val_loss:.4f} → {final_val_loss:.4f}, {tokens_per_s:.0f} tokens/s, "
-                    "model in {model_dir}").format(**summary)
+                    "val_loss {initial_val_loss:.4f} → {final_val_loss:.4f}, {rate:.0f} {unit}/s, "
+                    "model in {model_dir}").format(**summary, rate=summary[f"{self.unit}_per_s"], unit=self.unit)
         print(line, flush=True)

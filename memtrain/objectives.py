@@ -1,6 +1,6 @@
 """What a micro-batch's loss is, what the loss is normalised by, and what evaluation reports.
 
-The loop (../shared/DESIGN.md rule 3) asks an objective for the *sum* of a micro-batch's losses
+The loop asks an objective for the *sum* of a micro-batch's losses
 and divides by the global count (summed over ranks once per step), so the gradient does not
 depend on how the global batch was split:
 

@@ -78,6 +78,13 @@ class NonFiniteGuard:
         self.max_consecutive = max_consecutive
         self.streak = 0
 
+    def state_dict(self) -> dict:
+        """The current streak (saved in checkpoints)."""
+        return {"streak": self.streak}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.streak = state["streak"]
+
     def update(self, step: int, loss: float, grad_norm: float) -> bool:
         """Record one step's outcome; returns True when the step was skipped.
 

@@ -5,8 +5,8 @@
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 memtrain/train.py --config ...
 
 Order of work: parse and validate the config (nothing is written before this passes), start
-the engine (process group), build the data on rank 0 first, build the model from the seed,
-train, export.
+the process state (process group), then :func:`memtrain.build.build_trainer` (data on rank 0
+first, model from the seed, plan, engine, model transforms), train, export.
 """
 
 from __future__ import annotations
@@ -40,29 +40,18 @@ def main(argv: Optional[list[str]] = None):
     """
     cfg = prepare_config(argv)
 
+    from contextlib import ExitStack
+
     import torch
-    from accelerate.utils import set_seed
 
-    from memtrain.backends import make_backend
-    from memtrain.data import build_corpus
-    from memtrain.loop import run
-    from memtrain.models import build_model
-    from memtrain.precision import resolve_precision
+    from memtrain.build import build_trainer
+    from memtrain.distributed import ProcessState
 
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    backend = make_backend(cfg, resolve_precision(cfg.precision, device_type), cpu=device_type == "cpu")
-    if cfg.memory.cuda_memory_cap_gib > 0 and backend.device.type == "cuda":
-        index = backend.device.index if backend.device.index is not None else torch.cuda.current_device()
-        total = torch.cuda.get_device_properties(index).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.memory.cuda_memory_cap_gib * 2**30 / total), index)
-    try:
-        with backend.main_process_first():
-            corpus = build_corpus(cfg.data)
-        set_seed(cfg.training.seed)  # same initial weights on every rank
-        model = build_model(cfg.model, corpus.vocab_size, cfg.training.seed)
-        return run(cfg, backend, model, corpus)
-    finally:
-        backend.close()
+    process = ProcessState(cpu=not torch.cuda.is_available())
+    process.cap_cuda_memory(cfg.memory.cuda_memory_cap_gib)
+    with ExitStack() as closing:
+        closing.callback(process.close)  # last: the engine is closed first
+        return build_trainer(cfg, process, closing).run()
 
 
 def cli() -> None:
@@ -78,8 +67,8 @@ def cli() -> None:
         from memtrain.estimate import main as memory_main
 
         sys.exit(memory_main(sys.argv[2:]))
-    from memtrain.checkpoint import CheckpointError
-    from memtrain.memory import OOMStop
+    from memtrain.errors import CheckpointError
+    from memtrain.oom import OOMStop
     from memtrain.precision import NonFiniteStop
 
     exit_codes = {ConfigError: 2, OOMStop: 3, CheckpointError: 4, NonFiniteStop: 5}

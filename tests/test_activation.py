@@ -57,7 +57,7 @@ def test_activation_checkpointing_lowers_probe_activation_bytes(cache_dir, model
     batch = corpus.train.batch(list(range(4)))
     off = activation_bytes(net, batch, False)
     on = activation_bytes(net, batch, True)
-    half = activation_bytes(net, batch, True, checkpoint_every=2)
+    half = activation_bytes(net, batch, True, every_n_blocks=2)
     assert on < half < off
     assert not any(getattr(b, "gradient_checkpointing", False) for b in net.modules())  # the probe copied the model
 

@@ -49,3 +49,16 @@ def test_overrides_reach_every_section():
     assert cfg.training.max_steps == 7 and cfg.model.config["n_layer"] == 3
     assert cfg.model.config["model_type"] == "gpt2"  # from the recipe, kept beside the override
     assert cfg.precision == "fp32" and cfg.training.micro_batch_size == 2
+
+
+def test_deprecated_keys_still_work_under_their_new_names(caplog):
+    """Renamed keys (activation checkpointing's block stride, the speech cap in audio samples)
+    keep working with a warning; given together with a different new value they are refused."""
+    cfg = parse_args(TINY_ARGS + ["--memory.checkpoint_every", "2",
+                                  "--data.speech.max_frames_per_micro_batch", "16000"])
+    assert cfg.memory.activation_checkpointing_every_n_blocks == 2 and cfg.memory.checkpoint_every is None
+    assert cfg.data.speech.max_audio_samples_per_micro_batch == 16000
+    assert "memory.checkpoint_every is deprecated; use memory.activation_checkpointing_every_n_blocks" in caplog.text
+    with pytest.raises(ConfigError, match="memory.activation_checkpointing_every_n_blocks"):
+        parse_args(TINY_ARGS + ["--memory.checkpoint_every", "2",
+                                "--memory.activation_checkpointing_every_n_blocks", "3"])

@@ -4,18 +4,22 @@ import pytest
 import torch
 
 from memtrain.data import IGNORE_INDEX
-from memtrain.loop import lr_lambda, train_step
-from memtrain.memory import MicroBatchPlan
+from memtrain.optim import lr_lambda
+from memtrain.step import train_step
+from memtrain.plan import MicroBatchPlan
 from memtrain.objectives import CTC, CausalLM
 
 
 @pytest.fixture(scope="module")
 def backend():
     from memtrain.backends.ddp import DDPBackend
+    from memtrain.distributed import ProcessState
 
-    b = DDPBackend("fp32", cpu=True)
+    process = ProcessState(cpu=True)
+    b = DDPBackend(process, "fp32")
     yield b
     b.close()
+    process.close()
 
 
 def _model(dtype=torch.float64):

@@ -4,7 +4,7 @@ import torch
 
 from memtrain.data import GlobalBatchSampler, batch_fingerprint
 from memtrain.data.sampler import Cursor
-from memtrain.memory import MicroBatchPlan
+from memtrain.plan import MicroBatchPlan
 
 
 def test_every_sample_once_per_epoch_across_ranks():

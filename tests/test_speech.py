@@ -135,13 +135,13 @@ def test_bucketing_keeps_every_sample_once_and_groups_lengths():
 
 
 def test_frame_cap_and_greedy_ctc_decoding():
-    from memtrain.memory import MicroBatchPlan, PlanController
+    from memtrain.plan import MicroBatchPlan, PlanController
     from memtrain.objectives import CTC
 
     controller = PlanController(MicroBatchPlan(8, 1), 8, "auto", 0)
-    assert controller.capped(longest=1000, max_frames=8000).micro_batch_size == 8
-    assert controller.capped(longest=3000, max_frames=8000).micro_batch_size == 2
-    assert controller.capped(longest=9000, max_frames=8000).micro_batch_size == 1
+    assert controller.capped(longest=1000, max_per_micro_batch=8000).micro_batch_size == 8
+    assert controller.capped(longest=3000, max_per_micro_batch=8000).micro_batch_size == 2
+    assert controller.capped(longest=9000, max_per_micro_batch=8000).micro_batch_size == 1
     change = controller.on_oom("forward", tried=MicroBatchPlan(2, 4))  # the capped plan failed: halve it
     assert (change.old.micro_batch_size, change.new.micro_batch_size) == (2, 1)
 
@@ -230,7 +230,7 @@ def test_frame_cap_splits_long_batches_only(speech_runs, speech_cache, tmp_path)
     longest = [int(corpus.train.lengths[sampler.global_batch(sampler.cursor(s))].max()) for s in range(STEPS)]
     cap = 4 * int(np.median(longest))
     launch(speech_args(tmp_path, speech_cache, "--backend.name", "ddp",
-                       "--data.speech.max_frames_per_micro_batch", str(cap)), timeout=420)
+                       "--data.speech.max_audio_samples_per_micro_batch", str(cap)), timeout=420)
     records, ddp = read_metrics(tmp_path), speech_runs["ddp"][0]
     micro = [r["micro_batch_size"] for r in records]
     assert micro == [4 if 4 * n <= cap else 2 if 2 * n <= cap else 1 for n in longest]

@@ -1,17 +1,30 @@
 """The engine interface every backend implements (a ``typing.Protocol``, as in torchtune).
 
 The loop talks only to this interface, never to DDP, FSDP or DeepSpeed directly, so switching
-engines is one config key (``backend.name``) and the loop never branches on the engine.
+engines is one config key (``backend.name``) and the loop never branches on the engine. Who this
+process is (rank, device, collectives) is not the engine's business: that is
+:class:`memtrain.distributed.ProcessState`, built before the engine and shared with it.
+
+Besides the class, each engine module defines three functions the registry
+(:mod:`memtrain.backends`) calls without building an engine:
+
+* ``build(cfg, process, precision, plan) -> Backend``;
+* ``read_full_weights(path) -> dict[str, Tensor]``: the whole model's weights from one of its
+  checkpoints, on CPU, in one process (for ``memtrain export``);
+* ``model_state_bytes(n_params, precision, zero_stage, offload, world_size) -> dict``: bytes of
+  parameters, gradients and optimizer state per rank (for ``memtrain memory``).
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
 from concurrent.futures import Future
-from typing import Callable, Optional, Protocol, runtime_checkable
+from contextlib import AbstractContextManager
+from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+
+from memtrain.distributed import ProcessState
 
 
 @runtime_checkable
@@ -20,28 +33,24 @@ class Backend(Protocol):
 
     Attributes:
         name: ``ddp``, ``fsdp`` or ``deepspeed``.
-        rank: this process's rank, 0 … world_size-1.
-        world_size: number of processes.
-        device: where the model and batches live.
-        is_main: rank 0 (writes metrics and exports).
+        process: the process state (rank, world size, device, collectives).
         precision: resolved ``bf16|fp16|fp32``.
         grad_average_factor: the number the engine divides summed gradients by when it reduces
             them across ranks (world_size for DDP-style averaging). The loop multiplies each
             micro-batch loss by it so the reduced gradient is ``sum of token losses / global
-            token count`` (DESIGN.md rule 3).
+            token count``.
         collectives_in_compute: the engine communicates inside forward/backward (FSDP2
             all-gathers, ZeRO parameter fetches and gradient partitioning, DDP's overlapped
             bucket all-reduce), so the OOM protocol must agree at every block boundary.
+        supports_async_save: :meth:`save_state` can write in the background.
     """
 
     name: str
-    rank: int
-    world_size: int
-    device: torch.device
-    is_main: bool
+    process: ProcessState
     precision: str
     grad_average_factor: float
     collectives_in_compute: bool
+    supports_async_save: bool
 
     def prepare(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
                 ) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -67,7 +76,7 @@ class Backend(Protocol):
             The global gradient L2 norm before clipping (nan when skipped before computing it).
         """
 
-    def loss_scale(self) -> "Optional[float]":
+    def loss_scale(self) -> Optional[float]:
         """The fp16 dynamic loss scale, or None when no loss scaling is used."""
 
     def set_plan(self, plan) -> None:
@@ -77,26 +86,21 @@ class Backend(Protocol):
         """After all ranks agreed on an OOM: discard partial gradients and engine per-step state
         so that retrying the same batch is legal; free cached memory."""
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum a tensor over ranks in place and return it."""
-
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside the engine's wrapper."""
 
-    def full_state_dict(self, model: nn.Module) -> "dict[str, torch.Tensor] | None":
+    def full_state_dict(self, model: nn.Module) -> Optional[dict[str, torch.Tensor]]:
         """The whole model's state dict on CPU, on rank 0 (None elsewhere). A collective: every
         rank must call it (sharded engines gather here)."""
 
-    checkpoint_format: str
-    """``safetensors`` (DDP), ``dcp`` (FSDP2: torch.distributed.checkpoint) or ``deepspeed``."""
-
     def save_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: str,
-                   max_shard_size: str = "5GB", async_save: bool = False) -> "Optional[Future]":
+                   max_shard_size: str = "5GB", async_save: bool = False) -> Optional[Future]:
         """Write model and optimizer state (and the engine's loss-scaler state) into ``directory``.
 
         Every rank calls it; the engine decides who writes what, and no two ranks write the same
-        file. With ``async_save`` an engine that can (FSDP2) returns a future whose ``result()``
-        every rank must wait for before the checkpoint is committed; others return None.
+        file. With ``async_save`` an engine that can (``supports_async_save``) returns a future
+        whose ``result()`` every rank must wait for before the checkpoint is committed; others
+        return None.
         """
 
     def expected_files(self) -> list[str]:
@@ -108,19 +112,18 @@ class Backend(Protocol):
         """Load what :meth:`save_state` wrote (every rank calls it).
 
         Raises:
-            memtrain.checkpoint.CheckpointError: the engine cannot load a checkpoint written by
+            memtrain.errors.CheckpointError: the engine cannot load a checkpoint written by
                 ``saved_world_size`` ranks on this many.
         """
 
-    def replicated_tensors(self, model: nn.Module) -> "list[tuple[str, torch.Tensor]]":
+    def manifest_fields(self) -> dict[str, Any]:
+        """What a checkpoint manifest records about the engine: ``backend`` (the name),
+        ``checkpoint_format`` (``safetensors``, ``dcp`` or ``deepspeed``), ``zero_stage`` (None
+        outside DeepSpeed)."""
+
+    def replicated_tensors(self, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
         """The named tensors every rank holds a full identical copy of (parameters under DDP and
         ZeRO-1/2, buffers everywhere), for the save-time divergence check."""
 
-    def barrier(self) -> None:
-        """Wait for all ranks."""
-
-    def main_process_first(self) -> AbstractContextManager:
-        """Run the body on rank 0 first, then on the others (for building caches)."""
-
     def close(self) -> None:
-        """Release what the engine holds (process group state created by the backend)."""
+        """Release what the engine holds (not the process group: the process state owns it)."""

@@ -10,18 +10,8 @@ from torch import nn
 
 log = logging.getLogger("memtrain")
 
-
-def ensure_process_group(device: torch.device) -> bool:
-    """Start a one-process group when none is up (plain ``python`` with a sharded engine, which
-    needs a group even alone). Returns True when this call created it (the caller destroys it)."""
-    if dist.is_initialized():
-        return False
-    kwargs = {}
-    if device.type == "cuda":
-        kwargs["device_id"] = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-    dist.init_process_group("gloo" if device.type == "cpu" else "nccl", store=dist.HashStore(), rank=0, world_size=1,
-                            **kwargs)
-    return True
+ADAM_STATE_BYTES = 8
+"""exp_avg + exp_avg_sq in fp32, per parameter (AdamW's state; ZeRO paper, Rajbhandari et al. 2020, §3.1)."""
 
 
 def sync_replicated_state(model: nn.Module, device: torch.device) -> list[str]:

@@ -15,6 +15,9 @@ from typing import Callable
 import torch
 from torch import nn
 
+from memtrain.backends.common import ADAM_STATE_BYTES
+from memtrain.distributed import ProcessState
+
 log = logging.getLogger("memtrain")
 
 
@@ -45,29 +48,32 @@ class DDPBackend:
     every rank; if not, it stops with the parameters' names and the setting to change.
 
     Args:
+        process: the process state (Accelerate's, which owns the device and autocast).
         precision: resolved ``bf16|fp16|fp32``.
-        cpu: force CPU even where CUDA is present.
         find_unused_parameters: ``auto|true|false``.
+        defer_reduction: all-reduce gradients after the last micro-batch's backward instead of
+            overlapping with it (the OOM protocol's choice).
     """
 
     name = "ddp"
+    supports_async_save = False
 
-    def __init__(self, precision: str, cpu: bool = False, find_unused_parameters: str = "auto",
+    def __init__(self, process: ProcessState, precision: str, find_unused_parameters: str = "auto",
                  defer_reduction: bool = False):
         from accelerate import Accelerator
         from accelerate.utils import DistributedDataParallelKwargs
 
+        self.process = process
         self.precision = precision
         self.find_unused_parameters = find_unused_parameters
         self._ddp_kwargs = DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters == "true")
         self._checked_unused = find_unused_parameters != "auto"
         self._skips_layers = False
-        self.accelerator = Accelerator(cpu=cpu, mixed_precision="no" if precision == "fp32" else precision,
+        self.accelerator = Accelerator(cpu=process.device.type == "cpu",
+                                       mixed_precision="no" if precision == "fp32" else precision,
                                        kwargs_handlers=[self._ddp_kwargs])
-        self.rank = self.accelerator.process_index
-        self.world_size = self.accelerator.num_processes
-        self.device = self.accelerator.device
-        self.is_main = self.accelerator.is_main_process
+        self.world_size = process.world_size
+        self.device = process.device
         # DDP divides the all-reduced gradient sum by world_size
         self.grad_average_factor = float(self.world_size)
         # With OOM recovery, gradients are all-reduced only after every rank finished all its
@@ -180,13 +186,11 @@ class DDPBackend:
                 "used on some steps only, set backend.find_unused_parameters true; if never, freeze them "
                 "(requires_grad=False) or remove them.")
 
-    checkpoint_format = "safetensors"
-
     def save_state(self, model: nn.Module, optimizer, directory: str, max_shard_size: str = "5GB",
                    async_save: bool = False) -> None:
         """Rank 0 writes the (replicated) weights as safetensors, sharded past ``max_shard_size``,
         and ``optimizer.pt`` (optimizer state and the fp16 GradScaler's state)."""
-        if not self.is_main:
+        if not self.process.is_main:
             return
         from memtrain.weights import save_weights
 
@@ -213,25 +217,38 @@ class DDPBackend:
         module = self.unwrap(model)
         return list(module.named_parameters()) + list(module.named_buffers())
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
-            torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
-        return tensor
-
     def unwrap(self, model: nn.Module) -> nn.Module:
         # not accelerator.unwrap_model: it imports DeepSpeed on first use (0.7 s on the CPU machine)
         inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         return getattr(inner, "_orig_mod", inner)  # a torch.compile'd module
 
     def full_state_dict(self, model: nn.Module):
-        return {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()} if self.is_main else None
+        return {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()} if self.process.is_main else None
 
-    def barrier(self) -> None:
-        self.accelerator.wait_for_everyone()
-
-    def main_process_first(self):
-        return self.accelerator.main_process_first()
+    def manifest_fields(self) -> dict:
+        return {"backend": self.name, "checkpoint_format": "safetensors", "zero_stage": None}
 
     def close(self) -> None:
-        """Release the Accelerate state (so another run can start in the same process)."""
-        self.accelerator.end_training()
+        """Nothing beyond the process group, which the process state closes."""
+
+
+def build(cfg, process: ProcessState, precision: str, plan) -> DDPBackend:
+    """The DDP engine for ``cfg`` (``backend.find_unused_parameters``; the deferred reduction
+    when ``memory.oom_recovery`` is on)."""
+    return DDPBackend(process, precision, find_unused_parameters=cfg.backend.find_unused_parameters,
+                      defer_reduction=cfg.memory.oom_recovery)
+
+
+def read_full_weights(path: str) -> dict[str, torch.Tensor]:
+    """The replicated weights rank 0 wrote as safetensors."""
+    from memtrain.weights import load_weights
+
+    return load_weights(path)
+
+
+def model_state_bytes(n_params: int, precision: str, zero_stage, offload: str, world_size: int) -> dict[str, int]:
+    """Every rank holds everything: Accelerate's autocast keeps fp32 parameters and gradients
+    (cast for compute) and AdamW's two fp32 moments."""
+    n = n_params
+    return {"parameter_bytes": 4 * n, "gradient_bytes": 4 * n, "optimizer_bytes": ADAM_STATE_BYTES * n,
+            "cpu_offloaded_bytes": 0}

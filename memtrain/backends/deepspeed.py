@@ -3,7 +3,7 @@
 memtrain owns the optimizer (AdamW from ``training.*``; DeepSpeedCPUAdam when offloading), the
 LR schedule and the accumulation: the engine is told where each accumulation boundary is
 (``set_gradient_accumulation_boundary``), ``backward`` runs with ``scale_wrt_gas=False`` because
-the loop already divides every micro-batch loss by the global token count (DESIGN.md rule 3),
+the loop already divides every micro-batch loss by the global token count,
 and ``step`` is called once per global batch.
 
 A user's DeepSpeed JSON may hold ``"auto"`` values (the HuggingFace convention); they are filled
@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
-from memtrain.backends.common import ensure_process_group
+from memtrain.backends.common import ADAM_STATE_BYTES
 from memtrain.config import ConfigError
+from memtrain.distributed import ProcessState
+from memtrain.errors import CheckpointError
 
 
 def _get(d: dict, path: str):
@@ -124,39 +127,32 @@ class DeepSpeedBackend:
     """ZeRO data parallel through ``deepspeed.initialize``.
 
     Args:
+        process: the process state (its group is started here when plain ``python`` has none).
         precision: resolved ``bf16|fp16|fp32``; precision_requested: the ``precision`` setting.
-        cpu: run on CPU (DeepSpeed's CPU accelerator, gloo).
         ds_config_path: the user's DeepSpeed JSON, or None.
         zero_stage, offload: None = from the JSON (defaults 2, none).
-        global_batch_size, micro_batch_size, max_grad_norm: from ``training``.
+        global_batch_size, max_grad_norm: from ``training``.
+        plan: the starting micro-batch plan (:class:`memtrain.plan.MicroBatchPlan`).
     """
 
     name = "deepspeed"
+    supports_async_save = False
+    _TAG = "zero"
 
-    def __init__(self, precision: str, precision_requested: str, cpu: bool, ds_config_path: Optional[str],
-                 zero_stage: Optional[int], offload: Optional[str], global_batch_size: int, micro_batch_size: int,
-                 max_grad_norm: float):
-        from accelerate import PartialState
-
-        self.state = PartialState(cpu=cpu)
-        self.rank = self.state.process_index
-        self.world_size = self.state.num_processes
-        self.device = self.state.device
-        self.is_main = self.state.is_main_process
-        self._own_group = ensure_process_group(self.device)
-        if self._own_group:  # plain `python`: DeepSpeed reads the launcher's variables
-            import os
-
-            for var, value in (("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "1")):
-                os.environ.setdefault(var, value)
+    def __init__(self, process: ProcessState, precision: str, precision_requested: str, ds_config_path: Optional[str],
+                 zero_stage: Optional[int], offload: Optional[str], global_batch_size: int, max_grad_norm: float,
+                 plan):
+        self.process = process
+        self.world_size = process.world_size
+        self.device = process.device
+        process.ensure_group()  # plain `python`: a one-rank group (and the variables DeepSpeed reads)
         user = None
         if ds_config_path:
             with open(ds_config_path) as fh:
                 user = json.load(fh)
         self.ds_config = build_ds_config(
             user, ds_config_path or "the DeepSpeed config", global_batch_size=global_batch_size,
-            micro_batch_size=micro_batch_size,
-            gradient_accumulation_steps=global_batch_size // (micro_batch_size * self.world_size),
+            micro_batch_size=plan.micro_batch_size, gradient_accumulation_steps=plan.gradient_accumulation_steps,
             max_grad_norm=max_grad_norm, precision=precision, precision_requested=precision_requested,
             zero_stage=zero_stage, offload=offload,
         )
@@ -236,11 +232,6 @@ class DeepSpeedBackend:
         scale = getattr(self.engine.optimizer, "loss_scale", None)
         return float(scale) if scale is not None else None
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
-            torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
-        return tensor
-
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if hasattr(model, "module") else model
 
@@ -249,11 +240,8 @@ class DeepSpeedBackend:
 
         module = self.unwrap(model)
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-            sd = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()} if self.is_main else None
+            sd = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()} if self.process.is_main else None
         return sd
-
-    checkpoint_format = "deepspeed"
-    _TAG = "zero"
 
     def save_state(self, model: nn.Module, optimizer, directory: str, max_shard_size: str = "5GB",
                    async_save: bool = False) -> None:
@@ -276,8 +264,6 @@ class DeepSpeedBackend:
         Raises:
             CheckpointError: different world size, or DeepSpeed found no checkpoint.
         """
-        from memtrain.checkpoint import CheckpointError
-
         if saved_world_size != self.world_size and self.zero_stage > 0:
             raise CheckpointError(
                 f"{directory}: a DeepSpeed ZeRO-{self.zero_stage} checkpoint written by {saved_world_size} ranks cannot "
@@ -293,16 +279,67 @@ class DeepSpeedBackend:
         params = list(module.named_parameters()) if self.zero_stage < 3 else []  # ZeRO-3 partitions parameters
         return params + list(module.named_buffers())
 
-    def barrier(self) -> None:
-        torch.distributed.barrier()
-
-    def main_process_first(self):
-        return self.state.main_process_first()
+    def manifest_fields(self) -> dict:
+        return {"backend": self.name, "checkpoint_format": "deepspeed", "zero_stage": self.zero_stage}
 
     def close(self) -> None:
-        """Release the engine, then the process group (left to interpreter exit, communicator
-        threads can abort the process; the run ends with a barrier on success)."""
+        """Release the engine (the process group is the process state's)."""
         if self.engine is not None and hasattr(self.engine, "destroy"):
             self.engine.destroy()
-        if torch.distributed.is_initialized():  # no barrier: after an error on one rank it would hang
-            torch.distributed.destroy_process_group()
+
+
+def _accelerate_deepspeed_settings() -> tuple[Optional[str], Optional[int], Optional[str]]:
+    """(config file, zero stage, offload) from ``accelerate launch``'s DeepSpeed environment."""
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
+    stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    opt = os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none")
+    par = os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none")
+    offload = "optimizer_and_params" if par == "cpu" else "optimizer" if opt == "cpu" else None
+    return path, int(stage) if stage and not path else None, offload if not path else None
+
+
+def build(cfg, process: ProcessState, precision: str, plan) -> DeepSpeedBackend:
+    """The DeepSpeed engine for ``cfg``: ``backend.deepspeed_config`` (or, with ``backend.name
+    auto`` under ``accelerate launch``, the user's Accelerate DeepSpeed settings), ``zero_stage``,
+    ``offload``, and the batch geometry of ``plan``.
+
+    Raises:
+        memtrain.config.ConfigError: the DeepSpeed JSON contradicts the memtrain config.
+    """
+    b, t = cfg.backend, cfg.training
+    path, stage, offload = b.deepspeed_config, b.zero_stage, b.offload
+    if path is None and b.name == "auto":
+        env_path, env_stage, env_offload = _accelerate_deepspeed_settings()
+        path, stage, offload = env_path, stage or env_stage, offload or env_offload
+    return DeepSpeedBackend(process, precision, cfg.precision, ds_config_path=path, zero_stage=stage, offload=offload,
+                            global_batch_size=t.global_batch_size, max_grad_norm=t.max_grad_norm, plan=plan)
+
+
+def read_full_weights(path: str) -> dict[str, torch.Tensor]:
+    """fp32 weights consolidated from the ZeRO partitions with DeepSpeed's ``zero_to_fp32``."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return dict(get_fp32_state_dict_from_zero_checkpoint(path, tag=DeepSpeedBackend._TAG))
+
+
+def model_state_bytes(n_params: int, precision: str, zero_stage: Optional[int], offload: str,
+                      world_size: int) -> dict[str, int]:
+    """ZeRO's accounting (Rajbhandari et al. 2020, §3.1 and §5): 16-bit parameters and gradients in
+    bf16/fp16 (fp32 otherwise) plus an fp32 master copy kept with AdamW's moments; stage 1 shards
+    the optimizer state, 2 also the gradients, 3 also the parameters (default stage 2); offload
+    moves the optimizer state (and with ``optimizer_and_params`` the parameters) to host memory."""
+    n, w = n_params, world_size
+    stage = 2 if zero_stage is None else zero_stage
+    half = precision in ("bf16", "fp16")
+    p_bytes = 2 if half else 4
+    master = 4 if half else 0
+    params = p_bytes * n // (w if stage >= 3 else 1)
+    grads = p_bytes * n // (w if stage >= 2 else 1)
+    optim = (ADAM_STATE_BYTES + master) * n // (w if stage >= 1 else 1)
+    offloaded = 0
+    if offload in ("optimizer", "optimizer_and_params"):
+        offloaded, optim = optim, 0
+    if offload == "optimizer_and_params":
+        offloaded, params = offloaded + params, 0
+    return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim,
+            "cpu_offloaded_bytes": offloaded}

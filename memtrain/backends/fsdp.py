@@ -16,7 +16,9 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from memtrain.backends.common import ensure_process_group, repeated_blocks
+from memtrain.backends import env_true
+from memtrain.backends.common import ADAM_STATE_BYTES, repeated_blocks
+from memtrain.distributed import ProcessState
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
@@ -26,8 +28,8 @@ class FSDPBackend:
     all ranks; blocks are all-gathered for their forward and backward, gradients reduce-scattered.
 
     Args:
+        process: the process state (its group is started here when plain ``python`` has none).
         precision: ``bf16|fp32`` (parameters cast to it for compute; gradients reduced in fp32).
-        cpu: run on CPU even where CUDA is present.
         reshard_after_forward: free gathered parameters after forward (less memory).
         offload: ``none`` or anything else = CPUOffloadPolicy (parameters, gradients and
             optimizer state live in CPU memory; the optimizer steps on CPU).
@@ -37,22 +39,21 @@ class FSDPBackend:
     """
 
     name = "fsdp"
+    supports_async_save = True
 
-    def __init__(self, precision: str, cpu: bool = False, reshard_after_forward: bool = True, offload: str = "none"):
-        from accelerate import PartialState
+    def __init__(self, process: ProcessState, precision: str, reshard_after_forward: bool = True,
+                 offload: str = "none"):
         from torch.distributed.device_mesh import init_device_mesh
 
         if precision == "fp16":
             raise ValueError("precision: fp16 is not supported with backend.name fsdp; choose bf16 or fp32")
+        self.process = process
         self.precision = precision
-        self.state = PartialState(cpu=cpu)
-        self.rank = self.state.process_index
-        self.world_size = self.state.num_processes
-        self.device = self.state.device
-        self.is_main = self.state.is_main_process
+        self.world_size = process.world_size
+        self.device = process.device
         self.reshard_after_forward = reshard_after_forward
         self.offload = offload
-        ensure_process_group(self.device)  # plain `python`: a one-rank group
+        process.ensure_group()  # plain `python`: a one-rank group
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         self._async_group = None  # process group of background checkpoint writes (made on first use)
         self.grad_average_factor = float(self.world_size)  # reduce-scatter averages over ranks
@@ -87,10 +88,7 @@ class FSDPBackend:
         reductions; ``FSDPModule.reset_iter_state``), drop partial gradients, free the cache."""
         from torch.distributed.fsdp import FSDPModule
 
-        if hasattr(model, "reset_iter_state"):  # torch >= 2.13
-            model.reset_iter_state()
-        else:
-            _reset_iter_state_before_2_13(model)
+        model.reset_iter_state()  # torch >= 2.13 (pinned)
         model.set_requires_gradient_sync(True)
         # reset_iter_state keeps the unsharded gradients that no_sync micro-batches accumulated
         # (torch 2.13); a retry must not add the failed attempt's partial sums to its own
@@ -122,11 +120,6 @@ class FSDPBackend:
     def loss_scale(self):
         return None  # fp16 is refused for FSDP2
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
-            torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
-        return tensor
-
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model
 
@@ -134,9 +127,7 @@ class FSDPBackend:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return sd if self.is_main else None
-
-    checkpoint_format = "dcp"
+        return sd if self.process.is_main else None
 
     def save_state(self, model: nn.Module, optimizer, directory: str, max_shard_size: str = "5GB",
                    async_save: bool = False):
@@ -173,62 +164,62 @@ class FSDPBackend:
     def replicated_tensors(self, model: nn.Module):
         return list(model.named_buffers())  # parameters are sharded DTensors
 
-    def barrier(self) -> None:
-        torch.distributed.barrier()
-
-    def main_process_first(self):
-        return self.state.main_process_first()
+    def manifest_fields(self) -> dict:
+        return {"backend": self.name, "checkpoint_format": "dcp", "zero_stage": None}
 
     def close(self) -> None:
-        """Tear the process group down (left to interpreter exit, communicator threads can abort
-        the process: 'terminate called without an active exception'). The run ends with a barrier
-        on success; after an error the other ranks' pending collectives fail instead of hanging."""
-        if torch.distributed.is_initialized():  # no barrier: after an error on one rank it would hang
-            torch.distributed.destroy_process_group()
+        """Nothing beyond the process group, which the process state closes."""
+
+
+def _accelerate_fsdp_settings() -> tuple[Optional[bool], Optional[str]]:
+    """(reshard_after_forward, offload) from ``accelerate launch``'s FSDP environment."""
+    if "FSDP_RESHARD_AFTER_FORWARD" in os.environ:  # fsdp_version 2
+        reshard = env_true("FSDP_RESHARD_AFTER_FORWARD")
+    else:  # fsdp_version 1 names: SHARD_GRAD_OP (2) keeps parameters gathered between forward and backward
+        strategy = os.environ.get("FSDP_SHARDING_STRATEGY")
+        reshard = None if strategy is None else strategy.upper() not in ("SHARD_GRAD_OP", "2")
+    offload = "optimizer_and_params" if env_true("FSDP_OFFLOAD_PARAMS") else None
+    return reshard, offload
+
+
+def build(cfg, process: ProcessState, precision: str, plan) -> FSDPBackend:
+    """The FSDP2 engine for ``cfg``; with ``backend.name auto`` under ``accelerate launch``, the
+    resharding and offload of the user's Accelerate FSDP config fill what ``backend.*`` leaves unset.
+
+    Raises:
+        ValueError: fp16.
+    """
+    b = cfg.backend
+    reshard, env_offload = _accelerate_fsdp_settings() if b.name == "auto" else (None, None)
+    return FSDPBackend(process, precision, reshard_after_forward=b.reshard_after_forward if reshard is None else reshard,
+                       offload=b.offload or env_offload or "none")
+
+
+def read_full_weights(path: str) -> dict[str, torch.Tensor]:
+    """The model entries of the torch.distributed.checkpoint shards, read without a process group."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(os.path.join(path, "dcp")).read_metadata()
+    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in metadata.state_dict_metadata.items()
+             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    dcp.load(state, checkpoint_id=os.path.join(path, "dcp"), no_dist=True)
+    return {key[len("model."):]: value for key, value in state.items()}
+
+
+def model_state_bytes(n_params: int, precision: str, zero_stage, offload: str, world_size: int) -> dict[str, int]:
+    """fp32 parameters, gradients and AdamW moments, sharded over ranks (FSDP2's mixed-precision
+    policy casts for compute); CPUOffloadPolicy moves all three to host memory."""
+    n, w = n_params, world_size
+    params, grads, optim = 4 * n // w, 4 * n // w, ADAM_STATE_BYTES * n // w
+    if offload not in (None, "none"):
+        return {"parameter_bytes": 0, "gradient_bytes": 0, "optimizer_bytes": 0,
+                "cpu_offloaded_bytes": params + grads + optim}
+    return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim, "cpu_offloaded_bytes": 0}
 
 
 def _param_groups(state) -> list:
-    """An FSDP state's parameter groups (a list from torch 2.13 on, a single optional group before)."""
+    """An FSDP state's parameter groups (torch 2.13's list; empty for a module without parameters)."""
     groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is not None:
-        return list(groups)
-    group = getattr(state, "_fsdp_param_group", None)
-    return [group] if group is not None else []
-
-
-def _reset_iter_state_before_2_13(model: nn.Module) -> None:
-    """What ``FSDPModule.reset_iter_state`` (torch 2.13) does, for older torch: wait for and drop
-    in-flight collectives, reshard every parameter group, clear the per-iteration trackers."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-
-    root = model._get_fsdp_state()
-    comm = root._comm_ctx
-    comm.all_gather_state = None
-    comm.reduce_scatter_state = None
-    for attr in ("reduce_scatter_states",):
-        if hasattr(comm, attr):
-            getattr(comm, attr).clear()
-    if hasattr(comm, "post_forward_order"):
-        comm.post_forward_order.clear()
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        state = module._get_fsdp_state()
-        state._training_state = TrainingState.IDLE
-        if hasattr(state, "_modules_to_run_forward"):
-            state._modules_to_run_forward.clear()
-        for group in _param_groups(state):
-            if hasattr(group, "_all_gather_result"):
-                group._all_gather_result = None
-            if hasattr(group, "_post_reduce_event"):
-                group._post_reduce_event = None
-            if hasattr(group, "_all_reduce_state"):
-                group._all_reduce_state = None
-            if hasattr(group, "_partial_reduce_output"):
-                group._partial_reduce_output = None
-            group._post_forward_indices.clear()
-            group._training_state = TrainingState.IDLE
-            group._to_sharded()
-    root._state_ctx.iter_forward_root = None
-    root._state_ctx.post_backward_final_callback_queued = False
+    return list(groups) if groups is not None else []

@@ -1,4 +1,4 @@
-"""The global-batch sampler and its ``(epoch, step)`` cursor (../shared/DESIGN.md, "The one idea").
+"""The global-batch sampler and its ``(epoch, step)`` cursor (docs/design.md, "The global batch is the unit of work").
 
 Global batch ``step`` of ``epoch`` is block ``step`` of a permutation of the dataset seeded by
 ``(seed, epoch)``, cut into consecutive blocks of ``global_batch_size`` (the last partial block

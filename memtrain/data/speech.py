@@ -6,7 +6,7 @@ Both sources end in the same cache: per split, one int16 waveform stream at 16 k
 ``cache_dir/speech-<hash of sources and settings>/``, written to a temporary directory and
 renamed (a killed build never leaves half a cache).
 
-Determinism (../shared/DESIGN.md rule 4): utterance ``i`` of a split is spoken by the voice,
+Determinism (randomness in data is a pure function of seed, split and index): utterance ``i`` of a split is spoken by the voice,
 rate, pitch and random seed of :func:`memtrain.data.espeak.voice_for` ``(seed, i, split)`` — a
 pure function — so the same ``(seed, index)`` gives the same samples on every rank and rerun.
 """

@@ -1,0 +1,96 @@
+"""Building a run, in one direction: process state → data → model → plan → engine → model
+transforms → the loop's parts. The engine is built after the model exists, so that the plan
+(and later the engine choice) can depend on the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import ExitStack
+
+from memtrain.backends import make_backend
+from memtrain.checkpoint import Checkpointer
+from memtrain.checkpoint.stateful import EngineState, RNGState, SchedulerState, TokenizerFiles
+from memtrain.config import Config, to_dict
+from memtrain.data import GlobalBatchSampler, build_corpus
+from memtrain.distributed import ProcessState
+from memtrain.evaluate import Evaluator
+from memtrain.faults import FaultInjector
+from memtrain.loop import Trainer
+from memtrain.models import build_model, count_parameters
+from memtrain.objectives import make_objective
+from memtrain.oom import OOMSync
+from memtrain.optim import make_optimizer, make_scheduler
+from memtrain.plan import MicroBatchPlan, PlanController
+from memtrain.precision import NonFiniteGuard, resolve_precision
+from memtrain.state import TrainState
+from memtrain.transforms import ModelTransforms
+
+log = logging.getLogger("memtrain")
+
+
+def make_sampler(cfg: Config, corpus, process: ProcessState) -> GlobalBatchSampler:
+    """The global-batch sampler; speech corpora get length-aware batching (``data.speech.bucket_batches``)."""
+    t, speech = cfg.training, cfg.data.speech if corpus.kind == "speech" else None
+    return GlobalBatchSampler(len(corpus.train), t.global_batch_size, t.seed, process.world_size, process.rank,
+                              lengths=corpus.train.lengths if speech is not None else None,
+                              bucket_batches=speech.bucket_batches if speech is not None else 0)
+
+
+def make_controller(cfg: Config, world_size: int) -> PlanController:
+    """The plan controller, starting from ``training.micro_batch_size``."""
+    t, m = cfg.training, cfg.memory
+    plan = MicroBatchPlan.for_global_batch(t.global_batch_size, t.micro_batch_size, world_size)
+    return PlanController(plan, t.global_batch_size // world_size, m.activation_checkpointing, m.grow_back_window)
+
+
+def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Trainer:
+    """Everything the loop needs, from a validated config and a started process state.
+
+    Args:
+        cfg: the validated config.
+        process: this process's state.
+        closing: the engine's ``close`` is pushed here as soon as the engine exists.
+
+    Raises:
+        ValueError, memtrain.config.ConfigError: data or model settings that cannot work, an
+            option the engine cannot honour.
+    """
+    t = cfg.training
+    precision = resolve_precision(cfg.precision, process.device.type)  # a refused precision stops before any work
+    with process.main_process_first():
+        corpus = build_corpus(cfg.data)
+    from accelerate.utils import set_seed
+
+    set_seed(t.seed)  # same initial weights on every rank
+    model = build_model(cfg.model, corpus.vocab_size, t.seed)
+    n_params, objective = count_parameters(model), make_objective(model, corpus)
+    layerdrop = getattr(model, "memtrain_layerdrop", None)  # memtrain.layerdrop.AgreedLayerDrop
+    sampler = make_sampler(cfg, corpus, process)
+    controller = make_controller(cfg, process.world_size)
+    engine = make_backend(cfg, process, precision, controller.plan)
+    closing.callback(engine.close)
+    sync = OOMSync(process.world_size, process.rank, process.device, engine.collectives_in_compute,
+                   enabled=cfg.memory.oom_recovery)
+    faults = FaultInjector(cfg.faults, process.rank)
+    transforms = ModelTransforms(model, cfg.memory.activation_checkpointing_every_n_blocks, faults)
+    model, optimizer = transforms.apply(model, engine, lambda m: make_optimizer(m, t), sync,
+                                        controller.activation_checkpointing)
+    scheduler = make_scheduler(optimizer, t)
+    evaluator = Evaluator(process, corpus, objective, t.eval_samples, t.micro_batch_size, sync)
+    guard, state = NonFiniteGuard(t.max_nonfinite_steps), TrainState()
+    if cfg.checkpoint.async_save and not engine.supports_async_save and process.is_main:
+        log.warning("memtrain: checkpoint.async_save applies to backend.name fsdp only; %s saves synchronously",
+                    engine.name)
+    checkpointer = Checkpointer(process, os.path.join(cfg.output_dir, "checkpoints"), cfg.checkpoint.keep_last,
+                                cfg.checkpoint.async_save, {"vocab_size": corpus.vocab_size, "config": to_dict(cfg)},
+                                after_write=faults.after_checkpoint_write)
+    checkpoint_states = {
+        "model_and_optimizer": EngineState(engine, model, optimizer, cfg.checkpoint.max_shard_size),
+        "scheduler": SchedulerState(scheduler, optimizer), "plan": controller, "train": state,
+        "evaluator": evaluator, "nonfinite": guard, "rng": RNGState(process.rank, process.world_size),
+        "tokenizer": TokenizerFiles(corpus.hf_tokenizer(), process.is_main),
+    }
+    return Trainer(cfg, process, engine, model, optimizer, scheduler, corpus, objective, sampler, controller, sync,
+                   faults, transforms, evaluator, guard, checkpointer, checkpoint_states, state, n_params, layerdrop)

@@ -1,0 +1,235 @@
+"""The checkpoint directory layout and the rank-0 file operations on it: verify, commit, retain,
+choose what to resume. No collectives and no torch state here, so every function runs (and is
+tested) in one process.
+
+::
+
+    OUTPUT_DIR/checkpoints/
+      step_00000100/
+        manifest.json        step, world size, engine, config, model shapes, every file's size and sha256
+        trainer_state.json   the JSON states: train state, LR scheduler, plan, evaluator, … (rank 0)
+        rank_00000.pt …      each rank's RNG states (Python, NumPy, torch CPU, CUDA)
+        …                    the engine's state: model*.safetensors + optimizer.pt (DDP),
+                             dcp/ (FSDP2, torch.distributed.checkpoint), zero/ (DeepSpeed)
+      latest                 the name of the newest complete checkpoint, replaced atomically
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import logging
+import os
+import shutil
+from typing import Any, Optional
+
+from memtrain.errors import CheckpointError
+
+log = logging.getLogger("memtrain")
+
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.json"
+LATEST = "latest"
+TMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
+
+
+def step_dir_name(step: int) -> str:
+    """``step_00000100`` for step 100."""
+    return f"step_{step:08d}"
+
+
+def step_of(name: str) -> Optional[int]:
+    """The step of a ``step_XXXXXXXX`` directory name, else None."""
+    if name.startswith("step_") and name[5:].isdigit():
+        return int(name[5:])
+    return None
+
+
+def rank_file(rank: int) -> str:
+    """``rank_00003.pt``: rank 3's own state file."""
+    return f"rank_{rank:05d}.pt"
+
+
+def sha256(path: str, chunk: int = 16 * 2**20) -> str:
+    """Hex sha256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fsync(path: str) -> None:
+    """Flush a file or directory to stable storage."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def files_under(directory: str) -> list[str]:
+    """Every file below ``directory`` (relative paths, sorted)."""
+    out = []
+    for base, _, names in os.walk(directory):
+        out += [os.path.relpath(os.path.join(base, n), directory) for n in names]
+    return sorted(out)
+
+
+def complete_checkpoints(root: str) -> list[str]:
+    """Checkpoint directories under ``root`` that hold a manifest, oldest step first."""
+    if not os.path.isdir(root):
+        return []
+    found = [(s, os.path.join(root, n)) for n in os.listdir(root) if (s := step_of(n)) is not None]
+    return [p for _, p in sorted(found) if os.path.isfile(os.path.join(p, MANIFEST))]
+
+
+def verify(path: str) -> dict[str, Any]:
+    """Check a checkpoint against its manifest: every listed file present with its size and sha256.
+
+    Returns:
+        The manifest.
+
+    Raises:
+        CheckpointError: no manifest (an unfinished save), or a missing, truncated or corrupt file
+            (named in the message).
+    """
+    manifest_path = os.path.join(path, MANIFEST)
+    if not os.path.isfile(manifest_path):
+        raise CheckpointError(f"{path}: no {MANIFEST}: the save did not finish (incomplete checkpoint)")
+    try:
+        with open(manifest_path) as fh:
+            manifest = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{manifest_path} is unreadable: {exc}") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(i, dict) and {"bytes", "sha256"} <= set(i) for i in files.values()):
+        raise CheckpointError(f"{manifest_path} is malformed: no file list with sizes and checksums")
+    for rel, info in files.items():
+        file = os.path.join(path, rel)
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{file} is missing (listed in {MANIFEST})")
+        size = os.path.getsize(file)
+        if size != info["bytes"]:
+            raise CheckpointError(f"{file} has {size} bytes, {MANIFEST} says {info['bytes']} (truncated or replaced)")
+        if sha256(file) != info["sha256"]:
+            raise CheckpointError(f"{file} is corrupt: its sha256 differs from {MANIFEST}")
+    return manifest
+
+
+def choose_resume(root: str, mode: str) -> Optional[str]:
+    """The checkpoint to resume from.
+
+    Args:
+        root: the run's ``checkpoints`` directory.
+        mode: ``never`` → None; a path → that checkpoint, verified; ``auto`` → ``latest`` when it
+            verifies, else the newest complete checkpoint that does (each one refused is named in
+            a warning); None when there is none.
+
+    Raises:
+        CheckpointError: an explicit path that fails verification, or ``auto`` with checkpoints of
+            which none verifies.
+    """
+    if mode == "never":
+        return None
+    if mode != "auto":
+        verify(mode)
+        return mode
+    candidates = list(reversed(complete_checkpoints(root)))
+    latest = os.path.join(root, LATEST)
+    if os.path.isfile(latest):
+        with open(latest) as fh:
+            named = os.path.join(root, fh.read().strip())
+        if named in candidates:
+            candidates.remove(named)
+            candidates.insert(0, named)
+    refused = []
+    for path in candidates:
+        try:
+            verify(path)
+            return path
+        except CheckpointError as exc:
+            refused.append(str(exc))
+            log.warning("memtrain: not resuming from %s: %s", path, exc)
+    if refused:
+        raise CheckpointError("no complete checkpoint verifies: " + "; ".join(refused)
+                              + ". Fix or remove them, or set resume never to start over")
+    return None
+
+
+def clean_stale(root: str) -> None:
+    """Remove the temporary directories a killed save (or commit) left under ``root``, naming each."""
+    if not os.path.isdir(root):
+        return
+    for name in os.listdir(root):
+        if name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+            log.warning("memtrain: removing %s, left by an unfinished save", os.path.join(root, name))
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def commit(tmp: str, root: str, step: int, expected: list[str], manifest: dict[str, Any]) -> tuple[str, int]:
+    """Turn the written temporary directory ``tmp`` into checkpoint ``step``: check that every
+    expected file is there, write ``manifest.json`` with each file's size and sha256, fsync,
+    rename to ``step_XXXXXXXX`` (swapping out an older save of the same step) and replace
+    ``latest`` atomically. A crash at any point leaves either the previous state or the new one.
+
+    Args:
+        tmp: the directory every rank wrote into.
+        root: the ``checkpoints`` directory.
+        step: the optimizer step saved.
+        expected: glob patterns (relative to ``tmp``) each of which must match a file.
+        manifest: the manifest's fields; ``files`` is added here.
+
+    Returns:
+        (the checkpoint's path, its total bytes).
+
+    Raises:
+        CheckpointError: a pattern of ``expected`` matches nothing.
+    """
+    missing = [pattern for pattern in expected if not glob.glob(os.path.join(tmp, pattern))]
+    if missing:
+        raise CheckpointError(f"save of step {step} is incomplete: nothing matches {missing} in {tmp}")
+    files = {}
+    for rel in files_under(tmp):
+        full = os.path.join(tmp, rel)
+        fsync(full)
+        files[rel] = {"bytes": os.path.getsize(full), "sha256": sha256(full)}
+    with open(os.path.join(tmp, MANIFEST), "w") as fh:
+        json.dump({**manifest, "files": files}, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    for base, _, _ in os.walk(tmp):
+        fsync(base)
+    final = os.path.join(root, step_dir_name(step))
+    if os.path.exists(final):  # a step saved again (resumed from an older checkpoint): swap it out
+        trash = os.path.join(root, TRASH_PREFIX + step_dir_name(step))
+        os.replace(final, trash)
+        os.replace(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    latest_tmp = os.path.join(root, TMP_PREFIX + LATEST)
+    with open(latest_tmp, "w") as fh:
+        fh.write(step_dir_name(step) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(latest_tmp, os.path.join(root, LATEST))
+    fsync(root)
+    return final, sum(f["bytes"] for f in files.values())
+
+
+def retain(root: str, newest: str, keep_last: int) -> list[str]:
+    """Delete complete checkpoints older than the newest ``keep_last`` (never ``newest``, and never
+    one of a later step, which belongs to a timeline this run did not overwrite yet).
+
+    Returns:
+        The deleted paths.
+    """
+    step = step_of(os.path.basename(newest))
+    older = [p for p in complete_checkpoints(root) if step_of(os.path.basename(p)) < step]
+    doomed = older[:max(0, len(older) - (keep_last - 1))]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed

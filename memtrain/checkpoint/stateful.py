@@ -1,0 +1,254 @@
+"""What a checkpoint holds: a ``dict[str, Stateful]`` (as in torchtitan's ``CheckpointManager``).
+
+Two kinds of entries:
+
+* :class:`Stateful` — ``state_dict()`` / ``load_state_dict()`` of JSON-serialisable data (train
+  state, LR scheduler, plan controller, evaluator, non-finite guard). Rank 0 writes them all into
+  ``trainer_state.json`` under their names; every rank reads them back.
+* :class:`FileStateful` — state that writes its own files: the engine's model and optimizer
+  (:class:`EngineState`), each rank's random states (:class:`RNGState`), the tokenizer.
+
+Adding state to checkpoints means adding one entry to the dict; the checkpointer never knows what
+is inside.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+from concurrent.futures import Future
+from typing import Any, Optional, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from memtrain.checkpoint.layout import rank_file
+from memtrain.errors import CheckpointError
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """JSON-serialisable state (``trainer_state.json``)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state, as JSON-serialisable data."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+
+@runtime_checkable
+class FileStateful(Protocol):
+    """State that writes its own files into the checkpoint directory (every rank calls each method)."""
+
+    def prepare_save(self, step: int) -> dict[str, Any]:
+        """Before anything is written (a collective point): check that the state can be saved and
+        return fields for the manifest.
+
+        Raises:
+            CheckpointError: the state must not be saved (the message says why).
+        """
+
+    def save_files(self, directory: str, async_save: bool) -> Optional[Future]:
+        """Write into ``directory``; may return a future when writing in the background."""
+
+    def expected_files(self) -> list[str]:
+        """Glob patterns (relative to the checkpoint directory) a complete save matches."""
+
+    def load_files(self, directory: str, manifest: dict[str, Any]) -> None:
+        """Restore from a verified checkpoint.
+
+        Raises:
+            CheckpointError: the checkpoint does not fit this run (the message names the field).
+        """
+
+
+def model_shapes(module: nn.Module) -> dict[str, list[int]]:
+    """Parameter name → global shape (ZeRO-3's partitioned parameters report ``ds_shape``)."""
+    return {n: list(getattr(p, "ds_shape", p.shape)) for n, p in module.named_parameters()}
+
+
+def _tensor_digest(t: torch.Tensor) -> int:
+    """A 63-bit hash of a tensor's bytes."""
+    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+
+
+def divergent_tensors(backend, model: nn.Module) -> list[str]:
+    """Names of replicated tensors (``Backend.replicated_tensors``) whose bytes differ between
+    ranks: a hash per tensor, all-reduced with MAX and with MIN (a collective; every rank calls).
+
+    Returns:
+        ``parameter NAME`` / ``buffer NAME`` entries in module order (empty on one rank).
+    """
+    process = backend.process
+    if process.world_size == 1:
+        return []
+    named = backend.replicated_tensors(model)
+    if not named:
+        return []
+    params = {id(p) for _, p in backend.unwrap(model).named_parameters()}
+    hi = torch.tensor([_tensor_digest(t) for _, t in named], dtype=torch.int64, device=process.device)
+    lo = hi.clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    return [("parameter " if id(t) in params else "buffer ") + n
+            for (n, t), a, b in zip(named, hi.tolist(), lo.tolist()) if a != b]
+
+
+class EngineState:
+    """The model and optimizer, saved and loaded in the engine's own format.
+
+    Args:
+        backend: the engine; model, optimizer: as the engine prepared them.
+        max_shard_size: largest safetensors shard (DDP).
+    """
+
+    def __init__(self, backend, model: nn.Module, optimizer, max_shard_size: str = "5GB"):
+        self.backend, self.model, self.optimizer = backend, model, optimizer
+        self.max_shard_size = max_shard_size
+
+    def prepare_save(self, step: int) -> dict[str, Any]:
+        """Refuse to save when a replicated parameter differs between ranks (a buffer is only
+        warned about: rank 0's copy is saved); the manifest gets the engine and model shapes."""
+        import logging
+
+        divergent = divergent_tensors(self.backend, self.model)
+        if divergent:
+            more = (f" (also {', '.join(divergent[1:4])}{' …' if len(divergent) > 4 else ''})"
+                    if len(divergent) > 1 else "")
+            msg = f"at step {step}: {len(divergent)} replicated tensor(s) differ between ranks, first: {divergent[0]}{more}"
+            if divergent[0].startswith("parameter"):
+                raise CheckpointError(msg + "; the ranks no longer train the same model, refusing to save")
+            logging.getLogger("memtrain").warning("memtrain: %s; rank 0's copy is saved", msg)
+        return {**self.backend.manifest_fields(), "model_shapes": model_shapes(self.backend.unwrap(self.model)),
+                "replicated_mismatch": divergent}
+
+    def save_files(self, directory: str, async_save: bool) -> Optional[Future]:
+        return self.backend.save_state(self.model, self.optimizer, directory, self.max_shard_size, async_save)
+
+    def expected_files(self) -> list[str]:
+        return self.backend.expected_files()
+
+    def load_files(self, directory: str, manifest: dict[str, Any]) -> None:
+        """Load after checking the engine and every parameter's shape against the manifest.
+
+        Raises:
+            CheckpointError: another engine or model shape, or a world size the engine cannot
+                reshard to.
+        """
+        name = self.backend.name
+        if manifest["backend"] != name:
+            raise CheckpointError(f"{directory} was written by backend.name {manifest['backend']}; this run uses "
+                                  f"{name}. Resume with backend.name {manifest['backend']}, or `memtrain export` its "
+                                  "weights")
+        shapes, saved = model_shapes(self.backend.unwrap(self.model)), manifest["model_shapes"]
+        if saved != shapes:
+            diff = next((k for k in sorted(set(shapes) | set(saved)) if shapes.get(k) != saved.get(k)), None)
+            raise CheckpointError(f"{directory}: the model differs from the checkpoint's at parameter {diff}: "
+                                  f"checkpoint {saved.get(diff)}, this run {shapes.get(diff)}")
+        self.backend.load_state(self.model, self.optimizer, directory, manifest["world_size"])
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random states (Python, NumPy, torch CPU, every CUDA device), loadable with
+    ``torch.load(weights_only=True)``."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos,
+                  "has_gauss": has_gauss, "gauss": gauss},
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` captured."""
+    random.setstate(state["python"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class RNGState:
+    """Each rank's random states, one file per rank (``rank_XXXXX.pt``). On another world size,
+    a rank without a file of its own takes rank 0's.
+
+    Args:
+        rank, world_size: this process's.
+    """
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+
+    def prepare_save(self, step: int) -> dict[str, Any]:
+        return {}
+
+    def save_files(self, directory: str, async_save: bool) -> None:
+        torch.save(rng_state(), os.path.join(directory, rank_file(self.rank)))
+
+    def expected_files(self) -> list[str]:
+        return [rank_file(r) for r in range(self.world_size)]
+
+    def load_files(self, directory: str, manifest: dict[str, Any]) -> None:
+        import logging
+
+        saved = manifest["world_size"]
+        own = self.rank if self.rank < saved else 0
+        if saved != self.world_size:
+            logging.getLogger("memtrain").warning(
+                "memtrain: resuming a %d-rank checkpoint on %d ranks: data order and plan carry over; rank %d takes "
+                "rank %d's random state", saved, self.world_size, self.rank, own)
+        set_rng_state(torch.load(os.path.join(directory, rank_file(own)), weights_only=True))
+
+
+class TokenizerFiles:
+    """The run's ``transformers`` tokenizer, saved by rank 0 into ``tokenizer/`` for ``memtrain
+    export`` (not loaded back: the data cache holds it).
+
+    Args:
+        tokenizer: the tokenizer, or None (nothing is written).
+        is_main: rank 0.
+    """
+
+    def __init__(self, tokenizer, is_main: bool):
+        self.tokenizer, self.is_main = tokenizer, is_main
+
+    def prepare_save(self, step: int) -> dict[str, Any]:
+        return {}
+
+    def save_files(self, directory: str, async_save: bool) -> None:
+        if self.is_main and self.tokenizer is not None:
+            self.tokenizer.save_pretrained(os.path.join(directory, "tokenizer"))
+
+    def expected_files(self) -> list[str]:
+        return []
+
+    def load_files(self, directory: str, manifest: dict[str, Any]) -> None:
+        """Nothing to restore."""
+
+
+class SchedulerState:
+    """The LR scheduler as a :class:`Stateful`. Loading also writes the scheduler's learning rates
+    into the optimizer's groups (the engine's optimizer state may carry another group lr).
+
+    Args:
+        scheduler: a ``torch.optim.lr_scheduler`` scheduler; optimizer: the one it drives.
+    """
+
+    def __init__(self, scheduler, optimizer):
+        self.scheduler, self.optimizer = scheduler, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr

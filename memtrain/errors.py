@@ -1,0 +1,14 @@
+"""Errors that several modules raise, kept at the bottom of the import graph (no memtrain imports),
+so that an engine can raise a checkpoint error without importing the checkpointer.
+
+Exit codes of the ``memtrain`` command (:func:`memtrain.train.cli`): :class:`memtrain.config.ConfigError`
+2, :class:`memtrain.oom.OOMStop` 3, :class:`CheckpointError` 4,
+:class:`memtrain.precision.NonFiniteStop` 5.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written, or is incomplete, corrupt or incompatible with this run
+    (the message names the file or the field)."""

@@ -1,0 +1,87 @@
+"""Evaluation on the validation split, with its own OOM-safe micro-batch size."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from memtrain.distributed import ProcessState
+from memtrain.objectives import Objective
+from memtrain.oom import AgreedOOM, OOMSync, is_oom
+
+log = logging.getLogger("memtrain")
+
+
+class Evaluator:
+    """Mean loss per unit (token or character; nats) over the first ``num_samples`` validation
+    samples, and the objective's metrics (WER and CER for CTC). Returns ``{"loss": …, "wer": …, …}``.
+
+    The samples are cut to a multiple of ``world_size`` and dealt round-robin, so every rank runs
+    the same number of forwards (the engines' collectives stay matched). Evaluation has its own
+    micro-batch size: an OOM here halves it (all ranks agree after every micro-batch) and never
+    touches the training plan. The micro-batch size is saved in checkpoints (``state_dict``).
+
+    Args:
+        process: the process state; corpus: the data (its ``validation`` split); objective: the loss.
+        num_samples: ``training.eval_samples``; micro_batch_size: the starting evaluation micro-batch.
+        sync: the OOM agreement points.
+
+    Attributes:
+        events: evaluation plan changes not yet written to metrics (the loop drains them).
+    """
+
+    def __init__(self, process: ProcessState, corpus, objective: Objective, num_samples: int, micro_batch_size: int,
+                 sync: OOMSync):
+        self.process, self.corpus, self.objective, self.sync = process, corpus, objective, sync
+        n = min(num_samples, len(corpus.validation))
+        self.mine = list(range(process.rank, n - n % process.world_size, process.world_size))
+        self.micro_batch_size = micro_batch_size
+        self.events: list[dict] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"micro_batch_size": self.micro_batch_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.micro_batch_size = state["micro_batch_size"]
+
+    @torch.no_grad()
+    def __call__(self, model: nn.Module) -> dict[str, float]:
+        was_training = model.training
+        model.eval()
+        try:
+            while True:
+                try:
+                    totals = self._run(model)
+                    break
+                except BaseException as exc:
+                    if not self.sync.enabled or not is_oom(exc) or self.micro_batch_size == 1:
+                        raise
+                    agreed = exc.ranks if isinstance(exc, AgreedOOM) else None
+                # outside the except block: the traceback (and the activations its frames hold) is freed
+                self._shrink(agreed if agreed is not None else self.sync.agree(True))
+        finally:
+            model.train(was_training)
+        self.process.all_reduce_sum(totals)
+        return self.objective.finish(totals.tolist())
+
+    def _shrink(self, ranks: list[int]) -> None:
+        if self.process.device.type == "cuda":
+            torch.cuda.empty_cache()
+        old, self.micro_batch_size = self.micro_batch_size, self.micro_batch_size // 2
+        self.events.append({"event": "eval_oom_shrink", "old": old, "new": self.micro_batch_size,
+                            "ranks": ranks, "reason": "out of memory in evaluation"})
+        log.warning("memtrain: rank %d: OOM in evaluation on rank(s) %s; evaluation micro-batch %d → %d",
+                    self.process.rank, ranks, old, self.micro_batch_size)
+
+    def _run(self, model: nn.Module) -> torch.Tensor:
+        device = self.process.device
+        totals = torch.zeros(2 + 2 * len(self.objective.eval_metrics), dtype=torch.float64, device=device)
+        for i in range(0, len(self.mine), self.micro_batch_size):
+            ids = self.mine[i:i + self.micro_batch_size]
+            batch = {k: v.to(device) for k, v in self.corpus.validation.batch(ids).items()}
+            totals += torch.tensor(self.objective.eval_sums(model, batch), dtype=torch.float64, device=device)
+            self.sync.agreement_point()
+        return totals

@@ -1,0 +1,138 @@
+"""Fault injection for tests and benchmarks (the ``faults`` config section): real
+``torch.OutOfMemoryError``s raised from inside the model, NaN losses, processes killed after a
+step, inside a step or half-way through a checkpoint write, and failing checkpoint writes. The
+failures walk the same code paths as real ones; production code only offers the hook points
+(:meth:`FaultInjector.after_micro_batch`, :meth:`FaultInjector.after_step`,
+:meth:`FaultInjector.after_checkpoint_write`) and never reads ``faults.*`` itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import torch
+from torch import nn
+
+from memtrain.oom import register_block_hooks
+
+log = logging.getLogger("memtrain")
+
+
+def kill(where: str) -> None:
+    """End this process at once, the way a preempted or crashed job ends (exit status 137, no
+    cleanup, no flushing beyond what is already on disk)."""
+    log.warning("memtrain: faults: killing the process %s", where)
+    sys.stderr.flush()
+    os._exit(137)
+
+
+class FaultInjector:
+    """Injects the failures the ``faults`` section asks for.
+
+    OOMs come from hooks on the model's repeated blocks: a forward pre-hook of the first block
+    (``oom_in: forward`` or ``eval``) or a gradient hook on its output (``oom_in: backward``). A
+    micro-batch "holds" ``batch × sequence`` tokens of activations; with activation checkpointing
+    on, only one block's activations are live at a time, so the injector counts ``tokens / number
+    of blocks`` — the saving activation checkpointing really gives.
+
+    Args:
+        faults: the ``faults`` config section (:class:`memtrain.config.FaultsConfig`).
+        rank: this rank.
+
+    Attributes:
+        step: the optimizer step being run (set by the loop).
+        activation_checkpointing: whether activation checkpointing is on (set by the transforms).
+    """
+
+    def __init__(self, faults, rank: int):
+        self.faults = faults
+        self.rank = rank
+        self.step = 0
+        self.activation_checkpointing = False
+        self.num_blocks = 1
+
+    def _active(self, where: str, tokens: int) -> bool:
+        f = self.faults
+        if f.oom_above_tokens <= 0 or f.oom_in != where or (f.oom_until_step and self.step > f.oom_until_step):
+            return False
+        if f.oom_ranks is not None and self.rank not in f.oom_ranks:
+            return False
+        if f.oom_at_steps is not None and self.step not in f.oom_at_steps:
+            return False
+        held = tokens / self.num_blocks if self.activation_checkpointing else tokens
+        return held > f.oom_above_tokens
+
+    def _maybe_oom(self, where: str, shape) -> None:
+        if self._active(where, int(shape[0]) * (int(shape[1]) if len(shape) > 2 else 1)):
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory (injected by memtrain faults.oom_above_tokens={self.faults.oom_above_tokens} "
+                f"in {where} on rank {self.rank})")
+
+    def _poisoned(self) -> bool:
+        f = self.faults
+        return f.nan_at_step > 0 and f.nan_at_step <= self.step < f.nan_at_step + f.nan_steps
+
+    @staticmethod
+    def _poison(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``faults.nan_at_step``: the block's first floating-point input times NaN, so the loss
+        and every gradient upstream of the block become NaN, as a real overflow would."""
+        args = list(args)
+        for container in (args, kwargs):
+            keys = range(len(container)) if isinstance(container, list) else list(container)
+            for k in keys:
+                if isinstance(container[k], torch.Tensor) and container[k].is_floating_point():
+                    container[k] = container[k] * float("nan")
+                    return tuple(args), kwargs
+        return tuple(args), kwargs
+
+    def install(self, blocks: list[nn.Module]) -> None:
+        """Register the hooks on ``blocks`` (in forward order) when an OOM or NaN injection is
+        configured. Install after :meth:`memtrain.oom.OOMSync.install`, so an injected OOM is
+        raised before the block's agreement point, as a real one inside the block would be."""
+        self.num_blocks = max(1, len(blocks))
+        f = self.faults
+        if not (f.oom_above_tokens > 0 or f.nan_at_step > 0):
+            return
+
+        def forward(index, hidden, args, kwargs):
+            if index != 0:
+                return None
+            self._maybe_oom("forward" if torch.is_grad_enabled() else "eval", hidden.shape)
+            if torch.is_grad_enabled() and self._poisoned():
+                return self._poison(args, kwargs)
+            return None
+
+        def backward(index, shape):
+            if index == 0:
+                self._maybe_oom("backward", shape)
+
+        register_block_hooks(blocks, forward, backward)
+
+    def after_micro_batch(self, index: int) -> None:
+        """``faults.kill_at_step`` with ``kill_mid_step``: end the process after the first
+        micro-batch's backward of that step (in the middle of gradient accumulation)."""
+        f = self.faults
+        if f.kill_mid_step and f.kill_at_step == self.step and index == 0:
+            kill(f"inside step {self.step}, after micro-batch 1")
+
+    def after_step(self) -> None:
+        """``faults.kill_at_step``: end the process right after that optimizer step."""
+        f = self.faults
+        if f.kill_at_step == self.step and not f.kill_mid_step:
+            kill(f"after step {self.step}")
+
+    def after_checkpoint_write(self, step: int, directory: str) -> None:
+        """Called by the checkpointer on every rank once the engine's state of ``step`` is written
+        into the temporary ``directory``: ``faults.kill_during_save`` ends the process there (no
+        manifest yet); ``faults.save_error_ranks`` makes the write fail with an OSError.
+
+        Raises:
+            OSError: this rank is in ``faults.save_error_ranks``.
+        """
+        f = self.faults
+        if f.kill_during_save == step:
+            kill(f"half-way through saving step {step}")
+        if self.rank in (f.save_error_ranks or []):
+            raise OSError(f"faults.save_error_ranks: injected write failure in {directory}")

@@ -1,0 +1,182 @@
+"""Out-of-memory errors and the rank-synchronised decision about them (the OOM protocol).
+
+Every rank must reach the same decision for the same step: an OOM on one rank makes all ranks
+discard the step's partial gradients, adopt the same smaller plan (:mod:`memtrain.plan`) and
+retry the same samples, and no rank may be left waiting in a collective of the engine (DDP's
+bucket all-reduce, FSDP2's all-gather / reduce-scatter, ZeRO-3's parameter fetch). The means:
+*agreement points* (:class:`OOMSync`) at which every rank all-reduces an OOM flag, placed so that
+no engine collective lies between two of them. The approach follows Composer's auto-microbatching
+(an all-reduced OOM flag, plus hooks inside FSDP models), made to work for every engine here.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+_OOM_MESSAGES = ("out of memory", "CUDNN_STATUS_ALLOC_FAILED", "CUBLAS_STATUS_ALLOC_FAILED",
+                 "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE")
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether ``exc`` is an out-of-memory error: ``torch.OutOfMemoryError`` or a RuntimeError
+    carrying a CUDA/cuDNN/cuBLAS allocation-failure message. Anything else is not (and is re-raised
+    untouched by the loop)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _OOM_MESSAGES)
+
+
+class AgreedOOM(torch.OutOfMemoryError):
+    """Raised on every rank once the ranks have agreed that some rank ran out of memory.
+
+    Attributes:
+        ranks: the ranks that ran out of memory.
+    """
+
+    def __init__(self, ranks: list[int]):
+        self.ranks = ranks
+        super().__init__(f"out of memory on rank(s) {ranks}")
+
+
+class OOMStop(RuntimeError):
+    """Out of memory at the plan floor (micro-batch 1, activation checkpointing on or off by
+    request); the message holds the memory report and the settings to change."""
+
+
+def first_tensor(x) -> Optional[torch.Tensor]:
+    """The first tensor in a block's inputs or outputs (a tensor, a tuple/list, or a transformers
+    output with ``last_hidden_state``), or None."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (tuple, list)) and x:
+        return first_tensor(x[0])
+    return getattr(x, "last_hidden_state", None) if x is not None else None
+
+
+def register_block_hooks(blocks: list[nn.Module], forward: Callable, backward: Callable) -> None:
+    """Hooks that run before each block's forward and before its backward, ahead of any hook the
+    engine registered (``prepend``), so they run before the engine's collectives.
+
+    Args:
+        blocks: the repeated blocks, in forward order.
+        forward: ``forward(index, hidden [B, …] tensor, args, kwargs)`` before the block's forward;
+            may return ``(args, kwargs)`` to replace the inputs.
+        backward: ``backward(index, shape)`` when the gradient of the block's output arrives
+            (before the block's own backward).
+    """
+    for i, block in enumerate(blocks):
+        def pre(module, args, kwargs, index=i):
+            h = first_tensor(args) if args else first_tensor(next(iter(kwargs.values()), None))
+            return forward(index, h, args, kwargs) if h is not None else None
+
+        def post(module, args, output, index=i):
+            h = first_tensor(output)
+            if h is not None and h.requires_grad:
+                shape = h.shape
+                h.register_hook(lambda grad: backward(index, shape))
+
+        block.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
+        block.register_forward_hook(post, prepend=True)
+
+
+class OOMSync:
+    """Agreement points of the OOM protocol.
+
+    Every rank calls :meth:`agreement_point` at the same places: after each micro-batch and, for
+    engines that communicate inside forward/backward (``in_hooks``), before each block's forward
+    and backward (:meth:`install`). A rank that ran out of memory skips ahead to the loop, which
+    calls :meth:`agree` with ``local_oom=True``; that collective pairs with the other ranks' next
+    agreement point, which then raise :class:`AgreedOOM`. Because no engine collective sits
+    between two agreement points, nobody is left waiting in one.
+
+    Args:
+        world_size: number of ranks; rank: this rank.
+        device: where the flag tensor lives (CUDA for nccl, CPU for gloo).
+        in_hooks: also agree in the block hooks (engines with collectives inside compute:
+            FSDP2's all-gather/reduce-scatter, ZeRO's parameter fetch and gradient partitioning).
+        enabled: False = no agreement (``memory.oom_recovery`` off).
+    """
+
+    def __init__(self, world_size: int, rank: int, device: torch.device, in_hooks: bool, enabled: bool = True):
+        self.world_size, self.rank, self.device = world_size, rank, device
+        self.in_hooks = in_hooks
+        self.enabled = enabled
+
+    def agree(self, local_oom: bool) -> list[int]:
+        """All-reduce one flag per rank; returns the ranks that ran out of memory."""
+        if not self.enabled or self.world_size == 1:
+            return [self.rank] if local_oom else []
+        flags = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
+        flags[self.rank] = int(local_oom)
+        torch.distributed.all_reduce(flags)
+        return [r for r, f in enumerate(flags.tolist()) if f]
+
+    def agreement_point(self) -> None:
+        """An agreement point on the success path.
+
+        Raises:
+            AgreedOOM: another rank ran out of memory since the last agreement point.
+        """
+        if self.enabled and self.world_size > 1:
+            ranks = self.agree(False)
+            if ranks:
+                raise AgreedOOM(ranks)
+
+    def install(self, blocks: list[nn.Module]) -> None:
+        """Agreement points before every block's training forward and backward, when the engine
+        communicates inside compute (else nothing is registered: a plain DDP run pays for no
+        Python hook). Install after the engine wrapped the model, so these run before its hooks.
+        Evaluation forwards agree once per micro-batch instead (in the evaluator)."""
+        if not (self.enabled and self.in_hooks and self.world_size > 1):
+            return
+
+        def forward(index, hidden, args, kwargs):
+            if torch.is_grad_enabled():
+                self.agreement_point()
+
+        register_block_hooks(blocks, forward, lambda index, shape: self.agreement_point())
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process so far, in bytes: CUDA max allocated on a GPU, else the
+    process's peak resident set size (``ru_maxrss``)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def memory_report(model: nn.Module, optimizer) -> dict[str, int]:
+    """Bytes held by parameters, gradients and optimizer state on this rank (local shards for
+    sharded engines), plus peak memory so far.
+
+    Returns:
+        ``parameter_bytes``, ``gradient_bytes``, ``optimizer_bytes``, ``peak_memory_bytes``.
+    """
+    def local(t):
+        t = getattr(t, "_local_tensor", t)
+        return t.numel() * t.element_size()
+
+    params = list(model.parameters())
+    opt_bytes = 0
+    for state in getattr(optimizer, "state", {}).values():
+        opt_bytes += sum(local(v) for v in state.values() if isinstance(v, torch.Tensor))
+    device = params[0].device if params else torch.device("cpu")
+    return {
+        "parameter_bytes": sum(local(p) for p in params),
+        "gradient_bytes": sum(local(p.grad) for p in params if p.grad is not None),
+        "optimizer_bytes": opt_bytes,
+        "peak_memory_bytes": peak_memory_bytes(device),
+    }
+
+
+def oom_stop_message(exc: OOMStop, step: int, rank: int, report: dict[str, int]) -> str:
+    """The message of the run-ending :class:`OOMStop`: where, the memory report (MiB), what to change."""
+    return (f"{exc} at step {step} (rank {rank}). Memory on this rank: "
+            + ", ".join(f"{k} = {v / 2**20:.1f} MiB" for k, v in report.items())
+            + ". To fit: use backend.name deepspeed with backend.zero_stage 3 or backend.name fsdp, "
+            "backend.offload optimizer, memory.activation_checkpointing on/auto, or a shorter data.seq_len.")

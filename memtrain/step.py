@@ -1,0 +1,122 @@
+"""One optimizer step's forward and backward over a rank's share of the global batch, and the
+same step under the OOM protocol (retry at a smaller plan until it fits).
+
+Each micro-batch contributes ``sum of its losses / global count`` (tokens, or transcript
+characters for CTC), the count summed over ranks once per step, so the gradient does not depend
+on how the global batch was split into micro-batches or ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from memtrain.backends.base import Backend
+from memtrain.objectives import Objective
+from memtrain.oom import AgreedOOM, OOMSync, is_oom
+from memtrain.plan import MicroBatchPlan, PlanChange, PlanController
+
+
+def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.Tensor],
+               plan: MicroBatchPlan, objective: Objective, sync: Optional[OOMSync] = None,
+               after_micro_batch: Optional[Callable[[int], None]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward of one rank batch, accumulated over the plan's micro-batches.
+
+    Gradients are left in the parameters (not stepped). Each micro-batch's loss is
+    ``loss_sum × grad_average_factor / global_count``, so after the engine's reduction the
+    gradient equals that of the mean loss per unit over the whole global batch, whatever the split.
+
+    Args:
+        model: the prepared (engine-wrapped) model.
+        backend: the engine.
+        rank_batch: this rank's share of the global batch, tensors [B_rank, …] on the device.
+        plan: the micro-batch plan; B_rank must equal micro_batch_size × accumulation steps.
+        objective: the loss and its normalisation count (:mod:`memtrain.objectives`).
+        sync: OOM agreement points (after every micro-batch for engines with collectives inside
+            compute, else after the last); None = none.
+        after_micro_batch: called with the micro-batch index after its backward (fault injection).
+
+    Returns:
+        (global loss sum, global count): fp64 scalars summed over all ranks; their ratio is the
+        step's mean loss per token (or character).
+    """
+    process = backend.process
+    global_count = process.all_reduce_sum(objective.count(rank_batch).to(process.device))
+    scale = backend.grad_average_factor / global_count.clamp(min=1).item()
+    micro_batches = plan.split(rank_batch)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=process.device)
+    for i, micro_batch in enumerate(micro_batches):
+        with backend.sync_context(model, sync=i == len(micro_batches) - 1):
+            micro_loss = objective.loss_sum(model, micro_batch)
+            backend.backward(micro_loss * scale)
+        if after_micro_batch is not None:
+            after_micro_batch(i)
+        # Agree after every micro-batch where the engine communicates inside compute (a rank
+        # that ran out of memory must not strand the others in the next micro-batch's
+        # collectives); otherwise (DDP with deferred reduction) once, after the last one.
+        if sync is not None and (sync.in_hooks or i == len(micro_batches) - 1):
+            sync.agreement_point()
+        loss_sum += micro_loss.detach().to(torch.float64)
+    return process.all_reduce_sum(loss_sum), global_count
+
+
+def _random_streams() -> tuple:
+    """The random states a retried step must replay: torch (dropout masks) and NumPy (SpecAugment)."""
+    return (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            np.random.get_state())
+
+
+def _replay(streams: tuple) -> None:
+    torch.set_rng_state(streams[0])
+    if streams[1] is not None:
+        torch.cuda.set_rng_state_all(streams[1])
+    np.random.set_state(streams[2])
+
+
+def step_with_recovery(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.Tensor],
+                       controller: PlanController, sync: OOMSync,
+                       on_change: Callable[[PlanChange, list[int]], None], objective: Objective,
+                       after_micro_batch: Optional[Callable[[int], None]] = None,
+                       plan_for: Optional[Callable[[], MicroBatchPlan]] = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, MicroBatchPlan]:
+    """:func:`train_step` under the OOM protocol: on an out-of-memory error on any rank, every rank
+    discards the partial gradients, adopts the same smaller plan and retries the same rank batch,
+    replaying the random streams the failed attempt started with.
+
+    Args:
+        on_change: called with each :class:`PlanChange` and the list of ranks that ran out of memory.
+        plan_for: this step's plan from the controller's (a capped one, the same on every rank);
+            None = the controller's plan.
+
+    Returns:
+        (global loss sum, global count, the plan that completed the step).
+
+    Raises:
+        memtrain.oom.OOMStop: at the plan floor. Any non-OOM error is re-raised untouched.
+    """
+    streams = _random_streams()
+    while True:
+        plan = plan_for() if plan_for is not None else controller.plan
+        if plan != controller.plan:
+            backend.set_plan(plan)
+        try:
+            loss_sum, count = train_step(model, backend, rank_batch, plan, objective, sync, after_micro_batch)
+            if plan != controller.plan:
+                backend.set_plan(controller.plan)
+            return loss_sum, count, plan
+        except BaseException as exc:
+            if not sync.enabled or not is_oom(exc):
+                raise
+            agreed = exc.ranks if isinstance(exc, AgreedOOM) else None
+            where = "another rank" if agreed is not None else "backward" if "backward" in str(exc) else "forward"
+        # outside the except block: the traceback (and the activations its frames hold) is freed;
+        # a rank that ran out of memory itself pairs this with the others' next agreement point
+        ranks = agreed if agreed is not None else sync.agree(True)
+        backend.reset_after_oom(model)
+        _replay(streams)
+        change = controller.on_oom(where, tried=plan)
+        backend.set_plan(controller.plan)
+        on_change(change, ranks)

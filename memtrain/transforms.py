@@ -1,0 +1,68 @@
+"""Model transforms, applied in one fixed order for every engine (torchtitan's order):
+
+1. activation checkpointing wrappers on the repeated blocks (when the plan starts with it on);
+2. (``torch.compile`` per block belongs here: after the checkpoint wrappers, before the engine
+   wraps the blocks);
+3. replicated state made identical on every rank, then the engine wraps the model and builds
+   the optimizer (DDP, FSDP2 ``fully_shard`` per block then root, DeepSpeed ``initialize``);
+4. OOM agreement hooks, then fault-injection hooks, registered ahead of the engine's own hooks.
+
+Activation checkpointing can also be switched on later, by the OOM protocol, on the wrapped
+model (:meth:`ModelTransforms.enable_activation_checkpointing`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from memtrain.activation import enable_activation_checkpointing
+from memtrain.backends.base import Backend
+from memtrain.backends.common import repeated_blocks, sync_replicated_state
+from memtrain.faults import FaultInjector
+from memtrain.oom import OOMSync
+
+
+class ModelTransforms:
+    """Owns the model's repeated blocks and the transforms applied to them.
+
+    Args:
+        model: the freshly built, unwrapped model (identical structure on every rank).
+        every_n_blocks: activation checkpointing on every n-th block (``memory.activation_checkpointing_every_n_blocks``).
+        faults: the fault injector (told when activation checkpointing is on).
+
+    Attributes:
+        blocks: the repeated blocks, found before the engine wraps (and renames) them.
+        activation_checkpointing: whether it is on.
+    """
+
+    def __init__(self, model: nn.Module, every_n_blocks: int, faults: FaultInjector):
+        self.blocks = repeated_blocks(model)
+        self.every_n_blocks = every_n_blocks
+        self.faults = faults
+        self.activation_checkpointing = False
+
+    def enable_activation_checkpointing(self, unwrapped: nn.Module) -> None:
+        """Recompute the blocks' activations in backward from now on (before or after wrapping;
+        a second call changes nothing)."""
+        if self.activation_checkpointing:
+            return
+        enable_activation_checkpointing(unwrapped, self.blocks, self.every_n_blocks)
+        self.activation_checkpointing = self.faults.activation_checkpointing = True
+
+    def apply(self, model: nn.Module, engine: Backend, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+              sync: OOMSync, activation_checkpointing: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Transform ``model`` in the fixed order above.
+
+        Returns:
+            (the engine-wrapped model, its optimizer).
+        """
+        if activation_checkpointing:
+            self.enable_activation_checkpointing(model)
+        sync_replicated_state(model, engine.process.device)
+        model, optimizer = engine.prepare(model, make_optimizer)
+        sync.install(self.blocks)
+        self.faults.install(self.blocks)  # after the agreement hooks: an injected OOM comes first, as a real one would
+        return model, optimizer
