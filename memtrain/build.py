@@ -77,6 +77,8 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Tra
     transforms = ModelTransforms(model, cfg.memory.activation_checkpointing_every_n_blocks, faults)
     model, optimizer = transforms.apply(model, engine, lambda m: make_optimizer(m, t), sync,
                                         controller.activation_checkpointing)
+    state_bytes = engine.model_state_bytes(n_params)
+    faults.simulate_memory(sum(v for k, v in state_bytes.items() if k != "cpu_offloaded_bytes"), model.parameters())
     scheduler = make_scheduler(optimizer, t)
     evaluator = Evaluator(process, corpus, objective, t.eval_samples, t.micro_batch_size, sync)
     guard, state = NonFiniteGuard(t.max_nonfinite_steps), TrainState()

@@ -184,6 +184,15 @@ class MemoryConfig:
 class FaultsConfig:
     """Fault injection for tests and benchmarks (raises real torch.OutOfMemoryError inside the model)."""
 
+    memory_budget_mib: float = 0.0
+    """A simulated device memory of this many MiB per rank (0 = off): the engine's model-state bytes
+    plus the bytes autograd saves for backward, counted as they are saved; a save past the budget
+    raises a real torch.OutOfMemoryError (memtrain/simulated_memory.py)."""
+    perturb_sample_at_step: int = 0
+    """Change one sample of this optimizer step's batch on rank ``perturb_rank`` (its token ids
+    reversed) before it is trained: the step's batch_fingerprint must change; 0 = off."""
+    perturb_rank: int = 0
+    """The rank whose batch ``perturb_sample_at_step`` changes."""
     oom_above_tokens: int = 0
     """Raise OOM in a micro-batch holding more than this many tokens (0 = off)."""
     oom_ranks: Optional[list[int]] = None

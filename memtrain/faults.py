@@ -2,20 +2,27 @@
 ``torch.OutOfMemoryError``s raised from inside the model, NaN losses, processes killed after a
 step, inside a step or half-way through a checkpoint write, and failing checkpoint writes. The
 failures walk the same code paths as real ones; production code only offers the hook points
-(:meth:`FaultInjector.after_micro_batch`, :meth:`FaultInjector.after_step`,
-:meth:`FaultInjector.after_checkpoint_write`) and never reads ``faults.*`` itself.
+(:meth:`FaultInjector.forward_context`, :meth:`FaultInjector.after_micro_batch`,
+:meth:`FaultInjector.perturb`, :meth:`FaultInjector.after_step`,
+:meth:`FaultInjector.after_checkpoint_write`) and never reads ``faults.*`` itself. With
+``faults.memory_budget_mib`` the OOMs come from a simulated device memory instead
+(:mod:`memtrain.simulated_memory`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+from contextlib import AbstractContextManager
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
 
 from memtrain.oom import register_block_hooks
+from memtrain.simulated_memory import SimulatedMemory
 
 log = logging.getLogger("memtrain")
 
@@ -52,6 +59,28 @@ class FaultInjector:
         self.step = 0
         self.activation_checkpointing = False
         self.num_blocks = 1
+        self.memory: Optional[SimulatedMemory] = None
+
+    def simulate_memory(self, state_bytes: int, parameters: Iterable[torch.Tensor]) -> None:
+        """``faults.memory_budget_mib``: count this rank's simulated device memory from now on
+        (``state_bytes``: the engine's model state on this rank)."""
+        if self.faults.memory_budget_mib > 0:
+            self.memory = SimulatedMemory(int(self.faults.memory_budget_mib * 2**20), state_bytes, parameters,
+                                          self.rank)
+
+    def forward_context(self) -> AbstractContextManager:
+        """Wraps every training forward: the simulated memory's counting, when on."""
+        return self.memory.context() if self.memory is not None else contextlib.nullcontext()
+
+    def perturb(self, rank_batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``faults.perturb_sample_at_step``: on ``faults.perturb_rank``, the first sample's token
+        ids reversed (a different sample reaches training); otherwise the batch unchanged."""
+        f = self.faults
+        if f.perturb_sample_at_step != self.step or f.perturb_rank != self.rank or "input_ids" not in rank_batch:
+            return rank_batch
+        ids = rank_batch["input_ids"].clone()
+        ids[0] = ids[0].flip(0)
+        return {**rank_batch, "input_ids": ids}
 
     def _active(self, where: str, tokens: int) -> bool:
         f = self.faults

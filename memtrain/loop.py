@@ -24,11 +24,12 @@ from torch import nn
 from memtrain.backends.base import Backend
 from memtrain.checkpoint import Checkpointer
 from memtrain.config import Config, to_dict
-from memtrain.data import GlobalBatchSampler, batch_fingerprint
+from memtrain.data import GlobalBatchSampler
 from memtrain.distributed import ProcessState
 from memtrain.evaluate import Evaluator
 from memtrain.export import export_model
 from memtrain.faults import FaultInjector
+from memtrain.fingerprint import hex_digest
 from memtrain.metrics import MetricsLogger
 from memtrain.objectives import Objective
 from memtrain.oom import OOMStop, OOMSync, memory_report, oom_stop_message, peak_memory_bytes
@@ -169,18 +170,18 @@ class Trainer:
         rank_batch = {k: v.to(device) for k, v in self.corpus.train.batch(self.sampler.rank_batch(cursor)).items()}
         lr = self.scheduler.get_last_lr()[0]
         self.faults.step = step
+        rank_batch = self.faults.perturb(rank_batch)
         if self.layerdrop is not None:
             self.layerdrop.set_step(step)  # the same layers on every rank and micro-batch
         events: list[dict] = []
         on_change = functools.partial(self._on_plan_change, events, step, run_start)
         try:
-            loss_sum, count, plan = step_with_recovery(self.model, self.engine, rank_batch, self.controller, self.sync,
-                                                       on_change, self.objective, self.faults.after_micro_batch,
-                                                       self._capped_plan(cursor))
+            sums, plan = step_with_recovery(self.model, self.engine, rank_batch, self.controller, self.sync, on_change,
+                                            self.objective, self.faults, self._capped_plan(cursor))
         except OOMStop as exc:
             report = memory_report(self.model, self.optimizer)
             raise OOMStop(oom_stop_message(exc, step, self.process.rank, report)) from None
-        loss = float(loss_sum / count)
+        loss, count = float(sums.loss_sum / sums.count), int(sums.count)
         # the non-finite guard: loss and norm are global, so every rank skips the same steps
         grad_norm = self.engine.clip_and_step(self.model, self.optimizer, t.max_grad_norm, skip=not math.isfinite(loss))
         if self.guard.update(step, loss, grad_norm):
@@ -195,11 +196,11 @@ class Trainer:
             on_change(grown, [])
         s = self.state
         s.step, s.epoch, s.samples_seen = step, cursor.epoch, step * t.global_batch_size
-        s.targets_seen += int(count)
+        s.targets_seen += count
         s.first_loss = loss if s.first_loss is None else s.first_loss
         s.last_loss = loss
-        return StepOutcome(loss, lr, grad_norm, plan, int(count), time.perf_counter() - step_start,
-                           batch_fingerprint(self.sampler.global_batch(cursor)), events)
+        return StepOutcome(loss, lr, grad_norm, plan, count, time.perf_counter() - step_start, hex_digest(sums.digest),
+                           events)
 
     def _record(self, outcome: StepOutcome, run_start: float) -> dict[str, Any]:
         """The step's ``metrics.jsonl`` record (:mod:`memtrain.records`), without events yet."""
@@ -209,6 +210,9 @@ class Trainer:
             record["layers_dropped"] = list(self.layerdrop.dropped)
         if self.engine.loss_scale() is not None:
             record["loss_scale"] = self.engine.loss_scale()
+        if self.faults.memory is not None:
+            record["simulated_peak_bytes"] = self.faults.memory.peak_bytes
+            self.faults.memory.reset_peak()
         return record
 
     def _capped_plan(self, cursor) -> Optional[Callable[[], MicroBatchPlan]]:

@@ -105,6 +105,7 @@ class PlanController:
         self.window = grow_back_window
         self.ok_steps = 0
         self.trying_grow = False
+        self.grown_from = configured
 
     def _with_micro(self, micro: int) -> MicroBatchPlan:
         return MicroBatchPlan(micro, self.per_rank_batch // micro)
@@ -136,7 +137,7 @@ class PlanController:
         if self.trying_grow:  # the larger plan did not fit: back off and wait twice as long
             self.trying_grow = False
             self.window *= 2
-            self.plan = self._with_micro(max(d for d in self._divisors() if d < old.micro_batch_size))
+            self.plan = self.grown_from  # the plan that worked before the try
             return PlanChange("grow_back_failed", old, self.plan, f"OOM in {where} at {old}; next try in {self.window} steps")
         smaller = [d for d in self._divisors() if d <= old.micro_batch_size // 2]
         if smaller:
@@ -160,7 +161,7 @@ class PlanController:
         self.plan = self._with_micro(min(d for d in larger if d >= 2 * old.micro_batch_size) if any(
             d >= 2 * old.micro_batch_size for d in larger) else max(larger))
         self.ok_steps = 0
-        self.trying_grow = True
+        self.trying_grow, self.grown_from = True, old
         return PlanChange("grow_back", old, self.plan, f"{self.window} steps without OOM")
 
     def _divisors(self) -> list[int]:
@@ -169,12 +170,15 @@ class PlanController:
     def state_dict(self) -> dict:
         """The plan state for checkpoints (restored on resume)."""
         return {"micro_batch_size": self.plan.micro_batch_size, "window": self.window, "ok_steps": self.ok_steps,
-                "activation_checkpointing": self.activation_checkpointing}
+                "activation_checkpointing": self.activation_checkpointing, "trying_grow": self.trying_grow,
+                "grown_from": self.grown_from.micro_batch_size}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s plan. On another world size the per-rank batch may change:
         the largest micro-batch dividing it, at most the saved one, is taken."""
-        self.plan = self._with_micro(max(d for d in self._divisors() if d <= state["micro_batch_size"]))
-        self.trying_grow = False
+        fit = lambda micro: self._with_micro(max(d for d in self._divisors() if d <= micro))  # noqa: E731
+        self.plan = fit(state["micro_batch_size"])
+        self.trying_grow = state.get("trying_grow", False)  # absent in checkpoints of memtrain 0.1.0
+        self.grown_from = fit(state.get("grown_from", self.plan.micro_batch_size))
         self.window, self.ok_steps = state["window"], state["ok_steps"]
         self.activation_checkpointing = state["activation_checkpointing"]

@@ -3,7 +3,8 @@
 The record contract: ``step``, ``epoch``, ``loss``, ``lr``, ``grad_norm``, ``micro_batch_size``,
 ``gradient_accumulation_steps``, ``global_batch_size``, ``samples_seen``, ``<unit>_seen``,
 ``<unit>_per_s``, ``peak_memory_bytes``, ``elapsed_s``, ``batch_fingerprint``; ``val_<metric>``
-on evaluation steps; ``event`` and ``plan_changes`` when something happened. ``<unit>`` is the
+on evaluation steps; ``simulated_peak_bytes`` under ``faults.memory_budget_mib``; ``event`` and
+``plan_changes`` when something happened. ``<unit>`` is the
 objective's: ``tokens`` for a language model, ``characters`` (transcript characters) for CTC.
 """
 
@@ -26,7 +27,7 @@ class StepOutcome:
         plan: the micro-batch plan that completed the step.
         count: loss targets in the global batch (tokens or characters).
         seconds: wall time of the step (data, forward/backward with retries, optimizer).
-        fingerprint: :func:`memtrain.data.batch_fingerprint` of the global batch.
+        fingerprint: the data the step trained, over all ranks (:mod:`memtrain.fingerprint`).
         events: plan changes and other events of the step (dicts with ``event``).
     """
 

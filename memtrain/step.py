@@ -8,21 +8,49 @@ on how the global batch was split into micro-batches or ranks.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import contextlib
+import gc
+from contextlib import AbstractContextManager
+from typing import Callable, NamedTuple, Optional, Protocol
 
 import numpy as np
 import torch
 from torch import nn
 
 from memtrain.backends.base import Backend
+from memtrain.fingerprint import micro_batch_digest
 from memtrain.objectives import Objective
 from memtrain.oom import AgreedOOM, OOMSync, is_oom
 from memtrain.plan import MicroBatchPlan, PlanChange, PlanController
 
 
+class StepHooks(Protocol):
+    """Hook points of a step (fault injection and the simulated memory use them)."""
+
+    def forward_context(self) -> AbstractContextManager:
+        """Entered around every micro-batch's forward."""
+
+    def after_micro_batch(self, index: int) -> None:
+        """Called with the micro-batch index after its backward."""
+
+
+class StepSums(NamedTuple):
+    """What a completed :func:`train_step` returns, summed over all ranks.
+
+    Attributes:
+        loss_sum: fp64 scalar, the summed loss (nats) of the global batch.
+        count: fp64 scalar, the global normalisation count (tokens or characters).
+        digest: int64 scalar, the fingerprint of the data trained (:mod:`memtrain.fingerprint`).
+    """
+
+    loss_sum: torch.Tensor
+    count: torch.Tensor
+    digest: torch.Tensor
+
+
 def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.Tensor],
                plan: MicroBatchPlan, objective: Objective, sync: Optional[OOMSync] = None,
-               after_micro_batch: Optional[Callable[[int], None]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+               hooks: Optional[StepHooks] = None) -> StepSums:
     """Forward and backward of one rank batch, accumulated over the plan's micro-batches.
 
     Gradients are left in the parameters (not stepped). Each micro-batch's loss is
@@ -37,30 +65,33 @@ def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.T
         objective: the loss and its normalisation count (:mod:`memtrain.objectives`).
         sync: OOM agreement points (after every micro-batch for engines with collectives inside
             compute, else after the last); None = none.
-        after_micro_batch: called with the micro-batch index after its backward (fault injection).
+        hooks: the step's hook points; None = none.
 
     Returns:
-        (global loss sum, global count): fp64 scalars summed over all ranks; their ratio is the
-        step's mean loss per token (or character).
+        The global loss sum, count and data fingerprint; loss_sum / count is the step's mean
+        loss per token (or character).
     """
     process = backend.process
     global_count = process.all_reduce_sum(objective.count(rank_batch).to(process.device))
     scale = backend.grad_average_factor / global_count.clamp(min=1).item()
     micro_batches = plan.split(rank_batch)
     loss_sum = torch.zeros((), dtype=torch.float64, device=process.device)
+    digest = torch.zeros((), dtype=torch.int64, device=process.device)
     for i, micro_batch in enumerate(micro_batches):
         with backend.sync_context(model, sync=i == len(micro_batches) - 1):
-            micro_loss = objective.loss_sum(model, micro_batch)
+            with hooks.forward_context() if hooks is not None else contextlib.nullcontext():
+                micro_loss = objective.loss_sum(model, micro_batch)
+            digest += micro_batch_digest(micro_batch)  # what went through forward
             backend.backward(micro_loss * scale)
-        if after_micro_batch is not None:
-            after_micro_batch(i)
+        if hooks is not None:
+            hooks.after_micro_batch(i)
         # Agree after every micro-batch where the engine communicates inside compute (a rank
         # that ran out of memory must not strand the others in the next micro-batch's
         # collectives); otherwise (DDP with deferred reduction) once, after the last one.
         if sync is not None and (sync.in_hooks or i == len(micro_batches) - 1):
             sync.agreement_point()
         loss_sum += micro_loss.detach().to(torch.float64)
-    return process.all_reduce_sum(loss_sum), global_count
+    return StepSums(process.all_reduce_sum(loss_sum), global_count, process.all_reduce_sum(digest))
 
 
 def _random_streams() -> tuple:
@@ -79,9 +110,8 @@ def _replay(streams: tuple) -> None:
 def step_with_recovery(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.Tensor],
                        controller: PlanController, sync: OOMSync,
                        on_change: Callable[[PlanChange, list[int]], None], objective: Objective,
-                       after_micro_batch: Optional[Callable[[int], None]] = None,
-                       plan_for: Optional[Callable[[], MicroBatchPlan]] = None
-                       ) -> tuple[torch.Tensor, torch.Tensor, MicroBatchPlan]:
+                       hooks: Optional[StepHooks] = None, plan_for: Optional[Callable[[], MicroBatchPlan]] = None
+                       ) -> tuple[StepSums, MicroBatchPlan]:
     """:func:`train_step` under the OOM protocol: on an out-of-memory error on any rank, every rank
     discards the partial gradients, adopts the same smaller plan and retries the same rank batch,
     replaying the random streams the failed attempt started with.
@@ -92,7 +122,7 @@ def step_with_recovery(model: nn.Module, backend: Backend, rank_batch: dict[str,
             None = the controller's plan.
 
     Returns:
-        (global loss sum, global count, the plan that completed the step).
+        (the completed attempt's :class:`StepSums`, the plan that completed the step).
 
     Raises:
         memtrain.oom.OOMStop: at the plan floor. Any non-OOM error is re-raised untouched.
@@ -103,10 +133,10 @@ def step_with_recovery(model: nn.Module, backend: Backend, rank_batch: dict[str,
         if plan != controller.plan:
             backend.set_plan(plan)
         try:
-            loss_sum, count = train_step(model, backend, rank_batch, plan, objective, sync, after_micro_batch)
+            sums = train_step(model, backend, rank_batch, plan, objective, sync, hooks)
             if plan != controller.plan:
                 backend.set_plan(controller.plan)
-            return loss_sum, count, plan
+            return sums, plan
         except BaseException as exc:
             if not sync.enabled or not is_oom(exc):
                 raise
@@ -115,6 +145,7 @@ def step_with_recovery(model: nn.Module, backend: Backend, rank_batch: dict[str,
         # outside the except block: the traceback (and the activations its frames hold) is freed;
         # a rank that ran out of memory itself pairs this with the others' next agreement point
         ranks = agreed if agreed is not None else sync.agree(True)
+        gc.collect()  # the failed attempt's graph can sit in reference cycles (frames of the exception)
         backend.reset_after_oom(model)
         _replay(streams)
         change = controller.on_oom(where, tried=plan)

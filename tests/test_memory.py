@@ -121,3 +121,33 @@ def test_retry_replays_dropout_like_a_run_started_at_the_smaller_plan(tmp_path, 
     recovered, small = read_metrics(tmp_path / "oom"), read_metrics(tmp_path / "small")
     assert recovered[0]["event"] == "oom_shrink"
     assert_same_training(recovered, small)
+
+
+def test_fingerprint_hashes_the_data_trained(tmp_path, tmp_path_factory, cache_dir):
+    """The fingerprint is of the token ids each rank fed through forward: one sample changed on
+    rank 1 at step 3 changes step 3's fingerprint (and only that one), although the sampler's
+    indices are the same."""
+    base = baseline("ddp", tmp_path_factory, cache_dir)
+    launch(tiny_args(tmp_path, cache_dir, *STEPS, *ENGINES["ddp"], "--faults.perturb_sample_at_step", "3",
+                     "--faults.perturb_rank", "1"))
+    records = read_metrics(tmp_path)
+    assert [r["batch_fingerprint"] == b["batch_fingerprint"] for r, b in zip(records, base)] == [
+        True, True, False, True, True]
+
+
+@pytest.mark.parametrize("engine", ["ddp", "zero3"])
+def test_recovery_under_simulated_memory_budget(tmp_path, cache_dir, engine):
+    """A simulated device just too small for micro-batch 2 (its measured peak minus one byte): the
+    first step raises a real OOM from the saved-tensor count, the plan shrinks to 1, and training
+    equals the unconstrained run."""
+    unlimited = launch(tiny_args(tmp_path / "unlimited", cache_dir, *STEPS, *ENGINES[engine],
+                                 "--faults.memory_budget_mib", "100000"))
+    assert unlimited.returncode == 0
+    base = read_metrics(tmp_path / "unlimited")
+    peak = min(r["simulated_peak_bytes"] for r in base)
+    launch(tiny_args(tmp_path / "tight", cache_dir, *STEPS, *ENGINES[engine],
+                     "--faults.memory_budget_mib", repr((peak - 1) / 2**20)))
+    records = read_metrics(tmp_path / "tight")
+    assert records[0]["event"] == "oom_shrink" and [r["micro_batch_size"] for r in records] == [1] * 5
+    assert all(r["simulated_peak_bytes"] < peak for r in records)
+    assert_same_training(records, base)

@@ -121,6 +121,12 @@ class Backend(Protocol):
         ``checkpoint_format`` (``safetensors``, ``dcp`` or ``deepspeed``), ``zero_stage`` (None
         outside DeepSpeed)."""
 
+    def model_state_bytes(self, n_params: int) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state this engine holds per rank for a
+        model of ``n_params`` parameters, by its own accounting (its module's ``model_state_bytes``
+        with this engine's precision, stage and offload): ``parameter_bytes``, ``gradient_bytes``,
+        ``optimizer_bytes`` on the device and ``cpu_offloaded_bytes`` in host memory."""
+
     def replicated_tensors(self, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
         """The named tensors every rank holds a full identical copy of (parameters under DDP and
         ZeRO-1/2, buffers everywhere), for the save-time divergence check."""

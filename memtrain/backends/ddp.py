@@ -228,6 +228,9 @@ class DDPBackend:
     def manifest_fields(self) -> dict:
         return {"backend": self.name, "checkpoint_format": "safetensors", "zero_stage": None}
 
+    def model_state_bytes(self, n_params: int) -> dict[str, int]:
+        return model_state_bytes(n_params, self.precision, None, "none", self.world_size)
+
     def close(self) -> None:
         """Nothing beyond the process group, which the process state closes."""
 

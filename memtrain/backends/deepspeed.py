@@ -282,6 +282,13 @@ class DeepSpeedBackend:
     def manifest_fields(self) -> dict:
         return {"backend": self.name, "checkpoint_format": "deepspeed", "zero_stage": self.zero_stage}
 
+    def model_state_bytes(self, n_params: int) -> dict[str, int]:
+        offload = "none"
+        if self.offload_optimizer:
+            offload = "optimizer_and_params" if _get(self.ds_config, "zero_optimization.offload_param.device") == "cpu" \
+                else "optimizer"
+        return model_state_bytes(n_params, self.precision, self.zero_stage, offload, self.world_size)
+
     def close(self) -> None:
         """Release the engine (the process group is the process state's)."""
         if self.engine is not None and hasattr(self.engine, "destroy"):

@@ -165,8 +165,12 @@ def clean_stale(root: str) -> None:
         return
     for name in os.listdir(root):
         if name.startswith((TMP_PREFIX, TRASH_PREFIX)):
-            log.warning("memtrain: removing %s, left by an unfinished save", os.path.join(root, name))
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            path = os.path.join(root, name)
+            log.warning("memtrain: removing %s, left by an unfinished save", path)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:  # .tmp-latest
+                os.remove(path)
 
 
 def commit(tmp: str, root: str, step: int, expected: list[str], manifest: dict[str, Any]) -> tuple[str, int]:

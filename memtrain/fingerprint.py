@@ -1,0 +1,84 @@
+"""A fingerprint of the data a step actually trained on.
+
+Every rank hashes the tensors each micro-batch fed through forward in the attempt that completed
+the step; the hashes are summed over micro-batches and ranks. The result identifies the *multiset*
+of samples trained in the step: it does not depend on the micro-batch split, on the world size, on
+the order of samples inside the global batch, or on padding (padding values — 0 in float and
+mask tensors, -100 in labels — contribute nothing), but it changes when a sample is skipped,
+duplicated, replaced or altered, or when a resume starts at the wrong position.
+
+Each sample (row) is hashed on the device: a weighted sum of its values (random odd 64-bit weights
+per column and tensor name, arithmetic modulo 2**64), passed through a 64-bit finaliser
+(splitmix64's) so that rows do not cancel. No host synchronisation is needed until the step's
+metrics are read.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Optional
+
+import torch
+
+from memtrain.data import IGNORE_INDEX
+
+_MASK = (1 << 64) - 1
+_weights: dict[tuple[str, int, torch.device], torch.Tensor] = {}
+
+
+def _signed(value: int) -> int:
+    value &= _MASK
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_MIX1, _MIX2 = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _column_weights(name: str, width: int, device: torch.device) -> torch.Tensor:
+    """Odd random int64 weights [width] for tensor ``name``, the same in every process."""
+    key = (name, width, device)
+    if key not in _weights:
+        g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        w = torch.randint(-(1 << 62), 1 << 62, (width,), generator=g, dtype=torch.int64) * 2 + 1
+        _weights[key] = w.to(device)
+    return _weights[key]
+
+
+def _as_int64(name: str, t: torch.Tensor) -> torch.Tensor:
+    """Values of ``t`` [B, …] as int64 [B, N]: integers shifted so that labels' -100 (padding) is 0
+    and every real value is non-zero; floats by their bit pattern (0.0 → 0)."""
+    t = t.reshape(t.shape[0], -1)
+    if t.is_floating_point():
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+        return t.contiguous().view(bits).to(torch.int64)
+    t = t.to(torch.int64)
+    if name == "attention_mask":
+        return t
+    return torch.where(t == IGNORE_INDEX, torch.zeros_like(t), t + 1)
+
+
+def _finalise(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 (logical shifts emulated by masking the sign bits)."""
+    x = x ^ ((x >> 30) & ((1 << 34) - 1))
+    x = x * _MIX1
+    x = x ^ ((x >> 27) & ((1 << 37) - 1))
+    x = x * _MIX2
+    return x ^ ((x >> 31) & ((1 << 33) - 1))
+
+
+def micro_batch_digest(micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The sum over the micro-batch's samples of each sample's hash: an int64 scalar on the
+    micro-batch's device (arithmetic modulo 2**64)."""
+    rows: Optional[torch.Tensor] = None
+    for name in sorted(micro_batch):
+        values = _as_int64(name, micro_batch[name])
+        part = (values * _column_weights(name, values.shape[1], values.device)).sum(dim=1)
+        rows = part if rows is None else rows + part
+    if rows is None:
+        raise ValueError("an empty micro-batch has no fingerprint")
+    return _finalise(rows).sum()
+
+
+def hex_digest(digest: torch.Tensor) -> str:
+    """16 hex digits of an int64 digest (reads it: a host synchronisation on an accelerator)."""
+    return f"{int(digest.item()) & _MASK:016x}"

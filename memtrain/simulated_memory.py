@@ -1,0 +1,107 @@
+"""A simulated device memory for CPU runs (``faults.memory_budget_mib``): out-of-memory errors that
+follow from what the run really holds, not from a rule.
+
+The count on a rank is the bytes of model state the engine holds there (parameters, gradients,
+optimizer state, by the engine's own accounting: ``Backend.model_state_bytes``) plus the bytes
+autograd saves for backward, counted with ``torch.autograd.graph.saved_tensors_hooks`` as they are
+saved (each storage once; parameters are not counted twice) and released when autograd frees
+them. A save that would take the count past the budget raises a real ``torch.OutOfMemoryError``,
+which takes the same path as a CUDA one. Activation checkpointing lowers the count because inside
+a checkpointed region torch keeps nothing for backward. Not counted: transient tensors that are
+never saved for backward (a block's intermediate results between two saves, the recompute inside
+a checkpointed block during backward, communication buffers).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Iterable
+
+import torch
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """An identity for the storage behind ``t`` (also for meta and fake tensors, whose data
+    pointers are all 0)."""
+    return t.untyped_storage()._cdata
+
+
+class _Saved:
+    """What the pack hook hands autograd: the tensor, and a release of its bytes when freed."""
+
+    __slots__ = ("tensor", "memory", "key")
+
+    def __init__(self, tensor: torch.Tensor, memory: "SimulatedMemory", key: int):
+        self.tensor, self.memory, self.key = tensor, memory, key
+
+    def __del__(self):
+        self.memory._release(self.key)
+
+
+class SimulatedMemory:
+    """Counts a rank's simulated device memory and raises OOM past the budget.
+
+    Args:
+        budget_bytes: the simulated device's capacity.
+        state_bytes: model state the engine holds on this rank (bytes, constant over the run).
+        parameters: the model's parameters (their storages are model state, not saved activations).
+        rank: this rank (for the message).
+
+    Attributes:
+        saved_bytes: bytes saved for backward and not yet freed.
+        peak_bytes: the largest ``state_bytes + saved_bytes`` since :meth:`reset_peak`.
+    """
+
+    def __init__(self, budget_bytes: int, state_bytes: int, parameters: Iterable[torch.Tensor], rank: int = 0):
+        self.budget_bytes, self.state_bytes, self.rank = budget_bytes, state_bytes, rank
+        self._parameters = list(parameters)
+        self._parameter_keys: set[int] = set()
+        self._live: dict[int, list[int]] = {}  # storage key → [references held by autograd, bytes]
+        self.saved_bytes = 0
+        self.peak_bytes = state_bytes
+
+    def reset_peak(self) -> None:
+        """Start a new peak measurement (the loop calls it at every step)."""
+        self.peak_bytes = self.state_bytes + self.saved_bytes
+
+    def context(self) -> AbstractContextManager:
+        """Count what autograd saves inside the ``with`` block (a training forward)."""
+        # current storages: sharding engines free and replace them (a stale address can be reused)
+        self._parameter_keys = {storage_key(getattr(p, "_local_tensor", p)) for p in self._parameters}
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor):
+        key = storage_key(t)
+        # a parameter (or a view of one, e.g. a transposed weight) is model state; ZeRO-3 and FSDP2
+        # gather parameters into new storages during forward, which are still Parameters
+        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter) or key in self._parameter_keys:
+            return t
+        entry = self._live.get(key)
+        if entry is None:
+            size = t.untyped_storage().nbytes()
+            total = self.state_bytes + self.saved_bytes + size
+            if total > self.budget_bytes:
+                raise torch.OutOfMemoryError(
+                    f"out of memory in forward on the simulated device of faults.memory_budget_mib (rank {self.rank}): "
+                    f"{total / 2**20:.3f} MiB needed ({self.state_bytes / 2**20:.3f} MiB model state + "
+                    f"{(self.saved_bytes + size) / 2**20:.3f} MiB kept by autograd), "
+                    f"{self.budget_bytes / 2**20:.3f} MiB budget")
+            entry = self._live[key] = [0, size]
+            self.saved_bytes += size
+            self.peak_bytes = max(self.peak_bytes, total)
+        entry[0] += 1
+        # detached: a saved output holding its own grad_fn would make a cycle autograd never frees
+        return _Saved(t.detach(), self, key)
+
+    @staticmethod
+    def _unpack(packed):
+        return packed.tensor if isinstance(packed, _Saved) else packed
+
+    def _release(self, key: int) -> None:
+        entry = self._live.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.saved_bytes -= entry[1]
+            del self._live[key]

@@ -1,0 +1,60 @@
+"""The simulated device memory (faults.memory_budget_mib), in process: it raises a real OOM only
+when the counted bytes pass the budget, frees what backward releases, and activation
+checkpointing lowers the count because less is saved."""
+
+import gc
+
+import pytest
+import torch
+
+from memtrain.activation import enable_activation_checkpointing
+from memtrain.backends.common import repeated_blocks
+from memtrain.simulated_memory import SimulatedMemory
+
+
+def _model():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=97, n_positions=32, n_embd=32, n_layer=4, n_head=2, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg).train()
+
+
+def _forward(model, memory):
+    ids = torch.randint(0, 97, (4, 32), generator=torch.Generator().manual_seed(1))
+    with memory.context():
+        return model(input_ids=ids).logits.float().square().mean()
+
+
+def test_counts_saved_bytes_and_releases_them_after_backward():
+    model = _model()
+    memory = SimulatedMemory(2**40, 1000, model.parameters())
+    loss = _forward(model, memory)
+    saved = memory.saved_bytes
+    assert saved > 0 and memory.peak_bytes == 1000 + saved
+    loss.backward()
+    del loss
+    gc.collect()
+    assert memory.saved_bytes == 0 and memory.peak_bytes == 1000 + saved
+
+
+def test_raises_out_of_memory_only_past_the_budget():
+    model = _model()
+    need = SimulatedMemory(2**40, 1000, model.parameters())
+    _forward(model, need)
+    exact = need.peak_bytes
+    _forward(model, SimulatedMemory(exact, 1000, model.parameters()))  # fits exactly
+    tight = SimulatedMemory(exact - 1, 1000, model.parameters())
+    with pytest.raises(torch.OutOfMemoryError, match="simulated device"):
+        _forward(model, tight)
+    assert tight.saved_bytes == 0  # the failed forward's saved tensors are released (a retry starts empty)
+
+
+def test_activation_checkpointing_lowers_the_count():
+    model = _model()
+    off = SimulatedMemory(2**40, 0, model.parameters())
+    _forward(model, off)
+    enable_activation_checkpointing(model, repeated_blocks(model), 1)
+    on = SimulatedMemory(2**40, 0, model.parameters())
+    _forward(model, on)
+    assert on.peak_bytes < off.peak_bytes / 2
