@@ -38,3 +38,17 @@ def enable_activation_checkpointing(model: nn.Module, blocks: list[nn.Module], e
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
             block._memtrain_checkpointed = True
     return len(chosen)
+
+
+def disable_activation_checkpointing(model: nn.Module, blocks: list[nn.Module]) -> None:
+    """Undo :func:`enable_activation_checkpointing`: every block keeps its activations again (the
+    planner switches activation checkpointing off when a faster plan without it fits)."""
+    if getattr(model, "supports_gradient_checkpointing", False):
+        if hasattr(model, "activation_checkpointing_disable"):
+            model.activation_checkpointing_disable()
+        else:
+            model.gradient_checkpointing_disable()
+    for block in blocks:
+        if getattr(block, "_memtrain_checkpointed", False):
+            del block.forward  # the instance attribute: the class's forward again
+            block._memtrain_checkpointed = False

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import ExitStack
+from typing import Callable
 
 from memtrain.backends import make_backend
 from memtrain.checkpoint import Checkpointer
@@ -30,6 +31,11 @@ from memtrain.transforms import ModelTransforms
 log = logging.getLogger("memtrain")
 
 
+def device_state_bytes(state_bytes: dict[str, int]) -> int:
+    """Model-state bytes on the device, from an engine's ``model_state_bytes`` (offloaded bytes excluded)."""
+    return sum(v for k, v in state_bytes.items() if k != "cpu_offloaded_bytes")
+
+
 def make_sampler(cfg: Config, corpus, process: ProcessState) -> GlobalBatchSampler:
     """The global-batch sampler; speech corpora get length-aware batching (``data.speech.bucket_batches``)."""
     t, speech = cfg.training, cfg.data.speech if corpus.kind == "speech" else None
@@ -38,11 +44,37 @@ def make_sampler(cfg: Config, corpus, process: ProcessState) -> GlobalBatchSampl
                               bucket_batches=speech.bucket_batches if speech is not None else 0)
 
 
-def make_controller(cfg: Config, world_size: int) -> PlanController:
-    """The plan controller, starting from ``training.micro_batch_size``."""
+def make_controller(cfg: Config, world_size: int, make_planner=None) -> PlanController:
+    """The plan controller, starting from ``training.micro_batch_size`` (``auto``: the whole rank
+    share until the planner chooses before step 1)."""
     t, m = cfg.training, cfg.memory
-    plan = MicroBatchPlan.for_global_batch(t.global_batch_size, t.micro_batch_size, world_size)
-    return PlanController(plan, t.global_batch_size // world_size, m.activation_checkpointing, m.grow_back_window)
+    per_rank = t.global_batch_size // world_size
+    plan = MicroBatchPlan.for_global_batch(t.global_batch_size, per_rank if t.micro_batch_size == "auto" else
+                                           t.micro_batch_size, world_size)
+    return PlanController(plan, per_rank, m.activation_checkpointing, m.grow_back_window, make_planner)
+
+
+def planner_factory(cfg: Config, corpus, objective, precision: str, process: ProcessState,
+                    state_bytes: Callable[[], dict[str, int]]):
+    """What builds the run's planner on first use (:mod:`memtrain.planner`), given the engine's
+    model-state accounting (``state_bytes()``, called then); None under
+    ``faults.oom_above_tokens``, whose out-of-memory rule is not memory the planner could predict."""
+    if cfg.faults.oom_above_tokens > 0:
+        return None
+
+    def make():
+        from memtrain.planner import build_planner
+
+        try:
+            return build_planner(cfg, corpus, objective, precision, process.device,
+                                 device_state_bytes(state_bytes()),
+                                 cfg.training.global_batch_size // process.world_size)
+        except (RuntimeError, NotImplementedError, TypeError) as exc:  # a model fake tensors cannot trace
+            log.warning("memtrain: the planner cannot trace this model (%s); out-of-memory recovery halves "
+                        "the micro-batch instead", exc)
+            return None
+
+    return make
 
 
 def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Trainer:
@@ -68,7 +100,9 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Tra
     n_params, objective = count_parameters(model), make_objective(model, corpus)
     layerdrop = getattr(model, "memtrain_layerdrop", None)  # memtrain.layerdrop.AgreedLayerDrop
     sampler = make_sampler(cfg, corpus, process)
-    controller = make_controller(cfg, process.world_size)
+    # the planner is built on first use, after the engine below exists
+    make_planner = planner_factory(cfg, corpus, objective, precision, process, lambda: engine.model_state_bytes(n_params))
+    controller = make_controller(cfg, process.world_size, make_planner)
     engine = make_backend(cfg, process, precision, controller.plan)
     closing.callback(engine.close)
     sync = OOMSync(process.world_size, process.rank, process.device, engine.collectives_in_compute,
@@ -77,10 +111,9 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Tra
     transforms = ModelTransforms(model, cfg.memory.activation_checkpointing_every_n_blocks, faults)
     model, optimizer = transforms.apply(model, engine, lambda m: make_optimizer(m, t), sync,
                                         controller.activation_checkpointing)
-    state_bytes = engine.model_state_bytes(n_params)
-    faults.simulate_memory(sum(v for k, v in state_bytes.items() if k != "cpu_offloaded_bytes"), model.parameters())
+    faults.simulate_memory(device_state_bytes(engine.model_state_bytes(n_params)), model.parameters())
     scheduler = make_scheduler(optimizer, t)
-    evaluator = Evaluator(process, corpus, objective, t.eval_samples, t.micro_batch_size, sync)
+    evaluator = Evaluator(process, corpus, objective, t.eval_samples, controller.plan.micro_batch_size, sync)
     guard, state = NonFiniteGuard(t.max_nonfinite_steps), TrainState()
     if cfg.checkpoint.async_save and not engine.supports_async_save and process.is_main:
         log.warning("memtrain: checkpoint.async_save applies to backend.name fsdp only; %s saves synchronously",

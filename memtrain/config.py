@@ -17,7 +17,7 @@ import functools
 import glob
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 
@@ -103,8 +103,10 @@ class TrainingConfig:
 
     global_batch_size: int = 32
     """Samples per optimizer step, summed over all ranks and micro-batches."""
-    micro_batch_size: int = 8
-    """Samples per forward/backward on one rank."""
+    micro_batch_size: Union[int, Literal["auto"]] = 8
+    """Samples per forward/backward on one rank. auto = the planner's fastest plan predicted to fit
+    the device (memtrain/planner.py): every divisor of the rank's share, with activation
+    checkpointing off and on (as memory.activation_checkpointing allows), timed before step 1."""
     max_steps: int = 100
     """Optimizer steps to run."""
     seed: int = 1234
@@ -433,17 +435,19 @@ def validate(cfg: Config, world_size: int) -> None:
     """
     t = cfg.training
     for name in ("global_batch_size", "micro_batch_size", "max_steps"):
-        _positive(f"training.{name}", getattr(t, name))
+        if getattr(t, name) != "auto":
+            _positive(f"training.{name}", getattr(t, name))
     _positive("data.seq_len", cfg.data.seq_len)
     _positive("data.vocab_size", cfg.data.vocab_size)
     if not 0.0 < cfg.data.validation_fraction < 1.0:
         raise ConfigError("data.validation_fraction", f"must be in (0, 1), got {cfg.data.validation_fraction}")
-    if t.global_batch_size % (t.micro_batch_size * world_size) != 0:
+    micro = 1 if t.micro_batch_size == "auto" else t.micro_batch_size
+    if t.global_batch_size % (micro * world_size) != 0:
         raise ConfigError(
             "training.global_batch_size",
             f"{t.global_batch_size} is not divisible by micro_batch_size × world_size = "
-            f"{t.micro_batch_size} × {world_size}; choose a global_batch_size that is a multiple of "
-            f"{t.micro_batch_size * world_size}, or a micro_batch_size dividing "
+            f"{micro} × {world_size}; choose a global_batch_size that is a multiple of "
+            f"{micro * world_size}, or a micro_batch_size dividing "
             f"{t.global_batch_size // world_size if t.global_batch_size % world_size == 0 else 'global_batch_size / world_size'}",
         )
     if cfg.data.files is not None:

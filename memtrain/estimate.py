@@ -1,10 +1,12 @@
-"""What a run will need, before it runs: bytes of parameters, gradients and optimizer state per
-engine, ZeRO stage and offload, and the activations of one probe micro-batch measured with and
-without activation checkpointing.
+"""What a run will need, before it runs: the planner's candidate plans (:mod:`memtrain.planner`)
+with predicted peak bytes and step seconds, and bytes of parameters, gradients and optimizer
+state per engine, ZeRO stage and offload. Nothing is allocated: activations are traced with fake
+tensors, so planning a 10B-parameter model takes seconds on a laptop.
 
-    memtrain memory --config recipes/code_lm_350m.yaml [--world_size 8] [--section.key value ...]
+    memtrain plan --config recipes/code_lm_350m.yaml [--world_size 8] [--device_memory_gib 80] [--json]
+    memtrain memory --config recipes/code_lm_350m.yaml [--world_size 8]    # the same report, one JSON object
 
-prints one JSON object. Each engine accounts for its own model state (``model_state_bytes`` in
+``plan`` is the code a run with ``training.micro_batch_size: auto`` calls, minus the timing. Each engine accounts for its own model state (``model_state_bytes`` in
 ``memtrain/backends/``, following the ZeRO paper, Rajbhandari et al. 2020, "ZeRO: Memory
 Optimizations Toward Training Trillion Parameter Models", §3.1 and §5). Transient buffers (one
 gathered block under FSDP2/ZeRO-3, communication buckets) are not counted.
@@ -33,28 +35,6 @@ ENGINE_VARIANTS = {
 }
 
 
-class _SavedTensorCounter:
-    """Counts the bytes autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``),
-    each storage once. Inside a non-reentrant activation-checkpointed region torch's own hooks
-    take over and keep nothing but the region's inputs, which is what makes the count drop."""
-
-    def __init__(self):
-        self.bytes = 0
-        self._seen: set[int] = set()
-
-    def pack(self, t: torch.Tensor):
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key not in self._seen:
-            self._seen.add(key)
-            self.bytes += storage.nbytes()
-        return t
-
-    @staticmethod
-    def unpack(t: torch.Tensor) -> torch.Tensor:
-        return t
-
-
 def activation_bytes(model: nn.Module, micro_batch: dict[str, torch.Tensor], activation_checkpointing: bool,
                      every_n_blocks: int = 1, objective=None) -> int:
     """Bytes of activations one training forward keeps for backward (a copy of ``model`` is used).
@@ -72,71 +52,159 @@ def activation_bytes(model: nn.Module, micro_batch: dict[str, torch.Tensor], act
     from memtrain.activation import enable_activation_checkpointing
     from memtrain.backends.common import repeated_blocks
     from memtrain.objectives import CausalLM
+    from memtrain.simulated_memory import SimulatedMemory
 
     objective = objective or CausalLM()
     probe = copy.deepcopy(model).train()
     if activation_checkpointing:
         enable_activation_checkpointing(probe, repeated_blocks(probe), every_n_blocks)
-    counter = _SavedTensorCounter()
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+    counter = SimulatedMemory(2**62, 0, probe.parameters())
+    with torch.enable_grad(), counter.context():
         loss = objective.loss_sum(probe, micro_batch)
     del loss
-    return counter.bytes
+    return counter.peak_bytes
 
 
-def report(cfg, world_size: int) -> dict:
-    """The memory report of a config: model-state bytes for every engine variant at
-    ``world_size`` ranks, and measured activation bytes of one micro-batch (``micro_batch_size``
-    samples of ``seq_len`` tokens) with activation checkpointing off and on.
+def device_flops_per_s(device_type: str) -> float:
+    """Achieved dense matmul FLOP/s of this machine's device (a 1024³ fp32 matmul on the CPU, or
+    bf16 on CUDA), to turn FLOPs into seconds in ``memtrain plan``."""
+    import time
+
+    dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
+    a = torch.randn(1024, 1024, device=device_type, dtype=dtype)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        a @ a
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * 1024**3 / best
+
+
+def plan_report(cfg, world_size: int, device_memory_gib: Optional[float] = None) -> dict:
+    """The planner's view of a config before it runs, without allocating the model: the
+    candidate plans of ``training.global_batch_size / world_size`` samples per rank with their
+    predicted peak bytes and step seconds, and the model state of every engine variant.
+
+    Args:
+        world_size: ranks the run will have.
+        device_memory_gib: the device memory of a rank (a GPU run is planned: CUDA headroom
+            applies); None = this machine's (``faults.memory_budget_mib``, the CUDA memory or its
+            cap; unbounded on a CPU).
 
     Returns:
-        A JSON-serialisable dict; ``per_rank_total_bytes`` adds activations (off/on) to each variant.
+        A JSON-serialisable dict: ``parameters``, ``precision``, ``world_size``, ``engine``,
+        ``budget_bytes``, ``candidates`` (list of :class:`memtrain.planner.Candidate` dicts),
+        ``model_state_bytes`` (per engine variant), ``activation_bytes`` (micro-batch
+        ``training.micro_batch_size``, or the chosen one under ``auto``: off/on).
     """
-    from accelerate.utils import set_seed
-
-    from memtrain.backends import model_state_bytes
+    from memtrain.backends import infer_backend_name, model_state_bytes
     from memtrain.data import build_corpus
     from memtrain.models import build_model, count_parameters
     from memtrain.objectives import make_objective
+    from memtrain.planner import (Planner, activation_table, device_budget_bytes, estimated_step_s,
+                                  make_candidates)
     from memtrain.precision import resolve_precision
 
-    precision = resolve_precision(cfg.precision, "cuda" if torch.cuda.is_available() else "cpu")
+    device_type = "cuda" if torch.cuda.is_available() or device_memory_gib else "cpu"
+    try:
+        precision = resolve_precision(cfg.precision, device_type)
+    except Exception:  # planning a GPU run on a machine without one
+        precision = "bf16" if cfg.precision == "auto" else cfg.precision
     corpus = build_corpus(cfg.data)
-    set_seed(cfg.training.seed)
-    model = build_model(cfg.model, corpus.vocab_size, cfg.training.seed)
-    objective = make_objective(model, corpus)
-    n = count_parameters(model)
-    batch = corpus.train.batch(list(range(cfg.training.micro_batch_size)))
-    acts = {"off": activation_bytes(model, batch, False, objective=objective),
-            "on": activation_bytes(model, batch, True, cfg.memory.activation_checkpointing_every_n_blocks, objective)}
+    with torch.device("meta"):  # parameter count and objective without allocating
+        meta = build_model(cfg.model, corpus.vocab_size, cfg.training.seed)
+    n, objective = count_parameters(meta), make_objective(meta, corpus)
     engines = {name: model_state_bytes(e, n, precision, s, o, world_size) for name, (e, s, o) in ENGINE_VARIANTS.items()}
-    state_bytes = {name: sum(v for k, v in e.items() if k != "cpu_offloaded_bytes") for name, e in engines.items()}
+    b = cfg.backend
+    engine = infer_backend_name(b.name, b.deepspeed_config)
+    state = model_state_bytes(engine, n, precision, b.zero_stage if engine == "deepspeed" else None, b.offload or "none",
+                              world_size)
+    budget = (int(device_memory_gib * 2**30) if device_memory_gib else
+              device_budget_bytes(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu")))
+    acts = activation_table(cfg, corpus, objective, precision, device_type)
+    per_rank = cfg.training.global_batch_size // world_size
+    state_on_device = sum(v for k, v in state.items() if k != "cpu_offloaded_bytes")
+    planner = Planner(make_candidates(per_rank, cfg.memory.activation_checkpointing, state_on_device, acts, device_type,
+                                      budget), budget)
+    flops = device_flops_per_s(device_type if torch.cuda.is_available() or device_type == "cpu" else "cpu")
+    every = cfg.memory.activation_checkpointing_every_n_blocks
+    tokens = cfg.data.seq_len if corpus.kind != "speech" else int(max(corpus.train.lengths))
+    for c in planner.candidates:
+        c.predicted_step_s = estimated_step_s(c, n, tokens, flops, 1 / every, 0.0)
+    chosen = planner.fastest(planner.fitting())
+    micro = chosen.micro_batch_size if chosen is not None else (
+        cfg.training.micro_batch_size if cfg.training.micro_batch_size != "auto" else 1)
     return {
-        "parameters": n, "precision": precision, "world_size": world_size,
-        "micro_batch_size": cfg.training.micro_batch_size, "seq_len": cfg.data.seq_len,
-        "activation_bytes": acts, "model_state_bytes": engines,
-        "per_rank_total_bytes": {name: {ac: b + a for ac, a in acts.items()} for name, b in state_bytes.items()},
-        "note": "activations of one micro-batch in fp32 compute (bf16 autocast roughly halves them); "
-                "transient gathered blocks and communication buckets are not counted",
+        "parameters": n, "precision": precision, "world_size": world_size, "engine": engine,
+        "device": device_type, "budget_bytes": budget, "seq_len": cfg.data.seq_len, "micro_batch_size": micro,
+        "candidates": [c.as_dict() for c in planner.candidates],
+        "activation_bytes": {"off": acts(micro, False), "on": acts(micro, True)},
+        "model_state_bytes": engines,
+        "per_rank_total_bytes": {name: {ac: sum(v for k, v in e.items() if k != "cpu_offloaded_bytes") + acts(micro, ac == "on")
+                                        for ac in ("off", "on")} for name, e in engines.items()},
+        "note": "activations traced with fake tensors (no memory used); step seconds estimated from FLOPs at this "
+                "machine's matmul speed (a run with training.micro_batch_size auto measures them); transient "
+                "gathered blocks and communication buckets are not counted",
     }
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    """``memtrain memory [--world_size N] --config ... [--section.key value ...]``: print the report."""
+def _pop_option(argv: list[str], name: str, default=None, flag: bool = False):
+    if name not in argv:
+        return default
+    i = argv.index(name)
+    if flag:
+        del argv[i]
+        return True
+    value = argv[i + 1]
+    del argv[i:i + 2]
+    return value
+
+
+def format_table(report: dict) -> str:
+    """The candidates of :func:`plan_report` as a text table."""
+    rows = [f"{'micro':>5} {'accum':>5} {'AC':>3} {'peak MiB':>10} {'step s':>9} {'fits':>4}  chosen"]
+    for c in report["candidates"]:
+        step = f"{c['predicted_step_s']:.4f}" if c["predicted_step_s"] is not None else "-"
+        rows.append(f"{c['micro_batch_size']:>5} {c['gradient_accumulation_steps']:>5} "
+                    f"{'on' if c['activation_checkpointing'] else 'off':>3} {c['predicted_peak_bytes'] / 2**20:>10.1f} "
+                    f"{step:>9} {'yes' if c['fits'] else 'no':>4}  {'*' if c['chosen'] else ''}")
+    budget = report["budget_bytes"]
+    head = (f"{report['parameters'] / 1e6:.1f}M parameters, {report['engine']} × {report['world_size']}, "
+            f"{report['precision']}, " + (f"budget {budget / 2**20:.1f} MiB per rank" if budget else "unbounded budget"))
+    return head + "\n" + "\n".join(rows)
+
+
+def main(argv: Optional[list[str]] = None, command: str = "memory") -> int:
+    """``memtrain plan|memory [--world_size N] [--device_memory_gib G] [--json] --config ...
+    [--section.key value ...]``: ``plan`` prints the candidate table (one JSON object per
+    candidate with ``--json``), ``memory`` the whole report as one JSON object. N defaults to
+    the launcher's ``WORLD_SIZE``, else 1. Exit 2 on a config error."""
     from memtrain.config import ConfigError, parse_args
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if "--world_size" in argv:
-        i = argv.index("--world_size")
-        world_size = int(argv[i + 1])
-        del argv[i:i + 2]
+    try:
+        world_size = int(_pop_option(argv, "--world_size", os.environ.get("WORLD_SIZE", "1")))
+        gib = _pop_option(argv, "--device_memory_gib")
+        gib = float(gib) if gib is not None else None
+    except ValueError as exc:
+        print(f"memtrain {command}: --world_size is an integer, --device_memory_gib a number ({exc})", file=sys.stderr)
+        return 2
+    as_json = _pop_option(argv, "--json", flag=True)
     try:
         cfg = parse_args(argv)
     except ConfigError as exc:
-        print(f"memtrain memory: {exc}", file=sys.stderr)
+        print(f"memtrain {command}: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(report(cfg, world_size), indent=1))
+    report = plan_report(cfg, world_size, gib)
+    if command == "memory":
+        print(json.dumps(report, indent=1))
+    elif as_json:
+        for c in report["candidates"]:
+            print(json.dumps(c))
+    else:
+        print(format_table(report))
     return 0
 
 

@@ -72,6 +72,14 @@ class FaultInjector:
         """Wraps every training forward: the simulated memory's counting, when on."""
         return self.memory.context() if self.memory is not None else contextlib.nullcontext()
 
+    def start_attempt(self) -> None:
+        """Before each attempt of a step: the simulated and the CUDA peak restart (so a step's peak
+        is that of the attempt that completed)."""
+        if self.memory is not None:
+            self.memory.reset_peak()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.reset_peak_memory_stats()
+
     def perturb(self, rank_batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``faults.perturb_sample_at_step``: on ``faults.perturb_rank``, the first sample's token
         ids reversed (a different sample reaches training); otherwise the batch unchanged."""

@@ -12,6 +12,7 @@ Three rules hold it together:
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
 import os
@@ -38,7 +39,7 @@ from memtrain.precision import NonFiniteGuard
 from memtrain.preemption import Preemption
 from memtrain.records import StepOutcome, attach_events, run_summary, step_record
 from memtrain.state import TrainState
-from memtrain.step import step_with_recovery
+from memtrain.step import step_with_recovery, time_micro_batch
 from memtrain.transforms import ModelTransforms
 
 log = logging.getLogger("memtrain")
@@ -88,6 +89,8 @@ class Trainer:
     state: TrainState
     n_params: int
     layerdrop: Any = None
+    pending_events: list[dict] = field(default_factory=list)  # plan events of the next step
+    probe_batch: Optional[dict] = None  # the rank batch the planner's probes time
 
     def run(self) -> RunResult:
         """Train to ``training.max_steps`` (resuming from a checkpoint when ``resume`` finds one),
@@ -102,7 +105,10 @@ class Trainer:
         t = self.cfg.training
         preemption = Preemption()  # a stop signal from here on ends the run after a saved step
         try:
+            self.controller.prober = self._probe
             resumed = self._resume()
+            if resumed is None and t.micro_batch_size == "auto":
+                self._choose_plan()
             metrics = self._open_metrics(resumed)
             if resumed is None:
                 self.state.initial_val_loss = self.state.val_loss = self.evaluator(self.model)["loss"]
@@ -149,6 +155,50 @@ class Trainer:
             self.transforms.enable_activation_checkpointing(self.engine.unwrap(self.model))
         return path, time.perf_counter() - start
 
+    def _choose_plan(self) -> None:
+        """``training.micro_batch_size: auto``: before step 1, the planner's fastest plan predicted
+        to fit (every fitting candidate timed on step 1's data); the table goes to ``plan.json``.
+
+        Raises:
+            OOMStop: no candidate is predicted to fit.
+        """
+        planner = self.controller.planner
+        if planner is None:
+            log.warning("memtrain: training.micro_batch_size auto without a planner: starting at plan %s",
+                        self.controller.plan)
+            return
+        if self.layerdrop is not None:
+            self.layerdrop.set_step(1)
+        self.probe_batch = self._rank_batch(self.sampler.cursor(0))
+        chosen = planner.initial()
+        if chosen is None:
+            budget = planner.budget_bytes / 2**20 if planner.budget_bytes else float("nan")
+            raise OOMStop(f"no plan is predicted to fit the device ({budget:.1f} MiB); the smallest needs "
+                          f"{min(c.predicted_peak_bytes for c in planner.candidates) / 2**20:.1f} MiB")
+        decisions = self.process.all_gather_object(str(chosen))
+        if len(set(decisions)) != 1:
+            raise RuntimeError(f"memtrain: the ranks' planners chose different plans: {decisions}")
+        change = self.controller.adopt(chosen, "plan_chosen", f"fastest of {len(planner.fitting())} plans "
+                                       f"predicted to fit, of {len(planner.candidates)}")
+        self.engine.set_plan(self.controller.plan)
+        self.transforms.set_activation_checkpointing(self.engine.unwrap(self.model), chosen.activation_checkpointing)
+        self.evaluator.micro_batch_size = chosen.micro_batch_size
+        self.pending_events.append({**change.as_dict(), "ranks": []})
+        if self.process.is_main:
+            os.makedirs(self.cfg.output_dir, exist_ok=True)
+            with open(os.path.join(self.cfg.output_dir, "plan.json"), "w") as fh:
+                json.dump({"budget_bytes": planner.budget_bytes, "candidates": [c.as_dict() for c in planner.candidates]},
+                          fh, indent=1)
+
+    def _probe(self, candidate) -> Optional[float]:
+        """The planner's prober: one timed micro-batch of ``candidate`` on the current rank batch."""
+        self.transforms.set_activation_checkpointing(self.engine.unwrap(self.model), candidate.activation_checkpointing)
+        return time_micro_batch(self.model, self.engine, self.probe_batch, candidate.micro_batch_size, self.objective,
+                                self.sync, self.faults)
+
+    def _rank_batch(self, cursor) -> dict:
+        return {k: v.to(self.process.device) for k, v in self.corpus.train.batch(self.sampler.rank_batch(cursor)).items()}
+
     def _open_metrics(self, resumed: Optional[tuple[str, float]]) -> MetricsLogger:
         metrics = MetricsLogger(self.cfg.output_dir, self.process.is_main, self.cfg.training.max_steps,
                                 initial_step=self.state.step, keep_until_step=self.state.step if resumed else None,
@@ -164,16 +214,17 @@ class Trainer:
 
     def _optimizer_step(self, step: int, run_start: float) -> StepOutcome:
         """Data of ``step`` → forward/backward with OOM recovery → optimizer step → state advanced."""
-        t, device = self.cfg.training, self.process.device
+        t = self.cfg.training
         step_start = time.perf_counter()
         cursor = self.sampler.cursor(step - 1)
-        rank_batch = {k: v.to(device) for k, v in self.corpus.train.batch(self.sampler.rank_batch(cursor)).items()}
+        rank_batch = self._rank_batch(cursor)
         lr = self.scheduler.get_last_lr()[0]
         self.faults.step = step
         rank_batch = self.faults.perturb(rank_batch)
         if self.layerdrop is not None:
             self.layerdrop.set_step(step)  # the same layers on every rank and micro-batch
-        events: list[dict] = []
+        events, self.pending_events = [{**e, "step": step} for e in self.pending_events], []
+        self.probe_batch = rank_batch
         on_change = functools.partial(self._on_plan_change, events, step, run_start)
         try:
             sums, plan = step_with_recovery(self.model, self.engine, rank_batch, self.controller, self.sync, on_change,
@@ -213,7 +264,19 @@ class Trainer:
         if self.faults.memory is not None:
             record["simulated_peak_bytes"] = self.faults.memory.peak_bytes
             self.faults.memory.reset_peak()
+        self._prediction_error(outcome, record.get("simulated_peak_bytes", record["peak_memory_bytes"]))
         return record
+
+    def _prediction_error(self, outcome: StepOutcome, measured: int) -> None:
+        """The planner's plan change that this step completed at gets ``measured_peak_bytes`` and
+        ``prediction_error`` (predicted / measured − 1): how good the memory model is."""
+        if self.faults.memory is None and self.process.device.type != "cuda":
+            return  # the host's peak resident size is no measure of one plan
+        done = [e for e in outcome.events if e.get("predicted_peak_bytes") and e["event"] != "grow_back"
+                and e["new"] == str(outcome.plan)]
+        if done:
+            done[-1]["measured_peak_bytes"] = measured
+            done[-1]["prediction_error"] = round(done[-1]["predicted_peak_bytes"] / max(1, measured) - 1, 4)
 
     def _capped_plan(self, cursor) -> Optional[Callable[[], MicroBatchPlan]]:
         """Speech with ``data.speech.max_audio_samples_per_micro_batch``: the step's plan capped by
@@ -229,7 +292,9 @@ class Trainer:
         events.append({**change.as_dict(), "step": step, "ranks": ranks, "elapsed_s": time.perf_counter() - run_start})
         log.warning("memtrain: rank %d, step %d: %s on rank(s) %s: plan %s → %s (%s)", self.process.rank, step,
                     change.event, ranks, change.old, change.new, change.reason)
-        if change.event == "activation_checkpointing_on":
+        if change.activation_checkpointing is not None:  # the planner's plans include the setting
+            self.transforms.set_activation_checkpointing(self.engine.unwrap(self.model), change.activation_checkpointing)
+        elif change.event == "activation_checkpointing_on":
             self.transforms.enable_activation_checkpointing(self.engine.unwrap(self.model))
 
     def _evaluate(self, record: dict[str, Any]) -> None:

@@ -9,10 +9,14 @@ the same agreed events and so holds the same plan.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
 from memtrain.oom import OOMStop
+
+if TYPE_CHECKING:
+    from memtrain.planner import Candidate, Planner
 
 
 @dataclass(frozen=True)
@@ -64,18 +68,28 @@ class PlanChange:
     """One change of the micro-batch plan (logged as a metrics ``event`` and a warning).
 
     Attributes:
-        event: ``oom_shrink``, ``activation_checkpointing_on``, ``grow_back`` or ``grow_back_failed``.
+        event: ``plan_chosen``, ``oom_shrink``, ``activation_checkpointing_on``,
+            ``activation_checkpointing_off``, ``grow_back`` or ``grow_back_failed``.
         old, new: plans before and after.
         reason: human-readable cause.
+        activation_checkpointing: AC after the change (None = the planner is not in use).
+        predicted_peak_bytes: the planner's predicted peak of the new plan (None = no planner).
     """
 
     event: str
     old: MicroBatchPlan
     new: MicroBatchPlan
     reason: str
+    activation_checkpointing: Optional[bool] = None
+    predicted_peak_bytes: Optional[int] = None
 
     def as_dict(self) -> dict:
-        return {"event": self.event, "old": str(self.old), "new": str(self.new), "reason": self.reason}
+        out = {"event": self.event, "old": str(self.old), "new": str(self.new), "reason": self.reason}
+        if self.activation_checkpointing is not None:
+            out["activation_checkpointing"] = self.activation_checkpointing
+        if self.predicted_peak_bytes is not None:
+            out["predicted_peak_bytes"] = self.predicted_peak_bytes
+        return out
 
 
 class PlanController:
@@ -88,15 +102,24 @@ class PlanController:
     tries the next larger micro-batch (never above the configured one); if that fails, the window
     doubles (exponential back-off, as Composer does for its auto-microbatching).
 
+    With a :class:`memtrain.planner.Planner` (``planner``), an OOM moves to the fastest plan
+    predicted to need less memory than the one that failed (smaller micro-batch, AC on, or both)
+    and grow-back tries the next faster measured plan (which may switch AC off again).
+
     Args:
         configured: the plan from the config (the ceiling for grow-back).
         per_rank_batch: samples per rank per step.
         activation_checkpointing: ``off|on|auto``.
         grow_back_window: OOM-free steps before a grow-back try (0 = never).
+        make_planner: builds the run's planner the first time one is needed (returns None when
+            the model cannot be planned); None = halving as above.
+
+    Attributes:
+        prober: handed to the planner once built (it times candidates on the real engine).
     """
 
     def __init__(self, configured: MicroBatchPlan, per_rank_batch: int, activation_checkpointing: str,
-                 grow_back_window: int):
+                 grow_back_window: int, make_planner: Optional[Callable[[], Optional["Planner"]]] = None):
         self.configured = configured
         self.plan = configured
         self.per_rank_batch = per_rank_batch
@@ -106,6 +129,25 @@ class PlanController:
         self.ok_steps = 0
         self.trying_grow = False
         self.grown_from = configured
+        self.grown_from_ac = self.activation_checkpointing
+        self._make_planner, self._planner = make_planner, None
+        self.prober = None
+
+    @property
+    def planner(self) -> Optional["Planner"]:
+        """The planner, built on first use (None without one)."""
+        if self._planner is None and self._make_planner is not None:
+            self._planner, self._make_planner = self._make_planner(), None
+            if self._planner is not None and self.prober is not None:
+                self._planner.prober = self.prober
+        return self._planner
+
+    def adopt(self, candidate: "Candidate", event: str, reason: str) -> PlanChange:
+        """Take the planner's ``candidate`` as the current plan; returns the change."""
+        old = self.plan
+        self.plan, self.activation_checkpointing = candidate.plan, candidate.activation_checkpointing
+        return PlanChange(event, old, self.plan, reason, candidate.activation_checkpointing,
+                          candidate.predicted_peak_bytes)
 
     def _with_micro(self, micro: int) -> MicroBatchPlan:
         return MicroBatchPlan(micro, self.per_rank_batch // micro)
@@ -138,7 +180,13 @@ class PlanController:
             self.trying_grow = False
             self.window *= 2
             self.plan = self.grown_from  # the plan that worked before the try
-            return PlanChange("grow_back_failed", old, self.plan, f"OOM in {where} at {old}; next try in {self.window} steps")
+            failed_ac, self.activation_checkpointing = self.activation_checkpointing, self.grown_from_ac
+            if self.planner is not None and self.planner.get(old.micro_batch_size, failed_ac) is not None:
+                self.planner.refute(self.planner.get(old.micro_batch_size, failed_ac))
+            return PlanChange("grow_back_failed", old, self.plan, f"OOM in {where} at {old}; next try in {self.window} steps",
+                              self.activation_checkpointing if self.planner is not None else None)
+        if self.planner is not None:
+            return self._replan_after_oom(where)
         smaller = [d for d in self._divisors() if d <= old.micro_batch_size // 2]
         if smaller:
             self.plan = self._with_micro(max(smaller))
@@ -150,10 +198,28 @@ class PlanController:
                       + (" with activation checkpointing on" if self.activation_checkpointing else
                          " (memory.activation_checkpointing is off)"))
 
+    def _replan_after_oom(self, where: str) -> PlanChange:
+        micro, ac = self.plan.micro_batch_size, self.activation_checkpointing
+        nxt = self.planner.after_oom(micro, ac)
+        if nxt is None:
+            raise OOMStop(f"out of memory in {where} at {self.plan}{' with activation checkpointing' if ac else ''}: "
+                          "no smaller plan is predicted to fit (micro-batch 1"
+                          + (" with activation checkpointing)" if self.ac_mode != "off" else
+                             ", memory.activation_checkpointing is off)"))
+        event = ("oom_shrink" if nxt.micro_batch_size < micro else
+                 "activation_checkpointing_on" if nxt.activation_checkpointing and not ac else "oom_replan")
+        return self.adopt(nxt, event, f"OOM in {where}; fastest plan predicted to fit: {nxt}")
+
     def on_success(self) -> PlanChange | None:
         """A step completed; returns a grow-back change when the window is full."""
+        if self.trying_grow and self.planner is not None:
+            grown = self.planner.get(self.plan.micro_batch_size, self.activation_checkpointing)
+            if grown is not None:
+                self.planner.confirm(grown)
         self.trying_grow = False
         self.ok_steps += 1
+        if self.planner is not None:
+            return self._planned_grow_back()
         if self.window <= 0 or self.plan.micro_batch_size >= self.configured.micro_batch_size or self.ok_steps < self.window:
             return None
         larger = [d for d in self._divisors() if self.plan.micro_batch_size < d <= self.configured.micro_batch_size]
@@ -161,8 +227,18 @@ class PlanController:
         self.plan = self._with_micro(min(d for d in larger if d >= 2 * old.micro_batch_size) if any(
             d >= 2 * old.micro_batch_size for d in larger) else max(larger))
         self.ok_steps = 0
-        self.trying_grow, self.grown_from = True, old
+        self.trying_grow, self.grown_from, self.grown_from_ac = True, old, self.activation_checkpointing
         return PlanChange("grow_back", old, self.plan, f"{self.window} steps without OOM")
+
+    def _planned_grow_back(self) -> PlanChange | None:
+        if self.window <= 0 or self.ok_steps < self.window:
+            return None
+        nxt = self.planner.faster_than(self.plan.micro_batch_size, self.activation_checkpointing)
+        if nxt is None:
+            return None
+        self.ok_steps = 0
+        self.trying_grow, self.grown_from, self.grown_from_ac = True, self.plan, self.activation_checkpointing
+        return self.adopt(nxt, "grow_back", f"{self.window} steps without OOM; trying the faster {nxt}")
 
     def _divisors(self) -> list[int]:
         return [d for d in range(1, self.per_rank_batch + 1) if self.per_rank_batch % d == 0]
@@ -171,7 +247,8 @@ class PlanController:
         """The plan state for checkpoints (restored on resume)."""
         return {"micro_batch_size": self.plan.micro_batch_size, "window": self.window, "ok_steps": self.ok_steps,
                 "activation_checkpointing": self.activation_checkpointing, "trying_grow": self.trying_grow,
-                "grown_from": self.grown_from.micro_batch_size}
+                "grown_from": self.grown_from.micro_batch_size, "grown_from_ac": self.grown_from_ac,
+                "planner": self._planner.state_dict() if self._planner is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s plan. On another world size the per-rank batch may change:
@@ -182,3 +259,6 @@ class PlanController:
         self.grown_from = fit(state.get("grown_from", self.plan.micro_batch_size))
         self.window, self.ok_steps = state["window"], state["ok_steps"]
         self.activation_checkpointing = state["activation_checkpointing"]
+        self.grown_from_ac = state.get("grown_from_ac", self.activation_checkpointing)
+        if self.planner is not None and state.get("planner"):
+            self.planner.load_state_dict(state["planner"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import time
 from contextlib import AbstractContextManager
 from typing import Callable, NamedTuple, Optional, Protocol
 
@@ -32,6 +33,9 @@ class StepHooks(Protocol):
 
     def after_micro_batch(self, index: int) -> None:
         """Called with the micro-batch index after its backward."""
+
+    def start_attempt(self) -> None:
+        """Called before every attempt of a step (and every timed probe): peaks restart here."""
 
 
 class StepSums(NamedTuple):
@@ -133,6 +137,8 @@ def step_with_recovery(model: nn.Module, backend: Backend, rank_batch: dict[str,
         if plan != controller.plan:
             backend.set_plan(plan)
         try:
+            if hooks is not None:
+                hooks.start_attempt()
             sums = train_step(model, backend, rank_batch, plan, objective, sync, hooks)
             if plan != controller.plan:
                 backend.set_plan(controller.plan)
@@ -151,3 +157,48 @@ def step_with_recovery(model: nn.Module, backend: Backend, rank_batch: dict[str,
         change = controller.on_oom(where, tried=plan)
         backend.set_plan(controller.plan)
         on_change(change, ranks)
+
+
+def time_micro_batch(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.Tensor], micro_batch_size: int,
+                     objective: Objective, sync: OOMSync, hooks: Optional[StepHooks] = None,
+                     repeats: int = 2) -> Optional[float]:
+    """Seconds of one micro-batch (forward, backward, gradient reduction) of ``micro_batch_size``
+    samples of ``rank_batch``, the fastest of ``repeats`` (the first also warms up), averaged over
+    ranks; the gradients are discarded and the random streams replayed, so training is unchanged.
+
+    Returns:
+        Seconds (the same on every rank), or None when a rank ran out of memory (every rank agrees,
+        as in :func:`step_with_recovery`).
+
+    Raises:
+        Any non-OOM error, untouched.
+    """
+    streams, process = _random_streams(), backend.process
+    probe = {k: v[:micro_batch_size] for k, v in rank_batch.items()}
+    plan = MicroBatchPlan(micro_batch_size, 1)
+    backend.set_plan(plan)
+    best, agreed, failed = float("inf"), None, False
+    try:
+        for _ in range(repeats):
+            if hooks is not None:
+                hooks.start_attempt()
+            start = time.perf_counter()
+            train_step(model, backend, probe, plan, objective, sync, hooks)
+            if process.device.type == "cuda":
+                torch.cuda.synchronize(process.device)
+            best = min(best, time.perf_counter() - start)
+            backend.reset_after_oom(model)
+    except BaseException as exc:
+        if not sync.enabled or not is_oom(exc):
+            raise
+        agreed, failed = (exc.ranks if isinstance(exc, AgreedOOM) else None), True
+    if failed:
+        if agreed is None:
+            sync.agree(True)
+        gc.collect()
+        backend.reset_after_oom(model)
+    _replay(streams)
+    if failed:
+        return None
+    total = process.all_reduce_sum(torch.tensor(best, dtype=torch.float64, device=process.device))
+    return float(total) / process.world_size

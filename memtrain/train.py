@@ -63,10 +63,10 @@ def cli() -> None:
         from memtrain.export import main as export_main
 
         sys.exit(export_main(sys.argv[2:]))
-    if sys.argv[1:2] == ["memory"]:  # memtrain memory --config ...
-        from memtrain.estimate import main as memory_main
+    if sys.argv[1:2] in (["memory"], ["plan"]):  # memtrain plan|memory --config ...
+        from memtrain.estimate import main as plan_main
 
-        sys.exit(memory_main(sys.argv[2:]))
+        sys.exit(plan_main(sys.argv[2:], command=sys.argv[1]))
     from memtrain.errors import CheckpointError
     from memtrain.oom import OOMStop
     from memtrain.precision import NonFiniteStop

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from memtrain.activation import enable_activation_checkpointing
+from memtrain.activation import disable_activation_checkpointing, enable_activation_checkpointing
 from memtrain.backends.base import Backend
 from memtrain.backends.common import repeated_blocks, sync_replicated_state
 from memtrain.faults import FaultInjector
@@ -51,6 +51,14 @@ class ModelTransforms:
             return
         enable_activation_checkpointing(unwrapped, self.blocks, self.every_n_blocks)
         self.activation_checkpointing = self.faults.activation_checkpointing = True
+
+    def set_activation_checkpointing(self, unwrapped: nn.Module, on: bool) -> None:
+        """Switch activation checkpointing on or off (the planner's plans include it)."""
+        if on:
+            self.enable_activation_checkpointing(unwrapped)
+        elif self.activation_checkpointing:
+            disable_activation_checkpointing(unwrapped, self.blocks)
+            self.activation_checkpointing = self.faults.activation_checkpointing = False
 
     def apply(self, model: nn.Module, engine: Backend, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
               sync: OOMSync, activation_checkpointing: bool) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -239,7 +239,7 @@ def test_state_dict_round_trip():
     succeed(ctl, 2)
     state = ctl.state_dict()
     assert state == {"micro_batch_size": 1, "window": 6, "ok_steps": 2, "activation_checkpointing": True,
-                     "trying_grow": False, "grown_from": 1}
+                     "trying_grow": False, "grown_from": 1, "grown_from_ac": True, "planner": None}
 
     restored = controller(12, ac="auto", window=3)
     restored.load_state_dict(state)

@@ -1,0 +1,369 @@
+"""The planner: which micro-batch size and activation-checkpointing (AC) setting a run trains with.
+
+Candidates are every micro-batch size that divides the rank's share of the global batch, each
+with AC off and on (as ``memory.activation_checkpointing`` allows). For each the planner predicts
+the peak device memory and measures the step time:
+
+- **Peak bytes, without allocating.** The model is built on the meta device with fake parameters
+  (``torch._subclasses.fake_tensor.FakeTensorMode``) and one micro-batch is traced while
+  :class:`memtrain.simulated_memory.SimulatedMemory` counts the bytes autograd saves for backward,
+  exactly as the simulated device of a CPU run counts them. Planning a 10B-parameter model takes
+  seconds and no memory. The prediction is model state (the engine's accounting,
+  ``model_state_bytes``) + saved activations (+ on CUDA, a headroom for the allocator and
+  transient buffers: :data:`CUDA_HEADROOM_FRACTION`, :data:`CUDA_RESERVED_BYTES`).
+- **Step time, measured.** A run times one micro-batch (forward, backward, gradient reduction)
+  of each candidate predicted to fit, on the real engine and data, and predicts the step as
+  ``gradient_accumulation_steps ×`` that time; the seconds are averaged over ranks, so every
+  rank holds the same table and takes the same decision. AC's recompute cost is in that time.
+  ``memtrain plan`` (no run) estimates seconds from FLOPs instead (:func:`estimated_step_s`).
+
+:class:`Planner` holds the table of a run: the choice before step 1 (``training.micro_batch_size:
+auto``), the next plan after an out-of-memory error (the fastest candidate predicted to need less
+than the plan that failed), and the next faster plan for grow-back. The idea of choosing the
+micro-batch by trying follows Composer's auto-microbatching; predicting from a traced
+micro-batch follows torch's ``FakeTensorMode``-based memory estimators.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from memtrain.plan import MicroBatchPlan
+
+CUDA_HEADROOM_FRACTION = 0.10
+"""CUDA: predicted peak × (1 + this) for the caching allocator's fragmentation and temporaries."""
+CUDA_RESERVED_BYTES = 512 * 2**20
+"""CUDA: bytes kept free for the CUDA context's workspaces (cuBLAS, NCCL)."""
+
+
+@dataclass
+class Candidate:
+    """One plan the planner considers.
+
+    Attributes:
+        micro_batch_size, gradient_accumulation_steps: the split of the rank's share.
+        activation_checkpointing: AC on (every ``memory.activation_checkpointing_every_n_blocks``-th block).
+        predicted_peak_bytes: model state + saved activations (+ CUDA headroom), bytes per rank.
+        activation_bytes: bytes one micro-batch's forward saves for backward (traced).
+        predicted_step_s: seconds per optimizer step: measured micro-batch × accumulation (a run),
+            or a FLOP estimate (``memtrain plan``); None = not known.
+        measured: whether ``predicted_step_s`` comes from a timed micro-batch.
+        fits: predicted to fit the budget and not refuted by an out-of-memory error.
+        chosen: the plan taken.
+    """
+
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    activation_checkpointing: bool
+    predicted_peak_bytes: int
+    activation_bytes: int
+    predicted_step_s: Optional[float] = None
+    measured: bool = False
+    fits: bool = True
+    chosen: bool = False
+
+    @property
+    def plan(self) -> MicroBatchPlan:
+        return MicroBatchPlan(self.micro_batch_size, self.gradient_accumulation_steps)
+
+    @property
+    def key(self) -> tuple[int, bool]:
+        return self.micro_batch_size, self.activation_checkpointing
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        return f"{self.plan}{' + AC' if self.activation_checkpointing else ''}"
+
+
+def ac_options(activation_checkpointing: str) -> list[bool]:
+    """AC settings a plan may use under ``memory.activation_checkpointing`` (``off|on|auto``)."""
+    return {"off": [False], "on": [True], "auto": [False, True]}[activation_checkpointing]
+
+
+def divisors(n: int) -> list[int]:
+    """The micro-batch sizes that divide a rank's share of ``n`` samples, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def fake_model(build: Callable[[], nn.Module], dtype: Optional[torch.dtype] = None):
+    """A model with fake parameters (no memory): built on the meta device, then every parameter and
+    buffer turned into a fake tensor so data-dependent checks in model code see a tracer.
+
+    Args:
+        build: builds the model (called under ``torch.device("meta")``).
+        dtype: cast floating-point parameters to this dtype (a bf16/fp16 run's compute dtype).
+
+    Returns:
+        (the model in train mode, the ``FakeTensorMode`` to trace it under).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with torch.device("meta"):
+        model = build()
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                t = p.to(dtype) if dtype is not None and p.is_floating_point() else p
+                module._parameters[name] = nn.Parameter(mode.from_tensor(t), requires_grad=p.requires_grad)
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = mode.from_tensor(b)
+    return model.train(), mode
+
+
+def traced_activation_bytes(model: nn.Module, mode, objective, micro_batch: dict[str, torch.Tensor]) -> int:
+    """Peak bytes autograd saves for backward in one training forward of ``micro_batch`` (counted
+    by :class:`memtrain.simulated_memory.SimulatedMemory`, parameters excluded).
+
+    Args:
+        model: a :func:`fake_model` (AC switched as wanted); mode: its ``FakeTensorMode``.
+        objective: the run's objective (:mod:`memtrain.objectives`).
+        micro_batch: tensors [B, …] on any device (moved to meta here).
+    """
+    from memtrain.simulated_memory import SimulatedMemory
+
+    counter = SimulatedMemory(2**62, 0, model.parameters())
+    with mode:
+        batch = {k: v.to("meta") for k, v in micro_batch.items()}
+        with torch.enable_grad(), counter.context():
+            loss = objective.loss_sum(model, batch)
+        del loss
+    return counter.peak_bytes
+
+
+def predicted_peak_bytes(state_bytes: int, activation_bytes: int, device_type: str) -> int:
+    """Predicted peak device bytes of a rank: model state + saved activations, plus the CUDA
+    headroom on a GPU (a CPU run's simulated device counts exactly these two terms)."""
+    total = state_bytes + activation_bytes
+    if device_type == "cuda":
+        return int(total * (1 + CUDA_HEADROOM_FRACTION)) + CUDA_RESERVED_BYTES
+    return total
+
+
+def make_candidates(per_rank_batch: int, activation_checkpointing: str, state_bytes: int,
+                    activation_bytes: Callable[[int, bool], int], device_type: str,
+                    budget_bytes: Optional[int]) -> list[Candidate]:
+    """Every candidate plan with its predicted peak.
+
+    Args:
+        per_rank_batch: samples per rank per optimizer step.
+        activation_checkpointing: ``memory.activation_checkpointing``.
+        state_bytes: the engine's model state on a rank (bytes on the device).
+        activation_bytes: ``(micro_batch_size, ac) -> bytes`` (e.g. :func:`traced_activation_bytes`).
+        device_type: ``cuda`` or ``cpu``.
+        budget_bytes: device bytes a rank may use; None = unbounded.
+
+    Returns:
+        Candidates, largest micro-batch first, AC off before on.
+    """
+    out = []
+    for micro in reversed(divisors(per_rank_batch)):
+        for ac in ac_options(activation_checkpointing):
+            acts = activation_bytes(micro, ac)
+            peak = predicted_peak_bytes(state_bytes, acts, device_type)
+            out.append(Candidate(micro, per_rank_batch // micro, ac, peak, acts,
+                                 fits=budget_bytes is None or peak <= budget_bytes))
+    return out
+
+
+def estimated_step_s(candidate: Candidate, n_params: int, tokens_per_sample: int, flops_per_s: float,
+                     ac_fraction: float, micro_batch_overhead_s: float) -> float:
+    """A step time without running: ``6 × parameters × tokens`` FLOPs for forward and backward
+    (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", §2.1), plus the recomputed
+    forward of the checkpointed fraction of blocks (``2 × parameters × tokens × ac_fraction``),
+    plus a fixed cost per micro-batch (launch and gradient reduction)."""
+    tokens = candidate.micro_batch_size * tokens_per_sample
+    flops = (6 + (2 * ac_fraction if candidate.activation_checkpointing else 0)) * n_params * tokens
+    return candidate.gradient_accumulation_steps * (flops / flops_per_s + micro_batch_overhead_s)
+
+
+class Planner:
+    """The candidate table of a run and the decisions taken from it.
+
+    Every rank builds the same table (a deterministic trace) and measures with seconds averaged
+    over ranks, so every rank takes the same decision without another collective.
+
+    Args:
+        candidates: from :func:`make_candidates`.
+        budget_bytes: device bytes a rank may use (None = unbounded).
+        prober: ``prober(candidate) -> seconds or None``: times one micro-batch of the candidate
+            on the real engine (None when it ran out of memory); set by the loop. None = no timing.
+
+    Attributes:
+        bound_bytes: the budget as learned: after an out-of-memory error, at most the predicted
+            peak of the plan that failed, minus one byte.
+    """
+
+    def __init__(self, candidates: list[Candidate], budget_bytes: Optional[int],
+                 prober: Optional[Callable[[Candidate], Optional[float]]] = None):
+        self.candidates = candidates
+        self.budget_bytes = budget_bytes
+        self.bound_bytes = budget_bytes
+        self.prober = prober
+
+    def get(self, micro_batch_size: int, activation_checkpointing: bool) -> Optional[Candidate]:
+        """The candidate of a plan, or None."""
+        return next((c for c in self.candidates if c.key == (micro_batch_size, activation_checkpointing)), None)
+
+    def fitting(self, below: Optional[int] = None) -> list[Candidate]:
+        """Candidates predicted to fit the learned bound (and need less than ``below`` bytes)."""
+        return [c for c in self.candidates if c.fits
+                and (self.bound_bytes is None or c.predicted_peak_bytes <= self.bound_bytes)
+                and (below is None or c.predicted_peak_bytes < below)]
+
+    def measure(self, pool: list[Candidate]) -> None:
+        """Time each not yet measured candidate of ``pool`` (largest micro-batch first); one that
+        runs out of memory no longer fits and lowers the bound."""
+        if self.prober is None:
+            return
+        for c in pool:
+            if c.measured or not c.fits or (self.bound_bytes is not None and c.predicted_peak_bytes > self.bound_bytes):
+                continue  # known, or needs more than something that just failed
+            seconds = self.prober(c)
+            if seconds is None:
+                self.refute(c)
+            else:
+                c.predicted_step_s, c.measured = seconds * c.gradient_accumulation_steps, True
+
+    def refute(self, failed: Candidate) -> None:
+        """``failed`` ran out of memory: it does not fit, and neither does anything predicted to need as much."""
+        failed.fits = False
+        bound = failed.predicted_peak_bytes - 1
+        self.bound_bytes = bound if self.bound_bytes is None else min(self.bound_bytes, bound)
+
+    def fastest(self, pool: list[Candidate]) -> Optional[Candidate]:
+        """The fastest candidate of ``pool`` that still fits: by measured time where measured,
+        else the fewest micro-batches, AC off first (the order of :func:`make_candidates`)."""
+        pool = [c for c in pool if c.fits]
+        if not pool:
+            return None
+        timed = [c for c in pool if c.predicted_step_s is not None]
+        best = min(timed, key=lambda c: c.predicted_step_s) if timed else pool[0]
+        for c in self.candidates:
+            c.chosen = c is best
+        return best
+
+    def initial(self) -> Optional[Candidate]:
+        """The plan before step 1: the fastest candidate predicted to fit (all fitting ones timed)."""
+        self.measure(self.fitting())
+        return self.fastest(self.fitting())
+
+    def after_oom(self, micro_batch_size: int, activation_checkpointing: bool) -> Optional[Candidate]:
+        """The plan to retry with after ``(micro_batch_size, activation_checkpointing)`` ran out of
+        memory: the fastest candidate predicted to need less; None = nothing left."""
+        failed = self.get(micro_batch_size, activation_checkpointing)
+        if failed is None:
+            return None
+        self.refute(failed)
+        pool = self.fitting(below=failed.predicted_peak_bytes)
+        self.measure(pool)
+        return self.fastest(self.fitting(below=failed.predicted_peak_bytes))
+
+    def faster_than(self, micro_batch_size: int, activation_checkpointing: bool) -> Optional[Candidate]:
+        """For grow-back: among measured candidates faster than the current plan, the one needing
+        the least memory above it (the smallest step up); None = none."""
+        current = self.get(micro_batch_size, activation_checkpointing)
+        if current is None or current.predicted_step_s is None:
+            return None
+        faster = [c for c in self.candidates if c.predicted_step_s is not None
+                  and c.predicted_step_s < current.predicted_step_s
+                  and c.predicted_peak_bytes > current.predicted_peak_bytes]
+        return min(faster, key=lambda c: c.predicted_peak_bytes, default=None)
+
+    def confirm(self, candidate: Candidate) -> None:
+        """``candidate`` completed a step after a grow-back: it fits, whatever the bound said."""
+        candidate.fits = True
+        if self.bound_bytes is not None and candidate.predicted_peak_bytes > self.bound_bytes:
+            self.bound_bytes = candidate.predicted_peak_bytes
+
+    def state_dict(self) -> dict:
+        """What was learned (the bound, measured times, refuted candidates), for checkpoints."""
+        return {"bound_bytes": self.bound_bytes,
+                "candidates": [[c.micro_batch_size, c.activation_checkpointing, c.predicted_step_s, c.measured, c.fits]
+                               for c in self.candidates]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (candidates of another world size are ignored)."""
+        self.bound_bytes = state.get("bound_bytes", self.bound_bytes)
+        for micro, ac, seconds, measured, fits in state.get("candidates", []):
+            c = self.get(micro, ac)
+            if c is not None:
+                c.predicted_step_s, c.measured, c.fits = seconds, measured, fits
+
+
+def device_budget_bytes(cfg, device: torch.device) -> Optional[int]:
+    """Device bytes a rank may use: ``faults.memory_budget_mib`` (the simulated device) when set; on
+    CUDA the memory this process can reach (free + already allocated by it), at most
+    ``memory.cuda_memory_cap_gib``; otherwise None (unbounded)."""
+    if cfg.faults.memory_budget_mib > 0:
+        return int(cfg.faults.memory_budget_mib * 2**20)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        reachable = free + torch.cuda.memory_allocated(device)
+        cap = cfg.memory.cuda_memory_cap_gib
+        return min(reachable, int(cap * 2**30)) if cap > 0 else reachable
+    return None
+
+
+def trace_batch(corpus, micro_batch_size: int) -> dict[str, torch.Tensor]:
+    """The micro-batch the planner traces: the first samples, or for corpora of varying length
+    (speech) the longest ones, so the prediction holds for every step."""
+    lengths = getattr(corpus.train, "lengths", None)
+    if lengths is None:
+        return corpus.train.batch(list(range(micro_batch_size)))
+    import numpy as np
+
+    return corpus.train.batch([int(i) for i in np.argsort(lengths, kind="stable")[-micro_batch_size:]])
+
+
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def activation_table(cfg, corpus, objective, precision: str, device_type: str):
+    """``(micro_batch_size, ac) -> traced activation bytes`` for ``cfg``'s model (built fake here;
+    results cached per key).
+
+    Raises:
+        RuntimeError, NotImplementedError: the model cannot be traced with fake tensors.
+    """
+    from memtrain.activation import disable_activation_checkpointing, enable_activation_checkpointing
+    from memtrain.backends.common import repeated_blocks
+    from memtrain.models import build_model
+
+    dtype = COMPUTE_DTYPES.get(precision) if device_type == "cuda" else None
+    model, mode = fake_model(lambda: build_model(cfg.model, corpus.vocab_size, cfg.training.seed), dtype)
+    blocks = repeated_blocks(model)
+    cache: dict[tuple[int, bool], int] = {}
+
+    def activation_bytes(micro: int, ac: bool) -> int:
+        if (micro, ac) not in cache:
+            if ac:
+                enable_activation_checkpointing(model, blocks, cfg.memory.activation_checkpointing_every_n_blocks)
+            else:
+                disable_activation_checkpointing(model, blocks)
+            cache[micro, ac] = traced_activation_bytes(model, mode, objective, trace_batch(corpus, micro))
+        return cache[micro, ac]
+
+    return activation_bytes
+
+
+def build_planner(cfg, corpus, objective, precision: str, device: torch.device, state_bytes: int,
+                  per_rank_batch: int) -> Planner:
+    """The run's planner: candidates of ``per_rank_batch`` with peaks predicted from a fake trace
+    of ``cfg``'s model, against :func:`device_budget_bytes`.
+
+    Args:
+        state_bytes: the engine's model state on this rank's device (bytes).
+    """
+    acts = activation_table(cfg, corpus, objective, precision, device.type)
+    budget = device_budget_bytes(cfg, device)
+    return Planner(make_candidates(per_rank_batch, cfg.memory.activation_checkpointing, state_bytes, acts,
+                                   device.type, budget), budget)

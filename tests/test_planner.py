@@ -1,0 +1,156 @@
+"""The planner in-process: its decisions from a candidate table (no ranks needed), the fake-tensor
+trace against the bytes a real forward saves, and the plan controller driven by a planner."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import TINY_ARGS
+from memtrain.plan import MicroBatchPlan, PlanController
+from memtrain.planner import Candidate, Planner, make_candidates
+from memtrain.oom import OOMStop
+
+MiB = 2**20
+
+
+def table(budget=None):
+    """Per-rank share 8; activations 1 MiB per sample without AC, 0.25 MiB with; state 1 MiB."""
+    return make_candidates(8, "auto", MiB, lambda micro, ac: micro * MiB // (4 if ac else 1), "cpu", budget)
+
+
+def timed(seconds: dict):
+    """A prober returning micro-batch seconds per (micro, ac), recording the calls."""
+    calls = []
+
+    def prober(c: Candidate):
+        calls.append(c.key)
+        return seconds.get(c.key)
+
+    prober.calls = calls
+    return prober
+
+
+# micro-batch seconds: big micro-batches are more efficient; AC costs a quarter more. Step seconds
+# (accumulation × micro) and predicted peaks (MiB) of the table:
+#   8 off 0.9 / 9    8 AC 1.125 / 3    4 off 1.0 / 5    4 AC 1.25 / 2
+#   2 off 1.2 / 3    2 AC 1.5 / 1.5    1 off 1.6 / 2    1 AC 2.0 / 1.25
+SECONDS = {(m, ac): (0.1 + 0.1 * m) * (1.25 if ac else 1) for m in (1, 2, 4, 8) for ac in (False, True)}
+
+
+def test_candidates_and_predicted_fit():
+    cands = table(budget=4 * MiB)
+    assert [(c.micro_batch_size, c.activation_checkpointing) for c in cands] == [
+        (8, False), (8, True), (4, False), (4, True), (2, False), (2, True), (1, False), (1, True)]
+    assert all(c.micro_batch_size * c.gradient_accumulation_steps == 8 for c in cands)
+    assert {c.key for c in cands if c.fits} == {(8, True), (4, True), (2, False), (2, True), (1, False), (1, True)}
+
+
+def test_initial_times_every_fitting_candidate_and_takes_the_fastest():
+    planner = Planner(table(budget=4 * MiB), 4 * MiB, timed(SECONDS))
+    chosen = planner.initial()
+    assert chosen.key == (8, True) and chosen.chosen and chosen.predicted_step_s == pytest.approx(1.125)
+    assert sorted(planner.prober.calls) == sorted(c.key for c in planner.candidates if c.fits)
+    assert sum(c.chosen for c in planner.candidates) == 1
+
+
+def test_oom_moves_to_the_fastest_plan_predicted_to_need_less():
+    planner = Planner(table(), None, timed(SECONDS))
+    nxt = planner.after_oom(8, False)  # 9 MiB did not fit
+    assert planner.bound_bytes == 9 * MiB - 1 and not planner.get(8, False).fits
+    assert nxt.key == (4, False) and nxt.predicted_step_s == pytest.approx(1.0)  # halving beats AC here
+
+
+def test_oom_turns_activation_checkpointing_on_when_that_is_faster():
+    planner = Planner(table(), None, timed({**SECONDS, (8, True): 0.95}))  # cheap recompute
+    assert planner.after_oom(8, False).key == (8, True)
+
+
+def test_probe_out_of_memory_refutes_and_lowers_the_bound():
+    seconds = {k: v for k, v in SECONDS.items() if k != (8, True)}  # None: the probe ran out of memory
+    planner = Planner(table(), None, timed(seconds))
+    nxt = planner.after_oom(8, False)
+    assert not planner.get(8, True).fits and planner.bound_bytes == 3 * MiB - 1
+    assert nxt.key == (4, True)  # 4 without AC needs 5 MiB: more than what just failed, so not even timed
+    assert (4, False) not in planner.prober.calls
+
+
+def test_nothing_left_is_none():
+    planner = Planner(make_candidates(1, "off", MiB, lambda m, ac: MiB, "cpu", None), None, timed({(1, False): 1.0}))
+    assert planner.after_oom(1, False) is None
+
+
+def test_grow_back_tries_the_next_faster_plan_and_confirms_it():
+    planner = Planner(table(), None, timed(SECONDS))
+    planner.measure(planner.candidates)
+    assert planner.faster_than(1, True).key == (2, True)  # the smallest step up in memory that is faster
+    planner.bound_bytes = 2 * MiB
+    planner.confirm(planner.get(2, False))
+    assert planner.bound_bytes == planner.get(2, False).predicted_peak_bytes
+
+
+def test_controller_with_planner_oom_grow_back_and_state():
+    per_rank = 8
+    planner = Planner(table(), None, timed({**SECONDS, (8, True): 0.95}))
+    ctl = PlanController(MicroBatchPlan(8, 1), per_rank, "auto", grow_back_window=2, make_planner=lambda: planner)
+    change = ctl.on_oom("forward")
+    assert change.event == "activation_checkpointing_on" and ctl.activation_checkpointing and ctl.plan.micro_batch_size == 8
+    assert change.as_dict()["predicted_peak_bytes"] == planner.get(8, True).predicted_peak_bytes
+    change = ctl.on_oom("forward")  # 8 + AC fails as well: the fastest of what needs less than 3 MiB
+    assert change.event == "oom_shrink" and (ctl.plan.micro_batch_size, ctl.activation_checkpointing) == (4, True)
+    assert ctl.on_success() is None
+    grow = ctl.on_success()  # the window is full: the faster plan needing the least more memory
+    assert grow.event == "grow_back" and (ctl.plan.micro_batch_size, ctl.activation_checkpointing) == (8, True)
+    failed = ctl.on_oom("forward")
+    assert failed.event == "grow_back_failed" and (ctl.plan.micro_batch_size, ctl.activation_checkpointing) == (4, True)
+    assert failed.activation_checkpointing is True and ctl.window == 4
+    state = json.loads(json.dumps(ctl.state_dict()))
+    again = PlanController(MicroBatchPlan(8, 1), per_rank, "auto", 2, make_planner=lambda: Planner(table(), None))
+    again.load_state_dict(state)
+    assert again.plan == ctl.plan and again.activation_checkpointing == ctl.activation_checkpointing
+    assert again.planner.bound_bytes == planner.bound_bytes
+    assert [c.fits for c in again.planner.candidates] == [c.fits for c in planner.candidates]
+
+
+def test_controller_stops_when_no_plan_fits():
+    planner = Planner(make_candidates(2, "auto", MiB, lambda m, ac: m * MiB, "cpu", None), None, lambda c: None)
+    ctl = PlanController(MicroBatchPlan(2, 1), 2, "auto", 0, make_planner=lambda: planner)
+    with pytest.raises(OOMStop):
+        ctl.on_oom("forward")
+
+
+def test_decisions_are_a_function_of_the_table():
+    """Every rank holds the same predictions and rank-averaged seconds, so the same decisions."""
+    a, b = Planner(table(3 * MiB), 3 * MiB, timed(SECONDS)), Planner(table(3 * MiB), 3 * MiB, timed(SECONDS))
+    assert a.initial().key == b.initial().key
+    assert a.after_oom(*a.initial().key).key == b.after_oom(*b.initial().key).key
+
+
+def test_fake_trace_predicts_the_bytes_a_real_forward_saves(cache_dir):
+    """The fake-tensor trace (no memory) against the simulated-memory count of a real forward of
+    the same model and micro-batch: within 15%, with and without activation checkpointing."""
+    from memtrain.activation import enable_activation_checkpointing
+    from memtrain.backends.common import repeated_blocks
+    from memtrain.config import parse_args
+    from memtrain.data import build_corpus
+    from memtrain.models import build_model
+    from memtrain.objectives import make_objective
+    from memtrain.planner import activation_table, trace_batch
+    from memtrain.simulated_memory import SimulatedMemory
+
+    cfg = parse_args(TINY_ARGS + ["--data.cache_dir", cache_dir])
+    corpus = build_corpus(cfg.data)
+    model = build_model(cfg.model, corpus.vocab_size, 0)
+    objective = make_objective(model, corpus)
+    traced = activation_table(cfg, corpus, objective, "fp32", "cpu")
+    for ac in (False, True):
+        if ac:
+            enable_activation_checkpointing(model, repeated_blocks(model))
+        for micro in (1, 4):
+            counter = SimulatedMemory(2**62, 0, model.parameters())
+            with torch.enable_grad(), counter.context():
+                loss = objective.loss_sum(model, trace_batch(corpus, micro))
+            real = counter.peak_bytes
+            del loss
+            assert traced(micro, ac) == pytest.approx(real, rel=0.15), (micro, ac)
+    assert traced(4, True) < traced(4, False)
