@@ -4,46 +4,70 @@
     python benchmarks/oom_stress.py --device cpu --engines ddp,fsdp,zero2,zero3 --results --plot oom.png
     python benchmarks/oom_stress.py --device cuda --memory_cap_gib 12 --engines ddp,fsdp,zero3
 
-Steady scenario, per engine: start at a micro-batch equal to the whole per-rank batch, let
-memtrain recover, continue ``--steps``; then the best static plan found by hand (each
-power-of-two micro-batch, largest first, with activation checkpointing off and on, recovery
-off), and a run started at the plan memtrain settled on. Reported: OOMs, seconds from the first
-OOM to the first completed step, final plan, tokens/s after recovery, tokens/s of the best
-static plan and their ratio, samples lost or duplicated (``batch_fingerprint`` against the
-reference run; must be 0), and the largest relative loss difference against it.
+Steady scenario, per engine, on a device too small for the whole per-rank batch: memtrain
+started at micro-batch = the whole share (recovers), memtrain with ``micro_batch_size auto``,
+and every plan predicted to fit run by hand (fixed micro-batch, activation checkpointing off or
+on, recovery off), in alternating order ``--repeats`` times (after the first repeat only the
+three fastest static plans again). Reported per configuration: tokens/s after the last plan
+change, min/median/max over repeats; the ratios recovered / best static and auto / best static,
+taken per repeat, min/median/max; OOMs; seconds from the first OOM to the first completed step;
+the planner's prediction errors; and against the static run of the plan recovery landed on,
+the steps whose trained data differ (``batch_fingerprint``; must be 0) and the largest relative
+loss difference.
 
 Spike scenario (``--scenario spike``): OOMs only on rare steps (the long inputs of variable-length
 data), every ``--spike_every`` steps; memtrain shrinks and grows back after ``--grow_back_window``
 steps. Reported: shrinks, grow-backs, and tokens/s against a run that never grows back.
 
-On CPU, OOMs are injected (``faults.oom_above_tokens``: a micro-batch of more than 4 × seq_len
-tokens "does not fit"); on CUDA they are real, under ``torch.cuda.set_per_process_memory_fraction``.
+On CPU the device is simulated (``faults.memory_budget_mib``: micro-batch per_rank/4 without
+activation checkpointing just fits; the spike scenario uses the token rule
+``faults.oom_above_tokens``); on CUDA OOMs are real, under ``memory.cuda_memory_cap_gib``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
+import statistics
+import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (CPU_ARGS, ENGINES, GPU_ARGS, RunFailed, bar_chart, emit, run_memtrain,  # noqa: E402
-                    scratch_dir, tokens_per_s)
+from common import (CPU_ARGS, ENGINES, GPU_ARGS, REPO, TRAIN, RunFailed, bar_chart, emit,  # noqa: E402
+                    run_memtrain, scratch_dir, tokens_per_s)
 
 OOM_EVENTS = ("oom_shrink", "activation_checkpointing_on", "grow_back_failed")
 
 
 def scenario_args(device: str, nproc: int, cap_gib: float) -> tuple[list[str], int, list[str]]:
-    """(base arguments, per-rank batch, OOM-making arguments) for the device."""
+    """(base arguments, per-rank batch, OOM-making arguments) for the device: CUDA under the
+    memory cap; on CPU the simulated device (``faults.memory_budget_mib``, set per engine by
+    :func:`cpu_budget`)."""
     if device == "cuda":
         per_rank = 32
         base = GPU_ARGS + ["--training.global_batch_size", str(per_rank * nproc), "--precision", "bf16"]
         return base, per_rank, ["--memory.cuda_memory_cap_gib", str(cap_gib)]
     per_rank = 16
-    base = CPU_ARGS + ["--training.global_batch_size", str(per_rank * nproc)]
-    return base, per_rank, ["--faults.oom_above_tokens", str(4 * 64)]
+    return CPU_ARGS + ["--training.global_batch_size", str(per_rank * nproc)], per_rank, []
+
+
+def plan_table(base: list[str], nproc: int, extra: list[str]) -> list[dict]:
+    """``memtrain plan --json`` for the run's config: one dict per candidate."""
+    cmd = [sys.executable, TRAIN, "plan", *base, *extra, "--world_size", str(nproc), "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def cpu_budget(base: list[str], per_rank: int, nproc: int) -> list[str]:
+    """A simulated device on which micro-batch ``per_rank / 4`` without activation checkpointing
+    just fits (its predicted peak + 1 KiB): the starting plan (the whole share) does not."""
+    table = plan_table(base, nproc, [])
+    peak = next(c["predicted_peak_bytes"] for c in table
+                if c["micro_batch_size"] == per_rank // 4 and not c["activation_checkpointing"])
+    return ["--faults.memory_budget_mib", repr((peak + 1024) / 2**20)]
 
 
 def plan_events(records: list[dict]) -> list[dict]:
@@ -51,76 +75,92 @@ def plan_events(records: list[dict]) -> list[dict]:
 
 
 def compare(records: list[dict], reference: list[dict]) -> tuple[int, float]:
-    """(samples lost or duplicated, max relative loss difference) of two runs of the same steps."""
+    """(steps whose trained data differ, max relative loss difference) of two runs of the same steps."""
     lost = sum(a["batch_fingerprint"] != b["batch_fingerprint"] for a, b in zip(records, reference))
     lost += abs(len(records) - len(reference))
     rel = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(records, reference))
     return lost, rel
 
 
-def best_static(base: list[str], per_rank: int, nproc: int, quick: bool, start_micro: int) -> dict:
-    """Try power-of-two micro-batches by hand (largest first, from ``start_micro``; recovery
-    off) with activation checkpointing off and on (quick: off only); the fastest plan that fits."""
-    best = {"tokens_per_s": 0.0, "plan": None, "activation_checkpointing": None}
-    for ac in (["off"] if quick else ["off", "on"]):
-        micro = start_micro
-        while micro >= 1:
-            out = scratch_dir("static")
-            try:
-                records = run_memtrain(base + ["--training.micro_batch_size", str(micro), "--memory.oom_recovery", "false",
-                                               "--memory.activation_checkpointing", ac], out, nproc)
-            except RunFailed:
-                micro //= 2  # out of memory: try half
-                continue
-            finally:
-                shutil.rmtree(out, ignore_errors=True)
-            tps = tokens_per_s(records[1:])
-            if tps > best["tokens_per_s"]:
-                best = {"tokens_per_s": tps, "plan": f"{micro}x{per_rank // micro}", "activation_checkpointing": ac}
-            break
-    return best
+def settled_tps(records: list[dict]) -> float:
+    """Median tokens/s of the steps after the last plan change (and the step after it)."""
+    last = max((e["step"] for e in plan_events(records)), default=0)
+    after = [r for r in records if r["step"] > last + 1]
+    return tokens_per_s(after or records[-1:])
+
+
+def static_configs(table: list[dict]) -> dict[str, list[str]]:
+    """Every candidate predicted to fit, as a fixed plan with recovery off ("by hand")."""
+    return {f"{c['micro_batch_size']}x{c['gradient_accumulation_steps']}{'+AC' if c['activation_checkpointing'] else ''}":
+            ["--training.micro_batch_size", str(c["micro_batch_size"]), "--memory.oom_recovery", "false",
+             "--memory.activation_checkpointing", "on" if c["activation_checkpointing"] else "off"]
+            for c in table if c["fits"]}
+
+
+def plan_name(records: list[dict]) -> str:
+    """The plan a run ended with, as ``static_configs`` names it (``4x4+AC``)."""
+    events = plan_events(records)
+    ac = bool(events and events[-1].get("activation_checkpointing"))
+    return f"{records[-1]['micro_batch_size']}x{records[-1]['gradient_accumulation_steps']}{'+AC' if ac else ''}"
+
+
+def spread(values: list[float]) -> dict:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
 def steady(engine: str, args) -> dict:
+    """Recovery (started at the whole rank share), ``auto``, and every fitting static plan, run
+    in alternating order ``--repeats`` times; after the first repeat only the three fastest
+    static plans are run again. Ratios are per repeat (same machine state), then min/median/max."""
     base, per_rank, oom = scenario_args(args.device, args.nproc, args.memory_cap_gib)
     base = base + ENGINES[engine] + ["--training.max_steps", str(args.steps), "--memory.grow_back_window", "0"]
-    out = scratch_dir("recover")
-    records = run_memtrain(base + oom + ["--training.micro_batch_size", str(per_rank)], out, args.nproc)
-    shutil.rmtree(out, ignore_errors=True)
-    events = plan_events(records)
-    ooms = sum(e["event"] in OOM_EVENTS for e in events)
-    last_change = max((e["step"] for e in events), default=0)
-    after = [r for r in records if r["step"] > last_change]
-    first_done = next((r for r in records if r["step"] >= events[0]["step"]), None) if events else None
-    final_micro = records[-1]["micro_batch_size"]
-
-    out = scratch_dir("reference")  # started at the plan memtrain found
-    reference = run_memtrain(base + oom + ["--training.micro_batch_size", str(final_micro)], out, args.nproc)
-    shutil.rmtree(out, ignore_errors=True)
-    lost, rel = compare(records, reference)
-    # quick: start the search one step above the recovered plan instead of at the whole batch
-    static = best_static(base + oom, per_rank, args.nproc, args.quick,
-                         min(per_rank, 2 * final_micro) if args.quick else per_rank)
-    recovered_tps = tokens_per_s(after[1:] if len(after) > 2 else after)
+    if args.device == "cpu":
+        oom = cpu_budget(base, per_rank, args.nproc)
+    configs = {"recovered": ["--training.micro_batch_size", str(per_rank)], "auto": ["--training.micro_batch_size", "auto"]}
+    statics = static_configs(plan_table(base, args.nproc, oom))
+    tps: dict[str, list[float]] = {}
+    runs: dict[str, list[dict]] = {}
+    for repeat in range(args.repeats):
+        names = list(configs) + (list(statics) if repeat == 0 else
+                                 sorted(statics, key=lambda k: -statistics.median(tps.get(k, [0.0])))[:3])
+        for name in names:
+            if args.quick and name in statics and name not in (plan_name(runs["recovered"]), plan_name(runs["auto"])):
+                continue  # CI size: only the static plans recovery and auto landed on
+            out = scratch_dir(name.replace("+", "_"))
+            try:
+                records = run_memtrain(base + oom + configs.get(name, statics.get(name)), out, args.nproc)
+            except RunFailed:
+                records = None  # a static plan predicted to fit that did not
+            finally:
+                shutil.rmtree(out, ignore_errors=True)
+            if records is not None:
+                tps.setdefault(name, []).append(settled_tps(records))
+                runs.setdefault(name, records)
+    best = max((k for k in statics if len(tps.get(k, [])) == args.repeats), key=lambda k: statistics.median(tps[k]))
+    recovered, auto = runs["recovered"], runs["auto"]
+    events, final = plan_events(recovered), plan_name(recovered)
+    lost, rel = compare(recovered, runs[final]) if final in runs else (None, None)
+    first_done = next((r for r in recovered if r["step"] >= events[0]["step"]), None) if events else None
     return {
         "benchmark": "oom_stress", "scenario": "steady", "device": args.device, "engine": engine,
-        "world_size": args.nproc, "steps": args.steps, "start_plan": f"{per_rank}x1",
-        "ooms": ooms, "first_oom_to_first_step_s": (first_done["elapsed_s"] - events[0]["elapsed_s"]) if events else 0.0,
-        "final_plan": f"{final_micro}x{records[-1]['gradient_accumulation_steps']}",
-        "final_activation_checkpointing": any(e["event"] == "activation_checkpointing_on" for e in events),
-        "tokens_per_s_after_recovery": recovered_tps,
-        "best_static_plan": static["plan"], "best_static_activation_checkpointing": static["activation_checkpointing"],
-        "best_static_tokens_per_s": static["tokens_per_s"],
-        "ratio_to_best_static": recovered_tps / static["tokens_per_s"] if static["tokens_per_s"] else None,
-        "samples_lost_or_duplicated": lost, "max_rel_loss_diff_vs_reference": rel,
+        "world_size": args.nproc, "steps": args.steps, "repeats": args.repeats, "start_plan": f"{per_rank}x1",
+        "budget": oom, "ooms": sum("oom" in e["event"] or e["event"] == "activation_checkpointing_on" for e in events),
+        "first_oom_to_first_step_s": (first_done["elapsed_s"] - events[0]["elapsed_s"]) if events else 0.0,
+        "final_plan": final, "auto_plan": plan_name(auto), "auto_ooms": sum("oom" in e["event"] for e in plan_events(auto)),
+        "tokens_per_s": {k: spread(v) for k, v in tps.items()},
+        "best_static_plan": best,
+        "ratio_recovered_to_best_static": spread([a / b for a, b in zip(tps["recovered"], tps[best])]),
+        "ratio_auto_to_best_static": spread([a / b for a, b in zip(tps["auto"], tps[best])]),
+        "prediction_error": [e.get("prediction_error") for e in events + plan_events(auto) if "prediction_error" in e],
+        "steps_with_other_data_than_static_final_plan": lost, "max_rel_loss_diff_vs_static_final_plan": rel,
     }
 
 
 def spike(engine: str, args) -> dict:
     base, per_rank, oom = scenario_args(args.device, args.nproc, args.memory_cap_gib)
     spikes = list(range(3, args.steps + 1, args.spike_every))
-    if args.device == "cpu":
-        oom = oom + ["--faults.oom_at_steps", str(spikes)]
+    if args.device == "cpu":  # the token rule on rare steps: more than 4 × 64 tokens "does not fit"
+        oom = ["--faults.oom_above_tokens", str(4 * 64), "--faults.oom_at_steps", str(spikes)]
     base = base + ENGINES[engine] + ["--training.max_steps", str(args.steps), "--training.micro_batch_size", str(per_rank)]
     results = {}
     for name, window in (("grow_back", args.grow_back_window), ("never_grow", 0)):
@@ -153,6 +193,7 @@ def main(argv=None) -> int:
     parser.add_argument("--memory_cap_gib", type=float, default=12.0)
     parser.add_argument("--spike_every", type=int, default=10)
     parser.add_argument("--grow_back_window", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3, help="alternating repeats of the steady scenario (quick: 1)")
     parser.add_argument("--quick", action="store_true",
                         help="CI size: one engine, 4 steps, static search (AC off) from 2x the recovered micro-batch")
     parser.add_argument("--results", action="store_true", help="append to benchmarks/results/oom_stress-<device>.jsonl")
@@ -162,7 +203,7 @@ def main(argv=None) -> int:
     engines = args.engines.split(",")
     requested_steps = 4 if args.quick else args.steps
     if args.quick:
-        engines = engines[:1]
+        engines, args.repeats = engines[:1], 1
     rows = []
     for engine in engines:
         if engine not in ENGINES:
@@ -177,9 +218,12 @@ def main(argv=None) -> int:
             emit("oom_stress", args.device, rows[-1], args.results)
     if args.plot:
         steady_rows = [r for r in rows if r["scenario"] == "steady"]
-        bar_chart(args.plot, f"OOM recovery vs best static plan ({args.device})", [r["engine"] for r in steady_rows],
-                  {"memtrain after recovery": [r["tokens_per_s_after_recovery"] for r in steady_rows],
-                   "best static plan": [r["best_static_tokens_per_s"] for r in steady_rows]}, "tokens/s")
+        bar_chart(args.plot, f"OOM recovery and auto vs best static plan ({args.device}, median)",
+                  [r["engine"] for r in steady_rows],
+                  {"after recovery": [r["tokens_per_s"]["recovered"]["median"] for r in steady_rows],
+                   "auto": [r["tokens_per_s"]["auto"]["median"] for r in steady_rows],
+                   "best static plan": [r["tokens_per_s"][r["best_static_plan"]]["median"] for r in steady_rows]},
+                  "tokens/s")
     return 0
 
 

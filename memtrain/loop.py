@@ -39,7 +39,7 @@ from memtrain.precision import NonFiniteGuard
 from memtrain.preemption import Preemption
 from memtrain.records import StepOutcome, attach_events, run_summary, step_record
 from memtrain.state import TrainState
-from memtrain.step import step_with_recovery, time_micro_batch
+from memtrain.step import step_with_recovery, time_step
 from memtrain.transforms import ModelTransforms
 
 log = logging.getLogger("memtrain")
@@ -191,10 +191,9 @@ class Trainer:
                           fh, indent=1)
 
     def _probe(self, candidate) -> Optional[float]:
-        """The planner's prober: one timed micro-batch of ``candidate`` on the current rank batch."""
+        """The planner's prober: the current rank batch's forward and backward at ``candidate``, timed."""
         self.transforms.set_activation_checkpointing(self.engine.unwrap(self.model), candidate.activation_checkpointing)
-        return time_micro_batch(self.model, self.engine, self.probe_batch, candidate.micro_batch_size, self.objective,
-                                self.sync, self.faults)
+        return time_step(self.model, self.engine, self.probe_batch, candidate.plan, self.objective, self.sync, self.faults)
 
     def _rank_batch(self, cursor) -> dict:
         return {k: v.to(self.process.device) for k, v in self.corpus.train.batch(self.sampler.rank_batch(cursor)).items()}

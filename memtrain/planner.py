@@ -11,10 +11,11 @@ the peak device memory and measures the step time:
   seconds and no memory. The prediction is model state (the engine's accounting,
   ``model_state_bytes``) + saved activations (+ on CUDA, a headroom for the allocator and
   transient buffers: :data:`CUDA_HEADROOM_FRACTION`, :data:`CUDA_RESERVED_BYTES`).
-- **Step time, measured.** A run times one micro-batch (forward, backward, gradient reduction)
-  of each candidate predicted to fit, on the real engine and data, and predicts the step as
-  ``gradient_accumulation_steps ×`` that time; the seconds are averaged over ranks, so every
-  rank holds the same table and takes the same decision. AC's recompute cost is in that time.
+- **Step time, measured.** A run times the forward and backward of a whole rank batch (every
+  micro-batch and the gradient reduction, no optimizer step) at each candidate predicted to
+  fit, on the real engine and data; the seconds are averaged over ranks, so every rank holds
+  the same table and takes the same decision. AC's recompute cost and each engine's cost per
+  micro-batch (ZeRO-3's gathers, DDP's single reduction) are in that time.
   ``memtrain plan`` (no run) estimates seconds from FLOPs instead (:func:`estimated_step_s`).
 
 :class:`Planner` holds the table of a run: the choice before step 1 (``training.micro_batch_size:
@@ -50,9 +51,9 @@ class Candidate:
         activation_checkpointing: AC on (every ``memory.activation_checkpointing_every_n_blocks``-th block).
         predicted_peak_bytes: model state + saved activations (+ CUDA headroom), bytes per rank.
         activation_bytes: bytes one micro-batch's forward saves for backward (traced).
-        predicted_step_s: seconds per optimizer step: measured micro-batch × accumulation (a run),
-            or a FLOP estimate (``memtrain plan``); None = not known.
-        measured: whether ``predicted_step_s`` comes from a timed micro-batch.
+        predicted_step_s: seconds of an optimizer step's forward and backward: measured (a run) or
+            a FLOP estimate (``memtrain plan``); None = not known.
+        measured: whether ``predicted_step_s`` was measured.
         fits: predicted to fit the budget and not refuted by an out-of-memory error.
         chosen: the plan taken.
     """
@@ -194,8 +195,9 @@ class Planner:
     Args:
         candidates: from :func:`make_candidates`.
         budget_bytes: device bytes a rank may use (None = unbounded).
-        prober: ``prober(candidate) -> seconds or None``: times one micro-batch of the candidate
-            on the real engine (None when it ran out of memory); set by the loop. None = no timing.
+        prober: ``prober(candidate) -> seconds or None``: times a step's forward and backward at
+            the candidate on the real engine (None when it ran out of memory); set by the loop.
+            None = no timing.
 
     Attributes:
         bound_bytes: the budget as learned: after an out-of-memory error, at most the predicted
@@ -231,7 +233,7 @@ class Planner:
             if seconds is None:
                 self.refute(c)
             else:
-                c.predicted_step_s, c.measured = seconds * c.gradient_accumulation_steps, True
+                c.predicted_step_s, c.measured = seconds, True
 
     def refute(self, failed: Candidate) -> None:
         """``failed`` ran out of memory: it does not fit, and neither does anything predicted to need as much."""

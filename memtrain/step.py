@@ -159,12 +159,12 @@ def step_with_recovery(model: nn.Module, backend: Backend, rank_batch: dict[str,
         on_change(change, ranks)
 
 
-def time_micro_batch(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.Tensor], micro_batch_size: int,
-                     objective: Objective, sync: OOMSync, hooks: Optional[StepHooks] = None,
-                     repeats: int = 2) -> Optional[float]:
-    """Seconds of one micro-batch (forward, backward, gradient reduction) of ``micro_batch_size``
-    samples of ``rank_batch``, the fastest of ``repeats`` (the first also warms up), averaged over
-    ranks; the gradients are discarded and the random streams replayed, so training is unchanged.
+def time_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.Tensor], plan: MicroBatchPlan,
+              objective: Objective, sync: OOMSync, hooks: Optional[StepHooks] = None, repeats: int = 2) -> Optional[float]:
+    """Seconds of the forward and backward of ``rank_batch`` at ``plan`` (every micro-batch and the
+    gradient reduction, as in a real step; no optimizer step), the fastest of ``repeats`` (the
+    first also warms up), averaged over ranks; the gradients are discarded and the random streams
+    replayed, so training is unchanged.
 
     Returns:
         Seconds (the same on every rank), or None when a rank ran out of memory (every rank agrees,
@@ -174,8 +174,6 @@ def time_micro_batch(model: nn.Module, backend: Backend, rank_batch: dict[str, t
         Any non-OOM error, untouched.
     """
     streams, process = _random_streams(), backend.process
-    probe = {k: v[:micro_batch_size] for k, v in rank_batch.items()}
-    plan = MicroBatchPlan(micro_batch_size, 1)
     backend.set_plan(plan)
     best, agreed, failed = float("inf"), None, False
     try:
@@ -183,7 +181,7 @@ def time_micro_batch(model: nn.Module, backend: Backend, rank_batch: dict[str, t
             if hooks is not None:
                 hooks.start_attempt()
             start = time.perf_counter()
-            train_step(model, backend, probe, plan, objective, sync, hooks)
+            train_step(model, backend, rank_batch, plan, objective, sync, hooks)
             if process.device.type == "cuda":
                 torch.cuda.synchronize(process.device)
             best = min(best, time.perf_counter() - start)

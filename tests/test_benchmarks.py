@@ -20,14 +20,16 @@ def run_quick(name: str, *extra: str) -> list[dict]:
 
 
 def test_oom_stress_quick_recovers_without_losing_samples():
+    """On the simulated device: recovery lands on a plan that fits and trains the same data with
+    the same losses as that plan run by hand; auto never runs out of memory."""
     (row,) = run_quick("oom_stress")
-    assert row["ooms"] >= 1 and row["start_plan"] == "16x1" and row["final_plan"] == "4x4"
-    assert row["samples_lost_or_duplicated"] == 0
-    assert row["max_rel_loss_diff_vs_reference"] < 1e-5
-    assert row["best_static_plan"] == "4x4"  # injected: more than 4 × 64 tokens per micro-batch "does not fit"
-    for key in ("first_oom_to_first_step_s", "tokens_per_s_after_recovery", "best_static_tokens_per_s",
-                "ratio_to_best_static"):
-        assert row[key] > 0, key
+    assert row["ooms"] >= 1 and row["start_plan"] == "16x1" and row["final_plan"] != "16x1"
+    assert row["steps_with_other_data_than_static_final_plan"] == 0
+    assert row["max_rel_loss_diff_vs_static_final_plan"] < 1e-5
+    assert row["auto_ooms"] == 0
+    assert row["prediction_error"] and all(abs(e) < 0.15 for e in row["prediction_error"])
+    for key in ("ratio_recovered_to_best_static", "ratio_auto_to_best_static"):
+        assert 0 < row[key]["min"] <= row[key]["median"] <= row[key]["max"], key
 
 
 def test_overhead_quick_reports_ratio():

@@ -20,12 +20,13 @@ def table(budget=None):
 
 
 def timed(seconds: dict):
-    """A prober returning micro-batch seconds per (micro, ac), recording the calls."""
+    """A prober returning step seconds (accumulation × micro-batch seconds) per (micro, ac),
+    recording the calls."""
     calls = []
 
     def prober(c: Candidate):
         calls.append(c.key)
-        return seconds.get(c.key)
+        return None if c.key not in seconds else seconds[c.key] * c.gradient_accumulation_steps
 
     prober.calls = calls
     return prober
