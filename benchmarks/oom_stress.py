@@ -1,6 +1,6 @@
 """OOM stress: "if I set the batch too large, what does memtrain cost me, and does it lose anything?"
 
-    python benchmarks/oom_stress.py --device cpu --quick            # CI size, injected OOMs (< 60 s)
+    python benchmarks/oom_stress.py --device cpu --quick            # CI size, simulated device (< 60 s)
     python benchmarks/oom_stress.py --device cpu --engines ddp,fsdp,zero2,zero3 --results --plot oom.png
     python benchmarks/oom_stress.py --device cuda --memory_cap_gib 12 --engines ddp,fsdp,zero3
 
@@ -39,9 +39,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (CPU_ARGS, ENGINES, GPU_ARGS, REPO, TRAIN, RunFailed, bar_chart, emit,  # noqa: E402
                     run_memtrain, scratch_dir, tokens_per_s)
 
-OOM_EVENTS = ("oom_shrink", "activation_checkpointing_on", "grow_back_failed")
-
-
 def scenario_args(device: str, nproc: int, cap_gib: float) -> tuple[list[str], int, list[str]]:
     """(base arguments, per-rank batch, OOM-making arguments) for the device: CUDA under the
     memory cap; on CPU the simulated device (``faults.memory_budget_mib``, set per engine by
@@ -70,8 +67,13 @@ def cpu_budget(base: list[str], per_rank: int, nproc: int) -> list[str]:
     return ["--faults.memory_budget_mib", repr((peak + 1024) / 2**20)]
 
 
+PLAN_EVENTS = ("plan_chosen", "oom_shrink", "activation_checkpointing_on", "oom_replan", "grow_back", "grow_back_failed")
+OOM_EVENTS = ("oom_shrink", "activation_checkpointing_on", "oom_replan", "grow_back_failed")
+
+
 def plan_events(records: list[dict]) -> list[dict]:
-    return [e for r in records for e in r.get("plan_changes", []) if e["event"] != "checkpoint_saved"]
+    """The training plan's changes (not evaluation's, resumes or checkpoints)."""
+    return [e for r in records for e in r.get("plan_changes", []) if e["event"] in PLAN_EVENTS]
 
 
 def compare(records: list[dict], reference: list[dict]) -> tuple[int, float]:
@@ -130,13 +132,18 @@ def steady(engine: str, args) -> dict:
             try:
                 records = run_memtrain(base + oom + configs.get(name, statics.get(name)), out, args.nproc)
             except RunFailed:
+                if name in configs:
+                    raise
                 records = None  # a static plan predicted to fit that did not
             finally:
                 shutil.rmtree(out, ignore_errors=True)
             if records is not None:
                 tps.setdefault(name, []).append(settled_tps(records))
                 runs.setdefault(name, records)
-    best = max((k for k in statics if len(tps.get(k, [])) == args.repeats), key=lambda k: statistics.median(tps[k]))
+    complete = [k for k in statics if len(tps.get(k, [])) == args.repeats]
+    if not complete:
+        raise SystemExit(f"oom_stress: no static plan completed every repeat under {engine}")
+    best = max(complete, key=lambda k: statistics.median(tps[k]))
     recovered, auto = runs["recovered"], runs["auto"]
     events, final = plan_events(recovered), plan_name(recovered)
     lost, rel = compare(recovered, runs[final]) if final in runs else (None, None)
@@ -144,9 +151,9 @@ def steady(engine: str, args) -> dict:
     return {
         "benchmark": "oom_stress", "scenario": "steady", "device": args.device, "engine": engine,
         "world_size": args.nproc, "steps": args.steps, "repeats": args.repeats, "start_plan": f"{per_rank}x1",
-        "budget": oom, "ooms": sum("oom" in e["event"] or e["event"] == "activation_checkpointing_on" for e in events),
+        "budget": oom, "ooms": sum(e["event"] in OOM_EVENTS for e in events),
         "first_oom_to_first_step_s": (first_done["elapsed_s"] - events[0]["elapsed_s"]) if events else 0.0,
-        "final_plan": final, "auto_plan": plan_name(auto), "auto_ooms": sum("oom" in e["event"] for e in plan_events(auto)),
+        "final_plan": final, "auto_plan": plan_name(auto), "auto_ooms": sum(e["event"] in OOM_EVENTS for e in plan_events(auto)),
         "tokens_per_s": {k: spread(v) for k, v in tps.items()},
         "best_static_plan": best,
         "ratio_recovered_to_best_static": spread([a / b for a, b in zip(tps["recovered"], tps[best])]),
@@ -162,14 +169,16 @@ def spike(engine: str, args) -> dict:
     if args.device == "cpu":  # the token rule on rare steps: more than 4 × 64 tokens "does not fit"
         oom = ["--faults.oom_above_tokens", str(4 * 64), "--faults.oom_at_steps", str(spikes)]
     base = base + ENGINES[engine] + ["--training.max_steps", str(args.steps), "--training.micro_batch_size", str(per_rank)]
-    results = {}
-    for name, window in (("grow_back", args.grow_back_window), ("never_grow", 0)):
-        out = scratch_dir(name)
-        results[name] = run_memtrain(base + oom + ["--memory.grow_back_window", str(window)], out, args.nproc)
-        shutil.rmtree(out, ignore_errors=True)
+    results: dict[str, list[dict]] = {}
+    tps: dict[str, list[float]] = {"grow_back": [], "never_grow": []}
+    for _ in range(args.repeats):  # alternating
+        for name, window in (("grow_back", args.grow_back_window), ("never_grow", 0)):
+            out = scratch_dir(name)
+            results[name] = run_memtrain(base + oom + ["--memory.grow_back_window", str(window)], out, args.nproc)
+            shutil.rmtree(out, ignore_errors=True)
+            tps[name].append(tokens_per_s(results[name][1:]))
     events = plan_events(results["grow_back"])
     lost, _ = compare(results["grow_back"], results["never_grow"])
-    tps, tps_never = (tokens_per_s(results[k][1:]) for k in ("grow_back", "never_grow"))
     return {
         "benchmark": "oom_stress", "scenario": "spike", "device": args.device, "engine": engine,
         "world_size": args.nproc, "steps": args.steps, "spike_steps": spikes if args.device == "cpu" else None,
@@ -177,9 +186,9 @@ def spike(engine: str, args) -> dict:
         "shrinks": sum(e["event"] == "oom_shrink" for e in events),
         "grow_backs": sum(e["event"] == "grow_back" for e in events),
         "grow_backs_failed": sum(e["event"] == "grow_back_failed" for e in events),
-        "tokens_per_s": tps, "tokens_per_s_never_grow": tps_never,
-        "ratio_to_never_grow": tps / tps_never if tps_never else None,
-        "samples_lost_or_duplicated": lost,
+        "repeats": args.repeats, "tokens_per_s": spread(tps["grow_back"]), "tokens_per_s_never_grow": spread(tps["never_grow"]),
+        "ratio_to_never_grow": spread([a / b for a, b in zip(tps["grow_back"], tps["never_grow"])]),
+        "steps_with_other_data": lost,
     }
 
 
@@ -193,7 +202,7 @@ def main(argv=None) -> int:
     parser.add_argument("--memory_cap_gib", type=float, default=12.0)
     parser.add_argument("--spike_every", type=int, default=10)
     parser.add_argument("--grow_back_window", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3, help="alternating repeats of the steady scenario (quick: 1)")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating repeats (quick: 1)")
     parser.add_argument("--quick", action="store_true",
                         help="CI size: one engine, 4 steps, static search (AC off) from 2x the recovered micro-batch")
     parser.add_argument("--results", action="store_true", help="append to benchmarks/results/oom_stress-<device>.jsonl")

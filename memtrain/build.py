@@ -10,6 +10,8 @@ import os
 from contextlib import ExitStack
 from typing import Callable
 
+import torch
+
 from memtrain.backends import make_backend
 from memtrain.checkpoint import Checkpointer
 from memtrain.checkpoint.stateful import EngineState, RNGState, SchedulerState, TokenizerFiles
@@ -63,16 +65,32 @@ def planner_factory(cfg: Config, corpus, objective, precision: str, process: Pro
         return None
 
     def make():
+        """Called by every rank at the same point (before step 1, or at an agreed OOM)."""
+        import random
+
+        import numpy as np
+
         from memtrain.planner import build_planner
 
+        streams = torch.get_rng_state(), np.random.get_state(), random.getstate()  # a trace may draw (SpecAugment)
+        planner, error = None, None
         try:
-            return build_planner(cfg, corpus, objective, precision, process.device,
-                                 device_state_bytes(state_bytes()),
-                                 cfg.training.global_batch_size // process.world_size)
+            planner = build_planner(cfg, corpus, objective, precision, process.device,
+                                    device_state_bytes(state_bytes()), cfg.training.global_batch_size // process.world_size)
         except Exception as exc:  # noqa: BLE001 - a model fake tensors cannot trace must not end the run
+            error = exc
+        torch.set_rng_state(streams[0])
+        np.random.set_state(streams[1])
+        random.setstate(streams[2])
+        # every rank plans with the smallest budget, and either every rank has a planner or none
+        gathered = process.all_gather_object((error is None, planner.budget_bytes if planner else None))
+        if not all(ok for ok, _ in gathered):
             log.warning("memtrain: the planner cannot trace this model (%s); out-of-memory recovery halves "
-                        "the micro-batch instead", exc)
+                        "the micro-batch instead", error or "on another rank")
             return None
+        budgets = [b for _, b in gathered if b is not None]
+        planner.restrict_budget(min(budgets) if budgets else None)
+        return planner
 
     return make
 

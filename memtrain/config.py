@@ -441,6 +441,9 @@ def validate(cfg: Config, world_size: int) -> None:
     _positive("data.vocab_size", cfg.data.vocab_size)
     if not 0.0 < cfg.data.validation_fraction < 1.0:
         raise ConfigError("data.validation_fraction", f"must be in (0, 1), got {cfg.data.validation_fraction}")
+    if t.micro_batch_size == "auto" and not cfg.memory.oom_recovery:
+        raise ConfigError("training.micro_batch_size", "auto needs memory.oom_recovery true (the planner's timed "
+                          "probes agree on out-of-memory errors like training steps); give a number instead")
     micro = 1 if t.micro_batch_size == "auto" else t.micro_batch_size
     if t.global_batch_size % (micro * world_size) != 0:
         raise ConfigError(

@@ -131,8 +131,8 @@ def plan_report(cfg, world_size: int, device_memory_gib: Optional[float] = None)
     flops = device_flops_per_s(device_type if torch.cuda.is_available() or device_type == "cpu" else "cpu")
     every = cfg.memory.activation_checkpointing_every_n_blocks
     tokens = cfg.data.seq_len if corpus.kind != "speech" else int(max(corpus.train.lengths))
-    for c in planner.candidates:
-        c.predicted_step_s = estimated_step_s(c, n, tokens, flops, 1 / every, 0.0)
+    for c in planner.candidates:  # 1 ms per micro-batch (launches, reduction): ties go to fewer micro-batches
+        c.predicted_step_s = estimated_step_s(c, n, tokens, flops, 1 / every, 1e-3)
     chosen = planner.fastest(planner.fitting())
     micro = chosen.micro_batch_size if chosen is not None else (
         cfg.training.micro_batch_size if cfg.training.micro_batch_size != "auto" else 1)
@@ -157,6 +157,8 @@ def _pop_option(argv: list[str], name: str, default=None, flag: bool = False):
     if flag:
         del argv[i]
         return True
+    if i + 1 >= len(argv):
+        raise ValueError(f"{name} needs a value")
     value = argv[i + 1]
     del argv[i:i + 2]
     return value
@@ -181,7 +183,7 @@ def main(argv: Optional[list[str]] = None, command: str = "memory") -> int:
     [--section.key value ...]``: ``plan`` prints the candidate table (one JSON object per
     candidate with ``--json``), ``memory`` the whole report as one JSON object. N defaults to
     the launcher's ``WORLD_SIZE``, else 1. Exit 2 on a config error."""
-    from memtrain.config import ConfigError, parse_args
+    from memtrain.config import ConfigError, parse_args, validate
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -193,7 +195,10 @@ def main(argv: Optional[list[str]] = None, command: str = "memory") -> int:
         return 2
     as_json = _pop_option(argv, "--json", flag=True)
     try:
+        if world_size < 1:
+            raise ConfigError("--world_size", f"must be at least 1, got {world_size}")
         cfg = parse_args(argv)
+        validate(cfg, world_size)
     except ConfigError as exc:
         print(f"memtrain {command}: {exc}", file=sys.stderr)
         return 2

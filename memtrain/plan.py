@@ -181,12 +181,14 @@ class PlanController:
             self.window *= 2
             self.plan = self.grown_from  # the plan that worked before the try
             failed_ac, self.activation_checkpointing = self.activation_checkpointing, self.grown_from_ac
-            if self.planner is not None and self.planner.get(old.micro_batch_size, failed_ac) is not None:
-                self.planner.refute(self.planner.get(old.micro_batch_size, failed_ac))
+            failed = self._planner.get(old.micro_batch_size, failed_ac) if self._planner is not None else None
+            if failed is not None:
+                self._planner.refute(failed)
             return PlanChange("grow_back_failed", old, self.plan, f"OOM in {where} at {old}; next try in {self.window} steps",
-                              self.activation_checkpointing if self.planner is not None else None)
-        if self.planner is not None:
-            return self._replan_after_oom(where)
+                              self.activation_checkpointing if self._planner is not None else None)
+        replanned = self._replan_after_oom(where) if self.planner is not None else None
+        if replanned is not None:
+            return replanned
         smaller = [d for d in self._divisors() if d <= old.micro_batch_size // 2]
         if smaller:
             self.plan = self._with_micro(max(smaller))
@@ -198,28 +200,28 @@ class PlanController:
                       + (" with activation checkpointing on" if self.activation_checkpointing else
                          " (memory.activation_checkpointing is off)"))
 
-    def _replan_after_oom(self, where: str) -> PlanChange:
+    def _replan_after_oom(self, where: str) -> PlanChange | None:
+        """The planner's next plan; None when it predicts nothing smaller fits (halving decides then:
+        a prediction must not end a run that a smaller plan could still save)."""
         micro, ac = self.plan.micro_batch_size, self.activation_checkpointing
         nxt = self.planner.after_oom(micro, ac)
         if nxt is None:
-            raise OOMStop(f"out of memory in {where} at {self.plan}{' with activation checkpointing' if ac else ''}: "
-                          "no smaller plan is predicted to fit (micro-batch 1"
-                          + (" with activation checkpointing)" if self.ac_mode != "off" else
-                             ", memory.activation_checkpointing is off)"))
+            return None
         event = ("oom_shrink" if nxt.micro_batch_size < micro else
                  "activation_checkpointing_on" if nxt.activation_checkpointing and not ac else "oom_replan")
         return self.adopt(nxt, event, f"OOM in {where}; fastest plan predicted to fit: {nxt}")
 
     def on_success(self) -> PlanChange | None:
         """A step completed; returns a grow-back change when the window is full."""
-        if self.trying_grow and self.planner is not None:
-            grown = self.planner.get(self.plan.micro_batch_size, self.activation_checkpointing)
+        if self.trying_grow and self._planner is not None:  # never builds the planner: steps stay free
+            grown = self._planner.get(self.plan.micro_batch_size, self.activation_checkpointing)
             if grown is not None:
-                self.planner.confirm(grown)
+                self._planner.confirm(grown)
         self.trying_grow = False
         self.ok_steps += 1
-        if self.planner is not None:
-            return self._planned_grow_back()
+        planned = self._planned_grow_back() if self._planner is not None else None
+        if planned is not None:
+            return planned
         if self.window <= 0 or self.plan.micro_batch_size >= self.configured.micro_batch_size or self.ok_steps < self.window:
             return None
         larger = [d for d in self._divisors() if self.plan.micro_batch_size < d <= self.configured.micro_batch_size]
@@ -233,9 +235,9 @@ class PlanController:
     def _planned_grow_back(self) -> PlanChange | None:
         if self.window <= 0 or self.ok_steps < self.window:
             return None
-        nxt = self.planner.faster_than(self.plan.micro_batch_size, self.activation_checkpointing)
+        nxt = self._planner.faster_than(self.plan.micro_batch_size, self.activation_checkpointing)
         if nxt is None:
-            return None
+            return None  # nothing measured is faster: the next larger micro-batch, as without a planner
         self.ok_steps = 0
         self.trying_grow, self.grown_from, self.grown_from_ac = True, self.plan, self.activation_checkpointing
         return self.adopt(nxt, "grow_back", f"{self.window} steps without OOM; trying the faster {nxt}")

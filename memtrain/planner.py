@@ -211,6 +211,13 @@ class Planner:
         self.bound_bytes = budget_bytes
         self.prober = prober
 
+    def restrict_budget(self, budget_bytes: Optional[int]) -> None:
+        """Plan for ``budget_bytes`` (e.g. the smallest of all ranks' budgets): candidates above
+        it no longer fit."""
+        self.budget_bytes = self.bound_bytes = budget_bytes
+        for c in self.candidates:
+            c.fits = budget_bytes is None or c.predicted_peak_bytes <= budget_bytes
+
     def get(self, micro_batch_size: int, activation_checkpointing: bool) -> Optional[Candidate]:
         """The candidate of a plan, or None."""
         return next((c for c in self.candidates if c.key == (micro_batch_size, activation_checkpointing)), None)
@@ -288,28 +295,37 @@ class Planner:
 
     def state_dict(self) -> dict:
         """What was learned (the bound, measured times, refuted candidates), for checkpoints."""
-        return {"bound_bytes": self.bound_bytes,
+        return {"bound_bytes": self.bound_bytes, "per_rank_batch": self._per_rank_batch(),
                 "candidates": [[c.micro_batch_size, c.activation_checkpointing, c.predicted_step_s, c.measured, c.fits]
                                for c in self.candidates]}
 
+    def _per_rank_batch(self) -> int:
+        return self.candidates[0].micro_batch_size * self.candidates[0].gradient_accumulation_steps if self.candidates else 0
+
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` (candidates of another world size are ignored)."""
-        self.bound_bytes = state.get("bound_bytes", self.bound_bytes)
+        """Restore :meth:`state_dict` on top of this device's predictions: the bound is the smaller
+        of the saved one and this device's budget, a candidate fits if it did then and is predicted
+        to now. A saved table of another per-rank batch (another world size) is ignored."""
+        if state.get("per_rank_batch") != self._per_rank_batch():
+            return
+        saved = state.get("bound_bytes")
+        if saved is not None:
+            self.bound_bytes = saved if self.bound_bytes is None else min(saved, self.bound_bytes)
         for micro, ac, seconds, measured, fits in state.get("candidates", []):
             c = self.get(micro, ac)
             if c is not None:
-                c.predicted_step_s, c.measured, c.fits = seconds, measured, fits
+                c.predicted_step_s, c.measured, c.fits = seconds, measured, fits and c.fits
 
 
 def device_budget_bytes(cfg, device: torch.device) -> Optional[int]:
     """Device bytes a rank may use: ``faults.memory_budget_mib`` (the simulated device) when set; on
-    CUDA the memory this process can reach (free + already allocated by it), at most
+    CUDA the memory this process can reach (free + reserved by its caching allocator), at most
     ``memory.cuda_memory_cap_gib``; otherwise None (unbounded)."""
     if cfg.faults.memory_budget_mib > 0:
         return int(cfg.faults.memory_budget_mib * 2**20)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        reachable = free + torch.cuda.memory_allocated(device)
+        reachable = free + torch.cuda.memory_reserved(device)  # PyTorch's cache is the process's too
         cap = cfg.memory.cuda_memory_cap_gib
         return min(reachable, int(cap * 2**30)) if cap > 0 else reachable
     return None
@@ -365,7 +381,9 @@ def build_planner(cfg, corpus, objective, precision: str, device: torch.device, 
     Args:
         state_bytes: the engine's model state on this rank's device (bytes).
     """
-    acts = activation_table(cfg, corpus, objective, precision, device.type)
+    # the simulated device counts state + saved bytes exactly: no CUDA headroom even on a GPU host
+    device_type = "cpu" if cfg.faults.memory_budget_mib > 0 else device.type
+    acts = activation_table(cfg, corpus, objective, precision, device_type)
     budget = device_budget_bytes(cfg, device)
     return Planner(make_candidates(per_rank_batch, cfg.memory.activation_checkpointing, state_bytes, acts,
-                                   device.type, budget), budget)
+                                   device_type, budget), budget)

@@ -113,11 +113,38 @@ def test_controller_with_planner_oom_grow_back_and_state():
     assert [c.fits for c in again.planner.candidates] == [c.fits for c in planner.candidates]
 
 
-def test_controller_stops_when_no_plan_fits():
+def test_controller_halves_when_the_planner_predicts_nothing_fits_then_stops():
+    """A prediction never ends a run that halving could save: with every probe out of memory the
+    controller halves, turns AC on at micro-batch 1, and only then stops."""
     planner = Planner(make_candidates(2, "auto", MiB, lambda m, ac: m * MiB, "cpu", None), None, lambda c: None)
     ctl = PlanController(MicroBatchPlan(2, 1), 2, "auto", 0, make_planner=lambda: planner)
+    assert ctl.on_oom("forward").event == "oom_shrink" and ctl.plan.micro_batch_size == 1
+    assert ctl.on_oom("forward").event == "activation_checkpointing_on"
     with pytest.raises(OOMStop):
         ctl.on_oom("forward")
+
+
+def test_fixed_plan_grows_back_without_measurements():
+    """A run at a fixed micro-batch has no timed candidates: grow-back goes to the next larger
+    micro-batch as without a planner."""
+    cands = make_candidates(8, "off", MiB, lambda micro, ac: micro * MiB, "cpu", None)
+    ctl = PlanController(MicroBatchPlan(8, 1), 8, "off", 2, make_planner=lambda: Planner(cands, None))
+    assert ctl.on_oom("forward").event == "oom_shrink"  # untimed: the first candidate predicted to need less
+    ctl.on_success()
+    grow = ctl.on_success()
+    assert grow is not None and grow.event == "grow_back" and ctl.plan.micro_batch_size == 8
+
+
+def test_restored_state_keeps_this_devices_predictions():
+    planner = Planner(table(), None)
+    planner.after_oom(8, False)
+    state = planner.state_dict()
+    smaller = Planner(table(budget=4 * MiB), 4 * MiB)
+    smaller.load_state_dict(state)
+    assert smaller.bound_bytes == 4 * MiB and not smaller.get(4, False).fits  # 5 MiB: not on this device
+    other = Planner(make_candidates(4, "auto", MiB, lambda m, ac: m * MiB, "cpu", None), None)
+    other.load_state_dict(state)  # another per-rank batch: nothing restored
+    assert other.bound_bytes is None and all(c.fits for c in other.candidates)
 
 
 def test_decisions_are_a_function_of_the_table():
@@ -155,3 +182,20 @@ def test_fake_trace_predicts_the_bytes_a_real_forward_saves(cache_dir):
             del loss
             assert traced(micro, ac) == pytest.approx(real, rel=0.15), (micro, ac)
     assert traced(4, True) < traced(4, False)
+
+
+def test_plan_cli_prints_the_candidates(cache_dir, capsys):
+    """``memtrain plan --json``: one object per candidate, the chosen one fits; a world size that
+    does not divide the global batch is exit 2 naming the field."""
+    from memtrain.estimate import main
+
+    args = TINY_ARGS + ["--data.cache_dir", cache_dir, "--faults.memory_budget_mib", "1"]
+    assert main(["--world_size", "2", "--json", *args], command="plan") == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {(r["micro_batch_size"], r["activation_checkpointing"]) for r in rows} == {
+        (m, ac) for m in (1, 2, 4) for ac in (False, True)}
+    (chosen,) = [r for r in rows if r["chosen"]]
+    assert chosen["fits"] and chosen["predicted_peak_bytes"] <= 2**20
+    assert not any(r["fits"] for r in rows if r["predicted_peak_bytes"] > 2**20)
+    assert main(["--world_size", "3", *args], command="plan") == 2
+    assert "training.global_batch_size" in capsys.readouterr().err

@@ -203,6 +203,13 @@ class DeepSpeedBackend:
             reduced[key] = False
         if hasattr(opt, "_clear_previous_reduced_grads"):
             opt._clear_previous_reduced_grads()
+        if getattr(opt, "cpu_offload", False) and hasattr(opt, "micro_step_id"):
+            # ZeRO-1/2 with CPU offload accumulate into accumulated_grads_in_cpu once micro_step_id > 0;
+            # zero_grad does not reset that count, step() does: reset it the same way, so a discarded
+            # attempt (an OOM retry, a planner probe) cannot leak into the next step
+            opt.micro_step_id = -1
+            if hasattr(opt, "_offload_accumulated_param_ids"):
+                opt._offload_accumulated_param_ids = set()
         offload = getattr(opt, "parameter_offload", None)
         if offload is not None:  # ZeRO-3: release gathered parameters, restart the fetch trace
             coordinator = offload.get_param_coordinator()

@@ -1,0 +1,77 @@
+"""The README's benchmark tables, generated from ``benchmarks/results/*.jsonl`` (the newest row per
+configuration), so the README shows what the code measured and nothing typed by hand.
+
+    python benchmarks/tables.py oom_stress [--device cpu]     # markdown on stdout
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ENGINE_NAMES = {"ddp": "DDP", "fsdp": "FSDP2", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
+
+
+def newest(name: str, device: str, scenario: str) -> list[dict]:
+    """The newest row per engine of ``scenario`` with repeats (rows of older formats are skipped)."""
+    rows: dict[str, dict] = {}
+    with open(RESULTS / f"{name}-{device}.jsonl") as fh:
+        for line in fh:
+            row = json.loads(line)
+            if row.get("scenario") == scenario and "repeats" in row:
+                rows[row["engine"]] = row
+    return [rows[e] for e in ENGINE_NAMES if e in rows]
+
+
+def fmt(value, spec: str = ".1e") -> str:
+    """A number, or "n/a" where the benchmark could not measure it."""
+    return "n/a" if value is None else format(value, spec)
+
+
+def spread(s: dict, fmt: str = "{:.2f}") -> str:
+    return " / ".join(fmt.format(s[k]) for k in ("min", "median", "max"))
+
+
+def oom_stress_steady(device: str) -> str:
+    out = ["| engine | OOMs | first OOM → first step | plan after recovery | `auto` plan | best static plan "
+           "| tokens/s: recovered / auto / best static (median) | recovered ÷ best static (min / median / max) "
+           "| auto ÷ best static (min / median / max) | predicted peak error | steps with other data | max rel. loss diff |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in newest("oom_stress", device, "steady"):
+        t = r["tokens_per_s"]
+        errors = ", ".join(f"{e:+.1%}" for e in sorted(set(r["prediction_error"])))
+        out.append(f"| {ENGINE_NAMES[r['engine']]} | {r['ooms']} | {r['first_oom_to_first_step_s']:.2f} s "
+                   f"| {r['final_plan']} | {r['auto_plan']} ({r['auto_ooms']} OOMs)"
+                   f" | {r['best_static_plan']} | {t['recovered']['median']:,.0f} / {t['auto']['median']:,.0f} / "
+                    f"{t[r['best_static_plan']]['median']:,.0f} | {spread(r['ratio_recovered_to_best_static'])} "
+                    f"| {spread(r['ratio_auto_to_best_static'])} | {errors} "
+                    f"| {r['steps_with_other_data_than_static_final_plan']} | {fmt(r['max_rel_loss_diff_vs_static_final_plan'])} |")
+    return "\n".join(out)
+
+
+def oom_stress_spike(device: str) -> str:
+    out = ["| engine | shrinks | grow-backs | tokens/s with grow-back (median) | never grow back (median) "
+           "| ratio (min / median / max) | steps with other data |", "|---|---|---|---|---|---|---|"]
+    for r in newest("oom_stress", device, "spike"):
+        out.append(f"| {ENGINE_NAMES[r['engine']]} | {r['shrinks']} | {r['grow_backs']} "
+                   f"| {r['tokens_per_s']['median']:,.0f} | {r['tokens_per_s_never_grow']['median']:,.0f} "
+                   f"| {spread(r['ratio_to_never_grow'])} | {r['steps_with_other_data']} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("benchmark", choices=["oom_stress"])
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    print("Steady:\n\n" + oom_stress_steady(args.device))
+    if newest("oom_stress", args.device, "spike"):
+        print("\nSpike:\n\n" + oom_stress_spike(args.device))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
