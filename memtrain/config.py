@@ -420,19 +420,9 @@ def _validate_speech(cfg: Config) -> None:
             raise ConfigError(f"data.speech.{name}", f"must be >= 0 (0 = off), got {getattr(sp, name)}")
 
 
-def validate(cfg: Config, world_size: int) -> None:
-    """Check cross-field constraints before any work is done.
-
-    Args:
-        cfg: the parsed config.
-        world_size: number of ranks (processes) taking part.
-
-    Raises:
-        ConfigError: with the field name: non-positive sizes; ``training.global_batch_size``
-            not divisible by ``micro_batch_size × world_size``; ``data.files`` matching no file;
-            ``data.seq_len`` longer than the model's positions; a model config without
-            ``model_type`` and no ``model.factory``.
-    """
+def _validate_batch(cfg: Config, world_size: int) -> None:
+    """Sizes positive; the global batch divisible by micro-batch × world size; ``auto`` only with
+    OOM recovery (the planner's probes agree on out-of-memory errors like steps)."""
     t = cfg.training
     for name in ("global_batch_size", "micro_batch_size", "max_steps"):
         if getattr(t, name) != "auto":
@@ -453,6 +443,22 @@ def validate(cfg: Config, world_size: int) -> None:
             f"{micro * world_size}, or a micro_batch_size dividing "
             f"{t.global_batch_size // world_size if t.global_batch_size % world_size == 0 else 'global_batch_size / world_size'}",
         )
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Check cross-field constraints before any work is done.
+
+    Args:
+        cfg: the parsed config.
+        world_size: number of ranks (processes) taking part.
+
+    Raises:
+        ConfigError: with the field name: non-positive sizes; ``training.global_batch_size``
+            not divisible by ``micro_batch_size × world_size``; ``data.files`` matching no file;
+            ``data.seq_len`` longer than the model's positions; a model config without
+            ``model_type`` and no ``model.factory``.
+    """
+    _validate_batch(cfg, world_size)
     if cfg.data.files is not None:
         if not cfg.data.files:
             raise ConfigError("data.files", "is an empty list; give text/JSONL files or leave it unset for the default corpus")

@@ -9,14 +9,14 @@ the same agreed events and so holds the same plan.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from memtrain.oom import OOMStop
 
-if TYPE_CHECKING:
-    from memtrain.planner import Candidate, Planner
+# memtrain.planner.Planner / Candidate (planner.py imports this module, not the other way round)
+Planner = Candidate = Any
 
 
 @dataclass(frozen=True)
