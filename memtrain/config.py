@@ -458,6 +458,7 @@ def validate(cfg: Config, world_size: int) -> None:
             ``data.seq_len`` longer than the model's positions; a model config without
             ``model_type`` and no ``model.factory``.
     """
+    t = cfg.training
     _validate_batch(cfg, world_size)
     if cfg.data.files is not None:
         if not cfg.data.files:
