@@ -22,6 +22,7 @@ from memtrain.evaluate import Evaluator
 from memtrain.faults import FaultInjector
 from memtrain.loop import Trainer
 from memtrain.models import build_model, count_parameters
+from memtrain.flops import flops_per_token, peak_bf16_flops
 from memtrain.objectives import make_objective
 from memtrain.oom import OOMSync
 from memtrain.optim import make_optimizer, make_scheduler
@@ -115,8 +116,9 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Tra
 
     set_seed(t.seed)  # same initial weights on every rank
     model = build_model(cfg.model, corpus.vocab_size, t.seed)
-    n_params, objective = count_parameters(model), make_objective(model, corpus)
+    n_params, objective = count_parameters(model), make_objective(model, corpus, cfg.memory.chunked_cross_entropy)
     layerdrop = getattr(model, "memtrain_layerdrop", None)  # memtrain.layerdrop.AgreedLayerDrop
+    utilisation = model_flops(model, n_params, cfg.data.seq_len, objective.unit, precision, process.device)
     sampler = make_sampler(cfg, corpus, process)
     # the planner is built on first use, after the engine below exists
     make_planner = planner_factory(cfg, corpus, objective, precision, process, lambda: engine.model_state_bytes(n_params))
@@ -146,4 +148,13 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Tra
         "tokenizer": TokenizerFiles(corpus.hf_tokenizer(), process.is_main),
     }
     return Trainer(cfg, process, engine, model, optimizer, scheduler, corpus, objective, sampler, controller, sync,
-                   faults, transforms, evaluator, guard, checkpointer, checkpoint_states, state, n_params, layerdrop)
+                   faults, transforms, evaluator, guard, checkpointer, checkpoint_states, state, n_params, layerdrop,
+                   *utilisation)
+
+
+def model_flops(model, n_params: int, seq_len: int, unit: str, precision: str, device: torch.device) -> tuple:
+    """``(training FLOPs per token, the device's peak FLOP/s)`` for the ``mfu`` metric of a
+    language model trained in bf16/fp16 on a GPU of known peak (:mod:`memtrain.flops`); else Nones."""
+    if unit != "tokens" or device.type != "cuda" or precision == "fp32":
+        return None, None
+    return flops_per_token(model, n_params, seq_len), peak_bf16_flops(torch.cuda.get_device_name(device))

@@ -177,6 +177,11 @@ class MemoryConfig:
     blocks, less recompute, more memory)."""
     checkpoint_every: Optional[int] = None
     """Deprecated name of ``activation_checkpointing_every_n_blocks``."""
+    chunked_cross_entropy: bool = False
+    """Language models: the output layer computes the cross-entropy a chunk of tokens at a time,
+    recomputing each chunk's logits in backward, so the [tokens, vocab] logits are never held
+    (memtrain/chunked_loss.py; gpt2, llama, mistral, qwen2, qwen3). Saves vocab × 4 bytes per
+    token of activations for one more output-layer matmul per token."""
     grow_back_window: int = 50
     """After this many OOM-free optimizer steps, try the previous (2×) micro-batch again; the
     window doubles after each failed try. 0 = never grow back."""

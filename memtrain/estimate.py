@@ -115,7 +115,7 @@ def plan_report(cfg, world_size: int, device_memory_gib: Optional[float] = None)
     corpus = build_corpus(cfg.data)
     with torch.device("meta"):  # parameter count and objective without allocating
         meta = build_model(cfg.model, corpus.vocab_size, cfg.training.seed)
-    n, objective = count_parameters(meta), make_objective(meta, corpus)
+    n, objective = count_parameters(meta), make_objective(meta, corpus, cfg.memory.chunked_cross_entropy)
     engines = {name: model_state_bytes(e, n, precision, s, o, world_size) for name, (e, s, o) in ENGINE_VARIANTS.items()}
     b = cfg.backend
     engine = infer_backend_name(b.name, b.deepspeed_config)

@@ -79,6 +79,6 @@ def micro_batch_digest(micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return _finalise(rows).sum()
 
 
-def hex_digest(digest: torch.Tensor) -> str:
-    """16 hex digits of an int64 digest (reads it: a host synchronisation on an accelerator)."""
-    return f"{int(digest.item()) & _MASK:016x}"
+def hex_of(digest: int) -> str:
+    """16 hex digits of a digest already read to the host."""
+    return f"{digest & _MASK:016x}"

@@ -30,7 +30,8 @@ from memtrain.distributed import ProcessState
 from memtrain.evaluate import Evaluator
 from memtrain.export import export_model
 from memtrain.faults import FaultInjector
-from memtrain.fingerprint import hex_digest
+from memtrain.fingerprint import hex_of
+from memtrain.flops import mfu
 from memtrain.metrics import MetricsLogger
 from memtrain.objectives import Objective
 from memtrain.oom import OOMStop, OOMSync, memory_report, oom_stop_message, peak_memory_bytes
@@ -89,6 +90,8 @@ class Trainer:
     state: TrainState
     n_params: int
     layerdrop: Any = None
+    flops_per_token: Optional[float] = None  # for mfu (memtrain.flops); None = not reported
+    peak_flops: Optional[float] = None
     pending_events: list[dict] = field(default_factory=list)  # plan events of the next step
     probe_batch: Optional[dict] = None  # the rank batch the planner's probes time
 
@@ -231,7 +234,8 @@ class Trainer:
         except OOMStop as exc:
             report = memory_report(self.model, self.optimizer)
             raise OOMStop(oom_stop_message(exc, step, self.process.rank, report)) from None
-        loss, count = float(sums.loss_sum / sums.count), int(sums.count)
+        loss_sum, global_count, digest = sums.read()  # the step's one read of its sums
+        loss, count = loss_sum / global_count if global_count else float("nan"), int(global_count)
         # the non-finite guard: loss and norm are global, so every rank skips the same steps
         grad_norm = self.engine.clip_and_step(self.model, self.optimizer, t.max_grad_norm, skip=not math.isfinite(loss))
         if self.guard.update(step, loss, grad_norm):
@@ -249,13 +253,16 @@ class Trainer:
         s.targets_seen += count
         s.first_loss = loss if s.first_loss is None else s.first_loss
         s.last_loss = loss
-        return StepOutcome(loss, lr, grad_norm, plan, count, time.perf_counter() - step_start, hex_digest(sums.digest),
-                           events)
+        return StepOutcome(loss, lr, grad_norm, plan, count, time.perf_counter() - step_start, hex_of(digest), events)
 
     def _record(self, outcome: StepOutcome, run_start: float) -> dict[str, Any]:
         """The step's ``metrics.jsonl`` record (:mod:`memtrain.records`), without events yet."""
         record = step_record(self.state, outcome, self.cfg.training.global_batch_size, self.objective.unit,
                              peak_memory_bytes(self.process.device), time.perf_counter() - run_start)
+        utilisation = mfu(record[f"{self.objective.unit}_per_s"], self.flops_per_token, self.peak_flops,
+                          self.process.world_size)
+        if utilisation is not None:
+            record["mfu"] = utilisation
         if self.layerdrop is not None:
             record["layers_dropped"] = list(self.layerdrop.dropped)
         if self.engine.loss_scale() is not None:

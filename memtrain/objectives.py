@@ -53,13 +53,30 @@ class Objective(Protocol):
 
 
 class CausalLM:
-    """Next-token prediction: ``input_ids`` int64 [B, T] → logits [B, T, V]; labels int64 [B, T]."""
+    """Next-token prediction: ``input_ids`` int64 [B, T] → logits [B, T, V]; labels int64 [B, T].
+
+    Args:
+        chunked: the model's output layer computes the loss in chunks of tokens
+            (:mod:`memtrain.chunked_loss`, ``memory.chunked_cross_entropy``).
+    """
 
     unit = "tokens"
     eval_metrics: tuple[str, ...] = ()
 
+    def __init__(self, chunked: bool = False):
+        self.chunked = chunked
+
     def loss_sum(self, model, micro_batch):
-        logits = logits_of(model(input_ids=micro_batch["input_ids"]))
+        if self.chunked:
+            from memtrain.chunked_loss import labels_for_head
+
+            with labels_for_head(micro_batch["labels"]) as call:
+                out = logits_of(model(input_ids=micro_batch["input_ids"]))
+            if call.used:  # the output layer returned the summed loss
+                return out
+            logits = out
+        else:
+            logits = logits_of(model(input_ids=micro_batch["input_ids"]))
         if logits.dtype in (torch.float16, torch.bfloat16):  # the softmax in half precision loses digits
             logits = logits.float()
         return F.cross_entropy(logits.flatten(0, 1), micro_batch["labels"].flatten(),
@@ -165,8 +182,25 @@ class CTC:
                 "cer": sums[4] / max(sums[5], 1.0)}
 
 
-def make_objective(model: nn.Module, corpus) -> Objective:
-    """The objective for ``corpus`` (``kind`` speech → :class:`CTC`, else :class:`CausalLM`)."""
+def make_objective(model: nn.Module, corpus, chunked_cross_entropy: bool = False) -> Objective:
+    """The objective for ``corpus`` (``kind`` speech → :class:`CTC`, else :class:`CausalLM`).
+
+    Args:
+        chunked_cross_entropy: ``memory.chunked_cross_entropy``: a language model's output layer
+            computes the loss in chunks (installed here on ``model``, the unwrapped model).
+
+    Raises:
+        ConfigError: chunked cross-entropy for a model that does not support it, or for speech.
+    """
     if getattr(corpus, "kind", "text") == "speech":
+        if chunked_cross_entropy:
+            from memtrain.config import ConfigError
+
+            raise ConfigError("memory.chunked_cross_entropy", "is for causal language models; the CTC loss has no "
+                              "[tokens, vocab] logits to chunk (set it false)")
         return CTC(model, blank=int(getattr(getattr(model, "config", None), "pad_token_id", 0) or 0))
-    return CausalLM()
+    if chunked_cross_entropy:
+        from memtrain.chunked_loss import install_chunked_head
+
+        install_chunked_head(model)
+    return CausalLM(chunked=chunked_cross_entropy)

@@ -358,6 +358,10 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str):
 
     dtype = COMPUTE_DTYPES.get(precision) if device_type == "cuda" else None
     model, mode = fake_model(lambda: build_model(cfg.model, corpus.vocab_size, cfg.training.seed), dtype)
+    if getattr(objective, "chunked", False):  # the run's output layer computes the loss in chunks
+        from memtrain.chunked_loss import install_chunked_head
+
+        install_chunked_head(model)
     blocks = repeated_blocks(model)
     cache: dict[tuple[int, bool], int] = {}
 

@@ -3,7 +3,8 @@
 The record contract: ``step``, ``epoch``, ``loss``, ``lr``, ``grad_norm``, ``micro_batch_size``,
 ``gradient_accumulation_steps``, ``global_batch_size``, ``samples_seen``, ``<unit>_seen``,
 ``<unit>_per_s``, ``peak_memory_bytes``, ``elapsed_s``, ``batch_fingerprint``; ``val_<metric>``
-on evaluation steps; ``simulated_peak_bytes`` under ``faults.memory_budget_mib``; ``event`` and
+on evaluation steps; ``mfu`` (model FLOPs utilisation, :mod:`memtrain.flops`) for a language
+model in bf16/fp16 on a GPU of known peak; ``simulated_peak_bytes`` under ``faults.memory_budget_mib``; ``event`` and
 ``plan_changes`` when something happened. ``<unit>`` is the
 objective's: ``tokens`` for a language model, ``characters`` (transcript characters) for CTC.
 """

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import struct
 import time
 from contextlib import AbstractContextManager
 from typing import Callable, NamedTuple, Optional, Protocol
@@ -23,6 +24,14 @@ from memtrain.fingerprint import micro_batch_digest
 from memtrain.objectives import Objective
 from memtrain.oom import AgreedOOM, OOMSync, is_oom
 from memtrain.plan import MicroBatchPlan, PlanChange, PlanController
+
+
+HOST_READS_PER_STEP = 2
+"""Host reads of tensors (each a host synchronisation on a GPU) in an optimizer step on one rank:
+the step's loss sum, count and fingerprint in one read (:meth:`StepSums.read`), and the gradient
+norm the engine's ``clip_and_step`` returns (the non-finite guard needs it before the optimizer
+steps). With more ranks add one per OOM agreement point (:class:`memtrain.oom.OOMSync`) and one
+for the stop-signal agreement."""
 
 
 class StepHooks(Protocol):
@@ -51,6 +60,30 @@ class StepSums(NamedTuple):
     count: torch.Tensor
     digest: torch.Tensor
 
+    def read(self) -> tuple[float, float, int]:
+        """``(loss_sum, count, digest)`` on the host in one read (one host synchronisation on an
+        accelerator): the three scalars travel as one int64 tensor, the floats by their bits."""
+        packed = torch.stack([self.loss_sum.to(torch.float64).view(torch.int64),
+                              self.count.to(torch.float64).view(torch.int64), self.digest.to(torch.int64)])
+        loss_bits, count_bits, digest = packed.tolist()
+        return _float_of_bits(loss_bits), _float_of_bits(count_bits), digest
+
+
+def _float_of_bits(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
+def sum_over_ranks(process, loss_sum: torch.Tensor, digest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global loss sum (fp64) and fingerprint (int64, modulo 2**64) in one float64 all-reduce:
+    the digest travels as its high and low 32-bit halves, each sum exact in float64 for fewer than
+    2**20 ranks, and is put back together modulo 2**64."""
+    if process.world_size == 1:
+        return loss_sum, digest
+    high, low = digest >> 32, digest & 0xFFFFFFFF
+    packed = torch.stack([loss_sum, high.to(torch.float64), low.to(torch.float64)])
+    process.all_reduce_sum(packed)
+    return packed[0], (packed[1].to(torch.int64) << 32) + packed[2].to(torch.int64)
+
 
 def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.Tensor],
                plan: MicroBatchPlan, objective: Objective, sync: Optional[OOMSync] = None,
@@ -77,7 +110,9 @@ def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.T
     """
     process = backend.process
     global_count = process.all_reduce_sum(objective.count(rank_batch).to(process.device))
-    scale = backend.grad_average_factor / global_count.clamp(min=1).item()
+    # on the device: no host synchronisation before the first forward (torchtitan keeps the
+    # global token count on the device for the same reason)
+    scale = backend.grad_average_factor / global_count.clamp(min=1)
     micro_batches = plan.split(rank_batch)
     loss_sum = torch.zeros((), dtype=torch.float64, device=process.device)
     digest = torch.zeros((), dtype=torch.int64, device=process.device)
@@ -86,7 +121,7 @@ def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.T
             with hooks.forward_context() if hooks is not None else contextlib.nullcontext():
                 micro_loss = objective.loss_sum(model, micro_batch)
             digest += micro_batch_digest(micro_batch)  # what went through forward
-            backend.backward(micro_loss * scale)
+            backend.backward(micro_loss * scale.to(micro_loss.dtype))
         if hooks is not None:
             hooks.after_micro_batch(i)
         # Agree after every micro-batch where the engine communicates inside compute (a rank
@@ -95,7 +130,8 @@ def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.T
         if sync is not None and (sync.in_hooks or i == len(micro_batches) - 1):
             sync.agreement_point()
         loss_sum += micro_loss.detach().to(torch.float64)
-    return StepSums(process.all_reduce_sum(loss_sum), global_count, process.all_reduce_sum(digest))
+    loss_total, digest_total = sum_over_ranks(process, loss_sum, digest)
+    return StepSums(loss_total, global_count, digest_total)
 
 
 def _random_streams() -> tuple:

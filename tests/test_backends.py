@@ -46,6 +46,19 @@ def test_engine_matches_ddp(tmp_path, cache_dir, ddp_run, engine):
     assert (tmp_path / "model" / "model.safetensors").stat().st_size > 0
 
 
+@pytest.mark.parametrize("engine", ["fsdp", "zero3"])
+def test_chunked_cross_entropy_matches_ddp(tmp_path, cache_dir, ddp_run, engine):
+    """memory.chunked_cross_entropy under the engines that gather the output layer's weight only
+    around its call (tied to the embedding): the plain-loss DDP run's losses and data."""
+    launch(tiny_args(tmp_path, cache_dir, *STEPS, *ENGINES[engine], "--memory.chunked_cross_entropy", "true"), timeout=420)
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == list(range(1, 9))
+    for r, ref in zip(records, ddp_run):
+        assert r["batch_fingerprint"] == ref["batch_fingerprint"]
+        assert r["loss"] == pytest.approx(ref["loss"], rel=1e-4)
+        assert r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-3)
+
+
 def test_deepspeed_launcher_with_zero2_json(tmp_path, cache_dir, ddp_run):
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", "{port}"]
     proc = launch(tiny_args(tmp_path, cache_dir, *STEPS, "--deepspeed", str(REPO / "ds_configs" / "zero2.json")),

@@ -45,3 +45,11 @@ def test_checkpoint_io_quick_reports_each_format():
     for row in rows:
         assert row["checkpoints"] == 2 and row["bytes"] > 0 and row["load_s"] > 0
         assert 0 < row["blocked_s_median"] <= row["save_s_median"] + 1e-6
+
+
+def test_chunked_loss_quick_reports_saved_bytes_and_time():
+    (row,) = run_quick("chunked_loss")
+    assert row["loss_saved_bytes"]["plain_over_chunked"] >= row["goal_loss_saved_bytes_ratio"]
+    assert row["model_saved_bytes"]["chunked"] < row["model_saved_bytes"]["plain"]
+    r = row["ratio_chunked_to_plain_step_s"]
+    assert 0 < r["min"] <= r["median"] <= r["max"]

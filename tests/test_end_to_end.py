@@ -49,3 +49,41 @@ def test_same_seed_same_losses(tmp_path, cache_dir):
     a = main(tiny_args(tmp_path / "a", cache_dir, "--training.max_steps", "2")).records
     b = main(tiny_args(tmp_path / "b", cache_dir, "--training.max_steps", "2")).records
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
+
+
+def test_a_step_reads_the_device_at_most_as_documented(tmp_path, cache_dir, monkeypatch):
+    """Host reads of tensors (``item``, ``tolist``, ``float``, ``int``, ``bool``: each a host
+    synchronisation on a GPU) made by memtrain's code inside an optimizer step, counted by
+    patching the tensor methods: at most :data:`memtrain.step.HOST_READS_PER_STEP` per step on one
+    rank (the step's sums in one read, the engine's gradient norm)."""
+    import sys
+
+    from memtrain import loop
+    from memtrain.step import HOST_READS_PER_STEP
+
+    reads, steps, inside = [], [0], [False]
+
+    def counting(original):
+        def method(self, *args, **kwargs):
+            frame = sys._getframe(1)
+            if inside[0] and steps[0] > 1 and "/memtrain/" in frame.f_code.co_filename.replace("\\", "/"):
+                reads.append(f"{frame.f_code.co_filename}:{frame.f_lineno}")
+            return original(self, *args, **kwargs)
+        return method
+
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, counting(getattr(torch.Tensor, name)))
+    step = loop.Trainer._optimizer_step
+
+    def counted_step(self, *args):
+        steps[0] += 1  # step 1 also checks once that every parameter got a gradient: not counted
+        inside[0] = True
+        try:
+            return step(self, *args)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(loop.Trainer, "_optimizer_step", counted_step)
+    main(tiny_args(tmp_path, cache_dir, "--training.max_steps", "4", "--training.micro_batch_size", "1"))
+    assert len(reads) <= 3 * HOST_READS_PER_STEP, reads  # steps 2-4, 8 micro-batches each
+    assert len(reads) >= 3  # the counter sees the step's reads (it would be blind otherwise)

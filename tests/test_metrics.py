@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from memtrain.metrics import MetricsLogger
 
@@ -166,3 +167,22 @@ def test_characters_unit(tmp_path, capsys):
     assert json.loads((tmp_path / "summary.json").read_text())["characters_per_s"] == data["characters_per_s"]
     assert f"{data['characters_per_s']:.0f} characters/s" in capsys.readouterr().out
     assert read_steps(tmp_path / "metrics.jsonl") == [1]
+
+
+def test_mfu_counts_6n_plus_attention_against_the_named_peak():
+    """MFU = tokens/s × (6·N + 12·L·d·T) / (peak × devices); peaks by GPU name, unknown → none."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from memtrain.flops import flops_per_token, mfu, peak_bf16_flops
+
+    assert peak_bf16_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_bf16_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_bf16_flops("NVIDIA L40S") == 362e12 and peak_bf16_flops("NVIDIA L4") == 121e12
+    assert peak_bf16_flops("Tesla V100-SXM2-16GB") is None
+    model = GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=64, n_head=2, vocab_size=100, n_positions=32))
+    n = sum(p.numel() for p in model.parameters())
+    per_token = flops_per_token(model, n, 32)
+    assert per_token == 6 * n + 12 * 3 * 64 * 32
+    assert mfu(1000.0, per_token, 1e12, 2) == pytest.approx(1000 * per_token / 2e12)
+    assert mfu(1000.0, None, 1e12, 1) is None and mfu(1000.0, per_token, None, 1) is None
+    assert flops_per_token(torch.nn.Linear(2, 2), 6, 32) is None

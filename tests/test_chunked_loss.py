@@ -1,0 +1,100 @@
+"""Chunked cross-entropy (memory.chunked_cross_entropy): the output layer computes the loss a chunk
+of tokens at a time, so the [tokens, vocab] logits are never saved for backward."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, TINY_ARGS, TRAIN, tiny_args
+
+
+def _gpt2(vocab: int = 1024):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=vocab, n_positions=64, bos_token_id=0,
+                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg).float()
+
+
+class _Text:
+    kind = "text"
+
+
+def _saved_bytes_and_grads(model, objective, batch):
+    from memtrain.simulated_memory import SimulatedMemory
+
+    counter = SimulatedMemory(2**62, 0, model.parameters())
+    with counter.context():
+        loss = objective.loss_sum(model, batch)
+    loss.backward()
+    return loss.detach(), counter.peak_bytes, [p.grad for p in model.parameters()]
+
+
+def test_gradient_equals_the_plain_loss_and_logits_are_not_saved():
+    """Same loss and gradients as F.cross_entropy on the full logits (within 1e-5), with less saved
+    for backward; the model still returns plain logits outside the objective."""
+    from memtrain.objectives import CausalLM, make_objective
+
+    plain_model, chunked_model = _gpt2(), _gpt2()
+    ids = torch.randint(0, 1024, (8, 64), generator=torch.Generator().manual_seed(1))
+    labels = ids.roll(-1, 1)
+    labels[:, -1] = -100
+    batch = {"input_ids": ids, "labels": labels}
+    loss_p, bytes_p, grads_p = _saved_bytes_and_grads(plain_model, CausalLM(), batch)
+    objective = make_objective(chunked_model, _Text(), chunked_cross_entropy=True)
+    loss_c, bytes_c, grads_c = _saved_bytes_and_grads(chunked_model, objective, batch)
+    assert objective.chunked
+    assert float(loss_c) == pytest.approx(float(loss_p), rel=1e-6)
+    for gp, gc in zip(grads_p, grads_c):
+        assert (gp - gc).abs().max() <= 1e-5 * gp.abs().max()
+    logits_bytes = 8 * 64 * 1024 * 4
+    assert bytes_p - bytes_c >= logits_bytes  # at least the fp32 logits are no longer kept
+    with torch.no_grad():  # outside the objective: the ordinary logits
+        assert torch.equal(chunked_model(input_ids=ids).logits, plain_model(input_ids=ids).logits)
+
+
+def test_chunks_cover_every_token_once():
+    from memtrain.chunked_loss import chunk_tokens, chunked_cross_entropy_sum
+
+    assert chunk_tokens(50304) == 333 and chunk_tokens(8192, max_bytes=2**20) == 32  # fp32 logits per chunk
+    hidden = torch.randn(3, 7, 16, dtype=torch.float64)
+    weight, bias = torch.randn(40, 16, dtype=torch.float64), torch.randn(40, dtype=torch.float64)
+    labels = torch.randint(0, 40, (3, 7))
+    labels[0, 2] = -100
+    plain = torch.nn.functional.cross_entropy((hidden @ weight.T + bias).flatten(0, 1), labels.flatten(),
+                                              ignore_index=-100, reduction="sum")
+    for chunk in (1, 4, 21, 64):  # uneven last chunk, one chunk
+        assert float(chunked_cross_entropy_sum(hidden, weight, bias, labels, chunk)) == pytest.approx(float(plain), rel=1e-12)
+
+
+def test_planner_counts_it_as_a_memory_lever(cache_dir):
+    """The planner's fake trace sees the chunked loss: fewer bytes per micro-batch, so a larger
+    micro-batch is predicted to fit the same budget."""
+    from memtrain.config import parse_args
+    from memtrain.data import build_corpus
+    from memtrain.models import build_model
+    from memtrain.objectives import make_objective
+    from memtrain.planner import activation_table
+
+    cfg = parse_args(TINY_ARGS + ["--data.cache_dir", cache_dir])
+    corpus = build_corpus(cfg.data)
+    plain = activation_table(cfg, corpus, make_objective(build_model(cfg.model, corpus.vocab_size), corpus), "fp32", "cpu")
+    chunked = activation_table(cfg, corpus, make_objective(build_model(cfg.model, corpus.vocab_size), corpus, True),
+                               "fp32", "cpu")
+    logits_bytes = 4 * cfg.data.seq_len * corpus.vocab_size * 4
+    assert plain(4, False) - chunked(4, False) >= logits_bytes
+    assert chunked(4, True) < plain(4, True)
+
+
+def test_unsupported_model_is_refused_by_name(tmp_path, cache_dir):
+    """A model whose logits are not a plain linear output layer: exit 2 naming the field."""
+    proc = subprocess.run([sys.executable, TRAIN, *tiny_args(tmp_path, cache_dir, "--model.factory", "toy_models:make", "--model.config", "{dim: 8}",
+                                                               "--memory.chunked_cross_entropy", "true", model=False)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO / "tests")})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "memory.chunked_cross_entropy" in proc.stderr and "Traceback" not in proc.stderr
