@@ -292,10 +292,49 @@ def _strip_launcher_args(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
     return rest, extra
 
 
+def _join_negative_numbers(argv: list[str]) -> list[str]:
+    """``--key -3e-3`` → ``--key=-3e-3``: argparse reads a value starting with ``-`` as an option
+    unless it looks like a plain negative integer or decimal."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i].startswith("--") and "=" not in argv[i] and i + 1 < len(argv) and argv[i + 1].startswith("-"):
+            try:
+                float(argv[i + 1])
+            except ValueError:
+                pass
+            else:
+                out.append(f"{argv[i]}={argv[i + 1]}")
+                i += 2
+                continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
+def _yaml_problem(files: list[str]) -> Optional[str]:
+    """The first of ``files`` that is not valid YAML, with the parser's line and column; or None."""
+    for path in files:
+        try:
+            with open(path) as fh:
+                yaml.safe_load(fh)
+        except (OSError, yaml.YAMLError) as exc:
+            return f"{path} is not valid YAML: {exc}"
+    return None
+
+
+def _closest_key(parser, key: str) -> str:
+    """`` (did you mean 'training.max_steps'?)`` for a mistyped key, or ''."""
+    import difflib
+
+    known = [o.lstrip("-") for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    close = [k for k in known if k.startswith(key)] or difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
 def _parser():
     from jsonargparse import ActionConfigFile, ArgumentParser
 
-    parser = ArgumentParser(prog="memtrain", exit_on_error=False, description="memtrain trainer")
+    parser = ArgumentParser(prog="memtrain", exit_on_error=False, description="memtrain trainer", allow_abbrev=False)
     parser.add_argument("--config", action=ActionConfigFile, help="YAML recipe")
     parser.add_class_arguments(Config)
     return parser
@@ -330,7 +369,7 @@ def parse_args(argv: Optional[list[str]] = None) -> Config:
     import argparse
     import sys
 
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _join_negative_numbers(list(sys.argv[1:] if argv is None else argv))
     rest, extra = _strip_launcher_args(argv)
     parser = _parser()
     try:
@@ -341,8 +380,10 @@ def parse_args(argv: Optional[list[str]] = None) -> Config:
         if 'Parser key "' in msg:
             key = msg.split('Parser key "', 1)[1].split('"', 1)[0]
         elif "unrecognized arguments:" in msg:
-            key = msg.split("unrecognized arguments:", 1)[1].split()[0].lstrip("-")
-            msg = f"unknown key '{key}'. " + msg
+            key = msg.split("unrecognized arguments:", 1)[1].split()[0].lstrip("-").split("=", 1)[0]
+            msg = f"unknown key '{key}'{_closest_key(parser, key)}. " + msg
+        elif "Problems parsing config" in msg:  # name the YAML file, not "<unicode string>"
+            msg = _yaml_problem([rest[i + 1] for i, a in enumerate(rest[:-1]) if a == "--config"]) or msg
         raise ConfigError(key, msg.replace("\n", " ")) from None
     d = ns.as_dict()
     d.pop("config", None)
@@ -450,6 +491,34 @@ def _validate_batch(cfg: Config, world_size: int) -> None:
         )
 
 
+def _validate_values(cfg: Config) -> None:
+    """Numbers outside their meaning, an engine option for another engine, an output folder that
+    cannot be one."""
+    t = cfg.training
+    if not t.lr > 0:
+        raise ConfigError("training.lr", f"must be > 0 (the peak learning rate), got {t.lr}")
+    for name, meaning in (("warmup_steps", "0 = no warmup"), ("max_grad_norm", "0 = no clipping"),
+                          ("weight_decay", "0 = none"), ("eval_every", "0 = only after the last step")):
+        if getattr(t, name) < 0:
+            raise ConfigError(f"training.{name}", f"must be >= 0 ({meaning}), got {getattr(t, name)}")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        raise ConfigError("training.min_lr_ratio", f"must be in [0, 1] (final LR / peak LR), got {t.min_lr_ratio}")
+    if t.eval_samples < 1:
+        raise ConfigError("training.eval_samples", f"must be >= 1 (validation samples per evaluation; the run "
+                          f"evaluates after its last step even with training.eval_every 0), got {t.eval_samples}")
+    if cfg.backend.zero_stage is not None and cfg.backend.name in ("ddp", "fsdp"):
+        raise ConfigError("backend.zero_stage", f"is a DeepSpeed setting, but backend.name is '{cfg.backend.name}'; "
+                          "use backend.name deepspeed (or auto), or drop backend.zero_stage")
+    out = os.path.expanduser(cfg.output_dir)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError("output_dir", f"'{cfg.output_dir}' exists and is not a folder")
+    parent = out
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent.rstrip(os.sep)) or "."
+    if parent and not os.access(parent, os.W_OK):
+        raise ConfigError("output_dir", f"'{cfg.output_dir}' cannot be written ('{parent}' is not writable)")
+
+
 def validate(cfg: Config, world_size: int) -> None:
     """Check cross-field constraints before any work is done.
 
@@ -469,8 +538,12 @@ def validate(cfg: Config, world_size: int) -> None:
         if not cfg.data.files:
             raise ConfigError("data.files", "is an empty list; give text/JSONL files or leave it unset for the default corpus")
         for pattern in cfg.data.files:
-            if not glob.glob(os.path.expanduser(pattern), recursive=True):
+            matches = glob.glob(os.path.expanduser(pattern), recursive=True)
+            if not matches:
                 raise ConfigError("data.files", f"'{pattern}' matches no file")
+            if all(os.path.isdir(m) for m in matches):
+                raise ConfigError("data.files", f"'{pattern}' is a folder; give its files, e.g. "
+                                  f"'{os.path.join(pattern, '**', '*.txt')}'")
     mc = cfg.model.config or {}
     _validate_speech(cfg)
     if cfg.model.factory is None:
@@ -496,6 +569,7 @@ def validate(cfg: Config, world_size: int) -> None:
     if ds is not None and cfg.backend.name not in ("auto", "deepspeed"):
         raise ConfigError("backend.deepspeed_config", f"is set but backend.name is '{cfg.backend.name}'; "
                           "use backend.name deepspeed (or auto), or drop the DeepSpeed config")
+    _validate_values(cfg)
     every = cfg.memory.activation_checkpointing_every_n_blocks
     if every < 1:
         raise ConfigError("memory.activation_checkpointing_every_n_blocks", f"must be >= 1 (1 = every block), got {every}")

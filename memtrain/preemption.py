@@ -7,7 +7,9 @@ from typing import Optional
 
 class Preemption:
     """SIGTERM / SIGUSR1 (how SLURM and Kubernetes stop jobs) ask the run to finish its current
-    optimizer step, save a checkpoint and exit 0.
+    optimizer step, save a checkpoint and exit 0; SIGINT (Ctrl-C) does the same and the run exits
+    130. A second SIGINT stops at once (``KeyboardInterrupt``, exit 130): a save it interrupts is
+    never committed, so the last complete checkpoint stays the one a rerun resumes from.
 
     The handler only sets a flag; the loop all-reduces it once per step
     (:meth:`memtrain.distributed.ProcessState.any_rank`), so every rank stops after the same step
@@ -18,13 +20,14 @@ class Preemption:
         signal_name: the signal received on this rank (``SIGTERM``), or None.
     """
 
-    SIGNALS = ("SIGTERM", "SIGUSR1")
+    SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 
     def __init__(self):
         import signal
         import threading
 
         self.signal_name: Optional[str] = None
+        self.interrupted = False  # a SIGINT arrived
         self._previous = {}
         if threading.current_thread() is threading.main_thread():
             for name in self.SIGNALS:
@@ -40,7 +43,11 @@ class Preemption:
     def _handle(self, signum, frame) -> None:
         import signal
 
-        self.signal_name = signal.Signals(signum).name
+        name = signal.Signals(signum).name
+        if name == "SIGINT" and self.interrupted:
+            raise KeyboardInterrupt("a second Ctrl-C")
+        self.interrupted = self.interrupted or name == "SIGINT"
+        self.signal_name = self.signal_name or name
 
     def close(self) -> None:
         """Restore the previous handlers."""

@@ -54,11 +54,16 @@ def main(argv: Optional[list[str]] = None):
         return build_trainer(cfg, process, closing).run()
 
 
+INTERRUPTED = 130
+"""Exit code after Ctrl-C (128 + SIGINT, the shell's convention)."""
+
+
 def cli() -> None:
     """Console entry point (``memtrain export …`` goes to :mod:`memtrain.export`): exit 2 with
     the message on a config error, 3 when out of memory at the plan floor (the message holds the
     memory report), 4 when a checkpoint cannot be saved or resumed, 5 after too many consecutive
-    non-finite steps."""
+    non-finite steps, 130 after Ctrl-C (the first finishes the step and saves it, a second stops at
+    once)."""
     if sys.argv[1:2] == ["export"]:  # memtrain export CKPT OUT
         from memtrain.export import main as export_main
 
@@ -74,7 +79,13 @@ def cli() -> None:
     exit_codes = {ConfigError: 2, OOMStop: 3, CheckpointError: 4, NonFiniteStop: 5}
     code = 0
     try:
-        main()
+        result = main()
+        if result.summary.get("preempted") == "SIGINT":
+            code = INTERRUPTED  # Ctrl-C: saved, then stopped
+    except KeyboardInterrupt:  # Ctrl-C before the loop, or a second one: nothing more is written
+        print("memtrain: interrupted; the last complete checkpoint is untouched (rerun the same command to resume "
+              "from it)", file=sys.stderr)
+        code = INTERRUPTED
     except tuple(exit_codes) as exc:
         prefix = "checkpoint: " if isinstance(exc, CheckpointError) else ""
         print(f"memtrain: {prefix}{exc}", file=sys.stderr)

@@ -237,3 +237,44 @@ def test_write_failure_on_one_rank_stops_every_rank_and_keeps_the_last_checkpoin
     assert proc.stderr.count("saving step 4 failed (rank 1: OSError: faults.save_error_ranks") == 2
     assert checkpoint_steps(tmp_path) == [2]
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+
+
+def test_ctrl_c_saves_and_exits_130(tmp_path, cache_dir):
+    """SIGINT (Ctrl-C) like SIGTERM: the step finishes and is saved; then exit 130, no traceback."""
+    import signal
+    import subprocess
+    import time
+
+    from conftest import REPO, TRAIN
+
+    args = tiny_args(tmp_path, cache_dir, *CKPT, "--checkpoint.every_steps", "0")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "tests")}
+    proc = subprocess.Popen([sys.executable, TRAIN, *args], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    stopped = read_metrics(tmp_path)[-1]["step"]
+    assert stopped < STEPS and checkpoint_steps(tmp_path) == [stopped]
+    assert "SIGINT: saved step" in out and "Traceback" not in err
+
+
+def test_second_ctrl_c_stops_at_once():
+    """The handler: a first SIGINT asks for a saved stop, a second raises KeyboardInterrupt."""
+    import signal
+
+    from memtrain.preemption import Preemption
+
+    preemption = Preemption()
+    try:
+        preemption._handle(signal.SIGTERM, None)
+        preemption._handle(signal.SIGINT, None)  # the first Ctrl-C, after a SIGTERM: still a saved stop
+        assert preemption.requested and preemption.signal_name == "SIGTERM"
+        with pytest.raises(KeyboardInterrupt):
+            preemption._handle(signal.SIGINT, None)
+    finally:
+        preemption.close()

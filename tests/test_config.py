@@ -62,3 +62,43 @@ def test_deprecated_keys_still_work_under_their_new_names(caplog):
     with pytest.raises(ConfigError, match="memory.activation_checkpointing_every_n_blocks"):
         parse_args(TINY_ARGS + ["--memory.checkpoint_every", "2",
                                 "--memory.activation_checkpointing_every_n_blocks", "3"])
+
+
+BAD_VALUES = [
+    # (extra args, field named in the error, a phrase of the message)
+    (["--training.max_step", "2"], "training.max_step", "did you mean 'training.max_steps'"),  # no abbreviations
+    (["--training.min_lr", "1e-5"], "training.min_lr", "did you mean 'training.min_lr_ratio'"),
+    (["--training.lr", "-3e-3"], "training.lr", "must be > 0"),  # parses as a number, then refused
+    (["--training.warmup_steps", "-1"], "training.warmup_steps", "0 = no warmup"),
+    (["--training.max_grad_norm", "-1"], "training.max_grad_norm", "0 = no clipping"),
+    (["--training.eval_samples", "0"], "training.eval_samples", "must be >= 1"),
+    (["--backend.name", "fsdp", "--backend.zero_stage", "2"], "backend.zero_stage", "DeepSpeed setting"),
+]
+
+
+@pytest.mark.parametrize("extra,field,phrase", BAD_VALUES, ids=[b[0][0] for b in BAD_VALUES])
+def test_bad_values_are_refused_by_name(tmp_path, extra, field, phrase):
+    from memtrain.config import validate
+
+    with pytest.raises(ConfigError) as info:
+        validate(parse_args(TINY_ARGS + ["--output_dir", str(tmp_path / "out"), *extra]), 1)
+    assert info.value.field == field and phrase in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_paths_that_cannot_be_what_they_name(tmp_path):
+    """A folder as data.files, a file as output_dir, a malformed YAML recipe: named, with the path."""
+    from memtrain.config import validate
+
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "a_file").write_text("x")
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("training:\n  lr: [1, 2\n")
+    cases = [(["--data.files", f"[{tmp_path / 'corpus'}]"], "data.files", "is a folder"),
+             (["--output_dir", str(tmp_path / "a_file")], "output_dir", "is not a folder"),
+             (["--config", str(bad_yaml)], "config", f"{bad_yaml} is not valid YAML")]
+    for extra, field, phrase in cases:
+        with pytest.raises(ConfigError) as info:
+            validate(parse_args(TINY_ARGS + ["--output_dir", str(tmp_path / "out"), *extra]), 1)
+        assert info.value.field == field and phrase in str(info.value), info.value
+    assert parse_args(TINY_ARGS + ["--training.min_lr_ratio", "1e-2", "--training.lr", "3e-3"]).training.lr == 3e-3
