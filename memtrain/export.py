@@ -79,9 +79,11 @@ def export_checkpoint(path: str, out: str, max_shard_size: str = "5GB") -> str:
     from memtrain.config import Config, _to_dataclass
     from memtrain.models import build_model
 
-    if os.path.isfile(os.path.join(path, LATEST)):
-        with open(os.path.join(path, LATEST)) as fh:
-            path = os.path.join(path, fh.read().strip())
+    for folder in (path, os.path.join(path, "checkpoints")):  # checkpoints/ or a run folder: its latest
+        if os.path.isfile(os.path.join(folder, LATEST)):
+            with open(os.path.join(folder, LATEST)) as fh:
+                path = os.path.join(folder, fh.read().strip())
+            break
     manifest = verify(path)
     cfg = _to_dataclass(Config, manifest["config"])
     state = read_full_weights(path, manifest)  # by the engine that wrote it
@@ -101,7 +103,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     from memtrain.errors import CheckpointError
 
     parser = argparse.ArgumentParser(prog="memtrain export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", help="a checkpoints/step_XXXXXXXX directory (or checkpoints/ for its latest)")
+    parser.add_argument("checkpoint", help="a checkpoints/step_XXXXXXXX directory (or checkpoints/ or the run "
+                                           "folder, for its latest)")
     parser.add_argument("out", help="directory to write model.safetensors and config.json into")
     parser.add_argument("--max_shard_size", default="5GB", help="split larger models into shards (default 5GB)")
     args = parser.parse_args(argv)

@@ -259,3 +259,25 @@ def test_sha256_matches_hashlib(tmp_path):
     data = bytes(range(256)) * 5
     file.write_bytes(data)
     assert layout.sha256(str(file), chunk=100) == hashlib.sha256(data).hexdigest()
+
+
+def test_a_path_that_is_not_one_checkpoint_says_what_was_expected(tmp_path):
+    """resume PATH / memtrain export PATH at a missing path, a run folder, a checkpoints folder or
+    some other folder: each message says what the path is and what is expected."""
+    from memtrain.checkpoint.layout import MANIFEST, verify
+    from memtrain.errors import CheckpointError
+
+    step = tmp_path / "run" / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    (step / MANIFEST).write_text("{}")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "run" / "checkpoints" / "step_00000008").mkdir()  # a save that did not finish
+    cases = {tmp_path / "missing": "does not exist",
+             tmp_path / "run": f"is a run folder, not one checkpoint; give one of its checkpoints (the newest: {step})",
+             tmp_path / "run" / "checkpoints": "is a checkpoints folder",
+             tmp_path / "other": "is not a memtrain checkpoint",
+             tmp_path / "run" / "checkpoints" / "step_00000008": "the save did not finish"}
+    for path, phrase in cases.items():
+        with pytest.raises(CheckpointError, match=None) as info:
+            verify(str(path))
+        assert phrase in str(info.value), (path, str(info.value))

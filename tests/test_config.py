@@ -102,3 +102,22 @@ def test_paths_that_cannot_be_what_they_name(tmp_path):
             validate(parse_args(TINY_ARGS + ["--output_dir", str(tmp_path / "out"), *extra]), 1)
         assert info.value.field == field and phrase in str(info.value), info.value
     assert parse_args(TINY_ARGS + ["--training.min_lr_ratio", "1e-2", "--training.lr", "3e-3"]).training.lr == 3e-3
+
+
+def test_bad_data_files_are_named_with_file_and_line(tmp_path):
+    """An empty file, a binary file, a malformed JSONL line, a line without the text field."""
+    from memtrain.data.corpus import iter_documents, select_files
+
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blob.txt").write_bytes(b"\x00\x01binary")
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": "cut\n')
+    (tmp_path / "other.jsonl").write_text('{"text": "ok"}\n\n{"body": "x"}\n')
+    for name, field, phrase in [("empty.txt", "data.files", "is empty"), ("blob.txt", "data.files", "looks binary")]:
+        with pytest.raises(ConfigError) as info:
+            select_files([str(tmp_path / name)])
+        assert info.value.field == field and phrase in str(info.value) and name in str(info.value)
+    for name, field, phrase in [("bad.jsonl", "data.files", "bad.jsonl:2: not valid JSON"),
+                                ("other.jsonl", "data.text_field", "other.jsonl:3: no field 'text'")]:
+        with pytest.raises(ConfigError) as info:
+            list(iter_documents(select_files([str(tmp_path / name)])))
+        assert info.value.field == field and phrase in str(info.value)

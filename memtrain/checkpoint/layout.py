@@ -86,6 +86,21 @@ def complete_checkpoints(root: str) -> list[str]:
     return [p for _, p in sorted(found) if os.path.isfile(os.path.join(p, MANIFEST))]
 
 
+def _not_a_checkpoint(path: str) -> str:
+    """Why ``path`` (without a manifest) is not a checkpoint, and what was expected instead."""
+    if not os.path.isdir(path):
+        return f"{path} does not exist (a checkpoint folder OUTPUT_DIR/checkpoints/step_NNNNNNNN is expected)"
+    inner = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
+    found = complete_checkpoints(inner)
+    if found:
+        kind = "a run folder" if inner != path else "a checkpoints folder"
+        return (f"{path} is {kind}, not one checkpoint; give one of its checkpoints (the newest: {found[-1]}), "
+                f"or resume auto with output_dir set to the run folder")
+    if step_of(os.path.basename(os.path.normpath(path))) is not None:
+        return f"{path}: no {MANIFEST}: the save did not finish (incomplete checkpoint)"
+    return f"{path} is not a memtrain checkpoint (no {MANIFEST}; expected OUTPUT_DIR/checkpoints/step_NNNNNNNN)"
+
+
 def verify(path: str) -> dict[str, Any]:
     """Check a checkpoint against its manifest: every listed file present with its size and sha256.
 
@@ -98,7 +113,7 @@ def verify(path: str) -> dict[str, Any]:
     """
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest_path):
-        raise CheckpointError(f"{path}: no {MANIFEST}: the save did not finish (incomplete checkpoint)")
+        raise CheckpointError(_not_a_checkpoint(path))
     try:
         with open(manifest_path) as fh:
             manifest = json.load(fh)

@@ -66,7 +66,25 @@ def user_files(patterns: list[str]) -> list[SourceFile]:
         if not matches:
             raise FileNotFoundError(f"data.files: '{pattern}' matches no file")
         paths.update(os.path.abspath(p) for p in matches)
+    for p in sorted(paths):
+        _check_text_file(p)
     return [SourceFile(p, p, os.path.getsize(p)) for p in sorted(paths)]
+
+
+def _check_text_file(path: str) -> None:
+    """Refuse an empty file or one that looks binary (NUL bytes in its first 8 KiB).
+
+    Raises:
+        ConfigError: naming ``data.files`` and the file.
+    """
+    from memtrain.config import ConfigError
+
+    with open(path, "rb") as fh:
+        head = fh.read(8192)
+    if not head.strip():
+        raise ConfigError("data.files", f"'{path}' is empty")
+    if b"\0" in head:
+        raise ConfigError("data.files", f"'{path}' looks binary (it holds NUL bytes); give text or JSONL files")
 
 
 def _unit_hash(name: str) -> float:
@@ -117,17 +135,24 @@ def iter_documents(files: list[SourceFile], text_field: str = "text") -> Iterato
     """Yield documents: a whole text file is one document; each JSONL line is one.
 
     Raises:
-        ValueError: a JSONL line without ``text_field`` (names file and line).
+        ConfigError: a JSONL line that is not a JSON object (field ``data.files``) or has no
+            ``text_field`` (field ``data.text_field``); the message names file and line.
     """
+    from memtrain.config import ConfigError
+
     for f in files:
         if f.path.endswith((".jsonl", ".json")):
             with open(f.path, encoding="utf-8", errors="replace") as fh:
                 for lineno, line in enumerate(fh, 1):
                     if not line.strip():
                         continue
-                    obj = json.loads(line)
-                    if text_field not in obj:
-                        raise ValueError(f"{f.path}:{lineno}: no field '{text_field}' (data.text_field)")
+                    try:
+                        obj = json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        raise ConfigError("data.files", f"{f.path}:{lineno}: not valid JSON ({exc.msg} at column "
+                                          f"{exc.colno}); a JSONL file holds one JSON object per line") from None
+                    if not isinstance(obj, dict) or text_field not in obj:
+                        raise ConfigError("data.text_field", f"{f.path}:{lineno}: no field '{text_field}' in this line")
                     yield str(obj[text_field])
         else:
             with open(f.path, encoding="utf-8", errors="replace") as fh:
