@@ -16,6 +16,7 @@ from memtrain.backends import make_backend
 from memtrain.checkpoint import Checkpointer
 from memtrain.checkpoint.stateful import EngineState, RNGState, SchedulerState, TokenizerFiles
 from memtrain.config import Config, to_dict
+from memtrain.checkpoint.compat import data_identity
 from memtrain.data import GlobalBatchSampler, build_corpus
 from memtrain.distributed import ProcessState
 from memtrain.evaluate import Evaluator
@@ -139,7 +140,8 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Tra
         log.warning("memtrain: checkpoint.async_save applies to backend.name fsdp only; %s saves synchronously",
                     engine.name)
     checkpointer = Checkpointer(process, os.path.join(cfg.output_dir, "checkpoints"), cfg.checkpoint.keep_last,
-                                cfg.checkpoint.async_save, {"vocab_size": corpus.vocab_size, "config": to_dict(cfg)},
+                                cfg.checkpoint.async_save, {"vocab_size": corpus.vocab_size, "config": to_dict(cfg),
+                                 "data_identity": data_identity(corpus)},
                                 after_write=faults.after_checkpoint_write)
     checkpoint_states = {
         "model_and_optimizer": EngineState(engine, model, optimizer, cfg.checkpoint.max_shard_size),

@@ -23,7 +23,8 @@ from typing import Any, Callable, Optional
 from torch import nn
 
 from memtrain.backends.base import Backend
-from memtrain.checkpoint import Checkpointer
+from memtrain.checkpoint import MANIFEST, Checkpointer
+from memtrain.checkpoint.compat import check_resumable, data_identity
 from memtrain.config import Config, to_dict
 from memtrain.data import GlobalBatchSampler
 from memtrain.distributed import ProcessState
@@ -152,6 +153,8 @@ class Trainer:
         if path is None:
             return None
         start = time.perf_counter()
+        with open(os.path.join(path, MANIFEST)) as fh:
+            check_resumable(path, json.load(fh), to_dict(self.cfg), data_identity(self.corpus))
         self.checkpointer.load(path, self.checkpoint_states)
         self.engine.set_plan(self.controller.plan)
         if self.controller.activation_checkpointing:  # switched on by an OOM before the checkpoint

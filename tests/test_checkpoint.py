@@ -261,6 +261,11 @@ def test_ctrl_c_saves_and_exits_130(tmp_path, cache_dir):
     stopped = read_metrics(tmp_path)[-1]["step"]
     assert stopped < STEPS and checkpoint_steps(tmp_path) == [stopped]
     assert "SIGINT: saved step" in out and "Traceback" not in err
+    # resuming that checkpoint with another global batch would skip samples: refused by name
+    proc = subprocess.run([sys.executable, TRAIN, *args, "--training.global_batch_size", "16"], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "training.global_batch_size" in proc.stderr and "Traceback" not in proc.stderr
+    assert checkpoint_steps(tmp_path) == [stopped]
 
 
 def test_second_ctrl_c_stops_at_once():

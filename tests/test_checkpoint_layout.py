@@ -281,3 +281,26 @@ def test_a_path_that_is_not_one_checkpoint_says_what_was_expected(tmp_path):
         with pytest.raises(CheckpointError, match=None) as info:
             verify(str(path))
         assert phrase in str(info.value), (path, str(info.value))
+
+
+def test_resume_refuses_settings_that_move_the_data_position():
+    """Another global batch, seed or seq_len, or other data: refused by name; another world size,
+    plan or max_steps: accepted."""
+    from memtrain.checkpoint.compat import check_resumable
+    from memtrain.config import ConfigError, parse_args, to_dict
+
+    base = ["--config", "recipes/code_lm_tiny.yaml"]
+    saved = {"config": to_dict(parse_args(base)), "data_identity": "corpus-abc"}
+    check_resumable("ck", saved, to_dict(parse_args(base + ["--training.max_steps", "9", "--training.micro_batch_size",
+                                                            "4", "--backend.name", "fsdp"])), "corpus-abc")
+    for extra, field in [(["--training.global_batch_size", "64"], "training.global_batch_size"),
+                         (["--training.seed", "7"], "training.seed"), (["--data.seq_len", "64"], "data.seq_len")]:
+        with pytest.raises(ConfigError) as info:
+            check_resumable("ck", saved, to_dict(parse_args(base + extra)), "corpus-abc")
+        assert info.value.field == field and "skip or repeat samples" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        check_resumable("ck", saved, to_dict(parse_args(base)), "corpus-other")
+    assert info.value.field == "data.files" and "data differs" in str(info.value)
+    with pytest.raises(ConfigError) as info:  # no identity saved (older checkpoints): the settings decide
+        check_resumable("ck", {"config": saved["config"]}, to_dict(parse_args(base + ["--data.vocab_size", "512"])), None)
+    assert info.value.field == "data.vocab_size"
