@@ -17,6 +17,7 @@ from memtrain.checkpoint import Checkpointer
 from memtrain.checkpoint.stateful import EngineState, RNGState, SchedulerState, TokenizerFiles
 from memtrain.config import Config, to_dict
 from memtrain.checkpoint.compat import data_identity
+from memtrain.checkpoint.layout import move_previous_run
 from memtrain.data import GlobalBatchSampler, build_corpus
 from memtrain.distributed import ProcessState
 from memtrain.evaluate import Evaluator
@@ -112,6 +113,11 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Tra
     t = cfg.training
     precision = resolve_precision(cfg.precision, process.device.type)  # a refused precision stops before any work
     with process.main_process_first():
+        if cfg.resume == "never" and process.is_main:
+            moved = move_previous_run(cfg.output_dir)
+            if moved:
+                log.warning("memtrain: resume never: the previous run's outputs in %s were moved to %s",
+                            cfg.output_dir, moved)
         corpus = build_corpus(cfg.data)
     from accelerate.utils import set_seed
 

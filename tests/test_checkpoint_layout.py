@@ -304,3 +304,20 @@ def test_resume_refuses_settings_that_move_the_data_position():
     with pytest.raises(ConfigError) as info:  # no identity saved (older checkpoints): the settings decide
         check_resumable("ck", {"config": saved["config"]}, to_dict(parse_args(base + ["--data.vocab_size", "512"])), None)
     assert info.value.field == "data.vocab_size"
+
+
+def test_resume_never_moves_the_previous_run_aside(tmp_path):
+    """resume: never in a used folder keeps the old run (metrics, checkpoints, export) in
+    previous_run_*/ instead of truncating its metrics and mixing its checkpoints with the new ones."""
+    from memtrain.checkpoint.layout import move_previous_run
+
+    (tmp_path / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "notes.txt").write_text("the user's")
+    moved = move_previous_run(str(tmp_path))
+    assert moved is not None and os.path.basename(moved).startswith("previous_run_")
+    assert (tmp_path / moved / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert (tmp_path / moved / "checkpoints" / "step_00000004").is_dir()
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoints").exists()
+    assert (tmp_path / "notes.txt").exists()  # not a run output: left where it is
+    assert move_previous_run(str(tmp_path)) is None  # nothing left to move

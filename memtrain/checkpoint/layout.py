@@ -252,3 +252,31 @@ def retain(root: str, newest: str, keep_last: int) -> list[str]:
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed
+
+
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "plan.json", "checkpoints", "model")
+"""What a run writes into its output folder (moved aside together by :func:`move_previous_run`)."""
+
+
+def move_previous_run(output_dir: str) -> Optional[str]:
+    """``resume: never`` in a folder a run already used: move that run's outputs into
+    ``output_dir/previous_run_<UTC time>/`` (nothing is deleted, and the new run's checkpoints are
+    never mixed with the old timeline's). Rank 0 only.
+
+    Returns:
+        The folder they were moved to, or None when there was nothing to move.
+    """
+    import time
+
+    present = [n for n in RUN_OUTPUTS if os.path.lexists(os.path.join(output_dir, n))]
+    if not present:
+        return None
+    target = os.path.join(output_dir, time.strftime("previous_run_%Y%m%dT%H%M%SZ", time.gmtime()))
+    suffix = 0
+    while os.path.exists(target + (f"_{suffix}" if suffix else "")):
+        suffix += 1
+    target += f"_{suffix}" if suffix else ""
+    os.makedirs(target)
+    for name in present:
+        os.replace(os.path.join(output_dir, name), os.path.join(target, name))
+    return target
