@@ -321,3 +321,15 @@ def test_resume_never_moves_the_previous_run_aside(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoints").exists()
     assert (tmp_path / "notes.txt").exists()  # not a run output: left where it is
     assert move_previous_run(str(tmp_path)) is None  # nothing left to move
+
+
+def test_a_full_disk_is_named_with_free_bytes_and_path(tmp_path):
+    import errno
+
+    from memtrain.checkpoint.layout import write_error
+
+    for exc in (OSError(errno.ENOSPC, "No space left on device"),
+                RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4416 vs 4304")):
+        message = write_error(exc, str(tmp_path / ".tmp-step_00000004"))
+        assert "the disk is full" in message and "bytes free" in message and ".tmp-step_00000004" in message
+    assert write_error(ValueError("bad"), str(tmp_path)) == "ValueError: bad"

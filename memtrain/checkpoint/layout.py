@@ -280,3 +280,22 @@ def move_previous_run(output_dir: str) -> Optional[str]:
     for name in present:
         os.replace(os.path.join(output_dir, name), os.path.join(target, name))
     return target
+
+
+def write_error(exc: BaseException, directory: str) -> str:
+    """A failed checkpoint write, described: a full disk (``ENOSPC``/``EDQUOT``, or torch's
+    "unexpected pos", which is how its zip writer reports a short write) is named as such, with
+    the free bytes of the file system and the path."""
+    import errno
+    import shutil
+
+    text = f"{type(exc).__name__}: {exc}"
+    full = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    if not (full or "unexpected pos" in str(exc) or "No space left" in str(exc)):
+        return text
+    probe = directory
+    while probe and not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    free = shutil.disk_usage(probe or ".").free
+    return (f"the disk is full (or over quota) writing {directory}: {free:,} bytes free on that file system; free "
+            f"space or point output_dir elsewhere ({text})")

@@ -173,7 +173,7 @@ class Checkpointer:
                     json.dump({name: obj.state_dict() for name, obj in states.items()
                                if not isinstance(obj, FileStateful)}, fh, indent=1)
         except Exception as exc:  # noqa: BLE001 — reported to every rank in finish(), never left hanging
-            pending.error = f"rank {self.process.rank}: {type(exc).__name__}: {exc}"
+            pending.error = f"rank {self.process.rank}: {layout.write_error(exc, tmp)}"
         pending.blocked_s = time.perf_counter() - pending.start
         self._pending = pending
         if not pending.futures:
@@ -195,9 +195,11 @@ class Checkpointer:
                 try:
                     future.result()
                 except Exception as exc:  # noqa: BLE001
-                    error = f"rank {self.process.rank}: background write failed: {type(exc).__name__}: {exc}"
+                    error = f"rank {self.process.rank}: background write failed: {layout.write_error(exc, pending.tmp)}"
         errors = [e for e in self.process.all_gather_object(error) if e]  # every rank learns of any failure
         if errors:
+            if self.process.is_main:  # give the space back; the next start would remove it anyway
+                shutil.rmtree(pending.tmp, ignore_errors=True)
             raise CheckpointError(f"saving step {pending.step} failed ({'; '.join(errors)}); the last complete "
                                   f"checkpoint and {layout.LATEST} are untouched")
         path, size = self._on_main(self._commit, pending)
