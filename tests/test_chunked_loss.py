@@ -1,14 +1,11 @@
 """Chunked cross-entropy (memory.chunked_cross_entropy): the output layer computes the loss a chunk
 of tokens at a time, so the [tokens, vocab] logits are never saved for backward."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from conftest import REPO, TINY_ARGS, TRAIN, tiny_args
+from conftest import TINY_ARGS
+from memtrain.config import ConfigError
 
 
 def _gpt2(vocab: int = 1024):
@@ -90,11 +87,18 @@ def test_planner_counts_it_as_a_memory_lever(cache_dir):
     assert chunked(4, True) < plain(4, True)
 
 
-def test_unsupported_model_is_refused_by_name(tmp_path, cache_dir):
-    """A model whose logits are not a plain linear output layer: exit 2 naming the field."""
-    proc = subprocess.run([sys.executable, TRAIN, *tiny_args(tmp_path, cache_dir, "--model.factory", "toy_models:make", "--model.config", "{dim: 8}",
-                                                               "--memory.chunked_cross_entropy", "true", model=False)],
-                          capture_output=True, text=True, timeout=120, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO / "tests")})
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "memory.chunked_cross_entropy" in proc.stderr and "Traceback" not in proc.stderr
+def test_unsupported_model_is_refused_by_name():
+    """A model whose logits are not a plain linear output layer, or a CTC model: refused naming the field."""
+    from memtrain.objectives import make_objective
+    from toy_models import make
+
+    with pytest.raises(ConfigError) as info:
+        make_objective(make(64, dim=8), _Text(), chunked_cross_entropy=True)
+    assert info.value.field == "memory.chunked_cross_entropy" and "TinyLM" in str(info.value)
+
+    class Speech:
+        kind = "speech"
+
+    with pytest.raises(ConfigError) as info:
+        make_objective(make(64, dim=8), Speech(), chunked_cross_entropy=True)
+    assert info.value.field == "memory.chunked_cross_entropy"
