@@ -1,8 +1,8 @@
 """Run configuration: one dataclass per section, YAML recipes, ``--section.key value`` overrides.
 
-Parsing (types, unknown keys, choices) is done by jsonargparse; :func:`validate` adds the
-checks that need several fields at once (batch divisibility, sequence length against the
-model's positions, data files that exist). Every error names the field and what is allowed,
+Parsing (types, unknown keys, choices) is done by jsonargparse; :func:`memtrain.validation.validate`
+adds the checks that need several fields at once (batch divisibility, sequence length against
+the model's positions, data files that exist). Every error names the field and what is allowed,
 and is raised before anything is written to ``output_dir``.
 
 The command line: ``python memtrain/train.py --config recipes/code_lm_tiny.yaml
@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import glob
-import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
@@ -430,160 +428,3 @@ def _rename_deprecated(cfg: Config) -> None:
 def to_dict(cfg: Config) -> dict:
     """The config as plain JSON-serialisable data (for summaries and checkpoints)."""
     return dataclasses.asdict(cfg)
-
-
-def _positive(name: str, value) -> None:
-    if value is None or value <= 0:
-        raise ConfigError(name, f"must be a positive integer, got {value!r}")
-
-
-def ctc_model_types() -> list[str]:
-    """transformers model types with a CTC head (wav2vec2, wavlm, hubert, …)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CTC_MAPPING_NAMES
-
-    return sorted(MODEL_FOR_CTC_MAPPING_NAMES)
-
-
-def _validate_speech(cfg: Config) -> None:
-    """``data.kind`` against the model's head, and the ``data.speech`` settings."""
-    model_type = (cfg.model.config or {}).get("model_type")
-    is_ctc = cfg.model.factory is None and model_type in ctc_model_types()
-    if cfg.data.kind == "text":
-        if is_ctc:
-            raise ConfigError("data.kind", f"model_type '{model_type}' is a CTC speech model; set data.kind speech "
-                              "(or choose a causal language model such as gpt2 or llama)")
-        return
-    if cfg.model.factory is not None or not is_ctc:
-        raise ConfigError("model.config.model_type", f"data.kind speech needs a transformers CTC model; got "
-                          f"{cfg.model.factory or model_type!r}; choose one of {', '.join(ctc_model_types())}")
-    sp = cfg.data.speech
-    for name in ("train_utterances", "test_utterances", "min_words", "max_words"):
-        _positive(f"data.speech.{name}", getattr(sp, name))
-    if sp.min_words > sp.max_words:
-        raise ConfigError("data.speech.min_words", f"{sp.min_words} is above data.speech.max_words {sp.max_words}")
-    for name in ("bucket_batches", "max_audio_samples_per_micro_batch"):
-        if getattr(sp, name) < 0:
-            raise ConfigError(f"data.speech.{name}", f"must be >= 0 (0 = off), got {getattr(sp, name)}")
-
-
-def _validate_batch(cfg: Config, world_size: int) -> None:
-    """Sizes positive; the global batch divisible by micro-batch × world size; ``auto`` only with
-    OOM recovery (the planner's probes agree on out-of-memory errors like steps)."""
-    t = cfg.training
-    for name in ("global_batch_size", "micro_batch_size", "max_steps"):
-        if getattr(t, name) != "auto":
-            _positive(f"training.{name}", getattr(t, name))
-    _positive("data.seq_len", cfg.data.seq_len)
-    _positive("data.vocab_size", cfg.data.vocab_size)
-    if not 0.0 < cfg.data.validation_fraction < 1.0:
-        raise ConfigError("data.validation_fraction", f"must be in (0, 1), got {cfg.data.validation_fraction}")
-    if t.micro_batch_size == "auto" and not cfg.memory.oom_recovery:
-        raise ConfigError("training.micro_batch_size", "auto needs memory.oom_recovery true (the planner's timed "
-                          "probes agree on out-of-memory errors like training steps); give a number instead")
-    micro = 1 if t.micro_batch_size == "auto" else t.micro_batch_size
-    if t.global_batch_size % (micro * world_size) != 0:
-        raise ConfigError(
-            "training.global_batch_size",
-            f"{t.global_batch_size} is not divisible by micro_batch_size × world_size = "
-            f"{micro} × {world_size}; choose a global_batch_size that is a multiple of "
-            f"{micro * world_size}, or a micro_batch_size dividing "
-            f"{t.global_batch_size // world_size if t.global_batch_size % world_size == 0 else 'global_batch_size / world_size'}",
-        )
-
-
-def _validate_values(cfg: Config) -> None:
-    """Numbers outside their meaning, an engine option for another engine, an output folder that
-    cannot be one."""
-    t = cfg.training
-    if not t.lr > 0:
-        raise ConfigError("training.lr", f"must be > 0 (the peak learning rate), got {t.lr}")
-    for name, meaning in (("warmup_steps", "0 = no warmup"), ("max_grad_norm", "0 = no clipping"),
-                          ("weight_decay", "0 = none"), ("eval_every", "0 = only after the last step")):
-        if getattr(t, name) < 0:
-            raise ConfigError(f"training.{name}", f"must be >= 0 ({meaning}), got {getattr(t, name)}")
-    if not 0.0 <= t.min_lr_ratio <= 1.0:
-        raise ConfigError("training.min_lr_ratio", f"must be in [0, 1] (final LR / peak LR), got {t.min_lr_ratio}")
-    if t.eval_samples < 1:
-        raise ConfigError("training.eval_samples", f"must be >= 1 (validation samples per evaluation; the run "
-                          f"evaluates after its last step even with training.eval_every 0), got {t.eval_samples}")
-    if cfg.backend.zero_stage is not None and cfg.backend.name in ("ddp", "fsdp"):
-        raise ConfigError("backend.zero_stage", f"is a DeepSpeed setting, but backend.name is '{cfg.backend.name}'; "
-                          "use backend.name deepspeed (or auto), or drop backend.zero_stage")
-    out = os.path.expanduser(cfg.output_dir)
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ConfigError("output_dir", f"'{cfg.output_dir}' exists and is not a folder")
-    parent = out
-    while parent and not os.path.exists(parent):
-        parent = os.path.dirname(parent.rstrip(os.sep)) or "."
-    if parent and not os.access(parent, os.W_OK):
-        raise ConfigError("output_dir", f"'{cfg.output_dir}' cannot be written ('{parent}' is not writable)")
-
-
-def validate(cfg: Config, world_size: int) -> None:
-    """Check cross-field constraints before any work is done.
-
-    Args:
-        cfg: the parsed config.
-        world_size: number of ranks (processes) taking part.
-
-    Raises:
-        ConfigError: with the field name: non-positive sizes; ``training.global_batch_size``
-            not divisible by ``micro_batch_size × world_size``; ``data.files`` matching no file;
-            ``data.seq_len`` longer than the model's positions; a model config without
-            ``model_type`` and no ``model.factory``.
-    """
-    t = cfg.training
-    _validate_batch(cfg, world_size)
-    if cfg.data.files is not None:
-        if not cfg.data.files:
-            raise ConfigError("data.files", "is an empty list; give text/JSONL files or leave it unset for the default corpus")
-        for pattern in cfg.data.files:
-            matches = glob.glob(os.path.expanduser(pattern), recursive=True)
-            if not matches:
-                raise ConfigError("data.files", f"'{pattern}' matches no file")
-            if all(os.path.isdir(m) for m in matches):
-                raise ConfigError("data.files", f"'{pattern}' is a folder; give its files, e.g. "
-                                  f"'{os.path.join(pattern, '**', '*.txt')}'")
-    mc = cfg.model.config or {}
-    _validate_speech(cfg)
-    if cfg.model.factory is None:
-        if "model_type" not in mc:
-            raise ConfigError("model.config", "needs 'model_type' (e.g. gpt2, llama) unless model.factory is set")
-        positions = mc.get("n_positions", mc.get("max_position_embeddings"))
-        if positions is None:
-            from transformers import AutoConfig
-
-            try:
-                positions = getattr(AutoConfig.for_model(mc["model_type"]), "max_position_embeddings", None)
-            except ValueError as exc:
-                raise ConfigError("model.config.model_type", str(exc)) from None
-        if positions is not None and cfg.data.seq_len > positions:
-            raise ConfigError(
-                "data.seq_len",
-                f"{cfg.data.seq_len} is longer than the model's {positions} positions "
-                "(model.config n_positions / max_position_embeddings); lower data.seq_len or raise the positions",
-            )
-    ds = cfg.backend.deepspeed_config
-    if ds is not None and not os.path.isfile(ds):
-        raise ConfigError("backend.deepspeed_config", f"'{ds}' is not a file (a DeepSpeed JSON config is expected)")
-    if ds is not None and cfg.backend.name not in ("auto", "deepspeed"):
-        raise ConfigError("backend.deepspeed_config", f"is set but backend.name is '{cfg.backend.name}'; "
-                          "use backend.name deepspeed (or auto), or drop the DeepSpeed config")
-    _validate_values(cfg)
-    every = cfg.memory.activation_checkpointing_every_n_blocks
-    if every < 1:
-        raise ConfigError("memory.activation_checkpointing_every_n_blocks", f"must be >= 1 (1 = every block), got {every}")
-    if t.max_nonfinite_steps < 1:
-        raise ConfigError("training.max_nonfinite_steps", f"must be >= 1, got {t.max_nonfinite_steps}")
-    ck = cfg.checkpoint
-    if ck.every_steps < 0:
-        raise ConfigError("checkpoint.every_steps", f"must be >= 0 (0 = only on a preemption signal), got {ck.every_steps}")
-    if ck.keep_last < 1:
-        raise ConfigError("checkpoint.keep_last", f"must be >= 1 (the newest complete checkpoint is always kept), "
-                          f"got {ck.keep_last}")
-    if cfg.resume not in ("auto", "never") and not os.path.isdir(cfg.resume):
-        raise ConfigError("resume", f"'{cfg.resume}' is neither auto, never nor a checkpoint directory")
-    if cfg.faults.kill_mid_step and not cfg.faults.kill_at_step:
-        raise ConfigError("faults.kill_mid_step", "needs faults.kill_at_step (the step to end in)")
-    if cfg.model.factory is not None and ":" not in cfg.model.factory:
-        raise ConfigError("model.factory", f"must look like 'package.module:function', got '{cfg.model.factory}'")

@@ -183,7 +183,8 @@ def main(argv: Optional[list[str]] = None, command: str = "memory") -> int:
     [--section.key value ...]``: ``plan`` prints the candidate table (one JSON object per
     candidate with ``--json``), ``memory`` the whole report as one JSON object. N defaults to
     the launcher's ``WORLD_SIZE``, else 1. Exit 2 on a config error."""
-    from memtrain.config import ConfigError, parse_args, validate
+    from memtrain.config import ConfigError, parse_args
+    from memtrain.validation import validate
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

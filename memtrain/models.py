@@ -65,7 +65,7 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, seed: int = 0) -> nn.Mo
     else:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForCTC
 
-        from memtrain.config import ctc_model_types
+        from memtrain.validation import ctc_model_types
 
         model_type = kwargs.pop("model_type")
         ctc = model_type in ctc_model_types()

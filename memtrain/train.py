@@ -18,7 +18,8 @@ from typing import Optional
 if __package__ in (None, ""):  # run as a script: make the package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from memtrain.config import Config, ConfigError, parse_args, validate  # noqa: E402
+from memtrain.config import Config, ConfigError, parse_args  # noqa: E402
+from memtrain.validation import validate  # noqa: E402
 
 
 def prepare_config(argv: Optional[list[str]] = None) -> Config:

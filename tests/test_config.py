@@ -78,7 +78,7 @@ BAD_VALUES = [
 
 @pytest.mark.parametrize("extra,field,phrase", BAD_VALUES, ids=[b[0][0] for b in BAD_VALUES])
 def test_bad_values_are_refused_by_name(tmp_path, extra, field, phrase):
-    from memtrain.config import validate
+    from memtrain.validation import validate
 
     with pytest.raises(ConfigError) as info:
         validate(parse_args(TINY_ARGS + ["--output_dir", str(tmp_path / "out"), *extra]), 1)
@@ -88,7 +88,7 @@ def test_bad_values_are_refused_by_name(tmp_path, extra, field, phrase):
 
 def test_paths_that_cannot_be_what_they_name(tmp_path):
     """A folder as data.files, a file as output_dir, a malformed YAML recipe: named, with the path."""
-    from memtrain.config import validate
+    from memtrain.validation import validate
 
     (tmp_path / "corpus").mkdir()
     (tmp_path / "a_file").write_text("x")
