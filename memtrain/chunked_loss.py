@@ -58,12 +58,18 @@ def chunk_tokens(vocab_size: int, max_bytes: int = CHUNK_LOGITS_BYTES) -> int:
     return max(1, max_bytes // (4 * vocab_size))
 
 
-def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                labels: torch.Tensor) -> torch.Tensor:
-    logits = F.linear(hidden, weight, bias)
-    if logits.dtype in (torch.float16, torch.bfloat16):  # as the plain loss: the softmax in fp32
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy (nats) of logits [N, V] against labels int64 [N] (-100 =
+    ignored), the softmax in fp32 for half-precision logits (it loses digits in fp16/bf16). The
+    plain loss and each chunk of the chunked one."""
+    if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                labels: torch.Tensor) -> torch.Tensor:
+    return cross_entropy_sum(F.linear(hidden, weight, bias), labels)
 
 
 def chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

@@ -75,14 +75,14 @@ def export_checkpoint(path: str, out: str, max_shard_size: str = "5GB") -> str:
         memtrain.errors.CheckpointError: the checkpoint is incomplete or corrupt (named file).
     """
     from memtrain.backends import read_full_weights
-    from memtrain.checkpoint.layout import LATEST, verify
+    from memtrain.checkpoint.layout import latest_checkpoint, verify
     from memtrain.config import Config, _to_dataclass
     from memtrain.models import build_model
 
     for folder in (path, os.path.join(path, "checkpoints")):  # checkpoints/ or a run folder: its latest
-        if os.path.isfile(os.path.join(folder, LATEST)):
-            with open(os.path.join(folder, LATEST)) as fh:
-                path = os.path.join(folder, fh.read().strip())
+        named = latest_checkpoint(folder)
+        if named is not None:
+            path = named
             break
     manifest = verify(path)
     cfg = _to_dataclass(Config, manifest["config"])

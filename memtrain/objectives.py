@@ -12,12 +12,14 @@ depend on how the global batch was split:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memtrain.chunked_loss import cross_entropy_sum, install_chunked_head, labels_for_head
 from memtrain.data import IGNORE_INDEX
 from memtrain.models import logits_of
 
@@ -67,20 +69,12 @@ class CausalLM:
         self.chunked = chunked
 
     def loss_sum(self, model, micro_batch):
-        if self.chunked:
-            from memtrain.chunked_loss import labels_for_head
-
-            with labels_for_head(micro_batch["labels"]) as call:
-                out = logits_of(model(input_ids=micro_batch["input_ids"]))
-            if call.used:  # the output layer returned the summed loss
-                return out
-            logits = out
-        else:
-            logits = logits_of(model(input_ids=micro_batch["input_ids"]))
-        if logits.dtype in (torch.float16, torch.bfloat16):  # the softmax in half precision loses digits
-            logits = logits.float()
-        return F.cross_entropy(logits.flatten(0, 1), micro_batch["labels"].flatten(),
-                               ignore_index=IGNORE_INDEX, reduction="sum")
+        labels = micro_batch["labels"]
+        with labels_for_head(labels) if self.chunked else contextlib.nullcontext() as call:
+            out = logits_of(model(input_ids=micro_batch["input_ids"]))
+        if call is not None and call.used:  # the chunked output layer returned the summed loss
+            return out
+        return cross_entropy_sum(out.flatten(0, 1), labels.flatten())
 
     def count(self, batch):
         return count_labels(batch)
@@ -200,7 +194,5 @@ def make_objective(model: nn.Module, corpus, chunked_cross_entropy: bool = False
                               "[tokens, vocab] logits to chunk (set it false)")
         return CTC(model, blank=int(getattr(getattr(model, "config", None), "pad_token_id", 0) or 0))
     if chunked_cross_entropy:
-        from memtrain.chunked_loss import install_chunked_head
-
         install_chunked_head(model)
     return CausalLM(chunked=chunked_cross_entropy)

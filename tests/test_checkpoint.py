@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -163,26 +164,36 @@ def test_rank_divergent_buffer_is_named_at_save(tmp_path, cache_dir):
     assert "replicated tensor(s) differ between ranks, first: buffer input_stats" in proc.stderr
 
 
-def test_sigterm_saves_and_resume_matches(tmp_path, tmp_path_factory, cache_dir):
-    """SIGTERM (as SLURM/Kubernetes send) to the launcher: the ranks finish the step, save it and
-    stop; rerunning the command continues exactly."""
-    import signal
+_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+
+
+def _signal_after(args: list[str], output_dir, steps: int, signum):
+    """Start one training process, send it ``signum`` once ``steps`` records are written, and
+    wait for it; returns (the finished process, its stdout, its stderr)."""
     import subprocess
     import time
 
     from conftest import REPO, TRAIN
 
+    proc = subprocess.Popen([sys.executable, TRAIN, *args], env=_ENV, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = output_dir / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+        time.sleep(0.05)
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=120)
+    return proc, out, err
+
+
+def test_sigterm_saves_and_resume_matches(tmp_path, tmp_path_factory, cache_dir):
+    """SIGTERM (as SLURM/Kubernetes send) to the launcher: the ranks finish the step, save it and
+    stop; rerunning the command continues exactly."""
+    import signal
+
     base = read_metrics(continuous("ddp", tmp_path_factory, cache_dir))
     args = tiny_args(tmp_path, cache_dir, *CKPT, *ENGINES["ddp"], "--checkpoint.every_steps", "0")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "tests")}
-    proc = subprocess.Popen([sys.executable, TRAIN, *args], env=env, cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = tmp_path / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    proc, out, err = _signal_after(args, tmp_path, 3, signal.SIGTERM)
     assert proc.returncode == 0, err[-3000:]
     stopped = read_metrics(tmp_path)[-1]["step"]
     assert stopped < STEPS and checkpoint_steps(tmp_path) == [stopped]
@@ -243,26 +254,17 @@ def test_ctrl_c_saves_and_exits_130(tmp_path, cache_dir):
     """SIGINT (Ctrl-C) like SIGTERM: the step finishes and is saved; then exit 130, no traceback."""
     import signal
     import subprocess
-    import time
 
     from conftest import REPO, TRAIN
 
     args = tiny_args(tmp_path, cache_dir, *CKPT, "--checkpoint.every_steps", "0")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "tests")}
-    proc = subprocess.Popen([sys.executable, TRAIN, *args], env=env, cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = tmp_path / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
+    proc, out, err = _signal_after(args, tmp_path, 2, signal.SIGINT)
     assert proc.returncode == 130, err[-3000:]
     stopped = read_metrics(tmp_path)[-1]["step"]
     assert stopped < STEPS and checkpoint_steps(tmp_path) == [stopped]
     assert "SIGINT: saved step" in out and "Traceback" not in err
     # resuming that checkpoint with another global batch would skip samples: refused by name
-    proc = subprocess.run([sys.executable, TRAIN, *args, "--training.global_batch_size", "16"], env=env, cwd=REPO,
+    proc = subprocess.run([sys.executable, TRAIN, *args, "--training.global_batch_size", "16"], env=_ENV, cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "training.global_batch_size" in proc.stderr and "Traceback" not in proc.stderr
     assert checkpoint_steps(tmp_path) == [stopped]

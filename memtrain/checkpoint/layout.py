@@ -134,6 +134,15 @@ def verify(path: str) -> dict[str, Any]:
     return manifest
 
 
+def latest_checkpoint(root: str) -> Optional[str]:
+    """The checkpoint ``root/latest`` names (not verified), or None when there is no ``latest``."""
+    latest = os.path.join(root, LATEST)
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as fh:
+        return os.path.join(root, fh.read().strip())
+
+
 def choose_resume(root: str, mode: str) -> Optional[str]:
     """The checkpoint to resume from.
 
@@ -153,10 +162,8 @@ def choose_resume(root: str, mode: str) -> Optional[str]:
         verify(mode)
         return mode
     candidates = list(reversed(complete_checkpoints(root)))
-    latest = os.path.join(root, LATEST)
-    if os.path.isfile(latest):
-        with open(latest) as fh:
-            named = os.path.join(root, fh.read().strip())
+    named = latest_checkpoint(root)
+    if named is not None:
         if named in candidates:
             candidates.remove(named)
             candidates.insert(0, named)
