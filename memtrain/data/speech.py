@@ -34,7 +34,7 @@ transformers' ``Wav2Vec2CTCTokenizer``."""
 
 BLANK_ID = 0
 _CHAR_ID = {c: i for i, c in enumerate(CHARACTERS)}
-_CACHE_FORMAT = 1  # bump when synthesis, normalisation or the cache layout changes
+_CACHE_FORMAT = 2  # bump when synthesis, normalisation or the cache layout changes
 
 
 def encode_text(text: str) -> list[int]:
@@ -148,9 +148,11 @@ def synthetic_sentences(validation_fraction: float, min_words: int, max_words: i
     return train, [s for s in collect(test_files) if s not in known]
 
 
-def read_manifests(paths: list[str]) -> list[tuple[str, str]]:
-    """``(audio path, normalised text)`` of every line of JSONL manifests
-    ``{"audio": path, "text": ...}`` (audio paths relative to the manifest's folder).
+def read_manifests(paths: list[str]) -> list[tuple[str, str, str]]:
+    """``(audio path, normalised text, audio as written)`` of every line of JSONL manifests
+    ``{"audio": path, "text": ...}`` (audio paths relative to the manifest's folder). The path as
+    written is what the train/validation split hashes, so a dataset keeps its split when its
+    folder moves.
 
     Raises:
         ValueError: a line without ``audio`` or ``text``, a text with nothing left after
@@ -172,7 +174,7 @@ def read_manifests(paths: list[str]) -> list[tuple[str, str]]:
                 if not text:  # nothing to align a CTC path to, and no words to score
                     raise ValueError(f"{path}:{lineno}: the text {obj['text']!r} has no letters or digits "
                                      "left after normalisation (data.files)")
-                items.append((audio, text))
+                items.append((audio, text, str(obj["audio"])))
     return items
 
 
@@ -269,11 +271,11 @@ def build_speech_corpus(data_cfg, cache_dir: Optional[str] = None) -> SpeechCorp
                     _write_split(tmp, name, waves, sentences)
             else:
                 items = read_manifests([f.path for f in files])
-                val = [it for it in items if _unit_hash("split:" + it[0]) < data_cfg.validation_fraction]
-                train_items = [it for it in items if _unit_hash("split:" + it[0]) >= data_cfg.validation_fraction]
+                val = [it for it in items if _unit_hash("split:" + it[2]) < data_cfg.validation_fraction]
+                train_items = [it for it in items if _unit_hash("split:" + it[2]) >= data_cfg.validation_fraction]
                 if not val or not train_items:
                     raise ValueError(f"data.files: {len(items)} utterances leave an empty train or validation split "
                                      f"at data.validation_fraction {data_cfg.validation_fraction}")
                 for name, part in (("train", train_items), ("validation", val)):
-                    _write_split(tmp, name, [_read_audio(a) for a, _ in part], [t for _, t in part])
+                    _write_split(tmp, name, [_read_audio(a) for a, _, _ in part], [t for _, t, _ in part])
     return SpeechCorpus(_load_split(directory, "train"), _load_split(directory, "validation"), directory)
