@@ -134,7 +134,7 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Tra
     closing.callback(engine.close)
     sync = OOMSync(process.world_size, process.rank, process.device, engine.collectives_in_compute,
                    enabled=cfg.memory.oom_recovery)
-    faults = FaultInjector(cfg.faults, process.rank)
+    faults = FaultInjector(cfg.faults, process.rank, cfg.output_dir)
     transforms = ModelTransforms(model, cfg.memory.activation_checkpointing_every_n_blocks, faults)
     model, optimizer = transforms.apply(model, engine, lambda m: make_optimizer(m, t), sync,
                                         controller.activation_checkpointing)

@@ -155,6 +155,12 @@ class BackendConfig:
     find_unused_parameters: Literal["auto", "true", "false"] = "auto"
     """DDP: auto = on when the model skips layers at random (layerdrop > 0) or when a parameter
     received no gradient on the first step (that step is then redone)."""
+    timeout_s: float = 600.0
+    """The longest any collective, or any one operation of the loop (a micro-batch's forward and
+    backward, an optimizer step, an evaluation batch, a checkpoint save or load), may take, in
+    seconds. Past it the rank ends with exit code 6 and a message naming the rank and the
+    operation, so a rank that hangs or dies never leaves the others waiting for ever (the process
+    group's timeout, NCCL's async error handling on CUDA, and memtrain's watchdog thread)."""
 
 
 @dataclass
@@ -187,7 +193,9 @@ class MemoryConfig:
 
 @dataclass
 class FaultsConfig:
-    """Fault injection for tests and benchmarks (raises real torch.OutOfMemoryError inside the model)."""
+    """Fault injection for tests and benchmarks (raises real torch.OutOfMemoryError inside the model).
+    Kills and hangs fire once per output folder (a marker in ``output_dir/faults_fired/`` records
+    them), so a run restarted by an elastic launcher continues past them."""
 
     memory_budget_mib: float = 0.0
     """A simulated device memory of this many MiB per rank (0 = off): the engine's model-state bytes
@@ -216,9 +224,17 @@ class FaultsConfig:
     kill_at_step: int = 0
     """End the process with ``os._exit(137)`` right after this optimizer step (after its
     checkpoint, if one is due); 0 = off."""
+    kill_ranks: Optional[list[int]] = None
+    """With ``kill_at_step``: the ranks that are killed (None = all)."""
     kill_mid_step: bool = False
     """With ``kill_at_step``: end the process inside that step instead, after its first
     micro-batch's backward (in the middle of gradient accumulation)."""
+    hang_at_step: int = 0
+    """Make the ranks in ``hang_ranks`` stop inside this optimizer step, after their first
+    micro-batch's backward, as a rank stuck in a collective or on a file system would (the others
+    wait in the step's next collective); 0 = off. Ends by ``backend.timeout_s``."""
+    hang_ranks: list[int] = field(default_factory=lambda: [0])
+    """The ranks that ``hang_at_step`` stops."""
     save_error_ranks: Optional[list[int]] = None
     """Make writing every checkpoint fail (an OSError) on these ranks, after the engine's state
     is written; None = off. Shows that a rank-local failure reaches every rank."""
@@ -259,6 +275,9 @@ class Config:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    debug: bool = False
+    """Print the Python traceback of an error (by default an error is one message and its exit
+    code). ``--debug`` alone means true."""
     resume: str = "auto"
     """auto = continue from ``output_dir/checkpoints/latest`` when a complete checkpoint exists
     (falling back to older complete ones); never = start fresh; or the path of a checkpoint."""
@@ -274,7 +293,9 @@ def _strip_launcher_args(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
         arg = argv[i]
         key, eq, val = arg.partition("=")
         takes_value = not eq
-        if key in ("--local_rank", "--local-rank", "--deepspeed") or key.startswith("--model.config."):
+        if key == "--debug" and takes_value and (i + 1 >= len(argv) or argv[i + 1].startswith("--")):
+            rest += ["--debug", "true"]  # a bare flag, as users type it
+        elif key in ("--local_rank", "--local-rank", "--deepspeed") or key.startswith("--model.config."):
             if takes_value:
                 if i + 1 >= len(argv):
                     raise ConfigError(key.lstrip("-"), "expects a value")

@@ -9,12 +9,37 @@ one-process run with no group until an engine that needs one asks for it (:meth:
 
 from __future__ import annotations
 
+import contextlib
 import os
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+def _init_under_torchelastic(cpu: bool, timeout: timedelta) -> None:
+    """Under torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE``), start the process group on
+    a store prefix of its own for each restart (``TORCHELASTIC_RESTART_COUNT``).
+
+    Why: the agent keeps one TCP store for every restart of its workers, and a restarted group
+    would otherwise read the previous attempt's keys — the dead ranks' gloo addresses ("Connect
+    timeout" at start-up) — whenever it reads before its peers wrote. Older torch versions put
+    the same ``attempt`` prefix in ``torch.distributed.rendezvous``.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
+        return
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timeout)
+    store = dist.PrefixStore(f"memtrain/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    kwargs = {}
+    if not cpu and torch.cuda.is_available():
+        kwargs["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(kwargs["device_id"])
+    dist.init_process_group("nccl" if kwargs else "gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=timeout, **kwargs)
 
 
 class ProcessState:
@@ -22,6 +47,9 @@ class ProcessState:
 
     Args:
         cpu: run on CPU even where CUDA is present.
+        timeout_s: seconds any collective may wait (``backend.timeout_s``): the process group's
+            timeout (gloo; NCCL with async error handling), after which the collective raises.
+            Waits on one rank's long work use :meth:`wait_for_main` instead.
 
     Attributes:
         rank: 0 … world_size-1.
@@ -30,14 +58,23 @@ class ProcessState:
         is_main: rank 0 (writes metrics, commits checkpoints, exports).
     """
 
-    def __init__(self, cpu: bool = False):
+    PATIENT_TIMEOUT = timedelta(days=7)
+    """The timeout of :meth:`wait_for_main`'s group: no practical limit."""
+
+    def __init__(self, cpu: bool = False, timeout_s: float = 600.0):
         from accelerate import PartialState
 
-        self._state = PartialState(cpu=cpu)
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # a timed-out NCCL collective raises
+        self.timeout_s = timeout_s
+        _init_under_torchelastic(cpu, timedelta(seconds=timeout_s))
+        self._state = PartialState(cpu=cpu, timeout=timedelta(seconds=timeout_s))
         self.rank: int = self._state.process_index
         self.world_size: int = self._state.num_processes
         self.device: torch.device = self._state.device
         self.is_main: bool = self._state.is_main_process
+        self._patient = None
+        if self.world_size > 1:  # gloo, also beside NCCL: a barrier that waits as long as rank 0 works
+            self._patient = dist.new_group(backend="gloo", timeout=self.PATIENT_TIMEOUT)
 
     def ensure_group(self) -> None:
         """Start a one-process group when none is up (plain ``python`` with a sharded engine, which
@@ -77,12 +114,16 @@ class ProcessState:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
-    def broadcast_object(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` (picklable) on every rank."""
+    def broadcast_object(self, obj: Any, patient: bool = False) -> Any:
+        """Rank 0's ``obj`` (picklable) on every rank. ``patient``: rank 0 may have worked for longer
+        than ``timeout_s`` before sending (the group of :meth:`wait_for_main`)."""
         if self.world_size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
+        if patient:
+            dist.broadcast_object_list(box, src=0, group=self._patient)
+        else:
+            dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
         return box[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
@@ -98,9 +139,22 @@ class ProcessState:
         if self.world_size > 1:
             dist.barrier()
 
-    def main_process_first(self) -> AbstractContextManager:
-        """Run the body on rank 0 first, then on the others (for building caches)."""
-        return self._state.main_process_first()
+    def wait_for_main(self) -> None:
+        """A barrier for work that only rank 0 does and that may take longer than ``timeout_s``
+        (building the data cache, committing or exporting a checkpoint): it waits on a gloo group
+        without a practical timeout."""
+        if self.world_size > 1:
+            dist.barrier(group=self._patient)
+
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        """Run the body on rank 0 first, then on the others (for building caches), however long
+        rank 0 takes (:meth:`wait_for_main`)."""
+        if not self.is_main:
+            self.wait_for_main()
+        yield
+        if self.is_main:
+            self.wait_for_main()
 
     def close(self) -> None:
         """Tear the process group down. Left to interpreter exit, communicator threads can abort the

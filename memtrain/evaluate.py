@@ -11,6 +11,7 @@ from torch import nn
 from memtrain.distributed import ProcessState
 from memtrain.objectives import Objective
 from memtrain.oom import AgreedOOM, OOMSync, is_oom
+from memtrain.watchdog import progress
 
 log = logging.getLogger("memtrain")
 
@@ -81,6 +82,7 @@ class Evaluator:
         totals = torch.zeros(2 + 2 * len(self.objective.eval_metrics), dtype=torch.float64, device=device)
         for i in range(0, len(self.mine), self.micro_batch_size):
             ids = self.mine[i:i + self.micro_batch_size]
+            progress(f"evaluation of validation samples {i + 1}-{i + len(ids)} of {len(self.mine)}")
             batch = {k: v.to(device) for k, v in self.corpus.validation.batch(ids).items()}
             totals += torch.tensor(self.objective.eval_sums(model, batch), dtype=torch.float64, device=device)
             self.sync.agreement_point()

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import sys
+import time
 from contextlib import AbstractContextManager
 from typing import Iterable, Optional
 
@@ -44,18 +45,24 @@ class FaultInjector:
     on, only one block's activations are live at a time, so the injector counts ``tokens / number
     of blocks`` — the saving activation checkpointing really gives.
 
+    Kills and hangs fire once per output folder: before firing, the rank writes a marker
+    ``output_dir/faults_fired/NAME.rankR``, so a run that a launcher restarts (``torchrun
+    --max-restarts``) resumes past them.
+
     Args:
         faults: the ``faults`` config section (:class:`memtrain.config.FaultsConfig`).
         rank: this rank.
+        output_dir: the run's output folder (for the markers); None = no markers (fire every time).
 
     Attributes:
         step: the optimizer step being run (set by the loop).
         activation_checkpointing: whether activation checkpointing is on (set by the transforms).
     """
 
-    def __init__(self, faults, rank: int):
+    def __init__(self, faults, rank: int, output_dir: Optional[str] = None):
         self.faults = faults
         self.rank = rank
+        self.marker_dir = os.path.join(output_dir, "faults_fired") if output_dir else None
         self.step = 0
         self.activation_checkpointing = False
         self.num_blocks = 1
@@ -147,17 +154,42 @@ class FaultInjector:
 
         register_block_hooks(blocks, forward, backward)
 
+    def _fire_once(self, name: str, ranks: Optional[list[int]] = None) -> bool:
+        """Whether fault ``name`` fires on this rank now: the rank is in ``ranks`` (None = all) and
+        the fault has not fired in this output folder before (its marker is then written)."""
+        if ranks is not None and self.rank not in ranks:
+            return False
+        if self.marker_dir is None:
+            return True
+        marker = os.path.join(self.marker_dir, f"{name}.rank{self.rank}")
+        if os.path.exists(marker):
+            return False
+        os.makedirs(self.marker_dir, exist_ok=True)
+        with open(marker, "w") as fh:
+            fh.write(f"fired at step {self.step}\n")
+        return True
+
     def after_micro_batch(self, index: int) -> None:
         """``faults.kill_at_step`` with ``kill_mid_step``: end the process after the first
-        micro-batch's backward of that step (in the middle of gradient accumulation)."""
+        micro-batch's backward of that step (in the middle of gradient accumulation).
+        ``faults.hang_at_step``: the ranks in ``hang_ranks`` stop there for good (until the
+        watchdog, ``backend.timeout_s``, or the launcher ends them)."""
         f = self.faults
-        if f.kill_mid_step and f.kill_at_step == self.step and index == 0:
+        if index != 0:
+            return
+        if f.kill_mid_step and f.kill_at_step == self.step and self._fire_once(f"kill_at_step_{self.step}", f.kill_ranks):
             kill(f"inside step {self.step}, after micro-batch 1")
+        if f.hang_at_step == self.step and self._fire_once(f"hang_at_step_{self.step}", f.hang_ranks):
+            log.warning("memtrain: faults: rank %d hangs inside step %d", self.rank, self.step)
+            sys.stderr.flush()
+            while True:  # a rank stuck outside Python's reach: only a timeout or a kill ends it
+                time.sleep(1.0)
 
     def after_step(self) -> None:
         """``faults.kill_at_step``: end the process right after that optimizer step."""
         f = self.faults
-        if f.kill_at_step == self.step and not f.kill_mid_step:
+        if f.kill_at_step == self.step and not f.kill_mid_step and self._fire_once(f"kill_at_step_{self.step}",
+                                                                                   f.kill_ranks):
             kill(f"after step {self.step}")
 
     def after_checkpoint_write(self, step: int, directory: str) -> None:
@@ -169,7 +201,7 @@ class FaultInjector:
             OSError: this rank is in ``faults.save_error_ranks``.
         """
         f = self.faults
-        if f.kill_during_save == step:
+        if f.kill_during_save == step and self._fire_once(f"kill_during_save_{step}"):
             kill(f"half-way through saving step {step}")
         if self.rank in (f.save_error_ranks or []):
             raise OSError(f"faults.save_error_ranks: injected write failure in {directory}")

@@ -43,6 +43,7 @@ from memtrain.records import StepOutcome, attach_events, run_summary, step_recor
 from memtrain.state import TrainState
 from memtrain.step import step_with_recovery, time_step
 from memtrain.transforms import ModelTransforms
+from memtrain.watchdog import progress
 
 log = logging.getLogger("memtrain")
 
@@ -153,6 +154,7 @@ class Trainer:
         if path is None:
             return None
         start = time.perf_counter()
+        progress(f"resuming from {path}", timed=False, context="")
         with open(os.path.join(path, MANIFEST)) as fh:
             check_resumable(path, json.load(fh), to_dict(self.cfg), data_identity(self.corpus))
         self.checkpointer.load(path, self.checkpoint_states)
@@ -221,6 +223,7 @@ class Trainer:
         """Data of ``step`` → forward/backward with OOM recovery → optimizer step → state advanced."""
         t = self.cfg.training
         step_start = time.perf_counter()
+        progress("reading its batch", context=f"step {step}")
         cursor = self.sampler.cursor(step - 1)
         rank_batch = self._rank_batch(cursor)
         lr = self.scheduler.get_last_lr()[0]
@@ -237,6 +240,7 @@ class Trainer:
         except OOMStop as exc:
             report = memory_report(self.model, self.optimizer)
             raise OOMStop(oom_stop_message(exc, step, self.process.rank, report)) from None
+        progress("gradient clipping and optimizer step")
         loss_sum, global_count, digest = sums.read()  # the step's one read of its sums
         loss, count = loss_sum / global_count if global_count else float("nan"), int(global_count)
         # the non-finite guard: loss and norm are global, so every rank skips the same steps
@@ -314,6 +318,7 @@ class Trainer:
     def _save_if_due(self, step: int, preemption: Preemption) -> Optional[str]:
         """Save when ``checkpoint.every_steps`` divides ``step``, at the last step (when periodic
         saving is on), and on a stop signal that reached any rank; returns that signal's name."""
+        progress("checkpoint save", timed=False)  # file-system work: the others' collectives time it
         stop = self.process.any_rank(preemption.requested)
         self.checkpointer.poll()  # commit an asynchronous save every rank finished writing
         last = step == self.cfg.training.max_steps
@@ -337,11 +342,12 @@ class Trainer:
     def _export(self) -> str:
         """Write the consolidated model to ``output_dir/model`` (a collective for sharded engines)."""
         model_dir = os.path.join(self.cfg.output_dir, "model")
+        progress("export", timed=False, context="")
         state_dict = self.engine.full_state_dict(self.model)
         if self.process.is_main:
             export_model(self.engine.unwrap(self.model), state_dict, model_dir, self.corpus.hf_tokenizer(),
                          self.cfg.checkpoint.max_shard_size)
-        self.process.barrier()
+        self.process.wait_for_main()  # rank 0 writes the files: however long that takes
         return model_dir
 
     def _about(self) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from memtrain.fingerprint import micro_batch_digest
 from memtrain.objectives import Objective
 from memtrain.oom import AgreedOOM, OOMSync, is_oom
 from memtrain.plan import MicroBatchPlan, PlanChange, PlanController
+from memtrain.watchdog import progress
 
 
 HOST_READS_PER_STEP = 2
@@ -109,6 +110,7 @@ def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.T
         loss per token (or character).
     """
     process = backend.process
+    progress("the global token count (all-reduce)")
     global_count = process.all_reduce_sum(objective.count(rank_batch).to(process.device))
     # on the device: no host synchronisation before the first forward (torchtitan keeps the
     # global token count on the device for the same reason)
@@ -117,6 +119,7 @@ def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.T
     loss_sum = torch.zeros((), dtype=torch.float64, device=process.device)
     digest = torch.zeros((), dtype=torch.int64, device=process.device)
     for i, micro_batch in enumerate(micro_batches):
+        progress(f"micro-batch {i + 1} of {len(micro_batches)}, forward and backward")
         with backend.sync_context(model, sync=i == len(micro_batches) - 1):
             with hooks.forward_context() if hooks is not None else contextlib.nullcontext():
                 micro_loss = objective.loss_sum(model, micro_batch)

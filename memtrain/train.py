@@ -39,19 +39,26 @@ def main(argv: Optional[list[str]] = None):
     Raises:
         ConfigError: invalid configuration (before any process group or file is created).
     """
-    cfg = prepare_config(argv)
+    return run(prepare_config(argv))
 
+
+def run(cfg: Config):
+    """Train ``cfg`` (validated): the process state, the watchdog with several ranks
+    (:mod:`memtrain.watchdog`), the trainer; returns the :class:`memtrain.loop.RunResult`."""
     from contextlib import ExitStack
 
     import torch
 
     from memtrain.build import build_trainer
     from memtrain.distributed import ProcessState
+    from memtrain.watchdog import Watchdog
 
-    process = ProcessState(cpu=not torch.cuda.is_available())
+    process = ProcessState(cpu=not torch.cuda.is_available(), timeout_s=cfg.backend.timeout_s)
     process.cap_cuda_memory(cfg.memory.cuda_memory_cap_gib)
     with ExitStack() as closing:
         closing.callback(process.close)  # last: the engine is closed first
+        if process.world_size > 1:  # alone, nobody waits on this rank
+            closing.callback(Watchdog(cfg.backend.timeout_s, process.rank).start().stop)
         return build_trainer(cfg, process, closing).run()
 
 
@@ -63,8 +70,10 @@ def cli() -> None:
     """Console entry point (``memtrain export …`` goes to :mod:`memtrain.export`): exit 2 with
     the message on a config error, 3 when out of memory at the plan floor (the message holds the
     memory report), 4 when a checkpoint cannot be saved or resumed, 5 after too many consecutive
-    non-finite steps, 130 after Ctrl-C (the first finishes the step and saves it, a second stops at
-    once)."""
+    non-finite steps, 6 when a collective failed or timed out or the watchdog ended a rank that
+    stopped making progress (``backend.timeout_s``), 130 after Ctrl-C (the first finishes the step
+    and saves it, a second stops at once), 1 on any other error. Every error is one message on
+    stderr; ``--debug`` adds the Python traceback."""
     if sys.argv[1:2] == ["export"]:  # memtrain export CKPT OUT
         from memtrain.export import main as export_main
 
@@ -73,25 +82,43 @@ def cli() -> None:
         from memtrain.estimate import main as plan_main
 
         sys.exit(plan_main(sys.argv[2:], command=sys.argv[1]))
-    from memtrain.errors import CheckpointError
-    from memtrain.oom import OOMStop
-    from memtrain.precision import NonFiniteStop
-
-    exit_codes = {ConfigError: 2, OOMStop: 3, CheckpointError: 4, NonFiniteStop: 5}
-    code = 0
+    cfg = None
     try:
-        result = main()
-        if result.summary.get("preempted") == "SIGINT":
-            code = INTERRUPTED  # Ctrl-C: saved, then stopped
+        cfg = prepare_config()
+        result = run(cfg)
+        code = INTERRUPTED if result.summary.get("preempted") == "SIGINT" else 0  # Ctrl-C: saved, then stopped
     except KeyboardInterrupt:  # Ctrl-C before the loop, or a second one: nothing more is written
         print("memtrain: interrupted; the last complete checkpoint is untouched (rerun the same command to resume "
               "from it)", file=sys.stderr)
         code = INTERRUPTED
-    except tuple(exit_codes) as exc:
-        prefix = "checkpoint: " if isinstance(exc, CheckpointError) else ""
-        print(f"memtrain: {prefix}{exc}", file=sys.stderr)
-        code = next(code for kind, code in exit_codes.items() if isinstance(exc, kind))
+    except Exception as exc:  # noqa: BLE001 — every error becomes one message and its exit code
+        code, message = error_report(exc, cfg)
+        if cfg is not None and cfg.debug:
+            import traceback
+
+            traceback.print_exc()
+        print(f"memtrain: {message}", file=sys.stderr)
     _exit_now(code)
+
+
+def error_report(exc: Exception, cfg: Optional[Config]) -> tuple[int, str]:
+    """The exit code and one-line message of an error that ended a run (see :func:`cli`)."""
+    from memtrain.errors import CheckpointError
+    from memtrain.oom import OOMStop
+    from memtrain.precision import NonFiniteStop
+    from memtrain.watchdog import COLLECTIVE_FAILED, collective_failure_message, is_collective_failure
+
+    for kind, code, prefix in ((ConfigError, 2, ""), (OOMStop, 3, ""), (CheckpointError, 4, "checkpoint: "),
+                               (NonFiniteStop, 5, "")):
+        if isinstance(exc, kind):
+            return code, f"{prefix}{exc}"
+    rank = int(os.environ.get("RANK", "0"))
+    if is_collective_failure(exc):
+        return COLLECTIVE_FAILED, collective_failure_message(exc, rank, cfg.backend.timeout_s if cfg else 600.0)
+    from memtrain.watchdog import operation
+
+    hint = "" if cfg is not None and cfg.debug else " (rerun with --debug for the traceback)"
+    return 1, f"rank {rank}: {type(exc).__name__} during {operation()}: {exc}{hint}"
 
 
 def _exit_now(code: int) -> None:

@@ -87,6 +87,9 @@ def _validate_values(cfg: Config) -> None:
     if t.eval_samples < 1:
         raise ConfigError("training.eval_samples", f"must be >= 1 (validation samples per evaluation; the run "
                           f"evaluates after its last step even with training.eval_every 0), got {t.eval_samples}")
+    if not cfg.backend.timeout_s > 0:
+        raise ConfigError("backend.timeout_s", f"must be > 0 (seconds a collective or one operation may take), "
+                          f"got {cfg.backend.timeout_s}")
     if cfg.backend.zero_stage is not None and cfg.backend.name in ("ddp", "fsdp"):
         raise ConfigError("backend.zero_stage", f"is a DeepSpeed setting, but backend.name is '{cfg.backend.name}'; "
                           "use backend.name deepspeed (or auto), or drop backend.zero_stage")

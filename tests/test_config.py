@@ -73,6 +73,7 @@ BAD_VALUES = [
     (["--training.max_grad_norm", "-1"], "training.max_grad_norm", "0 = no clipping"),
     (["--training.eval_samples", "0"], "training.eval_samples", "must be >= 1"),
     (["--backend.name", "fsdp", "--backend.zero_stage", "2"], "backend.zero_stage", "DeepSpeed setting"),
+    (["--backend.timeout_s", "0"], "backend.timeout_s", "must be > 0"),
 ]
 
 

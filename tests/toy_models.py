@@ -117,3 +117,8 @@ class StackLM(nn.Module):
 
 def make_stack(vocab_size: int, dim: int = 32, layers: int = 4, dropout: float = 0.1) -> nn.Module:
     return StackLM(vocab_size, dim, layers, dropout)
+
+
+def broken(vocab_size: int) -> nn.Module:
+    """A factory that fails the way a user's buggy model code does (for the error-message tests)."""
+    raise RuntimeError("toy_models.broken always fails")

@@ -261,7 +261,7 @@ def retain(root: str, newest: str, keep_last: int) -> list[str]:
     return doomed
 
 
-RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "plan.json", "checkpoints", "model")
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "plan.json", "checkpoints", "model", "faults_fired")
 """What a run writes into its output folder (moved aside together by :func:`move_previous_run`)."""
 
 

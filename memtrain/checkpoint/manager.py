@@ -91,7 +91,7 @@ class Checkpointer:
             except Exception as exc:  # noqa: BLE001 — any failure must reach the other ranks, or they hang
                 result = ("error", str(exc) if isinstance(exc, (CheckpointError, OSError))
                           else f"{type(exc).__name__}: {exc}")
-        status, value = self.process.broadcast_object(result)
+        status, value = self.process.broadcast_object(result, patient=True)  # rank 0 may have hashed for long
         if status == "error":
             raise CheckpointError(value)
         return value
