@@ -315,3 +315,33 @@ def test_second_ctrl_c_stops_at_once():
             preemption._handle(signal.SIGINT, None)
     finally:
         preemption.close()
+
+
+def test_two_torchrun_agents_as_two_nodes_match_one_node_and_survive_a_kill(tmp_path, tmp_path_factory, cache_dir):
+    """Multi-node as two torchrun agents on localhost (``--nnodes 2 --nproc_per_node 1``, c10d
+    rendezvous, ``--max-restarts 1``): rank 1 (the second "node") is killed after step 7, both
+    agents restart their worker, it resumes, and every step equals the one-node 2-process run
+    bitwise."""
+    import subprocess
+
+    from conftest import REPO, TRAIN, _free_port
+
+    base = read_metrics(continuous("ddp", tmp_path_factory, cache_dir))
+    port = _free_port()
+    args = tiny_args(tmp_path, cache_dir, *CKPT, *ENGINES["ddp"], "--faults.kill_at_step", "7",
+                     "--faults.kill_ranks", "[1]", "--backend.timeout_s", "60")
+    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+             "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "two-nodes",
+             "--max-restarts", "1", "--monitor-interval", "0.5", TRAIN, *args]
+    agents = [subprocess.Popen(agent, env=_ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for _ in range(2)]
+    try:
+        outputs = [a.communicate(timeout=300) for a in agents]
+    finally:
+        for a in agents:
+            a.kill()
+    assert [a.returncode for a in agents] == [0, 0], [err[-3000:] for _, err in outputs]
+    records = read_metrics(tmp_path)
+    assert records[6]["event"].startswith("resume")
+    assert_bitwise_from(records, base, 1)
+    assert os.listdir(tmp_path / "faults_fired") == ["kill_at_step_7.rank1"]
