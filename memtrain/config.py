@@ -216,6 +216,10 @@ class FaultsConfig:
     """Inject only up to this optimizer step (0 = for the whole run); lets a test watch grow-back."""
     oom_at_steps: Optional[list[int]] = None
     """Inject OOMs only at these optimizer steps (rare long inputs: memory spikes); None = every step."""
+    oom_in_optimizer_at_step: int = 0
+    """Raise a torch.OutOfMemoryError in this optimizer step's optimizer update on ``oom_ranks``,
+    outside the OOM protocol (an OOM that escapes the agreement ends the run; a restarted run
+    starts at a smaller plan); once per output folder; 0 = off."""
     nan_at_step: int = 0
     """Make this optimizer step's loss (and so its gradients) NaN on every rank, by poisoning
     the first block's input in training forwards; 0 = off."""

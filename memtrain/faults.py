@@ -179,11 +179,24 @@ class FaultInjector:
             return
         if f.kill_mid_step and f.kill_at_step == self.step and self._fire_once(f"kill_at_step_{self.step}", f.kill_ranks):
             kill(f"inside step {self.step}, after micro-batch 1")
-        if f.hang_at_step == self.step and self._fire_once(f"hang_at_step_{self.step}", f.hang_ranks):
+        if f.hang_at_step and f.hang_at_step == self.step and self._fire_once(f"hang_at_step_{self.step}", f.hang_ranks):
             log.warning("memtrain: faults: rank %d hangs inside step %d", self.rank, self.step)
             sys.stderr.flush()
             while True:  # a rank stuck outside Python's reach: only a timeout or a kill ends it
                 time.sleep(1.0)
+
+    def before_optimizer_step(self) -> None:
+        """``faults.oom_in_optimizer_at_step``: an out-of-memory error in the optimizer update, on
+        ``faults.oom_ranks``, outside the agreement protocol.
+
+        Raises:
+            torch.OutOfMemoryError: at that step, once per output folder.
+        """
+        f = self.faults
+        if f.oom_in_optimizer_at_step == self.step and self._fire_once(f"oom_in_optimizer_at_step_{self.step}",
+                                                                        f.oom_ranks):
+            raise torch.OutOfMemoryError(f"CUDA out of memory (injected by memtrain faults.oom_in_optimizer_at_step="
+                                         f"{self.step} on rank {self.rank})")
 
     def after_step(self) -> None:
         """``faults.kill_at_step``: end the process right after that optimizer step."""

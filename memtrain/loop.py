@@ -35,7 +35,8 @@ from memtrain.fingerprint import hex_of
 from memtrain.flops import mfu
 from memtrain.metrics import MetricsLogger
 from memtrain.objectives import Objective
-from memtrain.oom import OOMStop, OOMSync, memory_report, oom_stop_message, peak_memory_bytes
+from memtrain.oom import (OOMStop, OOMSync, is_oom, memory_report, oom_stop_message, peak_memory_bytes,
+                          record_escaped_oom, take_escaped_ooms)
 from memtrain.plan import MicroBatchPlan, PlanChange, PlanController
 from memtrain.precision import NonFiniteGuard
 from memtrain.preemption import Preemption
@@ -114,6 +115,7 @@ class Trainer:
             resumed = self._resume()
             if resumed is None and t.micro_batch_size == "auto":
                 self._choose_plan()
+            self._shrink_after_escaped_oom()
             metrics = self._open_metrics(resumed)
             if resumed is None:
                 self.state.initial_val_loss = self.state.val_loss = self.evaluator(self.model)["loss"]
@@ -122,7 +124,12 @@ class Trainer:
             stopped_by = None
             run_start = time.perf_counter()
             for step in range(first_step, t.max_steps + 1):
-                outcome = self._optimizer_step(step, run_start)
+                try:
+                    outcome = self._optimizer_step(step, run_start)
+                except BaseException as exc:  # an OOM the agreement did not catch: leave a note for a restart
+                    if is_oom(exc) and not isinstance(exc, OOMStop):
+                        record_escaped_oom(self.cfg.output_dir, self.process.rank, step, str(self.controller.plan))
+                    raise
                 record = self._record(outcome, run_start)
                 if step == t.max_steps or (t.eval_every and step % t.eval_every == 0):
                     self._evaluate(record)
@@ -162,6 +169,23 @@ class Trainer:
         if self.controller.activation_checkpointing:  # switched on by an OOM before the checkpoint
             self.transforms.enable_activation_checkpointing(self.engine.unwrap(self.model))
         return path, time.perf_counter() - start
+
+    def _shrink_after_escaped_oom(self) -> None:
+        """A previous attempt of this run (restarted by its launcher) ran out of memory outside the
+        agreement and noted it (:func:`memtrain.oom.record_escaped_oom`): start one plan smaller,
+        as the OOM protocol would have. Rank 0 reads and removes the notes; every rank adopts the
+        same plan."""
+        notes = self.process.broadcast_object(take_escaped_ooms(self.cfg.output_dir) if self.process.is_main else None)
+        if not notes:
+            return
+        where = f"step {notes[0]['step']} of the attempt before this restart"
+        if self.layerdrop is not None:
+            self.layerdrop.set_step(self.state.step + 1)
+        self.probe_batch = self._rank_batch(self.sampler.cursor(self.state.step))  # what a planner would time
+        change = self.controller.on_oom(where)
+        self.engine.set_plan(self.controller.plan)
+        self._on_plan_change(self.pending_events, self.state.step + 1, time.perf_counter(), change,
+                             [n["rank"] for n in notes])
 
     def _choose_plan(self) -> None:
         """``training.micro_batch_size: auto``: before step 1, the planner's fastest plan predicted
@@ -241,6 +265,7 @@ class Trainer:
             report = memory_report(self.model, self.optimizer)
             raise OOMStop(oom_stop_message(exc, step, self.process.rank, report)) from None
         progress("gradient clipping and optimizer step")
+        self.faults.before_optimizer_step()
         loss_sum, global_count, digest = sums.read()  # the step's one read of its sums
         loss, count = loss_sum / global_count if global_count else float("nan"), int(global_count)
         # the non-finite guard: loss and norm are global, so every rank skips the same steps

@@ -11,6 +11,8 @@ no engine collective lies between two of them. The approach follows Composer's a
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Callable, Optional
 
 import torch
@@ -180,3 +182,30 @@ def oom_stop_message(exc: OOMStop, step: int, rank: int, report: dict[str, int])
             + ", ".join(f"{k} = {v / 2**20:.1f} MiB" for k, v in report.items())
             + ". To fit: use backend.name deepspeed with backend.zero_stage 3 or backend.name fsdp, "
             "backend.offload optimizer, memory.activation_checkpointing on/auto, or a shorter data.seq_len.")
+
+
+ESCAPED_OOM_PREFIX = "oom_escaped"
+"""``output_dir/oom_escaped.rankR.json``: an out-of-memory error that escaped the agreement."""
+
+
+def record_escaped_oom(output_dir: str, rank: int, step: int, plan: str) -> None:
+    """Note that this rank ran out of memory outside the OOM protocol (e.g. in the optimizer
+    step) at ``step`` with ``plan``, before the process exits, so that a restarted run
+    (``torchrun --max-restarts``) starts at a smaller plan (:func:`take_escaped_ooms`)."""
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, f"{ESCAPED_OOM_PREFIX}.rank{rank}.json"), "w") as fh:
+        json.dump({"rank": rank, "step": step, "plan": plan}, fh)
+
+
+def take_escaped_ooms(output_dir: str) -> list[dict]:
+    """The records of :func:`record_escaped_oom` in ``output_dir`` (rank order), removed as they
+    are read. Rank 0 only; the caller broadcasts the result."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in sorted(n for n in os.listdir(output_dir) if n.startswith(ESCAPED_OOM_PREFIX + ".")):
+        path = os.path.join(output_dir, name)
+        with open(path) as fh:
+            found.append(json.load(fh))
+        os.remove(path)
+    return found

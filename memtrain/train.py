@@ -113,9 +113,16 @@ def error_report(exc: Exception, cfg: Optional[Config]) -> tuple[int, str]:
         if isinstance(exc, kind):
             return code, f"{prefix}{exc}"
     rank = int(os.environ.get("RANK", "0"))
+    from memtrain.oom import is_oom
+    from memtrain.watchdog import operation
+
+    if is_oom(exc):
+        return 3, (f"rank {rank}: out of memory outside the OOM protocol, during {operation()}: "
+                   f"{str(exc).strip().splitlines()[0] if str(exc).strip() else 'torch.OutOfMemoryError'}; noted in "
+                   "output_dir, so a restarted run (torchrun --max-restarts, or rerunning the command) starts one plan "
+                   "smaller")
     if is_collective_failure(exc):
         return COLLECTIVE_FAILED, collective_failure_message(exc, rank, cfg.backend.timeout_s if cfg else 600.0)
-    from memtrain.watchdog import operation
 
     hint = "" if cfg is not None and cfg.debug else " (rerun with --debug for the traceback)"
     return 1, f"rank {rank}: {type(exc).__name__} during {operation()}: {exc}{hint}"

@@ -5,6 +5,8 @@ output folder. The 2-rank runs under an elastic launcher are in test_checkpoint.
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 
@@ -78,3 +80,26 @@ def test_kills_fire_once_per_output_folder_and_only_on_their_ranks(tmp_path, mon
     assert fired == ["after step 3"]  # the marker: a restarted run continues past it
     assert sorted(p.name for p in (tmp_path / "faults_fired").iterdir()) == ["kill_at_step_3.rank1"]
 
+
+
+def test_an_oom_that_escapes_the_agreement_makes_the_restart_start_smaller(tmp_path, cache_dir):
+    """An out-of-memory error outside the OOM protocol (here in the optimizer update) ends the
+    run (exit 3 from the command) after the rank noted it; the restarted run resumes from the
+    last checkpoint one plan smaller instead of running out of memory again."""
+    import torch
+
+    from conftest import read_metrics, tiny_args
+    from memtrain.train import error_report, main
+
+    args = tiny_args(tmp_path, cache_dir, "--training.max_steps", "4", "--checkpoint.every_steps", "2",
+                     "--faults.oom_in_optimizer_at_step", "3", "--memory.activation_checkpointing", "off")
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        main(args)
+    assert error_report(info.value, None)[0] == 3
+    assert (tmp_path / "oom_escaped.rank0.json").exists()
+    main(args)  # the restart: the fault fired already
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [r["micro_batch_size"] for r in records] == [2, 2, 1, 1]
+    assert records[2]["event"].startswith("resume,oom_shrink")
+    assert not (tmp_path / "oom_escaped.rank0.json").exists()
