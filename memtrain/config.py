@@ -73,7 +73,9 @@ class DataConfig:
     validation_fraction: float = 0.05
     """Fraction of files (chosen by a hash of their path, deterministic) held out for validation."""
     vocab_size: int = 8192
-    """Size of the byte-level BPE vocabulary trained on the training split."""
+    """Size of the byte-level BPE vocabulary trained on the training split. The model's vocabulary
+    is the tokenizer's real size, which differs (with a warning) when the corpus gives fewer merges,
+    or when this is below the byte alphabet plus special tokens."""
     seq_len: int = 256
     """Tokens per packed training sample."""
     cache_dir: Optional[str] = None

@@ -122,3 +122,16 @@ def test_bad_data_files_are_named_with_file_and_line(tmp_path):
         with pytest.raises(ConfigError) as info:
             list(iter_documents(select_files([str(tmp_path / name)])))
         assert info.value.field == field and phrase in str(info.value)
+
+
+def test_a_vocab_size_the_tokenizer_cannot_reach_is_said(tmp_path, caplog):
+    """data.vocab_size below the byte alphabet: the model gets the tokenizer's real size, with a warning."""
+    from memtrain.data import build_corpus
+
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text("def add(a, b):\n    return a + b\n" * 40)
+    cfg = parse_args(TINY_ARGS + ["--data.files", f"['{tmp_path}/*.txt']", "--data.vocab_size", "100",
+                                  "--data.cache_dir", str(tmp_path / "cache"), "--data.max_bytes", "0"])
+    corpus = build_corpus(cfg.data)
+    assert corpus.vocab_size > 256
+    assert f"data.vocab_size 100: the tokenizer has {corpus.vocab_size} tokens (the byte-level alphabet" in caplog.text

@@ -113,5 +113,13 @@ def build_corpus(data_cfg):
     if not val_files:
         raise ValueError("data.files: need at least two files (one is held out for validation)")
     tok = load_or_build(train_files, val_files, data_cfg.vocab_size, data_cfg.text_field, data_cfg.cache_dir)
+    if tok.vocab_size != data_cfg.vocab_size:
+        import logging
+
+        reason = ("the byte-level alphabet and special tokens alone need more" if tok.vocab_size > data_cfg.vocab_size
+                  else "BPE found no more pairs worth merging in this corpus")
+        logging.getLogger("memtrain").warning(
+            "memtrain: data.vocab_size %d: the tokenizer has %d tokens (%s); the model's vocabulary is %d",
+            data_cfg.vocab_size, tok.vocab_size, reason, tok.vocab_size)
     return Corpus(PackedDataset(tok.train, data_cfg.seq_len), PackedDataset(tok.validation, data_cfg.seq_len), tok,
                   seq_len=data_cfg.seq_len)
