@@ -122,7 +122,7 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Tra
     from accelerate.utils import set_seed
 
     set_seed(t.seed)  # same initial weights on every rank
-    model = build_model(cfg.model, corpus.vocab_size, t.seed)
+    model = build_model(cfg.model, corpus.vocab_size, t.seed, getattr(corpus, "eos_id", None))
     n_params, objective = count_parameters(model), make_objective(model, corpus, cfg.memory.chunked_cross_entropy)
     layerdrop = getattr(model, "memtrain_layerdrop", None)  # memtrain.layerdrop.AgreedLayerDrop
     utilisation = model_flops(model, n_params, cfg.data.seq_len, objective.unit, precision, process.device)

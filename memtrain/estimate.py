@@ -114,7 +114,7 @@ def plan_report(cfg, world_size: int, device_memory_gib: Optional[float] = None)
         precision = "bf16" if cfg.precision == "auto" else cfg.precision
     corpus = build_corpus(cfg.data)
     with torch.device("meta"):  # parameter count and objective without allocating
-        meta = build_model(cfg.model, corpus.vocab_size, cfg.training.seed)
+        meta = build_model(cfg.model, corpus.vocab_size, cfg.training.seed, getattr(corpus, "eos_id", None))
     n, objective = count_parameters(meta), make_objective(meta, corpus, cfg.memory.chunked_cross_entropy)
     engines = {name: model_state_bytes(e, n, precision, s, o, world_size) for name, (e, s, o) in ENGINE_VARIANTS.items()}
     b = cfg.backend

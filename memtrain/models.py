@@ -9,6 +9,7 @@ function with ``vocab_size=`` and the ``model.config`` keys and expects an ``nn.
 from __future__ import annotations
 
 import importlib
+from typing import Optional
 
 import torch
 from torch import nn
@@ -34,7 +35,7 @@ def load_factory(spec: str):
         raise ConfigError("model.factory", f"cannot load '{spec}': {exc}") from None
 
 
-def build_model(model_cfg: ModelConfig, vocab_size: int, seed: int = 0) -> nn.Module:
+def build_model(model_cfg: ModelConfig, vocab_size: int, seed: int = 0, eos_token_id: Optional[int] = None) -> nn.Module:
     """Instantiate the model with freshly initialised weights (seed the RNG before calling).
 
     A transformers model type with a CTC head (wav2vec2, wavlm, hubert, …) is built with
@@ -46,6 +47,9 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, seed: int = 0) -> nn.Mo
         model_cfg: the ``model`` section.
         vocab_size: the tokenizer's vocabulary size; used unless the config sets ``vocab_size``.
         seed: seeds the LayerDrop decisions (with the step number).
+        eos_token_id: the tokenizer's end-of-text id: a causal LM's ``bos_token_id`` and
+            ``eos_token_id`` (not the model type's defaults, such as GPT-2's 50256); None = keep
+            the config's, or 0 when they lie outside the vocabulary.
 
     Returns:
         The model in fp32 on CPU, in train mode.
@@ -82,7 +86,9 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, seed: int = 0) -> nn.Mo
 
             install_layerdrop(model, seed)
         else:
-            if getattr(hf_config, "eos_token_id", None) is None or hf_config.eos_token_id >= vocab_size:
+            if eos_token_id is not None:
+                hf_config.bos_token_id = hf_config.eos_token_id = eos_token_id
+            elif getattr(hf_config, "eos_token_id", None) is None or hf_config.eos_token_id >= vocab_size:
                 hf_config.bos_token_id = hf_config.eos_token_id = 0
             hf_config.pad_token_id = None
             model = AutoModelForCausalLM.from_config(hf_config)

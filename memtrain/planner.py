@@ -357,7 +357,8 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str):
     from memtrain.models import build_model
 
     dtype = COMPUTE_DTYPES.get(precision) if device_type == "cuda" else None
-    model, mode = fake_model(lambda: build_model(cfg.model, corpus.vocab_size, cfg.training.seed), dtype)
+    model, mode = fake_model(lambda: build_model(cfg.model, corpus.vocab_size, cfg.training.seed,
+                                                   getattr(corpus, "eos_id", None)), dtype)
     if getattr(objective, "chunked", False):  # the run's output layer computes the loss in chunks
         from memtrain.chunked_loss import install_chunked_head
 

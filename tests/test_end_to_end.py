@@ -31,6 +31,18 @@ def test_tiny_recipe_metrics_and_export(tmp_path, cache_dir):
         torch.testing.assert_close(loaded(input_ids=ids).logits, trained(input_ids=ids).logits, rtol=0, atol=0)
     tok = AutoTokenizer.from_pretrained(tmp_path / "model")
     assert tok.decode(tok("def f(x):\n    return x")["input_ids"]) == "def f(x):\n    return x"
+    assert loaded.config.eos_token_id == loaded.config.bos_token_id == tok.eos_token_id
+
+
+def test_special_token_ids_come_from_the_tokenizer():
+    """Not the model type's defaults (GPT-2's 50256), even where the vocabulary would hold them."""
+    from memtrain.config import ModelConfig
+    from memtrain.models import build_model
+
+    cfg = ModelConfig(config={"model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2, "n_positions": 8,
+                              "vocab_size": 50304})
+    model = build_model(cfg, vocab_size=512, eos_token_id=7)
+    assert model.config.eos_token_id == model.config.bos_token_id == 7
 
 
 def test_plain_module_factory(tmp_path, cache_dir):

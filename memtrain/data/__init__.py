@@ -73,6 +73,11 @@ class Corpus:
     seq_len: int = 0
 
     @property
+    def eos_id(self) -> int:
+        """The end-of-text token id (also the model's bos/eos token id)."""
+        return self.tokenized.eos_id
+
+    @property
     def vocab_size(self) -> int:
         """Token ids the tokenizer can produce."""
         return self.tokenized.vocab_size
