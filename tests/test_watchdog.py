@@ -21,9 +21,9 @@ def test_watchdog_ends_a_rank_stuck_in_a_timed_operation():
 
 def test_watchdog_leaves_untimed_and_progressing_operations_alone():
     script = ("import time; from memtrain.watchdog import Watchdog, progress\n"
-              "w = Watchdog(0.5, 0).start()\n"
+              "w = Watchdog(1.5, 0).start()\n"
               "for i in range(8): progress(f'micro-batch {i}'); time.sleep(0.2)\n"
-              "progress('checkpoint save', timed=False); time.sleep(1.5); w.stop(); print('done')")
+              "progress('checkpoint save', timed=False); time.sleep(2.5); w.stop(); print('done')")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr
 
