@@ -20,15 +20,20 @@ import torch.distributed as dist
 
 
 def _init_under_torchelastic(cpu: bool, timeout: timedelta) -> None:
-    """Under torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE``), start the process group on
-    a store prefix of its own for each restart (``TORCHELASTIC_RESTART_COUNT``).
+    """Under one torchrun agent's store (``TORCHELASTIC_USE_AGENT_STORE``, every rank on this
+    node), start the process group on a store prefix of its own for each restart
+    (``TORCHELASTIC_RESTART_COUNT``).
 
     Why: the agent keeps one TCP store for every restart of its workers, and a restarted group
     would otherwise read the previous attempt's keys — the dead ranks' gloo addresses ("Connect
     timeout" at start-up) — whenever it reads before its peers wrote. Older torch versions put
-    the same ``attempt`` prefix in ``torch.distributed.rendezvous``.
+    the same ``attempt`` prefix in ``torch.distributed.rendezvous``. With several agents (nodes)
+    the restart counts can differ between nodes (an agent whose workers looked healthy restarts
+    them without counting), so there the launcher must start a new store each round:
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (README, "Several machines").
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
+    one_agent = os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not one_agent or dist.is_initialized():
         return
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
@@ -38,7 +43,8 @@ def _init_under_torchelastic(cpu: bool, timeout: timedelta) -> None:
     if not cpu and torch.cuda.is_available():
         kwargs["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(kwargs["device_id"])
-    dist.init_process_group("nccl" if kwargs else "gloo", store=store, rank=rank, world_size=world_size,
+    # on CUDA also gloo for CPU tensors (FSDP2's CPU offload), as Accelerate would start it
+    dist.init_process_group("cuda:nccl,cpu:gloo" if kwargs else "gloo", store=store, rank=rank, world_size=world_size,
                             timeout=timeout, **kwargs)
 
 
@@ -48,7 +54,8 @@ class ProcessState:
     Args:
         cpu: run on CPU even where CUDA is present.
         timeout_s: seconds any collective may wait (``backend.timeout_s``): the process group's
-            timeout (gloo; NCCL with async error handling), after which the collective raises.
+            timeout, after which the collective raises (gloo; NCCL with
+            ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``, else NCCL's watchdog ends the process itself).
             Waits on one rank's long work use :meth:`wait_for_main` instead.
 
     Attributes:
@@ -64,7 +71,8 @@ class ProcessState:
     def __init__(self, cpu: bool = False, timeout_s: float = 600.0):
         from accelerate import PartialState
 
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # a timed-out NCCL collective raises
+        # NCCL: 2 = abort the communicator and raise in Python (exit 6); torchrun sets its own default
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         self.timeout_s = timeout_s
         _init_under_torchelastic(cpu, timedelta(seconds=timeout_s))
         self._state = PartialState(cpu=cpu, timeout=timedelta(seconds=timeout_s))

@@ -53,6 +53,9 @@ def run(cfg: Config):
     from memtrain.distributed import ProcessState
     from memtrain.watchdog import Watchdog
 
+    from memtrain.watchdog import progress
+
+    progress("start-up", timed=False, context="")  # nothing left from an earlier run in this process
     process = ProcessState(cpu=not torch.cuda.is_available(), timeout_s=cfg.backend.timeout_s)
     process.cap_cuda_memory(cfg.memory.cuda_memory_cap_gib)
     with ExitStack() as closing:
@@ -117,10 +120,13 @@ def error_report(exc: Exception, cfg: Optional[Config]) -> tuple[int, str]:
     from memtrain.watchdog import operation
 
     if is_oom(exc):
+        from memtrain.oom import ESCAPED_OOM_PREFIX
+
+        noted = cfg is not None and os.path.exists(os.path.join(cfg.output_dir, f"{ESCAPED_OOM_PREFIX}.rank{rank}.json"))
         return 3, (f"rank {rank}: out of memory outside the OOM protocol, during {operation()}: "
-                   f"{str(exc).strip().splitlines()[0] if str(exc).strip() else 'torch.OutOfMemoryError'}; noted in "
-                   "output_dir, so a restarted run (torchrun --max-restarts, or rerunning the command) starts one plan "
-                   "smaller")
+                   f"{str(exc).strip().splitlines()[0] if str(exc).strip() else 'torch.OutOfMemoryError'}"
+                   + ("; noted in output_dir, so a restarted run (torchrun --max-restarts, or rerunning the command) "
+                      "starts one plan smaller" if noted else ""))
     if is_collective_failure(exc):
         return COLLECTIVE_FAILED, collective_failure_message(exc, rank, cfg.backend.timeout_s if cfg else 600.0)
 

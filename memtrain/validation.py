@@ -167,6 +167,13 @@ def validate(cfg: Config, world_size: int) -> None:
                           f"got {ck.keep_last}")
     if cfg.resume not in ("auto", "never") and not os.path.isdir(cfg.resume):
         raise ConfigError("resume", f"'{cfg.resume}' is neither auto, never nor a checkpoint directory")
+    f = cfg.faults
+    if f.hang_at_step and world_size < 2:
+        raise ConfigError("faults.hang_at_step", "needs several ranks (the watchdog that ends a hung rank runs only then)")
+    for name in ("kill_ranks", "hang_ranks", "oom_ranks"):
+        outside = [r for r in (getattr(f, name) or []) if not 0 <= r < world_size]
+        if outside:
+            raise ConfigError(f"faults.{name}", f"ranks {outside} do not exist with world_size {world_size}")
     if cfg.faults.kill_mid_step and not cfg.faults.kill_at_step:
         raise ConfigError("faults.kill_mid_step", "needs faults.kill_at_step (the step to end in)")
     if cfg.model.factory is not None and ":" not in cfg.model.factory:

@@ -64,7 +64,7 @@ def test_killed_and_resumed_run_is_bitwise_identical(tmp_path, tmp_path_factory,
 # ranks the dead ranks' gloo addresses)
 ELASTIC = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
            "--rdzv_endpoint", "127.0.0.1:{port}", "--max-restarts", "2", "--monitor-interval", "0.5"]
-HANG_TIMEOUT_S = 20  # backend.timeout_s of the hang tests: above any wait of a healthy tiny run
+HANG_TIMEOUT_S = 30  # backend.timeout_s of the hang tests: well above any wait of a healthy tiny run
 
 
 @pytest.mark.parametrize("engine,where", [("ddp", "after_step"), ("fsdp", "mid_step"), ("zero3", "mid_step")])
@@ -334,7 +334,8 @@ def test_two_torchrun_agents_as_two_nodes_match_one_node_and_survive_a_kill(tmp_
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
              "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "two-nodes",
              "--max-restarts", "1", "--monitor-interval", "0.5", TRAIN, *args]
-    agents = [subprocess.Popen(agent, env=_ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {**_ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # a fresh store each round, as the README says
+    agents = [subprocess.Popen(agent, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
               for _ in range(2)]
     try:
         outputs = [a.communicate(timeout=300) for a in agents]

@@ -314,11 +314,15 @@ def test_resume_never_moves_the_previous_run_aside(tmp_path):
     (tmp_path / "checkpoints" / "step_00000004").mkdir(parents=True)
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     (tmp_path / "notes.txt").write_text("the user's")
+    (tmp_path / "oom_escaped.rank1.json").write_text("{}")  # would shrink the new run's plan
+    (tmp_path / "faults_fired").mkdir()  # would stop the new run's faults from firing
     moved = move_previous_run(str(tmp_path))
     assert moved is not None and os.path.basename(moved).startswith("previous_run_")
     assert (tmp_path / moved / "metrics.jsonl").read_text() == '{"step": 1}\n'
     assert (tmp_path / moved / "checkpoints" / "step_00000004").is_dir()
     assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoints").exists()
+    assert (tmp_path / moved / "oom_escaped.rank1.json").exists() and (tmp_path / moved / "faults_fired").is_dir()
+    assert not (tmp_path / "oom_escaped.rank1.json").exists() and not (tmp_path / "faults_fired").exists()
     assert (tmp_path / "notes.txt").exists()  # not a run output: left where it is
     assert move_previous_run(str(tmp_path)) is None  # nothing left to move
 

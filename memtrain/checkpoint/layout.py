@@ -276,6 +276,7 @@ def move_previous_run(output_dir: str) -> Optional[str]:
     import time
 
     present = [n for n in RUN_OUTPUTS if os.path.lexists(os.path.join(output_dir, n))]
+    present += sorted(n for n in os.listdir(output_dir) if n.startswith("oom_escaped."))  # a restart's notes
     if not present:
         return None
     target = os.path.join(output_dir, time.strftime("previous_run_%Y%m%dT%H%M%SZ", time.gmtime()))
