@@ -91,7 +91,7 @@ def test_elastic_restarts_survive_a_killed_and_a_hung_rank(tmp_path, tmp_path_fa
     assert sorted(os.listdir(tmp_path / "faults_fired")) == ["hang_at_step_11.rank0", "kill_at_step_7.rank1"]
 
 
-@pytest.mark.parametrize("engine", ["ddp", "fsdp", "zero3"])  # ZeRO-2 writes ZeRO-3's layout minus parameters
+@pytest.mark.parametrize("engine", ["ddp", "fsdp", "zero3"])  # ZeRO-2 saves through the same DeepSpeed path as ZeRO-3
 def test_kill_during_save_then_corrupt_newest_falls_back(tmp_path, tmp_path_factory, cache_dir, engine):
     """A save killed half-way leaves no checkpoint (its temporary directory is removed on start);
     a corrupted file in the newest complete checkpoint is refused by name; resume: auto takes the
