@@ -188,12 +188,17 @@ ESCAPED_OOM_PREFIX = "oom_escaped"
 """``output_dir/oom_escaped.rankR.json``: an out-of-memory error that escaped the agreement."""
 
 
+def escaped_oom_path(output_dir: str, rank: int) -> str:
+    """Where :func:`record_escaped_oom` notes ``rank``'s escaped OOM."""
+    return os.path.join(output_dir, f"{ESCAPED_OOM_PREFIX}.rank{rank}.json")
+
+
 def record_escaped_oom(output_dir: str, rank: int, step: int, plan: str) -> None:
     """Note that this rank ran out of memory outside the OOM protocol (e.g. in the optimizer
     step) at ``step`` with ``plan``, before the process exits, so that a restarted run
     (``torchrun --max-restarts``) starts at a smaller plan (:func:`take_escaped_ooms`)."""
     os.makedirs(output_dir, exist_ok=True)
-    with open(os.path.join(output_dir, f"{ESCAPED_OOM_PREFIX}.rank{rank}.json"), "w") as fh:
+    with open(escaped_oom_path(output_dir, rank), "w") as fh:
         json.dump({"rank": rank, "step": step, "plan": plan}, fh)
 
 

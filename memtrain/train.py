@@ -51,9 +51,7 @@ def run(cfg: Config):
 
     from memtrain.build import build_trainer
     from memtrain.distributed import ProcessState
-    from memtrain.watchdog import Watchdog
-
-    from memtrain.watchdog import progress
+    from memtrain.watchdog import Watchdog, progress
 
     progress("start-up", timed=False, context="")  # nothing left from an earlier run in this process
     process = ProcessState(cpu=not torch.cuda.is_available(), timeout_s=cfg.backend.timeout_s)
@@ -107,29 +105,23 @@ def cli() -> None:
 def error_report(exc: Exception, cfg: Optional[Config]) -> tuple[int, str]:
     """The exit code and one-line message of an error that ended a run (see :func:`cli`)."""
     from memtrain.errors import CheckpointError
-    from memtrain.oom import OOMStop
+    from memtrain.oom import OOMStop, escaped_oom_path, is_oom
     from memtrain.precision import NonFiniteStop
-    from memtrain.watchdog import COLLECTIVE_FAILED, collective_failure_message, is_collective_failure
+    from memtrain.watchdog import COLLECTIVE_FAILED, collective_failure_message, is_collective_failure, operation
 
     for kind, code, prefix in ((ConfigError, 2, ""), (OOMStop, 3, ""), (CheckpointError, 4, "checkpoint: "),
                                (NonFiniteStop, 5, "")):
         if isinstance(exc, kind):
             return code, f"{prefix}{exc}"
     rank = int(os.environ.get("RANK", "0"))
-    from memtrain.oom import is_oom
-    from memtrain.watchdog import operation
-
     if is_oom(exc):
-        from memtrain.oom import ESCAPED_OOM_PREFIX
-
-        noted = cfg is not None and os.path.exists(os.path.join(cfg.output_dir, f"{ESCAPED_OOM_PREFIX}.rank{rank}.json"))
+        noted = cfg is not None and os.path.exists(escaped_oom_path(cfg.output_dir, rank))
         return 3, (f"rank {rank}: out of memory outside the OOM protocol, during {operation()}: "
                    f"{str(exc).strip().splitlines()[0] if str(exc).strip() else 'torch.OutOfMemoryError'}"
                    + ("; noted in output_dir, so a restarted run (torchrun --max-restarts, or rerunning the command) "
                       "starts one plan smaller" if noted else ""))
     if is_collective_failure(exc):
         return COLLECTIVE_FAILED, collective_failure_message(exc, rank, cfg.backend.timeout_s if cfg else 600.0)
-
     hint = "" if cfg is not None and cfg.debug else " (rerun with --debug for the traceback)"
     return 1, f"rank {rank}: {type(exc).__name__} during {operation()}: {exc}{hint}"
 

@@ -96,9 +96,9 @@ def _validate_values(cfg: Config) -> None:
     out = os.path.expanduser(cfg.output_dir)
     if os.path.exists(out) and not os.path.isdir(out):
         raise ConfigError("output_dir", f"'{cfg.output_dir}' exists and is not a folder")
-    parent = out
-    while parent and not os.path.exists(parent):
-        parent = os.path.dirname(parent.rstrip(os.sep)) or "."
+    from memtrain.checkpoint.layout import nearest_existing
+
+    parent = nearest_existing(out)
     if parent and not os.access(parent, os.W_OK):
         raise ConfigError("output_dir", f"'{cfg.output_dir}' cannot be written ('{parent}' is not writable)")
 
@@ -174,7 +174,7 @@ def validate(cfg: Config, world_size: int) -> None:
         outside = [r for r in (getattr(f, name) or []) if not 0 <= r < world_size]
         if outside:
             raise ConfigError(f"faults.{name}", f"ranks {outside} do not exist with world_size {world_size}")
-    if cfg.faults.kill_mid_step and not cfg.faults.kill_at_step:
+    if f.kill_mid_step and not f.kill_at_step:
         raise ConfigError("faults.kill_mid_step", "needs faults.kill_at_step (the step to end in)")
     if cfg.model.factory is not None and ":" not in cfg.model.factory:
         raise ConfigError("model.factory", f"must look like 'package.module:function', got '{cfg.model.factory}'")

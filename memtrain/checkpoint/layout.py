@@ -276,7 +276,9 @@ def move_previous_run(output_dir: str) -> Optional[str]:
     import time
 
     present = [n for n in RUN_OUTPUTS if os.path.lexists(os.path.join(output_dir, n))]
-    present += sorted(n for n in os.listdir(output_dir) if n.startswith("oom_escaped."))  # a restart's notes
+    from memtrain.oom import ESCAPED_OOM_PREFIX
+
+    present += sorted(n for n in os.listdir(output_dir) if n.startswith(ESCAPED_OOM_PREFIX + "."))  # a restart's notes
     if not present:
         return None
     target = os.path.join(output_dir, time.strftime("previous_run_%Y%m%dT%H%M%SZ", time.gmtime()))
@@ -290,6 +292,14 @@ def move_previous_run(output_dir: str) -> Optional[str]:
     return target
 
 
+def nearest_existing(path: str) -> str:
+    """``path`` or its nearest ancestor that exists ("." for a relative path none of whose
+    ancestors exist; "" stays ""): where a folder about to be created would live."""
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path.rstrip(os.sep)) or "."
+    return path
+
+
 def write_error(exc: BaseException, directory: str) -> str:
     """A failed checkpoint write, described: a full disk (``ENOSPC``/``EDQUOT``, or torch's
     "unexpected pos", which is how its zip writer reports a short write) is named as such, with
@@ -301,9 +311,6 @@ def write_error(exc: BaseException, directory: str) -> str:
     full = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
     if not (full or "unexpected pos" in str(exc) or "No space left" in str(exc)):
         return text
-    probe = directory
-    while probe and not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    free = shutil.disk_usage(probe or ".").free
+    free = shutil.disk_usage(nearest_existing(directory) or ".").free
     return (f"the disk is full (or over quota) writing {directory}: {free:,} bytes free on that file system; free "
             f"space or point output_dir elsewhere ({text})")
