@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import ExitStack
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -98,6 +98,18 @@ def planner_factory(cfg: Config, corpus, objective, precision: str, process: Pro
     return make
 
 
+def pretrained_tokenizer(cfg: Config, is_main: bool) -> Optional[str]:
+    """``model.pretrained`` when it holds a ``tokenizer.json`` (text runs), else None: the corpus
+    is then tokenised with it instead of a BPE trained on the data."""
+    path = cfg.model.pretrained
+    if path and cfg.data.kind == "text" and os.path.exists(os.path.join(path, "tokenizer.json")):
+        return path
+    if path and cfg.data.kind == "text" and is_main:
+        log.warning("memtrain: model.pretrained '%s' has no tokenizer.json: the BPE trained on data.files gives ids "
+                    "its embeddings were not trained on", path)
+    return None
+
+
 def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Trainer:
     """Everything the loop needs, from a validated config and a started process state.
 
@@ -118,11 +130,15 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Tra
             if moved:
                 log.warning("memtrain: resume never: the previous run's outputs in %s were moved to %s",
                             cfg.output_dir, moved)
-        corpus = build_corpus(cfg.data)
+        corpus = build_corpus(cfg.data, pretrained_tokenizer(cfg, process.is_main))
     from accelerate.utils import set_seed
 
     set_seed(t.seed)  # same initial weights on every rank
     model = build_model(cfg.model, corpus.vocab_size, t.seed, getattr(corpus, "eos_id", None))
+    # compute randomness (dropout, SpecAugment) differs by rank from here on, as Accelerate's
+    # device-specific seeding does: still a pure function of (seed, rank), and each rank's streams
+    # are replayed on OOM retries and saved in checkpoints
+    set_seed(t.seed + process.rank)
     n_params, objective = count_parameters(model), make_objective(model, corpus, cfg.memory.chunked_cross_entropy)
     layerdrop = getattr(model, "memtrain_layerdrop", None)  # memtrain.layerdrop.AgreedLayerDrop
     utilisation = model_flops(model, n_params, cfg.data.seq_len, objective.unit, precision, process.device)
@@ -139,7 +155,7 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Tra
     model, optimizer = transforms.apply(model, engine, lambda m: make_optimizer(m, t), sync,
                                         controller.activation_checkpointing)
     faults.simulate_memory(device_state_bytes(engine.model_state_bytes(n_params)), model.parameters())
-    scheduler = make_scheduler(optimizer, t)
+    scheduler = make_scheduler(optimizer, t, engine.scheduler_config)
     evaluator = Evaluator(process, corpus, objective, t.eval_samples, controller.plan.micro_batch_size, sync)
     guard, state = NonFiniteGuard(t.max_nonfinite_steps), TrainState()
     if cfg.checkpoint.async_save and not engine.supports_async_save and process.is_main:

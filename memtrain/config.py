@@ -62,12 +62,14 @@ class DataConfig:
     """text: a causal language model on packed tokens; speech: CTC speech recognition on
     utterances (``data.speech``)."""
     files: Optional[list[str]] = None
-    """Text (.txt, .py, …) or JSONL files, or glob patterns. None = the Python standard library
-    source of the running interpreter (the embedded default corpus). With ``kind: speech``: JSONL
+    """Text (.txt, .py, …) or JSONL files, or glob patterns; HuggingFace ``datasets`` on disk
+    (``save_to_disk`` folders, local .parquet/.arrow files: each row's ``text_field`` is one
+    document, a dataset dict's validation/test split is the validation split). None = the Python
+    standard library source of the running interpreter (the embedded default corpus). With ``kind: speech``: JSONL
     manifests of ``{"audio": path, "text": ...}`` (WAV/FLAC/…, read by soundfile); None = the
     synthetic corpus."""
     text_field: str = "text"
-    """Field holding the document text in JSONL files."""
+    """Field (JSONL) or column (``datasets`` sources) holding the document text."""
     max_bytes: int = 0
     """Use at most this many bytes of source text (files in sorted order); 0 = all."""
     validation_fraction: float = 0.05
@@ -95,6 +97,11 @@ class ModelConfig:
     factory: Optional[str] = None
     """``package.module:function`` returning an ``nn.Module`` mapping input_ids [B, T] (int64)
     to logits [B, T, V]; called as ``function(vocab_size=V, **config)``."""
+    pretrained: Optional[str] = None
+    """A local ``from_pretrained`` folder (``memtrain export``'s output, or any transformers
+    checkpoint on disk; nothing is downloaded): its config and weights start the run, and its
+    tokenizer, when it has one, replaces the BPE trained on ``data.files``. ``model.config`` then
+    holds overrides of its config (e.g. dropout); keys that change a weight's shape are refused."""
 
 
 @dataclass
@@ -121,6 +128,8 @@ class TrainingConfig:
     """AdamW weight decay (not applied to biases and norm weights)."""
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    """AdamW's epsilon (added to the square root of the second moment)."""
     max_grad_norm: float = 1.0
     """Gradient clipping threshold (global L2 norm); 0 disables clipping."""
     eval_every: int = 50
@@ -267,6 +276,17 @@ class CheckpointConfig:
 
 
 @dataclass
+class LoggingConfig:
+    """Where the per-step scalars go besides ``metrics.jsonl`` (which is always written)."""
+
+    log_with: list[str] = field(default_factory=list)
+    """Accelerate tracker names (``tensorboard``, ``wandb``, ``mlflow``, ``aim``, ``comet_ml``,
+    ``clearml``, ``dvclive``, ``trackio``, ``swanlab``) or ``all``: the same scalars as
+    ``metrics.jsonl``, sent through Accelerate's trackers on rank 0, logged under
+    ``output_dir/trackers``."""
+
+
+@dataclass
 class Config:
     """A whole run."""
 
@@ -281,6 +301,7 @@ class Config:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     debug: bool = False
     """Print the Python traceback of an error (by default an error is one message and its exit
     code). ``--debug`` alone means true."""

@@ -184,6 +184,7 @@ def main(argv: Optional[list[str]] = None, command: str = "memory") -> int:
     candidate with ``--json``), ``memory`` the whole report as one JSON object. N defaults to
     the launcher's ``WORLD_SIZE``, else 1. Exit 2 on a config error."""
     from memtrain.config import ConfigError, parse_args
+    from memtrain.launcher import apply_accelerate_settings
     from memtrain.validation import validate
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -199,6 +200,7 @@ def main(argv: Optional[list[str]] = None, command: str = "memory") -> int:
         if world_size < 1:
             raise ConfigError("--world_size", f"must be at least 1, got {world_size}")
         cfg = parse_args(argv)
+        apply_accelerate_settings(cfg, world_size)
         validate(cfg, world_size)
     except ConfigError as exc:
         print(f"memtrain {command}: {exc}", file=sys.stderr)

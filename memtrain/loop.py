@@ -233,7 +233,7 @@ class Trainer:
     def _open_metrics(self, resumed: Optional[tuple[str, float]]) -> MetricsLogger:
         metrics = MetricsLogger(self.cfg.output_dir, self.process.is_main, self.cfg.training.max_steps,
                                 initial_step=self.state.step, keep_until_step=self.state.step if resumed else None,
-                                unit=self.objective.unit)
+                                unit=self.objective.unit, log_with=self.cfg.logging.log_with)
         self.checkpointer.report = metrics.message
         if resumed is not None:
             metrics.message(f"memtrain: resumed from {resumed[0]} at step {self.state.step} (loaded in "

@@ -57,6 +57,8 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, seed: int = 0, eos_toke
     Raises:
         ConfigError: unknown ``model_type`` or bad config keys (field ``model.config``).
     """
+    if model_cfg.pretrained:
+        return _from_pretrained(model_cfg, vocab_size, seed)
     kwargs = dict(model_cfg.config or {})
     kwargs.setdefault("vocab_size", vocab_size)
     if kwargs["vocab_size"] < vocab_size:
@@ -92,6 +94,47 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, seed: int = 0, eos_toke
                 hf_config.bos_token_id = hf_config.eos_token_id = 0
             hf_config.pad_token_id = None
             model = AutoModelForCausalLM.from_config(hf_config)
+    return model.float().train()
+
+
+def _from_pretrained(model_cfg: ModelConfig, vocab_size: int, seed: int) -> nn.Module:
+    """``from_pretrained`` of the local folder ``model.pretrained`` (fp32, ``model.config`` as
+    config overrides); a CTC model type gets the rank-agreed LayerDrop like a fresh one.
+
+    Raises:
+        ConfigError: the folder cannot be loaded, an override changes a weight's shape, or the
+            tokenizer has more ids than the model's embeddings (fields ``model.pretrained`` /
+            ``model.config``).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForCTC
+
+    from memtrain.validation import ctc_model_types
+
+    path = model_cfg.pretrained
+    overrides = {k: v for k, v in (model_cfg.config or {}).items() if k != "model_type"}
+    try:
+        hf_config = AutoConfig.from_pretrained(path, local_files_only=True, **overrides)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ConfigError("model.pretrained", f"'{path}': {exc}") from None
+    wanted = (model_cfg.config or {}).get("model_type")
+    if wanted not in (None, hf_config.model_type):
+        raise ConfigError("model.config.model_type", f"is '{wanted}', but model.pretrained '{path}' is a "
+                          f"'{hf_config.model_type}' model")
+    if getattr(hf_config, "vocab_size", vocab_size) < vocab_size:
+        raise ConfigError("model.pretrained", f"'{path}' has {hf_config.vocab_size} token embeddings, fewer than the "
+                          f"tokenizer's {vocab_size} ids")
+    hf_config.use_cache = False
+    ctc = hf_config.model_type in ctc_model_types()
+    cls = AutoModelForCTC if ctc else AutoModelForCausalLM
+    try:
+        model = cls.from_pretrained(path, config=hf_config, dtype=torch.float32, local_files_only=True)
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise ConfigError("model.config" if overrides else "model.pretrained",
+                          f"'{path}' cannot be loaded with these settings: {str(exc).splitlines()[0]}") from None
+    if ctc:
+        from memtrain.layerdrop import install_layerdrop
+
+        install_layerdrop(model, seed)
     return model.float().train()
 
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import nn
 
 
 def make_optimizer(model: nn.Module, tcfg) -> torch.optim.Optimizer:
-    """AdamW (``training.lr``, ``adam_beta1/2``, ``weight_decay``); weight decay on matrices only
+    """AdamW (``training.lr``, ``adam_beta1/2``, ``adam_eps``, ``weight_decay``); weight decay on matrices only
     (not biases, norms or other 1-D parameters). When every parameter is on a CUDA device (DDP,
     FSDP2) the fused kernel steps them (``fused=True``, one launch instead of one per tensor
     group, as torchtitan does); DeepSpeed builds its optimizer from this one on CPU and steps with
@@ -20,7 +21,7 @@ def make_optimizer(model: nn.Module, tcfg) -> torch.optim.Optimizer:
     fused = bool(params) and all(p.device.type == "cuda" for p in params)
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": tcfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=tcfg.lr, betas=(tcfg.adam_beta1, tcfg.adam_beta2), fused=fused or None,
+        lr=tcfg.lr, betas=(tcfg.adam_beta1, tcfg.adam_beta2), eps=tcfg.adam_eps, fused=fused or None,
     )
 
 
@@ -35,6 +36,54 @@ def lr_lambda(tcfg):
     return f
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, tcfg) -> torch.optim.lr_scheduler.LambdaLR:
-    """The warmup + cosine schedule (:func:`lr_lambda`), stepped once per optimizer step."""
+def make_scheduler(optimizer: torch.optim.Optimizer, tcfg, deepspeed_scheduler: Optional[dict] = None):
+    """The LR schedule, stepped once per optimizer step: memtrain's warmup + cosine
+    (:func:`lr_lambda`), or the ``scheduler`` section of the user's DeepSpeed JSON
+    (``{"type": ..., "params": {...}}``, resolved by :mod:`memtrain.backends.ds_config`) as
+    :class:`DeepSpeedSchedule`."""
+    if deepspeed_scheduler is not None:
+        return DeepSpeedSchedule(optimizer, deepspeed_scheduler)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tcfg))
+
+
+class DeepSpeedSchedule:
+    """One of DeepSpeed's schedules (``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR`` from
+    ``deepspeed.runtime.lr_schedules``) with the interface of a torch LR scheduler.
+
+    DeepSpeed's classes set the optimizer's learning rates when built (iteration -1: the warmup's
+    start) and on ``step()``; their state is the iteration count. ``load_state_dict`` here also
+    writes the restored iteration's rates into the optimizer (DeepSpeed's own does not), so a
+    resumed run's first step uses the same rate as the run that never stopped.
+
+    Args:
+        optimizer: the optimizer whose ``param_groups`` the schedule sets.
+        spec: ``{"type": name, "params": {...}}`` with every value resolved (no ``"auto"``).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, spec: dict):
+        import logging
+
+        from deepspeed.runtime import lr_schedules
+
+        ds_logger = logging.getLogger("DeepSpeed")
+        level = ds_logger.level
+        ds_logger.setLevel(logging.ERROR)  # "getting the learning rate before it has started": by design here
+        try:
+            self.schedule = getattr(lr_schedules, spec["type"])(optimizer, **spec.get("params", {}))
+        finally:
+            ds_logger.setLevel(level)
+        self.optimizer = optimizer
+
+    def step(self) -> None:
+        self.schedule.step()
+
+    def get_last_lr(self) -> list[float]:
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict:
+        return self.schedule.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.schedule.load_state_dict(state)
+        if state["last_batch_iteration"] >= 0:
+            self.schedule.step(state["last_batch_iteration"])  # writes that iteration's rates

@@ -23,13 +23,18 @@ from memtrain.validation import validate  # noqa: E402
 
 
 def prepare_config(argv: Optional[list[str]] = None) -> Config:
-    """Parse and validate a command line against the launcher's world size (``WORLD_SIZE``).
+    """Parse a command line, reconcile it with the user's Accelerate launcher settings
+    (:mod:`memtrain.launcher`) and validate it against the launcher's world size (``WORLD_SIZE``).
 
     Raises:
-        ConfigError: any invalid field (named in the message).
+        ConfigError: any invalid field, or a launcher setting contradicting one (named in the message).
     """
+    from memtrain.launcher import apply_accelerate_settings
+
     cfg = parse_args(argv)
-    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    apply_accelerate_settings(cfg, world_size)
+    validate(cfg, world_size)
     return cfg
 
 
@@ -68,7 +73,8 @@ INTERRUPTED = 130
 
 
 def cli() -> None:
-    """Console entry point (``memtrain export …`` goes to :mod:`memtrain.export`): exit 2 with
+    """Console entry point (``memtrain export …`` goes to :mod:`memtrain.export`, ``memtrain plot
+    …`` to :mod:`memtrain.plot`, ``memtrain plan|memory …`` to :mod:`memtrain.estimate`): exit 2 with
     the message on a config error, 3 when out of memory at the plan floor (the message holds the
     memory report), 4 when a checkpoint cannot be saved or resumed, 5 after too many consecutive
     non-finite steps, 6 when a collective failed or timed out or the watchdog ended a rank that
@@ -79,6 +85,10 @@ def cli() -> None:
         from memtrain.export import main as export_main
 
         sys.exit(export_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["plot"]:  # memtrain plot RUN_DIR [--out FILE.png]
+        from memtrain.plot import main as plot_main
+
+        sys.exit(plot_main(sys.argv[2:]))
     if sys.argv[1:2] in (["memory"], ["plan"]):  # memtrain plan|memory --config ...
         from memtrain.estimate import main as plan_main
 

@@ -103,6 +103,31 @@ def _validate_values(cfg: Config) -> None:
         raise ConfigError("output_dir", f"'{cfg.output_dir}' cannot be written ('{parent}' is not writable)")
 
 
+def _pretrained_config(cfg: Config) -> dict:
+    """The ``config.json`` of ``model.pretrained`` ({} when unset).
+
+    Raises:
+        ConfigError: not a folder with a readable ``config.json``, or set together with ``model.factory``.
+    """
+    import json
+
+    path = cfg.model.pretrained
+    if path is None:
+        return {}
+    if cfg.model.factory is not None:
+        raise ConfigError("model.pretrained", "and model.factory are both set; a pretrained folder brings its own "
+                          "model: drop one")
+    config = os.path.join(os.path.expanduser(path), "config.json")
+    if not os.path.isfile(config):
+        raise ConfigError("model.pretrained", f"'{path}' is not a from_pretrained folder (no config.json in it); give "
+                          "a local folder such as memtrain export's output")
+    try:
+        with open(config, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ConfigError("model.pretrained", f"'{config}' cannot be read: {exc}") from None
+
+
 def validate(cfg: Config, world_size: int) -> None:
     """Check cross-field constraints before any work is done.
 
@@ -125,10 +150,12 @@ def validate(cfg: Config, world_size: int) -> None:
             matches = glob.glob(os.path.expanduser(pattern), recursive=True)
             if not matches:
                 raise ConfigError("data.files", f"'{pattern}' matches no file")
-            if all(os.path.isdir(m) for m in matches):
+            from memtrain.data.hf_datasets import is_dataset_source
+
+            if all(os.path.isdir(m) and not is_dataset_source(m) for m in matches):
                 raise ConfigError("data.files", f"'{pattern}' is a folder; give its files, e.g. "
                                   f"'{os.path.join(pattern, '**', '*.txt')}'")
-    mc = cfg.model.config or {}
+    mc = {**_pretrained_config(cfg), **(cfg.model.config or {})}
     _validate_speech(cfg)
     if cfg.model.factory is None:
         if "model_type" not in mc:
@@ -154,6 +181,10 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError("backend.deepspeed_config", f"is set but backend.name is '{cfg.backend.name}'; "
                           "use backend.name deepspeed (or auto), or drop the DeepSpeed config")
     _validate_values(cfg)
+    if cfg.logging.log_with:  # an unknown tracker stops the run before any work
+        from memtrain.metrics import check_tracker_names
+
+        check_tracker_names(cfg.logging.log_with)
     every = cfg.memory.activation_checkpointing_every_n_blocks
     if every < 1:
         raise ConfigError("memory.activation_checkpointing_every_n_blocks", f"must be >= 1 (1 = every block), got {every}")

@@ -59,6 +59,122 @@ def test_contradicting_stage_and_precision():
     assert cfg["bf16"]["enabled"] is True and cfg["fp16"]["enabled"] is False
 
 
-def test_optimizer_section_is_refused():
-    with pytest.raises(ConfigError, match="optimizer"):
-        build_ds_config({"optimizer": {"type": "AdamW"}}, "mine.json", **PLAN)
+HF_STYLE = "ds_configs/zero2_offload_hf.json"  # as in the transformers DeepSpeed docs: optimizer + scheduler "auto"
+
+
+def test_optimizer_and_scheduler_sections_are_filled_from_training():
+    from memtrain.config import TrainingConfig
+
+    with open(HF_STYLE) as fh:
+        user = json.load(fh)
+    t = TrainingConfig(lr=3e-4, adam_beta1=0.8, adam_beta2=0.99, adam_eps=1e-6, weight_decay=0.01, warmup_steps=5,
+                       max_steps=40)
+    cfg = build_ds_config(user, HF_STYLE, **PLAN, training=t)
+    assert cfg["optimizer"] == {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.8, 0.99], "eps": 1e-6,
+                                                            "weight_decay": 0.01}}
+    assert cfg["scheduler"]["params"] == {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-4, "warmup_num_steps": 5,
+                                          "total_num_steps": 40}
+    assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+
+
+@pytest.mark.parametrize("section,value,field", [
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 5e-5}}}, "optimizer.params.lr = 5e-05", "training.lr"),
+    ({"optimizer": {"type": "Adam", "params": {"betas": [0.9, 0.999]}}}, "optimizer.params.betas",
+     "training.adam_beta1/adam_beta2"),
+    ({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 1000}}},
+     "scheduler.params.total_num_steps = 1000", "training.max_steps"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 7}}}, "scheduler.params.warmup_num_steps = 7",
+     "training.warmup_steps"),
+])
+def test_contradicting_optimizer_or_scheduler_value_names_both(section, value, field):
+    with pytest.raises(ConfigError) as err:
+        build_ds_config(section, "mine.json", **PLAN)
+    assert f"'{field}'" in str(err.value) and f"mine.json sets {value}" in str(err.value)
+
+
+@pytest.mark.parametrize("section,choices", [
+    ({"optimizer": {"type": "Lamb"}}, "Adam, AdamW"),
+    ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}, "adam_w_mode = True"),
+    ({"scheduler": {"type": "OneCycle"}}, "WarmupLR, WarmupDecayLR, WarmupCosineLR"),
+])
+def test_optimizer_or_scheduler_memtrain_does_not_build_is_named(section, choices):
+    with pytest.raises(ConfigError, match=choices):
+        build_ds_config(section, "mine.json", **PLAN)
+
+
+@pytest.mark.parametrize("kind,params", [
+    ("WarmupDecayLR", {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 4, "total_num_steps": 12}),
+    ("WarmupCosineLR", {"warmup_min_ratio": 0.0, "cos_min_ratio": 0.1, "warmup_num_steps": 4, "total_num_steps": 12,
+                        "warmup_type": "linear"}),
+])
+def test_deepspeed_schedule_follows_deepspeed_and_resumes_exactly(kind, params):
+    """The schedule memtrain steps gives DeepSpeed's own rates, and one rebuilt from its state
+    mid-way (a resume) continues with the very same rates from its first step."""
+    import torch
+    from deepspeed.runtime import lr_schedules
+
+    from memtrain.optim import DeepSpeedSchedule
+
+    def optimizer():
+        return torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-2)
+
+    reference_opt = optimizer()
+    reference = getattr(lr_schedules, kind)(reference_opt, **params)
+    ours_opt = optimizer()
+    ours = DeepSpeedSchedule(ours_opt, {"type": kind, "params": params})
+    rates, expected = [], []
+    for step in range(12):
+        if step == 6:  # resume: a new optimizer and schedule, loaded from the state
+            state = ours.state_dict()
+            ours_opt = optimizer()
+            ours = DeepSpeedSchedule(ours_opt, {"type": kind, "params": params})
+            ours.load_state_dict(state)
+        rates.append(ours_opt.param_groups[0]["lr"])
+        expected.append(reference_opt.param_groups[0]["lr"])
+        assert ours.get_last_lr() == [rates[-1]]
+        ours.step()
+        reference.step()
+    assert rates == expected and len(set(rates)) > 4
+
+
+def _launch_env(**values):
+    return {k: str(v) for k, v in values.items()}
+
+
+def _cfg(*args):
+    from memtrain.config import parse_args
+
+    return parse_args(["--training.global_batch_size", "32", *args])
+
+
+def test_accelerate_accumulation_is_applied_or_contradicts():
+    from memtrain.launcher import apply_accelerate_settings
+
+    env = _launch_env(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_GRADIENT_ACCUMULATION_STEPS=4,
+                      ACCELERATE_GRADIENT_CLIPPING=0.5, ACCELERATE_MIXED_PRECISION="bf16")
+    cfg = _cfg()  # micro_batch_size, max_grad_norm and precision at their defaults: the launcher's win
+    apply_accelerate_settings(cfg, 2, env)
+    assert (cfg.training.micro_batch_size, cfg.training.max_grad_norm, cfg.precision) == (4, 0.5, "bf16")
+    with pytest.raises(ConfigError) as err:
+        apply_accelerate_settings(_cfg("--training.micro_batch_size", "16"), 2, env)
+    assert "'training.micro_batch_size'" in str(err.value) and "gradient_accumulation_steps = 4" in str(err.value)
+    for args, field in ((["--training.max_grad_norm", "2.0"], "training.max_grad_norm"),
+                        (["--precision", "fp32"], "precision"), (["--backend.name", "ddp"], "backend.name")):
+        with pytest.raises(ConfigError, match=f"'{field}'"):
+            apply_accelerate_settings(_cfg(*args), 2, env)
+
+
+def test_accelerate_settings_memtrain_does_otherwise_are_named():
+    from memtrain.launcher import apply_accelerate_settings
+
+    fsdp = _launch_env(ACCELERATE_USE_FSDP="true", FSDP_VERSION=1, FSDP_ACTIVATION_CHECKPOINTING="true",
+                       FSDP_STATE_DICT_TYPE="FULL_STATE_DICT", FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP")
+    cfg = _cfg()
+    warnings = apply_accelerate_settings(cfg, 2, fsdp)
+    assert cfg.memory.activation_checkpointing == "on"
+    assert any("fsdp_version = 1" in w for w in warnings) and any("FULL_STATE_DICT" in w for w in warnings)
+    assert apply_accelerate_settings(_cfg(), 2, {}) == []  # plain launch: nothing to say
+    with pytest.raises(ConfigError, match="dynamo_backend = INDUCTOR"):
+        apply_accelerate_settings(_cfg(), 2, {"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"})
+    with pytest.raises(ConfigError, match="'memory.activation_checkpointing'"):
+        apply_accelerate_settings(_cfg("--memory.activation_checkpointing", "off"), 2, fsdp)

@@ -21,10 +21,16 @@ ENGINES = {
 
 
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory, cache_dir):
+def ddp_out(tmp_path_factory, cache_dir):
+    """The output folder of the 8-step 2-rank DDP reference run (metrics, summary, export)."""
     out = tmp_path_factory.mktemp("ddp")
     launch(tiny_args(out, cache_dir, *STEPS, "--backend.name", "ddp"))
-    return read_metrics(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ddp_run(ddp_out):
+    return read_metrics(ddp_out)
 
 
 def _assert_matches_ddp(records, ddp):
@@ -59,6 +65,23 @@ def test_chunked_cross_entropy_matches_ddp(tmp_path, cache_dir, ddp_run, engine)
         assert r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-3)
 
 
+def test_fine_tuning_the_export_continues_at_its_loss_under_zero3(tmp_path, cache_dir, ddp_out):
+    """model.pretrained: the DDP run's export (weights, config, tokenizer) loaded under ZeRO-3
+    evaluates to the loss the DDP run ended with, and trains on."""
+    import json
+
+    launch(tiny_args(tmp_path, cache_dir, "--training.max_steps", "2", *ENGINES["zero3"], "--model.pretrained",
+                     str(ddp_out / "model")))
+    before = json.loads((ddp_out / "summary.json").read_text())
+    after = json.loads((tmp_path / "summary.json").read_text())
+    assert after["initial_val_loss"] == pytest.approx(before["final_val_loss"], rel=1e-5)
+    assert after["initial_val_loss"] < before["initial_val_loss"] - 0.05  # trained weights, not a fresh init
+    from tokenizers import Tokenizer
+
+    vocab = [Tokenizer.from_file(str(d / "model" / "tokenizer.json")).get_vocab() for d in (ddp_out, tmp_path)]
+    assert vocab[0] == vocab[1]  # its tokenizer, not a newly trained one
+
+
 def test_deepspeed_launcher_with_zero2_json(tmp_path, cache_dir, ddp_run):
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", "{port}"]
     proc = launch(tiny_args(tmp_path, cache_dir, *STEPS, "--deepspeed", str(REPO / "ds_configs" / "zero2.json")),
@@ -78,6 +101,10 @@ def test_accelerate_launch_with_engine_config(tmp_path, cache_dir, ddp_run, acce
 
 
 def test_layerdrop_model_trains_under_ddp(tmp_path, cache_dir):
+    """Layers skipped at random leave parameters unused (DDP copes), and each rank draws its own
+    random numbers (dropout and LayerDrop masks differ across ranks on different data)."""
+    import re
+
     from safetensors.torch import load_file
 
     proc = launch(tiny_args(tmp_path, cache_dir, "--training.max_steps", "6", "--backend.name", "ddp",
@@ -86,6 +113,8 @@ def test_layerdrop_model_trains_under_ddp(tmp_path, cache_dir):
     assert "find_unused_parameters=True" in proc.stderr
     assert len(read_metrics(tmp_path)) == 6
     assert int(load_file(tmp_path / "model" / "model.safetensors")["drops"]) > 0  # layers were really skipped
+    draws = dict(re.findall(r"first random draw on rank (\d): ([0-9.]+)", proc.stderr))
+    assert set(draws) == {"0", "1"} and draws["0"] != draws["1"]
 
 
 def test_never_used_parameter_is_named(tmp_path, cache_dir):

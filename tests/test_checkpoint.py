@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import launch, read_metrics, tiny_args
+from conftest import REPO, launch, read_metrics, tiny_args
 
 pytestmark = pytest.mark.slow
 STEPS = 16
@@ -18,7 +18,9 @@ CKPT = ["--training.max_steps", str(STEPS), "--checkpoint.every_steps", "3", "--
 ENGINES = {
     "ddp": ["--backend.name", "ddp"],
     "fsdp": ["--backend.name", "fsdp"],
-    "zero2": ["--backend.name", "deepspeed", "--backend.zero_stage", "2"],
+    # ZeRO-2 as a transformers-docs DeepSpeed JSON: CPU optimizer offload, AdamW and WarmupDecayLR with "auto"
+    "zero2": ["--backend.name", "deepspeed", "--backend.deepspeed_config",
+              str(REPO / "ds_configs" / "zero2_offload_hf.json")],
     "zero3": ["--backend.name", "deepspeed", "--backend.zero_stage", "3"],
 }
 EXACT = ("step", "loss", "lr", "grad_norm", "batch_fingerprint")
@@ -58,6 +60,21 @@ def test_killed_and_resumed_run_is_bitwise_identical(tmp_path, tmp_path_factory,
     records = read_metrics(tmp_path)
     assert records[6]["event"].startswith("resume")  # step 7 is the first resumed step
     assert_bitwise_from(records, base, 7)
+    if engine == "zero2":  # the JSON's schedule, once per optimizer step, through the resume
+        assert [r["lr"] for r in records] == deepspeed_warmup_decay_rates(lr=3e-3, warmup=2, total=STEPS)
+
+
+def deepspeed_warmup_decay_rates(lr, warmup, total):
+    """DeepSpeed's own WarmupDecayLR, stepped once after each of ``total`` optimizer steps."""
+    from deepspeed.runtime.lr_schedules import WarmupDecayLR
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    schedule = WarmupDecayLR(opt, total_num_steps=total, warmup_min_lr=0.0, warmup_max_lr=lr, warmup_num_steps=warmup)
+    rates = []
+    for _ in range(total):
+        rates.append(opt.param_groups[0]["lr"])
+        schedule.step()
+    return rates
 
 
 # c10d rendezvous: each restart gets a fresh store prefix (the static one would hand the restarted

@@ -1,5 +1,8 @@
 """A plain ``nn.Module`` language model for the ``model.factory`` path."""
 
+import os
+import sys
+
 import torch
 from torch import nn
 
@@ -33,9 +36,14 @@ class LayerDropLM(nn.Module):
         self.layers = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.GELU()) for _ in range(2))
         self.head = nn.Linear(dim, vocab_size)
         self.register_buffer("drops", torch.zeros((), dtype=torch.int64))
+        self.drops_reported = False
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed(input_ids)
+        if self.training and not self.drops_reported:  # for the test that ranks draw different masks
+            self.drops_reported = True
+            print(f"first random draw on rank {os.environ.get('RANK', '0')}: {torch.rand(()).item():.8f}",
+                  file=sys.stderr, flush=True)
         for layer in self.layers:
             if self.training and torch.rand(()) < self.layerdrop:
                 self.drops += 1

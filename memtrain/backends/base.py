@@ -43,6 +43,8 @@ class Backend(Protocol):
             all-gathers, ZeRO parameter fetches and gradient partitioning, DDP's overlapped
             bucket all-reduce), so the OOM protocol must agree at every block boundary.
         supports_async_save: :meth:`save_state` can write in the background.
+        scheduler_config: the LR schedule the user's engine config names (DeepSpeed JSON's
+            ``scheduler`` section, ``{"type", "params"}``), or None for memtrain's own.
     """
 
     name: str
@@ -51,6 +53,7 @@ class Backend(Protocol):
     grad_average_factor: float
     collectives_in_compute: bool
     supports_async_save: bool
+    scheduler_config: Optional[dict]
 
     def prepare(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
                 ) -> tuple[nn.Module, torch.optim.Optimizer]:

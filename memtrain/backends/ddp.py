@@ -57,6 +57,7 @@ class DDPBackend:
 
     name = "ddp"
     supports_async_save = False
+    scheduler_config = None  # memtrain's warmup + cosine
 
     def __init__(self, process: ProcessState, precision: str, find_unused_parameters: str = "auto",
                  defer_reduction: bool = False):

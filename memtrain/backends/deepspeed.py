@@ -6,13 +6,13 @@ LR schedule and the accumulation: the engine is told where each accumulation bou
 the loop already divides every micro-batch loss by the global token count,
 and ``step`` is called once per global batch.
 
-A user's DeepSpeed JSON may hold ``"auto"`` values (the HuggingFace convention); they are filled
-from the memtrain config. A value that contradicts the memtrain config is an error naming both.
+A user's DeepSpeed JSON is reconciled with the memtrain config by :mod:`memtrain.backends.ds_config`
+(``"auto"`` values filled, contradictions an error naming both); its ``optimizer`` section is the
+AdamW memtrain builds, its ``scheduler`` section the schedule :mod:`memtrain.optim` builds.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 from typing import Any, Callable, Optional
@@ -21,106 +21,10 @@ import torch
 from torch import nn
 
 from memtrain.backends.common import ADAM_STATE_BYTES
+from memtrain.backends.ds_config import build_ds_config, get_path
 from memtrain.config import ConfigError
 from memtrain.distributed import ProcessState
 from memtrain.errors import CheckpointError
-
-
-def _get(d: dict, path: str):
-    for key in path.split("."):
-        if not isinstance(d, dict) or key not in d:
-            return None
-        d = d[key]
-    return d
-
-
-def _set(d: dict, path: str, value) -> None:
-    keys = path.split(".")
-    for key in keys[:-1]:
-        d = d.setdefault(key, {})
-    d[keys[-1]] = value
-
-
-def build_ds_config(user: Optional[dict], source: str, *, global_batch_size: int, micro_batch_size: int,
-                    gradient_accumulation_steps: int, max_grad_norm: float, precision: str,
-                    precision_requested: str, zero_stage: Optional[int], offload: Optional[str]) -> dict[str, Any]:
-    """The DeepSpeed config for this run: the user's JSON (or an empty one), ``"auto"`` values
-    filled from memtrain's settings, contradictions rejected.
-
-    Args:
-        user: the parsed DeepSpeed JSON, or None.
-        source: its file name (for messages).
-        global_batch_size, micro_batch_size, gradient_accumulation_steps: the batch plan (samples).
-        max_grad_norm: clipping threshold (0 = none).
-        precision: resolved precision; precision_requested: the setting (``auto`` defers to the JSON).
-        zero_stage, offload: ``backend.zero_stage`` / ``backend.offload``; None = take the JSON's
-            (defaults 2 / none).
-
-    Returns:
-        A complete DeepSpeed config dict.
-
-    Raises:
-        ConfigError: a JSON value contradicts memtrain's (names both), or the JSON has an
-            ``optimizer``/``scheduler`` section (memtrain owns both).
-    """
-    cfg = copy.deepcopy(user or {})
-    for section in ("optimizer", "scheduler"):
-        if section in cfg:
-            raise ConfigError("backend.deepspeed_config", f"{source}: remove the '{section}' section; memtrain builds "
-                              "AdamW and the warmup+cosine schedule from training.* (lr, warmup_steps, …)")
-
-    def reconcile(path: str, ours, field: str, default_from_json: bool = False):
-        theirs = _get(cfg, path)
-        if theirs is None or theirs == "auto":
-            _set(cfg, path, ours)
-        elif theirs != ours:
-            if default_from_json:
-                return theirs
-            raise ConfigError(field, f"{source} sets {path} = {theirs!r}, which contradicts {field} = {ours!r}; "
-                              "set one of them to agree, or use \"auto\" in the JSON")
-        return _get(cfg, path)
-
-    reconcile("train_batch_size", global_batch_size, "training.global_batch_size")
-    reconcile("train_micro_batch_size_per_gpu", micro_batch_size, "training.micro_batch_size")
-    reconcile("gradient_accumulation_steps", gradient_accumulation_steps, "training.micro_batch_size")
-    reconcile("gradient_clipping", float(max_grad_norm), "training.max_grad_norm")
-
-    json_stage = _get(cfg, "zero_optimization.stage")
-    stage = reconcile("zero_optimization.stage", zero_stage if zero_stage is not None else
-                      (json_stage if json_stage not in (None, "auto") else 2), "backend.zero_stage")
-    if stage not in (1, 2, 3):
-        raise ConfigError("backend.zero_stage", f"{source}: zero_optimization.stage = {stage!r}; choices: 1, 2, 3")
-
-    json_offload = "none"
-    if _get(cfg, "zero_optimization.offload_optimizer.device") == "cpu":
-        json_offload = "optimizer_and_params" if _get(cfg, "zero_optimization.offload_param.device") == "cpu" else "optimizer"
-    if offload is None:
-        offload = json_offload
-    elif offload != json_offload and json_offload != "none":
-        raise ConfigError("backend.offload", f"{source} offloads '{json_offload}', which contradicts backend.offload = "
-                          f"'{offload}'")
-    if offload in ("optimizer", "optimizer_and_params"):
-        _set(cfg, "zero_optimization.offload_optimizer.device", "cpu")
-    if offload == "optimizer_and_params":
-        if stage != 3:
-            raise ConfigError("backend.offload", f"optimizer_and_params needs ZeRO stage 3, got stage {stage}")
-        _set(cfg, "zero_optimization.offload_param.device", "cpu")
-
-    for name in ("bf16", "fp16"):
-        enabled = _get(cfg, f"{name}.enabled")
-        if precision_requested == "auto" and enabled is True:
-            precision = name  # "auto" defers to an explicit choice in the JSON
-    for name in ("bf16", "fp16"):
-        enabled = _get(cfg, f"{name}.enabled")
-        want = precision == name
-        if enabled in (None, "auto"):
-            _set(cfg, f"{name}.enabled", want)
-        elif bool(enabled) != want:
-            raise ConfigError("precision", f"{source} sets {name}.enabled = {enabled}, which contradicts precision = "
-                              f"{precision_requested} (resolved: {precision})")
-    cfg.setdefault("steps_per_print", 2**31 - 1)
-    cfg.setdefault("wall_clock_breakdown", False)
-    return cfg
 
 
 class DeepSpeedBackend:
@@ -133,6 +37,10 @@ class DeepSpeedBackend:
         zero_stage, offload: None = from the JSON (defaults 2, none).
         global_batch_size, max_grad_norm: from ``training``.
         plan: the starting micro-batch plan (:class:`memtrain.plan.MicroBatchPlan`).
+        training: ``training.*`` for the JSON's optimizer and scheduler sections.
+
+    Attributes:
+        scheduler_config: the JSON's resolved ``scheduler`` section (``{"type", "params"}``), or None.
     """
 
     name = "deepspeed"
@@ -141,7 +49,7 @@ class DeepSpeedBackend:
 
     def __init__(self, process: ProcessState, precision: str, precision_requested: str, ds_config_path: Optional[str],
                  zero_stage: Optional[int], offload: Optional[str], global_batch_size: int, max_grad_norm: float,
-                 plan):
+                 plan, training=None):
         self.process = process
         self.world_size = process.world_size
         self.device = process.device
@@ -154,11 +62,14 @@ class DeepSpeedBackend:
             user, ds_config_path or "the DeepSpeed config", global_batch_size=global_batch_size,
             micro_batch_size=plan.micro_batch_size, gradient_accumulation_steps=plan.gradient_accumulation_steps,
             max_grad_norm=max_grad_norm, precision=precision, precision_requested=precision_requested,
-            zero_stage=zero_stage, offload=offload,
+            zero_stage=zero_stage, offload=offload, training=training,
         )
+        # memtrain builds both (the same AdamW; DeepSpeed's scheduler class, stepped by the loop)
+        self.ds_config.pop("optimizer", None)
+        self.scheduler_config: Optional[dict] = self.ds_config.pop("scheduler", None)
         self.precision = "bf16" if self.ds_config["bf16"]["enabled"] else "fp16" if self.ds_config["fp16"]["enabled"] else "fp32"
         self.zero_stage = self.ds_config["zero_optimization"]["stage"]
-        self.offload_optimizer = _get(self.ds_config, "zero_optimization.offload_optimizer.device") == "cpu"
+        self.offload_optimizer = get_path(self.ds_config, "zero_optimization.offload_optimizer.device") == "cpu"
         self.grad_average_factor = float(self.world_size)  # ZeRO averages gradients over ranks
         self.collectives_in_compute = self.world_size > 1  # ZeRO-3 fetches, ZeRO-2 partitions in backward
         self.engine = None
@@ -292,7 +203,7 @@ class DeepSpeedBackend:
     def model_state_bytes(self, n_params: int) -> dict[str, int]:
         offload = "none"
         if self.offload_optimizer:
-            offload = "optimizer_and_params" if _get(self.ds_config, "zero_optimization.offload_param.device") == "cpu" \
+            offload = "optimizer_and_params" if get_path(self.ds_config, "zero_optimization.offload_param.device") == "cpu" \
                 else "optimizer"
         return model_state_bytes(n_params, self.precision, self.zero_stage, offload, self.world_size)
 
@@ -326,7 +237,8 @@ def build(cfg, process: ProcessState, precision: str, plan) -> DeepSpeedBackend:
         env_path, env_stage, env_offload = _accelerate_deepspeed_settings()
         path, stage, offload = env_path, stage or env_stage, offload or env_offload
     return DeepSpeedBackend(process, precision, cfg.precision, ds_config_path=path, zero_stage=stage, offload=offload,
-                            global_batch_size=t.global_batch_size, max_grad_norm=t.max_grad_norm, plan=plan)
+                            global_batch_size=t.global_batch_size, max_grad_norm=t.max_grad_norm, plan=plan,
+                            training=t)
 
 
 def read_full_weights(path: str) -> dict[str, torch.Tensor]:

@@ -40,6 +40,7 @@ class FSDPBackend:
 
     name = "fsdp"
     supports_async_save = True
+    scheduler_config = None  # memtrain's warmup + cosine
 
     def __init__(self, process: ProcessState, precision: str, reshard_after_forward: bool = True,
                  offload: str = "none"):

@@ -91,12 +91,14 @@ class Corpus:
         return f"{len(self.train)} training samples of {self.seq_len} tokens"
 
 
-def build_corpus(data_cfg):
+def build_corpus(data_cfg, pretrained_tokenizer=None):
     """Select, split, tokenise (cached) and pack the corpus described by ``data_cfg``; with
     ``data.kind: speech``, synthesise or read the utterances instead
     (:func:`memtrain.data.speech.build_speech_corpus`).
 
     Args:
+        pretrained_tokenizer: a folder holding a pretrained ``tokenizer.json`` (a text
+            ``model.pretrained`` that has one): it tokenises instead of a BPE trained here.
         data_cfg: a :class:`memtrain.config.DataConfig`.
 
     Returns:
@@ -113,12 +115,13 @@ def build_corpus(data_cfg):
     from memtrain.data.corpus import select_files, split_files
     from memtrain.data.tokens import load_or_build
 
-    files = select_files(data_cfg.files, data_cfg.max_bytes)
+    files = select_files(data_cfg.files, data_cfg.max_bytes, data_cfg.validation_fraction)
     train_files, val_files = split_files(files, data_cfg.validation_fraction)
     if not val_files:
         raise ValueError("data.files: need at least two files (one is held out for validation)")
-    tok = load_or_build(train_files, val_files, data_cfg.vocab_size, data_cfg.text_field, data_cfg.cache_dir)
-    if tok.vocab_size != data_cfg.vocab_size:
+    tok = load_or_build(train_files, val_files, data_cfg.vocab_size, data_cfg.text_field, data_cfg.cache_dir,
+                        pretrained_tokenizer)
+    if tok.vocab_size != data_cfg.vocab_size and not pretrained_tokenizer:
         import logging
 
         reason = ("the byte-level alphabet and special tokens alone need more" if tok.vocab_size > data_cfg.vocab_size

@@ -24,11 +24,16 @@ class SourceFile:
         path: absolute path.
         name: path relative to the corpus root (used for the split hash and in messages).
         size: bytes on disk.
+        part: for a HuggingFace ``datasets`` source (:mod:`memtrain.data.hf_datasets`): which
+            of its rows this entry holds, ``train`` or ``validation``; None for a file.
+        validation_fraction: a ``datasets`` source's row split (when it has no validation split).
     """
 
     path: str
     name: str
     size: int
+    part: Optional[str] = None
+    validation_fraction: float = 0.0
 
 
 def stdlib_files() -> list[SourceFile]:
@@ -54,21 +59,33 @@ def stdlib_files() -> list[SourceFile]:
     return sorted(out, key=lambda f: f.name)
 
 
-def user_files(patterns: list[str]) -> list[SourceFile]:
-    """Files matching ``patterns`` (globs, ``**`` allowed), deduplicated, sorted by path.
+def user_files(patterns: list[str], validation_fraction: float = 0.0) -> list[SourceFile]:
+    """Files matching ``patterns`` (globs, ``**`` allowed), deduplicated, sorted by path. A
+    ``datasets`` source (a ``save_to_disk`` folder, a parquet or arrow file) gives two entries,
+    its training and its validation rows (:mod:`memtrain.data.hf_datasets`).
 
     Raises:
         FileNotFoundError: a pattern matches no file.
     """
+    from memtrain.data import hf_datasets
+
     paths = set()
     for pattern in patterns:
-        matches = [p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p)]
+        matches = [p for p in glob.glob(os.path.expanduser(pattern), recursive=True)
+                   if os.path.isfile(p) or hf_datasets.is_dataset_source(p)]
         if not matches:
             raise FileNotFoundError(f"data.files: '{pattern}' matches no file")
         paths.update(os.path.abspath(p) for p in matches)
+    out = []
     for p in sorted(paths):
-        _check_text_file(p)
-    return [SourceFile(p, p, os.path.getsize(p)) for p in sorted(paths)]
+        if hf_datasets.is_dataset_source(p):
+            size = hf_datasets.source_bytes(p)
+            out += [SourceFile(p, f"{p}::{part}", size, part, validation_fraction)
+                    for part in (hf_datasets.TRAIN, hf_datasets.VALIDATION)]
+        else:
+            _check_text_file(p)
+            out.append(SourceFile(p, p, os.path.getsize(p)))
+    return out
 
 
 def _check_text_file(path: str) -> None:
@@ -92,13 +109,14 @@ def _unit_hash(name: str) -> float:
     return int(hashlib.sha1(name.encode()).hexdigest(), 16) / 2**160
 
 
-def select_files(files: Optional[list[str]], max_bytes: int = 0) -> list[SourceFile]:
+def select_files(files: Optional[list[str]], max_bytes: int = 0, validation_fraction: float = 0.0) -> list[SourceFile]:
     """The corpus for ``data.files`` (None = standard library), cut to ``max_bytes`` (0 = all).
 
     The cut keeps whole files, taken in hash order of their names, so a small corpus samples the
-    whole tree rather than one package; the result is sorted by name.
+    whole tree rather than one package; the result is sorted by name. ``validation_fraction`` is
+    the row split of ``datasets`` sources without a validation split.
     """
-    chosen = stdlib_files() if files is None else user_files(files)
+    chosen = stdlib_files() if files is None else user_files(files, validation_fraction)
     if max_bytes and sum(f.size for f in chosen) > max_bytes:
         picked, acc = [], 0
         for f in sorted(chosen, key=lambda f: _unit_hash(f.name)):
@@ -123,16 +141,21 @@ def split_files(files: list[SourceFile], validation_fraction: float) -> tuple[li
         # a different salt from select_files' order, so the cut does not bias the split
         return _unit_hash("split:" + f.name)
 
+    parts = [f for f in files if f.part is not None]  # a datasets source's rows: their side is set
+    files = [f for f in files if f.part is None]
     val = [f for f in files if h(f) < validation_fraction]
     train = [f for f in files if h(f) >= validation_fraction]
-    if len(files) >= 2 and (not val or not train):
+    if len(files) >= 2 and (not val or not train) and not parts:
         ordered = sorted(files, key=h)
         val, train = ordered[:1], ordered[1:]
+    train += [f for f in parts if f.part == "train"]
+    val += [f for f in parts if f.part == "validation"]
     return sorted(train, key=lambda f: f.name), sorted(val, key=lambda f: f.name)
 
 
 def iter_documents(files: list[SourceFile], text_field: str = "text") -> Iterator[str]:
-    """Yield documents: a whole text file is one document; each JSONL line is one.
+    """Yield documents: a whole text file is one document; each JSONL line is one; each row of a
+    ``datasets`` source's part is one.
 
     Raises:
         ConfigError: a JSONL line that is not a JSON object (field ``data.files``) or has no
@@ -141,7 +164,11 @@ def iter_documents(files: list[SourceFile], text_field: str = "text") -> Iterato
     from memtrain.config import ConfigError
 
     for f in files:
-        if f.path.endswith((".jsonl", ".json")):
+        if f.part is not None:
+            from memtrain.data.hf_datasets import iter_rows
+
+            yield from iter_rows(f.path, f.name.rsplit("::", 1)[0], f.part, text_field, f.validation_fraction)
+        elif f.path.endswith((".jsonl", ".json")):
             with open(f.path, encoding="utf-8", errors="replace") as fh:
                 for lineno, line in enumerate(fh, 1):
                     if not line.strip():
@@ -164,6 +191,11 @@ def fingerprint(files: list[SourceFile], *extra) -> str:
     h = hashlib.sha256()
     for f in files:
         h.update(f.name.encode() + b"\0")
+        if f.part is not None:  # a datasets source: its files, and how its rows are split
+            from memtrain.data.hf_datasets import digest
+
+            h.update(digest(f.path) + f"{f.validation_fraction!r}".encode())
+            continue
         with open(f.path, "rb") as fh:
             h.update(hashlib.sha256(fh.read()).digest())
     h.update(json.dumps(extra, sort_keys=True, default=str).encode())

@@ -10,6 +10,7 @@ killed build never leaves a half cache and a second run starts in seconds.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import tempfile
@@ -22,6 +23,10 @@ from memtrain.data.corpus import SourceFile, fingerprint, iter_documents
 
 EOS_TOKEN = "<|endoftext|>"
 _CACHE_FORMAT = 1  # bump when the cache layout or tokenisation changes
+PRETRAINED_DIR = "pretrained_tokenizer"
+"""Cache subfolder holding a pretrained model's tokenizer files, as found in ``model.pretrained``."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+_SPECIAL = "special_tokens.json"  # {"eos_token": ...}; absent = EOS_TOKEN (the trained BPE)
 
 
 @dataclass
@@ -47,9 +52,13 @@ class TokenizedCorpus:
         return os.path.join(self.directory, "tokenizer.json")
 
     def hf_tokenizer(self):
-        """The tokenizer as a ``transformers.PreTrainedTokenizerFast`` (for ``save_pretrained``)."""
-        from transformers import PreTrainedTokenizerFast
+        """The tokenizer as a ``transformers`` tokenizer (for ``save_pretrained``): a pretrained
+        model's own (its files copied into the cache), or the trained BPE."""
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+        pretrained = os.path.join(self.directory, PRETRAINED_DIR)
+        if os.path.isdir(pretrained):
+            return AutoTokenizer.from_pretrained(pretrained, local_files_only=True)
         return PreTrainedTokenizerFast(
             tokenizer_file=self.tokenizer_path, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, unk_token=EOS_TOKEN
         )
@@ -98,17 +107,68 @@ def _encode(tokenizer, docs, eos_id: int, dtype) -> np.ndarray:
     return np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
 
 
-def _build(directory: str, train_files, val_files, vocab_size: int, text_field: str) -> None:
+def pretrained_eos_token(folder: str) -> str:
+    """The end-of-text token a pretrained tokenizer names (``tokenizer_config.json``, else
+    ``special_tokens_map.json``), else ``<|endoftext|>`` when its vocabulary has it.
+
+    Raises:
+        ConfigError: none of these (field ``model.pretrained``).
+    """
+    import json
+
+    from memtrain.config import ConfigError
+
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = os.path.join(folder, name)
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as fh:
+                eos = json.load(fh).get("eos_token")
+            if eos:
+                return eos["content"] if isinstance(eos, dict) else str(eos)
+    from tokenizers import Tokenizer
+
+    if Tokenizer.from_file(os.path.join(folder, "tokenizer.json")).token_to_id(EOS_TOKEN) is not None:
+        return EOS_TOKEN
+    raise ConfigError("model.pretrained", f"the tokenizer in '{folder}' names no eos_token (tokenizer_config.json), "
+                      "which separates documents in the packed stream")
+
+
+def _train_tokenizer(tmp: str, train_files, vocab_size: int, text_field: str):
     from tokenizers import ByteLevelBPETokenizer
 
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(
+        iter_documents(train_files, text_field), vocab_size=vocab_size, min_frequency=2,
+        special_tokens=[EOS_TOKEN], show_progress=False,
+    )
+    tok.save(os.path.join(tmp, "tokenizer.json"))
+    return tok, EOS_TOKEN
+
+
+def _copy_pretrained_tokenizer(tmp: str, folder: str):
+    import json
+
+    from tokenizers import Tokenizer
+
+    os.makedirs(os.path.join(tmp, PRETRAINED_DIR))
+    for name in TOKENIZER_FILES:
+        if os.path.exists(os.path.join(folder, name)):
+            shutil.copy(os.path.join(folder, name), os.path.join(tmp, PRETRAINED_DIR, name))
+    shutil.copy(os.path.join(folder, "tokenizer.json"), os.path.join(tmp, "tokenizer.json"))
+    eos = pretrained_eos_token(folder)
+    with open(os.path.join(tmp, _SPECIAL), "w", encoding="utf-8") as fh:
+        json.dump({"eos_token": eos}, fh)
+    return Tokenizer.from_file(os.path.join(tmp, "tokenizer.json")), eos
+
+
+def _build(directory: str, train_files, val_files, vocab_size: int, text_field: str,
+           pretrained_tokenizer: str | None = None) -> None:
     with building(directory) as tmp:
-        tok = ByteLevelBPETokenizer()
-        tok.train_from_iterator(
-            iter_documents(train_files, text_field), vocab_size=vocab_size, min_frequency=2,
-            special_tokens=[EOS_TOKEN], show_progress=False,
-        )
-        tok.save(os.path.join(tmp, "tokenizer.json"))
-        eos_id = tok.token_to_id(EOS_TOKEN)
+        if pretrained_tokenizer:
+            tok, eos = _copy_pretrained_tokenizer(tmp, pretrained_tokenizer)
+        else:
+            tok, eos = _train_tokenizer(tmp, train_files, vocab_size, text_field)
+        eos_id = tok.token_to_id(eos)
         dtype = np.uint16 if tok.get_vocab_size() <= 2**16 else np.uint32
         for split, files in (("train", train_files), ("validation", val_files)):
             arr = _encode(tok, iter_documents(files, text_field), eos_id, dtype)
@@ -117,7 +177,7 @@ def _build(directory: str, train_files, val_files, vocab_size: int, text_field: 
 
 def load_or_build(
     train_files: list[SourceFile], val_files: list[SourceFile], vocab_size: int,
-    text_field: str = "text", cache_dir: str | None = None,
+    text_field: str = "text", cache_dir: str | None = None, pretrained_tokenizer: str | None = None,
 ) -> TokenizedCorpus:
     """Return the tokenized corpus for these files and settings, building it if not cached.
 
@@ -131,21 +191,33 @@ def load_or_build(
         vocab_size: BPE vocabulary size (including the end-of-text token).
         text_field: JSONL field holding the text.
         cache_dir: cache root; None = :func:`default_cache_dir`.
+        pretrained_tokenizer: a folder with a pretrained ``tokenizer.json`` (``model.pretrained``):
+            used instead of training BPE (``vocab_size`` is then unused).
 
     Returns:
         The corpus with memory-mapped streams.
     """
-    key = fingerprint(train_files + val_files, len(train_files), vocab_size, text_field, _CACHE_FORMAT)
+    import json
+
+    tokenizer_key = vocab_size
+    if pretrained_tokenizer:
+        with open(os.path.join(pretrained_tokenizer, "tokenizer.json"), "rb") as fh:
+            tokenizer_key = "pretrained:" + hashlib.sha256(fh.read()).hexdigest()
+    key = fingerprint(train_files + val_files, len(train_files), tokenizer_key, text_field, _CACHE_FORMAT)
     directory = os.path.join(cache_dir or default_cache_dir(), f"corpus-{key}")
     if not os.path.exists(os.path.join(directory, "validation.npy")):
-        _build(directory, train_files, val_files, vocab_size, text_field)
+        _build(directory, train_files, val_files, vocab_size, text_field, pretrained_tokenizer)
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(os.path.join(directory, "tokenizer.json"))
+    eos = EOS_TOKEN
+    if os.path.exists(os.path.join(directory, _SPECIAL)):
+        with open(os.path.join(directory, _SPECIAL), encoding="utf-8") as fh:
+            eos = json.load(fh)["eos_token"]
     return TokenizedCorpus(
         directory=directory,
         train=np.load(os.path.join(directory, "train.npy"), mmap_mode="r"),
         validation=np.load(os.path.join(directory, "validation.npy"), mmap_mode="r"),
         vocab_size=tok.get_vocab_size(),
-        eos_id=tok.token_to_id(EOS_TOKEN),
+        eos_id=tok.token_to_id(eos),
     )

@@ -1,0 +1,196 @@
+"""A user's DeepSpeed JSON, reconciled with memtrain's config.
+
+``"auto"`` values are filled from memtrain's settings the way transformers' DeepSpeed integration
+fills them from its ``TrainingArguments`` (batch sizes, accumulation, clipping, precision, and the
+``optimizer`` and ``scheduler`` sections' learning rate, betas, eps, weight decay, warmup and total
+steps); a concrete value that contradicts memtrain's is an error naming both.
+
+The ``optimizer`` section may name ``Adam`` or ``AdamW`` (AdamW math, DeepSpeed's default
+``adam_w_mode``): memtrain builds that optimizer itself from ``training.*`` (DeepSpeedCPUAdam under
+optimizer offload, as DeepSpeed would), so the accumulation boundaries and OOM retries stay
+memtrain's. The ``scheduler`` section may name ``WarmupLR``, ``WarmupDecayLR`` or
+``WarmupCosineLR``: DeepSpeed's own class is built (:mod:`memtrain.optim`) and stepped once per
+optimizer step. Both sections are removed from what ``deepspeed.initialize`` sees.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+from memtrain.config import ConfigError, TrainingConfig
+
+OPTIMIZERS = ("Adam", "AdamW")
+"""DeepSpeed optimizer types memtrain builds (both are AdamW with ``adam_w_mode`` on, its default)."""
+
+SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+"""DeepSpeed scheduler types memtrain builds (DeepSpeed's own classes, ``deepspeed.runtime.lr_schedules``)."""
+
+
+def get_path(d: dict, path: str):
+    """``d["a"]["b"]`` for ``path`` ``"a.b"``; None when a key is missing."""
+    for key in path.split("."):
+        if not isinstance(d, dict) or key not in d:
+            return None
+        d = d[key]
+    return d
+
+
+def set_path(d: dict, path: str, value) -> None:
+    """Set ``d["a"]["b"] = value`` for ``path`` ``"a.b"``, creating the sections on the way."""
+    keys = path.split(".")
+    for key in keys[:-1]:
+        d = d.setdefault(key, {})
+    d[keys[-1]] = value
+
+
+def _same(theirs, ours) -> bool:
+    if isinstance(ours, (list, tuple)):
+        return isinstance(theirs, (list, tuple)) and len(theirs) == len(ours) and all(
+            _same(a, b) for a, b in zip(theirs, ours))
+    if isinstance(ours, float) and isinstance(theirs, (int, float)) and not isinstance(theirs, bool):
+        return abs(float(theirs) - ours) <= 1e-12 * max(1.0, abs(ours))
+    return theirs == ours
+
+
+class _Reconciler:
+    """Fills ``"auto"``/missing values of ``cfg`` with memtrain's and rejects contradictions."""
+
+    def __init__(self, cfg: dict, source: str):
+        self.cfg, self.source = cfg, source
+
+    def __call__(self, path: str, ours, field: str, default_from_json: bool = False):
+        theirs = get_path(self.cfg, path)
+        if theirs is None or theirs == "auto":
+            set_path(self.cfg, path, list(ours) if isinstance(ours, tuple) else ours)
+        elif not _same(theirs, ours):
+            if default_from_json:
+                return theirs
+            raise ConfigError(field, f"{self.source} sets {path} = {theirs!r}, which contradicts {field} = {ours!r}; "
+                              "set one of them to agree, or use \"auto\" in the JSON")
+        return get_path(self.cfg, path)
+
+    def fill(self, path: str, value) -> None:
+        """A setting memtrain has no field for: ``"auto"``/missing becomes ``value``."""
+        if get_path(self.cfg, path) in (None, "auto"):
+            set_path(self.cfg, path, value)
+
+
+def _reconcile_optimizer(reconcile: _Reconciler, t: TrainingConfig) -> None:
+    section = reconcile.cfg.get("optimizer")
+    if section is None:
+        return
+    kind = section.get("type")
+    if kind not in OPTIMIZERS:
+        raise ConfigError("backend.deepspeed_config", f"{reconcile.source}: optimizer type {kind!r} is not supported; "
+                          f"choices: {', '.join(OPTIMIZERS)} (memtrain builds AdamW from training.*)")
+    params = section.get("params") or {}
+    for key, want in (("adam_w_mode", True), ("bias_correction", True), ("amsgrad", False)):
+        if params.get(key, want) not in (want, "auto"):
+            raise ConfigError("backend.deepspeed_config", f"{reconcile.source} sets optimizer.params.{key} = "
+                              f"{params[key]!r}; memtrain's AdamW needs {key} = {want}")
+    reconcile("optimizer.params.lr", t.lr, "training.lr")
+    reconcile("optimizer.params.betas", (t.adam_beta1, t.adam_beta2), "training.adam_beta1/adam_beta2")
+    reconcile("optimizer.params.eps", t.adam_eps, "training.adam_eps")
+    reconcile("optimizer.params.weight_decay", t.weight_decay, "training.weight_decay")
+
+
+def _reconcile_scheduler(reconcile: _Reconciler, t: TrainingConfig) -> None:
+    section = reconcile.cfg.get("scheduler")
+    if section is None:
+        return
+    kind = section.get("type")
+    if kind not in SCHEDULERS:
+        raise ConfigError("backend.deepspeed_config", f"{reconcile.source}: scheduler type {kind!r} is not supported; "
+                          f"choices: {', '.join(SCHEDULERS)}, or remove the section for memtrain's warmup + cosine "
+                          "schedule (training.warmup_steps, training.min_lr_ratio)")
+    reconcile("scheduler.params.warmup_num_steps", t.warmup_steps, "training.warmup_steps")
+    if kind != "WarmupLR":
+        reconcile("scheduler.params.total_num_steps", t.max_steps, "training.max_steps")
+    if kind == "WarmupCosineLR":
+        reconcile.fill("scheduler.params.warmup_min_ratio", 0.0)
+        reconcile("scheduler.params.cos_min_ratio", t.min_lr_ratio, "training.min_lr_ratio")
+    else:
+        reconcile.fill("scheduler.params.warmup_min_lr", 0.0)
+        reconcile("scheduler.params.warmup_max_lr", t.lr, "training.lr")
+
+
+def build_ds_config(user: Optional[dict], source: str, *, global_batch_size: int, micro_batch_size: int,
+                    gradient_accumulation_steps: int, max_grad_norm: float, precision: str,
+                    precision_requested: str, zero_stage: Optional[int], offload: Optional[str],
+                    training: Optional[TrainingConfig] = None) -> dict[str, Any]:
+    """The DeepSpeed config for this run: the user's JSON (or an empty one), ``"auto"`` values
+    filled from memtrain's settings, contradictions rejected.
+
+    Args:
+        user: the parsed DeepSpeed JSON, or None.
+        source: its file name (for messages).
+        global_batch_size, micro_batch_size, gradient_accumulation_steps: the batch plan (samples).
+        max_grad_norm: clipping threshold (0 = none).
+        precision: resolved precision; precision_requested: the setting (``auto`` defers to the JSON).
+        zero_stage, offload: ``backend.zero_stage`` / ``backend.offload``; None = take the JSON's
+            (defaults 2 / none).
+        training: ``training.*`` (lr, betas, eps, weight decay, warmup, max steps) for the
+            ``optimizer`` and ``scheduler`` sections; None = the defaults.
+
+    Returns:
+        A complete DeepSpeed config dict; its ``optimizer`` and ``scheduler`` sections, when the
+        JSON has them, are resolved (no ``"auto"`` left) and still present: the engine removes
+        them before ``deepspeed.initialize``.
+
+    Raises:
+        ConfigError: a JSON value contradicts memtrain's (names both), or the JSON names an
+            optimizer or scheduler type memtrain does not build (names the choices).
+    """
+    cfg = copy.deepcopy(user or {})
+    reconcile = _Reconciler(cfg, source)
+    t = training or TrainingConfig()
+    _reconcile_optimizer(reconcile, t)
+    _reconcile_scheduler(reconcile, t)
+    reconcile("train_batch_size", global_batch_size, "training.global_batch_size")
+    reconcile("train_micro_batch_size_per_gpu", micro_batch_size, "training.micro_batch_size")
+    reconcile("gradient_accumulation_steps", gradient_accumulation_steps, "training.micro_batch_size")
+    reconcile("gradient_clipping", float(max_grad_norm), "training.max_grad_norm")
+
+    json_stage = get_path(cfg, "zero_optimization.stage")
+    stage = reconcile("zero_optimization.stage", zero_stage if zero_stage is not None else
+                      (json_stage if json_stage not in (None, "auto") else 2), "backend.zero_stage")
+    if stage not in (1, 2, 3):
+        raise ConfigError("backend.zero_stage", f"{source}: zero_optimization.stage = {stage!r}; choices: 1, 2, 3")
+    _reconcile_offload(cfg, source, stage, offload)
+    _reconcile_precision(cfg, source, precision, precision_requested)
+    cfg.setdefault("steps_per_print", 2**31 - 1)
+    cfg.setdefault("wall_clock_breakdown", False)
+    return cfg
+
+
+def _reconcile_offload(cfg: dict, source: str, stage: int, offload: Optional[str]) -> None:
+    json_offload = "none"
+    if get_path(cfg, "zero_optimization.offload_optimizer.device") == "cpu":
+        json_offload = "optimizer_and_params" if get_path(cfg, "zero_optimization.offload_param.device") == "cpu" \
+            else "optimizer"
+    if offload is None:
+        offload = json_offload
+    elif offload != json_offload and json_offload != "none":
+        raise ConfigError("backend.offload", f"{source} offloads '{json_offload}', which contradicts backend.offload = "
+                          f"'{offload}'")
+    if offload in ("optimizer", "optimizer_and_params"):
+        set_path(cfg, "zero_optimization.offload_optimizer.device", "cpu")
+    if offload == "optimizer_and_params":
+        if stage != 3:
+            raise ConfigError("backend.offload", f"optimizer_and_params needs ZeRO stage 3, got stage {stage}")
+        set_path(cfg, "zero_optimization.offload_param.device", "cpu")
+
+
+def _reconcile_precision(cfg: dict, source: str, precision: str, precision_requested: str) -> None:
+    for name in ("bf16", "fp16"):
+        if precision_requested == "auto" and get_path(cfg, f"{name}.enabled") is True:
+            precision = name  # "auto" defers to an explicit choice in the JSON
+    for name in ("bf16", "fp16"):
+        enabled = get_path(cfg, f"{name}.enabled")
+        want = precision == name
+        if enabled in (None, "auto"):
+            set_path(cfg, f"{name}.enabled", want)
+        elif bool(enabled) != want:
+            raise ConfigError("precision", f"{source} sets {name}.enabled = {enabled}, which contradicts precision = "
+                              f"{precision_requested} (resolved: {precision})")
