@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
-from memtrain.backends import make_backend
+from memtrain.backends import make_backend, model_build_context
 from memtrain.checkpoint import Checkpointer
 from memtrain.checkpoint.stateful import EngineState, RNGState, SchedulerState, TokenizerFiles
 from memtrain.config import Config, to_dict
@@ -134,7 +134,8 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Tra
     from accelerate.utils import set_seed
 
     set_seed(t.seed)  # same initial weights on every rank
-    model = build_model(cfg.model, corpus.vocab_size, t.seed, getattr(corpus, "eos_id", None))
+    with model_build_context(cfg, precision, process.world_size):
+        model = build_model(cfg.model, corpus.vocab_size, t.seed, getattr(corpus, "eos_id", None))
     # compute randomness (dropout, SpecAugment) differs by rank from here on, as Accelerate's
     # device-specific seeding does: still a pure function of (seed, rank), and each rank's streams
     # are replayed on OOM retries and saved in checkpoints

@@ -135,6 +135,8 @@ def _from_pretrained(model_cfg: ModelConfig, vocab_size: int, seed: int) -> nn.M
         from memtrain.layerdrop import install_layerdrop
 
         install_layerdrop(model, seed)
+    if any(hasattr(p, "ds_id") for p in model.parameters()):  # built partitioned by ZeRO-3: fp32 already
+        return model.train()
     return model.float().train()
 
 
@@ -144,5 +146,6 @@ def logits_of(output) -> torch.Tensor:
 
 
 def count_parameters(model: nn.Module) -> int:
-    """Number of parameters (tied weights counted once)."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    """Number of parameters (tied weights counted once; a ZeRO-3-partitioned parameter by its
+    full size, ``ds_numel``)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in {id(p): p for p in model.parameters()}.values())

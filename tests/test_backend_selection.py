@@ -178,3 +178,44 @@ def test_accelerate_settings_memtrain_does_otherwise_are_named():
         apply_accelerate_settings(_cfg(), 2, {"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"})
     with pytest.raises(ConfigError, match="'memory.activation_checkpointing'"):
         apply_accelerate_settings(_cfg("--memory.activation_checkpointing", "off"), 2, fsdp)
+
+
+def test_zero3_builds_a_pretrained_model_already_partitioned(tmp_path):
+    """ZeRO-3 + model.pretrained: the model comes out of the build partitioned (each parameter
+    holds only its shard), with the full parameter count still known; other engines build it whole."""
+    import subprocess
+    import sys
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=16, vocab_size=64)).save_pretrained(tmp_path)
+    script = f"""
+import torch.distributed as dist
+dist.init_process_group("gloo")
+from memtrain.config import parse_args
+from memtrain.backends import model_build_context
+from memtrain.models import build_model, count_parameters
+for engine in (["--backend.name", "deepspeed", "--backend.zero_stage", "3"], ["--backend.name", "ddp"]):
+    cfg = parse_args([*engine, "--model.pretrained", {str(tmp_path)!r}, "--model.config", "{{}}"])
+    with model_build_context(cfg, "fp32", 1):
+        model = build_model(cfg.model, 64)
+    print(engine[1], sum(p.numel() for p in model.parameters()), count_parameters(model))
+"""
+    import os
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "PYTHONPATH": str(repo)}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True,
+                         env=env, cwd=repo).stdout
+    n = sum(p.numel() for p in GPT2LMHeadModel.from_pretrained(tmp_path).parameters())
+    assert f"deepspeed 0 {n}" in out and f"ddp {n} {n}" in out
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

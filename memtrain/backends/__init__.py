@@ -61,6 +61,13 @@ def make_backend(cfg, process, precision: str, plan) -> Backend:
     return engine_module(name).build(cfg, process, precision, plan)
 
 
+def model_build_context(cfg, precision: str, world_size: int):
+    """The context the model is built in for ``cfg``'s engine (DeepSpeed ZeRO-3 with
+    ``model.pretrained``: built already partitioned, weights read by rank 0 only; else none)."""
+    name = infer_backend_name(cfg.backend.name, cfg.backend.deepspeed_config)
+    return engine_module(name).model_build_context(cfg, precision, world_size)
+
+
 def read_full_weights(path: str, manifest: dict) -> dict[str, torch.Tensor]:
     """The whole model's weights (CPU) of the verified checkpoint ``path``, read in one process
     by the engine that wrote it (``manifest["backend"]``).

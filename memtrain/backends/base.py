@@ -5,14 +5,16 @@ engines is one config key (``backend.name``) and the loop never branches on the 
 process is (rank, device, collectives) is not the engine's business: that is
 :class:`memtrain.distributed.ProcessState`, built before the engine and shared with it.
 
-Besides the class, each engine module defines three functions the registry
+Besides the class, each engine module defines four functions the registry
 (:mod:`memtrain.backends`) calls without building an engine:
 
 * ``build(cfg, process, precision, plan) -> Backend``;
 * ``read_full_weights(path) -> dict[str, Tensor]``: the whole model's weights from one of its
   checkpoints, on CPU, in one process (for ``memtrain export``);
 * ``model_state_bytes(n_params, precision, zero_stage, offload, world_size) -> dict``: bytes of
-  parameters, gradients and optimizer state per rank (for ``memtrain memory``).
+  parameters, gradients and optimizer state per rank (for ``memtrain memory``);
+* ``model_build_context(cfg, precision, world_size)``: the context the model is built in
+  (ZeRO-3 builds a pretrained model already partitioned).
 """
 
 from __future__ import annotations

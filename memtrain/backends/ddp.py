@@ -243,6 +243,13 @@ def build(cfg, process: ProcessState, precision: str, plan) -> DDPBackend:
                       defer_reduction=cfg.memory.oom_recovery)
 
 
+def model_build_context(cfg, precision: str, world_size: int):
+    """The model is built whole on every rank (then wrapped): no context needed."""
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
 def read_full_weights(path: str) -> dict[str, torch.Tensor]:
     """The replicated weights rank 0 wrote as safetensors."""
     from memtrain.weights import load_weights

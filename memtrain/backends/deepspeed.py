@@ -13,6 +13,7 @@ AdamW memtrain builds, its ``scheduler`` section the schedule :mod:`memtrain.opt
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Any, Callable, Optional
@@ -239,6 +240,45 @@ def build(cfg, process: ProcessState, precision: str, plan) -> DeepSpeedBackend:
     return DeepSpeedBackend(process, precision, cfg.precision, ds_config_path=path, zero_stage=stage, offload=offload,
                             global_batch_size=t.global_batch_size, max_grad_norm=t.max_grad_norm, plan=plan,
                             training=t)
+
+
+def _zero_stage_and_json(cfg) -> tuple[int, dict]:
+    """(ZeRO stage, the user's JSON or {}) as :func:`build` will resolve them."""
+    b = cfg.backend
+    path, stage = b.deepspeed_config, b.zero_stage
+    if path is None and b.name == "auto":
+        env_path, env_stage, _ = _accelerate_deepspeed_settings()
+        path, stage = env_path, stage or env_stage
+    user = {}
+    if path:
+        with open(path) as fh:
+            user = json.load(fh)
+    json_stage = get_path(user, "zero_optimization.stage")
+    return (stage if stage is not None else json_stage if json_stage not in (None, "auto") else 2), user
+
+
+@contextlib.contextmanager
+def model_build_context(cfg, precision: str, world_size: int):
+    """Where the model is built. ZeRO-3 with ``model.pretrained``: transformers' ``from_pretrained``
+    builds it already partitioned (``deepspeed.zero.Init``) and only rank 0 reads the weights,
+    handing each rank its partition (transformers' ``HfDeepSpeedConfig`` integration), so no rank
+    holds the whole model. Otherwise nothing changes."""
+    stage, user = _zero_stage_and_json(cfg) if cfg.model.pretrained else (0, {})
+    if stage != 3:
+        yield
+        return
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    share = cfg.training.global_batch_size // max(1, world_size)
+    zero = {"stage": 3, **{k: v for k, v in (user.get("zero_optimization") or {}).items() if k == "offload_param"}}
+    keep = HfDeepSpeedConfig({"zero_optimization": zero, "bf16": {"enabled": precision == "bf16"},
+                              "fp16": {"enabled": precision == "fp16"}, "train_micro_batch_size_per_gpu": share,
+                              "train_batch_size": share * max(1, world_size)})
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+        del keep
 
 
 def read_full_weights(path: str) -> dict[str, torch.Tensor]:

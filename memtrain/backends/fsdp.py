@@ -199,6 +199,13 @@ def build(cfg, process: ProcessState, precision: str, plan) -> FSDPBackend:
                        offload=b.offload or env_offload or "none")
 
 
+def model_build_context(cfg, precision: str, world_size: int):
+    """The model is built whole on every rank (then wrapped): no context needed."""
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
 def read_full_weights(path: str) -> dict[str, torch.Tensor]:
     """The model entries of the torch.distributed.checkpoint shards, read without a process group."""
     import torch.distributed.checkpoint as dcp
