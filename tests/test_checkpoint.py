@@ -84,31 +84,35 @@ ELASTIC = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2
 HANG_TIMEOUT_S = 30  # backend.timeout_s of the hang tests: well above any wait of a healthy tiny run
 
 
-@pytest.mark.parametrize("engine,where", [("ddp", "after_step"), ("fsdp", "mid_step"), ("zero3", "mid_step")])
-def test_elastic_restarts_survive_a_killed_and_a_hung_rank(tmp_path, tmp_path_factory, cache_dir, engine, where):
-    """Under ``torchrun --max-restarts 2``: rank 1 is killed in step 7, later rank 0 hangs inside
-    step 11. Each time the other rank's collective fails (or the hung rank's watchdog fires)
-    within backend.timeout_s, torchrun restarts both, they resume from the last checkpoint, and
-    the finished run's every step equals the continuous run's bitwise."""
+# DDP: a kill after a step; ZeRO-3 (collectives inside compute): a kill inside a step, then a hang
+@pytest.mark.parametrize("engine,where,hang", [("ddp", "after_step", False), ("zero3", "mid_step", True)])
+def test_elastic_restarts_survive_a_killed_and_a_hung_rank(tmp_path, tmp_path_factory, cache_dir, engine, where, hang):
+    """Under ``torchrun --max-restarts 2``: rank 1 is killed in step 7 and (``hang``) later rank 0
+    hangs inside step 11. Each time the other rank's collective fails (or the hung rank's watchdog
+    fires) within backend.timeout_s, torchrun restarts both, they resume from the last checkpoint,
+    and the finished run's every step equals the continuous run's bitwise."""
     import time
 
     base = read_metrics(continuous(engine, tmp_path_factory, cache_dir))
-    faults = ["--faults.kill_at_step", "7", "--faults.kill_ranks", "[1]", "--faults.hang_at_step", "11",
-              "--faults.hang_ranks", "[0]", "--backend.timeout_s", str(HANG_TIMEOUT_S)]
+    faults = ["--faults.kill_at_step", "7", "--faults.kill_ranks", "[1]", "--backend.timeout_s", str(HANG_TIMEOUT_S)]
+    faults += ["--faults.hang_at_step", "11", "--faults.hang_ranks", "[0]"] if hang else []
     faults += ["--faults.kill_mid_step", "true"] if where == "mid_step" else []
     start = time.perf_counter()
     proc = launch(tiny_args(tmp_path, cache_dir, *CKPT, *ENGINES[engine], *faults), launcher=ELASTIC, timeout=400)
     assert time.perf_counter() - start < 300
     records = read_metrics(tmp_path)
-    assert [r.get("event", "").split(",")[0] for r in records if r.get("event", "").startswith("resume")] == ["resume"] * 2
+    resumes = [r.get("event", "").split(",")[0] for r in records if r.get("event", "").startswith("resume")]
+    assert resumes == ["resume"] * (2 if hang else 1)
     assert_bitwise_from(records, base, 1)
-    # the hang ended by a timeout naming the rank and where it was, not by the test's deadline
-    assert "rank 0: no progress for" in proc.stderr or "rank 1: a collective failed during step 11" in proc.stderr
-    assert "step 11: micro-batch" in proc.stderr
-    assert sorted(os.listdir(tmp_path / "faults_fired")) == ["hang_at_step_11.rank0", "kill_at_step_7.rank1"]
+    fired = ["kill_at_step_7.rank1"]
+    if hang:  # the hang ended by a timeout naming the rank and where it was, not by the test's deadline
+        assert "rank 0: no progress for" in proc.stderr or "rank 1: a collective failed during step 11" in proc.stderr
+        assert "step 11: micro-batch" in proc.stderr
+        fired.insert(0, "hang_at_step_11.rank0")
+    assert sorted(os.listdir(tmp_path / "faults_fired")) == fired
 
 
-@pytest.mark.parametrize("engine", ["ddp", "fsdp", "zero3"])  # ZeRO-2 saves through the same DeepSpeed path as ZeRO-3
+@pytest.mark.parametrize("engine", ["ddp", "fsdp", "zero2"])  # ZeRO-3 saves through the same DeepSpeed path as ZeRO-2
 def test_kill_during_save_then_corrupt_newest_falls_back(tmp_path, tmp_path_factory, cache_dir, engine):
     """A save killed half-way leaves no checkpoint (its temporary directory is removed on start);
     a corrupted file in the newest complete checkpoint is refused by name; resume: auto takes the
@@ -161,10 +165,11 @@ def test_export_refuses_corrupt_checkpoint(tmp_path, tmp_path_factory, cache_dir
     assert not (tmp_path / "exported").exists()
 
 
-@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+@pytest.mark.parametrize("engine", ["ddp", "fsdp", "zero2", "zero3"])
 def test_resume_two_rank_checkpoint_on_one_rank(tmp_path, tmp_path_factory, cache_dir, engine):
     """The cursor is world-size independent: a 2-rank checkpoint resumed by 1 rank (same global
-    batch) continues with the same samples and the same losses (to float summation order)."""
+    batch) continues with the same samples and the same losses (to float summation order);
+    ZeRO partitions go through DeepSpeed's universal checkpoint, converted on resume."""
     base = read_metrics(continuous(engine, tmp_path_factory, cache_dir))
     shutil.copytree(continuous(engine, tmp_path_factory, cache_dir) / "checkpoints" / "step_00000015",
                     tmp_path / "from")
@@ -173,14 +178,14 @@ def test_resume_two_rank_checkpoint_on_one_rank(tmp_path, tmp_path_factory, cach
     assert [r["step"] for r in records] == [16]
     assert records[0]["batch_fingerprint"] == base[15]["batch_fingerprint"]
     assert records[0]["loss"] == pytest.approx(base[15]["loss"], rel=1e-5)
+    if engine.startswith("zero"):  # Adam's moments came across too: step 16's update, hence the weights, match
+        from safetensors.torch import load_file
 
-
-def test_deepspeed_refuses_another_world_size(tmp_path, tmp_path_factory, cache_dir):
-    src = continuous("zero2", tmp_path_factory, cache_dir) / "checkpoints" / "step_00000015"
-    proc = launch(tiny_args(tmp_path, cache_dir, *CKPT, *ENGINES["zero2"], "--resume", str(src)),
-                  launcher=[sys.executable], check=False)
-    assert proc.returncode == 4
-    assert "written by 2 ranks cannot be resumed on 1" in proc.stderr
+        ours = load_file(tmp_path / "run" / "model" / "model.safetensors")
+        theirs = load_file(continuous(engine, tmp_path_factory, cache_dir) / "model" / "model.safetensors")
+        for name, tensor in theirs.items():
+            torch.testing.assert_close(ours[name], tensor, rtol=1e-4, atol=1e-6)
+        assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]  # the converted copy is gone
 
 
 def test_explicit_corrupt_checkpoint_is_refused_by_name(tmp_path, tmp_path_factory, cache_dir):

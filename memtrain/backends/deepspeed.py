@@ -176,22 +176,62 @@ class DeepSpeedBackend:
 
     def load_state(self, model: nn.Module, optimizer, directory: str, saved_world_size: int) -> None:
         """Load DeepSpeed's checkpoint. ZeRO partitions are tied to the world size that wrote
-        them: a different world size is refused (DeepSpeed's universal-checkpoint conversion,
-        ``ds_to_universal``, is not wired into memtrain); ``memtrain export`` still gets the
-        weights out of any such checkpoint.
+        them: on another world size the checkpoint is first converted to DeepSpeed's universal
+        format (:meth:`_load_universal`).
 
         Raises:
-            CheckpointError: different world size, or DeepSpeed found no checkpoint.
+            CheckpointError: DeepSpeed found no checkpoint, or the conversion failed.
         """
         if saved_world_size != self.world_size and self.zero_stage > 0:
-            raise CheckpointError(
-                f"{directory}: a DeepSpeed ZeRO-{self.zero_stage} checkpoint written by {saved_world_size} ranks cannot "
-                f"be resumed on {self.world_size}: ZeRO partitions are per rank. Resume on {saved_world_size} ranks, or "
-                "export the weights with `memtrain export` and start a new run from them")
+            self._load_universal(directory, saved_world_size)
+            return
         path, _ = self.engine.load_checkpoint(directory, tag=self._TAG, load_module_strict=True,
                                               load_optimizer_states=True, load_lr_scheduler_states=False)
         if path is None:
             raise CheckpointError(f"{directory}: DeepSpeed found no checkpoint under tag '{self._TAG}'")
+
+    def _load_universal(self, directory: str, saved_world_size: int) -> None:
+        """Resume a ZeRO checkpoint written by ``saved_world_size`` ranks: rank 0 converts it with
+        DeepSpeed's ``ds_to_universal`` (per-parameter fp32 weights and Adam moments, no ranks)
+        into ``.tmp-universal-<name>`` beside it, every rank loads its new partition from there
+        (DeepSpeed's ``load_universal``), and the folder is removed. The checkpoint itself is
+        never modified; a conversion cut short is removed by the next start like an unfinished save.
+
+        Raises:
+            CheckpointError: the conversion or the load failed (names the checkpoint).
+        """
+        import argparse
+        import io
+        import shutil
+
+        from deepspeed.checkpoint.ds_to_universal import main as to_universal
+
+        work = os.path.join(os.path.dirname(os.path.abspath(directory)), f".tmp-universal-{os.path.basename(directory)}")
+        with self.process.main_process_first():  # rank 0 converts, however long it takes
+            if self.process.is_main:
+                shutil.rmtree(work, ignore_errors=True)
+                args = argparse.Namespace(input_folder=os.path.join(directory, self._TAG),
+                                          output_folder=os.path.join(work, self._TAG), num_extract_workers=1,
+                                          num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                          inject_missing_state=True)
+                try:
+                    with contextlib.redirect_stdout(io.StringIO()):
+                        to_universal(args)
+                except Exception as exc:  # noqa: BLE001 — DeepSpeed raises assertions and more
+                    shutil.rmtree(work, ignore_errors=True)
+                    raise CheckpointError(f"{directory}: converting the ZeRO-{self.zero_stage} checkpoint of "
+                                          f"{saved_world_size} ranks for {self.world_size} failed: {exc!r}") from None
+        self.engine._config.load_universal_checkpoint = True  # DeepSpeed reads the flag at load time
+        try:
+            path, _ = self.engine.load_checkpoint(work, tag=self._TAG, load_module_strict=True,
+                                                  load_optimizer_states=True, load_lr_scheduler_states=False)
+        finally:
+            self.engine._config.load_universal_checkpoint = False
+        self.process.barrier()
+        if self.process.is_main:
+            shutil.rmtree(work, ignore_errors=True)
+        if path is None:
+            raise CheckpointError(f"{directory}: DeepSpeed found no universal checkpoint in {work}")
 
     def replicated_tensors(self, model: nn.Module):
         module = self.unwrap(model)
