@@ -77,6 +77,9 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, seed: int = 0, eos_toke
         ctc = model_type in ctc_model_types()
         if ctc:
             kwargs.setdefault("pad_token_id", 0)  # the CTC blank
+        elif eos_token_id is not None:  # set before the config exists, so it never holds the type's default
+            kwargs.setdefault("bos_token_id", eos_token_id)
+            kwargs.setdefault("eos_token_id", eos_token_id)
         try:
             hf_config = AutoConfig.for_model(model_type, **kwargs)
         except (ValueError, TypeError) as exc:

@@ -43,7 +43,20 @@ def make_scheduler(optimizer: torch.optim.Optimizer, tcfg, deepspeed_scheduler: 
     :class:`DeepSpeedSchedule`."""
     if deepspeed_scheduler is not None:
         return DeepSpeedSchedule(optimizer, deepspeed_scheduler)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tcfg))
+    return WarmupCosine(optimizer, lr_lambda(tcfg))
+
+
+class WarmupCosine(torch.optim.lr_scheduler.LambdaLR):
+    """``LambdaLR`` over :func:`lr_lambda` whose restored state takes this run's schedule.
+
+    ``LambdaLR.load_state_dict`` brings back the saved run's last rates; a resume that changes
+    ``training.max_steps`` (allowed) would run its first step at the old schedule's rate. Here the
+    rates are recomputed from the restored step count with this run's schedule.
+    """
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._last_lr = [base * f(self.last_epoch) for base, f in zip(self.base_lrs, self.lr_lambdas)]
 
 
 class DeepSpeedSchedule:

@@ -59,6 +59,7 @@ def run(cfg: Config):
     from memtrain.watchdog import Watchdog, progress
 
     progress("start-up", timed=False, context="")  # nothing left from an earlier run in this process
+    quiet_library_notices(torch.cuda.is_available())
     process = ProcessState(cpu=not torch.cuda.is_available(), timeout_s=cfg.backend.timeout_s)
     process.cap_cuda_memory(cfg.memory.cuda_memory_cap_gib)
     with ExitStack() as closing:
@@ -66,6 +67,18 @@ def run(cfg: Config):
         if process.world_size > 1:  # alone, nobody waits on this rank
             closing.callback(Watchdog(cfg.backend.timeout_s, process.rank).start().stop)
         return build_trainer(cfg, process, closing).run()
+
+
+def quiet_library_notices(cuda: bool) -> None:
+    """Silence what a user cannot act on: torch's FutureWarning for the deprecated collectives
+    DeepSpeed calls (``all_gather_into_tensor``, ``reduce_scatter_tensor``; 18 lines per ZeRO-3
+    run), and, without CUDA, DeepSpeed's "Setting accelerator to CPU" (told so by
+    ``DS_ACCELERATOR=cpu`` unless the user set it)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    if not cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 INTERRUPTED = 130

@@ -325,6 +325,7 @@ def test_resume_never_moves_the_previous_run_aside(tmp_path):
     assert not (tmp_path / "oom_escaped.rank1.json").exists() and not (tmp_path / "faults_fired").exists()
     assert (tmp_path / "notes.txt").exists()  # not a run output: left where it is
     assert move_previous_run(str(tmp_path)) is None  # nothing left to move
+    assert move_previous_run(str(tmp_path / "new")) is None  # a first run's folder does not exist yet
 
 
 def test_a_full_disk_is_named_with_free_bytes_and_path(tmp_path):

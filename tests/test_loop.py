@@ -116,3 +116,24 @@ def test_ctc_gradient_is_split_invariant(backend):
     assert len(whole) == len(split) > 0
     for a, b in zip(whole, split):
         torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-10)
+
+
+def test_resumed_schedule_takes_this_runs_max_steps():
+    """A resume may change training.max_steps: the first resumed step already runs at the new
+    schedule's rate (not the saved run's last one), and the schedule continues from there."""
+    import torch
+
+    from memtrain.config import TrainingConfig
+    from memtrain.optim import lr_lambda, make_scheduler
+
+    def scheduler(max_steps):
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-2)
+        return opt, make_scheduler(opt, TrainingConfig(lr=1e-2, warmup_steps=2, max_steps=max_steps, min_lr_ratio=0.1))
+
+    _, short = scheduler(6)
+    for _ in range(4):
+        short.step()
+    opt, longer = scheduler(20)
+    longer.load_state_dict(short.state_dict())
+    expected = 1e-2 * lr_lambda(TrainingConfig(warmup_steps=2, max_steps=20, min_lr_ratio=0.1))(4)
+    assert longer.get_last_lr() == [pytest.approx(expected)] and expected != pytest.approx(short.get_last_lr()[0])

@@ -221,12 +221,18 @@ class DeepSpeedBackend:
                     shutil.rmtree(work, ignore_errors=True)
                     raise CheckpointError(f"{directory}: converting the ZeRO-{self.zero_stage} checkpoint of "
                                           f"{saved_world_size} ranks for {self.world_size} failed: {exc!r}") from None
+        # ZeRO-3's universal load gives every parameter group the first group's settings (its weight
+        # decay included, which memtrain keeps off biases and norms): keep this run's own
+        inner = getattr(self.engine.optimizer, "optimizer", None)
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in getattr(inner, "param_groups", [])]
         self.engine._config.load_universal_checkpoint = True  # DeepSpeed reads the flag at load time
         try:
             path, _ = self.engine.load_checkpoint(work, tag=self._TAG, load_module_strict=True,
                                                   load_optimizer_states=True, load_lr_scheduler_states=False)
         finally:
             self.engine._config.load_universal_checkpoint = False
+        for group, own in zip(getattr(inner, "param_groups", []), settings):
+            group.update(own)
         self.process.barrier()
         if self.process.is_main:
             shutil.rmtree(work, ignore_errors=True)

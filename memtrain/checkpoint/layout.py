@@ -275,6 +275,8 @@ def move_previous_run(output_dir: str) -> Optional[str]:
     """
     import time
 
+    if not os.path.isdir(output_dir):  # a first run: nothing to move
+        return None
     present = [n for n in RUN_OUTPUTS if os.path.lexists(os.path.join(output_dir, n))]
     from memtrain.oom import ESCAPED_OOM_PREFIX
 
