@@ -35,6 +35,7 @@ def enable_activation_checkpointing(model: nn.Module, blocks: list[nn.Module], e
     chosen = blocks[::every]
     for block in chosen:
         if not getattr(block, "_memtrain_checkpointed", False):
+            block._memtrain_forward_before = block.__dict__.get("forward")  # e.g. a compiled forward
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
             block._memtrain_checkpointed = True
     return len(chosen)
@@ -50,5 +51,9 @@ def disable_activation_checkpointing(model: nn.Module, blocks: list[nn.Module]) 
             model.gradient_checkpointing_disable()
     for block in blocks:
         if getattr(block, "_memtrain_checkpointed", False):
-            del block.forward  # the instance attribute: the class's forward again
+            before = block._memtrain_forward_before
+            if before is None:
+                del block.forward  # the instance attribute: the class's forward again
+            else:
+                block.forward = before  # the compiled forward it wrapped
             block._memtrain_checkpointed = False

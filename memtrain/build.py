@@ -152,7 +152,7 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Tra
     sync = OOMSync(process.world_size, process.rank, process.device, engine.collectives_in_compute,
                    enabled=cfg.memory.oom_recovery)
     faults = FaultInjector(cfg.faults, process.rank, cfg.output_dir)
-    transforms = ModelTransforms(model, cfg.memory.activation_checkpointing_every_n_blocks, faults)
+    transforms = ModelTransforms(model, cfg.memory.activation_checkpointing_every_n_blocks, faults, t.compile)
     model, optimizer = transforms.apply(model, engine, lambda m: make_optimizer(m, t), sync,
                                         controller.activation_checkpointing)
     faults.simulate_memory(device_state_bytes(engine.model_state_bytes(n_params)), model.parameters())

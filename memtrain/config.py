@@ -138,6 +138,10 @@ class TrainingConfig:
     """Validation samples per evaluation (the first ones of the validation split)."""
     log_every: int = 1
     """Progress-bar refresh period in steps (metrics.jsonl always gets every step)."""
+    compile: bool = False
+    """``torch.compile`` each repeated block (regional compilation: after the model is built,
+    before the engine wraps it; memtrain/transforms.py). The first step, and the first micro-batch
+    of a new size, pay the compile time."""
     max_nonfinite_steps: int = 10
     """A non-finite loss or gradient norm skips that optimizer step on every rank; after this
     many consecutive skips the run stops (the last good checkpoint is left as it was)."""

@@ -1,8 +1,12 @@
 """Model transforms, applied in one fixed order for every engine (torchtitan's order):
 
-1. activation checkpointing wrappers on the repeated blocks (when the plan starts with it on);
-2. (``torch.compile`` per block belongs here: after the checkpoint wrappers, before the engine
-   wraps the blocks);
+1. ``torch.compile`` of each repeated block's ``forward`` (``training.compile``; regional
+   compilation, as torchtitan does), before the engine wraps the blocks, so the engines' and
+   memtrain's module hooks stay outside the compiled code;
+2. activation checkpointing wrappers on the repeated blocks (when the plan starts with it on).
+   torchtitan wraps before compiling; here the checkpoint wraps the compiled forward, because the
+   OOM protocol and the planner switch checkpointing on and off during the run and the block must
+   stay compiled either way;
 3. replicated state made identical on every rank, then the engine wraps the model and builds
    the optimizer (DDP, FSDP2 ``fully_shard`` per block then root, DeepSpeed ``initialize``);
 4. OOM agreement hooks, then fault-injection hooks, registered ahead of the engine's own hooks.
@@ -32,16 +36,18 @@ class ModelTransforms:
         model: the freshly built, unwrapped model (identical structure on every rank).
         every_n_blocks: activation checkpointing on every n-th block (``memory.activation_checkpointing_every_n_blocks``).
         faults: the fault injector (told when activation checkpointing is on).
+        compile_blocks: ``training.compile``: compile each block's forward (:func:`compile_forwards`).
 
     Attributes:
         blocks: the repeated blocks, found before the engine wraps (and renames) them.
         activation_checkpointing: whether it is on.
     """
 
-    def __init__(self, model: nn.Module, every_n_blocks: int, faults: FaultInjector):
+    def __init__(self, model: nn.Module, every_n_blocks: int, faults: FaultInjector, compile_blocks: bool = False):
         self.blocks = repeated_blocks(model)
         self.every_n_blocks = every_n_blocks
         self.faults = faults
+        self.compile_blocks = compile_blocks
         self.activation_checkpointing = False
 
     def enable_activation_checkpointing(self, unwrapped: nn.Module) -> None:
@@ -67,6 +73,8 @@ class ModelTransforms:
         Returns:
             (the engine-wrapped model, its optimizer).
         """
+        if self.compile_blocks:
+            compile_forwards(self.blocks)
         if activation_checkpointing:
             self.enable_activation_checkpointing(model)
         sync_replicated_state(model, engine.process.device)
@@ -74,3 +82,16 @@ class ModelTransforms:
         sync.install(self.blocks)
         self.faults.install(self.blocks)  # after the agreement hooks: an injected OOM comes first, as a real one would
         return model, optimizer
+
+
+def compile_forwards(blocks: list[nn.Module], backend: str = "inductor") -> None:
+    """``torch.compile`` each block's ``forward`` in place (regional compilation: one compiled
+    region per block, shared code for identical blocks, as torchtitan compiles per block).
+
+    The module's hooks (FSDP2's all-gathers, DeepSpeed's fetches, the OOM agreement points) run
+    outside the compiled function. Shapes start static; the first micro-batch of another size
+    (a plan change, evaluation) recompiles once with the batch dimension dynamic (torch's automatic
+    dynamic shapes), so later plan changes reuse it.
+    """
+    for block in blocks:
+        block.forward = torch.compile(block.forward)

@@ -181,6 +181,9 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError("backend.deepspeed_config", f"is set but backend.name is '{cfg.backend.name}'; "
                           "use backend.name deepspeed (or auto), or drop the DeepSpeed config")
     _validate_values(cfg)
+    if t.compile and cfg.faults.memory_budget_mib:
+        raise ConfigError("training.compile", "cannot be combined with faults.memory_budget_mib: the simulated device "
+                          "counts each tensor saved for backward, which compiled blocks keep inside their own graph")
     if cfg.logging.log_with:  # an unknown tracker stops the run before any work
         from memtrain.metrics import check_tracker_names
 
