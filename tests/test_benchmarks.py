@@ -53,3 +53,10 @@ def test_chunked_loss_quick_reports_saved_bytes_and_time():
     assert row["model_saved_bytes"]["chunked"] < row["model_saved_bytes"]["plain"]
     r = row["ratio_chunked_to_plain_step_s"]
     assert 0 < r["min"] <= r["median"] <= r["max"]
+
+
+def test_compile_quick_reports_ratio_and_equal_losses():
+    """training.compile end to end (inductor, cold cache): it trains the same losses as eager."""
+    (row,) = run_quick("compile")
+    assert row["max_rel_loss_diff"] < 1e-3
+    assert row["compile_s"] > 0 and 0 < row["ratio_compiled_to_eager"]["median"]
