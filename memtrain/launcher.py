@@ -24,7 +24,7 @@ import logging
 import os
 from typing import Mapping, Optional
 
-from memtrain.config import Config, ConfigError, MemoryConfig, TrainingConfig
+from memtrain.config import BackendConfig, Config, ConfigError, MemoryConfig, TrainingConfig
 
 _TRUE = ("1", "true", "yes")
 
@@ -68,7 +68,7 @@ def _accumulation(cfg: Config, world_size: int, environ: Mapping[str, str], warn
     if value is None:
         return
     t, field = cfg.training, "training.micro_batch_size"
-    gas = int(value)
+    gas = _number(value, "gradient_accumulation_steps", int)
     share = t.global_batch_size // max(1, world_size)
     if t.micro_batch_size == "auto":
         warn(f"the Accelerate config's gradient_accumulation_steps = {gas} is not used: training.micro_batch_size "
@@ -90,11 +90,21 @@ def _clipping(cfg: Config, environ: Mapping[str, str]) -> None:
     value = _value(environ, "ACCELERATE_GRADIENT_CLIPPING")
     if value is None or value.lower() == "none":
         return
-    norm = float(value)
+    norm = _number(value, "gradient_clipping", float)
     if cfg.training.max_grad_norm == TrainingConfig.max_grad_norm:
         cfg.training.max_grad_norm = norm
     elif cfg.training.max_grad_norm != norm:
         raise _contradiction("training.max_grad_norm", "gradient_clipping", norm, cfg.training.max_grad_norm)
+
+
+def _apply(cfg_section, name: str, field: str, setting: str, theirs) -> None:
+    """``theirs`` (not None) becomes ``cfg_section.name`` when that is unset (None); a different
+    value already there is a contradiction."""
+    ours = getattr(cfg_section, name)
+    if ours is None:
+        setattr(cfg_section, name, theirs)
+    elif ours != theirs:
+        raise _contradiction(field, setting, theirs, ours)
 
 
 def _engine(cfg: Config, environ: Mapping[str, str]) -> None:
@@ -105,17 +115,22 @@ def _engine(cfg: Config, environ: Mapping[str, str]) -> None:
         return
     if b.name not in ("auto", wanted):
         raise _contradiction("backend.name", "distributed_type", wanted.upper(), b.name)
-    if wanted == "deepspeed" and _value(environ, "ACCELERATE_DEEPSPEED_CONFIG_FILE") is None:
-        stage = _value(environ, "ACCELERATE_DEEPSPEED_ZERO_STAGE")
-        if stage is not None and b.zero_stage is not None and int(stage) != b.zero_stage:
-            raise _contradiction("backend.zero_stage", "zero_stage", stage, b.zero_stage)
-        env_offload = "optimizer_and_params" if _value(environ, "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE") == "cpu" \
-            else "optimizer" if _value(environ, "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE") == "cpu" else None
-        if env_offload is not None and b.offload is not None and b.offload != env_offload:
-            raise _contradiction("backend.offload", "offload_optimizer_device/offload_param_device", env_offload,
-                                 b.offload)
     if wanted == "fsdp":
         _fsdp(cfg, environ)
+        return
+    path = _value(environ, "ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if path is not None:
+        if b.deepspeed_config is not None and os.path.abspath(b.deepspeed_config) != os.path.abspath(path):
+            raise _contradiction("backend.deepspeed_config", "deepspeed_config_file", path, b.deepspeed_config)
+        b.deepspeed_config = path
+        return
+    stage = _value(environ, "ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    if stage is not None:
+        _apply(b, "zero_stage", "backend.zero_stage", "zero_stage", _number(stage, "zero_stage", int))
+    env_offload = "optimizer_and_params" if _value(environ, "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE") == "cpu" \
+        else "optimizer" if _value(environ, "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE") == "cpu" else None
+    if env_offload is not None:
+        _apply(b, "offload", "backend.offload", "offload_optimizer_device/offload_param_device", env_offload)
 
 
 def _fsdp(cfg: Config, environ: Mapping[str, str]) -> None:
@@ -129,9 +144,26 @@ def _fsdp(cfg: Config, environ: Mapping[str, str]) -> None:
             m.activation_checkpointing = "on"
         elif m.activation_checkpointing == "off":
             raise _contradiction("memory.activation_checkpointing", "fsdp_activation_checkpointing", "true", "off")
-    offload = (_value(environ, "FSDP_OFFLOAD_PARAMS") or "").lower() in _TRUE
-    if offload and cfg.backend.offload not in (None, "optimizer_and_params"):
-        raise _contradiction("backend.offload", "fsdp_offload_params", "true", cfg.backend.offload)
+    if (_value(environ, "FSDP_OFFLOAD_PARAMS") or "").lower() in _TRUE:
+        _apply(cfg.backend, "offload", "backend.offload", "fsdp_offload_params", "optimizer_and_params")
+    reshard = _value(environ, "FSDP_RESHARD_AFTER_FORWARD")
+    strategy = _value(environ, "FSDP_SHARDING_STRATEGY")
+    if reshard is None and strategy is not None:  # fsdp_version 1 names: SHARD_GRAD_OP (2) keeps them gathered
+        reshard = "false" if strategy.upper() in ("SHARD_GRAD_OP", "2") else "true"
+    if reshard is not None and (reshard.lower() in _TRUE) != cfg.backend.reshard_after_forward:
+        if cfg.backend.reshard_after_forward != BackendConfig.reshard_after_forward:  # the user's own choice
+            raise _contradiction("backend.reshard_after_forward", "fsdp_reshard_after_forward", reshard,
+                                 cfg.backend.reshard_after_forward)
+        cfg.backend.reshard_after_forward = reshard.lower() in _TRUE
+
+
+def _number(value: str, setting: str, kind):
+    """``kind(value)``, or a ConfigError naming the Accelerate setting."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ConfigError("accelerate launch", f"the Accelerate config's {setting} = {value!r} is not a "
+                          f"{'whole ' if kind is int else ''}number") from None
 
 
 def _fsdp_notes(environ: Mapping[str, str], warn) -> None:
@@ -171,8 +203,8 @@ def apply_accelerate_settings(cfg: Config, world_size: int, environ: Optional[Ma
     _engine(cfg, environ)
     dynamo = (_value(environ, "ACCELERATE_DYNAMO_BACKEND") or "NO").upper()
     if dynamo != "NO":
-        raise ConfigError("accelerate dynamo_backend", f"the Accelerate config sets dynamo_backend = {dynamo}; "
-                          "memtrain does not compile through Accelerate: set dynamo_backend: 'NO'")
+        raise ConfigError("training.compile", f"the Accelerate config sets dynamo_backend = {dynamo}; memtrain does "
+                          "not compile through Accelerate: set dynamo_backend: 'NO' and use training.compile true")
     for name, (setting, value, instead) in NOT_NEEDED.items():
         if (_value(environ, name) or "").lower() == value:
             warnings.append(f"the Accelerate config's {setting} = {value} is not needed: {instead}")

@@ -138,7 +138,7 @@ def _from_pretrained(model_cfg: ModelConfig, vocab_size: int, seed: int) -> nn.M
         from memtrain.layerdrop import install_layerdrop
 
         install_layerdrop(model, seed)
-    if any(hasattr(p, "ds_id") for p in model.parameters()):  # built partitioned by ZeRO-3: fp32 already
+    if any(hasattr(p, "ds_id") for p in model.parameters()):  # built partitioned by ZeRO-3, in its precision
         return model.train()
     return model.float().train()
 

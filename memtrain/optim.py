@@ -8,6 +8,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from memtrain.errors import CheckpointError
+
 
 def make_optimizer(model: nn.Module, tcfg) -> torch.optim.Optimizer:
     """AdamW (``training.lr``, ``adam_beta1/2``, ``adam_eps``, ``weight_decay``); weight decay on matrices only
@@ -55,6 +57,14 @@ class WarmupCosine(torch.optim.lr_scheduler.LambdaLR):
     """
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Restore the step count and recompute the rates with this run's schedule.
+
+        Raises:
+            CheckpointError: the state is a DeepSpeed JSON schedule's (the schedule changed).
+        """
+        if "last_batch_iteration" in state_dict:
+            raise CheckpointError("the checkpoint's LR schedule is the DeepSpeed JSON's scheduler section, this run's "
+                                  "is memtrain's warmup + cosine: resume with the same DeepSpeed JSON")
         super().load_state_dict(state_dict)
         self._last_lr = [base * f(self.last_epoch) for base, f in zip(self.base_lrs, self.lr_lambdas)]
 
@@ -88,15 +98,26 @@ class DeepSpeedSchedule:
         self.optimizer = optimizer
 
     def step(self) -> None:
+        """Advance one optimizer step (sets the optimizer's rates)."""
         self.schedule.step()
 
     def get_last_lr(self) -> list[float]:
+        """The rate of each parameter group for the coming optimizer step."""
         return [float(g["lr"]) for g in self.optimizer.param_groups]
 
     def state_dict(self) -> dict:
+        """``{"last_batch_iteration": n}`` (DeepSpeed's own state)."""
         return self.schedule.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore the iteration and write its rates into the optimizer.
+
+        Raises:
+            CheckpointError: the state is memtrain's warmup + cosine schedule's (the schedule changed).
+        """
+        if "last_batch_iteration" not in state:
+            raise CheckpointError("the checkpoint's LR schedule is memtrain's warmup + cosine, this run's is the "
+                                  "DeepSpeed JSON's scheduler section: resume without it, or start a new run")
         self.schedule.load_state_dict(state)
         if state["last_batch_iteration"] >= 0:
             self.schedule.step(state["last_batch_iteration"])  # writes that iteration's rates

@@ -88,10 +88,13 @@ def compile_forwards(blocks: list[nn.Module], backend: str = "inductor") -> None
     """``torch.compile`` each block's ``forward`` in place (regional compilation: one compiled
     region per block, shared code for identical blocks, as torchtitan compiles per block).
 
-    The module's hooks (FSDP2's all-gathers, DeepSpeed's fetches, the OOM agreement points) run
-    outside the compiled function. Shapes start static; the first micro-batch of another size
-    (a plan change, evaluation) recompiles once with the batch dimension dynamic (torch's automatic
-    dynamic shapes), so later plan changes reuse it.
+    The block's own hooks (FSDP2's all-gathers, the OOM agreement points, fault injection) run
+    outside the compiled function; ZeRO-3's parameter fetches hook every submodule inside the
+    block, which DeepSpeed keeps out of compiled code (``torch.compiler.disable``), so under ZeRO-3
+    each block compiles in several pieces. Shapes start static; micro-batches of new sizes (a plan
+    change, evaluation) recompile until the batch dimension is dynamic (torch's automatic dynamic
+    shapes), so later plan changes reuse it. Switching activation checkpointing on compiles once
+    more (the forward then runs inside the checkpoint). ``backend`` is ``torch.compile``'s.
     """
     for block in blocks:
-        block.forward = torch.compile(block.forward)
+        block.forward = torch.compile(block.forward, backend=backend)

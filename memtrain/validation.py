@@ -87,6 +87,13 @@ def _validate_values(cfg: Config) -> None:
     if t.eval_samples < 1:
         raise ConfigError("training.eval_samples", f"must be >= 1 (validation samples per evaluation; the run "
                           f"evaluates after its last step even with training.eval_every 0), got {t.eval_samples}")
+    if t.compile and cfg.faults.memory_budget_mib:
+        raise ConfigError("training.compile", "cannot be combined with faults.memory_budget_mib: the simulated device "
+                          "counts each tensor saved for backward, which compiled blocks keep inside their own graph")
+    if cfg.logging.log_with:  # an unknown tracker stops the run before any work
+        from memtrain.metrics import check_tracker_names
+
+        check_tracker_names(cfg.logging.log_with)
     if not cfg.backend.timeout_s > 0:
         raise ConfigError("backend.timeout_s", f"must be > 0 (seconds a collective or one operation may take), "
                           f"got {cfg.backend.timeout_s}")
@@ -117,7 +124,8 @@ def _pretrained_config(cfg: Config) -> dict:
     if cfg.model.factory is not None:
         raise ConfigError("model.pretrained", "and model.factory are both set; a pretrained folder brings its own "
                           "model: drop one")
-    config = os.path.join(os.path.expanduser(path), "config.json")
+    cfg.model.pretrained = path = os.path.expanduser(path)  # every later reader gets the real folder
+    config = os.path.join(path, "config.json")
     if not os.path.isfile(config):
         raise ConfigError("model.pretrained", f"'{path}' is not a from_pretrained folder (no config.json in it); give "
                           "a local folder such as memtrain export's output")
@@ -181,13 +189,6 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError("backend.deepspeed_config", f"is set but backend.name is '{cfg.backend.name}'; "
                           "use backend.name deepspeed (or auto), or drop the DeepSpeed config")
     _validate_values(cfg)
-    if t.compile and cfg.faults.memory_budget_mib:
-        raise ConfigError("training.compile", "cannot be combined with faults.memory_budget_mib: the simulated device "
-                          "counts each tensor saved for backward, which compiled blocks keep inside their own graph")
-    if cfg.logging.log_with:  # an unknown tracker stops the run before any work
-        from memtrain.metrics import check_tracker_names
-
-        check_tracker_names(cfg.logging.log_with)
     every = cfg.memory.activation_checkpointing_every_n_blocks
     if every < 1:
         raise ConfigError("memory.activation_checkpointing_every_n_blocks", f"must be >= 1 (1 = every block), got {every}")

@@ -54,3 +54,13 @@ def test_packed_token_cache_is_keyed_by_the_dataset(tmp_path):
     datasets.Dataset.from_dict({"content": DOCS[::-1]}).save_to_disk(str(tmp_path / "ds2"))
     build_corpus(DataConfig(**{**cfg.__dict__, "files": [str(tmp_path / "ds2")]}))
     assert len(list((tmp_path / "cache").iterdir())) > len(caches)  # other rows: another cache entry
+
+
+def test_a_glob_over_the_folder_reads_the_dataset_once_and_max_bytes_is_refused(tmp_path):
+    datasets.Dataset.from_dict({"content": DOCS[:10] + [None]}).save_to_disk(str(tmp_path / "data" / "ds"))
+    files = select_files([str(tmp_path / "data" / "**")], 0, 0.25)
+    assert [f.part for f in files] == ["train", "validation"]  # not its .arrow/.json files as well
+    docs = list(iter_documents(files, "content"))
+    assert sorted(docs) == sorted(DOCS[:10])  # each row once; the null row is no document
+    with pytest.raises(ConfigError, match="'data.max_bytes'"):
+        select_files([str(tmp_path / "data" / "ds")], 1000, 0.25)

@@ -137,3 +137,21 @@ def test_resumed_schedule_takes_this_runs_max_steps():
     longer.load_state_dict(short.state_dict())
     expected = 1e-2 * lr_lambda(TrainingConfig(warmup_steps=2, max_steps=20, min_lr_ratio=0.1))(4)
     assert longer.get_last_lr() == [pytest.approx(expected)] and expected != pytest.approx(short.get_last_lr()[0])
+
+
+def test_resuming_with_another_kind_of_schedule_is_refused():
+    """A DeepSpeed JSON scheduler section added or dropped between runs: exit 4's error, not a
+    schedule silently restarted at warmup."""
+    import torch
+
+    from memtrain.config import TrainingConfig
+    from memtrain.errors import CheckpointError
+    from memtrain.optim import make_scheduler
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-2)
+    ours = make_scheduler(opt, TrainingConfig())
+    theirs = make_scheduler(opt, TrainingConfig(), {"type": "WarmupLR", "params": {"warmup_num_steps": 4}})
+    with pytest.raises(CheckpointError, match="DeepSpeed JSON"):
+        ours.load_state_dict(theirs.state_dict())
+    with pytest.raises(CheckpointError, match="warmup \\+ cosine"):
+        theirs.load_state_dict(ours.state_dict())

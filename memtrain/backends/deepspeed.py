@@ -16,14 +16,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
 from memtrain.backends.common import ADAM_STATE_BYTES
 from memtrain.backends.ds_config import build_ds_config, get_path
-from memtrain.config import ConfigError
 from memtrain.distributed import ProcessState
 from memtrain.errors import CheckpointError
 
@@ -207,20 +206,23 @@ class DeepSpeedBackend:
         from deepspeed.checkpoint.ds_to_universal import main as to_universal
 
         work = os.path.join(os.path.dirname(os.path.abspath(directory)), f".tmp-universal-{os.path.basename(directory)}")
-        with self.process.main_process_first():  # rank 0 converts, however long it takes
-            if self.process.is_main:
+        failure = None
+        if self.process.is_main:  # rank 0 converts, however long it takes; the others wait patiently
+            shutil.rmtree(work, ignore_errors=True)
+            args = argparse.Namespace(input_folder=os.path.join(directory, self._TAG),
+                                      output_folder=os.path.join(work, self._TAG), num_extract_workers=1,
+                                      num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                      inject_missing_state=True)
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    to_universal(args)
+            except Exception as exc:  # noqa: BLE001 — DeepSpeed raises assertions and more
                 shutil.rmtree(work, ignore_errors=True)
-                args = argparse.Namespace(input_folder=os.path.join(directory, self._TAG),
-                                          output_folder=os.path.join(work, self._TAG), num_extract_workers=1,
-                                          num_merge_workers=1, keep_temp_folder=False, strict=True,
-                                          inject_missing_state=True)
-                try:
-                    with contextlib.redirect_stdout(io.StringIO()):
-                        to_universal(args)
-                except Exception as exc:  # noqa: BLE001 — DeepSpeed raises assertions and more
-                    shutil.rmtree(work, ignore_errors=True)
-                    raise CheckpointError(f"{directory}: converting the ZeRO-{self.zero_stage} checkpoint of "
-                                          f"{saved_world_size} ranks for {self.world_size} failed: {exc!r}") from None
+                failure = repr(exc)
+        failure = self.process.broadcast_object(failure, patient=True)  # every rank stops alike
+        if failure is not None:
+            raise CheckpointError(f"{directory}: converting the ZeRO-{self.zero_stage} checkpoint of "
+                                  f"{saved_world_size} ranks for {self.world_size} failed: {failure}")
         # ZeRO-3's universal load gives every parameter group the first group's settings (its weight
         # decay included, which memtrain keeps off biases and norms): keep this run's own
         inner = getattr(self.engine.optimizer, "optimizer", None)
@@ -260,30 +262,17 @@ class DeepSpeedBackend:
             self.engine.destroy()
 
 
-def _accelerate_deepspeed_settings() -> tuple[Optional[str], Optional[int], Optional[str]]:
-    """(config file, zero stage, offload) from ``accelerate launch``'s DeepSpeed environment."""
-    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
-    stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
-    opt = os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none")
-    par = os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none")
-    offload = "optimizer_and_params" if par == "cpu" else "optimizer" if opt == "cpu" else None
-    return path, int(stage) if stage and not path else None, offload if not path else None
-
-
 def build(cfg, process: ProcessState, precision: str, plan) -> DeepSpeedBackend:
-    """The DeepSpeed engine for ``cfg``: ``backend.deepspeed_config`` (or, with ``backend.name
-    auto`` under ``accelerate launch``, the user's Accelerate DeepSpeed settings), ``zero_stage``,
-    ``offload``, and the batch geometry of ``plan``.
+    """The DeepSpeed engine for ``cfg``: ``backend.deepspeed_config``, ``zero_stage``, ``offload``
+    (an Accelerate DeepSpeed config's are already in them, :mod:`memtrain.launcher`) and the batch
+    geometry of ``plan``.
 
     Raises:
         memtrain.config.ConfigError: the DeepSpeed JSON contradicts the memtrain config.
     """
     b, t = cfg.backend, cfg.training
-    path, stage, offload = b.deepspeed_config, b.zero_stage, b.offload
-    if path is None and b.name == "auto":
-        env_path, env_stage, env_offload = _accelerate_deepspeed_settings()
-        path, stage, offload = env_path, stage or env_stage, offload or env_offload
-    return DeepSpeedBackend(process, precision, cfg.precision, ds_config_path=path, zero_stage=stage, offload=offload,
+    return DeepSpeedBackend(process, precision, cfg.precision, ds_config_path=b.deepspeed_config,
+                            zero_stage=b.zero_stage, offload=b.offload,
                             global_batch_size=t.global_batch_size, max_grad_norm=t.max_grad_norm, plan=plan,
                             training=t)
 
@@ -292,9 +281,6 @@ def _zero_stage_and_json(cfg) -> tuple[int, dict]:
     """(ZeRO stage, the user's JSON or {}) as :func:`build` will resolve them."""
     b = cfg.backend
     path, stage = b.deepspeed_config, b.zero_stage
-    if path is None and b.name == "auto":
-        env_path, env_stage, _ = _accelerate_deepspeed_settings()
-        path, stage = env_path, stage or env_stage
     user = {}
     if path:
         with open(path) as fh:

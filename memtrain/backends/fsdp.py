@@ -16,7 +16,6 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from memtrain.backends import env_true
 from memtrain.backends.common import ADAM_STATE_BYTES, repeated_blocks
 from memtrain.distributed import ProcessState
 
@@ -175,28 +174,15 @@ class FSDPBackend:
         """Nothing beyond the process group, which the process state closes."""
 
 
-def _accelerate_fsdp_settings() -> tuple[Optional[bool], Optional[str]]:
-    """(reshard_after_forward, offload) from ``accelerate launch``'s FSDP environment."""
-    if "FSDP_RESHARD_AFTER_FORWARD" in os.environ:  # fsdp_version 2
-        reshard = env_true("FSDP_RESHARD_AFTER_FORWARD")
-    else:  # fsdp_version 1 names: SHARD_GRAD_OP (2) keeps parameters gathered between forward and backward
-        strategy = os.environ.get("FSDP_SHARDING_STRATEGY")
-        reshard = None if strategy is None else strategy.upper() not in ("SHARD_GRAD_OP", "2")
-    offload = "optimizer_and_params" if env_true("FSDP_OFFLOAD_PARAMS") else None
-    return reshard, offload
-
-
 def build(cfg, process: ProcessState, precision: str, plan) -> FSDPBackend:
-    """The FSDP2 engine for ``cfg``; with ``backend.name auto`` under ``accelerate launch``, the
-    resharding and offload of the user's Accelerate FSDP config fill what ``backend.*`` leaves unset.
+    """The FSDP2 engine for ``cfg`` (``backend.reshard_after_forward``, ``backend.offload``; an
+    Accelerate FSDP config's resharding and offload are already in them, :mod:`memtrain.launcher`).
 
     Raises:
         ValueError: fp16.
     """
     b = cfg.backend
-    reshard, env_offload = _accelerate_fsdp_settings() if b.name == "auto" else (None, None)
-    return FSDPBackend(process, precision, reshard_after_forward=b.reshard_after_forward if reshard is None else reshard,
-                       offload=b.offload or env_offload or "none")
+    return FSDPBackend(process, precision, reshard_after_forward=b.reshard_after_forward, offload=b.offload or "none")
 
 
 def model_build_context(cfg, precision: str, world_size: int):

@@ -76,6 +76,8 @@ def user_files(patterns: list[str], validation_fraction: float = 0.0) -> list[So
         if not matches:
             raise FileNotFoundError(f"data.files: '{pattern}' matches no file")
         paths.update(os.path.abspath(p) for p in matches)
+    folders = [p for p in paths if os.path.isdir(p)]  # save_to_disk folders: their own files are not documents
+    paths = {p for p in paths if not any(p.startswith(d + os.sep) for d in folders)}
     out = []
     for p in sorted(paths):
         if hf_datasets.is_dataset_source(p):
@@ -117,6 +119,11 @@ def select_files(files: Optional[list[str]], max_bytes: int = 0, validation_frac
     the row split of ``datasets`` sources without a validation split.
     """
     chosen = stdlib_files() if files is None else user_files(files, validation_fraction)
+    if max_bytes and any(f.part is not None for f in chosen):
+        from memtrain.config import ConfigError
+
+        raise ConfigError("data.max_bytes", "cuts whole files and cannot cut a datasets source's rows; set it to 0 "
+                          "and select rows in datasets (e.g. dataset.select(range(n)).save_to_disk(...))")
     if max_bytes and sum(f.size for f in chosen) > max_bytes:
         picked, acc = [], 0
         for f in sorted(chosen, key=lambda f: _unit_hash(f.name)):

@@ -14,6 +14,7 @@ tokenizer, the packed-token cache, the split) works on it as on files:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from typing import Iterator
@@ -64,7 +65,12 @@ def _split_names(data) -> tuple[str, str | None]:
         return "", None
     names = list(data.keys())
     val = next((n for n in (VALIDATION, "test") if n in names), None)
-    train = TRAIN if TRAIN in names else next(n for n in names if n != val)
+    train = TRAIN if TRAIN in names else next((n for n in names if n != val), None)
+    if train is None:
+        from memtrain.config import ConfigError
+
+        raise ConfigError("data.files", f"the dataset dict has only the split(s) {', '.join(names)}; it needs a "
+                          "training split ('train', or any split besides validation/test)")
     return train, val
 
 
@@ -93,11 +99,13 @@ def iter_rows(path: str, name: str, part: str, text_field: str, validation_fract
     index = 0
     for batch in data.select_columns([text_field]).iter(batch_size=1024):  # memory-mapped, a batch at a time
         for text in batch[text_field]:
-            if not by_hash or _row_is_validation(name, index, validation_fraction) == (part == VALIDATION):
+            if text is not None and (not by_hash or _row_is_validation(name, index, validation_fraction)
+                                     == (part == VALIDATION)):  # a null row is no document
                 yield str(text)
             index += 1
 
 
+@functools.lru_cache(maxsize=None)
 def digest(path: str) -> bytes:
     """sha256 over the names and contents of the source's files (a folder's, sorted), for cache keys."""
     h = hashlib.sha256()
