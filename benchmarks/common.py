@@ -2,7 +2,7 @@
 
 Every benchmark prints one JSON object per configuration to stdout, appends the same to
 ``benchmarks/results/<name>-<device>.jsonl`` with ``--results``, and draws a PNG with ``--plot``
-(matplotlib, ``pip install -e '.[bench]'``).
+(matplotlib, a dependency of memtrain).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def bar_chart(path: str, title: str, labels: list[str], series: dict[str, list[f
     """A grouped bar chart (PNG).
 
     Raises:
-        SystemExit: matplotlib is not installed (``pip install -e '.[bench]'``).
+        SystemExit: matplotlib is not installed (``pip install matplotlib``).
     """
     try:
         import matplotlib
@@ -122,7 +122,7 @@ def bar_chart(path: str, title: str, labels: list[str], series: dict[str, list[f
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install -e '.[bench]'") from None
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
     fig, ax = plt.subplots(figsize=(1.6 * len(labels) + 3, 4))
     width = 0.8 / max(1, len(series))
     for i, (name, values) in enumerate(series.items()):
