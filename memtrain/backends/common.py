@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -72,3 +73,9 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
         return []
     largest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
     return [child for child in largest if any(True for _ in child.parameters())]
+
+
+def whole_model_build_context(cfg, precision: str, world_size: int):
+    """``model_build_context`` of the engines that build the model whole on every rank, then wrap
+    it (DDP, FSDP2): no context needed."""
+    return contextlib.nullcontext()

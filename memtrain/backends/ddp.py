@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from memtrain.backends.common import ADAM_STATE_BYTES
+from memtrain.backends.common import whole_model_build_context as model_build_context  # noqa: F401 (registry)
 from memtrain.distributed import ProcessState
 
 log = logging.getLogger("memtrain")
@@ -241,13 +242,6 @@ def build(cfg, process: ProcessState, precision: str, plan) -> DDPBackend:
     when ``memory.oom_recovery`` is on)."""
     return DDPBackend(process, precision, find_unused_parameters=cfg.backend.find_unused_parameters,
                       defer_reduction=cfg.memory.oom_recovery)
-
-
-def model_build_context(cfg, precision: str, world_size: int):
-    """The model is built whole on every rank (then wrapped): no context needed."""
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def read_full_weights(path: str) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from memtrain.backends.common import ADAM_STATE_BYTES
-from memtrain.backends.ds_config import build_ds_config, get_path
+from memtrain.backends.ds_config import build_ds_config, get_path, resolve_zero_stage
 from memtrain.distributed import ProcessState
 from memtrain.errors import CheckpointError
 
@@ -285,8 +285,7 @@ def _zero_stage_and_json(cfg) -> tuple[int, dict]:
     if path:
         with open(path) as fh:
             user = json.load(fh)
-    json_stage = get_path(user, "zero_optimization.stage")
-    return (stage if stage is not None else json_stage if json_stage not in (None, "auto") else 2), user
+    return resolve_zero_stage(stage, user), user
 
 
 @contextlib.contextmanager

@@ -76,15 +76,26 @@ class _Reconciler:
             set_path(self.cfg, path, value)
 
 
-def _reconcile_optimizer(reconcile: _Reconciler, t: TrainingConfig) -> None:
-    section = reconcile.cfg.get("optimizer")
+def _section_type(reconcile: _Reconciler, name: str, choices: tuple[str, ...], instead: str) -> Optional[str]:
+    """The ``type`` of the JSON's section ``name`` (None without the section).
+
+    Raises:
+        ConfigError: a type outside ``choices`` (names them and ``instead``, what memtrain offers).
+    """
+    section = reconcile.cfg.get(name)
     if section is None:
-        return
+        return None
     kind = section.get("type")
-    if kind not in OPTIMIZERS:
-        raise ConfigError("backend.deepspeed_config", f"{reconcile.source}: optimizer type {kind!r} is not supported; "
-                          f"choices: {', '.join(OPTIMIZERS)} (memtrain builds AdamW from training.*)")
-    params = section.get("params") or {}
+    if kind not in choices:
+        raise ConfigError("backend.deepspeed_config", f"{reconcile.source}: {name} type {kind!r} is not supported; "
+                          f"choices: {', '.join(choices)}{instead}")
+    return kind
+
+
+def _reconcile_optimizer(reconcile: _Reconciler, t: TrainingConfig) -> None:
+    if _section_type(reconcile, "optimizer", OPTIMIZERS, " (memtrain builds AdamW from training.*)") is None:
+        return
+    params = reconcile.cfg["optimizer"].get("params") or {}
     for key, want in (("adam_w_mode", True), ("bias_correction", True), ("amsgrad", False)):
         if params.get(key, want) not in (want, "auto"):
             raise ConfigError("backend.deepspeed_config", f"{reconcile.source} sets optimizer.params.{key} = "
@@ -96,14 +107,10 @@ def _reconcile_optimizer(reconcile: _Reconciler, t: TrainingConfig) -> None:
 
 
 def _reconcile_scheduler(reconcile: _Reconciler, t: TrainingConfig) -> None:
-    section = reconcile.cfg.get("scheduler")
-    if section is None:
+    kind = _section_type(reconcile, "scheduler", SCHEDULERS, ", or remove the section for memtrain's warmup + "
+                         "cosine schedule (training.warmup_steps, training.min_lr_ratio)")
+    if kind is None:
         return
-    kind = section.get("type")
-    if kind not in SCHEDULERS:
-        raise ConfigError("backend.deepspeed_config", f"{reconcile.source}: scheduler type {kind!r} is not supported; "
-                          f"choices: {', '.join(SCHEDULERS)}, or remove the section for memtrain's warmup + cosine "
-                          "schedule (training.warmup_steps, training.min_lr_ratio)")
     reconcile("scheduler.params.warmup_num_steps", t.warmup_steps, "training.warmup_steps")
     if kind != "WarmupLR":
         reconcile("scheduler.params.total_num_steps", t.max_steps, "training.max_steps")
@@ -152,9 +159,7 @@ def build_ds_config(user: Optional[dict], source: str, *, global_batch_size: int
     reconcile("gradient_accumulation_steps", gradient_accumulation_steps, "training.micro_batch_size")
     reconcile("gradient_clipping", float(max_grad_norm), "training.max_grad_norm")
 
-    json_stage = get_path(cfg, "zero_optimization.stage")
-    stage = reconcile("zero_optimization.stage", zero_stage if zero_stage is not None else
-                      (json_stage if json_stage not in (None, "auto") else 2), "backend.zero_stage")
+    stage = reconcile("zero_optimization.stage", resolve_zero_stage(zero_stage, cfg), "backend.zero_stage")
     if stage not in (1, 2, 3):
         raise ConfigError("backend.zero_stage", f"{source}: zero_optimization.stage = {stage!r}; choices: 1, 2, 3")
     _reconcile_offload(cfg, source, stage, offload)
@@ -162,6 +167,12 @@ def build_ds_config(user: Optional[dict], source: str, *, global_batch_size: int
     cfg.setdefault("steps_per_print", 2**31 - 1)
     cfg.setdefault("wall_clock_breakdown", False)
     return cfg
+
+
+def resolve_zero_stage(zero_stage: Optional[int], user: dict):
+    """The ZeRO stage of a run: ``backend.zero_stage``, else the JSON's, else 2."""
+    json_stage = get_path(user, "zero_optimization.stage")
+    return zero_stage if zero_stage is not None else json_stage if json_stage not in (None, "auto") else 2
 
 
 def _reconcile_offload(cfg: dict, source: str, stage: int, offload: Optional[str]) -> None:

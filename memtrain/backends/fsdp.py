@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from memtrain.backends.common import ADAM_STATE_BYTES, repeated_blocks
+from memtrain.backends.common import whole_model_build_context as model_build_context  # noqa: F401 (registry)
 from memtrain.distributed import ProcessState
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
@@ -183,13 +184,6 @@ def build(cfg, process: ProcessState, precision: str, plan) -> FSDPBackend:
     """
     b = cfg.backend
     return FSDPBackend(process, precision, reshard_after_forward=b.reshard_after_forward, offload=b.offload or "none")
-
-
-def model_build_context(cfg, precision: str, world_size: int):
-    """The model is built whole on every rank (then wrapped): no context needed."""
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def read_full_weights(path: str) -> dict[str, torch.Tensor]:
