@@ -213,3 +213,30 @@ for engine in (["--backend.name", "deepspeed", "--backend.zero_stage", "3"], ["-
     n = sum(p.numel() for p in GPT2LMHeadModel.from_pretrained(tmp_path).parameters())
     assert f"deepspeed 0 {n}" in out and f"ddp {n} {n}" in out
 
+
+def test_accelerate_engine_settings_fill_the_backend_section_whatever_its_name():
+    from memtrain.launcher import apply_accelerate_settings
+
+    ds = _launch_env(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE=3,
+                     ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE="cpu")
+    for name in ("auto", "deepspeed"):
+        cfg = _cfg("--backend.name", name)
+        apply_accelerate_settings(cfg, 2, ds)
+        assert (cfg.backend.zero_stage, cfg.backend.offload) == (3, "optimizer")
+    with pytest.raises(ConfigError, match="'backend.zero_stage'.*zero_stage = 3"):
+        apply_accelerate_settings(_cfg("--backend.zero_stage", "2"), 2, ds)
+    cfg = _cfg()
+    apply_accelerate_settings(cfg, 2, {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": HF_STYLE})
+    assert cfg.backend.deepspeed_config == HF_STYLE
+    with pytest.raises(ConfigError, match="'backend.deepspeed_config'"):
+        apply_accelerate_settings(_cfg("--backend.deepspeed_config", "ds_configs/zero2.json"), 2,
+                                  {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": HF_STYLE})
+    fsdp = _launch_env(ACCELERATE_USE_FSDP="true", FSDP_RESHARD_AFTER_FORWARD="false", FSDP_OFFLOAD_PARAMS="true")
+    cfg = _cfg("--backend.name", "fsdp")
+    apply_accelerate_settings(cfg, 2, fsdp)
+    assert (cfg.backend.reshard_after_forward, cfg.backend.offload) == (False, "optimizer_and_params")
+    with pytest.raises(ConfigError, match="'backend.reshard_after_forward'"):
+        apply_accelerate_settings(_cfg("--backend.reshard_after_forward", "false"), 2,
+                                  {**fsdp, "FSDP_RESHARD_AFTER_FORWARD": "true"})
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps = 'two'"):
+        apply_accelerate_settings(_cfg(), 2, {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "two"})
