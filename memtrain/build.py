@@ -1,6 +1,6 @@
-"""Building a run, in one direction: process state → data → model → plan → engine → model
-transforms → the loop's parts. The engine is built after the model exists, so that the plan
-(and later the engine choice) can depend on the model.
+"""Building a run, in one direction: process state → data → placement (engine, ZeRO stage,
+offload; :mod:`memtrain.placement`) → model → plan → engine → model transforms → the loop's parts.
+The engine is built after the model exists, so that the plan can depend on the model.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
-from memtrain.backends import make_backend, model_build_context
+from memtrain.backends import device_state_bytes, make_backend, model_build_context
 from memtrain.checkpoint import Checkpointer
 from memtrain.checkpoint.stateful import EngineState, RNGState, SchedulerState, TokenizerFiles
 from memtrain.config import Config, to_dict
@@ -28,17 +28,13 @@ from memtrain.flops import flops_per_token, peak_bf16_flops
 from memtrain.objectives import make_objective
 from memtrain.oom import OOMSync
 from memtrain.optim import make_optimizer, make_scheduler
+from memtrain.placement import resolve as resolve_placement
 from memtrain.plan import MicroBatchPlan, PlanController
 from memtrain.precision import NonFiniteGuard, resolve_precision
 from memtrain.state import TrainState
 from memtrain.transforms import ModelTransforms
 
 log = logging.getLogger("memtrain")
-
-
-def device_state_bytes(state_bytes: dict[str, int]) -> int:
-    """Model-state bytes on the device, from an engine's ``model_state_bytes`` (offloaded bytes excluded)."""
-    return sum(v for k, v in state_bytes.items() if k != "cpu_offloaded_bytes")
 
 
 def make_sampler(cfg: Config, corpus, process: ProcessState) -> GlobalBatchSampler:
@@ -131,6 +127,7 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Tra
                 log.warning("memtrain: resume never: the previous run's outputs in %s were moved to %s",
                             cfg.output_dir, moved)
         corpus = build_corpus(cfg.data, pretrained_tokenizer(cfg, process.is_main))
+    resolve_placement(cfg, corpus, process, precision)  # backend.offload auto; the host budget of an offload
     from accelerate.utils import set_seed
 
     set_seed(t.seed)  # same initial weights on every rank

@@ -157,10 +157,20 @@ class BackendConfig:
     zero_stage: Optional[Literal[1, 2, 3]] = None
     """DeepSpeed ZeRO stage: 1 = shard optimizer state, 2 = + gradients, 3 = + parameters.
     None = the DeepSpeed JSON's stage, else 2."""
-    offload: Optional[Literal["none", "optimizer", "optimizer_and_params"]] = None
-    """Move optimizer state (and parameters) to CPU memory: DeepSpeed ZeRO offload, FSDP2
-    CPUOffloadPolicy (FSDP2 offloads both whenever this is not none). None = the DeepSpeed JSON's
-    offload, else none."""
+    offload: Optional[Literal["none", "optimizer", "optimizer_and_params", "auto"]] = None
+    """Move optimizer state (and parameters) to host memory: DeepSpeed ZeRO offload, FSDP2
+    CPUOffloadPolicy (FSDP2 offloads both whenever this is not none). auto = the placement
+    planner chooses ZeRO stage, what is offloaded and ``offload_optimizer_ratio`` for this model,
+    the device memory and ``memory.host_memory_gib`` (memtrain/placement.py; DeepSpeed, or FSDP2
+    offload on or off). None = the DeepSpeed JSON's offload, else none."""
+    offload_optimizer_ratio: float = 1.0
+    """DeepSpeed ZeRO-3 with optimizer offload: the fraction of the optimizer state (fp32 master
+    weights and Adam moments) kept on the host and stepped by CPU Adam; the rest stays on the device
+    and is stepped there (DeepSpeed's partial offload, ``offload_optimizer.ratio``). 1.0 = all on
+    the host."""
+    nvme_path: Optional[str] = None
+    """DeepSpeed: offload to NVMe files in this folder instead of host memory (optimizer state,
+    and the parameters under ``optimizer_and_params``). Needs DeepSpeed's async_io op (libaio)."""
     reshard_after_forward: bool = True
     """FSDP2: free the gathered parameters after forward (ZeRO-3 style, less memory) instead of
     keeping them until backward (ZeRO-2 style, less communication)."""
@@ -191,6 +201,10 @@ class MemoryConfig:
     cuda_memory_cap_gib: float = 0.0
     """Cap this process's CUDA memory (torch.cuda.set_per_process_memory_fraction) to this many
     GiB, to reproduce a smaller GPU; 0 = no cap. Ignored on CPU."""
+    host_memory_gib: float = 0.0
+    """Host memory (GiB) the run's ranks on this machine may use together: a placement predicted
+    to need more (offloaded state, pinned buffers, the processes themselves) is refused before
+    the model is built; 0 = the memory available when the run starts."""
     activation_checkpointing_every_n_blocks: int = 1
     """With activation checkpointing on: recompute every n-th block (1 = all; 2 = half the
     blocks, less recompute, more memory)."""

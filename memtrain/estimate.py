@@ -3,10 +3,13 @@ with predicted peak bytes and step seconds, and bytes of parameters, gradients a
 state per engine, ZeRO stage and offload. Nothing is allocated: activations are traced with fake
 tensors, so planning a 10B-parameter model takes seconds on a laptop.
 
-    memtrain plan --config recipes/code_lm_350m.yaml [--world_size 8] [--device_memory_gib 80] [--json]
+    memtrain plan --config recipes/code_lm_350m.yaml [--world_size 8] [--gpu_memory_gib 80]
+                  [--host_memory_gib 128] [--nvme_path DIR] [--json]
     memtrain memory --config recipes/code_lm_350m.yaml [--world_size 8]    # the same report, one JSON object
 
-``plan`` is the code a run with ``training.micro_batch_size: auto`` calls, minus the timing. Each engine accounts for its own model state (``model_state_bytes`` in
+``plan`` is the code a run with ``training.micro_batch_size: auto`` calls, minus the timing, and
+the placement planner of ``backend.offload: auto`` (:mod:`memtrain.placement`): where model
+state lives, with device and host bytes. Each engine accounts for its own model state (``model_state_bytes`` in
 ``memtrain/backends/``, following the ZeRO paper, Rajbhandari et al. 2020, "ZeRO: Memory
 Optimizations Toward Training Trillion Parameter Models", §3.1 and §5). Transient buffers (one
 gathered block under FSDP2/ZeRO-3, communication buckets) are not counted.
@@ -15,6 +18,7 @@ gathered block under FSDP2/ZeRO-3, communication buckets) are not counted.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import sys
@@ -82,24 +86,30 @@ def device_flops_per_s(device_type: str) -> float:
     return 2 * 1024**3 / best
 
 
-def plan_report(cfg, world_size: int, device_memory_gib: Optional[float] = None) -> dict:
+def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
+                host_memory_gib: Optional[float] = None, nvme_path: Optional[str] = None) -> dict:
     """The planner's view of a config before it runs, without allocating the model: the
     candidate plans of ``training.global_batch_size / world_size`` samples per rank with their
     predicted peak bytes and step seconds, and the model state of every engine variant.
 
     Args:
         world_size: ranks the run will have.
-        device_memory_gib: the device memory of a rank (a GPU run is planned: CUDA headroom
-            applies); None = this machine's (``faults.memory_budget_mib``, the CUDA memory or its
-            cap; unbounded on a CPU).
+        gpu_memory_gib: the GPU memory of a rank (a GPU run is planned: CUDA headroom applies,
+            FLOP/s of :data:`memtrain.placement.DEFAULT_GPU_FLOPS` without a GPU here); None =
+            this machine's (``faults.memory_budget_mib``, the CUDA memory or its cap; unbounded on a CPU).
+        host_memory_gib: host memory of the machine (its ranks together); None =
+            ``memory.host_memory_gib``, else this machine's available memory.
+        nvme_path: a folder for NVMe offload placements.
 
     Returns:
         A JSON-serialisable dict: ``parameters``, ``precision``, ``world_size``, ``engine``,
         ``budget_bytes``, ``candidates`` (list of :class:`memtrain.planner.Candidate` dicts),
         ``model_state_bytes`` (per engine variant), ``activation_bytes`` (micro-batch
-        ``training.micro_batch_size``, or the chosen one under ``auto``: off/on).
+        ``training.micro_batch_size``, or the chosen one under ``auto``: off/on), ``placements``
+        (:class:`memtrain.placement.Placement` dicts, the fastest fitting one ``chosen``) and the
+        ``machine`` they were planned for.
     """
-    from memtrain.backends import infer_backend_name, model_state_bytes
+    from memtrain.backends import device_state_bytes, infer_backend_name, model_state_bytes
     from memtrain.data import build_corpus
     from memtrain.models import build_model, count_parameters
     from memtrain.objectives import make_objective
@@ -107,7 +117,7 @@ def plan_report(cfg, world_size: int, device_memory_gib: Optional[float] = None)
                                   make_candidates)
     from memtrain.precision import resolve_precision
 
-    device_type = "cuda" if torch.cuda.is_available() or device_memory_gib else "cpu"
+    device_type = "cuda" if torch.cuda.is_available() or gpu_memory_gib else "cpu"
     try:
         precision = resolve_precision(cfg.precision, device_type)
     except Exception:  # planning a GPU run on a machine without one
@@ -121,19 +131,24 @@ def plan_report(cfg, world_size: int, device_memory_gib: Optional[float] = None)
     engine = infer_backend_name(b.name, b.deepspeed_config)
     state = model_state_bytes(engine, n, precision, b.zero_stage if engine == "deepspeed" else None, b.offload or "none",
                               world_size)
-    budget = (int(device_memory_gib * 2**30) if device_memory_gib else
+    budget = (int(gpu_memory_gib * 2**30) if gpu_memory_gib else
               device_budget_bytes(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu")))
     acts = activation_table(cfg, corpus, objective, precision, device_type)
     per_rank = cfg.training.global_batch_size // world_size
-    state_on_device = sum(v for k, v in state.items() if k != "cpu_offloaded_bytes")
+    state_on_device = device_state_bytes(state)
     planner = Planner(make_candidates(per_rank, cfg.memory.activation_checkpointing, state_on_device, acts, device_type,
                                       budget), budget)
-    flops = device_flops_per_s(device_type if torch.cuda.is_available() or device_type == "cpu" else "cpu")
+    from memtrain.placement import DEFAULT_GPU_FLOPS
+
+    gpu_without_one = device_type == "cuda" and not torch.cuda.is_available()
+    flops = DEFAULT_GPU_FLOPS if gpu_without_one else device_flops_per_s(device_type)
     every = cfg.memory.activation_checkpointing_every_n_blocks
     tokens = cfg.data.seq_len if corpus.kind != "speech" else int(max(corpus.train.lengths))
     for c in planner.candidates:  # 1 ms per micro-batch (launches, reduction): ties go to fewer micro-batches
         c.predicted_step_s = estimated_step_s(c, n, tokens, flops, 1 / every, 1e-3)
     chosen = planner.fastest(planner.fitting())
+    machine, placements = _placements(cfg, meta, n, precision, world_size, device_type, budget, flops, acts, tokens,
+                                      host_memory_gib, nvme_path)
     micro = chosen.micro_batch_size if chosen is not None else (
         cfg.training.micro_batch_size if cfg.training.micro_batch_size != "auto" else 1)
     return {
@@ -142,12 +157,38 @@ def plan_report(cfg, world_size: int, device_memory_gib: Optional[float] = None)
         "candidates": [c.as_dict() for c in planner.candidates],
         "activation_bytes": {"off": acts(micro, False), "on": acts(micro, True)},
         "model_state_bytes": engines,
-        "per_rank_total_bytes": {name: {ac: sum(v for k, v in e.items() if k != "cpu_offloaded_bytes") + acts(micro, ac == "on")
+        "placements": [p.as_dict() for p in placements],
+        "machine": dataclasses.asdict(machine),
+        "per_rank_total_bytes": {name: {ac: device_state_bytes(e) + acts(micro, ac == "on")
                                         for ac in ("off", "on")} for name, e in engines.items()},
         "note": "activations traced with fake tensors (no memory used); step seconds estimated from FLOPs at this "
                 "machine's matmul speed (a run with training.micro_batch_size auto measures them); transient "
                 "gathered blocks and communication buckets are not counted",
     }
+
+
+def _placements(cfg, meta, n: int, precision: str, world_size: int, device_type: str, budget, flops: float,
+                acts, tokens: int, host_memory_gib: Optional[float], nvme_path: Optional[str]):
+    """The placement table (:mod:`memtrain.placement`) of :func:`plan_report`: every engine's
+    placements unless ``backend.name`` names one."""
+    from memtrain.backends.common import repeated_blocks
+    from memtrain.placement import (PLAN_PROCESS_BYTES, Machine, cpu_adam_params_per_s,
+                                    host_budget_bytes, micro_batch_candidates, nvme_usable, plan_placements,
+                                    process_bytes, variants)
+
+    gpu_here = torch.cuda.is_available()
+    host = int(host_memory_gib * 2**30) if host_memory_gib else host_budget_bytes(cfg.memory.host_memory_gib)
+    machine = Machine(budget, host, world_size, device_type, flops, cpu_adam_params_per_s(),
+                      process_bytes(device_type) if device_type == "cpu" or gpu_here else PLAN_PROCESS_BYTES, nvme_path)
+    m, b = cfg.memory, cfg.backend
+    candidates = micro_batch_candidates(cfg.training.global_batch_size // world_size, m.activation_checkpointing, acts,
+                                        n, tokens, flops, 1 / m.activation_checkpointing_every_n_blocks)
+    if cfg.training.micro_batch_size != "auto":
+        candidates = [c for c in candidates if c.micro_batch_size == cfg.training.micro_batch_size]
+    engines = ("ddp", "fsdp", "deepspeed") if b.name == "auto" else (b.name,)
+    pool = variants(engines, (b.zero_stage,) if b.zero_stage else (1, 2, 3), nvme_usable(nvme_path))
+    block = max((sum(p.numel() for p in blk.parameters()) for blk in repeated_blocks(meta)), default=0)
+    return machine, plan_placements(candidates, pool, n, block, precision, world_size, machine)
 
 
 def _pop_option(argv: list[str], name: str, default=None, flag: bool = False):
@@ -166,6 +207,8 @@ def _pop_option(argv: list[str], name: str, default=None, flag: bool = False):
 
 def format_table(report: dict) -> str:
     """The candidates of :func:`plan_report` as a text table."""
+    from memtrain.placement import Placement, format_placements
+
     rows = [f"{'micro':>5} {'accum':>5} {'AC':>3} {'peak MiB':>10} {'step s':>9} {'fits':>4}  chosen"]
     for c in report["candidates"]:
         step = f"{c['predicted_step_s']:.4f}" if c["predicted_step_s"] is not None else "-"
@@ -175,25 +218,38 @@ def format_table(report: dict) -> str:
     budget = report["budget_bytes"]
     head = (f"{report['parameters'] / 1e6:.1f}M parameters, {report['engine']} × {report['world_size']}, "
             f"{report['precision']}, " + (f"budget {budget / 2**20:.1f} MiB per rank" if budget else "unbounded budget"))
-    return head + "\n" + "\n".join(rows)
+    fields = set(Placement.__dataclass_fields__)
+    placements = [Placement(**{k: v for k, v in p.items() if k in fields}) for p in report.get("placements", [])]
+    host = (report.get("machine") or {}).get("host_bytes")
+    return (head + "\n" + "\n".join(rows) + "\n\nplacements (host " +
+            (f"{host / 2**30:.1f} GiB" if host else "unbounded") + f" for {report['world_size']} rank(s)):\n"
+            + format_placements(placements))
 
 
 def main(argv: Optional[list[str]] = None, command: str = "memory") -> int:
-    """``memtrain plan|memory [--world_size N] [--device_memory_gib G] [--json] --config ...
-    [--section.key value ...]``: ``plan`` prints the candidate table (one JSON object per
-    candidate with ``--json``), ``memory`` the whole report as one JSON object. N defaults to
+    """``memtrain plan|memory [--world_size N] [--gpu_memory_gib G] [--host_memory_gib H]
+    [--nvme_path DIR] [--json] --config ... [--section.key value ...]``: ``plan`` prints the
+    candidate and placement tables (with ``--json`` one JSON object per micro-batch candidate, then
+    one per placement with ``"placement": true``), ``memory`` the whole report as one JSON object. N defaults to
     the launcher's ``WORLD_SIZE``, else 1. Exit 2 on a config error."""
     from memtrain.config import ConfigError, parse_args
     from memtrain.launcher import apply_accelerate_settings
     from memtrain.validation import validate
 
+    from memtrain.train import quiet_library_notices
+
+    quiet_library_notices(torch.cuda.is_available())
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         world_size = int(_pop_option(argv, "--world_size", os.environ.get("WORLD_SIZE", "1")))
-        gib = _pop_option(argv, "--device_memory_gib")
+        gib = _pop_option(argv, "--gpu_memory_gib", _pop_option(argv, "--gpu_memory_gib"))
         gib = float(gib) if gib is not None else None
+        host = _pop_option(argv, "--host_memory_gib")
+        host = float(host) if host is not None else None
+        nvme = _pop_option(argv, "--nvme_path")
     except ValueError as exc:
-        print(f"memtrain {command}: --world_size is an integer, --device_memory_gib a number ({exc})", file=sys.stderr)
+        print(f"memtrain {command}: --world_size is an integer, --gpu_memory_gib and --host_memory_gib numbers ({exc})",
+              file=sys.stderr)
         return 2
     as_json = _pop_option(argv, "--json", flag=True)
     try:
@@ -205,12 +261,14 @@ def main(argv: Optional[list[str]] = None, command: str = "memory") -> int:
     except ConfigError as exc:
         print(f"memtrain {command}: {exc}", file=sys.stderr)
         return 2
-    report = plan_report(cfg, world_size, gib)
+    report = plan_report(cfg, world_size, gib, host, nvme)
     if command == "memory":
         print(json.dumps(report, indent=1))
     elif as_json:
         for c in report["candidates"]:
             print(json.dumps(c))
+        for p in report["placements"]:
+            print(json.dumps({"placement": True, **p}))
     else:
         print(format_table(report))
     return 0

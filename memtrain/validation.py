@@ -97,6 +97,7 @@ def _validate_values(cfg: Config) -> None:
     if not cfg.backend.timeout_s > 0:
         raise ConfigError("backend.timeout_s", f"must be > 0 (seconds a collective or one operation may take), "
                           f"got {cfg.backend.timeout_s}")
+    _validate_placement(cfg)
     if cfg.backend.zero_stage is not None and cfg.backend.name in ("ddp", "fsdp"):
         raise ConfigError("backend.zero_stage", f"is a DeepSpeed setting, but backend.name is '{cfg.backend.name}'; "
                           "use backend.name deepspeed (or auto), or drop backend.zero_stage")
@@ -213,3 +214,25 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError("faults.kill_mid_step", "needs faults.kill_at_step (the step to end in)")
     if cfg.model.factory is not None and ":" not in cfg.model.factory:
         raise ConfigError("model.factory", f"must look like 'package.module:function', got '{cfg.model.factory}'")
+
+
+def _validate_placement(cfg: Config) -> None:
+    """``backend.offload``, ``offload_optimizer_ratio``, ``nvme_path`` and ``memory.host_memory_gib``."""
+    b = cfg.backend
+    if b.name == "ddp" and b.offload not in (None, "none"):
+        raise ConfigError("backend.offload", f"'{b.offload}' needs backend.name fsdp or deepspeed (DDP keeps all "
+                          "state on the device), or backend.name auto")
+    if not 0.0 < b.offload_optimizer_ratio <= 1.0:
+        raise ConfigError("backend.offload_optimizer_ratio", f"must be in (0, 1] (the fraction of the optimizer state "
+                          f"on the host), got {b.offload_optimizer_ratio}")
+    if b.offload_optimizer_ratio < 1.0 and b.offload == "auto":
+        raise ConfigError("backend.offload_optimizer_ratio", "is chosen by the planner under backend.offload auto: drop it")
+    if b.nvme_path is not None:
+        b.nvme_path = os.path.expanduser(b.nvme_path)
+        if b.name in ("ddp", "fsdp"):
+            raise ConfigError("backend.nvme_path", f"NVMe offload is DeepSpeed's; backend.name is '{b.name}'")
+        if not os.path.isdir(b.nvme_path):
+            raise ConfigError("backend.nvme_path", f"'{b.nvme_path}' is not a folder (NVMe offload writes its files there)")
+    if cfg.memory.host_memory_gib < 0:
+        raise ConfigError("memory.host_memory_gib", f"must be >= 0 (GiB of host memory; 0 = what is available), got "
+                          f"{cfg.memory.host_memory_gib}")

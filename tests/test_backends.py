@@ -16,7 +16,10 @@ ENGINES = {
     "zero1": ["--backend.name", "deepspeed", "--backend.zero_stage", "1"],
     "zero2": ["--backend.name", "deepspeed", "--backend.zero_stage", "2"],
     "zero3": ["--backend.name", "deepspeed", "--backend.zero_stage", "3"],
-    "zero3_offload": ["--backend.deepspeed_config", str(REPO / "ds_configs" / "zero3_offload.json")],
+    # a DeepSpeed JSON with CPU optimizer offload, half of the optimizer state kept on the device
+    # (partial offload: the device half stepped by torch's AdamW, the host half by CPU Adam)
+    "zero3_partial_offload": ["--backend.deepspeed_config", str(REPO / "ds_configs" / "zero3_offload.json"),
+                              "--backend.offload_optimizer_ratio", "0.5"],
 }
 
 
@@ -52,6 +55,11 @@ def test_engine_matches_ddp(tmp_path, cache_dir, ddp_run, engine):
         assert noise not in proc.stderr
     _assert_matches_ddp(read_metrics(tmp_path), ddp_run)
     assert (tmp_path / "model" / "model.safetensors").stat().st_size > 0
+    if engine == "zero3_partial_offload":  # the lever took effect: both optimizers step a share
+        import re
+
+        on_device, groups = map(int, re.search(r"partial offload: (\d+) of (\d+) optimizer", proc.stderr).groups())
+        assert 0 < on_device < groups
 
 
 @pytest.mark.parametrize("engine", ["fsdp", "zero3"])

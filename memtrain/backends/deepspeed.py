@@ -15,16 +15,20 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from typing import Callable, Optional
 
 import torch
 from torch import nn
 
+from memtrain.backends import ds_partial_offload
 from memtrain.backends.common import ADAM_STATE_BYTES
-from memtrain.backends.ds_config import build_ds_config, get_path, resolve_zero_stage
+from memtrain.backends.ds_config import OFFLOAD_DEVICES, build_ds_config, get_path, resolve_zero_stage
 from memtrain.distributed import ProcessState
 from memtrain.errors import CheckpointError
+
+log = logging.getLogger("memtrain")
 
 
 class DeepSpeedBackend:
@@ -35,6 +39,8 @@ class DeepSpeedBackend:
         precision: resolved ``bf16|fp16|fp32``; precision_requested: the ``precision`` setting.
         ds_config_path: the user's DeepSpeed JSON, or None.
         zero_stage, offload: None = from the JSON (defaults 2, none).
+        offload_optimizer_ratio: ZeRO-3 partial offload (:mod:`memtrain.backends.ds_partial_offload`).
+        nvme_path: offload to NVMe files in this folder (DeepSpeed's async_io op is needed).
         global_batch_size, max_grad_norm: from ``training``.
         plan: the starting micro-batch plan (:class:`memtrain.plan.MicroBatchPlan`).
         training: ``training.*`` for the JSON's optimizer and scheduler sections.
@@ -49,7 +55,7 @@ class DeepSpeedBackend:
 
     def __init__(self, process: ProcessState, precision: str, precision_requested: str, ds_config_path: Optional[str],
                  zero_stage: Optional[int], offload: Optional[str], global_batch_size: int, max_grad_norm: float,
-                 plan, training=None):
+                 plan, training=None, offload_optimizer_ratio: float = 1.0, nvme_path: Optional[str] = None):
         self.process = process
         self.world_size = process.world_size
         self.device = process.device
@@ -63,13 +69,20 @@ class DeepSpeedBackend:
             micro_batch_size=plan.micro_batch_size, gradient_accumulation_steps=plan.gradient_accumulation_steps,
             max_grad_norm=max_grad_norm, precision=precision, precision_requested=precision_requested,
             zero_stage=zero_stage, offload=offload, training=training,
+            offload_optimizer_ratio=offload_optimizer_ratio, nvme_path=nvme_path,
         )
         # memtrain builds both (the same AdamW; DeepSpeed's scheduler class, stepped by the loop)
         self.ds_config.pop("optimizer", None)
         self.scheduler_config: Optional[dict] = self.ds_config.pop("scheduler", None)
         self.precision = "bf16" if self.ds_config["bf16"]["enabled"] else "fp16" if self.ds_config["fp16"]["enabled"] else "fp32"
         self.zero_stage = self.ds_config["zero_optimization"]["stage"]
-        self.offload_optimizer = get_path(self.ds_config, "zero_optimization.offload_optimizer.device") == "cpu"
+        self.offload_optimizer = get_path(self.ds_config, "zero_optimization.offload_optimizer.device") in OFFLOAD_DEVICES
+        self.offload_params = get_path(self.ds_config, "zero_optimization.offload_param.device") in OFFLOAD_DEVICES
+        self.offload_ratio = float(get_path(self.ds_config, "zero_optimization.offload_optimizer.ratio") or 1.0)
+        self.nvme = "nvme" in (get_path(self.ds_config, "zero_optimization.offload_optimizer.device"),
+                               get_path(self.ds_config, "zero_optimization.offload_param.device"))
+        if self.nvme:
+            _require_async_io()
         self.grad_average_factor = float(self.world_size)  # ZeRO averages gradients over ranks
         self.collectives_in_compute = self.world_size > 1  # ZeRO-3 fetches, ZeRO-2 partitions in backward
         self.engine = None
@@ -78,6 +91,10 @@ class DeepSpeedBackend:
         import deepspeed
 
         optimizer = make_optimizer(model)
+        if self.offload_ratio < 1.0 and get_path(self.ds_config, "zero_optimization.sub_group_size") is None:
+            n_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
+            self.ds_config["zero_optimization"]["sub_group_size"] = ds_partial_offload.sub_group_size(
+                n_params, self.world_size)
         if self.offload_optimizer:  # ZeRO-Offload steps on CPU with its own Adam kernel (same AdamW math)
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -87,6 +104,11 @@ class DeepSpeedBackend:
             optimizer = DeepSpeedCPUAdam(groups, adamw_mode=True)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config,
                                                     dist_init_required=False)
+        on_device, groups = ds_partial_offload.prepare(self.engine.optimizer, self.device.type)
+        if groups and self.process.is_main:
+            log.warning("memtrain: ZeRO-3 partial offload: %d of %d optimizer sub-groups of rank 0 stepped on the "
+                        "device, the rest by CPU Adam on the host (backend.offload_optimizer_ratio %g)", on_device,
+                        groups, self.offload_ratio)
         # the LR schedule acts on the client optimizer's param_groups, which ZeRO steps with
         return self.engine, optimizer
 
@@ -137,6 +159,7 @@ class DeepSpeedBackend:
             self.reset_after_oom(model)
             return float("nan")
         self.engine.set_gradient_accumulation_boundary(True)
+        ds_partial_offload.sync_hyperparameters(self.engine.optimizer)
         # clips to gradient_clipping, steps, zeroes gradients; ZeRO itself skips the step when
         # the gradients overflow (and lowers the fp16 loss scale)
         self.engine.step()
@@ -166,11 +189,19 @@ class DeepSpeedBackend:
         """DeepSpeed's native checkpoint under ``directory/zero`` (every rank writes its own
         ZeRO partition; the loss scaler and engine counters are included)."""
         self.engine.save_checkpoint(directory, tag=self._TAG, client_state={}, save_latest=False)
+        if self.offload_ratio < 1.0:  # DeepSpeed does not save the device side of a partial offload
+            torch.save(ds_partial_offload.state_dict(self.engine.optimizer), self._device_optimizer_file(directory))
+
+    def _device_optimizer_file(self, directory: str, rank: Optional[int] = None) -> str:
+        rank = self.process.rank if rank is None else rank
+        return os.path.join(directory, self._TAG, f"device_optimizer_rank_{rank}.pt")
 
     def expected_files(self) -> list[str]:
         files = [f"{self._TAG}/*model_states.pt"]
         if self.zero_stage > 0:
             files += [f"{self._TAG}/*zero_pp_rank_{r}_mp_rank_*optim_states.pt" for r in range(self.world_size)]
+        if self.offload_ratio < 1.0:
+            files += [f"{self._TAG}/device_optimizer_rank_{r}.pt" for r in range(self.world_size)]
         return files
 
     def load_state(self, model: nn.Module, optimizer, directory: str, saved_world_size: int) -> None:
@@ -181,13 +212,27 @@ class DeepSpeedBackend:
         Raises:
             CheckpointError: DeepSpeed found no checkpoint, or the conversion failed.
         """
+        partial = os.path.exists(self._device_optimizer_file(directory, 0))
         if saved_world_size != self.world_size and self.zero_stage > 0:
+            if partial or self.offload_ratio < 1.0:
+                raise CheckpointError(f"{directory}: a ZeRO-3 partial-offload run (backend.offload_optimizer_ratio < 1) "
+                                      f"resumes on the world size that wrote it ({saved_world_size}), not {self.world_size}")
             self._load_universal(directory, saved_world_size)
             return
         path, _ = self.engine.load_checkpoint(directory, tag=self._TAG, load_module_strict=True,
                                               load_optimizer_states=True, load_lr_scheduler_states=False)
         if path is None:
             raise CheckpointError(f"{directory}: DeepSpeed found no checkpoint under tag '{self._TAG}'")
+        if partial != (self.offload_ratio < 1.0):
+            raise CheckpointError(f"{directory}: written {'with' if partial else 'without'} partial optimizer offload, "
+                                  f"resumed {'with' if self.offload_ratio < 1.0 else 'without'}: keep "
+                                  "backend.offload_optimizer_ratio as it was")
+        if partial:
+            try:
+                ds_partial_offload.load_state_dict(self.engine.optimizer, torch.load(
+                    self._device_optimizer_file(directory), map_location="cpu", weights_only=True))
+            except (OSError, ValueError) as exc:
+                raise CheckpointError(f"{directory}: {exc}") from exc
 
     def _load_universal(self, directory: str, saved_world_size: int) -> None:
         """Resume a ZeRO checkpoint written by ``saved_world_size`` ranks: rank 0 converts it with
@@ -252,9 +297,9 @@ class DeepSpeedBackend:
     def model_state_bytes(self, n_params: int) -> dict[str, int]:
         offload = "none"
         if self.offload_optimizer:
-            offload = "optimizer_and_params" if get_path(self.ds_config, "zero_optimization.offload_param.device") == "cpu" \
-                else "optimizer"
-        return model_state_bytes(n_params, self.precision, self.zero_stage, offload, self.world_size)
+            offload = "optimizer_and_params" if self.offload_params else "optimizer"
+        return model_state_bytes(n_params, self.precision, self.zero_stage, offload, self.world_size,
+                                 self.offload_ratio, "nvme" if self.nvme else "cpu")
 
     def close(self) -> None:
         """Release the engine (the process group is the process state's)."""
@@ -274,7 +319,26 @@ def build(cfg, process: ProcessState, precision: str, plan) -> DeepSpeedBackend:
     return DeepSpeedBackend(process, precision, cfg.precision, ds_config_path=b.deepspeed_config,
                             zero_stage=b.zero_stage, offload=b.offload,
                             global_batch_size=t.global_batch_size, max_grad_norm=t.max_grad_norm, plan=plan,
-                            training=t)
+                            training=t, offload_optimizer_ratio=b.offload_optimizer_ratio, nvme_path=b.nvme_path)
+
+
+def async_io_available() -> bool:
+    """Whether DeepSpeed's async_io op (NVMe offload) can be built or loaded here (it needs libaio)."""
+    import io
+
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        return bool(AsyncIOBuilder().is_compatible(verbose=False))
+
+
+def _require_async_io() -> None:
+    from memtrain.config import ConfigError
+
+    if not async_io_available():
+        raise ConfigError("backend.nvme_path", "NVMe offload needs DeepSpeed's async_io op, which cannot be built on "
+                          "this machine (libaio and its headers are missing: apt install libaio-dev); drop "
+                          "backend.nvme_path to offload to host memory")
 
 
 def _zero_stage_and_json(cfg) -> tuple[int, dict]:
@@ -320,11 +384,18 @@ def read_full_weights(path: str) -> dict[str, torch.Tensor]:
 
 
 def model_state_bytes(n_params: int, precision: str, zero_stage: Optional[int], offload: str,
-                      world_size: int) -> dict[str, int]:
-    """ZeRO's accounting (Rajbhandari et al. 2020, §3.1 and §5): 16-bit parameters and gradients in
-    bf16/fp16 (fp32 otherwise) plus an fp32 master copy kept with AdamW's moments; stage 1 shards
-    the optimizer state, 2 also the gradients, 3 also the parameters (default stage 2); offload
-    moves the optimizer state (and with ``optimizer_and_params`` the parameters) to host memory."""
+                      world_size: int, offload_optimizer_ratio: float = 1.0, offload_device: str = "cpu") -> dict[str, int]:
+    """ZeRO's accounting (Rajbhandari et al. 2020, §3.1 and §5), bytes per rank: 16-bit parameters
+    and gradients in bf16/fp16 (fp32 otherwise) plus an fp32 master copy kept with AdamW's
+    moments; stage 1 shards the optimizer state, 2 also the gradients, 3 also the parameters
+    (default stage 2).
+
+    Offload (ZeRO-Offload, Ren et al. 2021): the optimizer state leaves the device —
+    ``offload_optimizer_ratio`` of it under ZeRO-3's partial offload — and the gradient partitions
+    are reduced into host buffers (fp32 under stages 1/2, the 16-bit accumulation dtype under
+    stage 3); ``optimizer_and_params`` moves the parameters too. With ``offload_device`` ``nvme``
+    the offloaded optimizer state and parameters are files (``nvme_offloaded_bytes``), the
+    gradients still host memory (``cpu_offloaded_bytes``)."""
     n, w = n_params, world_size
     stage = 2 if zero_stage is None else zero_stage
     half = precision in ("bf16", "fp16")
@@ -333,10 +404,20 @@ def model_state_bytes(n_params: int, precision: str, zero_stage: Optional[int], 
     params = p_bytes * n // (w if stage >= 3 else 1)
     grads = p_bytes * n // (w if stage >= 2 else 1)
     optim = (ADAM_STATE_BYTES + master) * n // (w if stage >= 1 else 1)
-    offloaded = 0
+    host = files = 0
     if offload in ("optimizer", "optimizer_and_params"):
-        offloaded, optim = optim, 0
+        moved = int(optim * offload_optimizer_ratio)
+        optim -= moved
+        host, grads = (p_bytes if stage >= 3 else 4) * n // w, 0
+        if offload_device == "nvme":
+            files += moved
+        else:
+            host += moved
     if offload == "optimizer_and_params":
-        offloaded, params = offloaded + params, 0
+        if offload_device == "nvme":
+            files += params
+        else:
+            host += params
+        params = 0
     return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim,
-            "cpu_offloaded_bytes": offloaded}
+            "cpu_offloaded_bytes": host, "nvme_offloaded_bytes": files}

@@ -125,7 +125,8 @@ def _reconcile_scheduler(reconcile: _Reconciler, t: TrainingConfig) -> None:
 def build_ds_config(user: Optional[dict], source: str, *, global_batch_size: int, micro_batch_size: int,
                     gradient_accumulation_steps: int, max_grad_norm: float, precision: str,
                     precision_requested: str, zero_stage: Optional[int], offload: Optional[str],
-                    training: Optional[TrainingConfig] = None) -> dict[str, Any]:
+                    training: Optional[TrainingConfig] = None, offload_optimizer_ratio: float = 1.0,
+                    nvme_path: Optional[str] = None) -> dict[str, Any]:
     """The DeepSpeed config for this run: the user's JSON (or an empty one), ``"auto"`` values
     filled from memtrain's settings, contradictions rejected.
 
@@ -137,6 +138,7 @@ def build_ds_config(user: Optional[dict], source: str, *, global_batch_size: int
         precision: resolved precision; precision_requested: the setting (``auto`` defers to the JSON).
         zero_stage, offload: ``backend.zero_stage`` / ``backend.offload``; None = take the JSON's
             (defaults 2 / none).
+        offload_optimizer_ratio, nvme_path: ``backend.*`` (partial offload, NVMe offload folder).
         training: ``training.*`` (lr, betas, eps, weight decay, warmup, max steps) for the
             ``optimizer`` and ``scheduler`` sections; None = the defaults.
 
@@ -162,7 +164,7 @@ def build_ds_config(user: Optional[dict], source: str, *, global_batch_size: int
     stage = reconcile("zero_optimization.stage", resolve_zero_stage(zero_stage, cfg), "backend.zero_stage")
     if stage not in (1, 2, 3):
         raise ConfigError("backend.zero_stage", f"{source}: zero_optimization.stage = {stage!r}; choices: 1, 2, 3")
-    _reconcile_offload(cfg, source, stage, offload)
+    _reconcile_offload(cfg, reconcile, source, stage, offload, offload_optimizer_ratio, nvme_path)
     _reconcile_precision(cfg, source, precision, precision_requested)
     cfg.setdefault("steps_per_print", 2**31 - 1)
     cfg.setdefault("wall_clock_breakdown", False)
@@ -175,22 +177,52 @@ def resolve_zero_stage(zero_stage: Optional[int], user: dict):
     return zero_stage if zero_stage is not None else json_stage if json_stage not in (None, "auto") else 2
 
 
-def _reconcile_offload(cfg: dict, source: str, stage: int, offload: Optional[str]) -> None:
-    json_offload = "none"
-    if get_path(cfg, "zero_optimization.offload_optimizer.device") == "cpu":
-        json_offload = "optimizer_and_params" if get_path(cfg, "zero_optimization.offload_param.device") == "cpu" \
-            else "optimizer"
+OFFLOAD_DEVICES = ("cpu", "nvme")
+
+
+def offload_in_json(user: dict) -> tuple[str, float, bool]:
+    """What a DeepSpeed JSON offloads: ``(none|optimizer|optimizer_and_params, the optimizer
+    state's fraction on the host, whether to NVMe)``."""
+    devices = [get_path(user, f"zero_optimization.{k}.device") for k in ("offload_optimizer", "offload_param")]
+    optimizer, params = (d in OFFLOAD_DEVICES for d in devices)
+    offload = "optimizer_and_params" if optimizer and params else "optimizer" if optimizer else "none"
+    ratio = get_path(user, "zero_optimization.offload_optimizer.ratio")
+    return offload, float(ratio) if isinstance(ratio, (int, float)) else 1.0, "nvme" in devices
+
+
+def _reconcile_offload(cfg: dict, reconcile: "_Reconciler", source: str, stage: int, offload: Optional[str],
+                       ratio: float, nvme_path: Optional[str]) -> None:
+    """``backend.offload``, ``offload_optimizer_ratio`` and ``nvme_path`` written into the JSON's
+    ``zero_optimization.offload_*`` sections (a JSON offload memtrain's settings contradict is an
+    error naming both; memtrain's defaults defer to the JSON)."""
+    json_offload = offload_in_json(cfg)[0]
     if offload is None:
         offload = json_offload
     elif offload != json_offload and json_offload != "none":
         raise ConfigError("backend.offload", f"{source} offloads '{json_offload}', which contradicts backend.offload = "
                           f"'{offload}'")
-    if offload in ("optimizer", "optimizer_and_params"):
-        set_path(cfg, "zero_optimization.offload_optimizer.device", "cpu")
-    if offload == "optimizer_and_params":
-        if stage != 3:
-            raise ConfigError("backend.offload", f"optimizer_and_params needs ZeRO stage 3, got stage {stage}")
-        set_path(cfg, "zero_optimization.offload_param.device", "cpu")
+    if offload == "auto":
+        raise ConfigError("backend.offload", "auto is resolved by the placement planner before the engine is built")
+    if offload == "optimizer_and_params" and stage != 3:
+        raise ConfigError("backend.offload", f"optimizer_and_params needs ZeRO stage 3, got stage {stage}")
+    sections = {"optimizer": ["offload_optimizer"], "optimizer_and_params": ["offload_optimizer", "offload_param"]}
+    for section in sections.get(offload, []):
+        json_device = get_path(cfg, f"zero_optimization.{section}.device")
+        device = "nvme" if nvme_path else json_device if json_device in OFFLOAD_DEVICES else "cpu"
+        set_path(cfg, f"zero_optimization.{section}.device", device)
+        if nvme_path:
+            reconcile(f"zero_optimization.{section}.nvme_path", nvme_path, "backend.nvme_path")
+    if nvme_path and offload in (None, "none"):
+        raise ConfigError("backend.nvme_path", "is set but nothing is offloaded: set backend.offload to optimizer or "
+                          "optimizer_and_params (or drop backend.nvme_path)")
+    json_ratio = get_path(cfg, "zero_optimization.offload_optimizer.ratio")
+    if ratio != 1.0 or json_ratio not in (None, "auto", 1.0):
+        if offload not in ("optimizer", "optimizer_and_params") or stage != 3:
+            raise ConfigError("backend.offload_optimizer_ratio", f"partial optimizer offload (ratio {ratio if ratio != 1.0 else json_ratio}) "
+                              f"needs ZeRO stage 3 with backend.offload optimizer or optimizer_and_params, got stage "
+                              f"{stage} and offload '{offload}'")
+        if ratio != 1.0:
+            reconcile("zero_optimization.offload_optimizer.ratio", ratio, "backend.offload_optimizer_ratio")
 
 
 def _reconcile_precision(cfg: dict, source: str, precision: str, precision_requested: str) -> None:

@@ -1,0 +1,163 @@
+"""The largest model on one GPU: memtrain's placement (``backend.offload auto``) beside the stock
+DeepSpeed optimizer-offload config, Llama shapes, bf16, sequence 1024, global batch 16.
+
+    python benchmarks/largest_model.py --plan [--results]                 # predictions only, any machine
+    python benchmarks/largest_model.py --shapes 6.7b,10b [--results]      # one GPU: 20 steps each, alternating
+    python benchmarks/largest_model.py --device cpu --shapes tiny         # the same code path on a CPU
+
+``--plan`` prints, per shape, ``memtrain plan``'s placements for ``--gpu_memory_gib`` /
+``--host_memory_gib`` (default 80 / 128: one H100 and the host it was measured with). Training
+mode runs each configuration ``--repeats`` times, alternating, and reports tokens/s, TFLOP/s, the
+GPU peak (``peak_memory_bytes`` of metrics.jsonl) and the host peak (the resident set of the run's
+processes, sampled every 0.2 s) with min/median/max, next to the placement's predicted peaks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+from common import REPO, RunFailed, emit, run_memtrain, scratch_dir
+
+SHAPES = {  # hidden, intermediate, layers, heads (Llama-2 7B and 13B, and a 10.5B between them)
+    "tiny": (64, 172, 2, 4),
+    "6.7b": (4096, 11008, 32, 32),
+    "10b": (5120, 13824, 32, 40),
+    "13b": (5120, 13824, 40, 40),
+}
+CONFIGS = {
+    "memtrain": ["--backend.offload", "auto"],
+    "stock_optimizer_offload": ["--backend.deepspeed_config", str(REPO / "ds_configs" / "zero3_offload.json")],
+}
+
+
+def shape_args(shape: str, device: str, steps: int) -> list[str]:
+    hidden, ffn, layers, heads = SHAPES[shape]
+    args = ["--config", str(REPO / "recipes" / "llama_10b.yaml"), "--model.config.hidden_size", str(hidden),
+            "--model.config.intermediate_size", str(ffn), "--model.config.num_hidden_layers", str(layers),
+            "--model.config.num_attention_heads", str(heads), "--model.config.num_key_value_heads", str(heads),
+            "--training.max_steps", str(steps), "--backend.offload", "none"]
+    if device == "cpu":  # the tiny shape on a CPU: a small corpus and sequence, fp32
+        args += ["--precision", "fp32", "--data.max_bytes", "300000", "--data.vocab_size", "512",
+                 "--data.seq_len", "64", "--model.config.max_position_embeddings", "64"]
+    return args
+
+
+def plan(shape: str, gpu_gib: float, host_gib: float) -> dict:
+    """``memtrain plan --json`` of ``shape``: the placement rows."""
+    cmd = [sys.executable, "-c", "from memtrain.train import cli; cli()", "plan", *shape_args(shape, "cuda", 20),
+           "--backend.offload", "auto", "--gpu_memory_gib", str(gpu_gib), "--host_memory_gib", str(host_gib), "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=1800)
+    if proc.returncode != 0:
+        raise RunFailed(proc.returncode, proc.stderr)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {"placements": [r for r in rows if r.get("placement")]}
+
+
+class HostPeak:
+    """The largest summed resident set of this process's children (and theirs), sampled."""
+
+    def __init__(self, period_s: float = 0.2):
+        import psutil
+
+        self.me, self.period_s, self.peak, self._stop = psutil.Process(), period_s, 0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self):
+        import psutil
+
+        while not self._stop.is_set():
+            total = 0
+            for child in self.me.children(recursive=True):
+                try:
+                    total += child.memory_info().rss
+                except psutil.Error:
+                    pass
+            self.peak = max(self.peak, total)
+            time.sleep(self.period_s)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def train_once(shape: str, config: str, device: str, steps: int, extra: list[str]) -> dict:
+    out = scratch_dir(f"largest-{shape}-{config}")
+    with HostPeak() as host:
+        try:
+            records = run_memtrain([*shape_args(shape, device, steps), *CONFIGS[config], *extra], out, nproc=1)
+        except RunFailed as exc:
+            return {"failed": exc.returncode, "error": exc.stderr.strip().splitlines()[-1:] or [""]}
+    steady = records[2:] or records
+    tokens_s = statistics.median(r["tokens_per_s"] for r in steady)
+    with open(os.path.join(out, "summary.json")) as fh:
+        n = json.load(fh).get("parameters")
+    result = {"tokens_per_s": tokens_s, "tflops": 6 * n * tokens_s / 1e12 if n else None,
+              "gpu_peak_bytes": max(r["peak_memory_bytes"] for r in records), "host_peak_bytes": host.peak,
+              "parameters": n, "plan": f"{records[-1]['micro_batch_size']}x{records[-1]['gradient_accumulation_steps']}"}
+    placement = os.path.join(out, "placement.json")
+    if os.path.exists(placement):  # memtrain's choice: its predicted peaks, to set beside the measured
+        with open(placement) as fh:
+            chosen = next((p for p in json.load(fh)["placements"] if p["chosen"]), {})
+        result.update(placement=chosen.get("name"), predicted_device_bytes=chosen.get("device_bytes"),
+                      predicted_host_bytes=chosen.get("host_bytes"))
+    return result
+
+
+def spread(values: list[float]) -> dict:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--plan", action="store_true", help="predictions only (no GPU needed)")
+    ap.add_argument("--shapes", default="6.7b,10b,13b")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--gpu_memory_gib", type=float, default=80)
+    ap.add_argument("--host_memory_gib", type=float, default=128)
+    ap.add_argument("--extra", default="", help="more memtrain arguments, space-separated")
+    ap.add_argument("--results", action="store_true", help="append to benchmarks/results/")
+    args = ap.parse_args(argv)
+    shapes = args.shapes.split(",")
+    if args.plan:
+        for shape in shapes:
+            emit("largest_model_plan", "cpu", {"shape": shape, "gpu_memory_gib": args.gpu_memory_gib,
+                                                "host_memory_gib": args.host_memory_gib,
+                                                **plan(shape, args.gpu_memory_gib, args.host_memory_gib)}, args.results)
+        return 0
+    for shape in shapes:
+        runs: dict[str, list[dict]] = {c: [] for c in CONFIGS}
+        for _ in range(args.repeats):
+            for config in CONFIGS:  # alternating: the machine's drift hits both alike
+                runs[config].append(train_once(shape, config, args.device, args.steps, args.extra.split()))
+        result = {"shape": shape, "steps": args.steps, "repeats": args.repeats}
+        for config, rows in runs.items():
+            ok = [r for r in rows if "failed" not in r]
+            result[config] = {"failed": [r for r in rows if "failed" in r]} if not ok else {
+                "parameters": ok[0]["parameters"], "plan": ok[-1]["plan"], "placement": ok[-1].get("placement"),
+                "predicted_device_bytes": ok[-1].get("predicted_device_bytes"),
+                "predicted_host_bytes": ok[-1].get("predicted_host_bytes"),
+                **{k: spread([r[k] for r in ok]) for k in ("tokens_per_s", "tflops", "gpu_peak_bytes", "host_peak_bytes")
+                   if all(r[k] is not None for r in ok)}}
+        ok = [(a, b) for a, b in zip(runs["memtrain"], runs["stock_optimizer_offload"])
+              if "failed" not in a and "failed" not in b]
+        if ok:
+            result["ratio_tokens_per_s"] = spread([a["tokens_per_s"] / b["tokens_per_s"] for a, b in ok])
+        emit("largest_model", args.device, result, args.results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

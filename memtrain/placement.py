@@ -1,0 +1,516 @@
+"""Where model state lives: the placement planner (``backend.offload: auto``, ``memtrain plan``).
+
+For a model and a machine (device memory per rank, host memory, optionally an NVMe folder) every
+placement an engine offers is sized and timed before anything is allocated:
+
+- DDP; FSDP2 with and without CPU offload; DeepSpeed ZeRO-1/2/3, ZeRO-1/2/3 with the optimizer
+  state on the host, ZeRO-3 with only a fraction of it there (DeepSpeed's partial offload,
+  ``offload_optimizer.ratio``: the smallest fraction, in steps of :data:`RATIO_STEP`, whose device
+  share fits), ZeRO-3 with the parameters on the host too, and with an NVMe folder the same
+  offloads into files.
+- **Device bytes** per rank: the engine's model state (``model_state_bytes``) + the activations of
+  the best micro-batch / activation-checkpointing plan (traced with fake tensors,
+  :mod:`memtrain.planner`) + under ZeRO-3 two gathered blocks in 16-bit + the CUDA headroom.
+- **Host bytes**, all ranks of the machine together: each rank's process (libraries, the CUDA
+  context, data: :func:`process_bytes`) + offloaded state + DeepSpeed's pinned NVMe swap
+  buffers + the checkpoint staging of a save (DeepSpeed serialises one flat partition at a time:
+  the largest device-side sub-group). On a CPU run the device is host memory too.
+- **Step seconds**: ``6 × parameters × tokens`` at the device's FLOP rate (the micro-batch
+  planner's estimate), plus — nothing overlapped, as DeepSpeed's default runs — CPU Adam over
+  the host-side parameters at the rate measured on this machine (:func:`cpu_adam_params_per_s`;
+  the host's cores are shared by its ranks), the host↔device copies (16-bit gradients out and
+  16-bit parameters back per step; offloaded parameters in twice per micro-batch) at
+  :data:`HOST_DEVICE_BYTES_PER_S`, and NVMe reads and writes at :data:`NVME_BYTES_PER_S`.
+
+The fastest placement that fits both budgets is chosen; ties go to the one that offloads less.
+The byte accounting follows ZeRO (Rajbhandari et al. 2020) and ZeRO-Offload (Ren et al. 2021);
+partial offload is DeepSpeed's "Twin-Flow" (ZeRO-Offload++).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from memtrain.planner import CUDA_HEADROOM_FRACTION, CUDA_RESERVED_BYTES, Candidate, estimated_step_s, make_candidates
+
+RATIO_STEP = 0.05
+"""Granularity of the partial-offload fraction the planner tries."""
+HOST_DEVICE_BYTES_PER_S = 20e9
+"""Host↔device copy rate per rank (pinned memory over PCIe 4/5 x16: 25–50 GB/s peak, ~20 GB/s
+sustained by DeepSpeed's transfers)."""
+NVME_BYTES_PER_S = 3e9
+"""NVMe read/write rate (one PCIe 4 drive, sequential)."""
+NVME_SWAP_BUFFERS_BYTES = 4 * 10**8 * 4 + 5 * 10**8 * 2
+"""DeepSpeed's pinned NVMe swap buffers (optimizer: 4 × 1e8 fp32 elements; parameters: 5 × 1e8 16-bit)."""
+CUDA_CONTEXT_HOST_BYTES = 2**30
+"""Host memory a process's CUDA context and its pinned staging take."""
+PLAN_PROCESS_BYTES = 4 * 2**30
+"""Host bytes per rank's process assumed by ``memtrain plan`` (a run measures its own)."""
+DEFAULT_GPU_FLOPS = 400e12
+"""FLOP/s ``memtrain plan`` assumes for a GPU it cannot measure (an H100's achieved dense bf16)."""
+STAGING_LIMIT_BYTES = 4 * 10**9
+"""The largest flat partition DeepSpeed serialises at once (its default sub-group of 1e9 fp32 elements)."""
+
+
+@dataclass
+class Machine:
+    """The memory and speeds a placement is planned for.
+
+    Attributes:
+        device_bytes: device memory a rank may use (None = unbounded).
+        host_bytes: host memory the ranks of one machine may use together (None = unbounded).
+        ranks_per_host: ranks sharing that host memory and its CPU cores.
+        device_type: ``cuda`` or ``cpu`` (a CPU run's device is host memory too).
+        device_flops: achieved FLOP/s of one device.
+        cpu_adam_params_per_s: parameters per second CPU Adam steps on this host (all cores).
+        process_bytes: host bytes each rank's process uses besides offloaded state.
+        nvme_path: a folder for NVMe offload, or None.
+    """
+
+    device_bytes: Optional[int]
+    host_bytes: Optional[int]
+    ranks_per_host: int
+    device_type: str
+    device_flops: float
+    cpu_adam_params_per_s: float
+    process_bytes: int
+    nvme_path: Optional[str] = None
+
+
+@dataclass
+class Placement:
+    """One placement with its best micro-batch plan and predictions (bytes; seconds per optimizer step).
+
+    ``offload_optimizer_ratio`` is the fraction of the optimizer state on the host; ``nvme``: the
+    offloaded state is in files. ``device_bytes`` is per rank, ``host_bytes`` for all ranks of a
+    machine, ``nvme_bytes`` per rank."""
+
+    engine: str
+    zero_stage: Optional[int]
+    offload: str
+    offload_optimizer_ratio: float = 1.0
+    nvme: bool = False
+    micro_batch_size: Optional[int] = None
+    gradient_accumulation_steps: Optional[int] = None
+    activation_checkpointing: Optional[bool] = None
+    device_bytes: int = 0
+    host_bytes: int = 0
+    nvme_bytes: int = 0
+    predicted_step_s: Optional[float] = None
+    fits_device: bool = False
+    fits_host: bool = False
+    chosen: bool = False
+
+    @property
+    def name(self) -> str:
+        engine = f"zero{self.zero_stage}" if self.engine == "deepspeed" else self.engine
+        if self.offload == "none":
+            return engine
+        where = "nvme" if self.nvme else "host"
+        what = "optimizer" if self.offload == "optimizer" else "optimizer+params"
+        share = f" {self.offload_optimizer_ratio:.0%}" if self.offload_optimizer_ratio < 1 else ""
+        return f"{engine} {what}{share}→{where}"
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_device and self.fits_host
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, **dataclasses.asdict(self), "fits": self.fits}
+
+
+def variants(engines: tuple[str, ...], zero_stages: tuple[int, ...], nvme: bool) -> list[Placement]:
+    """Every placement of ``engines`` (ZeRO stages restricted to ``zero_stages``), least offload
+    first; partial offload appears once with ratio 1 (the planner lowers it)."""
+    out = []
+    if "ddp" in engines:
+        out.append(Placement("ddp", None, "none"))
+    if "fsdp" in engines:
+        out += [Placement("fsdp", None, "none"), Placement("fsdp", None, "optimizer_and_params")]
+    if "deepspeed" in engines:
+        out += [Placement("deepspeed", s, "none") for s in zero_stages]
+        for device in ([False, True] if nvme else [False]):
+            out += [Placement("deepspeed", s, "optimizer", nvme=device) for s in zero_stages]
+            if 3 in zero_stages:
+                out.append(Placement("deepspeed", 3, "optimizer", 0.5, nvme=device))  # partial: ratio set by the planner
+                out.append(Placement("deepspeed", 3, "optimizer_and_params", nvme=device))
+    return out
+
+
+def state_bytes(p: Placement, n_params: int, precision: str, world_size: int) -> dict[str, int]:
+    """The engine's model-state accounting of ``p`` (:func:`memtrain.backends.model_state_bytes`)."""
+    from memtrain.backends import model_state_bytes
+
+    return model_state_bytes(p.engine, n_params, precision, p.zero_stage, p.offload, world_size,
+                             p.offload_optimizer_ratio, "nvme" if p.nvme else "cpu")
+
+
+def _size(p: Placement, c: Candidate, n_params: int, block_params: int, precision: str, world_size: int,
+          machine: Machine) -> None:
+    """Fill ``p``'s bytes and seconds for micro-batch plan ``c``."""
+    from memtrain.backends import device_state_bytes
+
+    state = state_bytes(p, n_params, precision, world_size)
+    half = precision in ("bf16", "fp16")
+    p_bytes = 2 if half else 4
+    gathered = 2 * block_params * p_bytes if p.zero_stage == 3 else 0
+    device = device_state_bytes(state) + c.activation_bytes + gathered
+    if machine.device_type == "cuda":
+        device = int(device * (1 + CUDA_HEADROOM_FRACTION)) + CUDA_RESERVED_BYTES
+    optimizer_on_device = state["optimizer_bytes"]
+    staging = min(optimizer_on_device, STAGING_LIMIT_BYTES) if p.engine == "deepspeed" else optimizer_on_device
+    per_rank_host = machine.process_bytes + state["cpu_offloaded_bytes"] + staging
+    per_rank_host += NVME_SWAP_BUFFERS_BYTES if p.nvme else 0
+    per_rank_host += device if machine.device_type == "cpu" else 0
+    p.micro_batch_size, p.gradient_accumulation_steps = c.micro_batch_size, c.gradient_accumulation_steps
+    p.activation_checkpointing = c.activation_checkpointing
+    p.device_bytes, p.host_bytes = device, per_rank_host * machine.ranks_per_host
+    p.nvme_bytes = state["nvme_offloaded_bytes"]
+    p.fits_device = machine.device_bytes is None or device <= machine.device_bytes
+    p.fits_host = machine.host_bytes is None or p.host_bytes <= machine.host_bytes
+    p.predicted_step_s = c.predicted_step_s + _offload_seconds(p, n_params, p_bytes, world_size, machine)
+
+
+def _offload_seconds(p: Placement, n_params: int, p_bytes: int, world_size: int, machine: Machine) -> float:
+    """Seconds a step spends on CPU Adam, host↔device copies and NVMe (none overlapped)."""
+    if p.offload == "none" or p.engine != "deepspeed":
+        if p.offload == "none":
+            return 0.0
+        host_params = n_params / world_size  # FSDP2 CPU offload: torch's AdamW on the host, everything copied
+        return (host_params * machine.ranks_per_host / machine.cpu_adam_params_per_s
+                + 3 * p_bytes * host_params * p.gradient_accumulation_steps / HOST_DEVICE_BYTES_PER_S)
+    partition = n_params / world_size
+    host_params = partition * p.offload_optimizer_ratio
+    seconds = host_params * machine.ranks_per_host / machine.cpu_adam_params_per_s
+    seconds += (p_bytes * partition + p_bytes * host_params) / HOST_DEVICE_BYTES_PER_S  # gradients out, weights back
+    if p.offload == "optimizer_and_params":  # each micro-batch fetches the partition in forward and in backward
+        seconds += 2 * p_bytes * partition * p.gradient_accumulation_steps / HOST_DEVICE_BYTES_PER_S
+    if p.nvme:
+        seconds += 2 * 12 * host_params / NVME_BYTES_PER_S  # fp32 master + moments read and written
+        if p.offload == "optimizer_and_params":
+            seconds += 2 * p_bytes * partition * p.gradient_accumulation_steps / NVME_BYTES_PER_S
+    return seconds
+
+
+def _ratios() -> list[float]:
+    steps = round(1 / RATIO_STEP)
+    return [round(i * RATIO_STEP, 4) for i in range(1, steps + 1)]
+
+
+def plan_placements(candidates: list[Candidate], pool: list[Placement], n_params: int, block_params: int,
+                    precision: str, world_size: int, machine: Machine) -> list[Placement]:
+    """Size and time every placement of ``pool`` at its best micro-batch plan and choose.
+
+    Args:
+        candidates: the micro-batch plans of a rank's share with ``activation_bytes`` and
+            ``predicted_step_s`` set (:func:`micro_batch_candidates`).
+        pool: from :func:`variants`; a partial-offload entry takes the smallest fitting ratio.
+        n_params: parameters; block_params: parameters of the largest repeated block.
+        precision: ``bf16|fp16|fp32``; world_size: ranks; machine: the budgets and rates.
+
+    Returns:
+        ``pool``, each with its best plan (the fastest that fits, else the smallest); the fastest
+        fitting one has ``chosen`` set.
+    """
+    for p in pool:
+        best = None
+        ratios = _ratios()[:-1] if p.offload_optimizer_ratio < 1 else [p.offload_optimizer_ratio]
+        for ratio in ratios:
+            trial = dataclasses.replace(p, offload_optimizer_ratio=ratio)
+            for c in candidates:
+                _size(trial, c, n_params, block_params, precision, world_size, machine)
+                if best is None or _better(trial, best):
+                    best = dataclasses.replace(trial)
+        for field in dataclasses.fields(Placement):
+            setattr(p, field.name, getattr(best, field.name))
+    fitting = [p for p in pool if p.fits]
+    if fitting:
+        min(fitting, key=lambda p: p.predicted_step_s).chosen = True  # min keeps the first of equals
+    return pool
+
+
+def _better(a: Placement, b: Placement) -> bool:
+    """``a`` is a better plan than ``b``: fits where ``b`` does not, else faster (if both fit) or
+    smaller (if neither does)."""
+    if a.fits != b.fits:
+        return a.fits
+    if a.fits:
+        return a.predicted_step_s < b.predicted_step_s
+    return a.device_bytes + a.host_bytes < b.device_bytes + b.host_bytes
+
+
+def cpu_adam_params_per_s(n: int = 2**22) -> float:
+    """Parameters per second CPU Adam steps on this machine: DeepSpeed's CPU Adam (the optimizer of
+    its offload) when its op loads, else torch's AdamW; best of 3 steps of ``n`` fp32 parameters."""
+    param = torch.nn.Parameter(torch.zeros(n))
+    param.grad = torch.full((n,), 1e-3)
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        opt = DeepSpeedCPUAdam([param], adamw_mode=True)
+    except Exception:  # noqa: BLE001 - no compiler, no DeepSpeed: torch's AdamW is the fallback
+        opt = torch.optim.AdamW([param], foreach=True)
+    opt.step()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        opt.step()
+        best = min(best, time.perf_counter() - start)
+    return n / best
+
+
+def process_bytes(device_type: str) -> int:
+    """Host bytes this process uses now (its resident set), plus the CUDA context on a GPU."""
+    import psutil
+
+    return psutil.Process().memory_info().rss + (CUDA_CONTEXT_HOST_BYTES if device_type == "cuda" else 0)
+
+
+def host_budget_bytes(host_memory_gib: float) -> int:
+    """Host bytes a run may use: ``memory.host_memory_gib``, else what is available now plus what
+    this process already holds."""
+    import psutil
+
+    if host_memory_gib > 0:
+        return int(host_memory_gib * 2**30)
+    return psutil.virtual_memory().available + psutil.Process().memory_info().rss
+
+
+def format_placements(table: list[Placement]) -> str:
+    """``table`` as text, one row per placement (GiB; seconds per optimizer step)."""
+    rows = [f"{'placement':<30} {'micro':>5} {'AC':>3} {'device GiB':>10} {'host GiB':>9} {'step s':>9} fits  chosen"]
+    for p in table:
+        fits = "yes" if p.fits else "no (device)" if not p.fits_device else "no (host)"
+        rows.append(f"{p.name:<30} {p.micro_batch_size:>5} {'on' if p.activation_checkpointing else 'off':>3} "
+                    f"{p.device_bytes / 2**30:>10.1f} {p.host_bytes / 2**30:>9.1f} {p.predicted_step_s:>9.3f} "
+                    f"{fits:<5} {'*' if p.chosen else ''}")
+    return "\n".join(rows)
+
+
+def nvme_usable(path: Optional[str]) -> bool:
+    """Whether NVMe offload can be planned: a folder is given and DeepSpeed's async_io op loads."""
+    if not path:
+        return False
+    from memtrain.backends.deepspeed import async_io_available
+
+    return os.path.isdir(os.path.expanduser(path)) and async_io_available()
+
+
+def micro_batch_candidates(per_rank_batch: int, activation_checkpointing: str, activation_bytes, n_params: int,
+                           tokens_per_sample: int, device_flops: float, ac_fraction: float) -> list[Candidate]:
+    """The micro-batch / activation-checkpointing plans of a rank's share with their traced
+    activation bytes and FLOP-estimated seconds (1 ms per micro-batch for launches and reduction)."""
+    candidates = make_candidates(per_rank_batch, activation_checkpointing, 0, activation_bytes, "cpu", None)
+    for c in candidates:
+        c.predicted_step_s = estimated_step_s(c, n_params, tokens_per_sample, device_flops, ac_fraction, 1e-3)
+    return candidates
+
+
+def model_facts(cfg, corpus) -> tuple[int, int, object]:
+    """``(parameters, parameters of the largest repeated block, objective)`` of ``cfg``'s model,
+    built on the meta device (nothing allocated)."""
+    from memtrain.backends.common import repeated_blocks
+    from memtrain.models import build_model, count_parameters
+    from memtrain.objectives import make_objective
+
+    with torch.device("meta"):
+        meta = build_model(cfg.model, corpus.vocab_size, cfg.training.seed, getattr(corpus, "eos_id", None))
+    blocks = repeated_blocks(meta)
+    block = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
+    return count_parameters(meta), block, make_objective(meta, corpus, cfg.memory.chunked_cross_entropy)
+
+
+def placement_table(cfg, corpus, world_size: int, machine: Machine, precision: str,
+                    pool: list[Placement]) -> tuple[list[Placement], int]:
+    """Plan ``pool`` for ``cfg``'s model: ``(the planned pool, parameters)``. A numeric
+    ``training.micro_batch_size`` is kept; ``auto`` lets each placement take its best.
+
+    Raises:
+        RuntimeError, NotImplementedError: the model cannot be traced with fake tensors.
+    """
+    from memtrain.planner import activation_table
+
+    n, block, objective = model_facts(cfg, corpus)
+    acts = activation_table(cfg, corpus, objective, precision, machine.device_type)
+    tokens = cfg.data.seq_len if corpus.kind != "speech" else int(max(corpus.train.lengths))
+    t, m = cfg.training, cfg.memory
+    candidates = micro_batch_candidates(t.global_batch_size // world_size, m.activation_checkpointing, acts, n,
+                                        tokens, machine.device_flops, 1 / m.activation_checkpointing_every_n_blocks)
+    if t.micro_batch_size != "auto":
+        candidates = [c for c in candidates if c.micro_batch_size == t.micro_batch_size]
+    return plan_placements(candidates, pool, n, block, precision, world_size, machine), n
+
+
+def allowed_pool(cfg, nvme: bool) -> list[Placement]:
+    """The placements ``cfg`` leaves open: ``backend.offload auto`` → every placement of the engine
+    (``backend.name``, or the launcher's; all three when neither names one) and ZeRO stage when
+    set; otherwise the one placement the config names."""
+    from memtrain.backends import infer_backend_name
+    from memtrain.backends.ds_config import resolve_zero_stage
+
+    b = cfg.backend
+    engine = infer_backend_name(b.name, b.deepspeed_config)
+    if b.offload != "auto":
+        user = _user_json(cfg) if engine == "deepspeed" else {}
+        offload, ratio, nvme = configured_offload(cfg)
+        stage = resolve_zero_stage(b.zero_stage, user) if engine == "deepspeed" else None
+        return [Placement(engine, stage, offload, ratio, nvme=nvme)]
+    engines = (engine,) if b.name != "auto" or engine != "ddp" else ("ddp", "fsdp", "deepspeed")
+    stages = (b.zero_stage,) if b.zero_stage is not None else (1, 2, 3)
+    return variants(engines, stages, nvme)
+
+
+def _user_json(cfg) -> dict:
+    import json
+
+    if not cfg.backend.deepspeed_config:
+        return {}
+    with open(cfg.backend.deepspeed_config) as fh:
+        return json.load(fh)
+
+
+def configured_offload(cfg) -> tuple[str, float, bool]:
+    """``(offload, optimizer fraction on the host, NVMe)`` a run will use: ``backend.*``, else its
+    DeepSpeed JSON's (:func:`memtrain.backends.ds_config.offload_in_json`)."""
+    from memtrain.backends import infer_backend_name
+    from memtrain.backends.ds_config import offload_in_json
+
+    b = cfg.backend
+    json_offload, json_ratio, json_nvme = ("none", 1.0, False)
+    if infer_backend_name(b.name, b.deepspeed_config) == "deepspeed":
+        json_offload, json_ratio, json_nvme = offload_in_json(_user_json(cfg))
+    offload = b.offload if b.offload is not None else json_offload
+    ratio = b.offload_optimizer_ratio if b.offload_optimizer_ratio != 1.0 else json_ratio
+    return offload, ratio, bool(b.nvme_path) or json_nvme
+
+
+def run_machine(cfg, device: torch.device, world_size: int) -> Machine:
+    """The machine a run plans for: the device budget of :func:`memtrain.planner.device_budget_bytes`,
+    ``memory.host_memory_gib`` (else the available memory), this process's resident bytes, the
+    device's matmul rate and CPU Adam's rate, both measured here."""
+    from memtrain.estimate import device_flops_per_s
+    from memtrain.planner import device_budget_bytes
+
+    device_type = "cpu" if cfg.faults.memory_budget_mib > 0 else device.type
+    return Machine(device_budget_bytes(cfg, device), host_budget_bytes(cfg.memory.host_memory_gib),
+                   int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), device_type, device_flops_per_s(device.type),
+                   cpu_adam_params_per_s(), process_bytes(device.type), cfg.backend.nvme_path)
+
+
+def resolve(cfg, corpus, process, precision: str) -> Optional[Placement]:
+    """Before the model is built: with ``backend.offload auto`` choose the placement and write it
+    into ``cfg.backend`` (a resumed run keeps its checkpoint's); with an offload set, check that the
+    host can hold it. Rank 0 plans, every rank takes its answer. Returns the placement planned, or
+    None when there was nothing to plan (no offload).
+
+    Raises:
+        memtrain.config.ConfigError: no placement fits (``backend.offload``), or the configured
+            one needs more host memory than there is (``memory.host_memory_gib``); the message
+            holds the numbers.
+    """
+    from memtrain.config import ConfigError
+
+    b = cfg.backend
+    if b.offload == "auto" and _resume_placement(cfg):
+        log_placement(None, "kept from the checkpoint", cfg)
+    if b.offload != "auto" and configured_offload(cfg)[0] == "none":
+        return None
+    answer = None
+    if process.is_main:
+        try:
+            machine = run_machine(cfg, process.device, process.world_size)
+            pool = allowed_pool(cfg, nvme_usable(b.nvme_path))
+            table, _ = placement_table(cfg, corpus, process.world_size, machine, precision, pool)
+            answer = table
+        except ConfigError as exc:
+            answer = (exc.field, str(exc).split(": ", 1)[1])
+        except (RuntimeError, NotImplementedError) as exc:  # a model fake tensors cannot trace
+            answer = None if b.offload != "auto" else ("backend.offload", f"auto cannot plan this model ({exc})")
+    answer = process.broadcast_object(answer, patient=True)  # rank 0 may trace for a while
+    if isinstance(answer, tuple):
+        raise ConfigError(*answer)
+    if answer is None:
+        return None
+    if b.offload != "auto":  # the user's placement: only the host is checked (the device has OOM recovery)
+        if not answer[0].fits_host:
+            raise _host_error(cfg, answer[0])
+        return answer[0]
+    chosen = next((p for p in answer if p.chosen), None)
+    if chosen is None:
+        raise ConfigError("backend.offload", "auto: no placement fits this model in the device and host memory "
+                          "(memory.host_memory_gib, or backend.nvme_path for NVMe offload):\n" + format_placements(answer))
+    b.name, b.offload, b.offload_optimizer_ratio = chosen.engine, chosen.offload, chosen.offload_optimizer_ratio
+    b.zero_stage = chosen.zero_stage
+    if not chosen.nvme:
+        b.nvme_path = None
+    log_placement(chosen, "chosen", cfg)
+    if process.is_main:
+        write_table(cfg.output_dir, answer)
+    return chosen
+
+
+def write_table(output_dir: str, table: list[Placement]) -> None:
+    """``OUTPUT_DIR/placement.json``: every placement considered, the chosen one marked."""
+    import json
+
+    out = os.path.expanduser(output_dir)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "placement.json"), "w") as fh:
+        json.dump({"placements": [p.as_dict() for p in table]}, fh, indent=1)
+
+
+def _host_error(cfg, p: Placement):
+    from memtrain.config import ConfigError
+
+    cap = cfg.memory.host_memory_gib
+    return ConfigError("memory.host_memory_gib", f"{p.name} needs {_gib(p.host_bytes)} GiB of host memory (the "
+                       f"processes, offloaded state, buffers), more than the {_gib(host_budget_bytes(cap))} GiB "
+                       f"{'allowed' if cap else 'available'}; offload less, set backend.offload auto, or use "
+                       "backend.nvme_path")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def _resume_placement(cfg) -> bool:
+    """A resumed ``offload: auto`` run takes the placement its checkpoint was written with
+    (another one could not load its optimizer state). True when one was found."""
+    import json
+
+    from memtrain.checkpoint.layout import MANIFEST, complete_checkpoints, latest_checkpoint
+
+    if cfg.resume == "never":
+        return False
+    root = os.path.join(os.path.expanduser(cfg.output_dir), "checkpoints")
+    path = cfg.resume if cfg.resume != "auto" else latest_checkpoint(root) or (complete_checkpoints(root) or [None])[-1]
+    try:
+        with open(os.path.join(path, MANIFEST)) as fh:
+            saved = json.load(fh)["config"]["backend"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    if saved.get("offload") in (None, "auto"):
+        return False
+    b = cfg.backend
+    b.name, b.zero_stage, b.offload = saved["name"], saved.get("zero_stage"), saved["offload"]
+    b.offload_optimizer_ratio = saved.get("offload_optimizer_ratio", 1.0)
+    b.nvme_path = saved.get("nvme_path") or b.nvme_path
+    return True
+
+
+def log_placement(p: Optional[Placement], how: str, cfg) -> None:
+    """One line on the placement a run trains with."""
+    import logging
+
+    b = cfg.backend
+    what = p.name if p is not None else Placement(b.name, b.zero_stage, b.offload, b.offload_optimizer_ratio,
+                                                   bool(b.nvme_path)).name
+    detail = (f" (predicted: device {_gib(p.device_bytes)} GiB per rank, host {_gib(p.host_bytes)} GiB, "
+              f"{p.predicted_step_s:.3g} s per step)") if p is not None else ""
+    logging.getLogger("memtrain").warning("memtrain: placement %s, %s%s", what, how, detail)

@@ -1,0 +1,140 @@
+"""The placement planner (memtrain/placement.py): where model state lives for a model and a machine,
+planned without a GPU; the partial-offload glue; a placement the host cannot hold is refused."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, TRAIN, tiny_args
+from memtrain.backends import device_state_bytes, model_state_bytes
+from memtrain.placement import RATIO_STEP, Machine, Placement, plan_placements, variants
+from memtrain.planner import Candidate
+
+GIB = 2**30
+N = 6_700_000_000
+
+
+def machine(device_gib=80, host_gib=128, ranks=1, nvme=None):
+    return Machine(int(device_gib * GIB), int(host_gib * GIB), ranks, "cuda", 400e12, 1e9, 4 * GIB, nvme)
+
+
+def candidates(activation_gib_per_sample=1.0, per_rank=16):
+    out = []
+    for micro in (16, 8, 4, 2, 1):
+        c = Candidate(micro, per_rank // micro, False, 0, int(activation_gib_per_sample * micro * GIB))
+        c.predicted_step_s = 6 * N * 1024 * per_rank / 400e12 + 1e-3 * (per_rank // micro)
+        out.append(c)
+    return out
+
+
+def test_partial_offload_moves_exactly_the_ratio_of_the_optimizer_state():
+    full = model_state_bytes("deepspeed", N, "bf16", 3, "none", 1)
+    half = model_state_bytes("deepspeed", N, "bf16", 3, "optimizer", 1, offload_optimizer_ratio=0.5)
+    assert half["optimizer_bytes"] == pytest.approx(full["optimizer_bytes"] / 2, rel=1e-9)
+    assert half["gradient_bytes"] == 0 and half["cpu_offloaded_bytes"] == full["optimizer_bytes"] // 2 + 2 * N
+    nvme = model_state_bytes("deepspeed", N, "bf16", 3, "optimizer_and_params", 1, offload_device="nvme")
+    assert device_state_bytes(nvme) == 0 and nvme["nvme_offloaded_bytes"] == 12 * N + 2 * N
+
+
+def test_planner_keeps_as_much_optimizer_state_on_the_device_as_fits():
+    """6.7B on 80 GB + 128 GB: all on the device does not fit, all on the host is slower (CPU Adam);
+    the chosen partial offload is the smallest fraction that fits (one step less does not)."""
+    table = plan_placements(candidates(), variants(("deepspeed",), (3,), False), N, N // 32, "bf16", 1, machine())
+    by_name = {p.offload + str(p.offload_optimizer_ratio < 1): p for p in table}
+    assert not by_name["noneFalse"].fits_device
+    chosen = next(p for p in table if p.chosen)
+    assert chosen.offload == "optimizer" and chosen.offload_optimizer_ratio < 1 and chosen.fits
+    assert chosen.predicted_step_s < by_name["optimizerFalse"].predicted_step_s
+    tighter = plan_placements([c for c in candidates() if c.micro_batch_size == chosen.micro_batch_size],
+                              [Placement("deepspeed", 3, "optimizer", chosen.offload_optimizer_ratio)],
+                              N, N // 32, "bf16", 1, machine())[0]
+    assert tighter.fits
+    one_step_less = Placement("deepspeed", 3, "optimizer", round(chosen.offload_optimizer_ratio - RATIO_STEP, 4))
+    from memtrain.placement import _size
+
+    _size(one_step_less, next(c for c in candidates() if c.micro_batch_size == chosen.micro_batch_size), N, N // 32,
+          "bf16", 1, machine())
+    assert not one_step_less.fits_device
+
+
+def test_host_memory_is_a_budget_and_nvme_is_planned_only_with_a_folder():
+    table = plan_placements(candidates(), variants(("deepspeed",), (3,), False), N, N // 32, "bf16", 1,
+                            machine(device_gib=16, host_gib=32))
+    assert not any(p.chosen for p in table)  # 16 GB device, 32 GB host: nothing holds 107 GB of state
+    assert any(p.fits_device and not p.fits_host for p in table)
+    assert not any(p.nvme for p in variants(("deepspeed",), (3,), False))
+    table = plan_placements(candidates(), variants(("deepspeed",), (3,), True), N, N // 32, "bf16", 1,
+                            machine(device_gib=16, host_gib=32))
+    chosen = next(p for p in table if p.chosen)
+    assert chosen.nvme and chosen.host_bytes <= 32 * GIB and chosen.nvme_bytes > 0
+
+
+def test_plan_prints_a_fitting_placement_for_a_10b_llama_on_80gb_and_128gb():
+    """``memtrain plan`` without a GPU, from the model config alone: a ≥10B Llama shape fits one
+    80 GB GPU and a 128 GB host (host peak under 120 GiB), keeping part of the optimizer on the GPU."""
+    proc = subprocess.run([sys.executable, "-c", "from memtrain.train import cli; cli()", "plan", "--config",
+                           str(REPO / "recipes" / "llama_10b.yaml"), "--gpu_memory_gib", "80", "--host_memory_gib",
+                           "128", "--json"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    placements = [r for r in rows if r.get("placement")]
+    chosen = next(p for p in placements if p["chosen"])
+    assert chosen["fits"] and chosen["device_bytes"] <= 80 * GIB and chosen["host_bytes"] < 120 * GIB
+    assert chosen["offload"] == "optimizer" and chosen["offload_optimizer_ratio"] < 1
+    assert not next(p for p in placements if p["offload"] == "none")["fits"]
+
+
+def test_an_offload_the_host_cannot_hold_is_refused_before_start(tmp_path, cache_dir):
+    """Exit 2 with the numbers, before the model is built and before anything is written."""
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, TRAIN, *tiny_args(out, cache_dir, "--backend.name", "deepspeed",
+                                                              "--backend.offload", "optimizer",
+                                                              "--memory.host_memory_gib", "0.01")],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "memory.host_memory_gib" in proc.stderr and "GiB of host memory" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+
+
+# ZeRO-3 with the parameters on the host and half of the optimizer state kept on the device
+PLACED = ["--backend.name", "deepspeed", "--backend.zero_stage", "3", "--backend.offload", "optimizer_and_params",
+          "--backend.offload_optimizer_ratio", "0.5"]
+SIX_STEPS = ["--training.max_steps", "6", "--checkpoint.every_steps", "2"]
+
+
+def test_partial_and_parameter_offload_resume_exactly(tmp_path, cache_dir):
+    """Killed inside step 5 and resumed from step 4, every step equals the uninterrupted run's
+    bitwise: the device half's Adam moments come back from memtrain's file (DeepSpeed saves only the
+    host half's), and the device optimizer does not step the host's partitions again after the load."""
+    from conftest import launch, read_metrics
+
+    base, run = tmp_path / "continuous", tmp_path / "killed"
+    launch(tiny_args(base, cache_dir, *PLACED, *SIX_STEPS), nproc=1)
+    kill = ["--faults.kill_at_step", "5", "--faults.kill_mid_step", "true"]
+    assert launch(tiny_args(run, cache_dir, *PLACED, *SIX_STEPS, *kill), nproc=1, check=False).returncode != 0
+    assert (run / "checkpoints" / "step_00000004" / "zero" / "device_optimizer_rank_0.pt").stat().st_size > 0
+    launch(tiny_args(run, cache_dir, *PLACED, *SIX_STEPS, *kill), nproc=1)
+    records, ref = read_metrics(run), read_metrics(base)
+    assert [r["step"] for r in records] == list(range(1, 7)) and records[4]["event"].startswith("resume")
+    for r, b in zip(records, ref):
+        for key in ("lr", "batch_fingerprint", "loss", "grad_norm"):
+            assert r[key] == b[key], (r["step"], key, r[key], b[key])
+
+
+def test_nvme_offload_trains_like_host_offload(tmp_path, cache_dir):
+    """The same placement with its offloaded state in NVMe files: the same losses (the same CPU Adam
+    on the same values)."""
+    from conftest import launch, read_metrics
+    from memtrain.backends.deepspeed import async_io_available
+
+    if not async_io_available():
+        pytest.skip("NVMe offload needs DeepSpeed's async_io op (libaio and its headers), not built on this machine")
+    args = ["--backend.name", "deepspeed", "--backend.zero_stage", "3", "--backend.offload", "optimizer_and_params",
+            "--training.max_steps", "4"]
+    launch(tiny_args(tmp_path / "host", cache_dir, *args), nproc=1)
+    (tmp_path / "nvme").mkdir()
+    launch(tiny_args(tmp_path / "files", cache_dir, *args, "--backend.nvme_path", str(tmp_path / "nvme")), nproc=1)
+    assert [r["loss"] for r in read_metrics(tmp_path / "files")] == [r["loss"] for r in read_metrics(tmp_path / "host")]
