@@ -33,7 +33,8 @@ SHAPES = {  # hidden, intermediate, layers, heads (Llama-2 7B and 13B, and a 10.
 }
 CONFIGS = {
     "memtrain": ["--backend.offload", "auto"],
-    "stock_optimizer_offload": ["--backend.deepspeed_config", str(REPO / "ds_configs" / "zero3_offload.json")],
+    "stock_optimizer_offload": ["--backend.deepspeed_config", str(REPO / "ds_configs" / "zero3_offload.json"),
+                                "--backend.offload", "optimizer"],
 }
 
 
@@ -42,7 +43,7 @@ def shape_args(shape: str, device: str, steps: int) -> list[str]:
     args = ["--config", str(REPO / "recipes" / "llama_10b.yaml"), "--model.config.hidden_size", str(hidden),
             "--model.config.intermediate_size", str(ffn), "--model.config.num_hidden_layers", str(layers),
             "--model.config.num_attention_heads", str(heads), "--model.config.num_key_value_heads", str(heads),
-            "--training.max_steps", str(steps), "--backend.offload", "none"]
+            "--training.max_steps", str(steps)]
     if device == "cpu":  # the tiny shape on a CPU: a small corpus and sequence, fp32
         args += ["--precision", "fp32", "--data.max_bytes", "300000", "--data.vocab_size", "512",
                  "--data.seq_len", "64", "--model.config.max_position_embeddings", "64"]
@@ -97,7 +98,8 @@ def train_once(shape: str, config: str, device: str, steps: int, extra: list[str
         try:
             records = run_memtrain([*shape_args(shape, device, steps), *CONFIGS[config], *extra], out, nproc=1)
         except RunFailed as exc:
-            return {"failed": exc.returncode, "error": exc.stderr.strip().splitlines()[-1:] or [""]}
+            said = [line for line in exc.stderr.splitlines() if line.startswith("memtrain:")]
+            return {"failed": exc.returncode, "error": said[-1] if said else exc.stderr.strip()[-300:]}
     steady = records[2:] or records
     tokens_s = statistics.median(r["tokens_per_s"] for r in steady)
     with open(os.path.join(out, "summary.json")) as fh:

@@ -122,11 +122,11 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the median")
     parser.add_argument("--nproc", type=int, default=None, help="ranks (CPU default 2, CUDA default 1)")
-    parser.add_argument("--quick", action="store_true", help="CI size: 8 steps, 2 repeats")
+    parser.add_argument("--quick", action="store_true", help="CI size: 8 steps, 1 repeat")
     parser.add_argument("--results", action="store_true", help="append to benchmarks/results/overhead-<device>.jsonl")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.repeats = 8, 2
+        args.steps, args.repeats = 8, 1
     nproc = args.nproc or (2 if args.device == "cpu" else 1)
     if args.device == "cuda":
         base = GPU_ARGS + ["--precision", "bf16", "--training.global_batch_size", "64", "--training.micro_batch_size", "16"]

@@ -2,6 +2,7 @@
 configuration), so the README shows what the code measured and nothing typed by hand.
 
     python benchmarks/tables.py oom_stress [--device cpu]     # markdown on stdout
+    python benchmarks/tables.py largest_model_plan             # memtrain plan's placements per Llama shape
 """
 
 from __future__ import annotations
@@ -62,11 +63,32 @@ def oom_stress_spike(device: str) -> str:
     return "\n".join(out)
 
 
+def largest_model_plan() -> str:
+    """The placements ``benchmarks/largest_model.py --plan`` printed, newest row per shape."""
+    rows: dict[str, dict] = {}
+    with open(RESULTS / "largest_model_plan-cpu.jsonl") as fh:
+        for line in fh:
+            row = json.loads(line)
+            rows[row["shape"]] = row
+    out = ["| shape (parameters) | placement | micro × accum | AC | GPU GiB | host GiB | predicted s/step | fits |",
+           "|---|---|---|---|---|---|---|---|"]
+    for shape, row in rows.items():
+        for p in row["placements"]:
+            fits = "**chosen**" if p["chosen"] else "yes" if p["fits"] else "no (GPU)" if not p["fits_device"] else "no (host)"
+            out.append(f"| {shape} ({p.get('parameters', 0) / 1e9:.2f}B) | {p['name']} | {p['micro_batch_size']} × "
+                       f"{p['gradient_accumulation_steps']} | {'on' if p['activation_checkpointing'] else 'off'} "
+                       f"| {p['device_bytes'] / 2**30:.1f} | {p['host_bytes'] / 2**30:.1f} | {p['predicted_step_s']:.2f} | {fits} |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("benchmark", choices=["oom_stress"])
+    parser.add_argument("benchmark", choices=["oom_stress", "largest_model_plan"])
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
+    if args.benchmark == "largest_model_plan":
+        print(largest_model_plan())
+        return 0
     print("Steady:\n\n" + oom_stress_steady(args.device))
     if newest("oom_stress", args.device, "spike"):
         print("\nSpike:\n\n" + oom_stress_spike(args.device))

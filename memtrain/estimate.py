@@ -230,7 +230,8 @@ def main(argv: Optional[list[str]] = None, command: str = "memory") -> int:
     """``memtrain plan|memory [--world_size N] [--gpu_memory_gib G] [--host_memory_gib H]
     [--nvme_path DIR] [--json] --config ... [--section.key value ...]``: ``plan`` prints the
     candidate and placement tables (with ``--json`` one JSON object per micro-batch candidate, then
-    one per placement with ``"placement": true``), ``memory`` the whole report as one JSON object. N defaults to
+    one per placement with ``"placement": true`` and the model's ``parameters``), ``memory`` the
+    whole report as one JSON object. N defaults to
     the launcher's ``WORLD_SIZE``, else 1. Exit 2 on a config error."""
     from memtrain.config import ConfigError, parse_args
     from memtrain.launcher import apply_accelerate_settings
@@ -261,14 +262,18 @@ def main(argv: Optional[list[str]] = None, command: str = "memory") -> int:
     except ConfigError as exc:
         print(f"memtrain {command}: {exc}", file=sys.stderr)
         return 2
-    report = plan_report(cfg, world_size, gib, host, nvme)
+    try:
+        report = plan_report(cfg, world_size, gib, host, nvme)
+    except (ConfigError, ValueError) as exc:  # data or model settings that cannot work (named in the message)
+        print(f"memtrain {command}: {exc}", file=sys.stderr)
+        return 2
     if command == "memory":
         print(json.dumps(report, indent=1))
     elif as_json:
         for c in report["candidates"]:
             print(json.dumps(c))
         for p in report["placements"]:
-            print(json.dumps({"placement": True, **p}))
+            print(json.dumps({"placement": True, "parameters": report["parameters"], **p}))
     else:
         print(format_table(report))
     return 0

@@ -35,13 +35,13 @@ def test_oom_stress_quick_recovers_without_losing_samples():
 def test_overhead_quick_reports_ratio():
     (row,) = run_quick("overhead")
     assert row["ratio_min"] <= row["ratio_median"] <= row["ratio_max"]
-    assert len(row["ratios"]) == row["repeats"] == 2
+    assert len(row["ratios"]) == row["repeats"] == 1
     assert row["plain_step_s_median"] > 0 and row["memtrain_step_s_median"] > 0
 
 
 def test_checkpoint_io_quick_reports_each_format():
     rows = run_quick("checkpoint_io")
-    assert [r["config"] for r in rows] == ["ddp", "fsdp_async"]
+    assert [r["config"] for r in rows] == ["fsdp_async"]
     for row in rows:
         assert row["checkpoints"] == 2 and row["bytes"] > 0 and row["load_s"] > 0
         assert 0 < row["blocked_s_median"] <= row["save_s_median"] + 1e-6

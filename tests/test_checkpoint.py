@@ -47,8 +47,8 @@ def checkpoint_steps(out):
     return sorted(int(n[5:]) for n in os.listdir(out / "checkpoints") if n.startswith("step_"))
 
 
-# after_step kills (and FSDP2/ZeRO-3) are in the elastic and two-node tests below
-@pytest.mark.parametrize("engine,where", [("zero2", "mid_step"), ("ddp", "mid_step")])
+# DDP's kill and resume is the two-node test's; after_step kills (and ZeRO-3) are in the elastic test below
+@pytest.mark.parametrize("engine,where", [("zero2", "mid_step")])
 def test_killed_and_resumed_run_is_bitwise_identical(tmp_path, tmp_path_factory, cache_dir, engine, where):
     base = read_metrics(continuous(engine, tmp_path_factory, cache_dir))
     kill = ["--faults.kill_at_step", "7"] + (["--faults.kill_mid_step", "true"] if where == "mid_step" else [])
@@ -125,7 +125,8 @@ def test_elastic_restarts_survive_a_killed_and_a_hung_rank(tmp_path, tmp_path_fa
     assert sorted(os.listdir(tmp_path / "faults_fired")) == fired
 
 
-@pytest.mark.parametrize("engine", ["ddp", "fsdp", "zero3"])  # ZeRO-2 saves through the same DeepSpeed path as ZeRO-3
+# ZeRO-2 saves through the same DeepSpeed path as ZeRO-3; FSDP2's save is in the async-save test
+@pytest.mark.parametrize("engine", ["ddp", "zero3"])
 def test_kill_during_save_then_corrupt_newest_falls_back(tmp_path, tmp_path_factory, cache_dir, engine):
     """A save killed half-way leaves no checkpoint (its temporary directory is removed on start);
     a corrupted file in the newest complete checkpoint is refused by name; resume: auto takes the

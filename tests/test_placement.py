@@ -71,12 +71,13 @@ def test_host_memory_is_a_budget_and_nvme_is_planned_only_with_a_folder():
     assert chosen.nvme and chosen.host_bytes <= 32 * GIB and chosen.nvme_bytes > 0
 
 
-def test_plan_prints_a_fitting_placement_for_a_10b_llama_on_80gb_and_128gb():
+def test_plan_prints_a_fitting_placement_for_a_10b_llama_on_80gb_and_128gb(cache_dir):
     """``memtrain plan`` without a GPU, from the model config alone: a ≥10B Llama shape fits one
     80 GB GPU and a 128 GB host (host peak under 120 GiB), keeping part of the optimizer on the GPU."""
     proc = subprocess.run([sys.executable, "-c", "from memtrain.train import cli; cli()", "plan", "--config",
                            str(REPO / "recipes" / "llama_10b.yaml"), "--gpu_memory_gib", "80", "--host_memory_gib",
-                           "128", "--json"], capture_output=True, text=True, timeout=300, cwd=REPO)
+                           "128", "--json", "--data.max_bytes", "2000000", "--data.vocab_size", "512", "--training.global_batch_size", "2",
+                           "--data.cache_dir", cache_dir], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     placements = [r for r in rows if r.get("placement")]
@@ -84,6 +85,7 @@ def test_plan_prints_a_fitting_placement_for_a_10b_llama_on_80gb_and_128gb():
     assert chosen["fits"] and chosen["device_bytes"] <= 80 * GIB and chosen["host_bytes"] < 120 * GIB
     assert chosen["offload"] == "optimizer" and chosen["offload_optimizer_ratio"] < 1
     assert not next(p for p in placements if p["offload"] == "none")["fits"]
+    assert chosen["parameters"] >= 10e9
 
 
 def test_an_offload_the_host_cannot_hold_is_refused_before_start(tmp_path, cache_dir):
@@ -138,3 +140,22 @@ def test_nvme_offload_trains_like_host_offload(tmp_path, cache_dir):
     (tmp_path / "nvme").mkdir()
     launch(tiny_args(tmp_path / "files", cache_dir, *args, "--backend.nvme_path", str(tmp_path / "nvme")), nproc=1)
     assert [r["loss"] for r in read_metrics(tmp_path / "files")] == [r["loss"] for r in read_metrics(tmp_path / "host")]
+
+
+def test_offload_auto_moves_state_to_the_host_when_the_device_cannot_hold_it(tmp_path, cache_dir):
+    """On the simulated device of 0.6 MiB the tiny model's ZeRO-3 state alone does not fit: offload
+    auto chooses a placement with state on the host, and the run trains without running out of memory."""
+    from conftest import launch, read_metrics
+
+    budget = 0.6
+    launch(tiny_args(tmp_path, cache_dir, "--backend.name", "deepspeed", "--backend.zero_stage", "3",
+                     "--backend.offload", "auto", "--faults.memory_budget_mib", str(budget),
+                     "--training.max_steps", "3"), nproc=1)
+    table = json.loads((tmp_path / "placement.json").read_text())["placements"]
+    chosen = next(p for p in table if p["chosen"])
+    assert chosen["offload"] != "none" and chosen["device_bytes"] <= budget * 2**20
+    assert not next(p for p in table if p["offload"] == "none")["fits_device"]
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert not any("oom" in (r.get("event") or "") for r in records)
+    assert max(r["simulated_peak_bytes"] for r in records) <= budget * 2**20
