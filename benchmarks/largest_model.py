@@ -25,10 +25,10 @@ import time
 
 from common import REPO, RunFailed, emit, run_memtrain, scratch_dir
 
-SHAPES = {  # hidden, intermediate, layers, heads (Llama-2 7B and 13B, and a 10.5B between them)
+SHAPES = {  # hidden, intermediate, layers, heads (Llama-2 7B and 13B, and recipes/llama_10b.yaml between them)
     "tiny": (64, 172, 2, 4),
     "6.7b": (4096, 11008, 32, 32),
-    "10b": (5120, 13824, 32, 40),
+    "10b": (5120, 13824, 31, 40),
     "13b": (5120, 13824, 40, 40),
 }
 CONFIGS = {

@@ -169,8 +169,9 @@ class BackendConfig:
     and is stepped there (DeepSpeed's partial offload, ``offload_optimizer.ratio``). 1.0 = all on
     the host."""
     nvme_path: Optional[str] = None
-    """DeepSpeed: offload to NVMe files in this folder instead of host memory (optimizer state,
-    and the parameters under ``optimizer_and_params``). Needs DeepSpeed's async_io op (libaio)."""
+    """DeepSpeed ZeRO-3: offload to NVMe files in this folder instead of host memory (optimizer
+    state, and the parameters under ``optimizer_and_params``; not with a partial
+    ``offload_optimizer_ratio``). Needs DeepSpeed's async_io op (libaio)."""
     reshard_after_forward: bool = True
     """FSDP2: free the gathered parameters after forward (ZeRO-3 style, less memory) instead of
     keeping them until backward (ZeRO-2 style, less communication)."""

@@ -169,24 +169,23 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
 
 def _placements(cfg, meta, n: int, precision: str, world_size: int, device_type: str, budget, flops: float,
                 acts, tokens: int, host_memory_gib: Optional[float], nvme_path: Optional[str]):
-    """The placement table (:mod:`memtrain.placement`) of :func:`plan_report`: every engine's
-    placements unless ``backend.name`` names one."""
+    """The placement table (:mod:`memtrain.placement`) of :func:`plan_report`: every placement of
+    :func:`memtrain.placement.planning_pool`."""
     from memtrain.backends.common import repeated_blocks
-    from memtrain.placement import (PLAN_PROCESS_BYTES, Machine, cpu_adam_params_per_s,
-                                    host_budget_bytes, micro_batch_candidates, nvme_usable, plan_placements,
-                                    process_bytes, variants)
+    from memtrain.placement import (PLAN_PROCESS_BYTES, Machine, cpu_adam_params_per_s, host_budget_bytes,
+                                    micro_batch_candidates, nvme_usable, plan_placements, planning_pool,
+                                    process_bytes)
 
     gpu_here = torch.cuda.is_available()
     host = int(host_memory_gib * 2**30) if host_memory_gib else host_budget_bytes(cfg.memory.host_memory_gib)
     machine = Machine(budget, host, world_size, device_type, flops, cpu_adam_params_per_s(),
                       process_bytes(device_type) if device_type == "cpu" or gpu_here else PLAN_PROCESS_BYTES, nvme_path)
-    m, b = cfg.memory, cfg.backend
+    m = cfg.memory
     candidates = micro_batch_candidates(cfg.training.global_batch_size // world_size, m.activation_checkpointing, acts,
                                         n, tokens, flops, 1 / m.activation_checkpointing_every_n_blocks)
     if cfg.training.micro_batch_size != "auto":
         candidates = [c for c in candidates if c.micro_batch_size == cfg.training.micro_batch_size]
-    engines = ("ddp", "fsdp", "deepspeed") if b.name == "auto" else (b.name,)
-    pool = variants(engines, (b.zero_stage,) if b.zero_stage else (1, 2, 3), nvme_usable(nvme_path))
+    pool = planning_pool(cfg, nvme_usable(nvme_path))
     block = max((sum(p.numel() for p in blk.parameters()) for blk in repeated_blocks(meta)), default=0)
     return machine, plan_placements(candidates, pool, n, block, precision, world_size, machine)
 
@@ -256,6 +255,11 @@ def main(argv: Optional[list[str]] = None, command: str = "memory") -> int:
     try:
         if world_size < 1:
             raise ConfigError("--world_size", f"must be at least 1, got {world_size}")
+        for name, value in (("--gpu_memory_gib", gib), ("--host_memory_gib", host)):
+            if value is not None and not value > 0:
+                raise ConfigError(name, f"must be > 0 (GiB), got {value}")
+        if nvme is not None and not os.path.isdir(os.path.expanduser(nvme)):
+            raise ConfigError("--nvme_path", f"'{nvme}' is not a folder")
         cfg = parse_args(argv)
         apply_accelerate_settings(cfg, world_size)
         validate(cfg, world_size)

@@ -30,6 +30,7 @@ partial offload is DeepSpeed's "Twin-Flow" (ZeRO-Offload++).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ import torch
 
 from memtrain.planner import CUDA_HEADROOM_FRACTION, CUDA_RESERVED_BYTES, Candidate, estimated_step_s, make_candidates
 
-RATIO_STEP = 0.05
+RATIO_STEP = 0.01
 """Granularity of the partial-offload fraction the planner tries."""
 HOST_DEVICE_BYTES_PER_S = 20e9
 """Host↔device copy rate per rank (pinned memory over PCIe 4/5 x16: 25–50 GB/s peak, ~20 GB/s
@@ -87,15 +88,16 @@ class Machine:
 class Placement:
     """One placement with its best micro-batch plan and predictions (bytes; seconds per optimizer step).
 
-    ``offload_optimizer_ratio`` is the fraction of the optimizer state on the host; ``nvme``: the
-    offloaded state is in files. ``device_bytes`` is per rank, ``host_bytes`` for all ranks of a
-    machine, ``nvme_bytes`` per rank."""
+    ``offload_optimizer_ratio`` is the fraction of the optimizer state on the host (``tune_ratio``:
+    the planner chooses it); ``nvme``: the offloaded state is in files. ``device_bytes`` is per
+    rank, ``host_bytes`` for all ranks of a machine, ``nvme_bytes`` per rank."""
 
     engine: str
     zero_stage: Optional[int]
     offload: str
     offload_optimizer_ratio: float = 1.0
     nvme: bool = False
+    tune_ratio: bool = False
     micro_batch_size: Optional[int] = None
     gradient_accumulation_steps: Optional[int] = None
     activation_checkpointing: Optional[bool] = None
@@ -127,7 +129,9 @@ class Placement:
 
 def variants(engines: tuple[str, ...], zero_stages: tuple[int, ...], nvme: bool) -> list[Placement]:
     """Every placement of ``engines`` (ZeRO stages restricted to ``zero_stages``), least offload
-    first; partial offload appears once with ratio 1 (the planner lowers it)."""
+    first. Partial offload appears once (``tune_ratio``: the planner chooses the fraction); NVMe
+    offload only under ZeRO-3 (DeepSpeed's stages 1/2 keep "nvme" state in host memory) and never
+    partial (DeepSpeed's swapper would take the device sub-groups too)."""
     out = []
     if "ddp" in engines:
         out.append(Placement("ddp", None, "none"))
@@ -135,11 +139,13 @@ def variants(engines: tuple[str, ...], zero_stages: tuple[int, ...], nvme: bool)
         out += [Placement("fsdp", None, "none"), Placement("fsdp", None, "optimizer_and_params")]
     if "deepspeed" in engines:
         out += [Placement("deepspeed", s, "none") for s in zero_stages]
-        for device in ([False, True] if nvme else [False]):
-            out += [Placement("deepspeed", s, "optimizer", nvme=device) for s in zero_stages]
-            if 3 in zero_stages:
-                out.append(Placement("deepspeed", 3, "optimizer", 0.5, nvme=device))  # partial: ratio set by the planner
-                out.append(Placement("deepspeed", 3, "optimizer_and_params", nvme=device))
+        out += [Placement("deepspeed", s, "optimizer") for s in zero_stages]
+        if 3 in zero_stages:
+            out += [Placement("deepspeed", 3, "optimizer", 0.5, tune_ratio=True),
+                    Placement("deepspeed", 3, "optimizer_and_params")]
+            if nvme:
+                out += [Placement("deepspeed", 3, "optimizer", nvme=True),
+                        Placement("deepspeed", 3, "optimizer_and_params", nvme=True)]
     return out
 
 
@@ -220,7 +226,7 @@ def plan_placements(candidates: list[Candidate], pool: list[Placement], n_params
     """
     for p in pool:
         best = None
-        ratios = _ratios()[:-1] if p.offload_optimizer_ratio < 1 else [p.offload_optimizer_ratio]
+        ratios = _ratios()[:-1] if p.tune_ratio else [p.offload_optimizer_ratio]
         for ratio in ratios:
             trial = dataclasses.replace(p, offload_optimizer_ratio=ratio)
             for c in candidates:
@@ -266,20 +272,22 @@ def cpu_adam_params_per_s(n: int = 2**22) -> float:
 
 
 def process_bytes(device_type: str) -> int:
-    """Host bytes this process uses now (its resident set), plus the CUDA context on a GPU."""
+    """Host bytes this process uses now (its resident set), plus a CUDA context not yet created."""
     import psutil
 
-    return psutil.Process().memory_info().rss + (CUDA_CONTEXT_HOST_BYTES if device_type == "cuda" else 0)
+    pending = device_type == "cuda" and not torch.cuda.is_initialized()
+    return psutil.Process().memory_info().rss + (CUDA_CONTEXT_HOST_BYTES if pending else 0)
 
 
-def host_budget_bytes(host_memory_gib: float) -> int:
-    """Host bytes a run may use: ``memory.host_memory_gib``, else what is available now plus what
-    this process already holds."""
+def host_budget_bytes(host_memory_gib: float, ranks_per_host: int = 1) -> int:
+    """Host bytes a run's ranks on this machine may use together: ``memory.host_memory_gib``, else
+    what is available now plus what the ranks' processes already hold (each taken to hold what
+    this one does: the budget is checked once every rank's process is up)."""
     import psutil
 
     if host_memory_gib > 0:
         return int(host_memory_gib * 2**30)
-    return psutil.virtual_memory().available + psutil.Process().memory_info().rss
+    return psutil.virtual_memory().available + ranks_per_host * psutil.Process().memory_info().rss
 
 
 def format_placements(table: list[Placement]) -> str:
@@ -347,44 +355,55 @@ def placement_table(cfg, corpus, world_size: int, machine: Machine, precision: s
     return plan_placements(candidates, pool, n, block, precision, world_size, machine), n
 
 
-def allowed_pool(cfg, nvme: bool) -> list[Placement]:
-    """The placements ``cfg`` leaves open: ``backend.offload auto`` → every placement of the engine
-    (``backend.name``, or the launcher's; all three when neither names one) and ZeRO stage when
-    set; otherwise the one placement the config names."""
+def planning_pool(cfg, nvme: bool) -> list[Placement]:
+    """Every placement ``cfg`` leaves open: the engine of ``backend.name`` (or of the launcher or
+    the DeepSpeed JSON; all three when nothing names one), the ZeRO stage of ``backend.zero_stage``
+    or the JSON (all three when neither sets one).
+
+    Raises:
+        memtrain.config.ConfigError: ``backend.offload auto`` with a DeepSpeed JSON that sets an
+            offload of its own (two answers to one question).
+    """
     from memtrain.backends import infer_backend_name
-    from memtrain.backends.ds_config import resolve_zero_stage
+    from memtrain.backends.ds_config import get_path, offload_in_json, read_user_json
+    from memtrain.config import ConfigError
 
     b = cfg.backend
     engine = infer_backend_name(b.name, b.deepspeed_config)
-    if b.offload != "auto":
-        user = _user_json(cfg) if engine == "deepspeed" else {}
-        offload, ratio, nvme = configured_offload(cfg)
-        stage = resolve_zero_stage(b.zero_stage, user) if engine == "deepspeed" else None
-        return [Placement(engine, stage, offload, ratio, nvme=nvme)]
+    user = read_user_json(b.deepspeed_config) if engine == "deepspeed" else {}
+    if b.offload == "auto" and offload_in_json(user)[0] != "none":
+        raise ConfigError("backend.offload", f"auto, but {b.deepspeed_config} sets an offload of its own: drop one")
     engines = (engine,) if b.name != "auto" or engine != "ddp" else ("ddp", "fsdp", "deepspeed")
-    stages = (b.zero_stage,) if b.zero_stage is not None else (1, 2, 3)
-    return variants(engines, stages, nvme)
+    json_stage = get_path(user, "zero_optimization.stage")
+    stage = b.zero_stage if b.zero_stage is not None else json_stage if json_stage in (1, 2, 3) else None
+    return variants(engines, (stage,) if stage else (1, 2, 3), nvme)
 
 
-def _user_json(cfg) -> dict:
-    import json
+def allowed_pool(cfg, nvme: bool) -> list[Placement]:
+    """The placements a run may take: under ``backend.offload auto`` :func:`planning_pool`,
+    otherwise the one placement the config (and its DeepSpeed JSON) names."""
+    from memtrain.backends import infer_backend_name
+    from memtrain.backends.ds_config import read_user_json, resolve_zero_stage
 
-    if not cfg.backend.deepspeed_config:
-        return {}
-    with open(cfg.backend.deepspeed_config) as fh:
-        return json.load(fh)
+    b = cfg.backend
+    if b.offload == "auto":
+        return planning_pool(cfg, nvme)
+    engine = infer_backend_name(b.name, b.deepspeed_config)
+    offload, ratio, on_nvme = configured_offload(cfg)
+    stage = resolve_zero_stage(b.zero_stage, read_user_json(b.deepspeed_config)) if engine == "deepspeed" else None
+    return [Placement(engine, stage, offload, ratio, nvme=on_nvme)]
 
 
 def configured_offload(cfg) -> tuple[str, float, bool]:
     """``(offload, optimizer fraction on the host, NVMe)`` a run will use: ``backend.*``, else its
     DeepSpeed JSON's (:func:`memtrain.backends.ds_config.offload_in_json`)."""
     from memtrain.backends import infer_backend_name
-    from memtrain.backends.ds_config import offload_in_json
+    from memtrain.backends.ds_config import offload_in_json, read_user_json
 
     b = cfg.backend
     json_offload, json_ratio, json_nvme = ("none", 1.0, False)
     if infer_backend_name(b.name, b.deepspeed_config) == "deepspeed":
-        json_offload, json_ratio, json_nvme = offload_in_json(_user_json(cfg))
+        json_offload, json_ratio, json_nvme = offload_in_json(read_user_json(b.deepspeed_config))
     offload = b.offload if b.offload is not None else json_offload
     ratio = b.offload_optimizer_ratio if b.offload_optimizer_ratio != 1.0 else json_ratio
     return offload, ratio, bool(b.nvme_path) or json_nvme
@@ -398,9 +417,10 @@ def run_machine(cfg, device: torch.device, world_size: int) -> Machine:
     from memtrain.planner import device_budget_bytes
 
     device_type = "cpu" if cfg.faults.memory_budget_mib > 0 else device.type
-    return Machine(device_budget_bytes(cfg, device), host_budget_bytes(cfg.memory.host_memory_gib),
-                   int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), device_type, device_flops_per_s(device.type),
-                   cpu_adam_params_per_s(), process_bytes(device.type), cfg.backend.nvme_path)
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return Machine(device_budget_bytes(cfg, device), host_budget_bytes(cfg.memory.host_memory_gib, ranks), ranks,
+                   device_type, device_flops_per_s(device.type), cpu_adam_params_per_s(), process_bytes(device.type),
+                   cfg.backend.nvme_path)
 
 
 def resolve(cfg, corpus, process, precision: str) -> Optional[Placement]:
@@ -427,19 +447,24 @@ def resolve(cfg, corpus, process, precision: str) -> Optional[Placement]:
             machine = run_machine(cfg, process.device, process.world_size)
             pool = allowed_pool(cfg, nvme_usable(b.nvme_path))
             table, _ = placement_table(cfg, corpus, process.world_size, machine, precision, pool)
-            answer = table
+            answer = {"table": table, "host_bytes": machine.host_bytes}
         except ConfigError as exc:
             answer = (exc.field, str(exc).split(": ", 1)[1])
         except (RuntimeError, NotImplementedError) as exc:  # a model fake tensors cannot trace
-            answer = None if b.offload != "auto" else ("backend.offload", f"auto cannot plan this model ({exc})")
+            answer = ("backend.offload", f"auto cannot plan this model ({exc})")
+            if b.offload != "auto":
+                answer = None
+                logging.getLogger("memtrain").warning("memtrain: the host memory of backend.offload %s is not checked: "
+                                                      "this model cannot be traced with fake tensors (%s)", b.offload, exc)
     answer = process.broadcast_object(answer, patient=True)  # rank 0 may trace for a while
     if isinstance(answer, tuple):
         raise ConfigError(*answer)
     if answer is None:
         return None
+    answer, host_budget = answer["table"], answer["host_bytes"]
     if b.offload != "auto":  # the user's placement: only the host is checked (the device has OOM recovery)
         if not answer[0].fits_host:
-            raise _host_error(cfg, answer[0])
+            raise _host_error(cfg, answer[0], host_budget)
         return answer[0]
     chosen = next((p for p in answer if p.chosen), None)
     if chosen is None:
@@ -465,12 +490,12 @@ def write_table(output_dir: str, table: list[Placement]) -> None:
         json.dump({"placements": [p.as_dict() for p in table]}, fh, indent=1)
 
 
-def _host_error(cfg, p: Placement):
+def _host_error(cfg, p: Placement, budget: int):
     from memtrain.config import ConfigError
 
     cap = cfg.memory.host_memory_gib
     return ConfigError("memory.host_memory_gib", f"{p.name} needs {_gib(p.host_bytes)} GiB of host memory (the "
-                       f"processes, offloaded state, buffers), more than the {_gib(host_budget_bytes(cap))} GiB "
+                       f"processes, offloaded state, buffers), more than the {_gib(budget)} GiB "
                        f"{'allowed' if cap else 'available'}; offload less, set backend.offload auto, or use "
                        "backend.nvme_path")
 
@@ -500,14 +525,12 @@ def _resume_placement(cfg) -> bool:
     b = cfg.backend
     b.name, b.zero_stage, b.offload = saved["name"], saved.get("zero_stage"), saved["offload"]
     b.offload_optimizer_ratio = saved.get("offload_optimizer_ratio", 1.0)
-    b.nvme_path = saved.get("nvme_path") or b.nvme_path
+    b.nvme_path = saved.get("nvme_path")
     return True
 
 
 def log_placement(p: Optional[Placement], how: str, cfg) -> None:
     """One line on the placement a run trains with."""
-    import logging
-
     b = cfg.backend
     what = p.name if p is not None else Placement(b.name, b.zero_stage, b.offload, b.offload_optimizer_ratio,
                                                    bool(b.nvme_path)).name

@@ -218,10 +218,19 @@ def validate(cfg: Config, world_size: int) -> None:
 
 def _validate_placement(cfg: Config) -> None:
     """``backend.offload``, ``offload_optimizer_ratio``, ``nvme_path`` and ``memory.host_memory_gib``."""
+    from memtrain.backends import infer_backend_name
+
     b = cfg.backend
-    if b.name == "ddp" and b.offload not in (None, "none"):
+    engine = infer_backend_name(b.name, b.deepspeed_config)  # auto: the launcher's, else DDP
+    if engine == "ddp" and b.offload not in (None, "none", "auto"):
         raise ConfigError("backend.offload", f"'{b.offload}' needs backend.name fsdp or deepspeed (DDP keeps all "
-                          "state on the device), or backend.name auto")
+                          "state on the device)")
+    if engine == "ddp" and b.name == "ddp" and b.offload == "auto":
+        raise ConfigError("backend.offload", "auto chooses where state lives, which DDP cannot change: use "
+                          "backend.name auto (every engine), fsdp or deepspeed")
+    if engine == "fsdp" and (b.offload_optimizer_ratio != 1.0 or b.nvme_path):
+        raise ConfigError("backend.offload_optimizer_ratio" if b.offload_optimizer_ratio != 1.0 else "backend.nvme_path",
+                          "partial and NVMe offload are DeepSpeed's (ZeRO-3); FSDP2 offloads everything or nothing")
     if not 0.0 < b.offload_optimizer_ratio <= 1.0:
         raise ConfigError("backend.offload_optimizer_ratio", f"must be in (0, 1] (the fraction of the optimizer state "
                           f"on the host), got {b.offload_optimizer_ratio}")
@@ -229,8 +238,8 @@ def _validate_placement(cfg: Config) -> None:
         raise ConfigError("backend.offload_optimizer_ratio", "is chosen by the planner under backend.offload auto: drop it")
     if b.nvme_path is not None:
         b.nvme_path = os.path.expanduser(b.nvme_path)
-        if b.name in ("ddp", "fsdp"):
-            raise ConfigError("backend.nvme_path", f"NVMe offload is DeepSpeed's; backend.name is '{b.name}'")
+        if engine == "ddp":
+            raise ConfigError("backend.nvme_path", "NVMe offload is DeepSpeed's (ZeRO-3); the engine is DDP")
         if not os.path.isdir(b.nvme_path):
             raise ConfigError("backend.nvme_path", f"'{b.nvme_path}' is not a folder (NVMe offload writes its files there)")
     if cfg.memory.host_memory_gib < 0:

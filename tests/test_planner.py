@@ -185,13 +185,17 @@ def test_fake_trace_predicts_the_bytes_a_real_forward_saves(cache_dir):
 
 
 def test_plan_cli_prints_the_candidates(cache_dir, capsys):
-    """``memtrain plan --json``: one object per candidate, the chosen one fits; a world size that
+    """``memtrain plan --json``: one object per candidate, the chosen one fits, then the placements; a world size that
     does not divide the global batch is exit 2 naming the field."""
     from memtrain.estimate import main
 
     args = TINY_ARGS + ["--data.cache_dir", cache_dir, "--faults.memory_budget_mib", "1"]
     assert main(["--world_size", "2", "--json", *args], command="plan") == 0
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    rows = [r for r in lines if not r.get("placement")]
+    placements = [r for r in lines if r.get("placement")]  # then the placement table, one row per placement
+    assert {p["engine"] for p in placements} == {"ddp", "fsdp", "deepspeed"}
+    assert sum(p["chosen"] for p in placements) <= 1
     assert {(r["micro_batch_size"], r["activation_checkpointing"]) for r in rows} == {
         (m, ac) for m in (1, 2, 4) for ac in (False, True)}
     (chosen,) = [r for r in rows if r["chosen"]]

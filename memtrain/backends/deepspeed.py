@@ -24,7 +24,8 @@ from torch import nn
 
 from memtrain.backends import ds_partial_offload
 from memtrain.backends.common import ADAM_STATE_BYTES
-from memtrain.backends.ds_config import OFFLOAD_DEVICES, build_ds_config, get_path, resolve_zero_stage
+from memtrain.backends.ds_config import (OFFLOAD_DEVICES, build_ds_config, get_path, read_user_json,
+                                         resolve_zero_stage)
 from memtrain.distributed import ProcessState
 from memtrain.errors import CheckpointError
 
@@ -214,9 +215,10 @@ class DeepSpeedBackend:
         """
         partial = os.path.exists(self._device_optimizer_file(directory, 0))
         if saved_world_size != self.world_size and self.zero_stage > 0:
-            if partial or self.offload_ratio < 1.0:
-                raise CheckpointError(f"{directory}: a ZeRO-3 partial-offload run (backend.offload_optimizer_ratio < 1) "
-                                      f"resumes on the world size that wrote it ({saved_world_size}), not {self.world_size}")
+            if partial or self.offload_ratio < 1.0 or self.nvme:
+                raise CheckpointError(f"{directory}: a ZeRO-3 run with partial or NVMe offload resumes on the world "
+                                      f"size that wrote it ({saved_world_size}), not {self.world_size} (DeepSpeed's "
+                                      "universal checkpoint has no conversion for it)")
             self._load_universal(directory, saved_world_size)
             return
         path, _ = self.engine.load_checkpoint(directory, tag=self._TAG, load_module_strict=True,
@@ -343,13 +345,8 @@ def _require_async_io() -> None:
 
 def _zero_stage_and_json(cfg) -> tuple[int, dict]:
     """(ZeRO stage, the user's JSON or {}) as :func:`build` will resolve them."""
-    b = cfg.backend
-    path, stage = b.deepspeed_config, b.zero_stage
-    user = {}
-    if path:
-        with open(path) as fh:
-            user = json.load(fh)
-    return resolve_zero_stage(stage, user), user
+    user = read_user_json(cfg.backend.deepspeed_config)
+    return resolve_zero_stage(cfg.backend.zero_stage, user), user
 
 
 @contextlib.contextmanager
@@ -391,11 +388,13 @@ def model_state_bytes(n_params: int, precision: str, zero_stage: Optional[int], 
     (default stage 2).
 
     Offload (ZeRO-Offload, Ren et al. 2021): the optimizer state leaves the device —
-    ``offload_optimizer_ratio`` of it under ZeRO-3's partial offload — and the gradient partitions
-    are reduced into host buffers (fp32 under stages 1/2, the 16-bit accumulation dtype under
-    stage 3); ``optimizer_and_params`` moves the parameters too. With ``offload_device`` ``nvme``
-    the offloaded optimizer state and parameters are files (``nvme_offloaded_bytes``), the
-    gradients still host memory (``cpu_offloaded_bytes``)."""
+    ``offload_optimizer_ratio`` of it under ZeRO-3's partial offload — and the gradients are
+    reduced into host buffers: fp32 partitions under stages 1/2 (stage 1 still holds its whole
+    16-bit gradients on the device until the accumulation boundary); under stage 3 a 16-bit
+    partition buffer plus the fp32 gradient DeepSpeed keeps beside every optimizer sub-group, on the
+    device for the sub-groups stepped there. ``optimizer_and_params`` moves the parameters too.
+    With ``offload_device`` ``nvme`` (stage 3) the offloaded optimizer state (with its fp32
+    gradients) and parameters are files (``nvme_offloaded_bytes``)."""
     n, w = n_params, world_size
     stage = 2 if zero_stage is None else zero_stage
     half = precision in ("bf16", "fp16")
@@ -406,9 +405,14 @@ def model_state_bytes(n_params: int, precision: str, zero_stage: Optional[int], 
     optim = (ADAM_STATE_BYTES + master) * n // (w if stage >= 1 else 1)
     host = files = 0
     if offload in ("optimizer", "optimizer_and_params"):
-        moved = int(optim * offload_optimizer_ratio)
+        r = offload_optimizer_ratio
+        moved = int(optim * r)
         optim -= moved
-        host, grads = (p_bytes if stage >= 3 else 4) * n // w, 0
+        if stage >= 3:  # 16-bit partition buffer on the host; fp32 sub-group gradients where each steps
+            host, grads = p_bytes * n // w, int(4 * n / w * (1 - r))
+            moved += int(4 * n / w * r)
+        else:  # fp32 gradient partitions on the host; stage 1 keeps its full gradients until the boundary
+            host, grads = 4 * n // w, grads if stage == 1 else 0
         if offload_device == "nvme":
             files += moved
         else:

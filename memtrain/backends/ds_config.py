@@ -16,6 +16,7 @@ optimizer step. Both sections are removed from what ``deepspeed.initialize`` see
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any, Optional
 
 from memtrain.config import ConfigError, TrainingConfig
@@ -171,6 +172,14 @@ def build_ds_config(user: Optional[dict], source: str, *, global_batch_size: int
     return cfg
 
 
+def read_user_json(path: Optional[str]) -> dict:
+    """The DeepSpeed JSON at ``path`` ({} without one)."""
+    if not path:
+        return {}
+    with open(path) as fh:
+        return json.load(fh)
+
+
 def resolve_zero_stage(zero_stage: Optional[int], user: dict):
     """The ZeRO stage of a run: ``backend.zero_stage``, else the JSON's, else 2."""
     json_stage = get_path(user, "zero_optimization.stage")
@@ -215,12 +224,23 @@ def _reconcile_offload(cfg: dict, reconcile: "_Reconciler", source: str, stage: 
     if nvme_path and offload in (None, "none"):
         raise ConfigError("backend.nvme_path", "is set but nothing is offloaded: set backend.offload to optimizer or "
                           "optimizer_and_params (or drop backend.nvme_path)")
+    nvme = "nvme" in (get_path(cfg, "zero_optimization.offload_optimizer.device"),
+                      get_path(cfg, "zero_optimization.offload_param.device"))
+    if nvme and stage != 3:
+        raise ConfigError("backend.nvme_path", f"NVMe offload needs ZeRO stage 3 (DeepSpeed's stages 1/2 keep the "
+                          f"state in host memory), got stage {stage}")
+    if offload in ("optimizer", "optimizer_and_params"):
+        reconcile.fill("zero_optimization.offload_optimizer.ratio", ratio)
     json_ratio = get_path(cfg, "zero_optimization.offload_optimizer.ratio")
-    if ratio != 1.0 or json_ratio not in (None, "auto", 1.0):
+    if nvme and (ratio != 1.0 or json_ratio not in (None, 1.0)):
+        raise ConfigError("backend.offload_optimizer_ratio", "partial offload cannot be combined with NVMe offload "
+                          "(DeepSpeed's swapper would take the device's share too): drop one")
+    if ratio != 1.0 or json_ratio not in (None, 1.0):
+        shown = ratio if ratio != 1.0 else json_ratio
         if offload not in ("optimizer", "optimizer_and_params") or stage != 3:
-            raise ConfigError("backend.offload_optimizer_ratio", f"partial optimizer offload (ratio {ratio if ratio != 1.0 else json_ratio}) "
-                              f"needs ZeRO stage 3 with backend.offload optimizer or optimizer_and_params, got stage "
-                              f"{stage} and offload '{offload}'")
+            raise ConfigError("backend.offload_optimizer_ratio", f"partial optimizer offload (ratio {shown}) needs "
+                              f"ZeRO stage 3 with backend.offload optimizer or optimizer_and_params, got stage {stage} "
+                              f"and offload '{offload}'")
         if ratio != 1.0:
             reconcile("zero_optimization.offload_optimizer.ratio", ratio, "backend.offload_optimizer_ratio")
 

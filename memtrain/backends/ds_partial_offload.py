@@ -8,8 +8,11 @@ learning rate (a schedule never reaches it) and its state is in no checkpoint (a
 those Adam moments from zero). memtrain, around DeepSpeed:
 
 - sizes the sub-groups (``zero_optimization.sub_group_size``, :func:`sub_group_size`) so each rank
-  has about :data:`SUB_GROUPS` of them: DeepSpeed splits by whole sub-groups, and with its default
-  of 1e9 elements a model below a billion parameters per rank has one, and the ratio does nothing;
+  has about :data:`SUB_GROUPS` of them: DeepSpeed splits by whole sub-groups (the first
+  ``int((1 - ratio) × sub-groups)`` on the device, so the device share is at most ``1 - ratio``,
+  less by up to one sub-group and the rounding of the groups' ends at whole parameters), and with
+  its default of 1e9 elements a model below a billion parameters per rank has one, and the ratio
+  does nothing;
 - copies the learning rate and the other hyper-parameters from the CPU Adam's groups to the
   device optimizer's before every step (:func:`sync_hyperparameters`);
 - saves the device optimizer's state of each of its sub-groups beside DeepSpeed's checkpoint,
@@ -25,7 +28,7 @@ from typing import Any
 
 import torch
 
-SUB_GROUPS = 16
+SUB_GROUPS = 64
 """Sub-groups per rank memtrain asks DeepSpeed for under partial offload (the ratio's granularity)."""
 
 DEVICE_SIDE_ON_CPU = "cpu:0"
@@ -85,7 +88,8 @@ def sync_hyperparameters(zero_optimizer) -> None:
 
 def state_dict(zero_optimizer) -> dict[int, dict[str, Any]]:
     """The device optimizer's state (AdamW's ``step``, ``exp_avg``, ``exp_avg_sq``) of each device
-    sub-group of this rank, keyed by sub-group index, on the CPU."""
+    sub-group of this rank, keyed by sub-group index: references to the live tensors (no copy;
+    ``torch.save`` stages one tensor at a time through host memory)."""
     if not is_partial(zero_optimizer):
         return {}
     state = zero_optimizer.backup_optimizer.state
@@ -93,7 +97,7 @@ def state_dict(zero_optimizer) -> dict[int, dict[str, Any]]:
     for i in device_sub_groups(zero_optimizer):
         held = state.get(zero_optimizer.fp32_partitioned_groups_flat[i])
         if held:
-            out[i] = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in held.items()}
+            out[i] = dict(held)
     return out
 
 
@@ -101,13 +105,14 @@ def load_state_dict(zero_optimizer, saved: dict[int, dict[str, Any]]) -> None:
     """Restore :func:`state_dict` into the device optimizer (after DeepSpeed loaded its checkpoint).
 
     Raises:
-        ValueError: ``saved`` names sub-groups this run does not keep on the device (another ratio
-            or model), or the sizes differ.
+        ValueError: ``saved`` holds other sub-groups than this run keeps on the device (another
+            ratio or model: a sub-group moved to the device would restart its Adam moments), or the
+            sizes differ.
     """
     if not saved:
         return
     device = set(device_sub_groups(zero_optimizer)) if is_partial(zero_optimizer) else set()
-    if not set(saved) <= device:
+    if set(saved) != device:
         raise ValueError(f"the checkpoint holds device-side optimizer state of sub-groups {sorted(saved)}, this run "
                          f"keeps {sorted(device)} on the device (another backend.offload_optimizer_ratio?)")
     state = zero_optimizer.backup_optimizer.state
