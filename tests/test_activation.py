@@ -136,3 +136,18 @@ def test_compiled_blocks_train_like_eager_and_stay_compiled(model):
             graphs = counters["stats"]["unique_graphs"]
     assert counters["stats"]["unique_graphs"] == graphs  # each state compiled once, then reused
     assert all(hasattr(b.forward, "_torchdynamo_orig_callable") for b in blocks)  # still the compiled forwards
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "llama"])
+def test_language_models_use_scaled_dot_product_attention(model_type):
+    """transformers' SDPA attention (FlashAttention/memory-efficient kernels on CUDA), not the eager
+    softmax(QK^T)V that materialises the [heads, T, T] scores."""
+    from memtrain.config import ModelConfig
+    from memtrain.models import build_model
+
+    config = ({"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 32} if model_type == "gpt2"
+              else {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                    "num_attention_heads": 2, "max_position_embeddings": 32})
+    with torch.device("meta"):
+        model = build_model(ModelConfig(config=config), 64)
+    assert model.config._attn_implementation == "sdpa"
