@@ -1,12 +1,15 @@
 """Loop overhead: what memtrain costs when nothing goes wrong.
 
     python benchmarks/overhead.py --quick                      # CPU, 2 ranks, CI size (< 60 s)
-    python benchmarks/overhead.py --steps 30 --repeats 5 --results
+    python benchmarks/overhead.py --engines ddp,fsdp,zero2 --steps 40 --repeats 7 --results
     python benchmarks/overhead.py --device cuda                # recipes/code_lm_350m.yaml on one GPU
 
-The same model, data, global batch, micro-batch and precision are trained by memtrain and by the
-plain Accelerate loop below (the loop Accelerate's documentation teaches: ``accumulate``,
-``backward``, ``clip_grad_norm_``, AdamW, a LambdaLR), alternating runs. Reported: the median
+The same model, data, global batch, micro-batch and precision are trained by memtrain and by a
+plain loop, alternating runs. The plain loops are what a user writes from each engine's
+documentation: DDP is the loop Accelerate teaches (``accumulate``, ``backward``,
+``clip_grad_norm_``, AdamW, a LambdaLR); FSDP2 is ``fully_shard`` on each block and the root with
+``set_requires_gradient_sync`` between accumulation boundaries (Accelerate does not turn FSDP on for
+CPU processes); ZeRO-2 is ``deepspeed.initialize`` with ``engine.backward`` / ``engine.step``. Reported: the median
 step time of each, and the ratio memtrain / plain with min, median and max over repeats.
 Goal: ratio ≤ 1.02. memtrain's extra work per step: the OOM agreement (one small all-reduce
 per micro-batch), the global token count, the stop-signal check, and — with OOM recovery on —
@@ -27,11 +30,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import CPU_ARGS, GPU_ARGS, REPO, _free_port, emit, run_memtrain, scratch_dir, step_times  # noqa: E402
+from common import (CPU_ARGS, ENGINES, GPU_ARGS, REPO, _free_port, emit, run_memtrain, scratch_dir,  # noqa: E402
+                    step_times)
 
 
-def plain_accelerate_loop(memtrain_args: list[str], out_file: str) -> None:
-    """A hand-written Accelerate training loop (runs under torchrun); writes its step times.
+def plain_accelerate_loop(memtrain_args: list[str], out_file: str, engine: str = "ddp") -> None:
+    """A hand-written training loop of ``engine`` (runs under torchrun); writes its step times.
 
     Only the model and the token blocks come from memtrain (so both loops train the same
     thing); everything else is what a user writes from Accelerate's docs.
@@ -70,6 +74,9 @@ def plain_accelerate_loop(memtrain_args: list[str], out_file: str) -> None:
     loader = torch.utils.data.DataLoader(Blocks(), batch_size=t.micro_batch_size, shuffle=True, drop_last=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / t.warmup_steps))
+    if engine != "ddp":
+        plain_sharded_loop(engine, model, optimizer, scheduler, accelerator.prepare(loader), t, accumulation, out_file)
+        return
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     model.train()
     times, last, steps = [], time.perf_counter(), 0
@@ -97,10 +104,66 @@ def plain_accelerate_loop(memtrain_args: list[str], out_file: str) -> None:
     accelerator.end_training()
 
 
-def run_plain(args: list[str], nproc: int) -> list[float]:
+def plain_sharded_loop(engine: str, model, optimizer, scheduler, loader, t, accumulation: int, out_file: str) -> None:
+    """FSDP2 (``fully_shard`` per block, then the root) or DeepSpeed ZeRO-2 (``deepspeed.initialize``),
+    each stepped as its documentation shows; writes the step times (rank 0)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from memtrain.backends.common import repeated_blocks
+
+    if engine == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in repeated_blocks(model):
+            fully_shard(block)
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / t.warmup_steps))
+    else:
+        import deepspeed
+
+        world = dist.get_world_size()
+        model, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, dist_init_required=False, config={
+            "train_batch_size": t.global_batch_size, "train_micro_batch_size_per_gpu": t.micro_batch_size,
+            "gradient_accumulation_steps": t.global_batch_size // (t.micro_batch_size * world),
+            "gradient_clipping": t.max_grad_norm, "zero_optimization": {"stage": 2}, "steps_per_print": 2**31 - 1})
+    model.train()
+    times, last, micro = [], time.perf_counter(), 0
+    while len(times) < t.max_steps:
+        for batch in loader:
+            micro += 1
+            boundary = micro % accumulation == 0
+            logits = model(input_ids=batch["input_ids"]).logits
+            loss = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+            if engine == "fsdp":
+                model.set_requires_gradient_sync(boundary)
+                (loss / accumulation).backward()
+                if boundary:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+            else:
+                model.backward(loss)
+                model.step()  # DeepSpeed steps at its own accumulation boundary
+            if boundary:
+                loss.item()  # wait for the step, as memtrain's metrics do
+                now = time.perf_counter()
+                times.append(now - last)
+                last = now
+                if len(times) >= t.max_steps:
+                    break
+    if dist.get_rank() == 0:
+        with open(out_file, "w") as fh:
+            json.dump(times, fh)
+
+
+def run_plain(args: list[str], nproc: int, engine: str = "ddp") -> list[float]:
     out = os.path.join(scratch_dir("plain"), "times.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(_free_port()), __file__, "--worker", out, "--", *args]
+           str(_free_port()), __file__, "--worker", out, engine, "--", *args]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=1800)
     if proc.returncode != 0:
@@ -113,11 +176,14 @@ def run_plain(args: list[str], nproc: int) -> list[float]:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--worker"]:  # inside torchrun: the plain loop
-        plain_accelerate_loop(argv[3:], argv[1])
-        return 0
+    if argv[:1] == ["--worker"]:  # inside torchrun: the plain loop (--worker OUT ENGINE -- ARGS)
+        plain_accelerate_loop(argv[4:], argv[1], argv[2])
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # skip finalisation, which can abort a gloo process at exit (memtrain/train.py, _exit_now)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--engines", default="ddp", help="comma-separated: ddp, fsdp, zero2")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the median")
@@ -132,24 +198,32 @@ def main(argv=None) -> int:
         base = GPU_ARGS + ["--precision", "bf16", "--training.global_batch_size", "64", "--training.micro_batch_size", "16"]
     else:
         base = CPU_ARGS + ["--training.global_batch_size", "32", "--training.micro_batch_size", "8"]
-    base = base + ["--training.max_steps", str(args.steps), "--backend.name", "ddp"]
+    base = base + ["--training.max_steps", str(args.steps)]
+    for engine in args.engines.split(","):
+        if engine not in ENGINES or engine in ("zero3",):
+            parser.error(f"--engines: '{engine}' is not one of ddp, fsdp, zero2")
+        measure(engine, base + ENGINES[engine], nproc, args)
+    return 0
+
+
+def measure(engine: str, args_: list[str], nproc: int, args) -> None:
+    """Alternating repeats of the plain loop and memtrain under ``engine``; emits one JSON row."""
     plain_medians, memtrain_medians, ratios = [], [], []
     for _ in range(args.repeats):  # alternate, so drift in machine load hits both alike
-        plain = statistics.median(run_plain(base, nproc)[args.warmup:])
+        plain = statistics.median(run_plain(args_, nproc, engine)[args.warmup:])
         out = scratch_dir("memtrain")
-        mem = statistics.median(step_times(run_memtrain(base, out, nproc))[args.warmup - 1:])
+        mem = statistics.median(step_times(run_memtrain(args_, out, nproc))[args.warmup - 1:])
         shutil.rmtree(out, ignore_errors=True)
         plain_medians.append(plain)
         memtrain_medians.append(mem)
         ratios.append(mem / plain)
     emit("overhead", args.device, {
-        "benchmark": "overhead", "device": args.device, "world_size": nproc, "engine": "ddp", "steps": args.steps,
+        "benchmark": "overhead", "device": args.device, "world_size": nproc, "engine": engine, "steps": args.steps,
         "repeats": args.repeats, "plain_step_s_median": statistics.median(plain_medians),
         "memtrain_step_s_median": statistics.median(memtrain_medians),
         "ratio_min": min(ratios), "ratio_median": statistics.median(ratios), "ratio_max": max(ratios),
         "ratios": ratios, "goal": 1.02,
     }, args.results)
-    return 0
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ configuration), so the README shows what the code measured and nothing typed by 
 
     python benchmarks/tables.py oom_stress [--device cpu]     # markdown on stdout
     python benchmarks/tables.py largest_model_plan             # memtrain plan's placements per Llama shape
+    python benchmarks/tables.py overhead [--device cpu]        # memtrain vs each engine's plain loop
 """
 
 from __future__ import annotations
@@ -81,13 +82,36 @@ def largest_model_plan() -> str:
     return "\n".join(out)
 
 
+def overhead(device: str) -> str:
+    """memtrain's step time against each engine's plain loop, newest row per engine."""
+    rows: dict[str, dict] = {}
+    with open(RESULTS / f"overhead-{device}.jsonl") as fh:
+        for line in fh:
+            row = json.loads(line)
+            rows[row["engine"]] = row
+    out = ["| engine | plain loop | ms per step: plain / memtrain (medians) | ratio memtrain ÷ plain (min / median / max) "
+           "| repeats × steps |", "|---|---|---|---|---|"]
+    plain = {"ddp": "Accelerate (`accumulate`, `backward`)", "fsdp": "`fully_shard` per block + root",
+             "zero2": "`deepspeed.initialize`, `engine.backward`/`step`"}
+    for engine in ENGINE_NAMES:
+        r = rows.get(engine)
+        if r:
+            out.append(f"| {ENGINE_NAMES[engine]} | {plain.get(engine, '')} | {r['plain_step_s_median'] * 1e3:.1f} / "
+                       f"{r['memtrain_step_s_median'] * 1e3:.1f} | {r['ratio_min']:.2f} / {r['ratio_median']:.2f} / "
+                       f"{r['ratio_max']:.2f} | {r['repeats']} × {r['steps']} |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("benchmark", choices=["oom_stress", "largest_model_plan"])
+    parser.add_argument("benchmark", choices=["oom_stress", "largest_model_plan", "overhead"])
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     if args.benchmark == "largest_model_plan":
         print(largest_model_plan())
+        return 0
+    if args.benchmark == "overhead":
+        print(overhead(args.device))
         return 0
     print("Steady:\n\n" + oom_stress_steady(args.device))
     if newest("oom_stress", args.device, "spike"):
