@@ -115,6 +115,7 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     from memtrain.objectives import make_objective
     from memtrain.planner import (Planner, activation_table, device_budget_bytes, estimated_step_s,
                                   make_candidates)
+    from memtrain.placement import DEFAULT_GPU_FLOPS, tokens_per_sample
     from memtrain.precision import resolve_precision
 
     device_type = "cuda" if torch.cuda.is_available() or gpu_memory_gib else "cpu"
@@ -138,12 +139,10 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     state_on_device = device_state_bytes(state)
     planner = Planner(make_candidates(per_rank, cfg.memory.activation_checkpointing, state_on_device, acts, device_type,
                                       budget), budget)
-    from memtrain.placement import DEFAULT_GPU_FLOPS
-
     gpu_without_one = device_type == "cuda" and not torch.cuda.is_available()
     flops = DEFAULT_GPU_FLOPS if gpu_without_one else device_flops_per_s(device_type)
     every = cfg.memory.activation_checkpointing_every_n_blocks
-    tokens = cfg.data.seq_len if corpus.kind != "speech" else int(max(corpus.train.lengths))
+    tokens = tokens_per_sample(cfg, corpus)
     for c in planner.candidates:  # 1 ms per micro-batch (launches, reduction): ties go to fewer micro-batches
         c.predicted_step_s = estimated_step_s(c, n, tokens, flops, 1 / every, 1e-3)
     chosen = planner.fastest(planner.fitting())
@@ -171,23 +170,15 @@ def _placements(cfg, meta, n: int, precision: str, world_size: int, device_type:
                 acts, tokens: int, host_memory_gib: Optional[float], nvme_path: Optional[str]):
     """The placement table (:mod:`memtrain.placement`) of :func:`plan_report`: every placement of
     :func:`memtrain.placement.planning_pool`."""
-    from memtrain.backends.common import repeated_blocks
     from memtrain.placement import (PLAN_PROCESS_BYTES, Machine, cpu_adam_params_per_s, host_budget_bytes,
-                                    micro_batch_candidates, nvme_usable, plan_placements, planning_pool,
-                                    process_bytes)
+                                    largest_block_params, nvme_usable, plan_model, planning_pool, process_bytes)
 
     gpu_here = torch.cuda.is_available()
     host = int(host_memory_gib * 2**30) if host_memory_gib else host_budget_bytes(cfg.memory.host_memory_gib)
     machine = Machine(budget, host, world_size, device_type, flops, cpu_adam_params_per_s(),
                       process_bytes(device_type) if device_type == "cpu" or gpu_here else PLAN_PROCESS_BYTES, nvme_path)
-    m = cfg.memory
-    candidates = micro_batch_candidates(cfg.training.global_batch_size // world_size, m.activation_checkpointing, acts,
-                                        n, tokens, flops, 1 / m.activation_checkpointing_every_n_blocks)
-    if cfg.training.micro_batch_size != "auto":
-        candidates = [c for c in candidates if c.micro_batch_size == cfg.training.micro_batch_size]
     pool = planning_pool(cfg, nvme_usable(nvme_path))
-    block = max((sum(p.numel() for p in blk.parameters()) for blk in repeated_blocks(meta)), default=0)
-    return machine, plan_placements(candidates, pool, n, block, precision, world_size, machine)
+    return machine, plan_model(cfg, acts, n, largest_block_params(meta), tokens, world_size, machine, precision, pool)
 
 
 def _pop_option(argv: list[str], name: str, default=None, flag: bool = False):
@@ -234,15 +225,14 @@ def main(argv: Optional[list[str]] = None, command: str = "memory") -> int:
     the launcher's ``WORLD_SIZE``, else 1. Exit 2 on a config error."""
     from memtrain.config import ConfigError, parse_args
     from memtrain.launcher import apply_accelerate_settings
-    from memtrain.validation import validate
-
     from memtrain.train import quiet_library_notices
+    from memtrain.validation import validate
 
     quiet_library_notices(torch.cuda.is_available())
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         world_size = int(_pop_option(argv, "--world_size", os.environ.get("WORLD_SIZE", "1")))
-        gib = _pop_option(argv, "--gpu_memory_gib", _pop_option(argv, "--gpu_memory_gib"))
+        gib = _pop_option(argv, "--gpu_memory_gib")
         gib = float(gib) if gib is not None else None
         host = _pop_option(argv, "--host_memory_gib")
         host = float(host) if host is not None else None

@@ -320,24 +320,52 @@ def micro_batch_candidates(per_rank_batch: int, activation_checkpointing: str, a
     return candidates
 
 
+def largest_block_params(model) -> int:
+    """Parameters of ``model``'s largest repeated block (what ZeRO-3 gathers at once)."""
+    from memtrain.backends.common import repeated_blocks
+
+    return max((sum(p.numel() for p in b.parameters()) for b in repeated_blocks(model)), default=0)
+
+
+def tokens_per_sample(cfg, corpus) -> int:
+    """Tokens (frames for speech: the longest utterance) one sample holds, for FLOP estimates."""
+    return cfg.data.seq_len if corpus.kind != "speech" else int(max(corpus.train.lengths))
+
+
 def model_facts(cfg, corpus) -> tuple[int, int, object]:
     """``(parameters, parameters of the largest repeated block, objective)`` of ``cfg``'s model,
     built on the meta device (nothing allocated)."""
-    from memtrain.backends.common import repeated_blocks
     from memtrain.models import build_model, count_parameters
     from memtrain.objectives import make_objective
 
     with torch.device("meta"):
         meta = build_model(cfg.model, corpus.vocab_size, cfg.training.seed, getattr(corpus, "eos_id", None))
-    blocks = repeated_blocks(meta)
-    block = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
-    return count_parameters(meta), block, make_objective(meta, corpus, cfg.memory.chunked_cross_entropy)
+    objective = make_objective(meta, corpus, cfg.memory.chunked_cross_entropy)
+    return count_parameters(meta), largest_block_params(meta), objective
+
+
+def plan_model(cfg, activation_bytes, n_params: int, block_params: int, tokens: int, world_size: int,
+               machine: Machine, precision: str, pool: list[Placement]) -> list[Placement]:
+    """:func:`plan_placements` over the micro-batch plans of ``cfg`` (a numeric
+    ``training.micro_batch_size`` is kept; ``auto`` lets each placement take its best).
+
+    Args:
+        activation_bytes: ``(micro_batch_size, ac) -> bytes`` (:func:`memtrain.planner.activation_table`).
+        n_params, block_params: the model's and its largest block's parameters.
+        tokens: tokens per sample (:func:`tokens_per_sample`).
+    """
+    t, m = cfg.training, cfg.memory
+    candidates = micro_batch_candidates(t.global_batch_size // world_size, m.activation_checkpointing,
+                                        activation_bytes, n_params, tokens, machine.device_flops,
+                                        1 / m.activation_checkpointing_every_n_blocks)
+    if t.micro_batch_size != "auto":
+        candidates = [c for c in candidates if c.micro_batch_size == t.micro_batch_size]
+    return plan_placements(candidates, pool, n_params, block_params, precision, world_size, machine)
 
 
 def placement_table(cfg, corpus, world_size: int, machine: Machine, precision: str,
-                    pool: list[Placement]) -> tuple[list[Placement], int]:
-    """Plan ``pool`` for ``cfg``'s model: ``(the planned pool, parameters)``. A numeric
-    ``training.micro_batch_size`` is kept; ``auto`` lets each placement take its best.
+                    pool: list[Placement]) -> list[Placement]:
+    """Plan ``pool`` for ``cfg``'s model (:func:`plan_model`), tracing it with fake tensors.
 
     Raises:
         RuntimeError, NotImplementedError: the model cannot be traced with fake tensors.
@@ -346,13 +374,7 @@ def placement_table(cfg, corpus, world_size: int, machine: Machine, precision: s
 
     n, block, objective = model_facts(cfg, corpus)
     acts = activation_table(cfg, corpus, objective, precision, machine.device_type)
-    tokens = cfg.data.seq_len if corpus.kind != "speech" else int(max(corpus.train.lengths))
-    t, m = cfg.training, cfg.memory
-    candidates = micro_batch_candidates(t.global_batch_size // world_size, m.activation_checkpointing, acts, n,
-                                        tokens, machine.device_flops, 1 / m.activation_checkpointing_every_n_blocks)
-    if t.micro_batch_size != "auto":
-        candidates = [c for c in candidates if c.micro_batch_size == t.micro_batch_size]
-    return plan_placements(candidates, pool, n, block, precision, world_size, machine), n
+    return plan_model(cfg, acts, n, block, tokens_per_sample(cfg, corpus), world_size, machine, precision, pool)
 
 
 def planning_pool(cfg, nvme: bool) -> list[Placement]:
@@ -446,7 +468,7 @@ def resolve(cfg, corpus, process, precision: str) -> Optional[Placement]:
         try:
             machine = run_machine(cfg, process.device, process.world_size)
             pool = allowed_pool(cfg, nvme_usable(b.nvme_path))
-            table, _ = placement_table(cfg, corpus, process.world_size, machine, precision, pool)
+            table = placement_table(cfg, corpus, process.world_size, machine, precision, pool)
             answer = {"table": table, "host_bytes": machine.host_bytes}
         except ConfigError as exc:
             answer = (exc.field, str(exc).split(": ", 1)[1])
