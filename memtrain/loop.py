@@ -110,6 +110,7 @@ class Trainer:
         """
         t = self.cfg.training
         preemption = Preemption()  # a stop signal from here on ends the run after a saved step
+        self.sync.stop_source = lambda: preemption.requested  # agreed in each step's closing agreement
         try:
             self.controller.prober = self._probe
             resumed = self._resume()
@@ -344,7 +345,8 @@ class Trainer:
         """Save when ``checkpoint.every_steps`` divides ``step``, at the last step (when periodic
         saving is on), and on a stop signal that reached any rank; returns that signal's name."""
         progress("checkpoint save", timed=False)  # file-system work: the others' collectives time it
-        stop = self.process.any_rank(preemption.requested)
+        # every rank's flag as of the step's closing agreement (one all-reduce fewer), else its own all-reduce
+        stop = self.sync.stop_agreed if self.sync.active else self.process.any_rank(preemption.requested)
         self.checkpointer.poll()  # commit an asynchronous save every rank finished writing
         last = step == self.cfg.training.max_steps
         every = self.cfg.checkpoint.every_steps

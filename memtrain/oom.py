@@ -87,59 +87,124 @@ def register_block_hooks(blocks: list[nn.Module], forward: Callable, backward: C
 class OOMSync:
     """Agreement points of the OOM protocol.
 
-    Every rank calls :meth:`agreement_point` at the same places: after each micro-batch and, for
-    engines that communicate inside forward/backward (``in_hooks``), before each block's forward
-    and backward (:meth:`install`). A rank that ran out of memory skips ahead to the loop, which
-    calls :meth:`agree` with ``local_oom=True``; that collective pairs with the other ranks' next
+    Every rank calls :meth:`agreement_point` at the same places: before every block's forward
+    and backward where the engine communicates there (:meth:`install`, switched per micro-batch
+    by :meth:`expect`), after a micro-batch when the next one communicates, and once at the end
+    of the step (:meth:`closing_point`, where the step's sums and the stop flag travel in the
+    same all-reduce). A rank that ran out of memory skips ahead to the loop, which calls
+    :meth:`agree` with ``local_oom=True``; that collective pairs with the other ranks' next
     agreement point, which then raise :class:`AgreedOOM`. Because no engine collective sits
     between two agreement points, nobody is left waiting in one.
 
+    Every agreement is the same all-reduce: ``world_size`` flags and :data:`PAYLOAD_SLOTS`
+    values, float64 on the CPU (one gloo round trip, no device synchronisation: running out of
+    memory is a host-side event, raised where the host allocates). On a CUDA run it has a gloo
+    group of its own beside NCCL.
+
     Args:
         world_size: number of ranks; rank: this rank.
-        device: where the flag tensor lives (CUDA for nccl, CPU for gloo).
-        in_hooks: also agree in the block hooks (engines with collectives inside compute:
-            FSDP2's all-gather/reduce-scatter, ZeRO's parameter fetch and gradient partitioning).
         enabled: False = no agreement (``memory.oom_recovery`` off).
+        device: the run's device (CUDA: a gloo group is made for the agreements).
     """
 
-    def __init__(self, world_size: int, rank: int, device: torch.device, in_hooks: bool, enabled: bool = True):
-        self.world_size, self.rank, self.device = world_size, rank, device
-        self.in_hooks = in_hooks
+    PAYLOAD_SLOTS = 4
+    """Values summed over ranks with the flags: the step's loss sum, the two halves of its data
+    fingerprint (:func:`memtrain.step.close_step`) and the stop flag."""
+
+    def __init__(self, world_size: int, rank: int, enabled: bool = True, device: Optional[torch.device] = None):
+        self.world_size, self.rank = world_size, rank
         self.enabled = enabled
+        self.stop_source: Callable[[], bool] = lambda: False
+        self.stop_agreed = False  # some rank's stop_source was set at the last closing agreement
+        self._expect = (False, False)  # agree in the block hooks: before forward, before backward
+        self._group = None
+        if self.active and device is not None and device.type != "cpu":
+            self._group = torch.distributed.new_group(backend="gloo")
+        self.agreements = 0  # all-reduces made (for tests and benchmarks)
+
+    @property
+    def active(self) -> bool:
+        """Whether agreement points communicate (recovery on, more than one rank)."""
+        return self.enabled and self.world_size > 1
+
+    def _all_reduce(self, local_oom: bool, payload: Optional[torch.Tensor]) -> tuple[list[int], torch.Tensor]:
+        buffer = torch.zeros(self.world_size + self.PAYLOAD_SLOTS, dtype=torch.float64)
+        buffer[self.rank] = float(local_oom)
+        if payload is not None:
+            buffer[self.world_size:self.world_size + payload.numel()] = payload
+        torch.distributed.all_reduce(buffer, group=self._group)
+        self.agreements += 1
+        flags = buffer[:self.world_size].tolist()  # a CPU tensor: no device synchronisation
+        return [r for r, f in enumerate(flags) if f], buffer[self.world_size:]
 
     def agree(self, local_oom: bool) -> list[int]:
         """All-reduce one flag per rank; returns the ranks that ran out of memory."""
-        if not self.enabled or self.world_size == 1:
+        if not self.active:
             return [self.rank] if local_oom else []
-        flags = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
-        flags[self.rank] = int(local_oom)
-        torch.distributed.all_reduce(flags)
-        return [r for r, f in enumerate(flags.tolist()) if f]
+        return self._all_reduce(local_oom, None)[0]
 
-    def agreement_point(self) -> None:
+    def agreement_point(self, payload: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """An agreement point on the success path.
+
+        Args:
+            payload: up to ``PAYLOAD_SLOTS`` float64 CPU values to sum over ranks in the same
+                all-reduce (None = none).
+
+        Returns:
+            The payload summed over ranks ([PAYLOAD_SLOTS] float64, CPU), or None when the points
+            do not communicate.
 
         Raises:
             AgreedOOM: another rank ran out of memory since the last agreement point.
         """
-        if self.enabled and self.world_size > 1:
-            ranks = self.agree(False)
-            if ranks:
-                raise AgreedOOM(ranks)
+        if not self.active:
+            return None
+        ranks, summed = self._all_reduce(False, payload)
+        if ranks:
+            raise AgreedOOM(ranks)
+        return summed
 
-    def install(self, blocks: list[nn.Module]) -> None:
-        """Agreement points before every block's training forward and backward, when the engine
-        communicates inside compute (else nothing is registered: a plain DDP run pays for no
-        Python hook). Install after the engine wrapped the model, so these run before its hooks.
-        Evaluation forwards agree once per micro-batch instead (in the evaluator)."""
-        if not (self.enabled and self.in_hooks and self.world_size > 1):
+    def closing_point(self, payload: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """The step's last agreement point; it also carries this rank's stop flag
+        (:attr:`stop_source`: a stop signal arrived) and sets :attr:`stop_agreed` from every rank's.
+
+        Args:
+            payload: up to ``PAYLOAD_SLOTS - 1`` float64 CPU values (the last slot is the stop flag).
+
+        Returns/Raises: as :meth:`agreement_point`."""
+        values = torch.zeros(self.PAYLOAD_SLOTS, dtype=torch.float64)
+        if payload is not None:
+            values[:payload.numel()] = payload
+        values[-1] = float(self.stop_source())
+        summed = self.agreement_point(values)
+        if summed is not None:
+            self.stop_agreed = bool(summed[-1] > 0)
+        return summed
+
+    def expect(self, collectives) -> None:
+        """Where the block hooks agree during the coming micro-batch: ``collectives`` is the
+        engine's :class:`memtrain.backends.base.ComputeCollectives` ``(forward, backward)``."""
+        self._expect = (bool(collectives[0]), bool(collectives[1]))
+
+    def install(self, blocks: list[nn.Module], collectives) -> None:
+        """Agreement hooks before every block's training forward and backward, when the engine
+        communicates inside compute on some micro-batch (``collectives``, the union over
+        micro-batches, ``.any``; else nothing is registered: a plain DDP run pays for no Python
+        hook); each agrees only where :meth:`expect` says the current micro-batch communicates.
+        Install after the engine wrapped the model, so these run before its hooks. Evaluation
+        forwards agree once per micro-batch instead (in the evaluator)."""
+        if not (self.active and collectives.any):
             return
 
         def forward(index, hidden, args, kwargs):
-            if torch.is_grad_enabled():
+            if self._expect[0] and torch.is_grad_enabled():
                 self.agreement_point()
 
-        register_block_hooks(blocks, forward, lambda index, shape: self.agreement_point())
+        def backward(index, shape):
+            if self._expect[1]:
+                self.agreement_point()
+
+        register_block_hooks(blocks, forward, backward)
 
 
 def peak_memory_bytes(device: torch.device) -> int:

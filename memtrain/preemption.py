@@ -11,8 +11,9 @@ class Preemption:
     130. A second SIGINT stops at once (``KeyboardInterrupt``, exit 130): a save it interrupts is
     never committed, so the last complete checkpoint stays the one a rerun resumes from.
 
-    The handler only sets a flag; the loop all-reduces it once per step
-    (:meth:`memtrain.distributed.ProcessState.any_rank`), so every rank stops after the same step
+    The handler only sets a flag; the loop all-reduces it once per step (in the step's closing
+    OOM agreement, :meth:`memtrain.oom.OOMSync.closing_point`, or
+    :meth:`memtrain.distributed.ProcessState.any_rank` without OOM recovery), so every rank stops after the same step
     even when the signal reached only some. Previous handlers are restored by :meth:`close`.
     Handlers can be installed from the main thread only; elsewhere this is inert.
 

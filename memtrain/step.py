@@ -31,8 +31,9 @@ HOST_READS_PER_STEP = 2
 """Host reads of tensors (each a host synchronisation on a GPU) in an optimizer step on one rank:
 the step's loss sum, count and fingerprint in one read (:meth:`StepSums.read`), and the gradient
 norm the engine's ``clip_and_step`` returns (the non-finite guard needs it before the optimizer
-steps). With more ranks add one per OOM agreement point (:class:`memtrain.oom.OOMSync`) and one
-for the stop-signal agreement."""
+steps). With more ranks the OOM agreement points (:class:`memtrain.oom.OOMSync`) read CPU
+tensors only (no device synchronisation), and with OOM recovery on the stop-signal agreement
+rides in the step's closing agreement."""
 
 
 class StepHooks(Protocol):
@@ -80,10 +81,36 @@ def sum_over_ranks(process, loss_sum: torch.Tensor, digest: torch.Tensor) -> tup
     2**20 ranks, and is put back together modulo 2**64."""
     if process.world_size == 1:
         return loss_sum, digest
-    high, low = digest >> 32, digest & 0xFFFFFFFF
-    packed = torch.stack([loss_sum, high.to(torch.float64), low.to(torch.float64)])
+    packed = _pack(loss_sum, digest)
     process.all_reduce_sum(packed)
+    return _unpack(packed)
+
+
+def _pack(loss_sum: torch.Tensor, digest: torch.Tensor) -> torch.Tensor:
+    high, low = digest >> 32, digest & 0xFFFFFFFF
+    return torch.stack([loss_sum.to(torch.float64), high.to(torch.float64), low.to(torch.float64)])
+
+
+def _unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed[0], (packed[1].to(torch.int64) << 32) + packed[2].to(torch.int64)
+
+
+def close_step(process, sync: Optional[OOMSync], loss_sum: torch.Tensor, digest: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's closing agreement and its sums over ranks, in as few collectives as the devices
+    allow: on the CPU the loss sum and fingerprint travel in the agreement's all-reduce itself (one
+    collective); on an accelerator they stay on the device (:func:`sum_over_ranks`, no host
+    synchronisation) beside the host-side agreement.
+
+    Raises:
+        memtrain.oom.AgreedOOM: another rank ran out of memory in this step.
+    """
+    if sync is None or not sync.active:
+        return sum_over_ranks(process, loss_sum, digest)
+    if loss_sum.device.type == "cpu":
+        return _unpack(sync.closing_point(_pack(loss_sum, digest))[:3])
+    sync.closing_point()
+    return sum_over_ranks(process, loss_sum, digest)
 
 
 def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.Tensor],
@@ -101,8 +128,8 @@ def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.T
         rank_batch: this rank's share of the global batch, tensors [B_rank, …] on the device.
         plan: the micro-batch plan; B_rank must equal micro_batch_size × accumulation steps.
         objective: the loss and its normalisation count (:mod:`memtrain.objectives`).
-        sync: OOM agreement points (after every micro-batch for engines with collectives inside
-            compute, else after the last); None = none.
+        sync: OOM agreement points (in the block hooks and after a micro-batch where the engine
+            communicates, :meth:`Backend.compute_collectives`; always at the end); None = none.
         hooks: the step's hook points; None = none.
 
     Returns:
@@ -116,24 +143,28 @@ def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.T
     # global token count on the device for the same reason)
     scale = backend.grad_average_factor / global_count.clamp(min=1)
     micro_batches = plan.split(rank_batch)
+    last = len(micro_batches) - 1
+    collectives = [backend.compute_collectives(i == last) for i in range(last + 1)]
     loss_sum = torch.zeros((), dtype=torch.float64, device=process.device)
     digest = torch.zeros((), dtype=torch.int64, device=process.device)
     for i, micro_batch in enumerate(micro_batches):
         progress(f"micro-batch {i + 1} of {len(micro_batches)}, forward and backward")
-        with backend.sync_context(model, sync=i == len(micro_batches) - 1):
+        if sync is not None:
+            sync.expect(collectives[i])  # where the block hooks agree in this micro-batch
+        with backend.sync_context(model, sync=i == last):
             with hooks.forward_context() if hooks is not None else contextlib.nullcontext():
                 micro_loss = objective.loss_sum(model, micro_batch)
             digest += micro_batch_digest(micro_batch)  # what went through forward
             backend.backward(micro_loss * scale.to(micro_loss.dtype))
         if hooks is not None:
             hooks.after_micro_batch(i)
-        # Agree after every micro-batch where the engine communicates inside compute (a rank
-        # that ran out of memory must not strand the others in the next micro-batch's
-        # collectives); otherwise (DDP with deferred reduction) once, after the last one.
-        if sync is not None and (sync.in_hooks or i == len(micro_batches) - 1):
-            sync.agreement_point()
         loss_sum += micro_loss.detach().to(torch.float64)
-    loss_total, digest_total = sum_over_ranks(process, loss_sum, digest)
+        # Agree after a micro-batch when the next one communicates inside compute (a rank that
+        # ran out of memory must not strand the others in its collectives); micro-batches
+        # without collectives (DDP with deferred reduction, ZeRO-1 before the boundary) run on.
+        if sync is not None and i < last and collectives[i + 1].any:
+            sync.agreement_point()
+    loss_total, digest_total = close_step(process, sync, loss_sum, digest)  # the step's last agreement
     return StepSums(loss_total, global_count, digest_total)
 
 

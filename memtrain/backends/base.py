@@ -21,12 +21,29 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
-from typing import Any, Callable, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, NamedTuple, Optional, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from memtrain.distributed import ProcessState
+
+
+class ComputeCollectives(NamedTuple):
+    """Whether an engine's collectives run inside a micro-batch's forward and inside its backward
+    (:meth:`Backend.compute_collectives`); the OOM protocol agrees before every block's forward
+    (backward) only where ``forward`` (``backward``) is set, and after a micro-batch only when the
+    next one communicates."""
+
+    forward: bool
+    backward: bool
+
+    @property
+    def any(self) -> bool:
+        return self.forward or self.backward
+
+
+NO_COMPUTE_COLLECTIVES = ComputeCollectives(False, False)
 
 
 @runtime_checkable
@@ -41,9 +58,6 @@ class Backend(Protocol):
             them across ranks (world_size for DDP-style averaging). The loop multiplies each
             micro-batch loss by it so the reduced gradient is ``sum of token losses / global
             token count``.
-        collectives_in_compute: the engine communicates inside forward/backward (FSDP2
-            all-gathers, ZeRO parameter fetches and gradient partitioning, DDP's overlapped
-            bucket all-reduce), so the OOM protocol must agree at every block boundary.
         supports_async_save: :meth:`save_state` can write in the background.
         scheduler_config: the LR schedule the user's engine config names (DeepSpeed JSON's
             ``scheduler`` section, ``{"type", "params"}``), or None for memtrain's own.
@@ -53,13 +67,18 @@ class Backend(Protocol):
     process: ProcessState
     precision: str
     grad_average_factor: float
-    collectives_in_compute: bool
     supports_async_save: bool
     scheduler_config: Optional[dict]
 
     def prepare(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
                 ) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Wrap the model for the engine and build its optimizer (on the wrapped parameters)."""
+
+    def compute_collectives(self, last_micro_batch: bool) -> "ComputeCollectives":
+        """Where the engine communicates inside a micro-batch's compute (FSDP2's all-gathers and
+        reduce-scatters, ZeRO's parameter fetches and gradient partitioning, DDP's overlapped
+        bucket all-reduce), so the OOM protocol agrees at those block boundaries and nowhere else;
+        ``last_micro_batch``: the step's last (the one that reduces gradients)."""
 
     def sync_context(self, model: nn.Module, sync: bool) -> AbstractContextManager:
         """Context for one micro-batch's forward+backward; ``sync=False`` skips the gradient

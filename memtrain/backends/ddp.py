@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from memtrain.backends.base import ComputeCollectives
 from memtrain.backends.common import ADAM_STATE_BYTES
 from memtrain.backends.common import whole_model_build_context as model_build_context  # noqa: F401 (registry)
 from memtrain.distributed import ProcessState
@@ -83,7 +84,6 @@ class DDPBackend:
         # forward or backward, so an OOM on one rank cannot strand another in DDP's bucket
         # all-reduce. The price: no overlap of that all-reduce with the last backward.
         self.defer_reduction = defer_reduction and self.world_size > 1
-        self.collectives_in_compute = not self.defer_reduction and self.world_size > 1
         if self.defer_reduction:
             self._checked_unused = find_unused_parameters == "true"
 
@@ -98,6 +98,12 @@ class DDPBackend:
         optimizer = make_optimizer(model)
         model, optimizer = self.accelerator.prepare(model, optimizer)
         return model, optimizer
+
+    def compute_collectives(self, last_micro_batch: bool) -> ComputeCollectives:
+        """Deferred: none (the all-reduce follows the step's agreement); else the last
+        micro-batch's backward (DDP's bucket all-reduce)."""
+        overlapped = last_micro_batch and not self.defer_reduction and self.world_size > 1
+        return ComputeCollectives(False, overlapped)
 
     def sync_context(self, model: nn.Module, sync: bool):
         if sync and not self.defer_reduction:

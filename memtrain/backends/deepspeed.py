@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from memtrain.backends import ds_partial_offload
+from memtrain.backends.base import ComputeCollectives
 from memtrain.backends.common import ADAM_STATE_BYTES
 from memtrain.backends.ds_config import (OFFLOAD_DEVICES, build_ds_config, get_path, read_user_json,
                                          resolve_zero_stage)
@@ -85,7 +86,6 @@ class DeepSpeedBackend:
         if self.nvme:
             _require_async_io()
         self.grad_average_factor = float(self.world_size)  # ZeRO averages gradients over ranks
-        self.collectives_in_compute = self.world_size > 1  # ZeRO-3 fetches, ZeRO-2 partitions in backward
         self.engine = None
 
     def prepare(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]):
@@ -113,9 +113,15 @@ class DeepSpeedBackend:
         # the LR schedule acts on the client optimizer's param_groups, which ZeRO steps with
         return self.engine, optimizer
 
-    def sync_context(self, model: nn.Module, sync: bool):
-        import contextlib
+    def compute_collectives(self, last_micro_batch: bool) -> ComputeCollectives:
+        """ZeRO-3 fetches parameters in forward and backward; ZeRO-2 partitions gradients in every
+        backward; ZeRO-1 (and 0) reduce in the backward of the accumulation boundary only
+        (DeepSpeed's ``allreduce_gradients``); none communicates in a ZeRO-1/2 forward."""
+        if self.world_size == 1:
+            return ComputeCollectives(False, False)
+        return ComputeCollectives(self.zero_stage >= 3, self.zero_stage >= 2 or last_micro_batch)
 
+    def sync_context(self, model: nn.Module, sync: bool):
         self.engine.set_gradient_accumulation_boundary(sync)
         return contextlib.nullcontext()
 

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from memtrain.backends.base import ComputeCollectives
 from memtrain.backends.common import ADAM_STATE_BYTES, repeated_blocks
 from memtrain.backends.common import whole_model_build_context as model_build_context  # noqa: F401 (registry)
 from memtrain.distributed import ProcessState
@@ -58,7 +59,6 @@ class FSDPBackend:
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         self._async_group = None  # process group of background checkpoint writes (made on first use)
         self.grad_average_factor = float(self.world_size)  # reduce-scatter averages over ranks
-        self.collectives_in_compute = self.world_size > 1  # all-gather in forward, reduce-scatter in backward
 
     def prepare(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -75,6 +75,13 @@ class FSDPBackend:
         # the root is gathered for the whole step anyway (embeddings, head): no resharding after forward
         fully_shard(model, reshard_after_forward=False, **kwargs)
         return model, make_optimizer(model)
+
+    def compute_collectives(self, last_micro_batch: bool) -> ComputeCollectives:
+        """All-gathers in every forward; in backward the re-gather of resharded blocks and, on the
+        last micro-batch, the reduce-scatter (``set_requires_gradient_sync`` skips it before)."""
+        if self.world_size == 1:
+            return ComputeCollectives(False, False)
+        return ComputeCollectives(True, last_micro_batch or self.reshard_after_forward)
 
     def sync_context(self, model: nn.Module, sync: bool):
         # non-final micro-batches keep unsharded gradients and skip the reduce-scatter
