@@ -116,7 +116,7 @@ class OOMSync:
         self.enabled = enabled
         self.stop_source: Callable[[], bool] = lambda: False
         self.stop_agreed = False  # some rank's stop_source was set at the last closing agreement
-        self._expect = (False, False)  # agree in the block hooks: before forward, before backward
+        self._expect = (False, False, None)  # agree in the block hooks: before forward, before backward (of which)
         self._group = None
         if self.active and device is not None and device.type != "cpu":
             self._group = torch.distributed.new_group(backend="gloo")
@@ -183,8 +183,9 @@ class OOMSync:
 
     def expect(self, collectives) -> None:
         """Where the block hooks agree during the coming micro-batch: ``collectives`` is the
-        engine's :class:`memtrain.backends.base.ComputeCollectives` ``(forward, backward)``."""
-        self._expect = (bool(collectives[0]), bool(collectives[1]))
+        engine's :class:`memtrain.backends.base.ComputeCollectives` ``(forward, backward,
+        backward_blocks)``."""
+        self._expect = (bool(collectives[0]), bool(collectives[1]), getattr(collectives, "backward_blocks", None))
 
     def install(self, blocks: list[nn.Module], collectives) -> None:
         """Agreement hooks before every block's training forward and backward, when the engine
@@ -201,7 +202,7 @@ class OOMSync:
                 self.agreement_point()
 
         def backward(index, shape):
-            if self._expect[1]:
+            if self._expect[1] and (self._expect[2] is None or index in self._expect[2]):
                 self.agreement_point()
 
         register_block_hooks(blocks, forward, backward)

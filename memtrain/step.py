@@ -162,7 +162,7 @@ def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.T
         # Agree after a micro-batch when the next one communicates inside compute (a rank that
         # ran out of memory must not strand the others in its collectives); micro-batches
         # without collectives (DDP with deferred reduction, ZeRO-1 before the boundary) run on.
-        if sync is not None and i < last and collectives[i + 1].any:
+        if sync is not None and i < last and collectives[i + 1].before_first_block:
             sync.agreement_point()
     loss_total, digest_total = close_step(process, sync, loss_sum, digest)  # the step's last agreement
     return StepSums(loss_total, global_count, digest_total)

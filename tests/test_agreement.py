@@ -80,6 +80,7 @@ PATTERNS = {  # engine → (forward, backward) collectives on a non-last / the l
     "ddp_deferred": lambda last: (False, False),
     "zero1": lambda last: (False, last),
     "zero2": lambda last: (False, True),
+    "zero2_one_bucket": lambda last: (False, True, frozenset({0})),  # every gradient fits one reduce bucket
     "fsdp_or_zero3": lambda last: (True, True),
 }
 MICRO_BATCHES, BLOCKS = 3, 2
@@ -87,6 +88,7 @@ EXPECTED = {  # agreements per step: hooks before block forwards/backwards, betw
     "ddp_deferred": 1,
     "zero1": 1 + BLOCKS + 1,  # before the last micro-batch, its backward hooks, closing
     "zero2": MICRO_BATCHES * BLOCKS + (MICRO_BATCHES - 1) + 1,
+    "zero2_one_bucket": MICRO_BATCHES + 1,  # before block 0's backward in each micro-batch, closing
     "fsdp_or_zero3": MICRO_BATCHES * 2 * BLOCKS + (MICRO_BATCHES - 1) + 1,
 }
 
@@ -108,7 +110,7 @@ def test_a_step_agrees_only_where_the_engine_communicates(pattern, monkeypatch):
     assert other.calls == sync.agreements == EXPECTED[pattern]
 
 
-@pytest.mark.parametrize("pattern", ["zero2", "fsdp_or_zero3", "ddp_deferred"])
+@pytest.mark.parametrize("pattern", ["zero2", "zero2_one_bucket", "fsdp_or_zero3", "ddp_deferred"])
 def test_another_ranks_oom_is_caught_at_the_next_point(pattern, monkeypatch):
     """Rank 1 ran out of memory before the last agreement of the step: rank 0 raises there and
     makes no agreement after it."""

@@ -31,16 +31,30 @@ from memtrain.distributed import ProcessState
 
 class ComputeCollectives(NamedTuple):
     """Whether an engine's collectives run inside a micro-batch's forward and inside its backward
-    (:meth:`Backend.compute_collectives`); the OOM protocol agrees before every block's forward
-    (backward) only where ``forward`` (``backward``) is set, and after a micro-batch only when the
-    next one communicates."""
+    (:meth:`Backend.compute_collectives`). The OOM protocol agrees before every block's forward
+    where ``forward`` is set, before the backward of the blocks ``backward_blocks`` names (forward
+    order; None = every block) where ``backward`` is set, and after a micro-batch when the next
+    one communicates before its first block hook (in forward, or in a backward whose collectives
+    are not confined to named blocks).
+
+    Attributes:
+        backward_blocks: indices of the blocks inside whose backward (up to the next block's, or
+            the end of the micro-batch for block 0) every backward collective lies; None = any.
+    """
 
     forward: bool
     backward: bool
+    backward_blocks: Optional[frozenset] = None
 
     @property
     def any(self) -> bool:
         return self.forward or self.backward
+
+    @property
+    def before_first_block(self) -> bool:
+        """Collectives may run before the first block hook of the micro-batch (the root's or
+        the embeddings' gather in forward, the head's gradients in backward)."""
+        return self.forward or (self.backward and self.backward_blocks is None)
 
 
 NO_COMPUTE_COLLECTIVES = ComputeCollectives(False, False)

@@ -87,6 +87,7 @@ class DeepSpeedBackend:
             _require_async_io()
         self.grad_average_factor = float(self.world_size)  # ZeRO averages gradients over ranks
         self.engine = None
+        self._one_bucket = False  # every ZeRO-1/2 gradient fits one reduce bucket (set in prepare)
 
     def prepare(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]):
         import deepspeed
@@ -105,6 +106,9 @@ class DeepSpeedBackend:
             optimizer = DeepSpeedCPUAdam(groups, adamw_mode=True)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config,
                                                     dist_init_required=False)
+        bucket = getattr(self.engine.optimizer, "reduce_bucket_size", None)  # ZeRO-1/2's, in elements
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self._one_bucket = bucket is not None and trainable <= bucket
         on_device, groups = ds_partial_offload.prepare(self.engine.optimizer, self.device.type)
         if groups and self.process.is_main:
             log.warning("memtrain: ZeRO-3 partial offload: %d of %d optimizer sub-groups of rank 0 stepped on the "
@@ -116,10 +120,17 @@ class DeepSpeedBackend:
     def compute_collectives(self, last_micro_batch: bool) -> ComputeCollectives:
         """ZeRO-3 fetches parameters in forward and backward; ZeRO-2 partitions gradients in every
         backward; ZeRO-1 (and 0) reduce in the backward of the accumulation boundary only
-        (DeepSpeed's ``allreduce_gradients``); none communicates in a ZeRO-1/2 forward."""
+        (DeepSpeed's ``allreduce_gradients``); none communicates in a ZeRO-1/2 forward. ZeRO-1/2
+        reduce a gradient bucket when the next gradient would overflow ``reduce_bucket_size``
+        elements, and the rest after the last gradient; when all trainable parameters fit one
+        bucket, that last reduction is the only one, so only block 0's backward (the last, with
+        the embeddings after it) communicates."""
         if self.world_size == 1:
             return ComputeCollectives(False, False)
-        return ComputeCollectives(self.zero_stage >= 3, self.zero_stage >= 2 or last_micro_batch)
+        backward = self.zero_stage >= 2 or last_micro_batch
+        if self.zero_stage < 3 and self._one_bucket:  # reduced once, after the last gradient: in block 0's backward
+            return ComputeCollectives(False, backward, frozenset({0}))
+        return ComputeCollectives(self.zero_stage >= 3, backward)
 
     def sync_context(self, model: nn.Module, sync: bool):
         self.engine.set_gradient_accumulation_boundary(sync)
