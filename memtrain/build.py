@@ -146,7 +146,8 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Tra
     controller = make_controller(cfg, process.world_size, make_planner)
     engine = make_backend(cfg, process, precision, controller.plan)
     closing.callback(engine.close)
-    sync = OOMSync(process.world_size, process.rank, enabled=cfg.memory.oom_recovery, device=process.device)
+    sync = OOMSync(process.world_size, process.rank, enabled=cfg.memory.oom_recovery, device=process.device,
+                   timeout_s=process.timeout_s)
     faults = FaultInjector(cfg.faults, process.rank, cfg.output_dir)
     transforms = ModelTransforms(model, cfg.memory.activation_checkpointing_every_n_blocks, faults, t.compile)
     model, optimizer = transforms.apply(model, engine, lambda m: make_optimizer(m, t), sync,

@@ -105,13 +105,15 @@ class OOMSync:
         world_size: number of ranks; rank: this rank.
         enabled: False = no agreement (``memory.oom_recovery`` off).
         device: the run's device (CUDA: a gloo group is made for the agreements).
+        timeout_s: that group's collective timeout (``backend.timeout_s``), seconds.
     """
 
     PAYLOAD_SLOTS = 4
     """Values summed over ranks with the flags: the step's loss sum, the two halves of its data
     fingerprint (:func:`memtrain.step.close_step`) and the stop flag."""
 
-    def __init__(self, world_size: int, rank: int, enabled: bool = True, device: Optional[torch.device] = None):
+    def __init__(self, world_size: int, rank: int, enabled: bool = True, device: Optional[torch.device] = None,
+                 timeout_s: float = 600.0):
         self.world_size, self.rank = world_size, rank
         self.enabled = enabled
         self.stop_source: Callable[[], bool] = lambda: False
@@ -119,7 +121,9 @@ class OOMSync:
         self._expect = (False, False, None)  # agree in the block hooks: before forward, before backward (of which)
         self._group = None
         if self.active and device is not None and device.type != "cpu":
-            self._group = torch.distributed.new_group(backend="gloo")
+            from datetime import timedelta
+
+            self._group = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self.agreements = 0  # all-reduces made (for tests and benchmarks)
 
     @property

@@ -57,9 +57,6 @@ class ComputeCollectives(NamedTuple):
         return self.forward or (self.backward and self.backward_blocks is None)
 
 
-NO_COMPUTE_COLLECTIVES = ComputeCollectives(False, False)
-
-
 @runtime_checkable
 class Backend(Protocol):
     """One distributed engine.
