@@ -210,6 +210,7 @@ class Planner:
         self.budget_bytes = budget_bytes
         self.bound_bytes = budget_bytes
         self.prober = prober
+        self._warmed_up = False  # the process's first probe is run once untimed (cold start)
 
     def restrict_budget(self, budget_bytes: Optional[int]) -> None:
         """Plan for ``budget_bytes`` (e.g. the smallest of all ranks' budgets): candidates above
@@ -236,6 +237,11 @@ class Planner:
         for c in pool:
             if c.measured or not c.fits or (self.bound_bytes is not None and c.predicted_peak_bytes > self.bound_bytes):
                 continue  # known, or needs more than something that just failed
+            if not self._warmed_up:  # the first forward/backward of the process (allocator, engine set-up) is slower
+                self._warmed_up = True
+                if self.prober(c) is None:
+                    self.refute(c)
+                    continue
             seconds = self.prober(c)
             if seconds is None:
                 self.refute(c)
