@@ -118,7 +118,7 @@ class OOMSync:
         self.enabled = enabled
         self.stop_source: Callable[[], bool] = lambda: False
         self.stop_agreed = False  # some rank's stop_source was set at the last closing agreement
-        self._expect = (False, False, None)  # agree in the block hooks: before forward, before backward (of which)
+        self._expect = None  # the coming micro-batch's ComputeCollectives; None = the hooks do not agree
         self._group = None
         if self.active and device is not None and device.type != "cpu":
             from datetime import timedelta
@@ -189,7 +189,7 @@ class OOMSync:
         """Where the block hooks agree during the coming micro-batch: ``collectives`` is the
         engine's :class:`memtrain.backends.base.ComputeCollectives` ``(forward, backward,
         backward_blocks)``."""
-        self._expect = (bool(collectives[0]), bool(collectives[1]), getattr(collectives, "backward_blocks", None))
+        self._expect = collectives
 
     def install(self, blocks: list[nn.Module], collectives) -> None:
         """Agreement hooks before every block's training forward and backward, when the engine
@@ -202,11 +202,12 @@ class OOMSync:
             return
 
         def forward(index, hidden, args, kwargs):
-            if self._expect[0] and torch.is_grad_enabled():
+            if self._expect is not None and self._expect.forward and torch.is_grad_enabled():
                 self.agreement_point()
 
         def backward(index, shape):
-            if self._expect[1] and (self._expect[2] is None or index in self._expect[2]):
+            e = self._expect
+            if e is not None and e.backward and (e.backward_blocks is None or index in e.backward_blocks):
                 self.agreement_point()
 
         register_block_hooks(blocks, forward, backward)
