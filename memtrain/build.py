@@ -148,6 +148,7 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Tra
     closing.callback(engine.close)
     sync = OOMSync(process.world_size, process.rank, enabled=cfg.memory.oom_recovery, device=process.device,
                    timeout_s=process.timeout_s)
+    closing.callback(sync.close)
     faults = FaultInjector(cfg.faults, process.rank, cfg.output_dir)
     transforms = ModelTransforms(model, cfg.memory.activation_checkpointing_every_n_blocks, faults, t.compile)
     model, optimizer = transforms.apply(model, engine, lambda m: make_optimizer(m, t), sync,

@@ -13,7 +13,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -113,6 +113,18 @@ class ProcessState:
         if self.world_size > 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
+
+    def start_all_reduce_sum(self, tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start summing ``tensor`` over ranks in place without waiting; returns a function that
+        waits for the sum and returns ``tensor`` (on a GPU the wait is the stream's, not the host's)."""
+        if self.world_size == 1:
+            return lambda: tensor
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+
+        def result() -> torch.Tensor:
+            work.wait()
+            return tensor
+        return result
 
     def any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` is set on any rank (one all-reduce of MAX)."""

@@ -379,4 +379,6 @@ class Trainer:
 
     def _about(self) -> dict[str, Any]:
         return {"parameters": self.n_params, "backend": self.engine.name, "world_size": self.process.world_size,
-                "precision": self.engine.precision, "final_plan": str(self.controller.plan), "config": to_dict(self.cfg)}
+                "precision": self.engine.precision, "final_plan": str(self.controller.plan),
+                "oom_agreements": {"transport": self.sync.transport, "points": self.sync.agreements},
+                "config": to_dict(self.cfg)}

@@ -18,6 +18,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from memtrain.host_flags import host_flags
+
 _OOM_MESSAGES = ("out of memory", "CUDNN_STATUS_ALLOC_FAILED", "CUBLAS_STATUS_ALLOC_FAILED",
                  "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE")
 
@@ -96,10 +98,13 @@ class OOMSync:
     agreement point, which then raise :class:`AgreedOOM`. Because no engine collective sits
     between two agreement points, nobody is left waiting in one.
 
-    Every agreement is the same all-reduce: ``world_size`` flags and :data:`PAYLOAD_SLOTS`
-    values, float64 on the CPU (one gloo round trip, no device synchronisation: running out of
-    memory is a host-side event, raised where the host allocates). On a CUDA run it has a gloo
-    group of its own beside NCCL.
+    When every rank runs on this host an agreement is a barrier in shared memory
+    (:mod:`memtrain.host_flags`, tens of microseconds), and only a point with a payload adds one
+    small all-reduce for the payload (after the flags, so a rank that ran out of memory never
+    joins it). Otherwise every agreement is one all-reduce of ``world_size`` flags and
+    :data:`PAYLOAD_SLOTS` values, float64 on the CPU (one gloo round trip). Neither synchronises
+    the device: running out of memory is a host-side event, raised where the host allocates. On
+    a CUDA run the all-reduces have a gloo group of their own beside NCCL.
 
     Args:
         world_size: number of ranks; rank: this rank.
@@ -124,46 +129,65 @@ class OOMSync:
             from datetime import timedelta
 
             self._group = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-        self.agreements = 0  # all-reduces made (for tests and benchmarks)
+        # ranks on one host agree through shared memory (memtrain.host_flags); payloads still sum by all-reduce
+        self._flags = host_flags(world_size, rank, timeout_s, self._group) if self.active else None
+        self.agreements = 0  # agreement points passed (for tests and benchmarks)
 
     @property
     def active(self) -> bool:
         """Whether agreement points communicate (recovery on, more than one rank)."""
         return self.enabled and self.world_size > 1
 
-    def _all_reduce(self, local_oom: bool, payload: Optional[torch.Tensor]) -> tuple[list[int], torch.Tensor]:
+    @property
+    def transport(self) -> str:
+        """``shared_memory`` (every rank on this host), ``all_reduce`` or ``none`` (inactive)."""
+        return "none" if not self.active else "shared_memory" if self._flags is not None else "all_reduce"
+
+    def _agree(self, local_oom: bool, payload: Optional[torch.Tensor] = None, stop: bool = False
+               ) -> tuple[list[int], Optional[torch.Tensor], bool]:
+        """One agreement: (the ranks that ran out of memory, the payload summed over ranks unless
+        some rank did, whether any rank's ``stop`` was set)."""
+        self.agreements += 1
+        if self._flags is not None:
+            ranks, stop_any = self._flags.exchange(local_oom, stop)
+            if ranks or payload is None:
+                return ranks, None, stop_any
+            summed = torch.zeros(self.PAYLOAD_SLOTS, dtype=torch.float64)
+            summed[:payload.numel()] = payload
+            torch.distributed.all_reduce(summed, group=self._group)
+            return ranks, summed, stop_any
         buffer = torch.zeros(self.world_size + self.PAYLOAD_SLOTS, dtype=torch.float64)
         buffer[self.rank] = float(local_oom)
         if payload is not None:
             buffer[self.world_size:self.world_size + payload.numel()] = payload
+        buffer[-1] += float(stop)
         torch.distributed.all_reduce(buffer, group=self._group)
-        self.agreements += 1
         flags = buffer[:self.world_size].tolist()  # a CPU tensor: no device synchronisation
-        return [r for r, f in enumerate(flags) if f], buffer[self.world_size:]
+        return [r for r, f in enumerate(flags) if f], buffer[self.world_size:], bool(buffer[-1] > 0)
 
     def agree(self, local_oom: bool) -> list[int]:
-        """All-reduce one flag per rank; returns the ranks that ran out of memory."""
+        """One agreement point from the loop; returns the ranks that ran out of memory."""
         if not self.active:
             return [self.rank] if local_oom else []
-        return self._all_reduce(local_oom, None)[0]
+        return self._agree(local_oom)[0]
 
     def agreement_point(self, payload: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """An agreement point on the success path.
 
         Args:
-            payload: up to ``PAYLOAD_SLOTS`` float64 CPU values to sum over ranks in the same
-                all-reduce (None = none).
+            payload: up to ``PAYLOAD_SLOTS - 1`` float64 CPU values to sum over ranks with the
+                agreement (None = none).
 
         Returns:
-            The payload summed over ranks ([PAYLOAD_SLOTS] float64, CPU), or None when the points
-            do not communicate.
+            The payload summed over ranks ([PAYLOAD_SLOTS] float64, CPU), or None when there is
+            no payload or the points do not communicate.
 
         Raises:
             AgreedOOM: another rank ran out of memory since the last agreement point.
         """
         if not self.active:
             return None
-        ranks, summed = self._all_reduce(False, payload)
+        ranks, summed, _ = self._agree(False, payload)
         if ranks:
             raise AgreedOOM(ranks)
         return summed
@@ -172,18 +196,19 @@ class OOMSync:
         """The step's last agreement point; it also carries this rank's stop flag
         (:attr:`stop_source`: a stop signal arrived) and sets :attr:`stop_agreed` from every rank's.
 
-        Args:
-            payload: up to ``PAYLOAD_SLOTS - 1`` float64 CPU values (the last slot is the stop flag).
-
-        Returns/Raises: as :meth:`agreement_point`."""
-        values = torch.zeros(self.PAYLOAD_SLOTS, dtype=torch.float64)
-        if payload is not None:
-            values[:payload.numel()] = payload
-        values[-1] = float(self.stop_source())
-        summed = self.agreement_point(values)
-        if summed is not None:
-            self.stop_agreed = bool(summed[-1] > 0)
+        Args/Returns/Raises: as :meth:`agreement_point`."""
+        if not self.active:
+            return None
+        ranks, summed, self.stop_agreed = self._agree(False, payload, bool(self.stop_source()))
+        if ranks:
+            raise AgreedOOM(ranks)
         return summed
+
+    def close(self) -> None:
+        """Release the shared agreement words (if any)."""
+        if self._flags is not None:
+            self._flags.close()
+            self._flags = None
 
     def expect(self, collectives) -> None:
         """Where the block hooks agree during the coming micro-batch: ``collectives`` is the

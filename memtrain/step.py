@@ -137,33 +137,40 @@ def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.T
         loss per token (or character).
     """
     process = backend.process
-    progress("the global token count (all-reduce)")
-    global_count = process.all_reduce_sum(objective.count(rank_batch).to(process.device))
-    # on the device: no host synchronisation before the first forward (torchtitan keeps the
-    # global token count on the device for the same reason)
-    scale = backend.grad_average_factor / global_count.clamp(min=1)
+    # the global count travels while the first micro-batch runs forward (it scales the first
+    # backward) and stays on the device: no host synchronisation (torchtitan keeps the global
+    # token count on the device for the same reason)
+    counted = process.start_all_reduce_sum(objective.count(rank_batch).to(process.device))
+    scale = global_count = None
     micro_batches = plan.split(rank_batch)
     last = len(micro_batches) - 1
     collectives = [backend.compute_collectives(i == last) for i in range(last + 1)]
     loss_sum = torch.zeros((), dtype=torch.float64, device=process.device)
     digest = torch.zeros((), dtype=torch.int64, device=process.device)
-    for i, micro_batch in enumerate(micro_batches):
-        progress(f"micro-batch {i + 1} of {len(micro_batches)}, forward and backward")
-        if sync is not None:
-            sync.expect(collectives[i])  # where the block hooks agree in this micro-batch
-        with backend.sync_context(model, sync=i == last):
-            with hooks.forward_context() if hooks is not None else contextlib.nullcontext():
-                micro_loss = objective.loss_sum(model, micro_batch)
-            digest += micro_batch_digest(micro_batch)  # what went through forward
-            backend.backward(micro_loss * scale.to(micro_loss.dtype))
-        if hooks is not None:
-            hooks.after_micro_batch(i)
-        loss_sum += micro_loss.detach().to(torch.float64)
-        # Agree after a micro-batch when the next one communicates inside compute (a rank that
-        # ran out of memory must not strand the others in its collectives); micro-batches
-        # without collectives (DDP with deferred reduction, ZeRO-1 before the boundary) run on.
-        if sync is not None and i < last and collectives[i + 1].before_first_block:
-            sync.agreement_point()
+    try:
+        for i, micro_batch in enumerate(micro_batches):
+            progress(f"micro-batch {i + 1} of {len(micro_batches)}, forward and backward")
+            if sync is not None:
+                sync.expect(collectives[i])  # where the block hooks agree in this micro-batch
+            with backend.sync_context(model, sync=i == last):
+                with hooks.forward_context() if hooks is not None else contextlib.nullcontext():
+                    micro_loss = objective.loss_sum(model, micro_batch)
+                digest += micro_batch_digest(micro_batch)  # what went through forward
+                if scale is None:
+                    global_count = counted()
+                    scale = backend.grad_average_factor / global_count.clamp(min=1)
+                backend.backward(micro_loss * scale.to(micro_loss.dtype))
+            if hooks is not None:
+                hooks.after_micro_batch(i)
+            loss_sum += micro_loss.detach().to(torch.float64)
+            # Agree after a micro-batch when the next one communicates inside compute (a rank that
+            # ran out of memory must not strand the others in its collectives); micro-batches
+            # without collectives (DDP with deferred reduction, ZeRO-1 before the boundary) run on.
+            if sync is not None and i < last and collectives[i + 1].before_first_block:
+                sync.agreement_point()
+    finally:
+        if global_count is None:
+            counted()  # every rank started it: it completes even when this attempt failed
     loss_total, digest_total = close_step(process, sync, loss_sum, digest)  # the step's last agreement
     return StepSums(loss_total, global_count, digest_total)
 

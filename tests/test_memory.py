@@ -61,6 +61,8 @@ def test_oom_shrinks_plan_and_training_is_unchanged(tmp_path, tmp_path_factory, 
     for rank in (0, 1):  # every rank logged the same decision
         assert f"rank {rank}, step 1: oom_shrink on rank(s) {expected_ranks}: plan 2×2 → 1×4" in proc.stderr
     assert_same_training(records, base)
+    # the ranks share this host: they agreed through shared memory (memtrain.host_flags)
+    assert json.loads((tmp_path / "summary.json").read_text())["oom_agreements"]["transport"] == "shared_memory"
 
 
 @pytest.mark.parametrize("engine", ["ddp", "zero2"])
