@@ -8,13 +8,15 @@ on one host, the same barrier is a few words of shared memory that every rank wr
 0.02–0.04 ms median on the same machine (both measured with 2 ranks, 300 calls between small
 matrix products).
 
-Layout (int64): for each rank two *point words* and its process id. At its k-th agreement point
-(k = 1, 2, …) a rank writes ``4k + 2·stop + oom`` into word ``k mod 2`` and waits until every
-rank's word ``k mod 2`` is at least ``4k``. Two words per rank are enough: no rank can pass point
-k+1 before every rank reached it, so while a rank reads point k no other rank has overwritten its
-point-k word with point k+2. Each word is one aligned 8-byte store, so a reader sees the old or
-the new value, never a mix, on x86-64 and AArch64 alike; nothing else is read from shared
-memory, so no memory ordering between different words is relied on.
+Layout (int64): for each rank two *point words*, its process id, and for each point parity a
+payload (float64 values, e.g. the step's loss sum) and a check word. At its k-th agreement point
+(k = 1, 2, …) a rank writes its payload and the check word, then ``4k + 2·stop + oom`` into word
+``k mod 2``, and waits until every rank's word ``k mod 2`` is at least ``4k``. Two of each per
+rank are enough: no rank can pass point k+1 before every rank reached it, so while a rank reads
+point k no other rank has overwritten its point-k words with point k+2. Each word is one aligned
+8-byte store, so a reader sees the old or the new value, never a mix, on x86-64 and AArch64
+alike. The order in which another core's stores become visible is not relied on: a payload is
+read until its check word (a hash of the point word and the payload) matches.
 
 A peer that died is noticed (its process id no longer exists) and a peer that never arrives
 times out (``timeout_s``, the engine's collective timeout); both raise ``RuntimeError`` instead
@@ -40,20 +42,25 @@ class HostFlags:
         name: the shared memory segment's name; ``create`` = make it (one rank only).
         world_size: number of ranks; rank: this rank.
         timeout_s: seconds to wait at a point for the slowest rank before raising.
+        payload_slots: float64 values a point may sum over ranks (:meth:`exchange`).
 
     Raises:
         RuntimeError: from :meth:`exchange`, when a peer process died or did not arrive in time.
     """
 
-    WORDS_PER_RANK = 3  # two point words and the process id
+    YIELDS = 2000
+    """Polls that yield the core (``sched_yield``, a few microseconds each: a waiting rank hands
+    its core to any runnable thread, the rank it waits for included) before polls sleep 50 µs."""
 
     def __init__(self, name: Optional[str], world_size: int, rank: int, timeout_s: float = 600.0,
-                 create: bool = False):
-        size = 8 * self.WORDS_PER_RANK * world_size
-        self._segment = shared_memory.SharedMemory(name=name, create=create, size=size if create else 0)
+                 create: bool = False, payload_slots: int = 4):
+        # per rank: two point words, the process id, and for each point parity the payload and its check word
+        self.payload_slots = payload_slots
+        width = 3 + 2 * (payload_slots + 1)
+        self._segment = shared_memory.SharedMemory(name=name, create=create, size=8 * width * world_size if create else 0)
         if not create:  # the creator unlinks it; stop this process's tracker from unlinking again
             resource_tracker.unregister(self._segment._name, "shared_memory")
-        self.words = np.ndarray((world_size, self.WORDS_PER_RANK), dtype=np.int64, buffer=self._segment.buf)
+        self.words = np.ndarray((world_size, width), dtype=np.int64, buffer=self._segment.buf)
         if create:
             self.words[:] = 0
         self.words[rank, 2] = os.getpid()
@@ -70,23 +77,42 @@ class HostFlags:
         so nothing is left behind in ``/dev/shm`` however the run ends."""
         self._segment.unlink()
 
-    def exchange(self, oom: bool, stop: bool = False) -> tuple[list[int], bool]:
-        """One agreement point: publish this rank's flags, wait for every rank to reach the point.
+    def exchange(self, oom: bool, stop: bool = False, payload: Optional[np.ndarray] = None
+                 ) -> tuple[list[int], bool, Optional[np.ndarray]]:
+        """One agreement point: publish this rank's flags (and payload), wait for every rank.
+
+        Args:
+            payload: up to ``payload_slots`` float64 values to sum over ranks (None = none).
 
         Returns:
-            (the ranks that ran out of memory, whether any rank's ``stop`` flag was set).
+            (the ranks that ran out of memory, whether any rank's ``stop`` flag was set, the
+            payload summed over ranks in rank order — [payload_slots] float64, the same bits on
+            every rank — or None when no payload was given).
 
         Raises:
             RuntimeError: a peer process died, or did not reach the point within ``timeout_s``.
         """
         self.points += 1
         base, slot = 4 * self.points, self.points % 2
-        self.words[self.rank, slot] = base + 2 * int(stop) + int(oom)
-        column = self.words[:, slot]
+        value = base + 2 * int(stop) + int(oom)
+        first = 3 + slot * (self.payload_slots + 1)
+        bits = np.zeros(self.payload_slots, dtype=np.float64)
+        if payload is not None:
+            bits[:len(payload)] = payload
+        row = self.words[self.rank]
+        row[first:first + self.payload_slots] = bits.view(np.int64)
+        row[first + self.payload_slots] = _check(value, row[first:first + self.payload_slots])
+        row[slot] = value  # published last: a reader that sees it verifies the payload by its check
+        self._wait(self.words[:, slot], base)
+        values = [int(v) - base for v in self.words[:, slot]]
+        summed = self._sum(value_slot=slot, first=first) if payload is not None else None
+        return [r for r, v in enumerate(values) if v & 1], any(v & 2 for v in values), summed
+
+    def _wait(self, column: np.ndarray, base: int) -> None:
         spins, deadline, next_check = 0, None, 0.0
         while int(column.min()) < base:
             spins += 1
-            if spins < 64:
+            if spins < self.YIELDS:
                 os.sched_yield()
                 continue
             time.sleep(5e-5)
@@ -96,8 +122,20 @@ class HostFlags:
             elif now >= next_check:
                 self._check_peers(column, base, now >= deadline)
                 next_check = now + 1.0
-        values = [int(v) - base for v in column]
-        return [r for r, v in enumerate(values) if v & 1], any(v & 2 for v in values)
+
+    def _sum(self, value_slot: int, first: int) -> np.ndarray:
+        """Every rank's payload of this point, summed in rank order. A payload is read until its
+        check word matches (the stores of another core may become visible in any order)."""
+        summed = np.zeros(self.payload_slots, dtype=np.float64)
+        for peer in range(self.world_size):
+            while True:
+                value = int(self.words[peer, value_slot])
+                bits = self.words[peer, first:first + self.payload_slots].copy()
+                if int(self.words[peer, first + self.payload_slots]) == _check(value, bits):
+                    break
+                os.sched_yield()
+            summed += bits.view(np.float64)
+        return summed
 
     def _check_peers(self, column: np.ndarray, base: int, timed_out: bool) -> None:
         for peer in range(self.world_size):
@@ -121,7 +159,19 @@ class HostFlags:
         self._segment.close()
 
 
-def host_flags(world_size: int, rank: int, timeout_s: float, group=None) -> Optional[HostFlags]:
+def _check(value: int, bits: np.ndarray) -> int:
+    """A check word of a point's value and payload bits (FNV-1a over 64-bit words), as int64."""
+    h = (0xCBF29CE484222325 ^ (value & _MASK)) * 0x100000001B3 & _MASK
+    for b in bits.tolist():
+        h = (h ^ (b & _MASK)) * 0x100000001B3 & _MASK
+    return h - (1 << 64) if h >= 1 << 63 else h
+
+
+_MASK = (1 << 64) - 1
+
+
+def host_flags(world_size: int, rank: int, timeout_s: float, group=None, payload_slots: int = 4
+               ) -> Optional[HostFlags]:
     """Shared agreement words for the ranks of ``group`` (the default group: all), when they all
     run on this host (same host name, boot, process-id and IPC namespaces) and could attach the
     segment; None otherwise (or when torch.distributed is not initialised), and the agreements
@@ -133,12 +183,12 @@ def host_flags(world_size: int, rank: int, timeout_s: float, group=None) -> Opti
     torch.distributed.all_gather_object(hosts, _host_identity(), group=group)
     if len(set(hosts)) != 1:
         return None
-    flags = HostFlags(None, world_size, rank, timeout_s, create=True) if rank == 0 else None
+    flags = HostFlags(None, world_size, rank, timeout_s, create=True, payload_slots=payload_slots) if rank == 0 else None
     name = [flags.name if flags is not None else None]
     torch.distributed.broadcast_object_list(name, src=0, group=group)
     if flags is None:
         try:
-            flags = HostFlags(name[0], world_size, rank, timeout_s)
+            flags = HostFlags(name[0], world_size, rank, timeout_s, payload_slots=payload_slots)
         except OSError:
             flags = None
     attached: list = [None] * world_size

@@ -99,12 +99,11 @@ class OOMSync:
     between two agreement points, nobody is left waiting in one.
 
     When every rank runs on this host an agreement is a barrier in shared memory
-    (:mod:`memtrain.host_flags`, tens of microseconds), and only a point with a payload adds one
-    small all-reduce for the payload (after the flags, so a rank that ran out of memory never
-    joins it). Otherwise every agreement is one all-reduce of ``world_size`` flags and
-    :data:`PAYLOAD_SLOTS` values, float64 on the CPU (one gloo round trip). Neither synchronises
-    the device: running out of memory is a host-side event, raised where the host allocates. On
-    a CUDA run the all-reduces have a gloo group of their own beside NCCL.
+    (:mod:`memtrain.host_flags`, tens of microseconds) that also sums the payload. Otherwise
+    every agreement is one all-reduce of ``world_size`` flags and :data:`PAYLOAD_SLOTS` values,
+    float64 on the CPU (one gloo round trip). Neither synchronises the device: running out of
+    memory is a host-side event, raised where the host allocates. On a CUDA run the all-reduces
+    have a gloo group of their own beside NCCL.
 
     Args:
         world_size: number of ranks; rank: this rank.
@@ -129,8 +128,8 @@ class OOMSync:
             from datetime import timedelta
 
             self._group = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-        # ranks on one host agree through shared memory (memtrain.host_flags); payloads still sum by all-reduce
-        self._flags = host_flags(world_size, rank, timeout_s, self._group) if self.active else None
+        # ranks on one host agree through shared memory (memtrain.host_flags), payloads included
+        self._flags = host_flags(world_size, rank, timeout_s, self._group, self.PAYLOAD_SLOTS) if self.active else None
         self.agreements = 0  # agreement points passed (for tests and benchmarks)
 
     @property
@@ -149,13 +148,9 @@ class OOMSync:
         some rank did, whether any rank's ``stop`` was set)."""
         self.agreements += 1
         if self._flags is not None:
-            ranks, stop_any = self._flags.exchange(local_oom, stop)
-            if ranks or payload is None:
-                return ranks, None, stop_any
-            summed = torch.zeros(self.PAYLOAD_SLOTS, dtype=torch.float64)
-            summed[:payload.numel()] = payload
-            torch.distributed.all_reduce(summed, group=self._group)
-            return ranks, summed, stop_any
+            values = payload.numpy() if payload is not None else None
+            ranks, stop_any, summed = self._flags.exchange(local_oom, stop, values)
+            return ranks, torch.from_numpy(summed) if summed is not None else None, stop_any
         buffer = torch.zeros(self.world_size + self.PAYLOAD_SLOTS, dtype=torch.float64)
         buffer[self.rank] = float(local_oom)
         if payload is not None:

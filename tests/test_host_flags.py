@@ -4,6 +4,7 @@ thread with its own view of the same segment."""
 import subprocess
 import threading
 
+import numpy as np
 import pytest
 
 from memtrain.host_flags import HostFlags
@@ -36,23 +37,28 @@ def _run(views, plan):
     return results, errors
 
 
-def test_every_rank_sees_the_same_flags_at_every_point():
+def test_every_rank_sees_the_same_flags_and_sums_at_every_point():
     """300 points, one rank racing ahead where it can: an OOM flag raised by rank 2 at point 7 and
     a stop flag by rank 0 at point 11 are seen by every rank at exactly that point, and nowhere
-    else (the two words per rank keep a point's value until every rank has read it)."""
+    else (the two words per rank keep a point's value until every rank has read it); every
+    point's payload is summed over ranks, the same on every rank."""
     views = _views(3)
 
     def plan(rank, view):
         seen = []
         for point in range(1, 301):
-            seen.append(view.exchange(oom=rank == 2 and point == 7, stop=rank == 0 and point == 11))
+            ranks, stop, summed = view.exchange(oom=rank == 2 and point == 7, stop=rank == 0 and point == 11,
+                                                payload=np.array([rank + 1.0, point, 0.1 * rank]))
+            seen.append((ranks, stop, summed.tolist()))
         return seen
 
     results, errors = _run(views, plan)
     assert not errors
     for seen in results:
-        assert seen[6] == ([2], False) and seen[10] == ([], True)
-        assert all(s == ([], False) for i, s in enumerate(seen) if i not in (6, 10))
+        assert [(r, s) for r, s, _ in seen] == [([2] if p == 7 else [], p == 11) for p in range(1, 301)]
+        assert [summed for _, _, summed in seen] == [[6.0, 3.0 * p, 0.1 + 0.2, 0.0] for p in range(1, 301)]
+    for v in views:
+        v.close()
 
 
 def test_a_dead_peer_is_an_error_not_a_hang():
