@@ -98,9 +98,9 @@ def _unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def close_step(process, sync: Optional[OOMSync], loss_sum: torch.Tensor, digest: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's closing agreement and its sums over ranks, in as few collectives as the devices
-    allow: on the CPU the loss sum and fingerprint travel in the agreement's all-reduce itself (one
-    collective); on an accelerator they stay on the device (:func:`sum_over_ranks`, no host
-    synchronisation) beside the host-side agreement.
+    allow: on the CPU the loss sum and fingerprint travel in the agreement itself (shared memory
+    on one host, else its all-reduce); on an accelerator they stay on the device
+    (:func:`sum_over_ranks`, no host synchronisation) beside the host-side agreement.
 
     Raises:
         memtrain.oom.AgreedOOM: another rank ran out of memory in this step.
