@@ -210,7 +210,7 @@ class Planner:
         self.budget_bytes = budget_bytes
         self.bound_bytes = budget_bytes
         self.prober = prober
-        self._warmed_up = False  # the process's first probe is run once untimed (cold start)
+        self._warmed_up = False  # the process's first probe runs twice (cold start)
 
     def restrict_budget(self, budget_bytes: Optional[int]) -> None:
         """Plan for ``budget_bytes`` (e.g. the smallest of all ranks' budgets): candidates above
@@ -230,23 +230,36 @@ class Planner:
                 and (below is None or c.predicted_peak_bytes < below)]
 
     def measure(self, pool: list[Candidate]) -> None:
-        """Time each not yet measured candidate of ``pool`` (largest micro-batch first); one that
-        runs out of memory no longer fits and lowers the bound."""
+        """Time each not yet measured candidate of ``pool`` (largest micro-batch first), then the
+        two fastest once more, each keeping its best time: a probe is one step on a machine whose
+        step times vary by tens of percent, and the closest race decides the plan. The process's
+        first probe runs twice too (its first run pays for the allocator and the engine's set-up).
+        A candidate that runs out of memory no longer fits and lowers the bound."""
         if self.prober is None:
             return
+        timed = []
         for c in pool:
             if c.measured or not c.fits or (self.bound_bytes is not None and c.predicted_peak_bytes > self.bound_bytes):
                 continue  # known, or needs more than something that just failed
-            if not self._warmed_up:  # the first forward/backward of the process (allocator, engine set-up) is slower
+            if not self._warmed_up:
                 self._warmed_up = True
-                if self.prober(c) is None:
-                    self.refute(c)
+                if not self._time(c):
                     continue
-            seconds = self.prober(c)
-            if seconds is None:
-                self.refute(c)
-            else:
-                c.predicted_step_s, c.measured = seconds, True
+            if self._time(c):
+                timed.append(c)
+        if len(timed) > 1:
+            for c in sorted(timed, key=lambda c: c.predicted_step_s)[:2]:
+                self._time(c)
+
+    def _time(self, c: Candidate) -> bool:
+        """One probe of ``c``: keeps its best time so far; False (and refuted) when it ran out of memory."""
+        seconds = self.prober(c)
+        if seconds is None:
+            self.refute(c)
+            return False
+        c.predicted_step_s = min(seconds, c.predicted_step_s) if c.measured else seconds
+        c.measured = True
+        return True
 
     def refute(self, failed: Candidate) -> None:
         """``failed`` ran out of memory: it does not fit, and neither does anything predicted to need as much."""
