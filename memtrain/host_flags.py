@@ -183,23 +183,31 @@ def host_flags(world_size: int, rank: int, timeout_s: float, group=None, payload
     torch.distributed.all_gather_object(hosts, _host_identity(), group=group)
     if len(set(hosts)) != 1:
         return None
-    flags = HostFlags(None, world_size, rank, timeout_s, create=True, payload_slots=payload_slots) if rank == 0 else None
+    # rank 0 creates the segment, the others attach to it by name; a rank that cannot (no usable
+    # /dev/shm) makes every rank keep the all-reduces
+    flags = _open(None, world_size, rank, timeout_s, payload_slots) if rank == 0 else None
     name = [flags.name if flags is not None else None]
     torch.distributed.broadcast_object_list(name, src=0, group=group)
-    if flags is None:
-        try:
-            flags = HostFlags(name[0], world_size, rank, timeout_s, payload_slots=payload_slots)
-        except OSError:
-            flags = None
+    if rank != 0 and name[0] is not None:
+        flags = _open(name[0], world_size, rank, timeout_s, payload_slots)
     attached: list = [None] * world_size
     torch.distributed.all_gather_object(attached, flags is not None, group=group)  # every rank attached
-    if rank == 0:
+    if rank == 0 and flags is not None:
         flags.unlink()
     if all(attached):
         return flags
     if flags is not None:
         flags.close()
     return None
+
+
+def _open(name: Optional[str], world_size: int, rank: int, timeout_s: float, payload_slots: int
+          ) -> Optional[HostFlags]:
+    """Create (``name`` None) or attach the segment; None when the host does not allow it."""
+    try:
+        return HostFlags(name, world_size, rank, timeout_s, create=name is None, payload_slots=payload_slots)
+    except OSError:
+        return None
 
 
 def _host_identity() -> tuple:
