@@ -10,10 +10,11 @@ documentation: DDP is the loop Accelerate teaches (``accumulate``, ``backward``,
 ``clip_grad_norm_``, AdamW, a LambdaLR); FSDP2 is ``fully_shard`` on each block and the root with
 ``set_requires_gradient_sync`` between accumulation boundaries (Accelerate does not turn FSDP on for
 CPU processes); ZeRO-2 is ``deepspeed.initialize`` with ``engine.backward`` / ``engine.step``. Reported: the median
-step time of each, and the ratio memtrain / plain with min, median and max over repeats.
-Goal: ratio ≤ 1.02. memtrain's extra work per step: the OOM agreement (one small all-reduce
-per micro-batch), the global token count, the stop-signal check, and — with OOM recovery on —
-a gradient all-reduce after backward instead of one overlapped with it.
+step time of each, and the ratio memtrain / plain with min, median and max over repeats; the
+runs alternate and so does which of the two runs first in a repeat. Goal: ratio ≤ 1.02.
+memtrain's extra work per step: the OOM agreements (shared memory between ranks of one host),
+the global token count, the data fingerprint, and — with OOM recovery on — a gradient
+all-reduce after backward instead of one overlapped with it.
 """
 
 from __future__ import annotations
@@ -209,11 +210,20 @@ def main(argv=None) -> int:
 def measure(engine: str, args_: list[str], nproc: int, args) -> None:
     """Alternating repeats of the plain loop and memtrain under ``engine``; emits one JSON row."""
     plain_medians, memtrain_medians, ratios = [], [], []
-    for _ in range(args.repeats):  # alternate, so drift in machine load hits both alike
-        plain = statistics.median(run_plain(args_, nproc, engine)[args.warmup:])
+
+    def memtrain_median() -> float:
         out = scratch_dir("memtrain")
-        mem = statistics.median(step_times(run_memtrain(args_, out, nproc))[args.warmup - 1:])
+        times = step_times(run_memtrain(args_, out, nproc))[args.warmup - 1:]
         shutil.rmtree(out, ignore_errors=True)
+        return statistics.median(times)
+
+    for repeat in range(args.repeats):  # alternate, so drift in machine load hits both alike
+        if repeat % 2 == 0:  # and which runs first alternates too (ABBA)
+            plain = statistics.median(run_plain(args_, nproc, engine)[args.warmup:])
+            mem = memtrain_median()
+        else:
+            mem = memtrain_median()
+            plain = statistics.median(run_plain(args_, nproc, engine)[args.warmup:])
         plain_medians.append(plain)
         memtrain_medians.append(mem)
         ratios.append(mem / plain)

@@ -142,6 +142,10 @@ class TrainingConfig:
     """``torch.compile`` each repeated block (regional compilation: after the model is built,
     before the engine wraps it; memtrain/transforms.py). The first step, and the first micro-batch
     of a new size, pay the compile time."""
+    gc_every_steps: int = 50
+    """Python's cyclic garbage collector runs after every this many optimizer steps, on every rank
+    at once, instead of automatically in the middle of steps (memtrain/collector.py); 0 = Python's
+    automatic collector."""
     max_nonfinite_steps: int = 10
     """A non-finite loss or gradient norm skips that optimizer step on every rank; after this
     many consecutive skips the run stops (the last good checkpoint is left as it was)."""

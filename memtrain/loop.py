@@ -25,6 +25,7 @@ from torch import nn
 from memtrain.backends.base import Backend
 from memtrain.checkpoint import MANIFEST, Checkpointer
 from memtrain.checkpoint.compat import check_resumable, data_identity
+from memtrain.collector import StepCollector
 from memtrain.config import Config, to_dict
 from memtrain.data import GlobalBatchSampler
 from memtrain.distributed import ProcessState
@@ -111,7 +112,9 @@ class Trainer:
         t = self.cfg.training
         preemption = Preemption()  # a stop signal from here on ends the run after a saved step
         self.sync.stop_source = lambda: preemption.requested  # agreed in each step's closing agreement
+        collector = StepCollector(t.gc_every_steps)  # no automatic collection inside steps and probes
         try:
+            collector.start()
             self.controller.prober = self._probe
             resumed = self._resume()
             if resumed is None and t.micro_batch_size == "auto":
@@ -139,11 +142,13 @@ class Trainer:
                 records.append(record)
                 metrics.log_step(record, show=step % t.log_every == 0 or "val_loss" in record)
                 self.faults.after_step()
+                collector.after_step(step)
                 if stopped_by:
                     metrics.message(f"memtrain: {stopped_by}: saved step {step} and stopping; rerun the same command "
                                     "to resume")
                     break
         finally:
+            collector.stop()
             preemption.close()
         self.checkpointer.finish()
         elapsed = time.perf_counter() - run_start

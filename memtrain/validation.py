@@ -193,6 +193,9 @@ def validate(cfg: Config, world_size: int) -> None:
     every = cfg.memory.activation_checkpointing_every_n_blocks
     if every < 1:
         raise ConfigError("memory.activation_checkpointing_every_n_blocks", f"must be >= 1 (1 = every block), got {every}")
+    if t.gc_every_steps < 0:
+        raise ConfigError("training.gc_every_steps", f"must be >= 0 (0 = Python's automatic garbage collector), "
+                          f"got {t.gc_every_steps}")
     if t.max_nonfinite_steps < 1:
         raise ConfigError("training.max_nonfinite_steps", f"must be >= 1, got {t.max_nonfinite_steps}")
     ck = cfg.checkpoint

@@ -72,6 +72,7 @@ BAD_VALUES = [
     (["--training.warmup_steps", "-1"], "training.warmup_steps", "0 = no warmup"),
     (["--training.max_grad_norm", "-1"], "training.max_grad_norm", "0 = no clipping"),
     (["--training.eval_samples", "0"], "training.eval_samples", "must be >= 1"),
+    (["--training.gc_every_steps", "-1"], "training.gc_every_steps", "0 = Python's automatic"),
     (["--backend.name", "fsdp", "--backend.zero_stage", "2"], "backend.zero_stage", "DeepSpeed setting"),
     (["--backend.timeout_s", "0"], "backend.timeout_s", "must be > 0"),
 ]
