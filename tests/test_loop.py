@@ -155,3 +155,25 @@ def test_resuming_with_another_kind_of_schedule_is_refused():
         ours.load_state_dict(theirs.state_dict())
     with pytest.raises(CheckpointError, match="warmup \\+ cosine"):
         theirs.load_state_dict(ours.state_dict())
+
+
+def test_adamw_is_fused_on_the_cpu_and_steps_like_the_reference():
+    """The fused kernel (one for every tensor) is on for CPU float parameters and takes the same
+    step as the per-tensor loop of torch's AdamW."""
+    from memtrain.config import TrainingConfig
+    from memtrain.optim import make_optimizer
+
+    tcfg = TrainingConfig(lr=1e-2, weight_decay=0.1)
+    models = [_model(torch.float32), _model(torch.float32)]
+    fused = make_optimizer(models[0], tcfg)
+    assert fused.defaults["fused"] is True
+    reference = torch.optim.AdamW([{"params": [p for p in models[1].parameters() if p.ndim >= 2], "weight_decay": 0.1},
+                                   {"params": [p for p in models[1].parameters() if p.ndim < 2], "weight_decay": 0.0}],
+                                  lr=1e-2, betas=(tcfg.adam_beta1, tcfg.adam_beta2), eps=tcfg.adam_eps, foreach=False)
+    for _ in range(3):
+        for model, opt in zip(models, (fused, reference)):
+            model(input_ids=_batch()["input_ids"]).logits.square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
