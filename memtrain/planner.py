@@ -40,6 +40,10 @@ CUDA_HEADROOM_FRACTION = 0.10
 """CUDA: predicted peak × (1 + this) for the caching allocator's fragmentation and temporaries."""
 CUDA_RESERVED_BYTES = 512 * 2**20
 """CUDA: bytes kept free for the CUDA context's workspaces (cuBLAS, NCCL)."""
+CONTENDER_RATIO = 1.5
+"""A candidate whose first probe took at most this × the fastest first probe is timed again: the
+first probes of a process (or after an OOM) run while the machine and the engine warm up, and a
+step time varies by tens of percent on a busy host, so one probe cannot rule it out."""
 
 
 @dataclass
@@ -230,11 +234,13 @@ class Planner:
                 and (below is None or c.predicted_peak_bytes < below)]
 
     def measure(self, pool: list[Candidate]) -> None:
-        """Time each not yet measured candidate of ``pool`` (largest micro-batch first), then the
-        two fastest once more, each keeping its best time: a probe is one step on a machine whose
-        step times vary by tens of percent, and the closest race decides the plan. The process's
-        first probe runs twice too (its first run pays for the allocator and the engine's set-up).
-        A candidate that runs out of memory no longer fits and lowers the bound."""
+        """Time each not yet measured candidate of ``pool`` (largest micro-batch first), then once
+        more each contender (first time within :data:`CONTENDER_RATIO` × the fastest; at least the
+        two fastest), each keeping its best time: a probe is one step on a machine whose step times
+        vary by tens of percent, and the first probes, which are of the largest (usually fastest)
+        micro-batches, run while the process still warms up. The process's first probe runs twice
+        too (its first run pays for the allocator and the engine's set-up). A candidate that runs
+        out of memory no longer fits and lowers the bound."""
         if self.prober is None:
             return
         timed = []
@@ -248,8 +254,11 @@ class Planner:
             if self._time(c):
                 timed.append(c)
         if len(timed) > 1:
-            for c in sorted(timed, key=lambda c: c.predicted_step_s)[:2]:
-                self._time(c)
+            ranked = sorted(timed, key=lambda c: c.predicted_step_s)
+            limit = CONTENDER_RATIO * ranked[0].predicted_step_s
+            for i, c in enumerate(ranked):
+                if i < 2 or c.predicted_step_s <= limit:
+                    self._time(c)
 
     def _time(self, c: Candidate) -> bool:
         """One probe of ``c``: keeps its best time so far; False (and refuted) when it ran out of memory."""
