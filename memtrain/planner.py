@@ -44,6 +44,9 @@ CONTENDER_RATIO = 1.5
 """A candidate whose first probe took at most this × the fastest first probe is timed again: the
 first probes of a process (or after an OOM) run while the machine and the engine warm up, and a
 step time varies by tens of percent on a busy host, so one probe cannot rule it out."""
+CLOSE_RATIO = 1.25
+"""Candidates whose best of two probes is within this × the fastest are timed a third time (a
+plan still slowed by the warm-up after an OOM was measured 1.2–1.6× its settled time)."""
 
 
 @dataclass
@@ -234,13 +237,15 @@ class Planner:
                 and (below is None or c.predicted_peak_bytes < below)]
 
     def measure(self, pool: list[Candidate]) -> None:
-        """Time each not yet measured candidate of ``pool`` (largest micro-batch first), then once
-        more each contender (first time within :data:`CONTENDER_RATIO` × the fastest; at least the
-        two fastest), each keeping its best time: a probe is one step on a machine whose step times
-        vary by tens of percent, and the first probes, which are of the largest (usually fastest)
-        micro-batches, run while the process still warms up. The process's first probe runs twice
-        too (its first run pays for the allocator and the engine's set-up). A candidate that runs
-        out of memory no longer fits and lowers the bound."""
+        """Time each not yet measured candidate of ``pool`` (largest micro-batch first), then
+        again the contenders, each keeping its best time: once more each within
+        :data:`CONTENDER_RATIO` × the fastest (at least the two fastest), and a third time each
+        still within :data:`CLOSE_RATIO` × the fastest when two or more are. A probe is one step
+        on a machine whose step times vary by tens of percent, and the first probes, which are of
+        the largest (usually fastest) micro-batches, run while the process still warms up (after
+        an OOM, for several steps). The process's first probe runs twice too (its first run pays
+        for the allocator and the engine's set-up). A candidate that runs out of memory no longer
+        fits and lowers the bound."""
         if self.prober is None:
             return
         timed = []
@@ -253,12 +258,20 @@ class Planner:
                     continue
             if self._time(c):
                 timed.append(c)
-        if len(timed) > 1:
-            ranked = sorted(timed, key=lambda c: c.predicted_step_s)
-            limit = CONTENDER_RATIO * ranked[0].predicted_step_s
-            for i, c in enumerate(ranked):
-                if i < 2 or c.predicted_step_s <= limit:
-                    self._time(c)
+        self._time_again(timed, CONTENDER_RATIO, at_least=2)
+        self._time_again(timed, CLOSE_RATIO, at_least=1)
+
+    def _time_again(self, timed: list[Candidate], ratio: float, at_least: int) -> None:
+        """One more probe of each of ``timed`` (fastest first) within ``ratio`` × the fastest's
+        time, or among the ``at_least`` fastest; none when that leaves fewer than two."""
+        ranked = sorted((c for c in timed if c.fits), key=lambda c: c.predicted_step_s)
+        if len(ranked) < 2:
+            return
+        limit = ratio * ranked[0].predicted_step_s
+        contenders = [c for i, c in enumerate(ranked) if i < at_least or c.predicted_step_s <= limit]
+        if len(contenders) > 1:
+            for c in contenders:
+                self._time(c)
 
     def _time(self, c: Candidate) -> bool:
         """One probe of ``c``: keeps its best time so far; False (and refuted) when it ran out of memory."""

@@ -56,6 +56,7 @@ class SimulatedMemory:
         self.budget_bytes, self.state_bytes, self.rank = budget_bytes, state_bytes, rank
         self._parameters = list(parameters)
         self._parameter_keys: set[int] = set()
+        self._parameter_storages: list[torch.UntypedStorage] = []
         self._live: dict[int, list[int]] = {}  # storage key → [references held by autograd, bytes]
         self.saved_bytes = 0
         self.peak_bytes = state_bytes
@@ -66,8 +67,11 @@ class SimulatedMemory:
 
     def context(self) -> AbstractContextManager:
         """Count what autograd saves inside the ``with`` block (a training forward)."""
-        # current storages: sharding engines free and replace them (a stale address can be reused)
-        self._parameter_keys = {storage_key(getattr(p, "_local_tensor", p)) for p in self._parameters}
+        # current storages: sharding engines free and replace them. They are held until the next
+        # forward: a freed storage's address is reused, e.g. by the logits, which would then pass
+        # for a parameter and go uncounted.
+        self._parameter_storages = [getattr(p, "_local_tensor", p).untyped_storage() for p in self._parameters]
+        self._parameter_keys = {s._cdata for s in self._parameter_storages}
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: torch.Tensor):

@@ -58,3 +58,22 @@ def test_activation_checkpointing_lowers_the_count():
     on = SimulatedMemory(2**40, 0, model.parameters())
     _forward(model, on)
     assert on.peak_bytes < off.peak_bytes / 2
+
+
+def test_a_parameter_storage_freed_during_forward_does_not_hide_an_activation():
+    """ZeRO-3 and FSDP2 free a gathered parameter's storage mid-forward; an activation created
+    next may get the freed storage's address and must still be counted (a stale address once
+    made the logits of every other step pass for a parameter)."""
+    layers, width, rows = 16, 64, 8
+    for _ in range(20):  # the address is reused on some tries, not all
+        weight = torch.nn.Parameter(torch.randn(width, width))
+        memory = SimulatedMemory(10**9, 0, [weight])
+        x = torch.randn(rows, width, requires_grad=True)
+        with memory.context():
+            weight.data = torch.empty(0)  # released, as a sharding engine does after the block
+            h = x
+            for _ in range(layers):
+                h = torch.tanh(h * 1.0)  # each tanh saves its output: a new storage
+            peak_expected = layers * h.untyped_storage().nbytes()
+            h.sum().backward()
+        assert memory.peak_bytes >= peak_expected
