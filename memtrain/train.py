@@ -56,9 +56,11 @@ def run(cfg: Config):
 
     from memtrain.build import build_trainer
     from memtrain.distributed import ProcessState
+    from memtrain.host_allocator import fix_thresholds
     from memtrain.watchdog import Watchdog, progress
 
     progress("start-up", timed=False, context="")  # nothing left from an earlier run in this process
+    fix_thresholds(cfg.memory.host_allocator_thresholds)  # before the model and data allocate
     quiet_library_notices(torch.cuda.is_available())
     process = ProcessState(cpu=not torch.cuda.is_available(), timeout_s=cfg.backend.timeout_s)
     process.cap_cuda_memory(cfg.memory.cuda_memory_cap_gib)

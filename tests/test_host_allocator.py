@@ -1,0 +1,63 @@
+"""The host allocator's thresholds (memtrain/host_allocator.py): set unless the user chose, and
+they take effect — freed activations are not page-faulted in again every step."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from memtrain.host_allocator import reason_to_leave
+
+# a step-like pattern in a fresh process, through the C allocator torch's CPU tensors use: 64
+# activations of 100 KiB (6.4 MB) are allocated, written and freed, 12 times (no torch import, whose
+# own allocations would move glibc's dynamic thresholds before the test begins)
+STEPS = r"""
+import ctypes, json, resource, sys
+from memtrain.host_allocator import fix_thresholds
+fixed = fix_thresholds(sys.argv[1] == "on", environ={})
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+faults = []
+for _ in range(12):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    activations = [libc.malloc(100 * 1024) for _ in range(64)]
+    for a in activations:
+        ctypes.memset(a, 1, 100 * 1024)
+    for a in activations:
+        libc.free(a)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps({"fixed": fixed, "faults": faults[2:]}))
+"""
+
+
+def faults_per_step(setting: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("LD_PRELOAD",
+                                                                                         "GLIBC_TUNABLES")}
+    out = subprocess.run([sys.executable, "-c", STEPS, setting], capture_output=True, text=True, env=env,
+                         timeout=120, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_fixed_thresholds_keep_freed_activations_from_faulting_in_again():
+    default, fixed = faults_per_step("off"), faults_per_step("on")
+    assert default["fixed"] is None and fixed["fixed"] == {"mmap_threshold_bytes": 32 * 2**20,
+                                                           "trim_threshold_bytes": 64 * 2**20}
+    # glibc's own thresholds return the 6.4 MB to the OS after every step: ~1,600 pages fault in again
+    assert min(default["faults"]) > 1000, default
+    assert max(fixed["faults"]) < 100, fixed
+
+
+@pytest.mark.parametrize("environ, platform, reason", [
+    ({}, "linux", None),
+    ({"MALLOC_TRIM_THRESHOLD_": "0"}, "linux", "set by the environment (MALLOC_TRIM_THRESHOLD_)"),
+    ({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1"}, "linux", "set by the environment (GLIBC_TUNABLES)"),
+    ({"GLIBC_TUNABLES": "glibc.rtld.nns=4"}, "linux", None),
+    ({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}, "linux", "another allocator is preloaded (jemalloc)"),
+    ({}, "darwin", "not glibc (darwin)"),
+])
+def test_the_users_own_allocator_choice_is_left_alone(environ, platform, reason):
+    assert reason_to_leave(environ, platform) == reason
