@@ -9,9 +9,11 @@ plain loop, alternating runs. The plain loops are what a user writes from each e
 documentation: DDP is the loop Accelerate teaches (``accumulate``, ``backward``,
 ``clip_grad_norm_``, AdamW, a LambdaLR); FSDP2 is ``fully_shard`` on each block and the root with
 ``set_requires_gradient_sync`` between accumulation boundaries (Accelerate does not turn FSDP on for
-CPU processes); ZeRO-2 is ``deepspeed.initialize`` with ``engine.backward`` / ``engine.step``. Reported: the median
-step time of each, and the ratio memtrain / plain with min, median and max over repeats; the
-runs alternate and so does which of the two runs first in a repeat. Goal: ratio ≤ 1.02.
+CPU processes); ZeRO-2 is ``deepspeed.initialize`` with ``engine.backward`` / ``engine.step``. Every
+plain loop's AdamW has memtrain's two parameter groups (weight decay on matrices only), since ZeRO
+keeps one flat partition per group. Reported: the median step time of each, and the ratio
+memtrain / plain with min, median and max over repeats; the runs alternate and so does which of
+the two runs first in a repeat. Goal: ratio ≤ 1.02.
 memtrain's extra work per step: the OOM agreements (shared memory between ranks of one host),
 the global token count, the data fingerprint, and — with OOM recovery on — a gradient
 all-reduce after backward instead of one overlapped with it.
@@ -73,7 +75,7 @@ def plain_accelerate_loop(memtrain_args: list[str], out_file: str, engine: str =
             return {k: v[0] for k, v in corpus.train.batch([i]).items()}
 
     loader = torch.utils.data.DataLoader(Blocks(), batch_size=t.micro_batch_size, shuffle=True, drop_last=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / t.warmup_steps))
     if engine != "ddp":
         plain_sharded_loop(engine, model, optimizer, scheduler, accelerator.prepare(loader), t, accumulation, out_file)
@@ -105,6 +107,15 @@ def plain_accelerate_loop(memtrain_args: list[str], out_file: str, engine: str =
     accelerator.end_training()
 
 
+def param_groups(model, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only, not on biases and norms (the usual AdamW recipe: nanoGPT,
+    transformers' Trainer), the groups memtrain trains with: ZeRO keeps one flat partition per
+    group, so the two loops must have the same groups to do the same collectives."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+
+
 def plain_sharded_loop(engine: str, model, optimizer, scheduler, loader, t, accumulation: int, out_file: str) -> None:
     """FSDP2 (``fully_shard`` per block, then the root) or DeepSpeed ZeRO-2 (``deepspeed.initialize``),
     each stepped as its documentation shows; writes the step times (rank 0)."""
@@ -120,7 +131,7 @@ def plain_sharded_loop(engine: str, model, optimizer, scheduler, loader, t, accu
         for block in repeated_blocks(model):
             fully_shard(block)
         fully_shard(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+        optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / t.warmup_steps))
     else:
         import deepspeed
