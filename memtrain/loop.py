@@ -44,7 +44,7 @@ from memtrain.preemption import Preemption
 from memtrain.records import StepOutcome, attach_events, run_summary, step_record
 from memtrain.state import TrainState
 from memtrain.step import step_with_recovery, time_step
-from memtrain.transforms import ModelTransforms
+from memtrain.transforms import ModelTransforms, compiled_graph_count
 from memtrain.watchdog import progress
 
 log = logging.getLogger("memtrain")
@@ -386,4 +386,5 @@ class Trainer:
         return {"parameters": self.n_params, "backend": self.engine.name, "world_size": self.process.world_size,
                 "precision": self.engine.precision, "final_plan": str(self.controller.plan),
                 "oom_agreements": {"transport": self.sync.transport, "points": self.sync.agreements},
+                **({"compiled_graphs": compiled_graph_count()} if self.cfg.training.compile else {}),
                 "config": to_dict(self.cfg)}

@@ -84,6 +84,14 @@ class ModelTransforms:
         return model, optimizer
 
 
+def compiled_graph_count() -> int:
+    """Graphs ``torch.compile`` has made in this process so far (every compile and recompile of a
+    block's forward counts one; TorchDynamo's ``unique_graphs`` counter)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def compile_forwards(blocks: list[nn.Module], backend: str = "inductor") -> None:
     """``torch.compile`` each block's ``forward`` in place (regional compilation: one compiled
     region per block, shared code for identical blocks, as torchtitan compiles per block).
