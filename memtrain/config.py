@@ -224,10 +224,11 @@ class MemoryConfig:
     """After this many OOM-free optimizer steps, try the previous (2×) micro-batch again; the
     window doubles after each failed try. 0 = never grow back."""
     host_allocator_thresholds: bool = True
-    """Linux: fix glibc malloc's mmap threshold at 32 MiB and its trim threshold at 64 MiB at
-    start-up, so freed activations stay in the process (at most 64 MiB of free heap) instead of
-    being page-faulted in again every step (memtrain/host_allocator.py). Left alone when
-    ``MALLOC_*_`` variables, a ``glibc.malloc`` tunable or jemalloc/tcmalloc say otherwise."""
+    """glibc (Linux): fix malloc's mmap threshold at 32 MiB and its trim threshold at 64 MiB at
+    start-up, so freed activations stay in the process (up to 64 MiB free at the top of each malloc
+    arena) instead of being page-faulted in again every step (memtrain/host_allocator.py). Left
+    alone when ``MALLOC_*`` threshold variables, a ``glibc.malloc`` tunable or a preloaded
+    jemalloc/tcmalloc/mimalloc say otherwise."""
 
 
 @dataclass

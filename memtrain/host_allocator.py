@@ -2,27 +2,29 @@
 process's allocation history.
 
 glibc's malloc serves a request above ``M_MMAP_THRESHOLD`` (128 KiB at start) with a fresh
-``mmap``, and returns the free top of its heap to the OS once it exceeds ``M_TRIM_THRESHOLD``
-(twice the former). Both move: freeing an mmapped chunk raises the mmap threshold to that
-chunk's size, up to 32 MiB on 64-bit Linux, and the trim threshold with it. A training step that
-allocates and frees megabytes of activations every micro-batch therefore page-faults them in
-again every step or not at all, depending on the largest chunk the process happened to free
+``mmap``, and returns the free top of a heap to the OS once it exceeds ``M_TRIM_THRESHOLD``
+(also 128 KiB at start). Both move: freeing an mmapped chunk raises the mmap threshold to that
+chunk's size, up to 32 MiB on 64-bit Linux, and the trim threshold to twice that. A training step
+that allocates and frees megabytes of activations every micro-batch therefore page-faults them
+in again every step or not at all, depending on the largest chunk the process happened to free
 before. Measured on the CPU benchmark model (2 ranks, DDP, micro-batch 8): 3,300 minor page
 faults per rank per step in memtrain and about 1,500 in a plain Accelerate loop of the same
-model, 61 in memtrain after one 30 MiB tensor was freed at start-up — and the step time follows
-(``benchmarks/overhead.py``).
+model; 60 in memtrain with the thresholds fixed (and 61 when, instead, one 30 MiB tensor was
+freed at start-up, which moves glibc's own thresholds to their ceiling) — and the step time
+follows (``benchmarks/overhead.py``).
 
 :func:`fix_thresholds` sets both thresholds to where glibc's own rule would end
-(``mallopt(M_MMAP_THRESHOLD, 32 MiB)``, ``mallopt(M_TRIM_THRESHOLD, 64 MiB)``), so each process
-keeps at most 64 MiB of freed heap instead of faulting it in again. Source: glibc ``mallopt(3)``
-(``DEFAULT_MMAP_THRESHOLD_MAX``); the same problem is why PyTorch's CPU launcher
-(``torch.backends.xeon.run_cpu``) preloads jemalloc or tcmalloc with memory return turned off.
+(``mallopt(M_MMAP_THRESHOLD, 32 MiB)``, ``mallopt(M_TRIM_THRESHOLD, 64 MiB)``): each malloc
+arena keeps up to 64 MiB free at its top instead of returning it, and requests from 128 KiB to
+32 MiB come from the heap instead of fresh mappings, so a process may hold more host memory than
+before (the CPU ``peak_memory_bytes``, the resident set, includes it). Source: glibc
+``mallopt(3)`` (``DEFAULT_MMAP_THRESHOLD_MAX``); the same problem is why PyTorch's CPU launcher
+(``torch.backends.xeon.run_cpu``) preloads jemalloc with memory return turned off in its settings.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import sys
@@ -37,14 +39,34 @@ MMAP_THRESHOLD_BYTES = 32 * 2**20
 TRIM_THRESHOLD_BYTES = 2 * MMAP_THRESHOLD_BYTES
 """What glibc's dynamic rule sets the trim threshold to at that ceiling."""
 
-_USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+_USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+"""The variables by which a user sets these thresholds themselves (any of them also stops glibc's
+dynamic rule)."""
 _OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
 
 
-def reason_to_leave(environ: Mapping[str, str], platform: str = sys.platform) -> Optional[str]:
-    """Why the thresholds are left as they are, or None to set them: not Linux, or the user chose
-    (``MALLOC_*`` variables, a ``glibc.malloc`` tunable, another allocator in ``LD_PRELOAD``)."""
-    if not platform.startswith("linux"):
+def glibc_version() -> Optional[str]:
+    """This process's C library if it is glibc (e.g. ``"glibc 2.36"``), else None (musl, macOS, …)."""
+    try:
+        version = os.confstr("CS_GNU_LIBC_VERSION")
+    except (AttributeError, ValueError, OSError):
+        return None
+    return version if version and version.startswith("glibc") else None
+
+
+def reason_to_leave(environ: Mapping[str, str], platform: str = sys.platform,
+                    libc: Optional[str] = "detect") -> Optional[str]:
+    """Why the thresholds are left as they are, or None to set them: not glibc, or the user chose
+    (one of :data:`_USER_SETTINGS`, a ``glibc.malloc`` tunable, another allocator in ``LD_PRELOAD``).
+
+    Args:
+        environ: the environment to read the user's choices from.
+        platform: ``sys.platform``; libc: this process's C library (:func:`glibc_version`; None =
+            not glibc; ``"detect"`` = ask).
+    """
+    if libc == "detect":
+        libc = glibc_version()
+    if not platform.startswith("linux") or libc is None:
         return f"not glibc ({platform})"
     chosen = [k for k in _USER_SETTINGS if k in environ]
     if "glibc.malloc" in environ.get("GLIBC_TUNABLES", ""):
@@ -73,10 +95,11 @@ def fix_thresholds(enabled: bool = True, environ: Optional[Mapping[str, str]] = 
     reason = reason_to_leave(os.environ if environ is None else environ)
     if reason is None:
         try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            ok = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) and libc.mallopt(M_TRIM_THRESHOLD,
-                                                                                      TRIM_THRESHOLD_BYTES)
-            reason = None if ok else "mallopt refused"
+            libc = ctypes.CDLL(None)  # the process's own symbols: glibc's malloc is the one in use
+            if not libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES):
+                reason = "mallopt refused the mmap threshold"
+            elif not libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES):
+                reason = "mallopt refused the trim threshold (the mmap threshold is set)"
         except (OSError, AttributeError) as exc:
             reason = f"no mallopt ({exc})"
     if reason is not None:

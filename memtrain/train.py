@@ -4,8 +4,9 @@
     torchrun --nproc_per_node 2 memtrain/train.py --config ...
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 memtrain/train.py --config ...
 
-Order of work: parse and validate the config (nothing is written before this passes), start
-the process state (process group), then :func:`memtrain.build.build_trainer` (data on rank 0
+Order of work: parse and validate the config (nothing is written before this passes), fix the
+host allocator's thresholds (:mod:`memtrain.host_allocator`), start the process state (process
+group), then :func:`memtrain.build.build_trainer` (data on rank 0
 first, model from the seed, plan, engine, model transforms), train, export.
 """
 

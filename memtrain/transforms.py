@@ -85,8 +85,8 @@ class ModelTransforms:
 
 
 def compiled_graph_count() -> int:
-    """Graphs ``torch.compile`` has made in this process so far (every compile and recompile of a
-    block's forward counts one; TorchDynamo's ``unique_graphs`` counter)."""
+    """Graphs ``torch.compile`` has made in this process so far: every compile and recompile,
+    training and evaluation forwards alike (TorchDynamo's ``unique_graphs`` counter)."""
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])

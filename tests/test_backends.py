@@ -1,7 +1,6 @@
 """One interface, three engines: the same run under DDP, FSDP2 and DeepSpeed ZeRO 1/2/3 (+offload)
 on 2 CPU ranks gives the same losses, whichever launcher starts it."""
 
-import os
 import sys
 
 import pytest

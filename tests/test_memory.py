@@ -79,9 +79,9 @@ def test_plan_grows_back_after_injection_stops(tmp_path, tmp_path_factory, cache
 @pytest.mark.parametrize("engine", ["ddp", "fsdp"])
 def test_compiled_blocks_train_like_eager_across_shrink_and_grow_back(tmp_path, tmp_path_factory, cache_dir, engine):
     """training.compile (inductor) on 2 ranks through an OOM shrink (2×2 → 1×4) and a grow-back
-    (→ 2×2): the eager baseline's data and losses (within 1e-3), and a bounded number of graphs —
-    at most two per block (the first batch size static, then the batch dimension dynamic), where
-    recompiling at every plan change or step would make more."""
+    (→ 2×2): the eager baseline's data and losses (within 1e-3), and a bounded number of graphs
+    in the process, evaluation's included — at most two per block (3 here; 2 without the plan
+    changes), where recompiling the blocks at every plan change would make more."""
     base = baseline(engine, tmp_path_factory, cache_dir)
     launch(tiny_args(tmp_path, cache_dir, *STEPS, *ENGINES[engine], *OOM, "--faults.oom_until_step", "2",
                      "--memory.grow_back_window", "2", "--training.compile", "true"), timeout=400)
