@@ -52,6 +52,7 @@ def plain_accelerate_loop(memtrain_args: list[str], out_file: str, engine: str =
     from memtrain.config import parse_args
     from memtrain.data import build_corpus
     from memtrain.models import build_model
+    from memtrain.optim import weight_decay_groups
     from memtrain.precision import resolve_precision
 
     cfg = parse_args(memtrain_args)
@@ -75,7 +76,7 @@ def plain_accelerate_loop(memtrain_args: list[str], out_file: str, engine: str =
             return {k: v[0] for k, v in corpus.train.batch([i]).items()}
 
     loader = torch.utils.data.DataLoader(Blocks(), batch_size=t.micro_batch_size, shuffle=True, drop_last=True)
-    optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr)
+    optimizer = torch.optim.AdamW(weight_decay_groups(model, t.weight_decay), lr=t.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / t.warmup_steps))
     if engine != "ddp":
         plain_sharded_loop(engine, model, optimizer, scheduler, accelerator.prepare(loader), t, accumulation, out_file)
@@ -107,15 +108,6 @@ def plain_accelerate_loop(memtrain_args: list[str], out_file: str, engine: str =
     accelerator.end_training()
 
 
-def param_groups(model, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only, not on biases and norms (the usual AdamW recipe: nanoGPT,
-    transformers' Trainer), the groups memtrain trains with: ZeRO keeps one flat partition per
-    group, so the two loops must have the same groups to do the same collectives."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-
-
 def plain_sharded_loop(engine: str, model, optimizer, scheduler, loader, t, accumulation: int, out_file: str) -> None:
     """FSDP2 (``fully_shard`` per block, then the root) or DeepSpeed ZeRO-2 (``deepspeed.initialize``),
     each stepped as its documentation shows; writes the step times (rank 0)."""
@@ -124,6 +116,7 @@ def plain_sharded_loop(engine: str, model, optimizer, scheduler, loader, t, accu
     import torch.nn.functional as F
 
     from memtrain.backends.common import repeated_blocks
+    from memtrain.optim import weight_decay_groups
 
     if engine == "fsdp":
         from torch.distributed.fsdp import fully_shard
@@ -131,7 +124,7 @@ def plain_sharded_loop(engine: str, model, optimizer, scheduler, loader, t, accu
         for block in repeated_blocks(model):
             fully_shard(block)
         fully_shard(model)
-        optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr)
+        optimizer = torch.optim.AdamW(weight_decay_groups(model, t.weight_decay), lr=t.lr)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / t.warmup_steps))
     else:
         import deepspeed

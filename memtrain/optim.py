@@ -22,14 +22,20 @@ def make_optimizer(model: nn.Module, tcfg) -> torch.optim.Optimizer:
     GPT-2 and 9 ms instead of 46 ms for 14M, one core); DeepSpeed builds its optimizer from this
     one (ZeRO-1/2/3 step it on their flat partitions; offload steps with DeepSpeed's own CPU Adam).
     """
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    params = decay + no_decay
+    groups = weight_decay_groups(model, tcfg.weight_decay)
+    params = [p for g in groups for p in g["params"]]
     fused = bool(params) and all(p.device.type in ("cuda", "cpu") and p.dtype in _FUSED_DTYPES for p in params)
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": tcfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=tcfg.lr, betas=(tcfg.adam_beta1, tcfg.adam_beta2), eps=tcfg.adam_eps, fused=fused or None,
-    )
+    return torch.optim.AdamW(groups, lr=tcfg.lr, betas=(tcfg.adam_beta1, tcfg.adam_beta2), eps=tcfg.adam_eps,
+                             fused=fused or None)
+
+
+def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """The trainable parameters in two optimizer groups: matrices (ndim ≥ 2) with ``weight_decay``,
+    then biases, norms and other 1-D parameters without (the usual AdamW recipe: nanoGPT,
+    transformers' Trainer). ZeRO keeps one flat partition per group."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
 
 
 def lr_lambda(tcfg):
