@@ -83,22 +83,31 @@ def largest_model_plan() -> str:
 
 
 def overhead(device: str) -> str:
-    """memtrain's step time against each engine's plain loop, newest row per engine."""
+    """memtrain's step time against each engine's plain loop, newest row per engine: the median
+    step and the mean step (wall time per step) of each run, and their ratios over repeats."""
     rows: dict[str, dict] = {}
     with open(RESULTS / f"overhead-{device}.jsonl") as fh:
         for line in fh:
             row = json.loads(line)
             rows[row["engine"]] = row
-    out = ["| engine | plain loop | ms per step: plain / memtrain (medians) | ratio memtrain ÷ plain (min / median / max) "
-           "| repeats × steps |", "|---|---|---|---|---|"]
+    out = ["| engine | plain loop | ms per step, median step: plain / memtrain | ratio (min / median / max) "
+           "| ms per step, mean step: plain / memtrain | ratio (min / median / max) | repeats × steps |",
+           "|---|---|---|---|---|---|---|"]
     plain = {"ddp": "Accelerate (`accumulate`, `backward`)", "fsdp": "`fully_shard` per block + root",
              "zero2": "`deepspeed.initialize`, `engine.backward`/`step`"}
     for engine in ENGINE_NAMES:
         r = rows.get(engine)
-        if r:
-            out.append(f"| {ENGINE_NAMES[engine]} | {plain.get(engine, '')} | {r['plain_step_s_median'] * 1e3:.1f} / "
-                       f"{r['memtrain_step_s_median'] * 1e3:.1f} | {r['ratio_min']:.2f} / {r['ratio_median']:.2f} / "
-                       f"{r['ratio_max']:.2f} | {r['repeats']} × {r['steps']} |")
+        if not r:
+            continue
+        cells = []
+        for stat, prefix in (("median", ""), ("mean", "mean_")):
+            if f"plain_step_s_{stat}" not in r:  # rows from before the mean was reported
+                cells += ["–", "–"]
+                continue
+            cells += [f"{r[f'plain_step_s_{stat}'] * 1e3:.1f} / {r[f'memtrain_step_s_{stat}'] * 1e3:.1f}",
+                      f"{r[prefix + 'ratio_min']:.2f} / {r[prefix + 'ratio_median']:.2f} / {r[prefix + 'ratio_max']:.2f}"]
+        out.append(f"| {ENGINE_NAMES[engine]} | {plain.get(engine, '')} | {' | '.join(cells)} | "
+                   f"{r['repeats']} × {r['steps']} |")
     return "\n".join(out)
 
 

@@ -37,6 +37,8 @@ def test_overhead_quick_reports_ratio():
     assert row["ratio_min"] <= row["ratio_median"] <= row["ratio_max"]
     assert len(row["ratios"]) == row["repeats"] == 1
     assert row["plain_step_s_median"] > 0 and row["memtrain_step_s_median"] > 0
+    assert row["mean_ratio_min"] <= row["mean_ratio_median"] <= row["mean_ratio_max"]
+    assert row["plain_step_s_mean"] > 0 and row["memtrain_step_s_mean"] > 0
 
 
 def test_checkpoint_io_quick_reports_each_format():
