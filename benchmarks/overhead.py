@@ -15,8 +15,9 @@ keeps one flat partition per group. Reported: the median step time of each, and 
 memtrain / plain with min, median and max over repeats, for each run's median step and for its
 mean step (wall time per step, slow steps included); the runs alternate and so does which of
 the two runs first in a repeat. Goal: ratio ≤ 1.02.
-memtrain's extra work per step: the OOM agreements (shared memory between ranks of one host;
-under DDP one before each gradient bucket), the global token count and the data fingerprint.
+memtrain's extra work per step: the OOM agreements (shared memory between ranks of one host),
+the global token count, the data fingerprint, and — with OOM recovery on — a DDP gradient
+all-reduce after backward instead of one overlapped with it.
 """
 
 from __future__ import annotations

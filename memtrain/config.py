@@ -184,15 +184,8 @@ class BackendConfig:
     filled from this config; a value that contradicts this config is an error."""
     find_unused_parameters: Literal["auto", "true", "false"] = "auto"
     """DDP: auto = on when the model skips layers at random (layerdrop > 0). A parameter that
-    received no gradient on the first step otherwise stops the run, naming it (with
-    ``ddp_reduction deferred``: a warning, and its gradient is reduced as zeros)."""
-    ddp_reduction: Literal["overlapped", "deferred"] = "overlapped"
-    """DDP: overlapped = DDP's gradient all-reduce runs bucket by bucket during the last
-    micro-batch's backward (with OOM recovery on, every rank agrees before each bucket, so an OOM
-    on one rank never strands another inside one); deferred = one all-reduce after the last
-    backward, once every rank agreed the step completed (no collective inside compute; a
-    parameter that never receives a gradient is reduced as zeros, with a warning, instead of
-    stopping the run)."""
+    received no gradient on the first step is otherwise named after it: in a warning with OOM
+    recovery on (its gradient is reduced as zeros), in an error with it off."""
     timeout_s: float = 600.0
     """The longest any collective, or any one operation of the loop (a micro-batch's forward and
     backward, an optimizer step, an evaluation batch, a checkpoint save or load), may take, in

@@ -91,8 +91,7 @@ class OOMSync:
 
     Every rank calls :meth:`agreement_point` at the same places: before every block's forward
     and backward where the engine communicates there (:meth:`install`, switched per micro-batch
-    by :meth:`expect`), or before each of DDP's gradient buckets (a communication hook), after a
-    micro-batch when the next one communicates, and once at the end
+    by :meth:`expect`), after a micro-batch when the next one communicates, and once at the end
     of the step (:meth:`closing_point`, where the step's sums and the stop flag travel in the
     same all-reduce). A rank that ran out of memory skips ahead to the loop, which calls
     :meth:`agree` with ``local_oom=True``; that collective pairs with the other ranks' next
@@ -124,7 +123,6 @@ class OOMSync:
         self.stop_source: Callable[[], bool] = lambda: False
         self.stop_agreed = False  # some rank's stop_source was set at the last closing agreement
         self._expect = None  # the coming micro-batch's ComputeCollectives; None = the hooks do not agree
-        self._voided: Optional[list[int]] = None  # ranks a bucket agreement learnt ran out of memory
         self._group = None
         if self.active and device is not None and device.type != "cpu":
             from datetime import timedelta
@@ -201,45 +199,6 @@ class OOMSync:
             raise AgreedOOM(ranks)
         return summed
 
-    def after_backward(self) -> None:
-        """Called after every micro-batch's backward.
-
-        Raises:
-            AgreedOOM: a bucket agreement (:meth:`install` with ``bucket_hook``) inside this
-                backward learnt that another rank ran out of memory; the buckets after it were
-                not communicated."""
-        if self._voided is not None:
-            ranks, self._voided = self._voided, None
-            raise AgreedOOM(ranks)
-
-    def agreed_ranks(self, exc: BaseException) -> Optional[list[int]]:
-        """The ranks that ran out of memory in a failed attempt, when every rank already knows
-        them: those an :class:`AgreedOOM` names, or those a bucket agreement of this attempt
-        learnt before ``exc`` (this rank's own OOM after that point is then not agreed again:
-        the other ranks have moved on). None = this rank ran out of memory unannounced and must
-        call :meth:`agree` with ``local_oom=True``."""
-        voided, self._voided = self._voided, None
-        if isinstance(exc, AgreedOOM):
-            return exc.ranks
-        return voided
-
-    def _bucket_hook(self, process_group, bucket):
-        """DDP communication hook: an agreement point right before each gradient bucket's
-        all-reduce, then DDP's own averaging all-reduce (``allreduce_hook``). Once another rank
-        ran out of memory, this and the later buckets of the backward are not communicated (a
-        completed future with the local gradients; the attempt is discarded) and
-        :meth:`after_backward` raises. Raising inside the hook would leave DDP's reducer mid-iteration."""
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        if self._voided is None:
-            ranks = self._agree(False)[0]
-            self._voided = ranks or None
-        if self._voided is not None:
-            local = torch.futures.Future()
-            local.set_result(bucket.buffer())
-            return local
-        return allreduce_hook(process_group, bucket)
-
     def close(self) -> None:
         """Release the shared agreement words (if any)."""
         if self._flags is not None:
@@ -252,24 +211,15 @@ class OOMSync:
         backward_blocks)``."""
         self._expect = collectives
 
-    def install(self, blocks: list[nn.Module], collectives, model: Optional[nn.Module] = None) -> None:
+    def install(self, blocks: list[nn.Module], collectives) -> None:
         """Agreement hooks before every block's training forward and backward, when the engine
         communicates inside compute on some micro-batch (``collectives``, the union over
         micro-batches, ``.any``; else nothing is registered: a plain DDP run pays for no Python
         hook); each agrees only where :meth:`expect` says the current micro-batch communicates.
         Install after the engine wrapped the model, so these run before its hooks. Evaluation
-        forwards agree once per micro-batch instead (in the evaluator).
-
-        With ``collectives.bucket_hook`` the backward's agreements run in a communication hook
-        registered on ``model`` (a ``DistributedDataParallel``), one before each gradient bucket,
-        instead of in block hooks: DDP keeps its all-reduce overlapped with backward.
-        (``register_comm_hook``: PyTorch's DDP communication hooks.)"""
+        forwards agree once per micro-batch instead (in the evaluator)."""
         if not (self.active and collectives.any):
             return
-        if collectives.bucket_hook:
-            model.register_comm_hook(model.process_group, self._bucket_hook)
-            if not collectives.forward:
-                return
 
         def forward(index, hidden, args, kwargs):
             if self._expect is not None and self._expect.forward and torch.is_grad_enabled():
@@ -277,8 +227,7 @@ class OOMSync:
 
         def backward(index, shape):
             e = self._expect
-            if (e is not None and e.backward and not e.bucket_hook
-                    and (e.backward_blocks is None or index in e.backward_blocks)):
+            if e is not None and e.backward and (e.backward_blocks is None or index in e.backward_blocks):
                 self.agreement_point()
 
         register_block_hooks(blocks, forward, backward)

@@ -22,7 +22,7 @@ from torch import nn
 from memtrain.backends.base import Backend
 from memtrain.fingerprint import micro_batch_digest
 from memtrain.objectives import Objective
-from memtrain.oom import OOMSync, is_oom
+from memtrain.oom import AgreedOOM, OOMSync, is_oom
 from memtrain.plan import MicroBatchPlan, PlanChange, PlanController
 from memtrain.watchdog import progress
 
@@ -128,9 +128,8 @@ def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.T
         rank_batch: this rank's share of the global batch, tensors [B_rank, …] on the device.
         plan: the micro-batch plan; B_rank must equal micro_batch_size × accumulation steps.
         objective: the loss and its normalisation count (:mod:`memtrain.objectives`).
-        sync: OOM agreement points (in the block hooks or DDP's bucket hook, and after a
-            micro-batch, where the engine communicates, :meth:`Backend.compute_collectives`;
-            always at the end); None = none.
+        sync: OOM agreement points (in the block hooks and after a micro-batch where the engine
+            communicates, :meth:`Backend.compute_collectives`; always at the end); None = none.
         hooks: the step's hook points; None = none.
 
     Returns:
@@ -161,14 +160,12 @@ def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.T
                     global_count = counted()
                     scale = backend.grad_average_factor / global_count.clamp(min=1)
                 backend.backward(micro_loss * scale.to(micro_loss.dtype))
-            if sync is not None:
-                sync.after_backward()  # another rank's OOM learnt at a DDP bucket agreement
             if hooks is not None:
                 hooks.after_micro_batch(i)
             loss_sum += micro_loss.detach().to(torch.float64)
             # Agree after a micro-batch when the next one communicates inside compute (a rank that
             # ran out of memory must not strand the others in its collectives); micro-batches
-            # without collectives (DDP before its last, ZeRO-1 before the boundary) run on.
+            # without collectives (DDP with deferred reduction, ZeRO-1 before the boundary) run on.
             if sync is not None and i < last and collectives[i + 1].before_first_block:
                 sync.agreement_point()
     finally:
@@ -226,7 +223,7 @@ def step_with_recovery(model: nn.Module, backend: Backend, rank_batch: dict[str,
         except BaseException as exc:
             if not sync.enabled or not is_oom(exc):
                 raise
-            agreed = sync.agreed_ranks(exc)
+            agreed = exc.ranks if isinstance(exc, AgreedOOM) else None
             where = "another rank" if agreed is not None else "backward" if "backward" in str(exc) else "forward"
         # outside the except block: the traceback (and the activations its frames hold) is freed;
         # a rank that ran out of memory itself pairs this with the others' next agreement point
@@ -269,7 +266,7 @@ def time_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.Te
     except BaseException as exc:
         if not sync.enabled or not is_oom(exc):
             raise
-        agreed, failed = sync.agreed_ranks(exc), True
+        agreed, failed = (exc.ranks if isinstance(exc, AgreedOOM) else None), True
     if failed:
         if agreed is None:
             sync.agree(True)

@@ -79,7 +79,7 @@ class ModelTransforms:
             self.enable_activation_checkpointing(model)
         sync_replicated_state(model, engine.process.device)
         model, optimizer = engine.prepare(model, make_optimizer)
-        sync.install(self.blocks, engine.compute_collectives(True), model)  # the last micro-batch's: the most
+        sync.install(self.blocks, engine.compute_collectives(True))  # the last micro-batch's: the most
         self.faults.install(self.blocks)  # after the agreement hooks: an injected OOM comes first, as a real one would
         return model, optimizer
 

@@ -6,8 +6,6 @@ The other rank is simulated: ``torch.distributed.all_reduce`` is replaced by a f
 what rank 1 would contribute (the same sums, and an OOM flag or a stop flag when a test asks).
 """
 
-import contextlib
-
 import pytest
 import torch
 from torch import nn
@@ -19,7 +17,6 @@ from memtrain.plan import MicroBatchPlan
 from memtrain.step import train_step
 
 WORLD = 2
-REAL_ALL_REDUCE = torch.distributed.all_reduce
 
 
 class Blocks(nn.Module):
@@ -68,16 +65,12 @@ class Engine:
 
 class OtherRank:
     """Replaces ``torch.distributed.all_reduce``: adds rank 1's contribution (its OOM flag at the
-    call numbered ``oom_at``, its stop flag, and the same payload as rank 0) and counts calls;
-    DDP's asynchronous bucket all-reduces go to the real one (counted as ``buckets``)."""
+    call numbered ``oom_at``, its stop flag, and the same payload as rank 0) and counts calls."""
 
     def __init__(self, oom_at=None, stop=False):
-        self.calls, self.oom_at, self.stop, self.buckets = 0, oom_at, stop, 0
+        self.calls, self.oom_at, self.stop = 0, oom_at, stop
 
-    def __call__(self, buffer, op=None, group=None, async_op=False):
-        if async_op:  # DDP's bucket all-reduce (a real one-rank group), not an agreement
-            self.buckets += 1
-            return REAL_ALL_REDUCE(buffer, group=group, async_op=True)
+    def __call__(self, buffer, op=None, group=None):
         self.calls += 1
         other = buffer.clone()
         other[:WORLD] = 0
@@ -146,73 +139,3 @@ def test_recovery_off_makes_no_agreement(monkeypatch):
     other = OtherRank()
     _step("fsdp_or_zero3", other, monkeypatch, sync=OOMSync(WORLD, 0, enabled=False))
     assert other.calls == 0  # the count and the sums go through the process's own all-reduce
-
-
-class DDPEngine(Engine):
-    """DDP's pattern (collectives in the last micro-batch only, its backward's in buckets) on a
-    real ``DistributedDataParallel``."""
-
-    def __init__(self, ddp):
-        super().__init__(lambda last: (False, last, None, last))
-        self.ddp = ddp
-
-    def sync_context(self, model, sync):
-        return contextlib.nullcontext() if sync else self.ddp.no_sync()
-
-
-@pytest.fixture
-def one_rank_ddp(tmp_path):
-    """A real DDP model (gloo, one process: its buckets still go through the communication hook)
-    with 1 KB buckets, and an OOMSync made before the group, so its agreements go through the
-    patched all-reduce."""
-    sync = OOMSync(WORLD, 0)
-    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
-    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
-    model = Blocks()
-    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)
-    engine = DDPEngine(ddp)
-    sync.install(list(model.layers), engine.compute_collectives(True), ddp)
-    yield sync, model, engine
-    torch.distributed.destroy_process_group()
-
-
-def _ddp_step(sync, model, engine, other, monkeypatch):
-    """One step of 3 micro-batches on ``engine``'s DDP model; the gradients are left in ``model``."""
-    monkeypatch.setattr(torch.distributed, "all_reduce", other)
-    for p in model.parameters():
-        p.grad = None
-    ids = torch.randint(0, 32, (MICRO_BATCHES * 2, 6), generator=torch.Generator().manual_seed(1))
-    train_step(engine.ddp, engine, {"input_ids": ids, "labels": ids}, MicroBatchPlan(2, MICRO_BATCHES), CausalLM(),
-               sync)
-
-
-def test_ddp_agrees_before_each_bucket_and_keeps_its_overlap(one_rank_ddp, monkeypatch):
-    """Under DDP the last micro-batch's buckets are all-reduced during its backward (overlapped),
-    each right after an agreement in the communication hook; no block hook agrees."""
-    sync, model, engine = one_rank_ddp
-    for _ in range(2):  # DDP sizes its buckets by bucket_cap_mb from the second iteration on
-        other = OtherRank()
-        _ddp_step(sync, model, engine, other, monkeypatch)
-    assert other.buckets >= 2
-    assert other.calls == 1 + other.buckets + 1  # before the last micro-batch, one per bucket, closing
-
-
-def test_ddp_bucket_agreement_catches_another_ranks_oom(one_rank_ddp, monkeypatch):
-    """Rank 1 ran out of memory during the last backward: rank 0 learns it at the first bucket,
-    communicates none of the buckets, agrees nowhere else, and raises once its backward is done;
-    the next step computes the gradients a model without DDP does (the reducer was not left
-    mid-iteration)."""
-    sync, model, engine = one_rank_ddp
-    _ddp_step(sync, model, engine, OtherRank(), monkeypatch)
-    other = OtherRank(oom_at=2)  # the last micro-batch's first bucket (after the agreement before it)
-    with pytest.raises(AgreedOOM) as caught:
-        _ddp_step(sync, model, engine, other, monkeypatch)
-    assert caught.value.ranks == [1] and other.calls == 2 and other.buckets == 0
-    _ddp_step(sync, model, engine, OtherRank(), monkeypatch)
-    reference = Blocks()
-    reference.load_state_dict(model.state_dict())
-    ids = torch.randint(0, 32, (MICRO_BATCHES * 2, 6), generator=torch.Generator().manual_seed(1))
-    train_step(reference, Engine(lambda last: (False, False)), {"input_ids": ids, "labels": ids},
-               MicroBatchPlan(2, MICRO_BATCHES), CausalLM(), OOMSync(WORLD, 0, enabled=False))
-    for p, r in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, r.grad)

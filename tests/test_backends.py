@@ -128,15 +128,15 @@ def test_layerdrop_model_trains_under_ddp(tmp_path, cache_dir):
 
 
 def test_never_used_parameter_is_named(tmp_path, cache_dir):
-    """DDP's own overlapped reduction (the default, OOM recovery on) cannot handle it: a clear
-    error with the names. With the deferred reduction it is reduced as zeros and named in a warning."""
+    """DDP's own overlapped reduction cannot handle it: a clear error with the names. With OOM
+    recovery's deferred reduction it is reduced as zeros and named in a warning."""
     args = ["--training.max_steps", "3", "--backend.name", "ddp", "--model.factory", "toy_models:make_unused",
             "--model.config", "{}"]
-    proc = launch(tiny_args(tmp_path / "native", cache_dir, *args, model=False), check=False)
+    proc = launch(tiny_args(tmp_path / "native", cache_dir, *args, "--memory.oom_recovery", "false", model=False),
+                  check=False)
     assert proc.returncode != 0
     assert "forgotten.weight" in proc.stderr and "backend.find_unused_parameters" in proc.stderr
-    proc = launch(tiny_args(tmp_path / "deferred", cache_dir, *args, "--backend.ddp_reduction", "deferred",
-                            model=False))
+    proc = launch(tiny_args(tmp_path / "deferred", cache_dir, *args, model=False))
     assert "received no gradient on step 1: forgotten.weight" in proc.stderr
     assert len(read_metrics(tmp_path / "deferred")) == 3
 

@@ -40,14 +40,11 @@ class ComputeCollectives(NamedTuple):
     Attributes:
         backward_blocks: indices of the blocks inside whose backward (up to the next block's, or
             the end of the micro-batch for block 0) every backward collective lies; None = any.
-        bucket_hook: the backward collectives are DDP's bucket all-reduces: the agreement runs in
-            a DDP communication hook right before each bucket is launched, not in block hooks.
     """
 
     forward: bool
     backward: bool
     backward_blocks: Optional[frozenset] = None
-    bucket_hook: bool = False
 
     @property
     def any(self) -> bool:

@@ -42,11 +42,6 @@ class DDPBackend:
     """Data parallel: every rank holds the whole model; gradients are averaged by all-reduce
     on the last micro-batch of each step (``no_sync`` on the others).
 
-    Two ways to reduce (``backend.ddp_reduction``): ``overlapped``, DDP's own bucket all-reduces
-    during the last backward (under OOM recovery the protocol agrees before each bucket, in a
-    communication hook: :meth:`memtrain.oom.OOMSync.install`), or ``deferred``, one explicit
-    all-reduce after the step's closing agreement (no collective inside compute at all).
-
     Parameters that receive no gradient on some steps (LayerDrop in wav2vec2/WavLM, conditional
     branches) break DDP's default reducer ("Expected to have finished reduction in the prior
     iteration"). With ``find_unused_parameters="auto"`` memtrain turns DDP's unused-parameter
@@ -59,7 +54,7 @@ class DDPBackend:
         precision: resolved ``bf16|fp16|fp32``.
         find_unused_parameters: ``auto|true|false``.
         defer_reduction: all-reduce gradients after the last micro-batch's backward instead of
-            overlapping with it (``backend.ddp_reduction deferred``).
+            overlapping with it (the OOM protocol's choice).
     """
 
     name = "ddp"
@@ -84,9 +79,10 @@ class DDPBackend:
         self.device = process.device
         # DDP divides the all-reduced gradient sum by world_size
         self.grad_average_factor = float(self.world_size)
-        # Deferred, gradients are all-reduced only after every rank finished all its
-        # micro-batches: no collective runs inside a forward or backward, and a parameter
-        # without gradient is reduced as zeros. The price: no overlap with the last backward.
+        # With OOM recovery, gradients are all-reduced only after every rank finished all its
+        # micro-batches (and agreed nobody ran out of memory): no collective ever runs inside a
+        # forward or backward, so an OOM on one rank cannot strand another in DDP's bucket
+        # all-reduce. The price: no overlap of that all-reduce with the last backward.
         self.defer_reduction = defer_reduction and self.world_size > 1
         if self.defer_reduction:
             self._checked_unused = find_unused_parameters == "true"
@@ -105,10 +101,9 @@ class DDPBackend:
 
     def compute_collectives(self, last_micro_batch: bool) -> ComputeCollectives:
         """Deferred: none (the all-reduce follows the step's agreement); else the last
-        micro-batch: DDP's bucket all-reduces in its backward (agreed in a communication hook)
-        and, at the start of its forward, DDP's buffer broadcast and one-time bucket rebuild."""
+        micro-batch's backward (DDP's bucket all-reduce)."""
         overlapped = last_micro_batch and not self.defer_reduction and self.world_size > 1
-        return ComputeCollectives(False, overlapped, None, overlapped)
+        return ComputeCollectives(False, overlapped)
 
     def sync_context(self, model: nn.Module, sync: bool):
         if sync and not self.defer_reduction:
@@ -249,9 +244,10 @@ class DDPBackend:
 
 
 def build(cfg, process: ProcessState, precision: str, plan) -> DDPBackend:
-    """The DDP engine for ``cfg`` (``backend.find_unused_parameters``, ``backend.ddp_reduction``)."""
+    """The DDP engine for ``cfg`` (``backend.find_unused_parameters``; the deferred reduction
+    when ``memory.oom_recovery`` is on)."""
     return DDPBackend(process, precision, find_unused_parameters=cfg.backend.find_unused_parameters,
-                      defer_reduction=cfg.backend.ddp_reduction == "deferred")
+                      defer_reduction=cfg.memory.oom_recovery)
 
 
 def read_full_weights(path: str) -> dict[str, torch.Tensor]:
