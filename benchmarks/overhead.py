@@ -77,11 +77,16 @@ def plain_accelerate_loop(memtrain_args: list[str], out_file: str, engine: str =
             return {k: v[0] for k, v in corpus.train.batch([i]).items()}
 
     loader = torch.utils.data.DataLoader(Blocks(), batch_size=t.micro_batch_size, shuffle=True, drop_last=True)
-    optimizer = torch.optim.AdamW(weight_decay_groups(model, t.weight_decay), lr=t.lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / t.warmup_steps))
+
+    def plain_optimizer(m):
+        """AdamW with memtrain's parameter groups and a linear warm-up, on ``m``'s parameters."""
+        optimizer = torch.optim.AdamW(weight_decay_groups(m, t.weight_decay), lr=t.lr)
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / t.warmup_steps))
+
     if engine != "ddp":
-        plain_sharded_loop(engine, model, optimizer, scheduler, accelerator.prepare(loader), t, accumulation, out_file)
+        plain_sharded_loop(engine, model, plain_optimizer, accelerator.prepare(loader), t, accumulation, out_file)
         return
+    optimizer, scheduler = plain_optimizer(model)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     model.train()
     times, last, steps = [], time.perf_counter(), 0
@@ -109,15 +114,16 @@ def plain_accelerate_loop(memtrain_args: list[str], out_file: str, engine: str =
     accelerator.end_training()
 
 
-def plain_sharded_loop(engine: str, model, optimizer, scheduler, loader, t, accumulation: int, out_file: str) -> None:
+def plain_sharded_loop(engine: str, model, plain_optimizer, loader, t, accumulation: int, out_file: str) -> None:
     """FSDP2 (``fully_shard`` per block, then the root) or DeepSpeed ZeRO-2 (``deepspeed.initialize``),
-    each stepped as its documentation shows; writes the step times (rank 0)."""
+    each stepped as its documentation shows; writes the step times (rank 0). ``plain_optimizer(model)``
+    gives ``(optimizer, scheduler)``: built after ``fully_shard`` (on its sharded parameters), before
+    ``deepspeed.initialize`` (which takes the optimizer)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
     from memtrain.backends.common import repeated_blocks
-    from memtrain.optim import weight_decay_groups
 
     if engine == "fsdp":
         from torch.distributed.fsdp import fully_shard
@@ -125,10 +131,11 @@ def plain_sharded_loop(engine: str, model, optimizer, scheduler, loader, t, accu
         for block in repeated_blocks(model):
             fully_shard(block)
         fully_shard(model)
-        optimizer = torch.optim.AdamW(weight_decay_groups(model, t.weight_decay), lr=t.lr)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / t.warmup_steps))
+        optimizer, scheduler = plain_optimizer(model)
     else:
         import deepspeed
+
+        optimizer, _ = plain_optimizer(model)
 
         world = dist.get_world_size()
         model, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, dist_init_required=False, config={
