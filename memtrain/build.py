@@ -127,6 +127,9 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Tra
                 log.warning("memtrain: resume never: the previous run's outputs in %s were moved to %s",
                             cfg.output_dir, moved)
         corpus = build_corpus(cfg.data, pretrained_tokenizer(cfg, process.is_main))
+    if process.is_main:  # once per run (also when the cache is reused), each naming its file
+        for warning in getattr(getattr(corpus, "tokenized", None), "decode_warnings", ()):
+            log.warning("memtrain: %s", warning)
     resolve_placement(cfg, corpus, process, precision)  # backend.offload auto; the host budget of an offload
     from accelerate.utils import set_seed
 

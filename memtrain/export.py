@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from memtrain.folders import check_export_target, new_export_folder, replace_export
 from memtrain.weights import load_into, save_weights
 
 log = logging.getLogger("memtrain")
@@ -32,19 +33,31 @@ log = logging.getLogger("memtrain")
 def export_model(model: nn.Module, state_dict: dict[str, torch.Tensor], directory: str, tokenizer=None,
                  max_shard_size: str = "5GB") -> None:
     """Write ``directory/model.safetensors`` (+ ``config.json`` and the tokenizer for transformers
-    models), via a temporary directory renamed into place so a failed export never leaves a
-    half-written model. Call on one process only.
+    models), via a temporary folder of its own renamed into place, so a failed export never
+    leaves a half-written model (:func:`memtrain.folders.replace_export`). Call on one process only.
 
     Args:
         model: the unwrapped module (for its class and transformers config).
         state_dict: the full (gathered) weights, on CPU.
-        directory: target directory (replaced).
+        directory: target folder: new, empty, or an earlier export (replaced); anything else is refused.
         tokenizer: a ``transformers`` tokenizer saved beside the model, or None.
         max_shard_size: larger models are split into shards plus an index JSON.
+
+    Raises:
+        memtrain.config.ConfigError: ``directory`` holds files no export wrote (nothing is written).
     """
-    tmp = directory.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    check_export_target(directory, [])
+    tmp = new_export_folder(directory)
+    try:
+        _write_export(model, state_dict, tmp, tokenizer, max_shard_size)
+        replace_export(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_export(model: nn.Module, state_dict: dict[str, torch.Tensor], tmp: str, tokenizer, max_shard_size: str):
+    """The export's files, into the new folder ``tmp``."""
     if hasattr(model, "save_pretrained"):
         # memtrain took the config's LayerDrop over (memtrain.layerdrop.install_layerdrop, which
         # sets it to 0 in the live model); the exported config carries the user's value again.
@@ -60,8 +73,6 @@ def export_model(model: nn.Module, state_dict: dict[str, torch.Tensor], director
             tokenizer.save_pretrained(tmp)
     else:
         save_weights(state_dict, tmp, max_shard_size)
-    shutil.rmtree(directory, ignore_errors=True)
-    os.replace(tmp, directory)
 
 
 def export_checkpoint(path: str, out: str, max_shard_size: str = "5GB") -> str:
@@ -73,6 +84,9 @@ def export_checkpoint(path: str, out: str, max_shard_size: str = "5GB") -> str:
 
     Raises:
         memtrain.errors.CheckpointError: the checkpoint is incomplete or corrupt (named file).
+        memtrain.config.ConfigError: ``out`` is, or lies inside, the checkpoint's run folder, or
+            holds files no export wrote (:func:`memtrain.folders.check_export_target`); checked
+            before anything is read or written.
     """
     from memtrain.backends import read_full_weights
     from memtrain.checkpoint.layout import latest_checkpoint, verify
@@ -84,6 +98,7 @@ def export_checkpoint(path: str, out: str, max_shard_size: str = "5GB") -> str:
         if named is not None:
             path = named
             break
+    check_export_target(out, _run_folders(path))
     manifest = verify(path)
     cfg = _to_dataclass(Config, manifest["config"])
     state = read_full_weights(path, manifest)  # by the engine that wrote it
@@ -98,8 +113,17 @@ def export_checkpoint(path: str, out: str, max_shard_size: str = "5GB") -> str:
     return out
 
 
+def _run_folders(path: str) -> list[str]:
+    """The folders an export of checkpoint ``path`` must stay out of: the checkpoint, and the run
+    folder holding its ``checkpoints/`` (when it is one)."""
+    path = os.path.abspath(path.rstrip(os.sep))
+    parent = os.path.dirname(path)
+    return [path] + ([os.path.dirname(parent)] if os.path.basename(parent) == "checkpoints" else [])
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    """``memtrain export CKPT OUT``; returns the exit status (2 for a refused checkpoint)."""
+    """``memtrain export CKPT OUT``; returns the exit status (2 for a refused checkpoint or target)."""
+    from memtrain.config import ConfigError
     from memtrain.errors import CheckpointError
 
     parser = argparse.ArgumentParser(prog="memtrain export", description=__doc__.split("\n\n")[0])
@@ -110,7 +134,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         out = export_checkpoint(args.checkpoint, args.out, args.max_shard_size)
-    except CheckpointError as exc:
+    except (CheckpointError, ConfigError) as exc:
         print(f"memtrain export: {exc}", file=sys.stderr)
         return 2
     print(json.dumps({"exported": out, "files": sorted(os.listdir(out))}))

@@ -24,7 +24,7 @@ from torch import nn
 
 from memtrain.backends.base import Backend
 from memtrain.checkpoint import MANIFEST, Checkpointer
-from memtrain.checkpoint.compat import check_resumable, data_identity
+from memtrain.checkpoint.compat import TAKES_EFFECT, changed_settings, check_resumable, data_identity
 from memtrain.collector import StepCollector
 from memtrain.config import Config, to_dict
 from memtrain.data import GlobalBatchSampler
@@ -36,6 +36,7 @@ from memtrain.fingerprint import hex_of
 from memtrain.flops import mfu
 from memtrain.metrics import MetricsLogger
 from memtrain.objectives import Objective
+from memtrain.optim import apply_hyperparameters
 from memtrain.oom import (OOMStop, OOMSync, is_oom, memory_report, oom_stop_message, peak_memory_bytes,
                           record_escaped_oom, take_escaped_ooms)
 from memtrain.plan import MicroBatchPlan, PlanChange, PlanController
@@ -117,7 +118,9 @@ class Trainer:
             collector.start()
             self.controller.prober = self._probe
             resumed = self._resume()
-            if resumed is None and t.micro_batch_size == "auto":
+            if resumed is not None and self.state.step >= t.max_steps:
+                return self._already_finished(resumed[0])
+            if t.micro_batch_size == "auto" and (resumed is None or "training.micro_batch_size" in resumed[2]):
                 self._choose_plan()
             self._shrink_after_escaped_oom()
             metrics = self._open_metrics(resumed)
@@ -161,20 +164,54 @@ class Trainer:
         return RunResult(self.engine.unwrap(self.model), records, summary)
 
     # -- the steps of run(), in order ----------------------------------------------------------
-    def _resume(self) -> Optional[tuple[str, float]]:
-        """Load the checkpoint ``resume`` points at, if any; returns (its path, seconds to load)."""
+    def _resume(self) -> Optional[tuple[str, float, dict]]:
+        """Load the checkpoint ``resume`` points at, if any; returns (its path, seconds to load, the
+        settings changed since it was saved: :func:`memtrain.checkpoint.compat.changed_settings`)."""
         path = self.checkpointer.resume_path(self.cfg.resume)
         if path is None:
             return None
         start = time.perf_counter()
         progress(f"resuming from {path}", timed=False, context="")
         with open(os.path.join(path, MANIFEST)) as fh:
-            check_resumable(path, json.load(fh), to_dict(self.cfg), data_identity(self.corpus))
+            manifest = json.load(fh)
+        check_resumable(path, manifest, to_dict(self.cfg), data_identity(self.corpus))
         self.checkpointer.load(path, self.checkpoint_states)
+        changed = changed_settings(manifest, to_dict(self.cfg))
+        if any(key in changed for key in ("training.weight_decay", "training.adam_beta1", "training.adam_beta2",
+                                          "training.adam_eps")):
+            apply_hyperparameters(self.optimizer, self.cfg.training)
+        if "training.micro_batch_size" in changed or "memory.activation_checkpointing" in changed:
+            self.controller.restart()
+            self.transforms.set_activation_checkpointing(self.engine.unwrap(self.model),
+                                                         self.controller.activation_checkpointing)
+        if changed and self.process.is_main:
+            log.warning("memtrain: resuming %s with changed settings: %s", path, "; ".join(
+                f"{key} {old!r} → {new!r} ({TAKES_EFFECT.get(key, 'takes effect')})"
+                for key, (old, new) in changed.items()))
         self.engine.set_plan(self.controller.plan)
         if self.controller.activation_checkpointing:  # switched on by an OOM before the checkpoint
             self.transforms.enable_activation_checkpointing(self.engine.unwrap(self.model))
-        return path, time.perf_counter() - start
+        return path, time.perf_counter() - start, changed
+
+    def _already_finished(self, path: str) -> RunResult:
+        """A resumed run with nothing left to train (its checkpoint is at or past
+        ``training.max_steps``): say so and change nothing (no metrics, summary or export written)."""
+        t, step = self.cfg.training, self.state.step
+        if self.process.is_main:
+            if step == t.max_steps:
+                log.warning("memtrain: %s already finished at step %d (training.max_steps %d): nothing to train, "
+                            "nothing changed. Raise --training.max_steps to train further, or start a new run "
+                            "(--resume never, or another --output_dir)", self.cfg.output_dir, step, t.max_steps)
+            else:
+                log.warning("memtrain: checkpoint %s is at step %d, past training.max_steps %d: nothing to train, "
+                            "nothing changed. Raise --training.max_steps above %d to train further, or start a new "
+                            "run (--resume never, or another --output_dir)", path, step, t.max_steps, step)
+        summary_path = os.path.join(self.cfg.output_dir, "summary.json")
+        summary = {}
+        if os.path.isfile(summary_path):
+            with open(summary_path) as fh:
+                summary = json.load(fh)
+        return RunResult(self.engine.unwrap(self.model), [], summary)
 
     def _shrink_after_escaped_oom(self) -> None:
         """A previous attempt of this run (restarted by its launcher) ran out of memory outside the
@@ -365,7 +402,8 @@ class Trainer:
         """The step's events: the resume (first resumed step), plan changes, then evaluation and
         checkpoint events (including the evaluation before step 1)."""
         if resumed is not None:
-            events.insert(0, {"event": "resume", "step": step, "from": resumed[0], "load_s": resumed[1]})
+            events.insert(0, {"event": "resume", "step": step, "from": resumed[0], "load_s": resumed[1],
+                              **({"changed": resumed[2]} if resumed[2] else {})})
         for source in (self.evaluator.events, self.checkpointer.events):
             events += [{**e, "step": step} for e in source]
             source.clear()

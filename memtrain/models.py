@@ -35,6 +35,24 @@ def load_factory(spec: str):
         raise ConfigError("model.factory", f"cannot load '{spec}': {exc}") from None
 
 
+def check_model_type(model_type) -> None:
+    """Refuse a ``model_type`` transformers does not know, naming it and the close matches only
+    (transformers' own error lists all ~400 types on one line).
+
+    Raises:
+        ConfigError: field ``model.config.model_type``.
+    """
+    import difflib
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type in CONFIG_MAPPING_NAMES:
+        return
+    close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING_NAMES), n=4, cutoff=0.6)
+    raise ConfigError("model.config.model_type", f"'{model_type}' is not a model type transformers knows"
+                      + (f"; close matches: {', '.join(close)}" if close else "; e.g. gpt2, llama, qwen2, wav2vec2"))
+
+
 def build_model(model_cfg: ModelConfig, vocab_size: int, seed: int = 0, eos_token_id: Optional[int] = None) -> nn.Module:
     """Instantiate the model with freshly initialised weights (seed the RNG before calling).
 
@@ -80,6 +98,7 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, seed: int = 0, eos_toke
         elif eos_token_id is not None:  # set before the config exists, so it never holds the type's default
             kwargs.setdefault("bos_token_id", eos_token_id)
             kwargs.setdefault("eos_token_id", eos_token_id)
+        check_model_type(model_type)
         try:
             hf_config = AutoConfig.for_model(model_type, **kwargs)
         except (ValueError, TypeError) as exc:

@@ -38,6 +38,20 @@ def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
 
 
+def apply_hyperparameters(optimizer, tcfg) -> None:
+    """Write this run's ``adam_beta1/2``, ``adam_eps`` and ``weight_decay`` into a restored
+    optimizer's groups (``load_state_dict`` brings back the checkpoint's): the first group is the
+    decayed one (:func:`weight_decay_groups`; DeepSpeed keeps the order), the others keep none.
+    A DeepSpeed JSON's optimizer section sets its own values, filled from these where ``auto``."""
+    for i, group in enumerate(optimizer.param_groups):
+        if "betas" in group:
+            group["betas"] = (tcfg.adam_beta1, tcfg.adam_beta2)
+        if "eps" in group:
+            group["eps"] = tcfg.adam_eps
+        if "weight_decay" in group:
+            group["weight_decay"] = tcfg.weight_decay if i == 0 else 0.0
+
+
 def lr_lambda(tcfg):
     """Multiplier of the peak LR after ``step`` optimizer steps: linear warmup over
     ``warmup_steps``, then cosine decay to ``min_lr_ratio`` at ``max_steps``."""
@@ -62,13 +76,14 @@ def make_scheduler(optimizer: torch.optim.Optimizer, tcfg, deepspeed_scheduler: 
 class WarmupCosine(torch.optim.lr_scheduler.LambdaLR):
     """``LambdaLR`` over :func:`lr_lambda` whose restored state takes this run's schedule.
 
-    ``LambdaLR.load_state_dict`` brings back the saved run's last rates; a resume that changes
-    ``training.max_steps`` (allowed) would run its first step at the old schedule's rate. Here the
-    rates are recomputed from the restored step count with this run's schedule.
+    ``LambdaLR.load_state_dict`` brings back the saved run's peak rates (``base_lrs``) and last
+    rates; a resume that changes ``training.lr``, ``warmup_steps``, ``min_lr_ratio`` or
+    ``max_steps`` (allowed: :mod:`memtrain.checkpoint.compat`) would train on at the old schedule.
+    Here only the step count is restored, and the rates are this run's schedule at that step.
     """
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore the step count and recompute the rates with this run's schedule.
+        """Restore the step count; the peak rates and the rates are this run's schedule's.
 
         Raises:
             CheckpointError: the state is a DeepSpeed JSON schedule's (the schedule changed).
@@ -76,7 +91,9 @@ class WarmupCosine(torch.optim.lr_scheduler.LambdaLR):
         if "last_batch_iteration" in state_dict:
             raise CheckpointError("the checkpoint's LR schedule is the DeepSpeed JSON's scheduler section, this run's "
                                   "is memtrain's warmup + cosine: resume with the same DeepSpeed JSON")
+        base_lrs = list(self.base_lrs)
         super().load_state_dict(state_dict)
+        self.base_lrs = base_lrs
         self._last_lr = [base * f(self.last_epoch) for base, f in zip(self.base_lrs, self.lr_lambdas)]
 
 

@@ -149,6 +149,14 @@ class PlanController:
         return PlanChange(event, old, self.plan, reason, candidate.activation_checkpointing,
                           candidate.predicted_peak_bytes)
 
+    def restart(self) -> None:
+        """Back to the configured plan and activation checkpointing setting (a resume whose
+        ``training.micro_batch_size`` or ``memory.activation_checkpointing`` changed), with a fresh
+        grow-back window count."""
+        self.plan = self.grown_from = self.configured
+        self.activation_checkpointing = self.grown_from_ac = self.ac_mode == "on"
+        self.ok_steps, self.trying_grow = 0, False
+
     def _with_micro(self, micro: int) -> MicroBatchPlan:
         return MicroBatchPlan(micro, self.per_rank_batch // micro)
 

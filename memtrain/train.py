@@ -57,16 +57,19 @@ def run(cfg: Config):
 
     from memtrain.build import build_trainer
     from memtrain.distributed import ProcessState
+    from memtrain.folders import RunLock
     from memtrain.host_allocator import fix_thresholds
     from memtrain.watchdog import Watchdog, progress
 
     progress("start-up", timed=False, context="")  # nothing left from an earlier run in this process
-    fix_thresholds(cfg.memory.host_allocator_thresholds)  # before the model and data allocate
-    quiet_library_notices(torch.cuda.is_available())
-    process = ProcessState(cpu=not torch.cuda.is_available(), timeout_s=cfg.backend.timeout_s)
-    process.cap_cuda_memory(cfg.memory.cuda_memory_cap_gib)
     with ExitStack() as closing:
-        closing.callback(process.close)  # last: the engine is closed first
+        if int(os.environ.get("RANK", "0")) == 0:  # global rank 0 holds the run folder; nothing is written before
+            closing.callback(RunLock(cfg.output_dir).acquire().release)
+        fix_thresholds(cfg.memory.host_allocator_thresholds)  # before the model and data allocate
+        quiet_library_notices(torch.cuda.is_available())
+        process = ProcessState(cpu=not torch.cuda.is_available(), timeout_s=cfg.backend.timeout_s)
+        process.cap_cuda_memory(cfg.memory.cuda_memory_cap_gib)
+        closing.callback(process.close)  # the engine is closed first, the lock released last
         if process.world_size > 1:  # alone, nobody waits on this rank
             closing.callback(Watchdog(cfg.backend.timeout_s, process.rank).start().stop)
         return build_trainer(cfg, process, closing).run()

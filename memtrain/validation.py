@@ -137,6 +137,39 @@ def _pretrained_config(cfg: Config) -> dict:
         raise ConfigError("model.pretrained", f"'{config}' cannot be read: {exc}") from None
 
 
+def _check_model_builds(cfg: Config, mc: dict) -> None:
+    """A transformers config that the model cannot be built from (a value of the wrong type, a
+    width not divisible by the heads): named now, not after the data is built. Each key's type is
+    checked against the config class's default, then the model is built on the meta device
+    (nothing allocated).
+
+    Raises:
+        ConfigError: field ``model.config.KEY`` (a wrong type) or ``model.config`` (what
+            transformers said).
+    """
+    import torch
+    from transformers import AutoConfig
+
+    defaults = AutoConfig.for_model(mc["model_type"])
+    for key, value in (cfg.model.config or {}).items():
+        default = getattr(defaults, key, None)
+        if isinstance(default, (int, float)) and not isinstance(default, bool) and (
+                isinstance(value, (str, bool, list, dict)) or (isinstance(default, int) and isinstance(value, float))):
+            raise ConfigError(f"model.config.{key}", f"expects {'an integer' if isinstance(default, int) else 'a number'}"
+                              f" (the {mc['model_type']} default is {default}), got {value!r}")
+    from memtrain.models import build_model
+
+    try:
+        with torch.device("meta"):
+            build_model(cfg.model, int(mc.get("vocab_size") or cfg.data.vocab_size), eos_token_id=0)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises for a config it cannot build
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        raise ConfigError("model.config", f"transformers cannot build a {mc['model_type']} model from it: "
+                          f"{type(exc).__name__}: {first}") from None
+
+
 def validate(cfg: Config, world_size: int) -> None:
     """Check cross-field constraints before any work is done.
 
@@ -169,14 +202,16 @@ def validate(cfg: Config, world_size: int) -> None:
     if cfg.model.factory is None:
         if "model_type" not in mc:
             raise ConfigError("model.config", "needs 'model_type' (e.g. gpt2, llama) unless model.factory is set")
+        from memtrain.models import check_model_type
+
+        check_model_type(mc["model_type"])
+        if not cfg.model.pretrained:
+            _check_model_builds(cfg, mc)
         positions = mc.get("n_positions", mc.get("max_position_embeddings"))
         if positions is None:
             from transformers import AutoConfig
 
-            try:
-                positions = getattr(AutoConfig.for_model(mc["model_type"]), "max_position_embeddings", None)
-            except ValueError as exc:
-                raise ConfigError("model.config.model_type", str(exc)) from None
+            positions = getattr(AutoConfig.for_model(mc["model_type"]), "max_position_embeddings", None)
         if positions is not None and cfg.data.seq_len > positions:
             raise ConfigError(
                 "data.seq_len",
@@ -186,6 +221,11 @@ def validate(cfg: Config, world_size: int) -> None:
     ds = cfg.backend.deepspeed_config
     if ds is not None and not os.path.isfile(ds):
         raise ConfigError("backend.deepspeed_config", f"'{ds}' is not a file (a DeepSpeed JSON config is expected)")
+    if ds is not None:
+        from memtrain.backends.ds_config import read_user_json
+
+        read_user_json(ds)  # a comment or trailing comma is named now, with its line
+    _validate_files_and_sizes(cfg)
     if ds is not None and cfg.backend.name not in ("auto", "deepspeed"):
         raise ConfigError("backend.deepspeed_config", f"is set but backend.name is '{cfg.backend.name}'; "
                           "use backend.name deepspeed (or auto), or drop the DeepSpeed config")
@@ -217,6 +257,48 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError("faults.kill_mid_step", "needs faults.kill_at_step (the step to end in)")
     if cfg.model.factory is not None and ":" not in cfg.model.factory:
         raise ConfigError("model.factory", f"must look like 'package.module:function', got '{cfg.model.factory}'")
+
+
+def _validate_files_and_sizes(cfg: Config) -> None:
+    """``checkpoint.max_shard_size`` (parsed as the first save would), ``data.encoding`` (a codec
+    Python knows), the data cache folder (``data.cache_dir`` or ``$MEMTRAIN_CACHE``) writable, and
+    ``output_dir/model`` absent or an earlier export (the final export replaces only that)."""
+    size = cfg.checkpoint.max_shard_size
+    try:
+        from huggingface_hub.serialization._base import parse_size_to_int
+    except ImportError:  # a huggingface_hub without it: the first save checks
+        parse_size_to_int = None
+    if parse_size_to_int is not None:
+        try:
+            parse_size_to_int(size)
+        except (ValueError, TypeError):
+            raise ConfigError("checkpoint.max_shard_size", f"{size!r} is not a size; give bytes with a unit, e.g. 5GB, "
+                              "500MB or 2GiB") from None
+    import codecs
+
+    try:
+        codecs.lookup(cfg.data.encoding)
+    except LookupError:
+        raise ConfigError("data.encoding", f"'{cfg.data.encoding}' is not an encoding Python knows; e.g. utf-8, "
+                          "latin-1, cp1252, utf-16") from None
+    from memtrain.checkpoint.layout import nearest_existing
+    from memtrain.data.tokens import default_cache_dir
+
+    cache = os.path.expanduser(cfg.data.cache_dir or default_cache_dir())
+    field = "data.cache_dir" if cfg.data.cache_dir else ("MEMTRAIN_CACHE" if os.environ.get("MEMTRAIN_CACHE") else
+                                                         "data.cache_dir")
+    parent = nearest_existing(cache)
+    if parent and not (os.path.isdir(parent) and os.access(parent, os.W_OK)):
+        where = ("the environment variable MEMTRAIN_CACHE" if field == "MEMTRAIN_CACHE" else
+                 "data.cache_dir" if cfg.data.cache_dir else "the default cache (~/.cache/memtrain)")
+        raise ConfigError(field, f"the data cache '{cache}' ({where}) cannot be written ('{parent}' is not a writable "
+                          "folder); point MEMTRAIN_CACHE or data.cache_dir at a writable folder")
+    from memtrain.folders import is_previous_export
+
+    model_dir = os.path.join(os.path.expanduser(cfg.output_dir), "model")
+    if os.path.isdir(model_dir) and os.listdir(model_dir) and not is_previous_export(model_dir):
+        raise ConfigError("output_dir", f"'{model_dir}' holds files no export wrote ({', '.join(sorted(os.listdir(model_dir))[:5])}); "
+                          "the run exports its model there at the end. Move them, or give another output_dir")
 
 
 def _validate_placement(cfg: Config) -> None:

@@ -173,11 +173,28 @@ def build_ds_config(user: Optional[dict], source: str, *, global_batch_size: int
 
 
 def read_user_json(path: Optional[str]) -> dict:
-    """The DeepSpeed JSON at ``path`` ({} without one)."""
+    """The DeepSpeed JSON at ``path`` ({} without one).
+
+    Raises:
+        ConfigError: field ``backend.deepspeed_config``: unreadable, or not a JSON object (the
+            message names the file, line and column: JSON has no comments or trailing commas).
+    """
     if not path:
         return {}
-    with open(path) as fh:
-        return json.load(fh)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            loaded = json.load(fh)
+    except json.JSONDecodeError as exc:
+        lines = exc.doc.splitlines()
+        shown = lines[exc.lineno - 1].strip() if 0 < exc.lineno <= len(lines) else ""
+        raise ConfigError("backend.deepspeed_config", f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, "
+                          f"column {exc.colno} ({shown!r}); JSON allows no comments and no trailing commas") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError("backend.deepspeed_config", f"{path} cannot be read: {exc}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError("backend.deepspeed_config", f"{path} holds a JSON {type(loaded).__name__}, not an object of "
+                          "DeepSpeed settings")
+    return loaded
 
 
 def resolve_zero_stage(zero_stage: Optional[int], user: dict):
@@ -249,6 +266,13 @@ def _reconcile_precision(cfg: dict, source: str, precision: str, precision_reque
     for name in ("bf16", "fp16"):
         if precision_requested == "auto" and get_path(cfg, f"{name}.enabled") is True:
             precision = name  # "auto" defers to an explicit choice in the JSON
+    if precision == "fp16" and precision_requested == "auto":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("backend.deepspeed_config", f"{source} sets fp16.enabled = true, which needs a CUDA GPU "
+                              "(fp16 with loss scaling); on the CPU set fp16.enabled to false or \"auto\" in it, or "
+                              "use precision bf16 or fp32")
     for name in ("bf16", "fp16"):
         enabled = get_path(cfg, f"{name}.enabled")
         want = precision == name

@@ -1,11 +1,22 @@
-"""Whether a checkpoint can be resumed by this run without skipping or repeating data.
+"""Whether a checkpoint can be resumed by this run, and what a changed setting does on resume.
 
-The data position in a checkpoint is a cursor ``(epoch, step)`` into a permutation of the
-training samples (:mod:`memtrain.data.sampler`). It means the same samples only if the samples,
-their order and the step size are the same: the data (files and their contents, tokenizer,
-``seq_len``), ``training.seed`` and ``training.global_batch_size``. A run that changes any of
-them is refused by name (exit 2) instead of continuing from a position that now points elsewhere.
-The world size, the micro-batch plan, the engine and ``max_steps`` may change.
+Every config key is in one of two classes (:data:`MUST_MATCH`, :data:`TAKES_EFFECT`; a test
+checks that every key of :class:`memtrain.config.Config` is in exactly one), never silently
+ignored:
+
+* **must match** — refused by name with both values (exit 2). The data position in a
+  checkpoint is a cursor ``(epoch, step)`` into a permutation of the training samples
+  (:mod:`memtrain.data.sampler`); it means the same samples only if the samples, their order and
+  the step size are the same: the data (files and their contents, tokenizer, ``seq_len``,
+  encoding), ``training.seed`` and ``training.global_batch_size``. The engine and where its state
+  lives (its checkpoint format), and the weights the run started from, must match too.
+* **takes effect** — from the first resumed step, said in the log and in the ``resume`` event
+  of ``metrics.jsonl`` (``changed``: key → ``[checkpoint's, this run's]``). The learning-rate
+  schedule is a function of the optimizer step and ``training.lr``, ``warmup_steps``,
+  ``min_lr_ratio`` and ``max_steps``: the resumed run evaluates this run's function at the
+  restored step. Optimizer settings are written into the restored optimizer. A changed
+  ``training.micro_batch_size`` or ``memory.activation_checkpointing`` restarts the plan there;
+  unchanged, the checkpoint's plan (where OOM recovery may have moved it) carries on.
 """
 
 from __future__ import annotations
@@ -21,6 +32,67 @@ DATA_KEYS = ("data.files", "data.max_bytes", "data.vocab_size", "data.text_field
              "data.speech")
 """Settings that choose the data: compared when the corpus identity of either side is not known
 (the identity, a hash of the files' names and contents and these settings, is the finer test)."""
+
+
+MUST_MATCH = DATA_POSITION_KEYS + DATA_KEYS + (
+    "data.encoding", "model.pretrained", "model.factory", "backend.name", "backend.zero_stage", "backend.offload",
+    "backend.offload_optimizer_ratio", "backend.nvme_path")
+ENGINE_KEYS = ("backend.name", "backend.zero_stage")
+"""Must match, compared as resolved (``auto`` becomes an engine) against the manifest's ``backend`` and
+``zero_stage`` by :class:`memtrain.checkpoint.stateful.EngineState`."""
+"""Settings a resumed run must keep (compared by :func:`check_resumable`; the engine and model
+shapes also by :class:`memtrain.checkpoint.stateful.EngineState` against the manifest)."""
+
+TAKES_EFFECT = {
+    "training.max_steps": "the cosine decay is recomputed to end at the new max_steps",
+    "training.lr": "the schedule is this run's, at the resumed step",
+    "training.min_lr_ratio": "the schedule is this run's, at the resumed step",
+    "training.warmup_steps": "the schedule is this run's, at the resumed step",
+    "training.weight_decay": "written into the restored optimizer",
+    "training.adam_beta1": "written into the restored optimizer",
+    "training.adam_beta2": "written into the restored optimizer",
+    "training.adam_eps": "written into the restored optimizer",
+    "training.micro_batch_size": "the plan restarts at it",
+    "memory.activation_checkpointing": "the plan restarts with it",
+}
+"""Settings whose change on resume needs a rule (the rule, as logged). Every other key that is
+not in :data:`MUST_MATCH` is read from this run's config when the run is built, so its change
+takes effect as it would in a new run (cadences, engine tuning, logging, faults, …)."""
+
+
+def settings_classes(config: dict, prefix: str = "") -> dict[str, str]:
+    """Every leaf key of ``config`` (a :func:`memtrain.config.to_dict`; ``model.config``,
+    ``data.speech`` and the list values are leaves) → ``must_match`` or ``takes_effect``."""
+    out = {}
+    for key, value in config.items():
+        dotted = prefix + key
+        if isinstance(value, dict) and dotted not in ("model.config", "data.speech"):
+            out.update(settings_classes(value, dotted + "."))
+        else:
+            out[dotted] = "must_match" if dotted in MUST_MATCH else "takes_effect"
+    return out
+
+
+def changed_settings(manifest: dict, config: dict) -> dict[str, list]:
+    """The settings that take effect on resume and differ from the checkpoint's:
+    key → ``[checkpoint's value, this run's]`` (``model.config`` keys one by one)."""
+    saved = manifest.get("config") or {}
+    changed = {}
+    for key, kind in settings_classes(config).items():
+        if kind != "takes_effect" or key in ("resume",):
+            continue
+        before, now = _get(saved, key), _get(config, key)
+        if key == "model.config":
+            for sub in sorted(set(before or {}) | set(now or {})):
+                if (before or {}).get(sub) != (now or {}).get(sub):
+                    changed[f"model.config.{sub}"] = [(before or {}).get(sub), (now or {}).get(sub)]
+        elif before != now and key in _flat_keys(saved):
+            changed[key] = [before, now]
+    return changed
+
+
+def _flat_keys(config: dict) -> set[str]:
+    return set(settings_classes(config))
 
 
 def data_identity(corpus) -> Optional[str]:
@@ -56,6 +128,15 @@ def check_resumable(path: str, manifest: dict, config: dict, identity: Optional[
             raise ConfigError(key, f"is {now!r} but checkpoint {path} was saved with {before!r}; resuming would "
                               "skip or repeat samples. Use the saved value, or start a new run (resume never, or "
                               "another output_dir)")
+    saved_keys = _flat_keys(saved)
+    for key in MUST_MATCH[len(DATA_POSITION_KEYS) + len(DATA_KEYS):]:
+        if key in ENGINE_KEYS:
+            continue  # compared with the engine that wrote the checkpoint (EngineState), not with a config value
+        before, now = _get(saved, key), _get(config, key)
+        if key in saved_keys and before != now:  # a key older checkpoints lack is not compared
+            raise ConfigError(key, f"is {now!r} but checkpoint {path} was saved with {before!r}; this setting "
+                              "cannot change on resume (docs/checkpoints.md, \"Changing settings on resume\"). Use "
+                              "the saved value, or start a new run (resume never, or another output_dir)")
     if known and saved_identity != identity:
         raise ConfigError("data.files", f"the data differs from what checkpoint {path} was trained on (corpus "
                           f"{identity}, saved {saved_identity}: a file's contents or the tokenizer changed); resuming would "

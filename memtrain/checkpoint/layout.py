@@ -171,6 +171,7 @@ def choose_resume(root: str, mode: str) -> Optional[str]:
     for path in candidates:
         try:
             verify(path)
+            _name_unfinished(root, step_of(os.path.basename(path)))
             return path
         except CheckpointError as exc:
             refused.append(str(exc))
@@ -178,7 +179,20 @@ def choose_resume(root: str, mode: str) -> Optional[str]:
     if refused:
         raise CheckpointError("no complete checkpoint verifies: " + "; ".join(refused)
                               + ". Fix or remove them, or set resume never to start over")
+    if os.path.isdir(root):
+        _name_unfinished(root, 0)
     return None
+
+
+def _name_unfinished(root: str, resumed_step: int) -> None:
+    """Warn about each ``step_XXXXXXXX`` folder newer than ``resumed_step`` without a manifest
+    (a save that did not finish, or a manifest deleted): it is skipped, and the log says why."""
+    for name in sorted(os.listdir(root)):
+        step = step_of(name)
+        if step is not None and step > resumed_step and not os.path.isfile(os.path.join(root, name, MANIFEST)):
+            log.warning("memtrain: not resuming from %s: it has no %s (its save did not finish, or the file was "
+                        "removed); %s", os.path.join(root, name), MANIFEST,
+                        f"resuming from step {resumed_step} instead" if resumed_step else "starting from step 0")
 
 
 def clean_stale(root: str) -> None:

@@ -137,14 +137,21 @@ class EngineState:
         """Load after checking the engine and every parameter's shape against the manifest.
 
         Raises:
-            CheckpointError: another engine or model shape, or a world size the engine cannot
-                reshard to.
+            ConfigError: another engine or ZeRO stage (fields ``backend.name``, ``backend.zero_stage``).
+            CheckpointError: another model shape, or a world size the engine cannot reshard to.
         """
+        from memtrain.config import ConfigError
+
         name = self.backend.name
         if manifest["backend"] != name:
-            raise CheckpointError(f"{directory} was written by backend.name {manifest['backend']}; this run uses "
-                                  f"{name}. Resume with backend.name {manifest['backend']}, or `memtrain export` its "
-                                  "weights")
+            raise ConfigError("backend.name", f"is {name} but {directory} was written by backend.name "
+                              f"{manifest['backend']}. Resume with backend.name {manifest['backend']}, start a new run "
+                              "(--resume never, or another --output_dir), or `memtrain export` its weights")
+        stage, saved_stage = self.backend.manifest_fields().get("zero_stage"), manifest.get("zero_stage")
+        if stage != saved_stage:
+            raise ConfigError("backend.zero_stage", f"is {stage} but {directory} was written under ZeRO stage "
+                              f"{saved_stage}: DeepSpeed's partitions differ. Resume with backend.zero_stage "
+                              f"{saved_stage}, or start a new run (--resume never, or another --output_dir)")
         shapes, saved = model_shapes(self.backend.unwrap(self.model)), manifest["model_shapes"]
         if saved != shapes:
             diff = next((k for k in sorted(set(shapes) | set(saved)) if shapes.get(k) != saved.get(k)), None)

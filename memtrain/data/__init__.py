@@ -36,7 +36,10 @@ class PackedDataset:
         self.seq_len = seq_len
         self.num_samples = (len(stream) - 1) // seq_len
         if self.num_samples < 1:
-            raise ValueError(f"token stream of {len(stream)} tokens is shorter than one sample of data.seq_len {seq_len}")
+            from memtrain.config import ConfigError
+
+            raise ConfigError("data.seq_len", f"a split of {len(stream)} tokens is shorter than one sample of "
+                              f"data.seq_len {seq_len}; give more data (data.files, data.max_bytes) or a shorter seq_len")
 
     def __len__(self) -> int:
         return self.num_samples
@@ -105,8 +108,8 @@ def build_corpus(data_cfg, pretrained_tokenizer=None):
         A :class:`Corpus` (text) or :class:`memtrain.data.speech.SpeechCorpus`.
 
     Raises:
-        FileNotFoundError: ``data.files`` matches nothing.
-        ValueError: a split too small for one ``seq_len`` sample, or a bad speech manifest.
+        ConfigError: one file only, a split too small for one ``seq_len`` sample, a file that is not
+            ``data.encoding`` text, or a bad speech manifest (the message names the field and file).
     """
     if data_cfg.kind == "speech":
         from memtrain.data.speech import build_speech_corpus
@@ -118,9 +121,12 @@ def build_corpus(data_cfg, pretrained_tokenizer=None):
     files = select_files(data_cfg.files, data_cfg.max_bytes, data_cfg.validation_fraction)
     train_files, val_files = split_files(files, data_cfg.validation_fraction)
     if not val_files:
-        raise ValueError("data.files: need at least two files (one is held out for validation)")
+        from memtrain.config import ConfigError
+
+        raise ConfigError("data.files", f"{len(files)} file(s) selected; at least two are needed (whole files are held "
+                          "out for validation: data.validation_fraction), or a datasets folder with its own split")
     tok = load_or_build(train_files, val_files, data_cfg.vocab_size, data_cfg.text_field, data_cfg.cache_dir,
-                        pretrained_tokenizer)
+                        pretrained_tokenizer, data_cfg.encoding, strict_decoding=data_cfg.files is not None)
     if tok.vocab_size != data_cfg.vocab_size and not pretrained_tokenizer:
         import logging
 

@@ -7,6 +7,7 @@ validation when a hash of its path (relative to the corpus root) falls below
 
 from __future__ import annotations
 
+import codecs
 import glob
 import hashlib
 import json
@@ -160,9 +161,60 @@ def split_files(files: list[SourceFile], validation_fraction: float) -> tuple[li
     return sorted(train, key=lambda f: f.name), sorted(val, key=lambda f: f.name)
 
 
-def iter_documents(files: list[SourceFile], text_field: str = "text") -> Iterator[str]:
+_undecodable = [0]
+
+
+def _count_and_replace(exc: UnicodeDecodeError) -> tuple[str, int]:
+    """A codec error handler: the bytes that do not decode become U+FFFD, and are counted."""
+    _undecodable[0] += exc.end - exc.start
+    return "\ufffd", exc.end
+
+
+codecs.register_error("memtrain.count", _count_and_replace)
+
+MAX_UNDECODABLE_FRACTION = 0.001
+"""A file of ``data.files`` with more undecodable bytes than this fraction stops the run (exit 2)."""
+
+
+def check_decoding(undecodable: dict[str, int], encoding: str, strict: bool) -> list[str]:
+    """The warnings for files with bytes that did not decode (one per file, naming it).
+
+    Args:
+        undecodable: file path → bytes read as U+FFFD (from :func:`iter_documents`' ``undecodable``).
+        encoding: ``data.encoding``.
+        strict: the user's files (above :data:`MAX_UNDECODABLE_FRACTION` of a file is an error);
+            False for the embedded default corpus.
+
+    Raises:
+        ConfigError: field ``data.encoding``, naming the first file over the threshold.
+    """
+    from memtrain.config import ConfigError
+
+    warnings = []
+    for path, bad in sorted(undecodable.items()):
+        if not bad:
+            continue
+        size = max(1, os.path.getsize(path)) if os.path.exists(path) else 1
+        if strict and bad / size > MAX_UNDECODABLE_FRACTION:
+            raise ConfigError("data.encoding", f"'{path}' is not {encoding} text: {bad:,} of its {size:,} bytes "
+                              f"({bad / size:.2%}) cannot be decoded. Set data.encoding to the file's encoding (e.g. "
+                              "latin-1, cp1252, utf-16), or convert the file")
+        warnings.append(f"data.files: '{path}': {bad:,} of {size:,} bytes are not valid {encoding} and were read "
+                        "as U+FFFD (set data.encoding if the file has another encoding)")
+    return warnings if strict else []
+
+
+def iter_documents(files: list[SourceFile], text_field: str = "text", encoding: str = "utf-8",
+                   undecodable: Optional[dict[str, int]] = None) -> Iterator[str]:
     """Yield documents: a whole text file is one document; each JSONL line is one; each row of a
     ``datasets`` source's part is one.
+
+    Args:
+        files: the files, in order.
+        text_field: the JSONL field holding a document.
+        encoding: text and JSONL files' encoding (``data.encoding``); bytes that do not decode are
+            read as U+FFFD.
+        undecodable: filled with file path → bytes that did not decode, for each file read.
 
     Raises:
         ConfigError: a JSONL line that is not a JSON object (field ``data.files``) or has no
@@ -176,7 +228,8 @@ def iter_documents(files: list[SourceFile], text_field: str = "text") -> Iterato
 
             yield from iter_rows(f.path, f.name.rsplit("::", 1)[0], f.part, text_field, f.validation_fraction)
         elif f.path.endswith((".jsonl", ".json")):
-            with open(f.path, encoding="utf-8", errors="replace") as fh:
+            _undecodable[0] = 0
+            with open(f.path, encoding=encoding, errors="memtrain.count") as fh:
                 for lineno, line in enumerate(fh, 1):
                     if not line.strip():
                         continue
@@ -188,9 +241,15 @@ def iter_documents(files: list[SourceFile], text_field: str = "text") -> Iterato
                     if not isinstance(obj, dict) or text_field not in obj:
                         raise ConfigError("data.text_field", f"{f.path}:{lineno}: no field '{text_field}' in this line")
                     yield str(obj[text_field])
+            if undecodable is not None:
+                undecodable[f.path] = _undecodable[0]
         else:
-            with open(f.path, encoding="utf-8", errors="replace") as fh:
-                yield fh.read()
+            _undecodable[0] = 0
+            with open(f.path, encoding=encoding, errors="memtrain.count") as fh:
+                text = fh.read()
+            if undecodable is not None:
+                undecodable[f.path] = _undecodable[0]
+            yield text
 
 
 def fingerprint(files: list[SourceFile], *extra) -> str:

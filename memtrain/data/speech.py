@@ -23,6 +23,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from memtrain.config import ConfigError
 from memtrain.data.espeak import ESPEAK_SAMPLE_RATE, normalize_text, sentences_of, synthesize_many, voice_for
 
 SAMPLE_RATE = 16000
@@ -155,26 +156,36 @@ def read_manifests(paths: list[str]) -> list[tuple[str, str, str]]:
     folder moves.
 
     Raises:
-        ValueError: a line without ``audio`` or ``text``, a text with nothing left after
-            normalisation, or an audio file that does not exist (names the manifest and line).
+        ConfigError: field ``data.files``: a manifest that is not UTF-8 JSONL, a line without
+            ``audio`` or ``text``, a text with nothing left after normalisation, or an audio file
+            that does not exist (names the manifest and line).
     """
     items = []
     for path in paths:
-        with open(path, encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
+        try:
+            with open(path, encoding="utf-8") as fh:
+                lines = fh.read().splitlines()
+        except UnicodeDecodeError as exc:
+            raise ConfigError("data.files", f"{path}: a speech manifest must be UTF-8 JSONL ({exc.reason} at byte "
+                              f"{exc.start})") from None
+        for lineno, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
                 obj = json.loads(line)
-                if "audio" not in obj or "text" not in obj:
-                    raise ValueError(f"{path}:{lineno}: a speech manifest line needs 'audio' and 'text' (data.files)")
-                audio = os.path.join(os.path.dirname(os.path.abspath(path)), obj["audio"])
-                if not os.path.isfile(audio):
-                    raise ValueError(f"{path}:{lineno}: audio file '{audio}' does not exist (data.files)")
-                text = normalize_text(str(obj["text"]))
-                if not text:  # nothing to align a CTC path to, and no words to score
-                    raise ValueError(f"{path}:{lineno}: the text {obj['text']!r} has no letters or digits "
-                                     "left after normalisation (data.files)")
-                items.append((audio, text, str(obj["audio"])))
+            except json.JSONDecodeError as exc:
+                raise ConfigError("data.files", f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno}); a "
+                                  "speech manifest holds one {\"audio\": ..., \"text\": ...} object per line") from None
+            if not isinstance(obj, dict) or "audio" not in obj or "text" not in obj:
+                raise ConfigError("data.files", f"{path}:{lineno}: a speech manifest line needs 'audio' and 'text'")
+            audio = os.path.join(os.path.dirname(os.path.abspath(path)), str(obj["audio"]))
+            if not os.path.isfile(audio):
+                raise ConfigError("data.files", f"{path}:{lineno}: audio file '{audio}' does not exist")
+            text = normalize_text(str(obj["text"]))
+            if not text:  # nothing to align a CTC path to, and no words to score
+                raise ConfigError("data.files", f"{path}:{lineno}: the text {obj['text']!r} has no letters or digits "
+                                  "left after normalisation")
+            items.append((audio, text, str(obj["audio"])))
     return items
 
 
@@ -260,9 +271,9 @@ def build_speech_corpus(data_cfg, cache_dir: Optional[str] = None) -> SpeechCorp
             if data_cfg.files is None:
                 train, test = synthetic_sentences(data_cfg.validation_fraction, sp.min_words, sp.max_words)
                 if len(train) < sp.train_utterances or len(test) < sp.test_utterances:
-                    raise ValueError(f"data.speech: the standard library gives {len(train)} training and {len(test)} "
-                                     f"test sentences of {sp.min_words}-{sp.max_words} words; lower "
-                                     "data.speech.train_utterances / test_utterances or widen the word range")
+                    raise ConfigError("data.speech.train_utterances", f"the standard library gives {len(train)} training and {len(test)} "
+                                      f"test sentences of {sp.min_words}-{sp.max_words} words; lower "
+                                      "data.speech.train_utterances / test_utterances or widen the word range")
                 for split, name, sentences in ((0, "train", train[:sp.train_utterances]),
                                                (1, "validation", test[:sp.test_utterances])):
                     voices = [voice_for(sp.seed, i, split) for i in range(len(sentences))]
@@ -274,8 +285,8 @@ def build_speech_corpus(data_cfg, cache_dir: Optional[str] = None) -> SpeechCorp
                 val = [it for it in items if _unit_hash("split:" + it[2]) < data_cfg.validation_fraction]
                 train_items = [it for it in items if _unit_hash("split:" + it[2]) >= data_cfg.validation_fraction]
                 if not val or not train_items:
-                    raise ValueError(f"data.files: {len(items)} utterances leave an empty train or validation split "
-                                     f"at data.validation_fraction {data_cfg.validation_fraction}")
+                    raise ConfigError("data.files", f"{len(items)} utterances leave an empty train or validation "
+                                      f"split at data.validation_fraction {data_cfg.validation_fraction}")
                 for name, part in (("train", train_items), ("validation", val)):
                     _write_split(tmp, name, [_read_audio(a) for a, _, _ in part], [t for _, t, _ in part])
     return SpeechCorpus(_load_split(directory, "train"), _load_split(directory, "validation"), directory)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memtrain.data.corpus import SourceFile, fingerprint, iter_documents
+from memtrain.data.corpus import SourceFile, check_decoding, fingerprint, iter_documents
 
 EOS_TOKEN = "<|endoftext|>"
 _CACHE_FORMAT = 1  # bump when the cache layout or tokenisation changes
@@ -27,6 +27,8 @@ PRETRAINED_DIR = "pretrained_tokenizer"
 """Cache subfolder holding a pretrained model's tokenizer files, as found in ``model.pretrained``."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 _SPECIAL = "special_tokens.json"  # {"eos_token": ...}; absent = EOS_TOKEN (the trained BPE)
+UNDECODABLE = "undecodable_bytes.json"
+"""Cache file: data file → bytes that did not decode in ``data.encoding`` (reported again on reuse)."""
 
 
 @dataclass
@@ -46,6 +48,8 @@ class TokenizedCorpus:
     validation: np.ndarray
     vocab_size: int
     eos_id: int
+    decode_warnings: tuple[str, ...] = ()
+    """One line per data file with bytes that did not decode (:func:`memtrain.data.corpus.check_decoding`)."""
 
     @property
     def tokenizer_path(self) -> str:
@@ -133,12 +137,12 @@ def pretrained_eos_token(folder: str) -> str:
                       "which separates documents in the packed stream")
 
 
-def _train_tokenizer(tmp: str, train_files, vocab_size: int, text_field: str):
+def _train_tokenizer(tmp: str, train_files, vocab_size: int, text_field: str, encoding: str):
     from tokenizers import ByteLevelBPETokenizer
 
     tok = ByteLevelBPETokenizer()
     tok.train_from_iterator(
-        iter_documents(train_files, text_field), vocab_size=vocab_size, min_frequency=2,
+        iter_documents(train_files, text_field, encoding), vocab_size=vocab_size, min_frequency=2,
         special_tokens=[EOS_TOKEN], show_progress=False,
     )
     tok.save(os.path.join(tmp, "tokenizer.json"))
@@ -162,22 +166,32 @@ def _copy_pretrained_tokenizer(tmp: str, folder: str):
 
 
 def _build(directory: str, train_files, val_files, vocab_size: int, text_field: str,
-           pretrained_tokenizer: str | None = None) -> None:
+           pretrained_tokenizer: str | None = None, encoding: str = "utf-8", strict_decoding: bool = False) -> None:
+    """Build the cache folder; a user's file over the undecodable-bytes threshold stops it
+    (nothing is kept) with :class:`memtrain.config.ConfigError`."""
+    import json
+
     with building(directory) as tmp:
         if pretrained_tokenizer:
             tok, eos = _copy_pretrained_tokenizer(tmp, pretrained_tokenizer)
         else:
-            tok, eos = _train_tokenizer(tmp, train_files, vocab_size, text_field)
+            tok, eos = _train_tokenizer(tmp, train_files, vocab_size, text_field, encoding)
         eos_id = tok.token_to_id(eos)
         dtype = np.uint16 if tok.get_vocab_size() <= 2**16 else np.uint32
+        undecodable: dict[str, int] = {}
         for split, files in (("train", train_files), ("validation", val_files)):
-            arr = _encode(tok, iter_documents(files, text_field), eos_id, dtype)
+            arr = _encode(tok, iter_documents(files, text_field, encoding, undecodable), eos_id, dtype)
             np.save(os.path.join(tmp, f"{split}.npy"), arr)
+        check_decoding(undecodable, encoding, strict_decoding)  # over the threshold: raises, the cache is dropped
+        with open(os.path.join(tmp, UNDECODABLE), "w", encoding="utf-8") as fh:
+            json.dump({"encoding": encoding, "strict": strict_decoding,
+                       "files": {p: n for p, n in undecodable.items() if n}}, fh, indent=1)
 
 
 def load_or_build(
     train_files: list[SourceFile], val_files: list[SourceFile], vocab_size: int,
     text_field: str = "text", cache_dir: str | None = None, pretrained_tokenizer: str | None = None,
+    encoding: str = "utf-8", strict_decoding: bool = False,
 ) -> TokenizedCorpus:
     """Return the tokenized corpus for these files and settings, building it if not cached.
 
@@ -193,9 +207,15 @@ def load_or_build(
         cache_dir: cache root; None = :func:`default_cache_dir`.
         pretrained_tokenizer: a folder with a pretrained ``tokenizer.json`` (``model.pretrained``):
             used instead of training BPE (``vocab_size`` is then unused).
+        encoding: ``data.encoding`` (part of the cache key unless utf-8, so older caches stay valid).
+        strict_decoding: the user's files: a file with undecodable bytes is named in
+            ``decode_warnings``, and one above the threshold stops the build.
 
     Returns:
         The corpus with memory-mapped streams.
+
+    Raises:
+        ConfigError: a file of ``data.files`` is not ``encoding`` text (field ``data.encoding``).
     """
     import json
 
@@ -203,10 +223,16 @@ def load_or_build(
     if pretrained_tokenizer:
         with open(os.path.join(pretrained_tokenizer, "tokenizer.json"), "rb") as fh:
             tokenizer_key = "pretrained:" + hashlib.sha256(fh.read()).hexdigest()
-    key = fingerprint(train_files + val_files, len(train_files), tokenizer_key, text_field, _CACHE_FORMAT)
+    key = fingerprint(train_files + val_files, len(train_files), tokenizer_key, text_field, _CACHE_FORMAT,
+                      *([encoding] if encoding.lower().replace("_", "-") not in ("utf-8", "utf8") else []))
     directory = os.path.join(cache_dir or default_cache_dir(), f"corpus-{key}")
     if not os.path.exists(os.path.join(directory, "validation.npy")):
-        _build(directory, train_files, val_files, vocab_size, text_field, pretrained_tokenizer)
+        _build(directory, train_files, val_files, vocab_size, text_field, pretrained_tokenizer, encoding,
+               strict_decoding)
+    warnings: list[str] = []
+    if os.path.exists(os.path.join(directory, UNDECODABLE)):
+        with open(os.path.join(directory, UNDECODABLE), encoding="utf-8") as fh:
+            warnings = check_decoding(json.load(fh)["files"], encoding, strict_decoding)
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(os.path.join(directory, "tokenizer.json"))
@@ -220,4 +246,5 @@ def load_or_build(
         validation=np.load(os.path.join(directory, "validation.npy"), mmap_mode="r"),
         vocab_size=tok.get_vocab_size(),
         eos_id=tok.token_to_id(eos),
+        decode_warnings=tuple(warnings),
     )

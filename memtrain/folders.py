@@ -1,0 +1,224 @@
+"""What memtrain may write where, so that it never deletes or mixes the user's files.
+
+* **The run folder's lock** (:class:`RunLock`): global rank 0 holds an advisory ``flock`` on
+  ``output_dir/.memtrain.lock`` from right after validation until it exits, so a second run
+  started in the same ``output_dir`` is refused (exit 2, naming the holder) instead of writing
+  into the first one's checkpoints and metrics. The kernel drops the lock when its holder dies
+  (a crash, ``kill -9``, a node reboot), so a lock left by a dead run is taken over, and the log
+  names the run that left it. Other ranks and other nodes of the same run do not lock.
+* **Export folders** (:func:`check_export_target`, :func:`replace_export`): an export writes a
+  folder of its own, and replaces only a folder that is itself an earlier export (it holds
+  :data:`EXPORT_MARKER` and nothing that marker does not list), never one holding other files, the
+  run's folder or the checkpoint's.
+
+No torch here: validation and ``memtrain export`` use it before anything heavy is imported.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
+from typing import Optional
+
+from memtrain.config import ConfigError
+
+log = logging.getLogger("memtrain")
+
+LOCK_FILE = ".memtrain.lock"
+"""The run folder's lock file (kept after the run: its content names the last holder)."""
+EXPORT_MARKER = "memtrain_export.json"
+"""Written into every export folder: the files the export wrote (a later export may replace exactly those)."""
+_LEGACY_EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                        "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                        "merges.txt", "chat_template.jinja")
+"""What an export written before :data:`EXPORT_MARKER` existed holds (besides ``model-*.safetensors`` shards)."""
+
+
+def _describe_holder(text: str) -> str:
+    """``PID 1234 on host h (started 2026-11-25 14:03:11 UTC)`` from a lock file's JSON, else the raw text."""
+    try:
+        info = json.loads(text)
+        started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(info["started_unix_s"]))
+        return f"PID {info['pid']} on host {info['host']} (started {started}, command: {info.get('command', '?')})"
+    except (ValueError, KeyError, TypeError):
+        return repr(text.strip()[:200]) if text.strip() else "an unknown process"
+
+
+class RunLock:
+    """The advisory lock a run holds on its ``output_dir`` (global rank 0 only).
+
+    Args:
+        output_dir: the run folder (created when missing: the lock is the run's first write).
+
+    Raises (from :meth:`acquire`):
+        ConfigError: another live process holds the folder (field ``output_dir``; the message
+            names its PID, host, start time and command), or the folder cannot be written.
+    """
+
+    def __init__(self, output_dir: str):
+        self.output_dir = output_dir
+        self.path = os.path.join(output_dir, LOCK_FILE)
+        self._fd: Optional[int] = None
+        self._created = False
+
+    def acquire(self) -> "RunLock":
+        """Take the lock (non-blocking); a lock file left by a dead holder is taken over, with a
+        warning naming it. Returns ``self``."""
+        self._created = not os.path.isdir(self.output_dir)
+        for _ in range(10):  # a holder that removed the file as we opened it: open the new one
+            fd = self._open_locked()
+            try:
+                if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+        previous = os.pread(fd, 4096, 0).decode("utf-8", "replace")
+        if previous.strip():
+            log.warning("memtrain: taking over the lock on %s left by a run that is no longer running: %s",
+                        self.output_dir, _describe_holder(previous))
+        import sys
+
+        record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started_unix_s": time.time(),
+                             "command": " ".join(sys.argv)[:500]})
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, record.encode(), 0)
+        self._fd = fd
+        return self
+
+    def _open_locked(self) -> int:
+        """The lock file, opened and flocked.
+
+        Raises:
+            ConfigError: held by a live process, or not writable.
+        """
+        try:
+            os.makedirs(self.output_dir, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise ConfigError("output_dir", f"'{self.output_dir}' cannot be locked for this run: {exc}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _describe_holder(os.pread(fd, 4096, 0).decode("utf-8", "replace"))
+            os.close(fd)
+            raise ConfigError("output_dir", f"'{self.output_dir}' is in use by another memtrain run: {holder}. Two "
+                              "runs in one folder would mix their checkpoints and metrics; wait for it to finish, "
+                              "stop it, or give this run another output_dir") from None
+        return fd
+
+    def release(self) -> None:
+        """Drop the lock; the file is emptied (a clean exit leaves no holder to take over), and
+        removed with the folder when this run created the folder and wrote nothing else there."""
+        if self._fd is None:
+            return
+        try:
+            os.ftruncate(self._fd, 0)
+            if self._created and os.listdir(self.output_dir) == [LOCK_FILE]:
+                os.unlink(self.path)  # still holding the lock: a waiting opener sees the inode change
+                os.rmdir(self.output_dir)
+        except OSError:
+            pass
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+
+
+def _real(path: str) -> str:
+    return os.path.realpath(os.path.expanduser(path))
+
+
+def _inside(path: str, folder: str) -> bool:
+    """``path`` is ``folder`` or below it (both resolved)."""
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def is_previous_export(folder: str) -> bool:
+    """``folder`` holds an export and nothing else: its :data:`EXPORT_MARKER` lists every file
+    in it, or (an export written before the marker existed) it holds only model, config and
+    tokenizer files."""
+    names = set(os.listdir(folder))
+    marker = os.path.join(folder, EXPORT_MARKER)
+    if os.path.isfile(marker):
+        try:
+            with open(marker, encoding="utf-8") as fh:
+                written = set(json.load(fh)["files"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        return names - {EXPORT_MARKER} <= written
+    return bool(names) and all(os.path.isfile(os.path.join(folder, n)) and
+                               (n in _LEGACY_EXPORT_FILES or (n.startswith("model-") and n.endswith(".safetensors")))
+                               for n in names)
+
+
+def check_export_target(out: str, protected: list[str]) -> None:
+    """Refuse an export target that would remove or mix with anything an export did not write.
+
+    Args:
+        out: the target folder.
+        protected: folders the target must not be, nor lie inside (the run folder and the
+            checkpoint being exported).
+
+    Raises:
+        ConfigError: field ``out``: the target is (inside) a protected folder, contains one,
+            is a file, or is a non-empty folder that is not an earlier export (the message names
+            the files it holds).
+    """
+    target = _real(out)
+    folders = [_real(f) for f in protected]
+    for relation, hit in (("the", lambda f: target == f), ("inside", lambda f: _inside(target, f)),
+                          ("above", lambda f: _inside(f, target))):
+        for folder in folders:
+            if hit(folder):
+                raise ConfigError("out", f"'{out}' is {relation} folder '{folder}' of the run or checkpoint being "
+                                  "exported; exporting there could overwrite its files. Give a folder outside the run, "
+                                  "e.g. exports/<run name>")
+    if os.path.exists(target) and not os.path.isdir(target):
+        raise ConfigError("out", f"'{out}' exists and is not a folder")
+    if os.path.isdir(target) and os.listdir(target) and not is_previous_export(target):
+        held = sorted(os.listdir(target))
+        raise ConfigError("out", f"'{out}' is not empty and is not an earlier memtrain export (it holds "
+                          f"{', '.join(held[:5])}{' …' if len(held) > 5 else ''}); nothing was written. Give a new "
+                          "or empty folder")
+
+
+def replace_export(tmp: str, out: str) -> None:
+    """Move the finished export ``tmp`` (a folder beside ``out``) to ``out``: written
+    :data:`EXPORT_MARKER`, then, when ``out`` is an earlier export, that export is renamed aside and
+    removed only after the new one is in place (a crash between the two renames leaves the
+    earlier export whole in a ``.replaced-`` folder beside it).
+
+    Raises:
+        ConfigError: ``out`` became something else than an earlier export meanwhile.
+    """
+    files = sorted(os.path.relpath(os.path.join(base, n), tmp) for base, _, names in os.walk(tmp) for n in names)
+    with open(os.path.join(tmp, EXPORT_MARKER), "w", encoding="utf-8") as fh:
+        json.dump({"files": files, "exported_unix_s": time.time()}, fh, indent=1)
+    out = out.rstrip(os.sep)
+    if os.path.isdir(out) and os.listdir(out):
+        if not is_previous_export(out):
+            raise ConfigError("out", f"'{out}' is not empty and is not an earlier memtrain export; nothing was replaced")
+        aside = tempfile.mkdtemp(prefix=f".replaced-{os.path.basename(out)}-", dir=os.path.dirname(os.path.abspath(out)))
+        os.rmdir(aside)
+        os.replace(out, aside)
+        os.replace(tmp, out)
+        shutil.rmtree(aside, ignore_errors=True)
+        return
+    if os.path.isdir(out):
+        os.rmdir(out)  # empty: nothing of anyone's is lost
+    os.replace(tmp, out)
+
+
+def new_export_folder(out: str) -> str:
+    """A new, empty temporary folder beside ``out`` for an export to be written into (its own
+    name: never a folder someone else owns)."""
+    parent = os.path.dirname(os.path.abspath(out.rstrip(os.sep)))
+    os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(out.rstrip(os.sep))}-", dir=parent)

@@ -1,0 +1,225 @@
+"""Nothing of the user's is deleted or silently changed: export targets, a run folder two runs
+share, settings changed on resume, a finished run rerun. Each case asserts the documented exit
+code, the message, and that the files on disk are as they were.
+
+One finished 1-process run (4 steps, checkpoints at 2 and 4) is shared by every test here; the
+tests that change a run work on copies of it.
+"""
+
+import hashlib
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, TRAIN, read_metrics, tiny_args
+
+BASE = ["--training.max_steps", "4", "--checkpoint.every_steps", "2", "--training.lr", "1e-3",
+        "--training.warmup_steps", "2", "--training.min_lr_ratio", "0.1"]
+
+
+def run_cli(args: list[str], timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python memtrain/train.py ARGS`` in one process (no launcher), output captured."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent), **(env or {})}
+    full_env.pop("RANK", None)
+    full_env.pop("WORLD_SIZE", None)
+    return subprocess.run([sys.executable, TRAIN, *args], capture_output=True, text=True, timeout=timeout,
+                          env=full_env, cwd=REPO)
+
+
+def snapshot(folder) -> dict[str, str]:
+    """Relative path → sha256 of every file below ``folder`` (the run lock's own file aside)."""
+    out = {}
+    for base, _, names in os.walk(folder):
+        for name in names:
+            if name == ".memtrain.lock":
+                continue
+            path = os.path.join(base, name)
+            with open(path, "rb") as fh:
+                out[os.path.relpath(path, folder)] = hashlib.sha256(fh.read()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, cache_dir):
+    """The shared finished run's folder (do not modify: copy it)."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    proc = run_cli(tiny_args(out, cache_dir, *BASE))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+def copy_run(finished_run, tmp_path) -> Path:
+    target = tmp_path / "run"
+    shutil.copytree(finished_run, target)
+    return target
+
+
+# -- export: the deleting cases first -------------------------------------------------------------
+def test_export_never_removes_what_it_did_not_write(finished_run, tmp_path, capsys):
+    """A folder holding the user's notes, the run folder itself, a folder inside it: refused
+    (exit 2, the target named), nothing changed. A new folder and an earlier export: written."""
+    from memtrain.export import main as export_main
+
+    run = copy_run(finished_run, tmp_path)
+    before = snapshot(run)
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "ideas.txt").write_text("do not lose me")
+    (tmp_path / "exported.tmp").mkdir()  # a user's folder that the old export removed as its scratch space
+    (tmp_path / "exported.tmp" / "keep.txt").write_text("mine")
+    for ckpt, out, phrase in [(run, notes, "is not empty and is not an earlier memtrain export"),
+                              (run, run, "is the folder"),
+                              (run / "checkpoints", run / "exported", "is inside folder"),
+                              (run / "checkpoints" / "step_00000004", run / "checkpoints", "is inside folder")]:
+        capsys.readouterr()
+        assert export_main([str(ckpt), str(out)]) == 2
+        err = capsys.readouterr().err
+        assert phrase in err and str(out) in err, err
+        assert (notes / "ideas.txt").read_text() == "do not lose me"
+        assert snapshot(run) == before
+    exported = tmp_path / "exported"
+    assert export_main([str(run), str(exported)]) == 0
+    first = snapshot(exported)
+    assert "model.safetensors" in first and "memtrain_export.json" in first
+    assert export_main([str(run / "checkpoints" / "step_00000002"), str(exported)]) == 0  # an earlier export: replaced
+    assert snapshot(exported)["model.safetensors"] != first["model.safetensors"]
+    assert (tmp_path / "exported.tmp" / "keep.txt").read_text() == "mine"
+    assert sorted(os.listdir(tmp_path)) == ["exported", "exported.tmp", "notes", "run"]  # no scratch folder left
+    (exported / "my_eval.json").write_text("{}")  # the user's file inside an export: that export is theirs now
+    assert export_main([str(run), str(exported)]) == 2
+    assert (exported / "my_eval.json").exists() and snapshot(run) == before
+
+
+def test_a_run_does_not_export_over_files_it_did_not_write(finished_run, tmp_path):
+    """output_dir/model holding the user's file: refused before anything is written (exit 2)."""
+    run = copy_run(finished_run, tmp_path)
+    (run / "model" / "README.md").write_text("my model card")
+    before = snapshot(run)
+    proc = run_cli(tiny_args(run, "unused", *BASE, "--resume", "never"))
+    assert proc.returncode == 2 and "'output_dir'" in proc.stderr and "README.md" in proc.stderr, proc.stderr
+    assert snapshot(run) == before
+
+
+# -- one run folder, one run ---------------------------------------------------------------------
+HOLD = """
+import sys, time
+from memtrain.folders import RunLock
+RunLock(sys.argv[1]).acquire()
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_second_run_in_a_held_folder_is_refused_and_a_dead_holder_taken_over(finished_run, tmp_path, cache_dir):
+    """A live holder: the second start exits 2 naming its PID, nothing written. Once the holder
+    is killed (its lock file left behind), a start takes the lock over and says whose it was."""
+    run = copy_run(finished_run, tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        before = snapshot(run)
+        proc = run_cli(tiny_args(run, cache_dir, *BASE, "--training.max_steps", "6"))
+        assert proc.returncode == 2, proc.stderr
+        assert "is in use by another memtrain run" in proc.stderr and f"PID {holder.pid} " in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr and snapshot(run) == before
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert str(holder.pid) in (run / ".memtrain.lock").read_text()  # left by the dead holder
+    proc = run_cli(tiny_args(run, cache_dir, *BASE))  # finished already: changes nothing
+    assert proc.returncode == 0, proc.stderr
+    assert "taking over the lock" in proc.stderr and f"PID {holder.pid} " in proc.stderr, proc.stderr
+    assert (run / ".memtrain.lock").read_text() == ""  # released
+
+
+# -- a finished run rerun ------------------------------------------------------------------------
+@pytest.mark.parametrize("max_steps,phrase", [("4", "already finished at step 4"),
+                                              ("2", "is at step 4, past training.max_steps 2")])
+def test_rerunning_a_finished_run_changes_nothing(finished_run, tmp_path, cache_dir, max_steps, phrase):
+    run = copy_run(finished_run, tmp_path)
+    before = snapshot(run)
+    proc = run_cli(tiny_args(run, cache_dir, *BASE, "--training.max_steps", max_steps))
+    assert proc.returncode == 0, proc.stderr
+    assert phrase in proc.stderr and "nothing changed" in proc.stderr, proc.stderr
+    assert "tokens/s" not in proc.stdout + proc.stderr
+    assert snapshot(run) == before
+
+
+# -- changed settings on resume ------------------------------------------------------------------
+def expected_lr(step: int, lr: float, warmup: int, max_steps: int, min_ratio: float) -> float:
+    """Linear warm-up then cosine decay, written out here (not taken from memtrain.optim)."""
+    done = step - 1  # optimizer steps taken before this one
+    if done < warmup:
+        return lr * (done + 1) / warmup
+    progress = min(1.0, (done - warmup) / (max_steps - warmup))
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def test_changed_settings_on_resume_take_effect_and_are_recorded(finished_run, tmp_path, cache_dir):
+    """max_steps, lr, adam_beta2 and micro_batch_size changed: the log and the resume event say
+    so, the schedule is the new one from step 5, the plan restarts at the new micro-batch, and
+    summary.json and the new manifests record what trained. A must-match setting is refused."""
+    import json
+
+    run = copy_run(finished_run, tmp_path)
+    refused = run_cli(tiny_args(run, cache_dir, *BASE, "--training.max_steps", "6", "--training.seed", "7"))
+    assert refused.returncode == 2 and "'training.seed'" in refused.stderr and "1234" in refused.stderr, refused.stderr
+    changed = ["--training.max_steps", "6", "--training.lr", "3e-3", "--training.adam_beta2", "0.99",
+               "--training.micro_batch_size", "4"]
+    proc = run_cli(tiny_args(run, cache_dir, *BASE, *changed))
+    assert proc.returncode == 0, proc.stderr
+    assert "training.lr 0.001 → 0.003" in proc.stderr and "training.max_steps 4 → 6" in proc.stderr, proc.stderr
+    records = read_metrics(run)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    resume = records[4]["plan_changes"][0]
+    assert resume["event"] == "resume" and resume["changed"]["training.lr"] == [1e-3, 3e-3]
+    assert resume["changed"]["training.adam_beta2"] == [0.95, 0.99]
+    for r in records[:4]:
+        assert r["lr"] == pytest.approx(expected_lr(r["step"], 1e-3, 2, 4, 0.1), rel=1e-9)
+    for r in records[4:]:
+        assert r["lr"] == pytest.approx(expected_lr(r["step"], 3e-3, 2, 6, 0.1), rel=1e-9)
+        assert r["micro_batch_size"] == 4 and r["gradient_accumulation_steps"] == 2
+    summary = json.loads((run / "summary.json").read_text())
+    manifest = json.loads((run / "checkpoints" / "step_00000006" / "manifest.json").read_text())
+    for config in (summary["config"], manifest["config"]):
+        assert config["training"]["lr"] == 3e-3 and config["training"]["adam_beta2"] == 0.99
+    # the same resume without the change trains other weights: the change reached the optimizer
+    same = copy_run(finished_run, tmp_path / "same")
+    assert run_cli(tiny_args(same, cache_dir, *BASE, "--training.max_steps", "6",
+                             "--training.micro_batch_size", "4")).returncode == 0
+    assert read_metrics(same)[5]["loss"] != records[5]["loss"]
+
+
+def test_every_setting_has_a_resume_class():
+    """Every key of the config is must-match or takes-effect; none is left unclassified."""
+    from memtrain.checkpoint.compat import MUST_MATCH, TAKES_EFFECT, settings_classes
+    from memtrain.config import Config, to_dict
+
+    classes = settings_classes(to_dict(Config()))
+    assert set(MUST_MATCH) <= set(classes) and set(TAKES_EFFECT) <= set(classes)
+    assert not set(MUST_MATCH) & set(TAKES_EFFECT)
+    assert {"training.global_batch_size", "data.seq_len", "data.encoding", "backend.name"} <= {
+        k for k, v in classes.items() if v == "must_match"}
+    assert classes["training.lr"] == classes["checkpoint.every_steps"] == "takes_effect"
+
+
+def test_a_skipped_checkpoint_is_named_with_the_reason(tmp_path, caplog):
+    """resume auto past a checkpoint without a manifest (or with a damaged one): the log names it and why."""
+    from memtrain.checkpoint.layout import choose_resume
+    from test_checkpoint_layout import save
+
+    root = tmp_path / "checkpoints"
+    save(root, 2)
+    save(root, 4)
+    os.remove(root / "step_00000004" / "manifest.json")
+    (root / "step_00000006").mkdir()  # a save that never finished
+    assert choose_resume(str(root), "auto").endswith("step_00000002")
+    for step in ("step_00000004", "step_00000006"):
+        assert any(step in m and "has no manifest.json" in m and "resuming from step 2" in m for m in caplog.messages)
