@@ -223,3 +223,89 @@ def test_a_skipped_checkpoint_is_named_with_the_reason(tmp_path, caplog):
     assert choose_resume(str(root), "auto").endswith("step_00000002")
     for step in ("step_00000004", "step_00000006"):
         assert any(step in m and "has no manifest.json" in m and "resuming from step 2" in m for m in caplog.messages)
+
+
+# -- the user's mistakes are exit 2, naming what to fix -------------------------------------------
+def exit_of(argv: list[str]) -> tuple[int, str]:
+    """The exit code and message the ``memtrain`` command gives for ``argv``, in this process."""
+    from memtrain.train import error_report, main
+
+    try:
+        main(argv)
+    except Exception as exc:  # noqa: BLE001
+        return error_report(exc, None)
+    return 0, ""
+
+
+def test_user_mistakes_exit_2_naming_the_field_or_file(tmp_path, cache_dir, monkeypatch):
+    from conftest import TINY_ARGS
+
+    recipe = tmp_path / "twice.yaml"
+    recipe.write_text((REPO / "recipes" / "code_lm_tiny.yaml").read_text() + "training:\n  max_steps: 3\n")
+    commented = tmp_path / "commented.json"
+    commented.write_text('{\n  // ZeRO-2\n  "zero_optimization": {"stage": 2}\n}\n')
+    trailing = tmp_path / "trailing.json"
+    trailing.write_text('{\n  "zero_optimization": {"stage": 2},\n}\n')
+    fp16 = tmp_path / "fp16.json"
+    fp16.write_text('{"fp16": {"enabled": true}, "zero_optimization": {"stage": 2}}\n')
+    one_file = tmp_path / "only.txt"
+    one_file.write_text("def f():\n    return 1\n" * 200)
+    (tmp_path / "a_file").write_text("x")
+    out = tmp_path / "out"
+    cases = [
+        (["--config", str(recipe)], "config", f"{recipe}: key 'training' is given twice (first at line"),
+        (["--model.config.n_layer", "four"], "model.config.n_layer", "expects an integer"),
+        (["--model.config.n_embd", "100", "--model.config.n_head", "3"], "model.config", "divisible"),
+        (["--model.config.model_type", "gtp2"], "model.config.model_type", "close matches: gpt2"),
+        (["--backend.deepspeed_config", str(commented)], "backend.deepspeed_config", f"{commented} is not valid JSON"),
+        (["--backend.deepspeed_config", str(trailing)], "backend.deepspeed_config", "line 3"),
+        (["--backend.deepspeed_config", str(fp16), "--precision", "auto"], "backend.deepspeed_config",
+         "fp16.enabled = true, which needs a CUDA"),
+        (["--checkpoint.max_shard_size", "abc"], "checkpoint.max_shard_size", "'abc' is not a size"),
+        (["--data.files", f"[{one_file}]"], "data.files", "at least two are needed"),
+        (["--training.learning_rate", "1e-4"], "training.learning_rate", "did you mean 'training.lr'"),
+        (["--data.encoding", "latin-9000"], "data.encoding", "not an encoding Python knows"),
+    ]
+    for extra, field, phrase in cases:
+        code, message = exit_of(TINY_ARGS + ["--output_dir", str(out), "--data.cache_dir", cache_dir, *extra])
+        assert code == 2 and f"'{field}'" in message and phrase in message, (extra, code, message)
+        assert len(message) < 600, message  # one readable line, not a library's list of every choice
+        assert not out.exists()  # nothing written
+    monkeypatch.setenv("MEMTRAIN_CACHE", str(tmp_path / "a_file" / "cache"))
+    code, message = exit_of(TINY_ARGS + ["--output_dir", str(out)])
+    assert code == 2 and "'MEMTRAIN_CACHE'" in message and "cannot be written" in message, message
+
+
+def test_a_speech_manifest_naming_a_missing_clip_is_named(tmp_path):
+    from memtrain.config import ConfigError
+    from memtrain.data.speech import read_manifests
+
+    manifest = tmp_path / "train.jsonl"
+    manifest.write_text('{"audio": "missing.wav", "text": "hello"}\n')
+    with pytest.raises(ConfigError) as info:
+        read_manifests([str(manifest)])
+    assert info.value.field == "data.files" and f"{manifest}:1: audio file" in str(info.value)
+
+
+def test_text_that_is_not_utf8_is_counted_named_and_refused(tmp_path, caplog):
+    """A latin-1 file: exit 2 naming it and data.encoding; read as latin-1 with data.encoding. A
+    file with one stray byte: trained, and named in a warning, again when the cache is reused."""
+    from memtrain.config import ConfigError, DataConfig
+    from memtrain.data import build_corpus
+
+    text = "def add(a, b):\n    return a + b  # la somme\n" * 400
+    (tmp_path / "a.py").write_text(text)
+    (tmp_path / "b.py").write_text(text.replace("somme", "s\u00f6mme\u00e9"), encoding="latin-1")
+    data = DataConfig(files=[str(tmp_path / "*.py")], vocab_size=300, seq_len=16, cache_dir=str(tmp_path / "cache"),
+                      validation_fraction=0.5)
+    with pytest.raises(ConfigError) as info:
+        build_corpus(data)
+    assert info.value.field == "data.encoding" and "b.py" in str(info.value) and "latin-1" in str(info.value)
+    assert not [n for n in os.listdir(tmp_path / "cache") if not n.startswith(".")]  # no cache kept
+    data.encoding = "latin-1"
+    assert len(build_corpus(data).train) > 0
+    (tmp_path / "b.py").write_bytes(text.encode() + b"\xff")  # one byte in ~19,000
+    data.encoding = "utf-8"
+    for _ in range(2):  # built, then reused from the cache
+        warnings = build_corpus(data).tokenized.decode_warnings
+        assert len(warnings) == 1 and "b.py" in warnings[0] and "1 of" in warnings[0], warnings

@@ -82,8 +82,15 @@ def building(directory: str) -> Iterator[str]:
     others' copies are discarded, so a reader never sees a half-written cache.
     """
     parent = os.path.dirname(directory)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
+    except OSError as exc:
+        from memtrain.config import ConfigError
+
+        named = "MEMTRAIN_CACHE" if os.environ.get("MEMTRAIN_CACHE") else "data.cache_dir"
+        raise ConfigError(named, f"the data cache '{parent}' cannot be written ({exc.strerror}); point "
+                          "MEMTRAIN_CACHE or data.cache_dir at a writable folder") from None
     try:
         yield tmp
         try:
