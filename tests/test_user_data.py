@@ -208,6 +208,8 @@ def test_every_setting_has_a_resume_class():
     assert {"training.global_batch_size", "data.seq_len", "data.encoding", "backend.name"} <= {
         k for k, v in classes.items() if v == "must_match"}
     assert classes["training.lr"] == classes["checkpoint.every_steps"] == "takes_effect"
+    documented = (REPO / "docs" / "checkpoints.md").read_text()
+    assert all(f"`{key}`" in documented for key in (*MUST_MATCH, *TAKES_EFFECT))  # the docs list both classes
 
 
 def test_a_skipped_checkpoint_is_named_with_the_reason(tmp_path, caplog):
