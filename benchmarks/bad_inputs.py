@@ -130,8 +130,10 @@ def main(argv=None) -> int:
                 cmd = cmd[:-2]  # the variable, not data.cache_dir, names the cache
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600,
                                   env={**os.environ, "OMP_NUM_THREADS": "1", **env})
-            changed = [str(w.name) for w, b in zip(watched, before) if snapshot(w) != b]
-            rows.append({"case": what, "exit_code": proc.returncode, "message": message_of(proc),
+            changed = [{"run_template": "the run"}.get(w.name, w.name) for w, b in zip(watched, before)
+                       if snapshot(w) != b]
+            rows.append({"case": what, "exit_code": proc.returncode,
+                         "message": message_of(proc).replace(str(scratch) + "/", "").replace("run_template", "RUN"),
                          "files_changed": changed})
             print(json.dumps(rows[-1]), flush=True)
     finally:

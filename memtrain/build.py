@@ -121,12 +121,12 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Tra
     t = cfg.training
     precision = resolve_precision(cfg.precision, process.device.type)  # a refused precision stops before any work
     with process.main_process_first():
-        if cfg.resume == "never" and process.is_main:
+        corpus = build_corpus(cfg.data, pretrained_tokenizer(cfg, process.is_main))
+        if cfg.resume == "never" and process.is_main:  # after the data: a bad data file leaves the folder as it was
             moved = move_previous_run(cfg.output_dir)
             if moved:
                 log.warning("memtrain: resume never: the previous run's outputs in %s were moved to %s",
                             cfg.output_dir, moved)
-        corpus = build_corpus(cfg.data, pretrained_tokenizer(cfg, process.is_main))
     if process.is_main:  # once per run (also when the cache is reused), each naming its file
         for warning in getattr(getattr(corpus, "tokenized", None), "decode_warnings", ()):
             log.warning("memtrain: %s", warning)

@@ -311,3 +311,16 @@ def test_text_that_is_not_utf8_is_counted_named_and_refused(tmp_path, caplog):
     for _ in range(2):  # built, then reused from the cache
         warnings = build_corpus(data).tokenized.decode_warnings
         assert len(warnings) == 1 and "b.py" in warnings[0] and "1 of" in warnings[0], warnings
+
+
+def test_resume_never_with_bad_data_leaves_the_previous_run_in_place(finished_run, tmp_path, cache_dir):
+    """The previous run is moved aside only once the new run's data is good: a refused data file
+    (exit 2) leaves the folder exactly as it was."""
+    run = copy_run(finished_run, tmp_path)
+    (tmp_path / "a.py").write_text("x = 1\n" * 500)
+    (tmp_path / "b.py").write_bytes(b"y = '\xe9\xe8'\n" * 500)
+    before = snapshot(run)
+    code, message = exit_of(tiny_args(run, cache_dir, *BASE, "--resume", "never", "--data.max_bytes", "0",
+                                      "--data.files", f"[{tmp_path}/*.py]"))
+    assert code == 2 and "'data.encoding'" in message and "b.py" in message, message
+    assert snapshot(run) == before
