@@ -69,23 +69,6 @@ def activation_bytes(model: nn.Module, micro_batch: dict[str, torch.Tensor], act
     return counter.peak_bytes
 
 
-def device_flops_per_s(device_type: str) -> float:
-    """Achieved dense matmul FLOP/s of this machine's device (a 1024³ fp32 matmul on the CPU, or
-    bf16 on CUDA), to turn FLOPs into seconds in ``memtrain plan``."""
-    import time
-
-    dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
-    a = torch.randn(1024, 1024, device=device_type, dtype=dtype)
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        a @ a
-        if device_type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return 2 * 1024**3 / best
-
-
 def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
                 host_memory_gib: Optional[float] = None, nvme_path: Optional[str] = None) -> dict:
     """The planner's view of a config before it runs, without allocating the model: the
@@ -140,6 +123,8 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     planner = Planner(make_candidates(per_rank, cfg.memory.activation_checkpointing, state_on_device, acts, device_type,
                                       budget), budget)
     gpu_without_one = device_type == "cuda" and not torch.cuda.is_available()
+    from memtrain.flops import device_flops_per_s
+
     flops = DEFAULT_GPU_FLOPS if gpu_without_one else device_flops_per_s(device_type)
     every = cfg.memory.activation_checkpointing_every_n_blocks
     tokens = tokens_per_sample(cfg, corpus)
@@ -225,7 +210,7 @@ def main(argv: Optional[list[str]] = None, command: str = "memory") -> int:
     the launcher's ``WORLD_SIZE``, else 1. Exit 2 on a config error."""
     from memtrain.config import ConfigError, parse_args
     from memtrain.launcher import apply_accelerate_settings
-    from memtrain.train import quiet_library_notices
+    from memtrain.distributed import quiet_library_notices
     from memtrain.validation import validate
 
     quiet_library_notices(torch.cuda.is_available())

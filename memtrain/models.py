@@ -35,6 +35,13 @@ def load_factory(spec: str):
         raise ConfigError("model.factory", f"cannot load '{spec}': {exc}") from None
 
 
+def ctc_model_types() -> list[str]:
+    """transformers model types with a CTC head (wav2vec2, wavlm, hubert, …)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CTC_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CTC_MAPPING_NAMES)
+
+
 def check_model_type(model_type) -> None:
     """Refuse a ``model_type`` transformers does not know, naming it and the close matches only
     (transformers' own error lists all ~400 types on one line).
@@ -89,8 +96,6 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, seed: int = 0, eos_toke
     else:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForCTC
 
-        from memtrain.validation import ctc_model_types
-
         model_type = kwargs.pop("model_type")
         ctc = model_type in ctc_model_types()
         if ctc:
@@ -129,8 +134,6 @@ def _from_pretrained(model_cfg: ModelConfig, vocab_size: int, seed: int) -> nn.M
             ``model.config``).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForCTC
-
-    from memtrain.validation import ctc_model_types
 
     path = model_cfg.pretrained
     overrides = {k: v for k, v in (model_cfg.config or {}).items() if k != "model_type"}

@@ -435,7 +435,7 @@ def run_machine(cfg, device: torch.device, world_size: int) -> Machine:
     """The machine a run plans for: the device budget of :func:`memtrain.planner.device_budget_bytes`,
     ``memory.host_memory_gib`` (else the available memory), this process's resident bytes, the
     device's matmul rate and CPU Adam's rate, both measured here."""
-    from memtrain.estimate import device_flops_per_s
+    from memtrain.flops import device_flops_per_s
     from memtrain.planner import device_budget_bytes
 
     device_type = "cpu" if cfg.faults.memory_budget_mib > 0 else device.type

@@ -56,7 +56,7 @@ def run(cfg: Config):
     import torch
 
     from memtrain.build import build_trainer
-    from memtrain.distributed import ProcessState
+    from memtrain.distributed import ProcessState, quiet_library_notices
     from memtrain.folders import RunLock
     from memtrain.host_allocator import fix_thresholds
     from memtrain.watchdog import Watchdog, progress
@@ -73,18 +73,6 @@ def run(cfg: Config):
         if process.world_size > 1:  # alone, nobody waits on this rank
             closing.callback(Watchdog(cfg.backend.timeout_s, process.rank).start().stop)
         return build_trainer(cfg, process, closing).run()
-
-
-def quiet_library_notices(cuda: bool) -> None:
-    """Silence what a user cannot act on: torch's FutureWarning for the deprecated collectives
-    DeepSpeed calls (``all_gather_into_tensor``, ``reduce_scatter_tensor``; 18 lines per ZeRO-3
-    run), and, without CUDA, DeepSpeed's "Setting accelerator to CPU" (told so by
-    ``DS_ACCELERATOR=cpu`` unless the user set it)."""
-    import warnings
-
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-    if not cuda:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 INTERRUPTED = 130

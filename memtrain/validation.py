@@ -11,18 +11,12 @@ import glob
 import os
 
 from memtrain.config import Config, ConfigError
+from memtrain.models import ctc_model_types
 
 
 def _positive(name: str, value) -> None:
     if value is None or value <= 0:
         raise ConfigError(name, f"must be a positive integer, got {value!r}")
-
-
-def ctc_model_types() -> list[str]:
-    """transformers model types with a CTC head (wav2vec2, wavlm, hubert, …)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CTC_MAPPING_NAMES
-
-    return sorted(MODEL_FOR_CTC_MAPPING_NAMES)
 
 
 def _validate_speech(cfg: Config) -> None:

@@ -68,7 +68,7 @@ def user_files(patterns: list[str], validation_fraction: float = 0.0) -> list[So
     Raises:
         FileNotFoundError: a pattern matches no file.
     """
-    from memtrain.data import hf_datasets
+    import memtrain.data.hf_datasets as hf_datasets
 
     paths = set()
     for pattern in patterns:
