@@ -130,11 +130,11 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Tra
     if process.is_main:  # once per run (also when the cache is reused), each naming its file
         for warning in getattr(getattr(corpus, "tokenized", None), "decode_warnings", ()):
             log.warning("memtrain: %s", warning)
-    resolve_placement(cfg, corpus, process, precision)  # backend.offload auto; the host budget of an offload
+    spec = resolve_placement(cfg, corpus, process, precision)  # the engine; backend.offload auto; the host budget
     from accelerate.utils import set_seed
 
     set_seed(t.seed)  # same initial weights on every rank
-    with model_build_context(cfg, precision, process.world_size):
+    with model_build_context(cfg, spec, precision, process.world_size):
         model = build_model(cfg.model, corpus.vocab_size, t.seed, getattr(corpus, "eos_id", None))
     # compute randomness (dropout, SpecAugment) differs by rank from here on, as Accelerate's
     # device-specific seeding does: still a pure function of (seed, rank), and each rank's streams
@@ -147,7 +147,7 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Tra
     # the planner is built on first use, after the engine below exists
     make_planner = planner_factory(cfg, corpus, objective, precision, process, lambda: engine.model_state_bytes(n_params))
     controller = make_controller(cfg, process.world_size, make_planner)
-    engine = make_backend(cfg, process, precision, controller.plan)
+    engine = make_backend(cfg, spec, process, precision, controller.plan)
     closing.callback(engine.close)
     sync = OOMSync(process.world_size, process.rank, enabled=cfg.memory.oom_recovery, device=process.device,
                    timeout_s=process.timeout_s)
@@ -165,7 +165,7 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Tra
                     engine.name)
     checkpointer = Checkpointer(process, os.path.join(cfg.output_dir, "checkpoints"), cfg.checkpoint.keep_last,
                                 cfg.checkpoint.async_save, {"vocab_size": corpus.vocab_size, "config": to_dict(cfg),
-                                 "data_identity": data_identity(corpus)},
+                                 "data_identity": data_identity(corpus), "engine_spec": spec.as_dict()},
                                 after_write=faults.after_checkpoint_write)
     checkpoint_states = {
         "model_and_optimizer": EngineState(engine, model, optimizer, cfg.checkpoint.max_shard_size),
@@ -174,8 +174,8 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Tra
         "tokenizer": TokenizerFiles(corpus.hf_tokenizer(), process.is_main),
     }
     return Trainer(cfg, process, engine, model, optimizer, scheduler, corpus, objective, sampler, controller, sync,
-                   faults, transforms, evaluator, guard, checkpointer, checkpoint_states, state, n_params, layerdrop,
-                   *utilisation)
+                   faults, transforms, evaluator, guard, checkpointer, checkpoint_states, state, n_params, spec,
+                   layerdrop, *utilisation)
 
 
 def model_flops(model, n_params: int, seq_len: int, unit: str, precision: str, device: torch.device) -> tuple:

@@ -29,6 +29,10 @@ class ConfigError(ValueError):
         super().__init__(f"config error in '{field_name}': {message}")
 
 
+class FrozenConfigError(AttributeError):
+    """A validated config was written to: resolved values live in the engine spec and the plan."""
+
+
 @dataclass
 class SpeechDataConfig:
     """The embedded synthetic speech corpus (``data.kind: speech`` without ``data.files``):
@@ -534,6 +538,7 @@ def parse_args(argv: Optional[list[str]] = None) -> Config:
     if extra.get("deepspeed"):  # the DeepSpeed launcher's --deepspeed FILE
         cfg.backend.deepspeed_config = extra["deepspeed"]
     _rename_deprecated(cfg)
+    _expand_user_paths(cfg)
     return cfg
 
 
@@ -566,6 +571,38 @@ def _rename_deprecated(cfg: Config) -> None:
         logging.getLogger("memtrain").warning("memtrain: %s is deprecated; use %s", old, new)
         setattr(section, new_name, value)
         setattr(section, old_name, None)
+
+
+def _guarded_setattr(self, name: str, value) -> None:
+    """Every section's ``__setattr__``: fields can be set until :func:`freeze` (after validation)."""
+    if getattr(self, "_frozen", False):
+        raise FrozenConfigError(f"the config is read-only after validation (setting {type(self).__name__}.{name}); "
+                                "resolved values belong in the engine spec or the plan")
+    object.__setattr__(self, name, value)
+
+
+SECTIONS = (SpeechDataConfig, DataConfig, ModelConfig, TrainingConfig, BackendConfig, MemoryConfig, FaultsConfig,
+            CheckpointConfig, LoggingConfig, Config)
+for _section in SECTIONS:  # set after the classes exist, so jsonargparse sees plain dataclasses
+    _section.__setattr__ = _guarded_setattr
+
+
+def freeze(cfg) -> None:
+    """Make ``cfg`` and every section read-only (:class:`FrozenConfigError` on a write); called
+    at the end of :func:`memtrain.validation.validate`."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, SECTIONS):
+            freeze(value)
+    object.__setattr__(cfg, "_frozen", True)
+
+
+def _expand_user_paths(cfg: Config) -> None:
+    """``~`` in the folders later readers open (``model.pretrained``, ``backend.nvme_path``)."""
+    if cfg.model.pretrained is not None:
+        cfg.model.pretrained = os.path.expanduser(cfg.model.pretrained)
+    if cfg.backend.nvme_path is not None:
+        cfg.backend.nvme_path = os.path.expanduser(cfg.backend.nvme_path)
 
 
 def to_dict(cfg: Config) -> dict:

@@ -94,6 +94,7 @@ class Trainer:
     checkpoint_states: dict[str, Any]
     state: TrainState
     n_params: int
+    spec: Any  # memtrain.backends.spec.EngineSpec: the resolved engine
     layerdrop: Any = None
     flops_per_token: Optional[float] = None  # for mfu (memtrain.flops); None = not reported
     peak_flops: Optional[float] = None
@@ -425,4 +426,4 @@ class Trainer:
                 "precision": self.engine.precision, "final_plan": str(self.controller.plan),
                 "oom_agreements": {"transport": self.sync.transport, "points": self.sync.agreements},
                 **({"compiled_graphs": compiled_graph_count()} if self.cfg.training.compile else {}),
-                "config": to_dict(self.cfg)}
+                "engine_spec": self.spec.as_dict(), "config": to_dict(self.cfg)}

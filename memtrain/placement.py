@@ -445,25 +445,70 @@ def run_machine(cfg, device: torch.device, world_size: int) -> Machine:
                    cfg.backend.nvme_path)
 
 
-def resolve(cfg, corpus, process, precision: str) -> Optional[Placement]:
-    """Before the model is built: with ``backend.offload auto`` choose the placement and write it
-    into ``cfg.backend`` (a resumed run keeps its checkpoint's); with an offload set, check that the
-    host can hold it. Rank 0 plans, every rank takes its answer. Returns the placement planned, or
-    None when there was nothing to plan (no offload).
+def resolve(cfg, corpus, process, precision: str):
+    """Before the model is built: the run's :class:`memtrain.backends.spec.EngineSpec`. With
+    ``backend.offload auto`` the placement is chosen here (a resumed run keeps its checkpoint's);
+    with an offload set, the host is checked to hold it. Rank 0 plans, every rank takes its answer.
+    The config is not changed.
 
     Raises:
         memtrain.config.ConfigError: no placement fits (``backend.offload``), or the configured
             one needs more host memory than there is (``memory.host_memory_gib``); the message
             holds the numbers.
     """
+    from memtrain.backends.spec import resolve_engine
+
+    kept = _resume_placement(cfg) if cfg.backend.offload == "auto" else None
+    spec = resolve_engine(cfg.backend, process.world_size, process.rank, kept)
+    if kept is not None:
+        log_placement(None, "kept from the checkpoint", spec)
+    view = planned_view(cfg, spec) if kept is not None else cfg
+    if view.backend.offload != "auto" and configured_offload(view)[0] == "none":
+        return spec
+    answer = _plan_on_main(view, corpus, process, precision)
+    if answer is None:
+        return spec
+    answer, host_budget = answer["table"], answer["host_bytes"]
+    if view.backend.offload != "auto":  # the user's placement: only the host is checked (the device has OOM recovery)
+        if not answer[0].fits_host:
+            raise _host_error(cfg, answer[0], host_budget)
+        return spec
+    chosen = next((p for p in answer if p.chosen), None)
+    if chosen is None:
+        from memtrain.config import ConfigError
+
+        raise ConfigError("backend.offload", "auto: no placement fits this model in the device and host memory "
+                          "(memory.host_memory_gib, or backend.nvme_path for NVMe offload):\n" + format_placements(answer))
+    spec = resolve_engine(cfg.backend, process.world_size, process.rank, {
+        "name": chosen.engine, "zero_stage": chosen.zero_stage, "offload": chosen.offload,
+        "offload_optimizer_ratio": chosen.offload_optimizer_ratio,
+        "nvme_path": cfg.backend.nvme_path if chosen.nvme else None})
+    log_placement(chosen, "chosen", spec)
+    if process.is_main:
+        write_table(cfg.output_dir, answer)
+    return spec
+
+
+def planned_view(cfg, spec):
+    """A copy of ``cfg`` whose ``backend`` section holds ``spec``'s placement (for planning
+    functions that read a config); ``cfg`` itself is not changed."""
+    import dataclasses
+
+    from memtrain.backends.spec import backend_view
+
+    return dataclasses.replace(cfg, backend=backend_view(cfg.backend, spec))
+
+
+def _plan_on_main(cfg, corpus, process, precision: str) -> Optional[dict]:
+    """Rank 0's placement table for ``cfg`` (``{"table", "host_bytes"}``), broadcast to every rank;
+    None when the model cannot be traced and the placement is the user's (only warned about).
+
+    Raises:
+        memtrain.config.ConfigError: planning failed (the same error on every rank).
+    """
     from memtrain.config import ConfigError
 
-    b = cfg.backend
-    if b.offload == "auto" and _resume_placement(cfg):
-        log_placement(None, "kept from the checkpoint", cfg)
-    if b.offload != "auto" and configured_offload(cfg)[0] == "none":
-        return None
-    answer = None
+    b, answer = cfg.backend, None
     if process.is_main:
         try:
             machine = run_machine(cfg, process.device, process.world_size)
@@ -481,25 +526,7 @@ def resolve(cfg, corpus, process, precision: str) -> Optional[Placement]:
     answer = process.broadcast_object(answer, patient=True)  # rank 0 may trace for a while
     if isinstance(answer, tuple):
         raise ConfigError(*answer)
-    if answer is None:
-        return None
-    answer, host_budget = answer["table"], answer["host_bytes"]
-    if b.offload != "auto":  # the user's placement: only the host is checked (the device has OOM recovery)
-        if not answer[0].fits_host:
-            raise _host_error(cfg, answer[0], host_budget)
-        return answer[0]
-    chosen = next((p for p in answer if p.chosen), None)
-    if chosen is None:
-        raise ConfigError("backend.offload", "auto: no placement fits this model in the device and host memory "
-                          "(memory.host_memory_gib, or backend.nvme_path for NVMe offload):\n" + format_placements(answer))
-    b.name, b.offload, b.offload_optimizer_ratio = chosen.engine, chosen.offload, chosen.offload_optimizer_ratio
-    b.zero_stage = chosen.zero_stage
-    if not chosen.nvme:
-        b.nvme_path = None
-    log_placement(chosen, "chosen", cfg)
-    if process.is_main:
-        write_table(cfg.output_dir, answer)
-    return chosen
+    return answer
 
 
 def write_table(output_dir: str, table: list[Placement]) -> None:
@@ -526,36 +553,34 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f}"
 
 
-def _resume_placement(cfg) -> bool:
+def _resume_placement(cfg) -> Optional[dict]:
     """A resumed ``offload: auto`` run takes the placement its checkpoint was written with
-    (another one could not load its optimizer state). True when one was found."""
+    (another one could not load its optimizer state): its manifest's ``engine_spec`` (checkpoints
+    written before the spec existed: its config's ``backend`` section). None when there is none."""
     import json
 
     from memtrain.checkpoint.layout import MANIFEST, complete_checkpoints, latest_checkpoint
 
     if cfg.resume == "never":
-        return False
+        return None
     root = os.path.join(os.path.expanduser(cfg.output_dir), "checkpoints")
     path = cfg.resume if cfg.resume != "auto" else latest_checkpoint(root) or (complete_checkpoints(root) or [None])[-1]
     try:
         with open(os.path.join(path, MANIFEST)) as fh:
-            saved = json.load(fh)["config"]["backend"]
+            manifest = json.load(fh)
+        saved = manifest.get("engine_spec") or manifest["config"]["backend"]
     except (OSError, ValueError, KeyError, TypeError):
-        return False
+        return None
     if saved.get("offload") in (None, "auto"):
-        return False
-    b = cfg.backend
-    b.name, b.zero_stage, b.offload = saved["name"], saved.get("zero_stage"), saved["offload"]
-    b.offload_optimizer_ratio = saved.get("offload_optimizer_ratio", 1.0)
-    b.nvme_path = saved.get("nvme_path")
-    return True
+        return None
+    return {"name": saved["name"], "zero_stage": saved.get("zero_stage"), "offload": saved["offload"],
+            "offload_optimizer_ratio": saved.get("offload_optimizer_ratio", 1.0), "nvme_path": saved.get("nvme_path")}
 
 
-def log_placement(p: Optional[Placement], how: str, cfg) -> None:
+def log_placement(p: Optional[Placement], how: str, spec) -> None:
     """One line on the placement a run trains with."""
-    b = cfg.backend
-    what = p.name if p is not None else Placement(b.name, b.zero_stage, b.offload, b.offload_optimizer_ratio,
-                                                   bool(b.nvme_path)).name
+    what = p.name if p is not None else Placement(spec.name, spec.zero_stage, spec.offload or "none",
+                                                   spec.offload_optimizer_ratio, bool(spec.nvme_path)).name
     detail = (f" (predicted: device {_gib(p.device_bytes)} GiB per rank, host {_gib(p.host_bytes)} GiB, "
               f"{p.predicted_step_s:.3g} s per step)") if p is not None else ""
     logging.getLogger("memtrain").warning("memtrain: placement %s, %s%s", what, how, detail)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import glob
 import os
 
-from memtrain.config import Config, ConfigError
+from memtrain.config import Config, ConfigError, freeze
 from memtrain.models import ctc_model_types
 
 
@@ -119,7 +119,6 @@ def _pretrained_config(cfg: Config) -> dict:
     if cfg.model.factory is not None:
         raise ConfigError("model.pretrained", "and model.factory are both set; a pretrained folder brings its own "
                           "model: drop one")
-    cfg.model.pretrained = path = os.path.expanduser(path)  # every later reader gets the real folder
     config = os.path.join(path, "config.json")
     if not os.path.isfile(config):
         raise ConfigError("model.pretrained", f"'{path}' is not a from_pretrained folder (no config.json in it); give "
@@ -251,6 +250,7 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError("faults.kill_mid_step", "needs faults.kill_at_step (the step to end in)")
     if cfg.model.factory is not None and ":" not in cfg.model.factory:
         raise ConfigError("model.factory", f"must look like 'package.module:function', got '{cfg.model.factory}'")
+    freeze(cfg)  # read-only from here: what the launcher, the JSON and the planner decide goes into the engine spec
 
 
 def _validate_files_and_sizes(cfg: Config) -> None:
@@ -316,7 +316,6 @@ def _validate_placement(cfg: Config) -> None:
     if b.offload_optimizer_ratio < 1.0 and b.offload == "auto":
         raise ConfigError("backend.offload_optimizer_ratio", "is chosen by the planner under backend.offload auto: drop it")
     if b.nvme_path is not None:
-        b.nvme_path = os.path.expanduser(b.nvme_path)
         if engine == "ddp":
             raise ConfigError("backend.nvme_path", "NVMe offload is DeepSpeed's (ZeRO-3); the engine is DDP")
         if not os.path.isdir(b.nvme_path):

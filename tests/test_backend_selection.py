@@ -196,10 +196,11 @@ import torch.distributed as dist
 dist.init_process_group("gloo")
 from memtrain.config import parse_args
 from memtrain.backends import model_build_context
+from memtrain.backends.spec import resolve_engine
 from memtrain.models import build_model, count_parameters
 for engine in (["--backend.name", "deepspeed", "--backend.zero_stage", "3"], ["--backend.name", "ddp"]):
     cfg = parse_args([*engine, "--model.pretrained", {str(tmp_path)!r}, "--model.config", "{{}}"])
-    with model_build_context(cfg, "fp32", 1):
+    with model_build_context(cfg, resolve_engine(cfg.backend, 1, 0), "fp32", 1):
         model = build_model(cfg.model, 64)
     print(engine[1], sum(p.numel() for p in model.parameters()), count_parameters(model))
 """

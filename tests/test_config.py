@@ -136,3 +136,22 @@ def test_a_vocab_size_the_tokenizer_cannot_reach_is_said(tmp_path, caplog):
     corpus = build_corpus(cfg.data)
     assert corpus.vocab_size > 256
     assert f"data.vocab_size 100: the tokenizer has {corpus.vocab_size} tokens (the byte-level alphabet" in caplog.text
+
+
+def test_the_config_is_read_only_after_validation(tmp_path):
+    """What the launcher's JSON or the placement planner decide goes into the engine spec, never
+    back into the user's config: a write after validation fails, in any section."""
+    from memtrain.backends.spec import resolve_engine
+    from memtrain.config import FrozenConfigError
+    from memtrain.validation import validate
+
+    cfg = parse_args(TINY_ARGS + ["--output_dir", str(tmp_path / "out"), "--backend.name", "auto"])
+    cfg.training.lr = 2e-3  # before validation: still the parser's to finish
+    validate(cfg, 1)
+    for section, name, value in ((cfg.backend, "offload", "optimizer"), (cfg.training, "lr", 1.0), (cfg, "resume", "never")):
+        with pytest.raises(FrozenConfigError, match="read-only after validation"):
+            setattr(section, name, value)
+    spec = resolve_engine(cfg.backend, 2, 1, {"name": "deepspeed", "zero_stage": 3, "offload": "optimizer"})
+    assert (spec.name, spec.zero_stage, spec.offload, spec.data_parallel_size, spec.data_parallel_rank) == (
+        "deepspeed", 3, "optimizer", 2, 1)
+    assert cfg.backend.name == "auto" and cfg.backend.offload is None and cfg.training.lr == 2e-3

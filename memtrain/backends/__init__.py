@@ -49,23 +49,22 @@ def engine_module(name: str) -> ModuleType:
     return importlib.import_module(f"memtrain.backends.{name}")
 
 
-def make_backend(cfg, process, precision: str, plan) -> Backend:
-    """Build the engine for ``cfg`` (a :class:`memtrain.config.Config`) on ``process`` (a
-    :class:`memtrain.distributed.ProcessState`), starting with micro-batch ``plan``.
+def make_backend(cfg, spec, process, precision: str, plan) -> Backend:
+    """Build the engine ``spec`` (a :class:`memtrain.backends.spec.EngineSpec`) for ``cfg`` (a
+    :class:`memtrain.config.Config`) on ``process`` (a :class:`memtrain.distributed.ProcessState`),
+    starting with micro-batch ``plan``.
 
     Raises:
         ValueError: unknown engine or an option the engine cannot honour (message names the field).
         memtrain.config.ConfigError: a DeepSpeed JSON contradicting the memtrain config.
     """
-    name = infer_backend_name(cfg.backend.name, cfg.backend.deepspeed_config)
-    return engine_module(name).build(cfg, process, precision, plan)
+    return engine_module(spec.name).build(cfg, spec, process, precision, plan)
 
 
-def model_build_context(cfg, precision: str, world_size: int):
-    """The context the model is built in for ``cfg``'s engine (DeepSpeed ZeRO-3 with
+def model_build_context(cfg, spec, precision: str, world_size: int):
+    """The context the model is built in for the engine ``spec`` (DeepSpeed ZeRO-3 with
     ``model.pretrained``: built already partitioned, weights read by rank 0 only; else none)."""
-    name = infer_backend_name(cfg.backend.name, cfg.backend.deepspeed_config)
-    return engine_module(name).model_build_context(cfg, precision, world_size)
+    return engine_module(spec.name).model_build_context(cfg, spec, precision, world_size)
 
 
 def read_full_weights(path: str, manifest: dict) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ Besides the class, each engine module defines four functions the registry
   checkpoints, on CPU, in one process (for ``memtrain export``);
 * ``model_state_bytes(n_params, precision, zero_stage, offload, world_size) -> dict``: bytes of
   parameters, gradients and optimizer state per rank (for ``memtrain memory``);
-* ``model_build_context(cfg, precision, world_size)``: the context the model is built in
+* ``model_build_context(cfg, spec, precision, world_size)``: the context the model is built in
   (ZeRO-3 builds a pretrained model already partitioned).
 """
 

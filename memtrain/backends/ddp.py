@@ -243,10 +243,10 @@ class DDPBackend:
         """Nothing beyond the process group, which the process state closes."""
 
 
-def build(cfg, process: ProcessState, precision: str, plan) -> DDPBackend:
+def build(cfg, spec, process: ProcessState, precision: str, plan) -> DDPBackend:
     """The DDP engine for ``cfg`` (``backend.find_unused_parameters``; the deferred reduction
     when ``memory.oom_recovery`` is on)."""
-    return DDPBackend(process, precision, find_unused_parameters=cfg.backend.find_unused_parameters,
+    return DDPBackend(process, precision, find_unused_parameters=spec.find_unused_parameters,
                       defer_reduction=cfg.memory.oom_recovery)
 
 

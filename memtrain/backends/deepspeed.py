@@ -14,7 +14,6 @@ AdamW memtrain builds, its ``scheduler`` section the schedule :mod:`memtrain.opt
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 from typing import Callable, Optional
@@ -62,10 +61,7 @@ class DeepSpeedBackend:
         self.world_size = process.world_size
         self.device = process.device
         process.ensure_group()  # plain `python`: a one-rank group (and the variables DeepSpeed reads)
-        user = None
-        if ds_config_path:
-            with open(ds_config_path) as fh:
-                user = json.load(fh)
+        user = read_user_json(ds_config_path) if ds_config_path else None
         self.ds_config = build_ds_config(
             user, ds_config_path or "the DeepSpeed config", global_batch_size=global_batch_size,
             micro_batch_size=plan.micro_batch_size, gradient_accumulation_steps=plan.gradient_accumulation_steps,
@@ -326,19 +322,18 @@ class DeepSpeedBackend:
             self.engine.destroy()
 
 
-def build(cfg, process: ProcessState, precision: str, plan) -> DeepSpeedBackend:
-    """The DeepSpeed engine for ``cfg``: ``backend.deepspeed_config``, ``zero_stage``, ``offload``
-    (an Accelerate DeepSpeed config's are already in them, :mod:`memtrain.launcher`) and the batch
-    geometry of ``plan``.
+def build(cfg, spec, process: ProcessState, precision: str, plan) -> DeepSpeedBackend:
+    """The DeepSpeed engine of ``spec`` (its JSON, ZeRO stage and offload; an Accelerate DeepSpeed
+    config's are in the config already, :mod:`memtrain.launcher`) and the batch geometry of ``plan``.
 
     Raises:
         memtrain.config.ConfigError: the DeepSpeed JSON contradicts the memtrain config.
     """
-    b, t = cfg.backend, cfg.training
-    return DeepSpeedBackend(process, precision, cfg.precision, ds_config_path=b.deepspeed_config,
-                            zero_stage=b.zero_stage, offload=b.offload,
+    t = cfg.training
+    return DeepSpeedBackend(process, precision, cfg.precision, ds_config_path=spec.deepspeed_config,
+                            zero_stage=spec.zero_stage, offload=spec.offload,
                             global_batch_size=t.global_batch_size, max_grad_norm=t.max_grad_norm, plan=plan,
-                            training=t, offload_optimizer_ratio=b.offload_optimizer_ratio, nvme_path=b.nvme_path)
+                            training=t, offload_optimizer_ratio=spec.offload_optimizer_ratio, nvme_path=spec.nvme_path)
 
 
 def async_io_available() -> bool:
@@ -360,19 +355,19 @@ def _require_async_io() -> None:
                           "backend.nvme_path to offload to host memory")
 
 
-def _zero_stage_and_json(cfg) -> tuple[int, dict]:
+def _zero_stage_and_json(spec) -> tuple[int, dict]:
     """(ZeRO stage, the user's JSON or {}) as :func:`build` will resolve them."""
-    user = read_user_json(cfg.backend.deepspeed_config)
-    return resolve_zero_stage(cfg.backend.zero_stage, user), user
+    user = read_user_json(spec.deepspeed_config)
+    return resolve_zero_stage(spec.zero_stage, user), user
 
 
 @contextlib.contextmanager
-def model_build_context(cfg, precision: str, world_size: int):
+def model_build_context(cfg, spec, precision: str, world_size: int):
     """Where the model is built. ZeRO-3 with ``model.pretrained``: transformers' ``from_pretrained``
     builds it already partitioned (``deepspeed.zero.Init``) and only rank 0 reads the weights,
     handing each rank its partition (transformers' ``HfDeepSpeedConfig`` integration), so no rank
     holds the whole model. Otherwise nothing changes."""
-    stage, user = _zero_stage_and_json(cfg) if cfg.model.pretrained else (0, {})
+    stage, user = _zero_stage_and_json(spec) if cfg.model.pretrained else (0, {})
     if stage != 3:
         yield
         return

@@ -182,15 +182,15 @@ class FSDPBackend:
         """Nothing beyond the process group, which the process state closes."""
 
 
-def build(cfg, process: ProcessState, precision: str, plan) -> FSDPBackend:
-    """The FSDP2 engine for ``cfg`` (``backend.reshard_after_forward``, ``backend.offload``; an
-    Accelerate FSDP config's resharding and offload are already in them, :mod:`memtrain.launcher`).
+def build(cfg, spec, process: ProcessState, precision: str, plan) -> FSDPBackend:
+    """The FSDP2 engine of ``spec`` (its resharding and offload; an Accelerate FSDP config's are
+    in the config already, :mod:`memtrain.launcher`).
 
     Raises:
         ValueError: fp16.
     """
-    b = cfg.backend
-    return FSDPBackend(process, precision, reshard_after_forward=b.reshard_after_forward, offload=b.offload or "none")
+    return FSDPBackend(process, precision, reshard_after_forward=spec.reshard_after_forward,
+                       offload=spec.offload or "none")
 
 
 def read_full_weights(path: str) -> dict[str, torch.Tensor]:
