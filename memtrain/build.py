@@ -65,22 +65,17 @@ def planner_factory(cfg: Config, corpus, objective, precision: str, process: Pro
 
     def make():
         """Called by every rank at the same point (before step 1, or at an agreed OOM)."""
-        import random
-
-        import numpy as np
-
         from memtrain.planner import build_planner
+        from memtrain.rng import capture, restore
 
-        streams = torch.get_rng_state(), np.random.get_state(), random.getstate()  # a trace may draw (SpecAugment)
+        streams = capture()  # a trace may draw (SpecAugment)
         planner, error = None, None
         try:
             planner = build_planner(cfg, corpus, objective, precision, process.device,
                                     device_state_bytes(state_bytes()), cfg.training.global_batch_size // process.world_size)
         except Exception as exc:  # noqa: BLE001 - a model fake tensors cannot trace must not end the run
             error = exc
-        torch.set_rng_state(streams[0])
-        np.random.set_state(streams[1])
-        random.setstate(streams[2])
+        restore(streams)
         # every rank plans with the smallest budget, and either every rank has a planner or none
         gathered = process.all_gather_object((error is None, planner.budget_bytes if planner else None))
         if not all(ok for ok, _ in gathered):

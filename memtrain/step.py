@@ -15,7 +15,6 @@ import time
 from contextlib import AbstractContextManager
 from typing import Callable, NamedTuple, Optional, Protocol
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -24,6 +23,7 @@ from memtrain.fingerprint import micro_batch_digest
 from memtrain.objectives import Objective
 from memtrain.oom import AgreedOOM, OOMSync, is_oom
 from memtrain.plan import MicroBatchPlan, PlanChange, PlanController
+from memtrain.rng import capture, restore
 from memtrain.watchdog import progress
 
 
@@ -175,19 +175,6 @@ def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.T
     return StepSums(loss_total, global_count, digest_total)
 
 
-def _random_streams() -> tuple:
-    """The random states a retried step must replay: torch (dropout masks) and NumPy (SpecAugment)."""
-    return (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            np.random.get_state())
-
-
-def _replay(streams: tuple) -> None:
-    torch.set_rng_state(streams[0])
-    if streams[1] is not None:
-        torch.cuda.set_rng_state_all(streams[1])
-    np.random.set_state(streams[2])
-
-
 def step_with_recovery(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.Tensor],
                        controller: PlanController, sync: OOMSync,
                        on_change: Callable[[PlanChange, list[int]], None], objective: Objective,
@@ -208,7 +195,7 @@ def step_with_recovery(model: nn.Module, backend: Backend, rank_batch: dict[str,
     Raises:
         memtrain.oom.OOMStop: at the plan floor. Any non-OOM error is re-raised untouched.
     """
-    streams = _random_streams()
+    streams = capture()
     while True:
         plan = plan_for() if plan_for is not None else controller.plan
         if plan != controller.plan:
@@ -229,8 +216,8 @@ def step_with_recovery(model: nn.Module, backend: Backend, rank_batch: dict[str,
         # a rank that ran out of memory itself pairs this with the others' next agreement point
         ranks = agreed if agreed is not None else sync.agree(True)
         gc.collect()  # the failed attempt's graph can sit in reference cycles (frames of the exception)
-        backend.reset_after_oom(model)
-        _replay(streams)
+        backend.discard_step(model)
+        restore(streams)
         change = controller.on_oom(where, tried=plan)
         backend.set_plan(controller.plan)
         on_change(change, ranks)
@@ -250,7 +237,7 @@ def time_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.Te
     Raises:
         Any non-OOM error, untouched.
     """
-    streams, process = _random_streams(), backend.process
+    streams, process = capture(), backend.process
     backend.set_plan(plan)
     best, agreed, failed = float("inf"), None, False
     try:
@@ -262,7 +249,7 @@ def time_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.Te
             if process.device.type == "cuda":
                 torch.cuda.synchronize(process.device)
             best = min(best, time.perf_counter() - start)
-            backend.reset_after_oom(model)
+            backend.discard_step(model)
     except BaseException as exc:
         if not sync.enabled or not is_oom(exc):
             raise
@@ -271,8 +258,8 @@ def time_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.Te
         if agreed is None:
             sync.agree(True)
         gc.collect()
-        backend.reset_after_oom(model)
-    _replay(streams)
+        backend.discard_step(model)
+    restore(streams)
     if failed:
         return None
     total = process.all_reduce_sum(torch.tensor(best, dtype=torch.float64, device=process.device))

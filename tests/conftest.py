@@ -76,6 +76,14 @@ def launch(args: list[str], nproc: int = 2, timeout: float = 300, env: dict | No
     return proc
 
 
+def child_exit_codes(proc: subprocess.CompletedProcess) -> set[int]:
+    """The exit codes torchrun reports for its failed ranks (``exitcode  : 3`` in its failure
+    summary; torchrun itself exits 1 whatever they were)."""
+    import re
+
+    return {int(code) for code in re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr)}
+
+
 def _free_port() -> int:
     import socket
 

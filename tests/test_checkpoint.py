@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, launch, read_metrics, tiny_args
+from conftest import child_exit_codes, REPO, launch, read_metrics, tiny_args
 
 pytestmark = pytest.mark.slow
 STEPS = 16
@@ -310,7 +310,7 @@ def test_write_failure_on_one_rank_stops_every_rank_and_keeps_the_last_checkpoin
     launch(tiny_args(tmp_path, cache_dir, *common, "--training.max_steps", "2"))  # a good checkpoint at step 2
     proc = launch(tiny_args(tmp_path, cache_dir, *common, "--training.max_steps", "4",
                             "--faults.save_error_ranks", "[1]"), timeout=120, check=False)
-    assert proc.returncode != 0
+    assert proc.returncode != 0 and child_exit_codes(proc) == {4}  # both ranks: a checkpoint that cannot be saved
     # both ranks stop with rank 1's error (rank 0 learnt of it instead of waiting)
     assert proc.stderr.count("saving step 4 failed (rank 1: OSError: faults.save_error_ranks") == 2
     assert checkpoint_steps(tmp_path) == [2]

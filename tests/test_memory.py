@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import launch, read_metrics, tiny_args
+from conftest import child_exit_codes, launch, read_metrics, tiny_args
 
 pytestmark = pytest.mark.slow
 STEPS = ["--training.max_steps", "5"]
@@ -116,7 +116,7 @@ def test_oom_at_micro_batch_1_turns_on_activation_checkpointing(tmp_path, tmp_pa
 def test_oom_at_floor_with_checkpointing_off_stops_with_report(tmp_path, cache_dir):
     proc = launch(tiny_args(tmp_path, cache_dir, *STEPS, *ENGINES["ddp"], "--faults.oom_above_tokens", "20",
                             "--memory.activation_checkpointing", "off"), check=False)
-    assert proc.returncode != 0
+    assert proc.returncode != 0 and child_exit_codes(proc) == {3}  # the documented code of an OOM at the floor
     for word in ("micro-batch 1", "parameter_bytes", "optimizer_bytes", "zero_stage", "activation_checkpointing"):
         assert word in proc.stderr, word
 

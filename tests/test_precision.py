@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from conftest import launch, read_metrics, tiny_args
+from conftest import child_exit_codes, launch, read_metrics, tiny_args
 from memtrain.precision import NonFiniteGuard, NonFiniteStop, resolve_precision
 
 # (device, compute capability) → what precision auto must choose
@@ -76,7 +76,7 @@ def test_too_many_nan_steps_stop_with_checkpoint_intact(tmp_path, cache_dir):
     proc = launch(tiny_args(tmp_path, cache_dir, "--training.max_steps", "12", "--checkpoint.every_steps", "2",
                             "--faults.nan_at_step", "3", "--faults.nan_steps", "10", "--training.max_nonfinite_steps", "4",
                             "--backend.name", "ddp"), check=False)
-    assert proc.returncode != 0
+    assert proc.returncode != 0 and child_exit_codes(proc) == {5}  # too many non-finite steps in a row
     assert "4 consecutive steps (up to step 6) had a non-finite loss" in proc.stderr
     checkpoints = complete_checkpoints(str(tmp_path / "checkpoints"))
     assert [c[-2:] for c in checkpoints] == ["02", "04"]  # nothing saved at the stopping step

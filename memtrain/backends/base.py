@@ -117,9 +117,10 @@ class Backend(Protocol):
     def set_plan(self, plan) -> None:
         """Adopt a new micro-batch plan (engines that track accumulation themselves)."""
 
-    def reset_after_oom(self, model: nn.Module) -> None:
-        """After all ranks agreed on an OOM: discard partial gradients and engine per-step state
-        so that retrying the same batch is legal; free cached memory."""
+    def discard_step(self, model: nn.Module) -> None:
+        """Discard a step's partial gradients and the engine's per-step state, so that the same
+        batch can be trained again: after every rank agreed on an OOM, and after each timed probe
+        of the planner; free cached memory."""
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside the engine's wrapper."""

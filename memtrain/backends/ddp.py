@@ -142,7 +142,7 @@ class DDPBackend:
     def set_plan(self, plan) -> None:
         """Nothing to tell DDP: the plan lives in the loop."""
 
-    def reset_after_oom(self, model: nn.Module) -> None:
+    def discard_step(self, model: nn.Module) -> None:
         """Drop the failed step's partial gradients and cached blocks."""
         for p in model.parameters():
             p.grad = None

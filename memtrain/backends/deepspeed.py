@@ -138,7 +138,7 @@ class DeepSpeedBackend:
         self.engine.set_train_micro_batch_size(plan.micro_batch_size)
         self.engine.set_train_batch_size(plan.micro_batch_size * plan.gradient_accumulation_steps * self.world_size)
 
-    def reset_after_oom(self, model: nn.Module) -> None:
+    def discard_step(self, model: nn.Module) -> None:
         """Drop the failed step's partial gradients (ZeRO buckets included) and free the cache."""
         opt = self.engine.optimizer
         # set_to_none records CUDA streams, which DeepSpeed's CPU accelerator cannot: zero in place there
@@ -170,7 +170,7 @@ class DeepSpeedBackend:
 
     def clip_and_step(self, model: nn.Module, optimizer, max_norm: float, skip: bool = False) -> float:
         if skip:  # a non-finite loss: drop the reduced/partitioned gradients like after an OOM
-            self.reset_after_oom(model)
+            self.discard_step(model)
             return float("nan")
         self.engine.set_gradient_accumulation_boundary(True)
         ds_partial_offload.sync_hyperparameters(self.engine.optimizer)

@@ -91,7 +91,7 @@ class FSDPBackend:
     def set_plan(self, plan) -> None:
         """Nothing to tell FSDP2: the plan lives in the loop."""
 
-    def reset_after_oom(self, model: nn.Module) -> None:
+    def discard_step(self, model: nn.Module) -> None:
         """Make the retry legal: reset FSDP2's per-iteration state (reshard, drop in-flight
         reductions; ``FSDPModule.reset_iter_state``), drop partial gradients, free the cache."""
         from torch.distributed.fsdp import FSDPModule

@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import hashlib
 import os
-import random
 from concurrent.futures import Future
 from typing import Any, Optional, Protocol, runtime_checkable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from memtrain.checkpoint.layout import rank_file
+from memtrain.rng import capture, from_saveable, restore, to_saveable
 from memtrain.errors import CheckpointError
 
 
@@ -161,26 +160,14 @@ class EngineState:
 
 
 def rng_state() -> dict[str, Any]:
-    """This process's random states (Python, NumPy, torch CPU, every CUDA device), loadable with
+    """This process's random states (every stream of :mod:`memtrain.rng`), loadable with
     ``torch.load(weights_only=True)``."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos,
-                  "has_gauss": has_gauss, "gauss": gauss},
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-    }
+    return to_saveable(capture())
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore what :func:`rng_state` captured."""
-    random.setstate(state["python"])
-    n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    restore(from_saveable(state))
 
 
 class RNGState:
