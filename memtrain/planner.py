@@ -58,9 +58,10 @@ class Candidate:
         activation_checkpointing: AC on (every ``memory.activation_checkpointing_every_n_blocks``-th block).
         predicted_peak_bytes: model state + saved activations (+ CUDA headroom), bytes per rank.
         activation_bytes: bytes one micro-batch's forward saves for backward (traced).
-        predicted_step_s: seconds of an optimizer step's forward and backward: measured (a run) or
-            a FLOP estimate (``memtrain plan``); None = not known.
-        measured: whether ``predicted_step_s`` was measured.
+        predicted_step_s: seconds of an optimizer step's forward and backward estimated from its
+            FLOPs (``memtrain plan``); None = not estimated.
+        measured_step_s: the same, measured: the fastest timed probe on the run's engine; None =
+            not timed.
         fits: predicted to fit the budget and not refuted by an out-of-memory error.
         chosen: the plan taken.
     """
@@ -71,7 +72,7 @@ class Candidate:
     predicted_peak_bytes: int
     activation_bytes: int
     predicted_step_s: Optional[float] = None
-    measured: bool = False
+    measured_step_s: Optional[float] = None
     fits: bool = True
     chosen: bool = False
 
@@ -82,6 +83,11 @@ class Candidate:
     @property
     def key(self) -> tuple[int, bool]:
         return self.micro_batch_size, self.activation_checkpointing
+
+    @property
+    def step_s(self) -> Optional[float]:
+        """The step time decisions use: measured where timed, else predicted (None: neither)."""
+        return self.measured_step_s if self.measured_step_s is not None else self.predicted_step_s
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -250,7 +256,7 @@ class Planner:
             return
         timed = []
         for c in pool:
-            if c.measured or not c.fits or (self.bound_bytes is not None and c.predicted_peak_bytes > self.bound_bytes):
+            if c.measured_step_s is not None or not c.fits or (self.bound_bytes is not None and c.predicted_peak_bytes > self.bound_bytes):
                 continue  # known, or needs more than something that just failed
             if not self._warmed_up:
                 self._warmed_up = True
@@ -264,11 +270,11 @@ class Planner:
     def _time_again(self, timed: list[Candidate], ratio: float, at_least: int) -> None:
         """One more probe of each of ``timed`` (fastest first) within ``ratio`` × the fastest's
         time, or among the ``at_least`` fastest; none when that leaves fewer than two."""
-        ranked = sorted((c for c in timed if c.fits), key=lambda c: c.predicted_step_s)
+        ranked = sorted((c for c in timed if c.fits), key=lambda c: c.step_s)
         if len(ranked) < 2:
             return
-        limit = ratio * ranked[0].predicted_step_s
-        contenders = [c for i, c in enumerate(ranked) if i < at_least or c.predicted_step_s <= limit]
+        limit = ratio * ranked[0].step_s
+        contenders = [c for i, c in enumerate(ranked) if i < at_least or c.step_s <= limit]
         if len(contenders) > 1:
             for c in contenders:
                 self._time(c)
@@ -279,8 +285,7 @@ class Planner:
         if seconds is None:
             self.refute(c)
             return False
-        c.predicted_step_s = min(seconds, c.predicted_step_s) if c.measured else seconds
-        c.measured = True
+        c.measured_step_s = seconds if c.measured_step_s is None else min(seconds, c.measured_step_s)
         return True
 
     def refute(self, failed: Candidate) -> None:
@@ -295,8 +300,8 @@ class Planner:
         pool = [c for c in pool if c.fits]
         if not pool:
             return None
-        timed = [c for c in pool if c.predicted_step_s is not None]
-        best = min(timed, key=lambda c: c.predicted_step_s) if timed else pool[0]
+        timed = [c for c in pool if c.step_s is not None]
+        best = min(timed, key=lambda c: c.step_s) if timed else pool[0]
         for c in self.candidates:
             c.chosen = c is best
         return best
@@ -321,10 +326,10 @@ class Planner:
         """For grow-back: among measured candidates faster than the current plan, the one needing
         the least memory above it (the smallest step up); None = none."""
         current = self.get(micro_batch_size, activation_checkpointing)
-        if current is None or current.predicted_step_s is None:
+        if current is None or current.step_s is None:
             return None
-        faster = [c for c in self.candidates if c.predicted_step_s is not None
-                  and c.predicted_step_s < current.predicted_step_s
+        faster = [c for c in self.candidates if c.step_s is not None
+                  and c.step_s < current.step_s
                   and c.predicted_peak_bytes > current.predicted_peak_bytes]
         return min(faster, key=lambda c: c.predicted_peak_bytes, default=None)
 
@@ -337,8 +342,8 @@ class Planner:
     def state_dict(self) -> dict:
         """What was learned (the bound, measured times, refuted candidates), for checkpoints."""
         return {"bound_bytes": self.bound_bytes, "per_rank_batch": self._per_rank_batch(),
-                "candidates": [[c.micro_batch_size, c.activation_checkpointing, c.predicted_step_s, c.measured, c.fits]
-                               for c in self.candidates]}
+                "candidates": [[c.micro_batch_size, c.activation_checkpointing, c.step_s,
+                                c.measured_step_s is not None, c.fits] for c in self.candidates]}
 
     def _per_rank_batch(self) -> int:
         return self.candidates[0].micro_batch_size * self.candidates[0].gradient_accumulation_steps if self.candidates else 0
@@ -355,7 +360,11 @@ class Planner:
         for micro, ac, seconds, measured, fits in state.get("candidates", []):
             c = self.get(micro, ac)
             if c is not None:
-                c.predicted_step_s, c.measured, c.fits = seconds, measured, fits and c.fits
+                c.fits = fits and c.fits
+                if measured:
+                    c.measured_step_s = seconds
+                else:
+                    c.predicted_step_s = seconds
 
 
 def device_budget_bytes(cfg, device: torch.device) -> Optional[int]:

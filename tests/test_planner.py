@@ -50,7 +50,7 @@ def test_candidates_and_predicted_fit():
 def test_initial_times_every_fitting_candidate_and_takes_the_fastest():
     planner = Planner(table(budget=4 * MiB), 4 * MiB, timed(SECONDS))
     chosen = planner.initial()
-    assert chosen.key == (8, True) and chosen.chosen and chosen.predicted_step_s == pytest.approx(1.125)
+    assert chosen.key == (8, True) and chosen.chosen and chosen.measured_step_s == pytest.approx(1.125)
     # the first candidate is probed twice (the process's cold first step), every fitting one once,
     # then, fastest first, each within 1.5× of the fastest (1.6875 s) once more: not (1, AC) at
     # 2.0 s; then each within 1.25× (1.406 s) a third time
@@ -82,8 +82,8 @@ def test_contenders_are_timed_again_and_keep_their_best_time():
     # (2, AC) 1.2; the two within 1.5× again: (8, AC) 1.3, (2, AC) 0.9; within 1.25× a third time
     planner = Planner(table()[1::2][:3], None, lambda c: next(seconds))  # (8, AC), (4, AC), (2, AC)
     chosen = planner.initial()
-    assert chosen.key == (2, True) and chosen.predicted_step_s == 0.9  # 1.2, then 0.9 on its second probe
-    assert planner.get(8, True).predicted_step_s == 1.0 and planner.get(4, True).predicted_step_s == 1.6
+    assert chosen.key == (2, True) and chosen.measured_step_s == 0.9  # 1.2, then 0.9 on its second probe
+    assert planner.get(8, True).measured_step_s == 1.0 and planner.get(4, True).measured_step_s == 1.6
 
 
 def test_a_plan_slowed_by_the_warm_up_is_timed_again_and_wins():
@@ -98,7 +98,7 @@ def test_a_plan_slowed_by_the_warm_up_is_timed_again_and_wins():
         return true_s[c.key] * (1.4 if len(calls) <= 2 else 1.0)
 
     planner = Planner(table()[1::2][:3], None, prober)  # (8, AC), (4, AC), (2, AC)
-    assert planner.initial().key == (8, True) and planner.get(8, True).predicted_step_s == 1.0
+    assert planner.initial().key == (8, True) and planner.get(8, True).measured_step_s == 1.0
 
 
 def test_close_contenders_still_slowed_after_an_oom_get_a_third_probe():
@@ -114,7 +114,7 @@ def test_close_contenders_still_slowed_after_an_oom_get_a_third_probe():
         return true_s[c.key] * slow.get(len(calls) - 1, 1.0)
 
     planner = Planner(table()[1::2][:3], None, prober)  # (8, AC), (4, AC), (2, AC)
-    assert planner.initial().key == (8, True) and planner.get(8, True).predicted_step_s == 1.0
+    assert planner.initial().key == (8, True) and planner.get(8, True).measured_step_s == 1.0
     assert calls[4:7] == [(4, True), (2, True), (8, True)]  # after these (8, AC) had 1.3 s, (4, AC) 1.2 s
     assert calls[7:] == [(4, True), (8, True), (2, True)]  # all within 1.25 × 1.2 s: the third probe decides
 
@@ -123,7 +123,7 @@ def test_oom_moves_to_the_fastest_plan_predicted_to_need_less():
     planner = Planner(table(), None, timed(SECONDS))
     nxt = planner.after_oom(8, False)  # 9 MiB did not fit
     assert planner.bound_bytes == 9 * MiB - 1 and not planner.get(8, False).fits
-    assert nxt.key == (4, False) and nxt.predicted_step_s == pytest.approx(1.0)  # halving beats AC here
+    assert nxt.key == (4, False) and nxt.measured_step_s == pytest.approx(1.0)  # halving beats AC here
 
 
 def test_oom_turns_activation_checkpointing_on_when_that_is_faster():
