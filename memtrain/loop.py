@@ -183,15 +183,11 @@ class Trainer:
             apply_hyperparameters(self.optimizer, self.cfg.training)
         if "training.micro_batch_size" in changed or "memory.activation_checkpointing" in changed:
             self.controller.restart()
-            self.transforms.set_activation_checkpointing(self.engine.unwrap(self.model),
-                                                         self.controller.activation_checkpointing)
         if changed and self.process.is_main:
             log.warning("memtrain: resuming %s with changed settings: %s", path, "; ".join(
                 f"{key} {old!r} → {new!r} ({TAKES_EFFECT.get(key, 'takes effect')})"
                 for key, (old, new) in changed.items()))
-        self.engine.set_plan(self.controller.plan)
-        if self.controller.activation_checkpointing:  # switched on by an OOM before the checkpoint
-            self.transforms.enable_activation_checkpointing(self.engine.unwrap(self.model))
+        self._apply_plan()  # the checkpoint's (AC may have been switched on by an OOM before it)
         return path, time.perf_counter() - start, changed
 
     def _already_finished(self, path: str) -> RunResult:
@@ -227,7 +223,6 @@ class Trainer:
             self.layerdrop.set_step(self.state.step + 1)
         self.probe_batch = self._rank_batch(self.sampler.cursor(self.state.step))  # what a planner would time
         change = self.controller.on_oom(where)
-        self.engine.set_plan(self.controller.plan)
         self._on_plan_change(self.pending_events, self.state.step + 1, time.perf_counter(), change,
                              [n["rank"] for n in notes])
 
@@ -256,8 +251,7 @@ class Trainer:
             raise RuntimeError(f"memtrain: the ranks' planners chose different plans: {decisions}")
         change = self.controller.adopt(chosen, "plan_chosen", f"fastest of {len(planner.fitting())} plans "
                                        f"predicted to fit, of {len(planner.candidates)}")
-        self.engine.set_plan(self.controller.plan)
-        self.transforms.set_activation_checkpointing(self.engine.unwrap(self.model), chosen.activation_checkpointing)
+        self._apply_plan()
         self.evaluator.micro_batch_size = chosen.micro_batch_size
         self.pending_events.append({**change.as_dict(), "ranks": []})
         if self.process.is_main:
@@ -322,7 +316,6 @@ class Trainer:
         self.scheduler.step()
         grown = self.controller.on_success()
         if grown is not None:
-            self.engine.set_plan(self.controller.plan)
             on_change(grown, [])
         s = self.state
         s.step, s.epoch, s.samples_seen = step, cursor.epoch, step * t.global_batch_size
@@ -374,10 +367,14 @@ class Trainer:
         events.append({**change.as_dict(), "step": step, "ranks": ranks, "elapsed_s": time.perf_counter() - run_start})
         log.warning("memtrain: rank %d, step %d: %s on rank(s) %s: plan %s → %s (%s)", self.process.rank, step,
                     change.event, ranks, change.old, change.new, change.reason)
-        if change.activation_checkpointing is not None:  # the planner's plans include the setting
-            self.transforms.set_activation_checkpointing(self.engine.unwrap(self.model), change.activation_checkpointing)
-        elif change.event == "activation_checkpointing_on":
-            self.transforms.enable_activation_checkpointing(self.engine.unwrap(self.model))
+        self._apply_plan()
+
+    def _apply_plan(self) -> None:
+        """The one place the controller's plan reaches the engine (micro-batch and accumulation) and
+        the model transforms (activation checkpointing); idempotent."""
+        self.engine.set_plan(self.controller.plan)
+        self.transforms.set_activation_checkpointing(self.engine.unwrap(self.model),
+                                                     self.controller.activation_checkpointing)
 
     def _evaluate(self, record: dict[str, Any]) -> None:
         for name, value in self.evaluator(self.model).items():
