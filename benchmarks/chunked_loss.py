@@ -46,7 +46,7 @@ def _model(vocab: int, layers: int, width: int, seq: int, chunked: bool):
 
 def saved_bytes(fn, params) -> int:
     """Peak bytes autograd saves for backward while ``fn()`` runs (parameters excluded)."""
-    from memtrain.simulated_memory import SimulatedMemory
+    from memtrain.memory.simulated import SimulatedMemory
 
     counter = SimulatedMemory(2**62, 0, params)
     with counter.context():

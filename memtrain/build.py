@@ -1,5 +1,5 @@
 """Building a run, in one direction: process state → data → placement (engine, ZeRO stage,
-offload; :mod:`memtrain.placement`) → model → plan → engine → model transforms → the loop's parts.
+offload; :mod:`memtrain.memory.placement`) → model → plan → engine → model transforms → the loop's parts.
 The engine is built after the model exists, so that the plan can depend on the model.
 """
 
@@ -12,7 +12,8 @@ from typing import Callable, Optional
 
 import torch
 
-from memtrain.backends import device_state_bytes, make_backend, model_build_context
+from memtrain.backends import make_backend, model_build_context
+from memtrain.memory.accounting import device_state_bytes
 from memtrain.checkpoint import Checkpointer
 from memtrain.checkpoint.stateful import EngineState, RNGState, SchedulerState, TokenizerFiles
 from memtrain.config import Config, to_dict
@@ -28,7 +29,7 @@ from memtrain.flops import flops_per_token, peak_bf16_flops
 from memtrain.objectives import make_objective
 from memtrain.oom import OOMSync
 from memtrain.optim import make_optimizer, make_scheduler
-from memtrain.placement import resolve as resolve_placement
+from memtrain.memory.placement import resolve as resolve_placement
 from memtrain.plan import MicroBatchPlan, PlanController
 from memtrain.precision import NonFiniteGuard, resolve_precision
 from memtrain.state import TrainState
@@ -57,7 +58,7 @@ def make_controller(cfg: Config, world_size: int, make_planner=None) -> PlanCont
 
 def planner_factory(cfg: Config, corpus, objective, precision: str, process: ProcessState,
                     state_bytes: Callable[[], dict[str, int]]):
-    """What builds the run's planner on first use (:mod:`memtrain.planner`), given the engine's
+    """What builds the run's planner on first use (:mod:`memtrain.memory.planner`), given the engine's
     model-state accounting (``state_bytes()``, called then); None under
     ``faults.oom_above_tokens``, whose out-of-memory rule is not memory the planner could predict."""
     if cfg.faults.oom_above_tokens > 0:
@@ -65,7 +66,7 @@ def planner_factory(cfg: Config, corpus, objective, precision: str, process: Pro
 
     def make():
         """Called by every rank at the same point (before step 1, or at an agreed OOM)."""
-        from memtrain.planner import build_planner
+        from memtrain.memory.planner import build_planner
         from memtrain.rng import capture, restore
 
         streams = capture()  # a trace may draw (SpecAugment)

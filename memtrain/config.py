@@ -121,7 +121,7 @@ class TrainingConfig:
     """Samples per optimizer step, summed over all ranks and micro-batches."""
     micro_batch_size: Union[int, Literal["auto"]] = 8
     """Samples per forward/backward on one rank. auto = the planner's fastest plan predicted to fit
-    the device (memtrain/planner.py): every divisor of the rank's share, with activation
+    the device (memtrain/memory/planner.py): every divisor of the rank's share, with activation
     checkpointing off and on (as memory.activation_checkpointing allows), timed before step 1."""
     max_steps: int = 100
     """Optimizer steps to run."""
@@ -174,7 +174,7 @@ class BackendConfig:
     """Move optimizer state (and parameters) to host memory: DeepSpeed ZeRO offload, FSDP2
     CPUOffloadPolicy (FSDP2 offloads both whenever this is not none). auto = the placement
     planner chooses ZeRO stage, what is offloaded and ``offload_optimizer_ratio`` for this model,
-    the device memory and ``memory.host_memory_gib`` (memtrain/placement.py; DeepSpeed, or FSDP2
+    the device memory and ``memory.host_memory_gib`` (memtrain/memory/placement.py; DeepSpeed, or FSDP2
     offload on or off). None = the DeepSpeed JSON's offload, else none."""
     offload_optimizer_ratio: float = 1.0
     """DeepSpeed ZeRO-3 with optimizer offload: the fraction of the optimizer state (fp32 master
@@ -250,7 +250,7 @@ class FaultsConfig:
     memory_budget_mib: float = 0.0
     """A simulated device memory of this many MiB per rank (0 = off): the engine's model-state bytes
     plus the bytes autograd saves for backward, counted as they are saved; a save past the budget
-    raises a real torch.OutOfMemoryError (memtrain/simulated_memory.py)."""
+    raises a real torch.OutOfMemoryError (memtrain/memory/simulated.py)."""
     perturb_sample_at_step: int = 0
     """Change one sample of this optimizer step's batch on rank ``perturb_rank`` (its token ids
     reversed) before it is trained: the step's batch_fingerprint must change; 0 = off."""

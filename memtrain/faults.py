@@ -6,7 +6,7 @@ failures walk the same code paths as real ones; production code only offers the 
 :meth:`FaultInjector.perturb`, :meth:`FaultInjector.after_step`,
 :meth:`FaultInjector.after_checkpoint_write`) and never reads ``faults.*`` itself. With
 ``faults.memory_budget_mib`` the OOMs come from a simulated device memory instead
-(:mod:`memtrain.simulated_memory`).
+(:mod:`memtrain.memory.simulated`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from memtrain.oom import register_block_hooks
-from memtrain.simulated_memory import SimulatedMemory
+from memtrain.memory.simulated import SimulatedMemory
 
 log = logging.getLogger("memtrain")
 

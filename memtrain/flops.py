@@ -48,22 +48,3 @@ def mfu(tokens_per_s: float, per_token: Optional[float], peak: Optional[float], 
     if not per_token or not peak:
         return None
     return tokens_per_s * per_token / (peak * world_size)
-
-
-def device_flops_per_s(device_type: str) -> float:
-    """Achieved dense matmul FLOP/s of this machine's device (a 1024³ fp32 matmul on the CPU, or
-    bf16 on CUDA), to turn FLOPs into seconds in ``memtrain plan``."""
-    import time
-
-    import torch
-
-    dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
-    a = torch.randn(1024, 1024, device=device_type, dtype=dtype)
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        a @ a
-        if device_type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return 2 * 1024**3 / best

@@ -13,9 +13,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from memtrain.memory.accounting import divisors
 from memtrain.oom import OOMStop
 
-# memtrain.planner.Planner / Candidate (planner.py imports this module, not the other way round)
+# memtrain.memory.planner.Planner / Candidate (planner.py imports this module, not the other way round)
 Planner = Candidate = Any
 
 
@@ -102,7 +103,7 @@ class PlanController:
     tries the next larger micro-batch (never above the configured one); if that fails, the window
     doubles (exponential back-off, as Composer does for its auto-microbatching).
 
-    With a :class:`memtrain.planner.Planner` (``planner``), an OOM moves to the fastest plan
+    With a :class:`memtrain.memory.planner.Planner` (``planner``), an OOM moves to the fastest plan
     predicted to need less memory than the one that failed (smaller micro-batch, AC on, or both)
     and grow-back tries the next faster measured plan (which may switch AC off again).
 
@@ -251,7 +252,7 @@ class PlanController:
         return self.adopt(nxt, "grow_back", f"{self.window} steps without OOM; trying the faster {nxt}")
 
     def _divisors(self) -> list[int]:
-        return [d for d in range(1, self.per_rank_batch + 1) if self.per_rank_batch % d == 0]
+        return divisors(self.per_rank_batch)
 
     def state_dict(self) -> dict:
         """The plan state for checkpoints (restored on resume)."""

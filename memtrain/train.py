@@ -81,7 +81,7 @@ INTERRUPTED = 130
 
 def cli() -> None:
     """Console entry point (``memtrain export …`` goes to :mod:`memtrain.export`, ``memtrain plot
-    …`` to :mod:`memtrain.plot`, ``memtrain plan|memory …`` to :mod:`memtrain.estimate`): exit 2 with
+    …`` to :mod:`memtrain.plot`, ``memtrain plan|memory …`` to :mod:`memtrain.memory.estimate`): exit 2 with
     the message on a config error, 3 when out of memory at the plan floor (the message holds the
     memory report), 4 when a checkpoint cannot be saved or resumed, 5 after too many consecutive
     non-finite steps, 6 when a collective failed or timed out or the watchdog ended a rank that
@@ -97,7 +97,7 @@ def cli() -> None:
 
         sys.exit(plot_main(sys.argv[2:]))
     if sys.argv[1:2] in (["memory"], ["plan"]):  # memtrain plan|memory --config ...
-        from memtrain.estimate import main as plan_main
+        from memtrain.memory.estimate import main as plan_main
 
         sys.exit(plan_main(sys.argv[2:], command=sys.argv[1]))
     cfg = None

@@ -47,7 +47,7 @@ def test_activation_checkpointing_keeps_losses_and_gradients(tmp_path, cache_dir
 def test_activation_checkpointing_lowers_probe_activation_bytes(cache_dir, model):
     from memtrain.config import parse_args
     from memtrain.data import build_corpus
-    from memtrain.estimate import activation_bytes
+    from memtrain.memory.estimate import activation_bytes
     from memtrain.models import build_model
 
     cfg = parse_args((TINY_BASE_ARGS + MODELS[model] if model == "plain" else TINY_ARGS + ["--model.config.n_layer", "4"])
@@ -63,7 +63,7 @@ def test_activation_checkpointing_lowers_probe_activation_bytes(cache_dir, model
 
 
 def test_memory_report_cli(cache_dir, capsys):
-    from memtrain.estimate import main
+    from memtrain.memory.estimate import main
 
     assert main(["--world_size", "4"] + TINY_ARGS + ["--data.cache_dir", cache_dir]) == 0
     report = json.loads(capsys.readouterr().out)

@@ -22,7 +22,7 @@ class _Text:
 
 
 def _saved_bytes_and_grads(model, objective, batch):
-    from memtrain.simulated_memory import SimulatedMemory
+    from memtrain.memory.simulated import SimulatedMemory
 
     counter = SimulatedMemory(2**62, 0, model.parameters())
     with counter.context():
@@ -75,7 +75,7 @@ def test_planner_counts_it_as_a_memory_lever(cache_dir):
     from memtrain.data import build_corpus
     from memtrain.models import build_model
     from memtrain.objectives import make_objective
-    from memtrain.planner import activation_table
+    from memtrain.memory.planner import activation_table
 
     cfg = parse_args(TINY_ARGS + ["--data.cache_dir", cache_dir])
     corpus = build_corpus(cfg.data)

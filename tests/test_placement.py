@@ -1,4 +1,4 @@
-"""The placement planner (memtrain/placement.py): where model state lives for a model and a machine,
+"""The placement planner (memtrain/memory/placement.py): where model state lives for a model and a machine,
 planned without a GPU; the partial-offload glue; a placement the host cannot hold is refused."""
 
 import json
@@ -8,9 +8,10 @@ import sys
 import pytest
 
 from conftest import REPO, TRAIN, tiny_args
-from memtrain.backends import device_state_bytes, model_state_bytes
-from memtrain.placement import RATIO_STEP, Machine, Placement, plan_placements, variants
-from memtrain.planner import Candidate
+from memtrain.memory.accounting import device_state_bytes, model_state_bytes
+from memtrain.memory.machine import Machine
+from memtrain.memory.placement import RATIO_STEP, Placement, plan_placements, variants
+from memtrain.memory.planner import Candidate
 
 GIB = 2**30
 N = 6_700_000_000
@@ -75,7 +76,7 @@ def test_planner_keeps_as_much_optimizer_state_on_the_device_as_fits():
                               N, N // 32, "bf16", 1, machine())[0]
     assert tighter.fits
     one_step_less = Placement("deepspeed", 3, "optimizer", round(chosen.offload_optimizer_ratio - RATIO_STEP, 4))
-    from memtrain.placement import _size
+    from memtrain.memory.placement import _size
 
     _size(one_step_less, next(c for c in candidates() if c.micro_batch_size == chosen.micro_batch_size), N, N // 32,
           "bf16", 1, machine())

@@ -8,7 +8,7 @@ import torch
 
 from conftest import TINY_ARGS
 from memtrain.plan import MicroBatchPlan, PlanController
-from memtrain.planner import Candidate, Planner, make_candidates
+from memtrain.memory.planner import Candidate, Planner, make_candidates
 from memtrain.oom import OOMStop
 
 MiB = 2**20
@@ -227,8 +227,8 @@ def test_fake_trace_predicts_the_bytes_a_real_forward_saves(cache_dir):
     from memtrain.data import build_corpus
     from memtrain.models import build_model
     from memtrain.objectives import make_objective
-    from memtrain.planner import activation_table, trace_batch
-    from memtrain.simulated_memory import SimulatedMemory
+    from memtrain.memory.planner import activation_table, trace_batch
+    from memtrain.memory.simulated import SimulatedMemory
 
     cfg = parse_args(TINY_ARGS + ["--data.cache_dir", cache_dir])
     corpus = build_corpus(cfg.data)
@@ -251,7 +251,7 @@ def test_fake_trace_predicts_the_bytes_a_real_forward_saves(cache_dir):
 def test_plan_cli_prints_the_candidates(cache_dir, capsys):
     """``memtrain plan --json``: one object per candidate, the chosen one fits, then the placements; a world size that
     does not divide the global batch is exit 2 naming the field."""
-    from memtrain.estimate import main
+    from memtrain.memory.estimate import main
 
     args = TINY_ARGS + ["--data.cache_dir", cache_dir, "--faults.memory_budget_mib", "1"]
     assert main(["--world_size", "2", "--json", *args], command="plan") == 0

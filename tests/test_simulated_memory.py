@@ -9,7 +9,7 @@ import torch
 
 from memtrain.activation import enable_activation_checkpointing
 from memtrain.backends.common import repeated_blocks
-from memtrain.simulated_memory import SimulatedMemory
+from memtrain.memory.simulated import SimulatedMemory
 
 
 def _model():

@@ -80,33 +80,3 @@ def read_full_weights(path: str, manifest: dict) -> dict[str, torch.Tensor]:
     if name not in BACKENDS:
         raise CheckpointError(f"{path}: its manifest names backend '{name}', not one of {', '.join(BACKENDS)}")
     return engine_module(name).read_full_weights(path)
-
-
-DEVICE_STATE_KEYS = ("parameter_bytes", "gradient_bytes", "optimizer_bytes")
-"""The keys of a ``model_state_bytes`` dict that are bytes on the device."""
-
-
-def model_state_bytes(engine: str, n_params: int, precision: str, zero_stage: Optional[int] = None,
-                      offload: str = "none", world_size: int = 1, offload_optimizer_ratio: float = 1.0,
-                      offload_device: str = "cpu") -> dict[str, int]:
-    """Per-rank bytes of model state for AdamW training under ``engine`` (see each engine's
-    ``model_state_bytes``; ``offload_optimizer_ratio`` and ``offload_device`` are DeepSpeed's).
-
-    Returns:
-        ``parameter_bytes``, ``gradient_bytes``, ``optimizer_bytes`` on the accelerator
-        (:data:`DEVICE_STATE_KEYS`), ``cpu_offloaded_bytes`` in host memory and
-        ``nvme_offloaded_bytes`` in NVMe files (all per rank).
-
-    Raises:
-        ValueError: an unknown engine.
-    """
-    if engine == "deepspeed":
-        return engine_module(engine).model_state_bytes(n_params, precision, zero_stage, offload, max(1, world_size),
-                                                       offload_optimizer_ratio, offload_device)
-    return {"nvme_offloaded_bytes": 0,
-            **engine_module(engine).model_state_bytes(n_params, precision, zero_stage, offload, max(1, world_size))}
-
-
-def device_state_bytes(state_bytes: dict[str, int]) -> int:
-    """Model-state bytes on the device, from a ``model_state_bytes`` dict (offloaded bytes excluded)."""
-    return sum(state_bytes.get(k, 0) for k in DEVICE_STATE_KEYS)

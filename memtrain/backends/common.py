@@ -11,10 +11,6 @@ from torch import nn
 
 log = logging.getLogger("memtrain")
 
-ADAM_STATE_BYTES = 8
-"""exp_avg + exp_avg_sq in fp32, per parameter (AdamW's state; ZeRO paper, Rajbhandari et al. 2020, §3.1)."""
-
-
 def sync_replicated_state(model: nn.Module, device: torch.device) -> list[str]:
     """Make parameters and buffers identical on every rank (rank 0's values win) before training.
 

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from memtrain.backends.base import ComputeCollectives
-from memtrain.backends.common import ADAM_STATE_BYTES
 from memtrain.backends.common import whole_model_build_context as model_build_context  # noqa: F401 (registry)
 from memtrain.distributed import ProcessState
+from memtrain.memory.accounting import model_state_bytes
 
 log = logging.getLogger("memtrain")
 
@@ -237,7 +237,7 @@ class DDPBackend:
         return {"backend": self.name, "checkpoint_format": "safetensors", "zero_stage": None}
 
     def model_state_bytes(self, n_params: int) -> dict[str, int]:
-        return model_state_bytes(n_params, self.precision, None, "none", self.world_size)
+        return model_state_bytes("ddp", n_params, self.precision, None, "none", self.world_size)
 
     def close(self) -> None:
         """Nothing beyond the process group, which the process state closes."""
@@ -255,11 +255,3 @@ def read_full_weights(path: str) -> dict[str, torch.Tensor]:
     from memtrain.weights import load_weights
 
     return load_weights(path)
-
-
-def model_state_bytes(n_params: int, precision: str, zero_stage, offload: str, world_size: int) -> dict[str, int]:
-    """Every rank holds everything: Accelerate's autocast keeps fp32 parameters and gradients
-    (cast for compute) and AdamW's two fp32 moments."""
-    n = n_params
-    return {"parameter_bytes": 4 * n, "gradient_bytes": 4 * n, "optimizer_bytes": ADAM_STATE_BYTES * n,
-            "cpu_offloaded_bytes": 0}

@@ -23,11 +23,11 @@ from torch import nn
 
 from memtrain.backends import ds_partial_offload
 from memtrain.backends.base import ComputeCollectives
-from memtrain.backends.common import ADAM_STATE_BYTES
 from memtrain.backends.ds_config import (OFFLOAD_DEVICES, build_ds_config, get_path, read_user_json,
                                          resolve_zero_stage)
 from memtrain.distributed import ProcessState
 from memtrain.errors import CheckpointError
+from memtrain.memory.accounting import model_state_bytes
 
 log = logging.getLogger("memtrain")
 
@@ -313,7 +313,7 @@ class DeepSpeedBackend:
         offload = "none"
         if self.offload_optimizer:
             offload = "optimizer_and_params" if self.offload_params else "optimizer"
-        return model_state_bytes(n_params, self.precision, self.zero_stage, offload, self.world_size,
+        return model_state_bytes("deepspeed", n_params, self.precision, self.zero_stage, offload, self.world_size,
                                  self.offload_ratio, "nvme" if self.nvme else "cpu")
 
     def close(self) -> None:
@@ -390,50 +390,3 @@ def read_full_weights(path: str) -> dict[str, torch.Tensor]:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     return dict(get_fp32_state_dict_from_zero_checkpoint(path, tag=DeepSpeedBackend._TAG))
-
-
-def model_state_bytes(n_params: int, precision: str, zero_stage: Optional[int], offload: str,
-                      world_size: int, offload_optimizer_ratio: float = 1.0, offload_device: str = "cpu") -> dict[str, int]:
-    """ZeRO's accounting (Rajbhandari et al. 2020, §3.1 and §5), bytes per rank: 16-bit parameters
-    and gradients in bf16/fp16 (fp32 otherwise) plus an fp32 master copy kept with AdamW's
-    moments; stage 1 shards the optimizer state, 2 also the gradients, 3 also the parameters
-    (default stage 2).
-
-    Offload (ZeRO-Offload, Ren et al. 2021): the optimizer state leaves the device —
-    ``offload_optimizer_ratio`` of it under ZeRO-3's partial offload — and the gradients are
-    reduced into host buffers: fp32 partitions under stages 1/2 (stage 1 still holds its whole
-    16-bit gradients on the device until the accumulation boundary); under stage 3 a 16-bit
-    partition buffer plus the fp32 gradient DeepSpeed keeps beside every optimizer sub-group, on the
-    device for the sub-groups stepped there. ``optimizer_and_params`` moves the parameters too.
-    With ``offload_device`` ``nvme`` (stage 3) the offloaded optimizer state (with its fp32
-    gradients) and parameters are files (``nvme_offloaded_bytes``)."""
-    n, w = n_params, world_size
-    stage = 2 if zero_stage is None else zero_stage
-    half = precision in ("bf16", "fp16")
-    p_bytes = 2 if half else 4
-    master = 4 if half else 0
-    params = p_bytes * n // (w if stage >= 3 else 1)
-    grads = p_bytes * n // (w if stage >= 2 else 1)
-    optim = (ADAM_STATE_BYTES + master) * n // (w if stage >= 1 else 1)
-    host = files = 0
-    if offload in ("optimizer", "optimizer_and_params"):
-        r = offload_optimizer_ratio
-        moved = int(optim * r)
-        optim -= moved
-        if stage >= 3:  # 16-bit partition buffer on the host; fp32 sub-group gradients where each steps
-            host, grads = p_bytes * n // w, int(4 * n / w * (1 - r))
-            moved += int(4 * n / w * r)
-        else:  # fp32 gradient partitions on the host; stage 1 keeps its full gradients until the boundary
-            host, grads = 4 * n // w, grads if stage == 1 else 0
-        if offload_device == "nvme":
-            files += moved
-        else:
-            host += moved
-    if offload == "optimizer_and_params":
-        if offload_device == "nvme":
-            files += params
-        else:
-            host += params
-        params = 0
-    return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim,
-            "cpu_offloaded_bytes": host, "nvme_offloaded_bytes": files}

@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from memtrain.backends.base import ComputeCollectives
-from memtrain.backends.common import ADAM_STATE_BYTES, repeated_blocks
+from memtrain.backends.common import repeated_blocks
 from memtrain.backends.common import whole_model_build_context as model_build_context  # noqa: F401 (registry)
 from memtrain.distributed import ProcessState
+from memtrain.memory.accounting import model_state_bytes
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
@@ -176,7 +177,7 @@ class FSDPBackend:
         return {"backend": self.name, "checkpoint_format": "dcp", "zero_stage": None}
 
     def model_state_bytes(self, n_params: int) -> dict[str, int]:
-        return model_state_bytes(n_params, self.precision, None, self.offload, self.world_size)
+        return model_state_bytes("fsdp", n_params, self.precision, None, self.offload, self.world_size)
 
     def close(self) -> None:
         """Nothing beyond the process group, which the process state closes."""
@@ -204,17 +205,6 @@ def read_full_weights(path: str) -> dict[str, torch.Tensor]:
              if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
     dcp.load(state, checkpoint_id=os.path.join(path, "dcp"), no_dist=True)
     return {key[len("model."):]: value for key, value in state.items()}
-
-
-def model_state_bytes(n_params: int, precision: str, zero_stage, offload: str, world_size: int) -> dict[str, int]:
-    """fp32 parameters, gradients and AdamW moments, sharded over ranks (FSDP2's mixed-precision
-    policy casts for compute); CPUOffloadPolicy moves all three to host memory."""
-    n, w = n_params, world_size
-    params, grads, optim = 4 * n // w, 4 * n // w, ADAM_STATE_BYTES * n // w
-    if offload not in (None, "none"):
-        return {"parameter_bytes": 0, "gradient_bytes": 0, "optimizer_bytes": 0,
-                "cpu_offloaded_bytes": params + grads + optim}
-    return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim, "cpu_offloaded_bytes": 0}
 
 
 def _param_groups(state) -> list:

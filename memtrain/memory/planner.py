@@ -6,11 +6,11 @@ the peak device memory and measures the step time:
 
 - **Peak bytes, without allocating.** The model is built on the meta device with fake parameters
   (``torch._subclasses.fake_tensor.FakeTensorMode``) and one micro-batch is traced while
-  :class:`memtrain.simulated_memory.SimulatedMemory` counts the bytes autograd saves for backward,
+  :class:`memtrain.memory.simulated.SimulatedMemory` counts the bytes autograd saves for backward,
   exactly as the simulated device of a CPU run counts them. Planning a 10B-parameter model takes
   seconds and no memory. The prediction is model state (the engine's accounting,
   ``model_state_bytes``) + saved activations (+ on CUDA, a headroom for the allocator and
-  transient buffers: :data:`CUDA_HEADROOM_FRACTION`, :data:`CUDA_RESERVED_BYTES`).
+  transient buffers: :func:`memtrain.memory.accounting.with_allocator_headroom`).
 - **Step time, measured.** A run times the forward and backward of a whole rank batch (every
   micro-batch and the gradient reduction, no optimizer step) at each candidate predicted to
   fit, on the real engine and data; the seconds are averaged over ranks, so every rank holds
@@ -34,12 +34,10 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from memtrain.memory.accounting import divisors, with_allocator_headroom
+from memtrain.memory.machine import device_budget_bytes
 from memtrain.plan import MicroBatchPlan
 
-CUDA_HEADROOM_FRACTION = 0.10
-"""CUDA: predicted peak × (1 + this) for the caching allocator's fragmentation and temporaries."""
-CUDA_RESERVED_BYTES = 512 * 2**20
-"""CUDA: bytes kept free for the CUDA context's workspaces (cuBLAS, NCCL)."""
 CONTENDER_RATIO = 1.5
 """A candidate whose first probe took at most this × the fastest first probe is timed again: the
 first probes of a process (or after an OOM) run while the machine and the engine warm up, and a
@@ -101,11 +99,6 @@ def ac_options(activation_checkpointing: str) -> list[bool]:
     return {"off": [False], "on": [True], "auto": [False, True]}[activation_checkpointing]
 
 
-def divisors(n: int) -> list[int]:
-    """The micro-batch sizes that divide a rank's share of ``n`` samples, ascending."""
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def fake_model(build: Callable[[], nn.Module], dtype: Optional[torch.dtype] = None):
     """A model with fake parameters (no memory): built on the meta device, then every parameter and
     buffer turned into a fake tensor so data-dependent checks in model code see a tracer.
@@ -135,14 +128,14 @@ def fake_model(build: Callable[[], nn.Module], dtype: Optional[torch.dtype] = No
 
 def traced_activation_bytes(model: nn.Module, mode, objective, micro_batch: dict[str, torch.Tensor]) -> int:
     """Peak bytes autograd saves for backward in one training forward of ``micro_batch`` (counted
-    by :class:`memtrain.simulated_memory.SimulatedMemory`, parameters excluded).
+    by :class:`memtrain.memory.simulated.SimulatedMemory`, parameters excluded).
 
     Args:
         model: a :func:`fake_model` (AC switched as wanted); mode: its ``FakeTensorMode``.
         objective: the run's objective (:mod:`memtrain.objectives`).
         micro_batch: tensors [B, …] on any device (moved to meta here).
     """
-    from memtrain.simulated_memory import SimulatedMemory
+    from memtrain.memory.simulated import SimulatedMemory
 
     counter = SimulatedMemory(2**62, 0, model.parameters())
     with mode:
@@ -156,10 +149,7 @@ def traced_activation_bytes(model: nn.Module, mode, objective, micro_batch: dict
 def predicted_peak_bytes(state_bytes: int, activation_bytes: int, device_type: str) -> int:
     """Predicted peak device bytes of a rank: model state + saved activations, plus the CUDA
     headroom on a GPU (a CPU run's simulated device counts exactly these two terms)."""
-    total = state_bytes + activation_bytes
-    if device_type == "cuda":
-        return int(total * (1 + CUDA_HEADROOM_FRACTION)) + CUDA_RESERVED_BYTES
-    return total
+    return with_allocator_headroom(state_bytes + activation_bytes, device_type)
 
 
 def make_candidates(per_rank_batch: int, activation_checkpointing: str, state_bytes: int,
@@ -365,20 +355,6 @@ class Planner:
                     c.measured_step_s = seconds
                 else:
                     c.predicted_step_s = seconds
-
-
-def device_budget_bytes(cfg, device: torch.device) -> Optional[int]:
-    """Device bytes a rank may use: ``faults.memory_budget_mib`` (the simulated device) when set; on
-    CUDA the memory this process can reach (free + reserved by its caching allocator), at most
-    ``memory.cuda_memory_cap_gib``; otherwise None (unbounded)."""
-    if cfg.faults.memory_budget_mib > 0:
-        return int(cfg.faults.memory_budget_mib * 2**20)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        reachable = free + torch.cuda.memory_reserved(device)  # PyTorch's cache is the process's too
-        cap = cfg.memory.cuda_memory_cap_gib
-        return min(reachable, int(cap * 2**30)) if cap > 0 else reachable
-    return None
 
 
 def trace_batch(corpus, micro_batch_size: int) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""What a run will need, before it runs: the planner's candidate plans (:mod:`memtrain.planner`)
+"""What a run will need, before it runs: the planner's candidate plans (:mod:`memtrain.memory.planner`)
 with predicted peak bytes and step seconds, and bytes of parameters, gradients and optimizer
 state per engine, ZeRO stage and offload. Nothing is allocated: activations are traced with fake
 tensors, so planning a 10B-parameter model takes seconds on a laptop.
@@ -8,7 +8,7 @@ tensors, so planning a 10B-parameter model takes seconds on a laptop.
     memtrain memory --config recipes/code_lm_350m.yaml [--world_size 8]    # the same report, one JSON object
 
 ``plan`` is the code a run with ``training.micro_batch_size: auto`` calls, minus the timing, and
-the placement planner of ``backend.offload: auto`` (:mod:`memtrain.placement`): where model
+the placement planner of ``backend.offload: auto`` (:mod:`memtrain.memory.placement`): where model
 state lives, with device and host bytes. Each engine accounts for its own model state (``model_state_bytes`` in
 ``memtrain/backends/``, following the ZeRO paper, Rajbhandari et al. 2020, "ZeRO: Memory
 Optimizations Toward Training Trillion Parameter Models", §3.1 and §5). Transient buffers (one
@@ -56,7 +56,7 @@ def activation_bytes(model: nn.Module, micro_batch: dict[str, torch.Tensor], act
     from memtrain.activation import enable_activation_checkpointing
     from memtrain.backends.common import repeated_blocks
     from memtrain.objectives import CausalLM
-    from memtrain.simulated_memory import SimulatedMemory
+    from memtrain.memory.simulated import SimulatedMemory
 
     objective = objective or CausalLM()
     probe = copy.deepcopy(model).train()
@@ -78,7 +78,7 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     Args:
         world_size: ranks the run will have.
         gpu_memory_gib: the GPU memory of a rank (a GPU run is planned: CUDA headroom applies,
-            FLOP/s of :data:`memtrain.placement.DEFAULT_GPU_FLOPS` without a GPU here); None =
+            FLOP/s of :data:`memtrain.memory.placement.DEFAULT_GPU_FLOPS` without a GPU here); None =
             this machine's (``faults.memory_budget_mib``, the CUDA memory or its cap; unbounded on a CPU).
         host_memory_gib: host memory of the machine (its ranks together); None =
             ``memory.host_memory_gib``, else this machine's available memory.
@@ -86,19 +86,20 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
 
     Returns:
         A JSON-serialisable dict: ``parameters``, ``precision``, ``world_size``, ``engine``,
-        ``budget_bytes``, ``candidates`` (list of :class:`memtrain.planner.Candidate` dicts),
+        ``budget_bytes``, ``candidates`` (list of :class:`memtrain.memory.planner.Candidate` dicts),
         ``model_state_bytes`` (per engine variant), ``activation_bytes`` (micro-batch
         ``training.micro_batch_size``, or the chosen one under ``auto``: off/on), ``placements``
-        (:class:`memtrain.placement.Placement` dicts, the fastest fitting one ``chosen``) and the
+        (:class:`memtrain.memory.placement.Placement` dicts, the fastest fitting one ``chosen``) and the
         ``machine`` they were planned for.
     """
-    from memtrain.backends import device_state_bytes, infer_backend_name, model_state_bytes
+    from memtrain.backends import infer_backend_name
+    from memtrain.memory.accounting import device_state_bytes, model_state_bytes
     from memtrain.data import build_corpus
     from memtrain.models import build_model, count_parameters
     from memtrain.objectives import make_objective
-    from memtrain.planner import (Planner, activation_table, device_budget_bytes, estimated_step_s,
-                                  make_candidates)
-    from memtrain.placement import DEFAULT_GPU_FLOPS, tokens_per_sample
+    from memtrain.memory.machine import DEFAULT_GPU_FLOPS, device_budget_bytes
+    from memtrain.memory.placement import tokens_per_sample
+    from memtrain.memory.planner import Planner, activation_table, estimated_step_s, make_candidates
     from memtrain.precision import resolve_precision
 
     device_type = "cuda" if torch.cuda.is_available() or gpu_memory_gib else "cpu"
@@ -123,7 +124,7 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     planner = Planner(make_candidates(per_rank, cfg.memory.activation_checkpointing, state_on_device, acts, device_type,
                                       budget), budget)
     gpu_without_one = device_type == "cuda" and not torch.cuda.is_available()
-    from memtrain.flops import device_flops_per_s
+    from memtrain.memory.machine import device_flops_per_s
 
     flops = DEFAULT_GPU_FLOPS if gpu_without_one else device_flops_per_s(device_type)
     every = cfg.memory.activation_checkpointing_every_n_blocks
@@ -153,10 +154,11 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
 
 def _placements(cfg, meta, n: int, precision: str, world_size: int, device_type: str, budget, flops: float,
                 acts, tokens: int, host_memory_gib: Optional[float], nvme_path: Optional[str]):
-    """The placement table (:mod:`memtrain.placement`) of :func:`plan_report`: every placement of
-    :func:`memtrain.placement.planning_pool`."""
-    from memtrain.placement import (PLAN_PROCESS_BYTES, Machine, cpu_adam_params_per_s, host_budget_bytes,
-                                    largest_block_params, nvme_usable, plan_model, planning_pool, process_bytes)
+    """The placement table (:mod:`memtrain.memory.placement`) of :func:`plan_report`: every placement of
+    :func:`memtrain.memory.placement.planning_pool`."""
+    from memtrain.memory.machine import (PLAN_PROCESS_BYTES, Machine, cpu_adam_params_per_s, host_budget_bytes,
+                                         process_bytes)
+    from memtrain.memory.placement import largest_block_params, nvme_usable, plan_model, planning_pool
 
     gpu_here = torch.cuda.is_available()
     host = int(host_memory_gib * 2**30) if host_memory_gib else host_budget_bytes(cfg.memory.host_memory_gib)
@@ -182,7 +184,7 @@ def _pop_option(argv: list[str], name: str, default=None, flag: bool = False):
 
 def format_table(report: dict) -> str:
     """The candidates of :func:`plan_report` as a text table."""
-    from memtrain.placement import Placement, format_placements
+    from memtrain.memory.placement import Placement, format_placements
 
     rows = [f"{'micro':>5} {'accum':>5} {'AC':>3} {'peak MiB':>10} {'step s':>9} {'fits':>4}  chosen"]
     for c in report["candidates"]:

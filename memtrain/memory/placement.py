@@ -10,14 +10,14 @@ placement an engine offers is sized and timed before anything is allocated:
   offloads into files.
 - **Device bytes** per rank: the engine's model state (``model_state_bytes``) + the activations of
   the best micro-batch / activation-checkpointing plan (traced with fake tensors,
-  :mod:`memtrain.planner`) + under ZeRO-3 two gathered blocks in 16-bit + the CUDA headroom.
+  :mod:`memtrain.memory.planner`) + under ZeRO-3 two gathered blocks in 16-bit + the CUDA headroom.
 - **Host bytes**, all ranks of the machine together: each rank's process (libraries, the CUDA
-  context, data: :func:`process_bytes`) + offloaded state + DeepSpeed's pinned NVMe swap
+  context, data: :func:`memtrain.memory.machine.process_bytes`) + offloaded state + DeepSpeed's pinned NVMe swap
   buffers + the checkpoint staging of a save (DeepSpeed serialises one flat partition at a time:
   the largest device-side sub-group). On a CPU run the device is host memory too.
 - **Step seconds**: ``6 × parameters × tokens`` at the device's FLOP rate (the micro-batch
   planner's estimate), plus — nothing overlapped, as DeepSpeed's default runs — CPU Adam over
-  the host-side parameters at the rate measured on this machine (:func:`cpu_adam_params_per_s`;
+  the host-side parameters at the rate measured on this machine (:func:`memtrain.memory.machine.cpu_adam_params_per_s`;
   the host's cores are shared by its ranks), the host↔device copies (16-bit gradients out and
   16-bit parameters back per step; offloaded parameters in twice per micro-batch) at
   :data:`HOST_DEVICE_BYTES_PER_S`, and NVMe reads and writes at :data:`NVME_BYTES_PER_S`.
@@ -32,13 +32,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import time
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from memtrain.planner import CUDA_HEADROOM_FRACTION, CUDA_RESERVED_BYTES, Candidate, estimated_step_s, make_candidates
+from memtrain.memory.accounting import with_allocator_headroom
+from memtrain.memory.machine import Machine
+from memtrain.memory.planner import Candidate, estimated_step_s, make_candidates
 
 RATIO_STEP = 0.01
 """Granularity of the partial-offload fraction the planner tries."""
@@ -49,39 +50,8 @@ NVME_BYTES_PER_S = 3e9
 """NVMe read/write rate (one PCIe 4 drive, sequential)."""
 NVME_SWAP_BUFFERS_BYTES = 4 * 10**8 * 4 + 5 * 10**8 * 2
 """DeepSpeed's pinned NVMe swap buffers (optimizer: 4 × 1e8 fp32 elements; parameters: 5 × 1e8 16-bit)."""
-CUDA_CONTEXT_HOST_BYTES = 2**30
-"""Host memory a process's CUDA context and its pinned staging take."""
-PLAN_PROCESS_BYTES = 4 * 2**30
-"""Host bytes per rank's process assumed by ``memtrain plan`` (a run measures its own)."""
-DEFAULT_GPU_FLOPS = 400e12
-"""FLOP/s ``memtrain plan`` assumes for a GPU it cannot measure (an H100's achieved dense bf16)."""
 STAGING_LIMIT_BYTES = 4 * 10**9
 """The largest flat partition DeepSpeed serialises at once (its default sub-group of 1e9 fp32 elements)."""
-
-
-@dataclass
-class Machine:
-    """The memory and speeds a placement is planned for.
-
-    Attributes:
-        device_bytes: device memory a rank may use (None = unbounded).
-        host_bytes: host memory the ranks of one machine may use together (None = unbounded).
-        ranks_per_host: ranks sharing that host memory and its CPU cores.
-        device_type: ``cuda`` or ``cpu`` (a CPU run's device is host memory too).
-        device_flops: achieved FLOP/s of one device.
-        cpu_adam_params_per_s: parameters per second CPU Adam steps on this host (all cores).
-        process_bytes: host bytes each rank's process uses besides offloaded state.
-        nvme_path: a folder for NVMe offload, or None.
-    """
-
-    device_bytes: Optional[int]
-    host_bytes: Optional[int]
-    ranks_per_host: int
-    device_type: str
-    device_flops: float
-    cpu_adam_params_per_s: float
-    process_bytes: int
-    nvme_path: Optional[str] = None
 
 
 @dataclass
@@ -150,8 +120,8 @@ def variants(engines: tuple[str, ...], zero_stages: tuple[int, ...], nvme: bool)
 
 
 def state_bytes(p: Placement, n_params: int, precision: str, world_size: int) -> dict[str, int]:
-    """The engine's model-state accounting of ``p`` (:func:`memtrain.backends.model_state_bytes`)."""
-    from memtrain.backends import model_state_bytes
+    """The engine's model-state accounting of ``p`` (:func:`memtrain.memory.accounting.model_state_bytes`)."""
+    from memtrain.memory.accounting import model_state_bytes
 
     return model_state_bytes(p.engine, n_params, precision, p.zero_stage, p.offload, world_size,
                              p.offload_optimizer_ratio, "nvme" if p.nvme else "cpu")
@@ -160,15 +130,13 @@ def state_bytes(p: Placement, n_params: int, precision: str, world_size: int) ->
 def _size(p: Placement, c: Candidate, n_params: int, block_params: int, precision: str, world_size: int,
           machine: Machine) -> None:
     """Fill ``p``'s bytes and seconds for micro-batch plan ``c``."""
-    from memtrain.backends import device_state_bytes
+    from memtrain.memory.accounting import device_state_bytes
 
     state = state_bytes(p, n_params, precision, world_size)
     half = precision in ("bf16", "fp16")
     p_bytes = 2 if half else 4
     gathered = 2 * block_params * p_bytes if p.zero_stage == 3 else 0
-    device = device_state_bytes(state) + c.activation_bytes + gathered
-    if machine.device_type == "cuda":
-        device = int(device * (1 + CUDA_HEADROOM_FRACTION)) + CUDA_RESERVED_BYTES
+    device = with_allocator_headroom(device_state_bytes(state) + c.activation_bytes + gathered, machine.device_type)
     optimizer_on_device = state["optimizer_bytes"]
     staging = min(optimizer_on_device, STAGING_LIMIT_BYTES) if p.engine == "deepspeed" else optimizer_on_device
     per_rank_host = machine.process_bytes + state["cpu_offloaded_bytes"] + staging
@@ -251,45 +219,6 @@ def _better(a: Placement, b: Placement) -> bool:
     return a.device_bytes + a.host_bytes < b.device_bytes + b.host_bytes
 
 
-def cpu_adam_params_per_s(n: int = 2**22) -> float:
-    """Parameters per second CPU Adam steps on this machine: DeepSpeed's CPU Adam (the optimizer of
-    its offload) when its op loads, else torch's AdamW; best of 3 steps of ``n`` fp32 parameters."""
-    param = torch.nn.Parameter(torch.zeros(n))
-    param.grad = torch.full((n,), 1e-3)
-    try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-        opt = DeepSpeedCPUAdam([param], adamw_mode=True)
-    except Exception:  # noqa: BLE001 - no compiler, no DeepSpeed: torch's AdamW is the fallback
-        opt = torch.optim.AdamW([param], foreach=True)
-    opt.step()
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        opt.step()
-        best = min(best, time.perf_counter() - start)
-    return n / best
-
-
-def process_bytes(device_type: str) -> int:
-    """Host bytes this process uses now (its resident set), plus a CUDA context not yet created."""
-    import psutil
-
-    pending = device_type == "cuda" and not torch.cuda.is_initialized()
-    return psutil.Process().memory_info().rss + (CUDA_CONTEXT_HOST_BYTES if pending else 0)
-
-
-def host_budget_bytes(host_memory_gib: float, ranks_per_host: int = 1) -> int:
-    """Host bytes a run's ranks on this machine may use together: ``memory.host_memory_gib``, else
-    what is available now plus what the ranks' processes already hold (each taken to hold what
-    this one does: the budget is checked once every rank's process is up)."""
-    import psutil
-
-    if host_memory_gib > 0:
-        return int(host_memory_gib * 2**30)
-    return psutil.virtual_memory().available + ranks_per_host * psutil.Process().memory_info().rss
-
-
 def format_placements(table: list[Placement]) -> str:
     """``table`` as text, one row per placement (GiB; seconds per optimizer step)."""
     rows = [f"{'placement':<30} {'micro':>5} {'AC':>3} {'device GiB':>10} {'host GiB':>9} {'step s':>9} fits  chosen"]
@@ -350,7 +279,7 @@ def plan_model(cfg, activation_bytes, n_params: int, block_params: int, tokens: 
     ``training.micro_batch_size`` is kept; ``auto`` lets each placement take its best).
 
     Args:
-        activation_bytes: ``(micro_batch_size, ac) -> bytes`` (:func:`memtrain.planner.activation_table`).
+        activation_bytes: ``(micro_batch_size, ac) -> bytes`` (:func:`memtrain.memory.planner.activation_table`).
         n_params, block_params: the model's and its largest block's parameters.
         tokens: tokens per sample (:func:`tokens_per_sample`).
     """
@@ -370,7 +299,7 @@ def placement_table(cfg, corpus, world_size: int, machine: Machine, precision: s
     Raises:
         RuntimeError, NotImplementedError: the model cannot be traced with fake tensors.
     """
-    from memtrain.planner import activation_table
+    from memtrain.memory.planner import activation_table
 
     n, block, objective = model_facts(cfg, corpus)
     acts = activation_table(cfg, corpus, objective, precision, machine.device_type)
@@ -432,11 +361,11 @@ def configured_offload(cfg) -> tuple[str, float, bool]:
 
 
 def run_machine(cfg, device: torch.device, world_size: int) -> Machine:
-    """The machine a run plans for: the device budget of :func:`memtrain.planner.device_budget_bytes`,
+    """The machine a run plans for: the device budget of :func:`memtrain.memory.machine.device_budget_bytes`,
     ``memory.host_memory_gib`` (else the available memory), this process's resident bytes, the
     device's matmul rate and CPU Adam's rate, both measured here."""
-    from memtrain.flops import device_flops_per_s
-    from memtrain.planner import device_budget_bytes
+    from memtrain.memory.machine import (cpu_adam_params_per_s, device_budget_bytes, device_flops_per_s,
+                                         host_budget_bytes, process_bytes)
 
     device_type = "cpu" if cfg.faults.memory_budget_mib > 0 else device.type
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))

@@ -1,0 +1,112 @@
+"""Facts of the machine a run plans for: the device and host budgets, the device's achieved
+matmul rate, CPU Adam's rate, a process's own resident bytes. Measured here when a run plans for
+this machine; ``memtrain plan`` may describe another machine instead (its options).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+CUDA_CONTEXT_HOST_BYTES = 2**30
+"""Host memory a process's CUDA context and its pinned staging take."""
+PLAN_PROCESS_BYTES = 4 * 2**30
+"""Host bytes per rank's process assumed by ``memtrain plan`` (a run measures its own)."""
+DEFAULT_GPU_FLOPS = 400e12
+"""FLOP/s ``memtrain plan`` assumes for a GPU it cannot measure (an H100's achieved dense bf16)."""
+
+
+@dataclass
+class Machine:
+    """The memory and speeds a placement is planned for.
+
+    Attributes:
+        device_bytes: device memory a rank may use (None = unbounded).
+        host_bytes: host memory the ranks of one machine may use together (None = unbounded).
+        ranks_per_host: ranks sharing that host memory and its CPU cores.
+        device_type: ``cuda`` or ``cpu`` (a CPU run's device is host memory too).
+        device_flops: achieved FLOP/s of one device.
+        cpu_adam_params_per_s: parameters per second CPU Adam steps on this host (all cores).
+        process_bytes: host bytes each rank's process uses besides offloaded state.
+        nvme_path: a folder for NVMe offload, or None.
+    """
+
+    device_bytes: Optional[int]
+    host_bytes: Optional[int]
+    ranks_per_host: int
+    device_type: str
+    device_flops: float
+    cpu_adam_params_per_s: float
+    process_bytes: int
+    nvme_path: Optional[str] = None
+
+
+def device_budget_bytes(cfg, device: torch.device) -> Optional[int]:
+    """Device bytes a rank may use: ``faults.memory_budget_mib`` (the simulated device) when set; on
+    CUDA the memory this process can reach (free + reserved by its caching allocator), at most
+    ``memory.cuda_memory_cap_gib``; otherwise None (unbounded)."""
+    if cfg.faults.memory_budget_mib > 0:
+        return int(cfg.faults.memory_budget_mib * 2**20)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        reachable = free + torch.cuda.memory_reserved(device)  # PyTorch's cache is the process's too
+        cap = cfg.memory.cuda_memory_cap_gib
+        return min(reachable, int(cap * 2**30)) if cap > 0 else reachable
+    return None
+
+
+def cpu_adam_params_per_s(n: int = 2**22) -> float:
+    """Parameters per second CPU Adam steps on this machine: DeepSpeed's CPU Adam (the optimizer of
+    its offload) when its op loads, else torch's AdamW; best of 3 steps of ``n`` fp32 parameters."""
+    param = torch.nn.Parameter(torch.zeros(n))
+    param.grad = torch.full((n,), 1e-3)
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        opt = DeepSpeedCPUAdam([param], adamw_mode=True)
+    except Exception:  # noqa: BLE001 - no compiler, no DeepSpeed: torch's AdamW is the fallback
+        opt = torch.optim.AdamW([param], foreach=True)
+    opt.step()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        opt.step()
+        best = min(best, time.perf_counter() - start)
+    return n / best
+
+
+def process_bytes(device_type: str) -> int:
+    """Host bytes this process uses now (its resident set), plus a CUDA context not yet created."""
+    import psutil
+
+    pending = device_type == "cuda" and not torch.cuda.is_initialized()
+    return psutil.Process().memory_info().rss + (CUDA_CONTEXT_HOST_BYTES if pending else 0)
+
+
+def host_budget_bytes(host_memory_gib: float, ranks_per_host: int = 1) -> int:
+    """Host bytes a run's ranks on this machine may use together: ``memory.host_memory_gib``, else
+    what is available now plus what the ranks' processes already hold (each taken to hold what
+    this one does: the budget is checked once every rank's process is up)."""
+    import psutil
+
+    if host_memory_gib > 0:
+        return int(host_memory_gib * 2**30)
+    return psutil.virtual_memory().available + ranks_per_host * psutil.Process().memory_info().rss
+
+
+def device_flops_per_s(device_type: str) -> float:
+    """Achieved dense matmul FLOP/s of this machine's device (a 1024³ fp32 matmul on the CPU, or
+    bf16 on CUDA), to turn FLOPs into seconds in ``memtrain plan``."""
+    dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
+    a = torch.randn(1024, 1024, device=device_type, dtype=dtype)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        a @ a
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * 1024**3 / best
