@@ -64,12 +64,21 @@ def _write_export(model: nn.Module, state_dict: dict[str, torch.Tensor], tmp: st
         agreed = getattr(model, "memtrain_layerdrop", None)
         if agreed is not None:
             model.config.layerdrop = agreed.probability
+        from transformers.utils import logging as hf_logging
+
+        bar = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # no "Writing model shards" bar in memtrain's output
         try:
             model.save_pretrained(tmp, state_dict=state_dict, max_shard_size=max_shard_size)
         finally:
+            if bar:
+                hf_logging.enable_progress_bar()
             if agreed is not None:
                 model.config.layerdrop = 0.0
         if tokenizer is not None:
+            positions = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+            if positions:  # not tokenizers' "no limit" (1e30), so a pipeline truncates at the model's positions
+                tokenizer.model_max_length = int(positions)
             tokenizer.save_pretrained(tmp)
     else:
         save_weights(state_dict, tmp, max_shard_size)
@@ -102,13 +111,16 @@ def export_checkpoint(path: str, out: str, max_shard_size: str = "5GB") -> str:
     manifest = verify(path)
     cfg = _to_dataclass(Config, manifest["config"])
     state = read_full_weights(path, manifest)  # by the engine that wrote it
-    model = build_model(cfg.model, manifest["vocab_size"])
-    load_into(model, state)
     tokenizer = None
-    if hasattr(model, "save_pretrained") and os.path.isdir(os.path.join(path, "tokenizer")):
+    if os.path.isdir(os.path.join(path, "tokenizer")):
         from transformers import PreTrainedTokenizerFast
 
         tokenizer = PreTrainedTokenizerFast.from_pretrained(os.path.join(path, "tokenizer"))
+    # the run's model took its bos/eos ids from the tokenizer, not the model type's defaults
+    model = build_model(cfg.model, manifest["vocab_size"], eos_token_id=getattr(tokenizer, "eos_token_id", None))
+    load_into(model, state)
+    if not hasattr(model, "save_pretrained"):
+        tokenizer = None
     export_model(model, model.state_dict(), out, tokenizer, max_shard_size)
     return out
 
@@ -132,6 +144,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("out", help="directory to write model.safetensors and config.json into")
     parser.add_argument("--max_shard_size", default="5GB", help="split larger models into shards (default 5GB)")
     args = parser.parse_args(argv)
+    from memtrain.distributed import quiet_library_notices
+
+    quiet_library_notices(torch.cuda.is_available())
     try:
         out = export_checkpoint(args.checkpoint, args.out, args.max_shard_size)
     except (CheckpointError, ConfigError) as exc:

@@ -88,6 +88,9 @@ def test_export_never_removes_what_it_did_not_write(finished_run, tmp_path, caps
     assert export_main([str(run), str(exported)]) == 0
     first = snapshot(exported)
     assert "model.safetensors" in first and "memtrain_export.json" in first
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(exported).model_max_length == 32  # the model's positions
     assert export_main([str(run / "checkpoints" / "step_00000002"), str(exported)]) == 0  # an earlier export: replaced
     assert snapshot(exported)["model.safetensors"] != first["model.safetensors"]
     assert (tmp_path / "exported.tmp" / "keep.txt").read_text() == "mine"
