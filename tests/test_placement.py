@@ -185,3 +185,14 @@ def test_offload_auto_moves_state_to_the_host_when_the_device_cannot_hold_it(tmp
     assert [r["step"] for r in records] == [1, 2, 3]
     assert not any("oom" in (r.get("event") or "") for r in records)
     assert max(r["simulated_peak_bytes"] for r in records) <= budget * 2**20
+
+
+def test_planning_never_compiles_deepspeeds_cpu_adam(tmp_path, monkeypatch):
+    """With no cpu_adam built (an empty extension folder), measuring the CPU Adam rate uses torch's
+    AdamW and builds nothing (a first build takes minutes, in silence before)."""
+    from memtrain.memory.machine import cpu_adam_built, cpu_adam_params_per_s
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert not cpu_adam_built()
+    assert cpu_adam_params_per_s(2**16) > 0
+    assert not any(tmp_path.iterdir())  # nothing was built

@@ -96,6 +96,12 @@ class DeepSpeedBackend:
         if self.offload_optimizer:  # ZeRO-Offload steps on CPU with its own Adam kernel (same AdamW math)
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+            from memtrain.memory.machine import cpu_adam_built
+
+            if self.process.is_main and not cpu_adam_built():
+                log.warning("memtrain: building DeepSpeed's cpu_adam op for optimizer offload (first run on this "
+                            "machine only; a few minutes)")
+
             groups = [{k: v for k, v in g.items() if k not in ("foreach", "fused", "capturable", "differentiable",
                                                                 "maximize", "amsgrad", "decoupled_weight_decay")}
                       for g in optimizer.param_groups]

@@ -58,16 +58,37 @@ def device_budget_bytes(cfg, device: torch.device) -> Optional[int]:
     return None
 
 
+def cpu_adam_built() -> bool:
+    """Whether DeepSpeed's ``cpu_adam`` op loads without compiling: installed prebuilt, or already
+    built by an earlier run into torch's extension folder (a first build takes minutes)."""
+    import importlib.util
+    import os
+
+    try:
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+        from torch.utils.cpp_extension import _get_build_directory
+
+        builder = CPUAdamBuilder()
+        if importlib.util.find_spec(builder.absolute_name()) is not None:
+            return True
+        return os.path.exists(os.path.join(_get_build_directory(builder.name, verbose=False), f"{builder.name}.so"))
+    except Exception:  # noqa: BLE001 - no DeepSpeed, or torch moved its private helper: say not built
+        return False
+
+
 def cpu_adam_params_per_s(n: int = 2**22) -> float:
     """Parameters per second CPU Adam steps on this machine: DeepSpeed's CPU Adam (the optimizer of
-    its offload) when its op loads, else torch's AdamW; best of 3 steps of ``n`` fp32 parameters."""
+    its offload) when its op is built, else torch's AdamW (planning never compiles the op: the
+    first build takes minutes); best of 3 steps of ``n`` fp32 parameters."""
     param = torch.nn.Parameter(torch.zeros(n))
     param.grad = torch.full((n,), 1e-3)
     try:
+        if not cpu_adam_built():
+            raise RuntimeError("DeepSpeed's cpu_adam is not built")
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         opt = DeepSpeedCPUAdam([param], adamw_mode=True)
-    except Exception:  # noqa: BLE001 - no compiler, no DeepSpeed: torch's AdamW is the fallback
+    except Exception:  # noqa: BLE001 - not built, no compiler, no DeepSpeed: torch's AdamW is the fallback
         opt = torch.optim.AdamW([param], foreach=True)
     opt.step()
     best = float("inf")
