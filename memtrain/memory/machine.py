@@ -61,18 +61,23 @@ def device_budget_bytes(cfg, device: torch.device) -> Optional[int]:
 def cpu_adam_built() -> bool:
     """Whether DeepSpeed's ``cpu_adam`` op loads without compiling: installed prebuilt, or already
     built by an earlier run into torch's extension folder (a first build takes minutes)."""
+    import glob
     import importlib.util
     import os
+    import sys
 
     try:
         from deepspeed.ops.op_builder import CPUAdamBuilder
-        from torch.utils.cpp_extension import _get_build_directory
+        from torch.utils.cpp_extension import get_default_build_root
 
         builder = CPUAdamBuilder()
         if importlib.util.find_spec(builder.absolute_name()) is not None:
             return True
-        return os.path.exists(os.path.join(_get_build_directory(builder.name, verbose=False), f"{builder.name}.so"))
-    except Exception:  # noqa: BLE001 - no DeepSpeed, or torch moved its private helper: say not built
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # torch's JIT folder, only looked at
+        pattern = os.path.join(root, f"py{sys.version_info.major}{sys.version_info.minor}*", builder.name,
+                               f"{builder.name}.so")
+        return bool(glob.glob(pattern))
+    except Exception:  # noqa: BLE001 - no DeepSpeed: not built
         return False
 
 
