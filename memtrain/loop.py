@@ -160,7 +160,7 @@ class Trainer:
         summary = run_summary(self.state, records=records, unit=self.objective.unit,
                               session_targets=self.state.targets_seen - session_start_targets, elapsed_s=elapsed,
                               resumed_from=resumed[0] if resumed else None, preempted=stopped_by,
-                              model_dir=model_dir, about=self._about())
+                              model_dir=model_dir, about=self._about(), earlier=metrics.earlier)
         metrics.finish(summary)
         return RunResult(self.engine.unwrap(self.model), records, summary)
 

@@ -99,6 +99,7 @@ class MetricsLogger:
         self.unit = unit
         self.output_dir = output_dir
         self._file = None
+        self.earlier: list[dict[str, Any]] = []  # the kept records of the segments before this one (rank 0)
         self._bar: Optional[tqdm] = None
         self._trackers: list = []
         if log_with:
@@ -117,6 +118,7 @@ class MetricsLogger:
                                 kept.append(line if line.endswith("\n") else line + "\n")
                         except (ValueError, KeyError):
                             pass  # a line cut short by the kill
+            self.earlier = [json.loads(line) for line in kept]
             with open(path + ".tmp", "w", encoding="utf-8") as fh:
                 fh.writelines(kept)
             os.replace(path + ".tmp", path)

@@ -62,10 +62,34 @@ def attach_events(record: dict[str, Any], events: list[dict]) -> None:
         record["plan_changes"] = events
 
 
+NOT_PLAN_CHANGES = ("checkpoint_saved", "resume", "nonfinite_skip")
+"""Events that change no plan (every other event — a shrink, a grow-back, a lever switched — does)."""
+
+
+def events_by_kind(records: list[dict]) -> dict[str, int]:
+    """How many events of each kind ``records`` hold (``plan_changes`` entries), sorted by kind."""
+    counts: dict[str, int] = {}
+    for r in records:
+        for e in r.get("plan_changes", []):
+            counts[e["event"]] = counts.get(e["event"], 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def training_minutes(records: list[dict]) -> float:
+    """Minutes of training behind ``records`` (every segment of a resumed run, in file order): each
+    segment's ``elapsed_s`` restarts at its ``resume``, so the segments' last values are added."""
+    total, last = 0.0, 0.0
+    for r in records:
+        if "resume" in r.get("event", "").split(","):
+            total, last = total + last, 0.0
+        last = r.get("elapsed_s", last)
+    return (total + last) / 60
+
+
 def run_summary(state: TrainState, *, records: list[dict], unit: str, session_targets: int, elapsed_s: float,
                 resumed_from: Optional[str], preempted: Optional[str], model_dir: Optional[str],
-                about: dict[str, Any]) -> dict[str, Any]:
-    """The run summary (``summary.json``).
+                about: dict[str, Any], earlier: Optional[list[dict]] = None) -> dict[str, Any]:
+    """The run summary (``summary.json``): totals over every segment of the run.
 
     Args:
         state: the train state after the last step.
@@ -75,10 +99,20 @@ def run_summary(state: TrainState, *, records: list[dict], unit: str, session_ta
         elapsed_s: this session's training time.
         resumed_from, preempted, model_dir: the checkpoint resumed from, the stop signal, the export.
         about: the run's fixed facts (parameters, backend, world_size, precision, final_plan, config).
+        earlier: the records of the segments before this one (``metrics.jsonl`` as resumed).
+
+    Returns:
+        ``minutes`` (every segment) and ``session_minutes``, ``<unit>_per_s`` of this session,
+        ``events`` (kind → count, every segment) and ``plan_changes`` (how many of those changed a
+        plan), the losses, and ``about``.
     """
+    every = (earlier or []) + records
+    events = events_by_kind(every)
     return {
-        "steps": state.step, "minutes": elapsed_s / 60, "first_loss": state.first_loss, "last_loss": state.last_loss,
+        "steps": state.step, "minutes": training_minutes(every), "session_minutes": elapsed_s / 60,
+        "first_loss": state.first_loss, "last_loss": state.last_loss,
         "resumed_from": resumed_from, "preempted": preempted, "initial_val_loss": state.initial_val_loss,
-        "final_val_loss": state.val_loss, f"{unit}_per_s": session_targets / elapsed_s,
-        "plan_changes": sum(len(r.get("plan_changes", [])) for r in records), "model_dir": model_dir, **about,
+        "final_val_loss": state.val_loss, f"{unit}_per_s": session_targets / elapsed_s, "events": events,
+        "plan_changes": sum(n for kind, n in events.items() if kind not in NOT_PLAN_CHANGES), "model_dir": model_dir,
+        **about,
     }

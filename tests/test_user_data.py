@@ -193,6 +193,11 @@ def test_changed_settings_on_resume_take_effect_and_are_recorded(finished_run, t
     manifest = json.loads((run / "checkpoints" / "step_00000006" / "manifest.json").read_text())
     for config in (summary["config"], manifest["config"]):
         assert config["training"]["lr"] == 3e-3 and config["training"]["adam_beta2"] == 0.99
+    # totals over both segments: saves at steps 2 and 4 (the first run) and 6, one resume, no plan change
+    assert summary["events"] == {"checkpoint_saved": 3, "resume": 1} and summary["plan_changes"] == 0
+    first_minutes = records[3]["elapsed_s"] / 60
+    assert summary["minutes"] == pytest.approx(first_minutes + records[5]["elapsed_s"] / 60)
+    assert summary["engine_spec"]["name"] == "ddp" and summary["engine_spec"]["data_parallel_size"] == 1
     # the same resume without the change trains other weights: the change reached the optimizer
     same = copy_run(finished_run, tmp_path / "same")
     assert run_cli(tiny_args(same, cache_dir, *BASE, "--training.max_steps", "6",
