@@ -80,8 +80,9 @@ def planner_factory(cfg: Config, corpus, objective, precision: str, process: Pro
         # every rank plans with the smallest budget, and either every rank has a planner or none
         gathered = process.all_gather_object((error is None, planner.budget_bytes if planner else None))
         if not all(ok for ok, _ in gathered):
-            log.warning("memtrain: the planner cannot trace this model (%s); out-of-memory recovery halves "
-                        "the micro-batch instead", error or "on another rank")
+            if process.is_main:
+                log.warning("memtrain: the planner cannot trace this model (%s); out-of-memory recovery halves "
+                            "the micro-batch instead", error or "on another rank")
             return None
         budgets = [b for _, b in gathered if b is not None]
         planner.restrict_budget(min(budgets) if budgets else None)

@@ -74,8 +74,9 @@ class Evaluator:
         old, self.micro_batch_size = self.micro_batch_size, self.micro_batch_size // 2
         self.events.append({"event": "eval_oom_shrink", "old": old, "new": self.micro_batch_size,
                             "ranks": ranks, "reason": "out of memory in evaluation"})
-        log.warning("memtrain: rank %d: OOM in evaluation on rank(s) %s; evaluation micro-batch %d → %d",
-                    self.process.rank, ranks, old, self.micro_batch_size)
+        if self.process.is_main:  # agreed by every rank
+            log.warning("memtrain: OOM in evaluation on rank(s) %s; evaluation micro-batch %d → %d", ranks, old,
+                        self.micro_batch_size)
 
     def _run(self, model: nn.Module) -> torch.Tensor:
         device = self.process.device

@@ -276,9 +276,16 @@ class Trainer:
         if resumed is not None:
             metrics.message(f"memtrain: resumed from {resumed[0]} at step {self.state.step} (loaded in "
                             f"{resumed[1]:.2f} s), plan {self.controller.plan}")
+        t = self.cfg.training
+        ac = "on" if self.controller.activation_checkpointing else "off"
         metrics.message(f"memtrain: {self.engine.name} × {self.process.world_size} rank(s) on {self.process.device}, "
                         f"{self.engine.precision}, {self.n_params / 1e6:.2f}M parameters, {self.corpus.describe()}, "
-                        f"plan {self.controller.plan} (micro-batch × accumulation)")
+                        f"plan {self.controller.plan} (micro-batch × accumulation), activation checkpointing {ac}")
+        per_step = (f"{t.global_batch_size * self.cfg.data.seq_len:,} tokens" if self.objective.unit == "tokens"
+                    else f"{t.global_batch_size} utterances")
+        epochs = t.max_steps * t.global_batch_size / max(1, len(self.corpus.train))
+        metrics.message(f"memtrain: steps {self.state.step + 1}–{t.max_steps} of {t.global_batch_size} samples "
+                        f"({per_step}) each, {epochs:.3g} epochs in all; outputs in {self.cfg.output_dir}")
         return metrics
 
     def _optimizer_step(self, step: int, run_start: float) -> StepOutcome:
@@ -311,8 +318,9 @@ class Trainer:
         if self.guard.update(step, loss, grad_norm):
             events.append({"event": "nonfinite_skip", "step": step, "loss": loss, "grad_norm": grad_norm,
                            "consecutive": self.guard.streak})
-            log.warning("memtrain: rank %d, step %d: non-finite loss %s / grad_norm %s: optimizer step skipped "
-                        "(%d in a row)", self.process.rank, step, loss, grad_norm, self.guard.streak)
+            if self.process.is_main:  # loss and norm are global: every rank skips the same step
+                log.warning("memtrain: step %d: non-finite loss %s / grad_norm %s: optimizer step skipped on every "
+                            "rank (%d in a row)", step, loss, grad_norm, self.guard.streak)
         self.scheduler.step()
         grown = self.controller.on_success()
         if grown is not None:
@@ -365,8 +373,9 @@ class Trainer:
     def _on_plan_change(self, events: list[dict], step: int, run_start: float, change: PlanChange,
                         ranks: list[int]) -> None:
         events.append({**change.as_dict(), "step": step, "ranks": ranks, "elapsed_s": time.perf_counter() - run_start})
-        log.warning("memtrain: rank %d, step %d: %s on rank(s) %s: plan %s → %s (%s)", self.process.rank, step,
-                    change.event, ranks, change.old, change.new, change.reason)
+        if self.process.is_main:  # every rank agreed on the same change: said once, naming the ranks it came from
+            log.warning("memtrain: step %d: %s on rank(s) %s: plan %s → %s (%s)", step, change.event, ranks,
+                        change.old, change.new, change.reason)
         self._apply_plan()
 
     def _apply_plan(self) -> None:

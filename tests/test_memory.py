@@ -58,8 +58,8 @@ def test_oom_shrinks_plan_and_training_is_unchanged(tmp_path, tmp_path_factory, 
     expected_ranks = [0, 1] if injection == "both_ranks" else [1]
     assert first["plan_changes"][0]["ranks"] == expected_ranks
     assert all("event" not in r and r["micro_batch_size"] == 1 for r in records[1:])
-    for rank in (0, 1):  # every rank logged the same decision
-        assert f"rank {rank}, step 1: oom_shrink on rank(s) {expected_ranks}: plan 2×2 → 1×4" in proc.stderr
+    # the agreed decision is said once (rank 0), naming the ranks that ran out of memory
+    assert proc.stderr.count(f"step 1: oom_shrink on rank(s) {expected_ranks}: plan 2×2 → 1×4") == 1
     assert_same_training(records, base)
     # the ranks share this host: they agreed through shared memory (memtrain.host_flags)
     assert json.loads((tmp_path / "summary.json").read_text())["oom_agreements"]["transport"] == "shared_memory"

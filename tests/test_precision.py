@@ -61,8 +61,8 @@ def test_nan_step_is_skipped_on_every_rank(tmp_path, cache_dir, engine):
     base = read_metrics(base_dir)
     assert [r.get("event") for r in records] == [None, None, "nonfinite_skip", None, None]
     assert math.isnan(records[2]["loss"])
-    for rank in (0, 1):
-        assert f"rank {rank}, step 3: non-finite loss nan" in proc.stderr
+    assert proc.stderr.count("step 3: non-finite loss nan") == 1  # said once: every rank skips the same step
+    # a rank that had stepped on NaN gradients would make every later (all-reduced) loss NaN
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records[3:])
     assert [r["loss"] for r in records[:2]] == [r["loss"] for r in base]
 

@@ -195,10 +195,12 @@ class RNGState:
 
         saved = manifest["world_size"]
         own = self.rank if self.rank < saved else 0
-        if saved != self.world_size:
+        if saved != self.world_size and self.rank == 0:
             logging.getLogger("memtrain").warning(
-                "memtrain: resuming a %d-rank checkpoint on %d ranks: data order and plan carry over; rank %d takes "
-                "rank %d's random state", saved, self.world_size, self.rank, own)
+                "memtrain: resuming a %d-rank checkpoint on %d ranks: data order and plan carry over; %s", saved,
+                self.world_size, f"ranks {saved}..{self.world_size - 1} have no random state of their own and take "
+                "rank 0's (their dropout masks differ from a run that never stopped)" if self.world_size > saved else
+                f"the random states of ranks {self.world_size}..{saved - 1} are not used")
         set_rng_state(torch.load(os.path.join(directory, rank_file(own)), weights_only=True))
 
 

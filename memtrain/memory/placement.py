@@ -389,7 +389,7 @@ def resolve(cfg, corpus, process, precision: str):
 
     kept = _resume_placement(cfg) if cfg.backend.offload == "auto" else None
     spec = resolve_engine(cfg.backend, process.world_size, process.rank, kept)
-    if kept is not None:
+    if kept is not None and process.is_main:
         log_placement(None, "kept from the checkpoint", spec)
     view = planned_view(cfg, spec) if kept is not None else cfg
     if view.backend.offload != "auto" and configured_offload(view)[0] == "none":
@@ -412,8 +412,8 @@ def resolve(cfg, corpus, process, precision: str):
         "name": chosen.engine, "zero_stage": chosen.zero_stage, "offload": chosen.offload,
         "offload_optimizer_ratio": chosen.offload_optimizer_ratio,
         "nvme_path": cfg.backend.nvme_path if chosen.nvme else None})
-    log_placement(chosen, "chosen", spec)
     if process.is_main:
+        log_placement(chosen, "chosen", spec)
         write_table(cfg.output_dir, answer)
     return spec
 
