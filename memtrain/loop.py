@@ -308,7 +308,7 @@ class Trainer:
                                             self.objective, self.faults, self._capped_plan(cursor))
         except OOMStop as exc:
             report = memory_report(self.model, self.optimizer)
-            raise OOMStop(oom_stop_message(exc, step, self.process.rank, report)) from None
+            raise OOMStop(oom_stop_message(exc, step, self.process.rank, report, self._oom_context())) from None
         progress("gradient clipping and optimizer step")
         self.faults.before_optimizer_step()
         loss_sum, global_count, digest = sums.read()  # the step's one read of its sums
@@ -331,6 +331,17 @@ class Trainer:
         s.first_loss = loss if s.first_loss is None else s.first_loss
         s.last_loss = loss
         return StepOutcome(loss, lr, grad_norm, plan, count, time.perf_counter() - step_start, hex_of(digest), events)
+
+    def _oom_context(self) -> dict[str, Any]:
+        """What :func:`memtrain.oom.oom_stop_message` says was on, and the budget that was hit."""
+        m, simulated = self.cfg.memory, self.faults.memory
+        budget = (int(self.cfg.faults.memory_budget_mib * 2**20) if self.cfg.faults.memory_budget_mib else
+                  int(m.cuda_memory_cap_gib * 2**30) if m.cuda_memory_cap_gib and self.process.device.type == "cuda"
+                  else None)
+        return {"engine": self.spec.name, "zero_stage": self.spec.zero_stage, "offload": self.spec.offload,
+                "activation_checkpointing": self.controller.activation_checkpointing,
+                "chunked_cross_entropy": m.chunked_cross_entropy, "device_type": self.process.device.type,
+                "budget_bytes": budget, "simulated_peak_bytes": simulated.peak_bytes if simulated is not None else None}
 
     def _record(self, outcome: StepOutcome, run_start: float) -> dict[str, Any]:
         """The step's ``metrics.jsonl`` record (:mod:`memtrain.records`), without events yet."""

@@ -267,12 +267,43 @@ def memory_report(model: nn.Module, optimizer) -> dict[str, int]:
     }
 
 
-def oom_stop_message(exc: OOMStop, step: int, rank: int, report: dict[str, int]) -> str:
-    """The message of the run-ending :class:`OOMStop`: where, the memory report (MiB), what to change."""
-    return (f"{exc} at step {step} (rank {rank}). Memory on this rank: "
-            + ", ".join(f"{k} = {v / 2**20:.1f} MiB" for k, v in report.items())
-            + ". To fit: use backend.name deepspeed with backend.zero_stage 3 or backend.name fsdp, "
-            "backend.offload optimizer, memory.activation_checkpointing on/auto, or a shorter data.seq_len.")
+def oom_stop_message(exc: OOMStop, step: int, rank: int, report: dict[str, int], context: dict) -> str:
+    """The message of the run-ending :class:`OOMStop`: where, the budget that was hit, the memory
+    report (MiB), what was already on, and only the changes that are left.
+
+    Args:
+        report: :func:`memory_report` (its ``peak_memory_bytes`` is named for what it is: the
+            device's peak allocation on CUDA, the process's peak resident size on the CPU).
+        context: ``engine``, ``zero_stage``, ``offload``, ``activation_checkpointing`` (bool),
+            ``chunked_cross_entropy`` (bool), ``device_type``, and, where known, ``budget_bytes`` (the
+            simulated device's or the CUDA cap) and ``simulated_peak_bytes``.
+    """
+    mib = lambda v: f"{v / 2**20:.1f} MiB"  # noqa: E731
+    peak_name = "device peak allocated" if context.get("device_type") == "cuda" else "process peak resident size"
+    shown = {**{k: v for k, v in report.items() if k != "peak_memory_bytes"}, peak_name: report.get("peak_memory_bytes", 0)}
+    budget = context.get("budget_bytes")
+    hit = (f" The budget is {mib(budget)} per rank" + (f" (simulated device peak {mib(context['simulated_peak_bytes'])})"
+                                                        if context.get("simulated_peak_bytes") else "") + "."
+           if budget else "")
+    on = [f"engine {context['engine']}" + (f" ZeRO-{context['zero_stage']}" if context.get("zero_stage") else "")]
+    on += ["activation checkpointing"] if context.get("activation_checkpointing") else []
+    on += [f"offload {context['offload']}"] if context.get("offload") not in (None, "none") else []
+    on += ["chunked cross-entropy"] if context.get("chunked_cross_entropy") else []
+    left = []
+    if context["engine"] == "ddp":
+        left.append("backend.name fsdp, or deepspeed with backend.zero_stage 3 (shards the model state)")
+    elif context["engine"] == "deepspeed" and (context.get("zero_stage") or 2) < 3:
+        left.append("backend.zero_stage 3")
+    if context["engine"] != "ddp" and context.get("offload") in (None, "none"):
+        left.append("backend.offload optimizer")
+    if not context.get("activation_checkpointing"):
+        left.append("memory.activation_checkpointing on")
+    if not context.get("chunked_cross_entropy"):
+        left.append("memory.chunked_cross_entropy true")
+    left.append("a shorter data.seq_len")
+    return (f"{exc} at step {step} (rank {rank}).{hit} Memory on this rank: "
+            + ", ".join(f"{k} = {mib(v)}" for k, v in shown.items())
+            + f". Already on: {', '.join(on)}. To fit: {'; '.join(left)}.")
 
 
 ESCAPED_OOM_PREFIX = "oom_escaped"

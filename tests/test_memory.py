@@ -117,8 +117,26 @@ def test_oom_at_floor_with_checkpointing_off_stops_with_report(tmp_path, cache_d
     proc = launch(tiny_args(tmp_path, cache_dir, *STEPS, *ENGINES["ddp"], "--faults.oom_above_tokens", "20",
                             "--memory.activation_checkpointing", "off"), check=False)
     assert proc.returncode != 0 and child_exit_codes(proc) == {3}  # the documented code of an OOM at the floor
-    for word in ("micro-batch 1", "parameter_bytes", "optimizer_bytes", "zero_stage", "activation_checkpointing"):
+    for word in ("micro-batch 1", "parameter_bytes", "optimizer_bytes", "zero_stage", "activation_checkpointing",
+                 "Already on: engine ddp", "process peak resident size"):
         assert word in proc.stderr, word
+
+
+def test_the_floor_message_names_the_budget_and_suggests_only_what_is_off():
+    """At the floor with activation checkpointing already on under a simulated budget: the budget
+    hit is named, AC is listed as on and not suggested again, and the peak is not called the
+    device's on the CPU."""
+    from memtrain.oom import OOMStop, oom_stop_message
+
+    report = {"parameter_bytes": 2**20, "gradient_bytes": 2**20, "optimizer_bytes": 2**21, "peak_memory_bytes": 2**30}
+    context = {"engine": "ddp", "zero_stage": None, "offload": None, "activation_checkpointing": True,
+               "chunked_cross_entropy": False, "device_type": "cpu", "budget_bytes": 40 * 2**20,
+               "simulated_peak_bytes": 39 * 2**20}
+    message = oom_stop_message(OOMStop("out of memory in forward at micro-batch 1"), 3, 1, report, context)
+    assert "The budget is 40.0 MiB per rank (simulated device peak 39.0 MiB)" in message
+    assert "Already on: engine ddp, activation checkpointing." in message
+    assert "memory.activation_checkpointing on" not in message and "memory.chunked_cross_entropy true" in message
+    assert "process peak resident size = 1024.0 MiB" in message and "backend.name fsdp" in message
 
 
 def test_eval_oom_has_its_own_plan(tmp_path, tmp_path_factory, cache_dir):
