@@ -338,3 +338,19 @@ def test_a_full_disk_is_named_with_free_bytes_and_path(tmp_path):
         message = write_error(exc, str(tmp_path / ".tmp-step_00000004"))
         assert "the disk is full" in message and "bytes free" in message and ".tmp-step_00000004" in message
     assert write_error(ValueError("bad"), str(tmp_path)) == "ValueError: bad"
+
+
+def test_resume_refuses_another_placement_unless_auto_takes_the_checkpoints():
+    """A checkpoint whose config records an offload (a run before the engine spec wrote the auto
+    placement there): another explicit offload is refused by name; ``offload: auto`` takes it."""
+    from memtrain.checkpoint.compat import check_resumable
+    from memtrain.config import ConfigError, parse_args, to_dict
+
+    base = ["--config", "recipes/code_lm_tiny.yaml", "--backend.name", "deepspeed", "--backend.zero_stage", "3"]
+    saved = {"config": to_dict(parse_args(base + ["--backend.offload", "optimizer",
+                                                  "--backend.offload_optimizer_ratio", "0.5"])),
+             "data_identity": "corpus-abc"}
+    check_resumable("ck", saved, to_dict(parse_args(base + ["--backend.offload", "auto"])), "corpus-abc")
+    with pytest.raises(ConfigError) as info:
+        check_resumable("ck", saved, to_dict(parse_args(base + ["--backend.offload", "none"])), "corpus-abc")
+    assert info.value.field == "backend.offload" and "'optimizer'" in str(info.value)

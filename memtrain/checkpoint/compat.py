@@ -37,11 +37,14 @@ DATA_KEYS = ("data.files", "data.max_bytes", "data.vocab_size", "data.text_field
 MUST_MATCH = DATA_POSITION_KEYS + DATA_KEYS + (
     "data.encoding", "model.pretrained", "model.factory", "backend.name", "backend.zero_stage", "backend.offload",
     "backend.offload_optimizer_ratio", "backend.nvme_path")
+"""Settings a resumed run must keep (compared by :func:`check_resumable`; the engine and model
+shapes also by :class:`memtrain.checkpoint.stateful.EngineState` against the manifest)."""
 ENGINE_KEYS = ("backend.name", "backend.zero_stage")
 """Must match, compared as resolved (``auto`` becomes an engine) against the manifest's ``backend`` and
 ``zero_stage`` by :class:`memtrain.checkpoint.stateful.EngineState`."""
-"""Settings a resumed run must keep (compared by :func:`check_resumable`; the engine and model
-shapes also by :class:`memtrain.checkpoint.stateful.EngineState` against the manifest)."""
+PLACEMENT_KEYS = ("backend.offload", "backend.offload_optimizer_ratio", "backend.nvme_path")
+"""Must match, unless this run says ``backend.offload: auto``: then the checkpoint's placement is
+taken (:mod:`memtrain.memory.placement`), whatever its config recorded."""
 
 TAKES_EFFECT = {
     "training.max_steps": "the cosine decay is recomputed to end at the new max_steps",
@@ -77,7 +80,7 @@ def changed_settings(manifest: dict, config: dict) -> dict[str, list]:
     """The settings that take effect on resume and differ from the checkpoint's:
     key → ``[checkpoint's value, this run's]`` (``model.config`` keys one by one)."""
     saved = manifest.get("config") or {}
-    changed = {}
+    saved_keys, changed = _flat_keys(saved), {}
     for key, kind in settings_classes(config).items():
         if kind != "takes_effect" or key in ("resume",):
             continue
@@ -86,7 +89,7 @@ def changed_settings(manifest: dict, config: dict) -> dict[str, list]:
             for sub in sorted(set(before or {}) | set(now or {})):
                 if (before or {}).get(sub) != (now or {}).get(sub):
                     changed[f"model.config.{sub}"] = [(before or {}).get(sub), (now or {}).get(sub)]
-        elif before != now and key in _flat_keys(saved):
+        elif before != now and key in saved_keys:
             changed[key] = [before, now]
     return changed
 
@@ -129,9 +132,10 @@ def check_resumable(path: str, manifest: dict, config: dict, identity: Optional[
                               "skip or repeat samples. Use the saved value, or start a new run (resume never, or "
                               "another output_dir)")
     saved_keys = _flat_keys(saved)
+    placement_auto = _get(config, "backend.offload") == "auto"
     for key in MUST_MATCH[len(DATA_POSITION_KEYS) + len(DATA_KEYS):]:
-        if key in ENGINE_KEYS:
-            continue  # compared with the engine that wrote the checkpoint (EngineState), not with a config value
+        if key in ENGINE_KEYS or (placement_auto and key in PLACEMENT_KEYS):
+            continue  # compared as resolved: the engine by EngineState, an auto placement is the checkpoint's
         before, now = _get(saved, key), _get(config, key)
         if key in saved_keys and before != now:  # a key older checkpoints lack is not compared
             raise ConfigError(key, f"is {now!r} but checkpoint {path} was saved with {before!r}; this setting "
