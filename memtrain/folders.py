@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import socket
+import sys
 import tempfile
 import time
 from typing import Optional
@@ -80,12 +81,13 @@ class RunLock:
                 pass
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
+        else:
+            raise ConfigError("output_dir", f"'{self.output_dir}': its lock file keeps being replaced by another "
+                              "process; is another run starting there?")
         previous = os.pread(fd, 4096, 0).decode("utf-8", "replace")
         if previous.strip():
             log.warning("memtrain: taking over the lock on %s left by a run that is no longer running: %s",
                         self.output_dir, _describe_holder(previous))
-        import sys
-
         record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started_unix_s": time.time(),
                              "command": " ".join(sys.argv)[:500]})
         os.ftruncate(fd, 0)
