@@ -16,7 +16,9 @@ optimizer step. Both sections are removed from what ``deepspeed.initialize`` see
 from __future__ import annotations
 
 import copy
+import functools
 import json
+import os
 from typing import Any, Optional
 
 from memtrain.config import ConfigError, TrainingConfig
@@ -181,6 +183,17 @@ def read_user_json(path: Optional[str]) -> dict:
     """
     if not path:
         return {}
+    try:
+        stat = os.stat(path)
+    except OSError as exc:
+        raise ConfigError("backend.deepspeed_config", f"{path} cannot be read: {exc}") from None
+    return copy.deepcopy(_parsed_json(path, stat.st_mtime_ns, stat.st_size))  # callers may fill it in
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed_json(path: str, mtime_ns: int, size: int) -> dict:
+    """The JSON at ``path``, parsed once per process for each version of the file (validation,
+    placement and the engine all read it)."""
     try:
         with open(path, encoding="utf-8") as fh:
             loaded = json.load(fh)
