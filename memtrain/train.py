@@ -75,6 +75,20 @@ def run(cfg: Config):
         return build_trainer(cfg, process, closing).run()
 
 
+USAGE = """usage: memtrain [train] --config RECIPE.yaml [--section.key value ...]
+       memtrain {plan,memory,export,plot} ...
+
+subcommands (each has its own --help):
+  train    train a model (the default): every config key as --section.key value
+  plan     the micro-batch plans and placements for a config, for this or another machine (no training)
+  memory   the same report as one JSON object
+  export   a checkpoint's weights as a transformers folder (model.safetensors, config, tokenizer)
+  plot     draw a run's metrics.jsonl (loss, learning rate, throughput, memory, plan changes)
+
+exit codes: 0 done, 2 bad input, 3 out of memory at the smallest plan, 4 checkpoint, 5 non-finite
+steps, 6 collective failure or timeout, 130 Ctrl-C, 1 memtrain's own error (README, "Exit codes")."""
+
+
 INTERRUPTED = 130
 """Exit code after Ctrl-C (128 + SIGINT, the shell's convention)."""
 
@@ -87,7 +101,13 @@ def cli() -> None:
     non-finite steps, 6 when a collective failed or timed out or the watchdog ended a rank that
     stopped making progress (``backend.timeout_s``), 130 after Ctrl-C (the first finishes the step
     and saves it, a second stops at once), 1 on any other error. Every error is one message on
-    stderr; ``--debug`` adds the Python traceback."""
+    stderr; ``--debug`` adds the Python traceback. ``memtrain --help`` lists the subcommands;
+    ``memtrain train`` is the trainer (also without the word)."""
+    if sys.argv[1:2] in (["--help"], ["-h"], ["help"]) or sys.argv[1:] == []:
+        print(USAGE)
+        sys.exit(0)
+    if sys.argv[1:2] == ["train"]:  # memtrain train --config ... is memtrain --config ...
+        del sys.argv[1]
     if sys.argv[1:2] == ["export"]:  # memtrain export CKPT OUT
         from memtrain.export import main as export_main
 

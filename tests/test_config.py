@@ -155,3 +155,18 @@ def test_the_config_is_read_only_after_validation(tmp_path):
     assert (spec.name, spec.zero_stage, spec.offload, spec.data_parallel_size, spec.data_parallel_rank) == (
         "deepspeed", 3, "optimizer", 2, 1)
     assert cfg.backend.name == "auto" and cfg.backend.offload is None and cfg.training.lr == 2e-3
+
+
+def test_help_lists_the_subcommands_and_plan_has_its_own():
+    """``memtrain --help`` names every subcommand; ``memtrain plan --help`` gives the planner's own
+    options (they were undiscoverable behind the trainer's help)."""
+    run = lambda *args: subprocess.run([sys.executable, "-c", "from memtrain.train import cli; cli()", *args],  # noqa: E731
+                                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    top = run("--help")
+    assert top.returncode == 0
+    for command in ("train", "plan", "memory", "export", "plot"):
+        assert f"\n  {command} " in top.stdout, command
+    plan = run("plan", "--help")
+    assert plan.returncode == 0 and "--gpu_memory_gib" in plan.stdout and "--world_size" in plan.stdout
+    train = run("train", "--help")
+    assert train.returncode == 0 and "--training.max_steps" in train.stdout

@@ -203,6 +203,20 @@ def format_table(report: dict) -> str:
             + format_placements(placements))
 
 
+PLAN_HELP = """usage: memtrain {command} --config RECIPE.yaml [options] [--section.key value ...]
+
+The planner's view of a config before it runs (nothing is trained): the micro-batch plans with their
+predicted peak bytes and step seconds, and where model state can live. Any config key may follow
+as --section.key value (memtrain train --help lists them).
+
+options:
+  --world_size N        ranks the run will have (default: the launcher's WORLD_SIZE, else 1)
+  --gpu_memory_gib G    device memory of one rank, in GiB (a GPU run is planned; default: this machine's)
+  --host_memory_gib H   host memory of the ranks of one machine together, in GiB (default: available here)
+  --nvme_path DIR       a folder for NVMe offload (placements that use it are planned)
+  --json                one JSON object per plan, then one per placement (plan only)"""
+
+
 def main(argv: Optional[list[str]] = None, command: str = "memory") -> int:
     """``memtrain plan|memory [--world_size N] [--gpu_memory_gib G] [--host_memory_gib H]
     [--nvme_path DIR] [--json] --config ... [--section.key value ...]``: ``plan`` prints the
@@ -215,8 +229,11 @@ def main(argv: Optional[list[str]] = None, command: str = "memory") -> int:
     from memtrain.distributed import quiet_library_notices
     from memtrain.validation import validate
 
-    quiet_library_notices(torch.cuda.is_available())
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        print(PLAN_HELP.format(command=command))
+        return 0
+    quiet_library_notices(torch.cuda.is_available())
     try:
         world_size = int(_pop_option(argv, "--world_size", os.environ.get("WORLD_SIZE", "1")))
         gib = _pop_option(argv, "--gpu_memory_gib")
