@@ -160,16 +160,18 @@ def is_previous_export(folder: str) -> bool:
                                for n in names)
 
 
-def check_export_target(out: str, protected: list[str]) -> None:
+def check_export_target(out: str, protected: list[str], field: str = "out",
+                        hint: str = "nothing was written. Give a new or empty folder") -> None:
     """Refuse an export target that would remove or mix with anything an export did not write.
 
     Args:
         out: the target folder.
         protected: folders the target must not be, nor lie inside (the run folder and the
             checkpoint being exported).
+        field, hint: the setting an error names, and what its message ends with.
 
     Raises:
-        ConfigError: field ``out``: the target is (inside) a protected folder, contains one,
+        ConfigError: ``field``: the target is (inside) a protected folder, contains one,
             is a file, or is a non-empty folder that is not an earlier export (the message names
             the files it holds).
     """
@@ -179,16 +181,15 @@ def check_export_target(out: str, protected: list[str]) -> None:
                           ("above", lambda f: _inside(f, target))):
         for folder in folders:
             if hit(folder):
-                raise ConfigError("out", f"'{out}' is {relation} folder '{folder}' of the run or checkpoint being "
+                raise ConfigError(field, f"'{out}' is {relation} folder '{folder}' of the run or checkpoint being "
                                   "exported; exporting there could overwrite its files. Give a folder outside the run, "
                                   "e.g. exports/<run name>")
     if os.path.exists(target) and not os.path.isdir(target):
-        raise ConfigError("out", f"'{out}' exists and is not a folder")
+        raise ConfigError(field, f"'{out}' exists and is not a folder")
     if os.path.isdir(target) and os.listdir(target) and not is_previous_export(target):
         held = sorted(os.listdir(target))
-        raise ConfigError("out", f"'{out}' is not empty and is not an earlier memtrain export (it holds "
-                          f"{', '.join(held[:5])}{' …' if len(held) > 5 else ''}); nothing was written. Give a new "
-                          "or empty folder")
+        raise ConfigError(field, f"'{out}' is not empty and is not an earlier memtrain export (it holds "
+                          f"{', '.join(held[:5])}{' …' if len(held) > 5 else ''}); {hint}")
 
 
 def replace_export(tmp: str, out: str) -> None:

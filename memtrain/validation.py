@@ -276,23 +276,17 @@ def _validate_files_and_sizes(cfg: Config) -> None:
         raise ConfigError("data.encoding", f"'{cfg.data.encoding}' is not an encoding Python knows; e.g. utf-8, "
                           "latin-1, cp1252, utf-16") from None
     from memtrain.checkpoint.layout import nearest_existing
-    from memtrain.data.tokens import default_cache_dir
+    from memtrain.data.tokens import cache_setting, default_cache_dir
 
     cache = os.path.expanduser(cfg.data.cache_dir or default_cache_dir())
-    field = "data.cache_dir" if cfg.data.cache_dir else ("MEMTRAIN_CACHE" if os.environ.get("MEMTRAIN_CACHE") else
-                                                         "data.cache_dir")
     parent = nearest_existing(cache)
     if parent and not (os.path.isdir(parent) and os.access(parent, os.W_OK)):
-        where = ("the environment variable MEMTRAIN_CACHE" if field == "MEMTRAIN_CACHE" else
-                 "data.cache_dir" if cfg.data.cache_dir else "the default cache (~/.cache/memtrain)")
-        raise ConfigError(field, f"the data cache '{cache}' ({where}) cannot be written ('{parent}' is not a writable "
-                          "folder); point MEMTRAIN_CACHE or data.cache_dir at a writable folder")
-    from memtrain.folders import is_previous_export
+        raise ConfigError(cache_setting(cache), f"the data cache '{cache}' cannot be written ('{parent}' is not a "
+                          "writable folder); point MEMTRAIN_CACHE or data.cache_dir at a writable folder")
+    from memtrain.folders import check_export_target
 
-    model_dir = os.path.join(os.path.expanduser(cfg.output_dir), "model")
-    if os.path.isdir(model_dir) and os.listdir(model_dir) and not is_previous_export(model_dir):
-        raise ConfigError("output_dir", f"'{model_dir}' holds files no export wrote ({', '.join(sorted(os.listdir(model_dir))[:5])}); "
-                          "the run exports its model there at the end. Move them, or give another output_dir")
+    check_export_target(os.path.join(os.path.expanduser(cfg.output_dir), "model"), [], "output_dir",
+                        "the run exports its model there at the end. Move them, or give another output_dir")
 
 
 def _validate_placement(cfg: Config) -> None:

@@ -9,6 +9,7 @@ killed build never leaves a half cache and a second run starts in seconds.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import hashlib
 import os
@@ -73,6 +74,17 @@ def default_cache_dir() -> str:
     return os.environ.get("MEMTRAIN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "memtrain")
 
 
+def cache_setting(path: str) -> str:
+    """The setting an error about the cache folder ``path`` names: ``MEMTRAIN_CACHE`` when the
+    folder lies in that variable's, else ``data.cache_dir`` (also for the default, which it overrides)."""
+    env = os.environ.get("MEMTRAIN_CACHE")
+    if env:
+        root, real = os.path.realpath(os.path.expanduser(env)), os.path.realpath(os.path.expanduser(path))
+        if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
+            return "MEMTRAIN_CACHE"
+    return "data.cache_dir"
+
+
 @contextlib.contextmanager
 def building(directory: str) -> Iterator[str]:
     """Build a cache directory atomically: yields a fresh temporary directory beside
@@ -88,9 +100,8 @@ def building(directory: str) -> Iterator[str]:
     except OSError as exc:
         from memtrain.config import ConfigError
 
-        named = "MEMTRAIN_CACHE" if os.environ.get("MEMTRAIN_CACHE") else "data.cache_dir"
-        raise ConfigError(named, f"the data cache '{parent}' cannot be written ({exc.strerror}); point "
-                          "MEMTRAIN_CACHE or data.cache_dir at a writable folder") from None
+        raise ConfigError(cache_setting(parent), f"the data cache '{parent}' cannot be written ({exc.strerror}); "
+                          "point MEMTRAIN_CACHE or data.cache_dir at a writable folder") from None
     try:
         yield tmp
         try:
@@ -231,7 +242,7 @@ def load_or_build(
         with open(os.path.join(pretrained_tokenizer, "tokenizer.json"), "rb") as fh:
             tokenizer_key = "pretrained:" + hashlib.sha256(fh.read()).hexdigest()
     key = fingerprint(train_files + val_files, len(train_files), tokenizer_key, text_field, _CACHE_FORMAT,
-                      *([encoding] if encoding.lower().replace("_", "-") not in ("utf-8", "utf8") else []))
+                      *([encoding] if codecs.lookup(encoding).name != "utf-8" else []))
     directory = os.path.join(cache_dir or default_cache_dir(), f"corpus-{key}")
     if not os.path.exists(os.path.join(directory, "validation.npy")):
         _build(directory, train_files, val_files, vocab_size, text_field, pretrained_tokenizer, encoding,

@@ -77,8 +77,8 @@ def _fsdp(n_params: int, precision: str, zero_stage, offload: str, world_size: i
     return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim, "cpu_offloaded_bytes": 0}
 
 
-def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str,
-                      world_size: int, offload_optimizer_ratio: float = 1.0, offload_device: str = "cpu") -> dict[str, int]:
+def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str, world_size: int,
+          offload_optimizer_ratio: float = 1.0, offload_device: str = "cpu") -> dict[str, int]:
     """ZeRO's accounting (Rajbhandari et al. 2020, §3.1 and §5), bytes per rank: 16-bit parameters
     and gradients in bf16/fp16 (fp32 otherwise) plus an fp32 master copy kept with AdamW's
     moments; stage 1 shards the optimizer state, 2 also the gradients, 3 also the parameters

@@ -9,8 +9,8 @@ tensors, so planning a 10B-parameter model takes seconds on a laptop.
 
 ``plan`` is the code a run with ``training.micro_batch_size: auto`` calls, minus the timing, and
 the placement planner of ``backend.offload: auto`` (:mod:`memtrain.memory.placement`): where model
-state lives, with device and host bytes. Each engine accounts for its own model state (``model_state_bytes`` in
-``memtrain/backends/``, following the ZeRO paper, Rajbhandari et al. 2020, "ZeRO: Memory
+state lives, with device and host bytes. Model state is counted by :mod:`memtrain.memory.accounting`
+(each engine's formula, following the ZeRO paper, Rajbhandari et al. 2020, "ZeRO: Memory
 Optimizations Toward Training Trillion Parameter Models", §3.1 and §5). Transient buffers (one
 gathered block under FSDP2/ZeRO-3, communication buckets) are not counted.
 """
