@@ -1,12 +1,20 @@
 """Errors that several modules raise, kept at the bottom of the import graph (no memtrain imports),
 so that an engine can raise a checkpoint error without importing the checkpointer.
 
-Exit codes of the ``memtrain`` command (:func:`memtrain.train.cli`): :class:`memtrain.config.ConfigError`
-2, :class:`memtrain.oom.OOMStop` 3, :class:`CheckpointError` 4,
+Exit codes of the ``memtrain`` command (:func:`memtrain.train.cli`): :class:`ConfigError` (also importable
+from :mod:`memtrain.config`) 2, :class:`memtrain.oom.OOMStop` 3, :class:`CheckpointError` 4,
 :class:`memtrain.precision.NonFiniteStop` 5.
 """
 
 from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the valid choices."""
+
+    def __init__(self, field_name: str, message: str):
+        self.field = field_name
+        super().__init__(f"config error in '{field_name}': {message}")
 
 
 class CheckpointError(RuntimeError):

@@ -163,6 +163,32 @@ def _check_model_builds(cfg: Config, mc: dict) -> None:
                           f"{type(exc).__name__}: {first}") from None
 
 
+def _validate_model(cfg: Config) -> None:
+    """A transformers model: its ``model_type`` known, its config buildable (:func:`_check_model_builds`),
+    ``data.seq_len`` within its positions. A factory's model is checked when it is built."""
+    mc = {**_pretrained_config(cfg), **(cfg.model.config or {})}
+    if cfg.model.factory is not None:
+        return
+    if "model_type" not in mc:
+        raise ConfigError("model.config", "needs 'model_type' (e.g. gpt2, llama) unless model.factory is set")
+    from memtrain.models import check_model_type
+
+    check_model_type(mc["model_type"])
+    if not cfg.model.pretrained:
+        _check_model_builds(cfg, mc)
+    positions = mc.get("n_positions", mc.get("max_position_embeddings"))
+    if positions is None:
+        from transformers import AutoConfig
+
+        positions = getattr(AutoConfig.for_model(mc["model_type"]), "max_position_embeddings", None)
+    if positions is not None and cfg.data.seq_len > positions:
+        raise ConfigError(
+            "data.seq_len",
+            f"{cfg.data.seq_len} is longer than the model's {positions} positions "
+            "(model.config n_positions / max_position_embeddings); lower data.seq_len or raise the positions",
+        )
+
+
 def validate(cfg: Config, world_size: int) -> None:
     """Check cross-field constraints before any work is done.
 
@@ -190,27 +216,8 @@ def validate(cfg: Config, world_size: int) -> None:
             if all(os.path.isdir(m) and not is_dataset_source(m) for m in matches):
                 raise ConfigError("data.files", f"'{pattern}' is a folder; give its files, e.g. "
                                   f"'{os.path.join(pattern, '**', '*.txt')}'")
-    mc = {**_pretrained_config(cfg), **(cfg.model.config or {})}
     _validate_speech(cfg)
-    if cfg.model.factory is None:
-        if "model_type" not in mc:
-            raise ConfigError("model.config", "needs 'model_type' (e.g. gpt2, llama) unless model.factory is set")
-        from memtrain.models import check_model_type
-
-        check_model_type(mc["model_type"])
-        if not cfg.model.pretrained:
-            _check_model_builds(cfg, mc)
-        positions = mc.get("n_positions", mc.get("max_position_embeddings"))
-        if positions is None:
-            from transformers import AutoConfig
-
-            positions = getattr(AutoConfig.for_model(mc["model_type"]), "max_position_embeddings", None)
-        if positions is not None and cfg.data.seq_len > positions:
-            raise ConfigError(
-                "data.seq_len",
-                f"{cfg.data.seq_len} is longer than the model's {positions} positions "
-                "(model.config n_positions / max_position_embeddings); lower data.seq_len or raise the positions",
-            )
+    _validate_model(cfg)
     ds = cfg.backend.deepspeed_config
     if ds is not None and not os.path.isfile(ds):
         raise ConfigError("backend.deepspeed_config", f"'{ds}' is not a file (a DeepSpeed JSON config is expected)")
