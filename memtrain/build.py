@@ -13,6 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from memtrain.backends import make_backend, model_build_context
+from memtrain.backends.common import repeated_blocks
 from memtrain.memory.accounting import device_state_bytes
 from memtrain.checkpoint import Checkpointer
 from memtrain.checkpoint.stateful import EngineState, RNGState, SchedulerState, TokenizerFiles
@@ -23,6 +24,7 @@ from memtrain.data import GlobalBatchSampler, build_corpus
 from memtrain.distributed import ProcessState
 from memtrain.evaluate import Evaluator
 from memtrain.faults import FaultInjector
+from memtrain.levers import LeverTarget, lever_choices
 from memtrain.loop import Trainer
 from memtrain.models import build_model, count_parameters
 from memtrain.flops import flops_per_token, peak_bf16_flops
@@ -30,7 +32,7 @@ from memtrain.objectives import make_objective
 from memtrain.oom import OOMSync
 from memtrain.optim import make_optimizer, make_scheduler
 from memtrain.memory.placement import resolve as resolve_placement
-from memtrain.plan import MicroBatchPlan, PlanController
+from memtrain.plan import Plan, PlanController
 from memtrain.precision import NonFiniteGuard, resolve_precision
 from memtrain.state import TrainState
 from memtrain.transforms import ModelTransforms
@@ -46,20 +48,21 @@ def make_sampler(cfg: Config, corpus, process: ProcessState) -> GlobalBatchSampl
                               bucket_batches=speech.bucket_batches if speech is not None else 0)
 
 
-def make_controller(cfg: Config, world_size: int, make_planner=None) -> PlanController:
+def make_controller(cfg: Config, world_size: int, choices: dict[str, tuple], make_planner=None) -> PlanController:
     """The plan controller, starting from ``training.micro_batch_size`` (``auto``: the whole rank
-    share until the planner chooses before step 1)."""
-    t, m = cfg.training, cfg.memory
+    share until the planner chooses before step 1) and each lever's first choice (``choices``:
+    :func:`memtrain.levers.lever_choices`)."""
+    t = cfg.training
     per_rank = t.global_batch_size // world_size
-    plan = MicroBatchPlan.for_global_batch(t.global_batch_size, per_rank if t.micro_batch_size == "auto" else
-                                           t.micro_batch_size, world_size)
-    return PlanController(plan, per_rank, m.activation_checkpointing, m.grow_back_window, make_planner)
+    plan = Plan.for_global_batch(t.global_batch_size, per_rank if t.micro_batch_size == "auto" else t.micro_batch_size,
+                                 world_size, {name: options[0] for name, options in choices.items()})
+    return PlanController(plan, per_rank, cfg.memory.grow_back_window, choices, make_planner)
 
 
 def planner_factory(cfg: Config, corpus, objective, precision: str, process: ProcessState,
-                    state_bytes: Callable[[], dict[str, int]]):
+                    state_bytes: Callable[[], dict[str, int]], choices: dict[str, tuple]):
     """What builds the run's planner on first use (:mod:`memtrain.memory.planner`), given the engine's
-    model-state accounting (``state_bytes()``, called then); None under
+    model-state accounting (``state_bytes()``, called then) and the levers' ``choices``; None under
     ``faults.oom_above_tokens``, whose out-of-memory rule is not memory the planner could predict."""
     if cfg.faults.oom_above_tokens > 0:
         return None
@@ -73,7 +76,8 @@ def planner_factory(cfg: Config, corpus, objective, precision: str, process: Pro
         planner, error = None, None
         try:
             planner = build_planner(cfg, corpus, objective, precision, process.device,
-                                    device_state_bytes(state_bytes()), cfg.training.global_batch_size // process.world_size)
+                                    device_state_bytes(state_bytes()), cfg.training.global_batch_size // process.world_size,
+                                    choices)
         except Exception as exc:  # noqa: BLE001 - a model fake tensors cannot trace must not end the run
             error = exc
         restore(streams)
@@ -137,22 +141,23 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Tra
     # device-specific seeding does: still a pure function of (seed, rank), and each rank's streams
     # are replayed on OOM retries and saved in checkpoints
     set_seed(t.seed + process.rank)
-    n_params, objective = count_parameters(model), make_objective(model, corpus, cfg.memory.chunked_cross_entropy)
+    n_params, objective = count_parameters(model), make_objective(model, corpus)
     layerdrop = getattr(model, "memtrain_layerdrop", None)  # memtrain.layerdrop.AgreedLayerDrop
     utilisation = model_flops(model, n_params, cfg.data.seq_len, objective.unit, precision, process.device)
     sampler = make_sampler(cfg, corpus, process)
     # the planner is built on first use, after the engine below exists
-    make_planner = planner_factory(cfg, corpus, objective, precision, process, lambda: engine.model_state_bytes(n_params))
-    controller = make_controller(cfg, process.world_size, make_planner)
+    choices = lever_choices(cfg, spec)
+    make_planner = planner_factory(cfg, corpus, objective, precision, process, lambda: engine.model_state_bytes(n_params),
+                                   choices)
+    controller = make_controller(cfg, process.world_size, choices, make_planner)
     engine = make_backend(cfg, spec, process, precision, controller.plan)
     closing.callback(engine.close)
     sync = OOMSync(process.world_size, process.rank, enabled=cfg.memory.oom_recovery, device=process.device,
                    timeout_s=process.timeout_s)
     closing.callback(sync.close)
     faults = FaultInjector(cfg.faults, process.rank, cfg.output_dir)
-    transforms = ModelTransforms(model, cfg.memory.activation_checkpointing_every_n_blocks, faults, t.compile)
-    model, optimizer = transforms.apply(model, engine, lambda m: make_optimizer(m, t), sync,
-                                        controller.activation_checkpointing)
+    transforms = ModelTransforms(LeverTarget(model, repeated_blocks(model), objective, cfg, faults), t.compile)
+    model, optimizer = transforms.apply(model, engine, lambda m: make_optimizer(m, t), sync, controller.plan)
     faults.simulate_memory(device_state_bytes(engine.model_state_bytes(n_params)), model.parameters())
     scheduler = make_scheduler(optimizer, t, engine.scheduler_config)
     evaluator = Evaluator(process, corpus, objective, t.eval_samples, controller.plan.micro_batch_size, sync)

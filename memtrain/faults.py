@@ -56,7 +56,7 @@ class FaultInjector:
 
     Attributes:
         step: the optimizer step being run (set by the loop).
-        activation_checkpointing: whether activation checkpointing is on (set by the transforms).
+        activation_checkpointing: whether activation checkpointing is on (set by the activation checkpointing lever).
     """
 
     def __init__(self, faults, rank: int, output_dir: Optional[str] = None):

@@ -39,7 +39,8 @@ from memtrain.objectives import Objective
 from memtrain.optim import apply_hyperparameters
 from memtrain.oom import (OOMStop, OOMSync, is_oom, memory_report, oom_stop_message, peak_memory_bytes,
                           record_escaped_oom, take_escaped_ooms)
-from memtrain.plan import MicroBatchPlan, PlanChange, PlanController
+from memtrain.levers import lever
+from memtrain.plan import Plan, PlanChange, PlanController
 from memtrain.precision import NonFiniteGuard
 from memtrain.preemption import Preemption
 from memtrain.records import StepOutcome, attach_events, run_summary, step_record
@@ -181,7 +182,8 @@ class Trainer:
         if any(key in changed for key in ("training.weight_decay", "training.adam_beta1", "training.adam_beta2",
                                           "training.adam_eps")):
             apply_hyperparameters(self.optimizer, self.cfg.training)
-        if "training.micro_batch_size" in changed or "memory.activation_checkpointing" in changed:
+        if "training.micro_batch_size" in changed or any(lever(name).config_key in changed
+                                                         for name in self.controller.choices):
             self.controller.restart()
         if changed and self.process.is_main:
             log.warning("memtrain: resuming %s with changed settings: %s", path, "; ".join(
@@ -251,8 +253,7 @@ class Trainer:
             raise RuntimeError(f"memtrain: the ranks' planners chose different plans: {decisions}")
         change = self.controller.adopt(chosen, "plan_chosen", f"fastest of {len(planner.fitting())} plans "
                                        f"predicted to fit, of {len(planner.candidates)}")
-        self._apply_plan()
-        self.evaluator.micro_batch_size = chosen.micro_batch_size
+        self._apply_plan(chosen_before_step_1=True)
         self.pending_events.append({**change.as_dict(), "ranks": []})
         if self.process.is_main:
             os.makedirs(self.cfg.output_dir, exist_ok=True)
@@ -262,7 +263,7 @@ class Trainer:
 
     def _probe(self, candidate) -> Optional[float]:
         """The planner's prober: the current rank batch's forward and backward at ``candidate``, timed."""
-        self.transforms.set_activation_checkpointing(self.engine.unwrap(self.model), candidate.activation_checkpointing)
+        self.transforms.apply_plan(candidate.plan)
         return time_step(self.model, self.engine, self.probe_batch, candidate.plan, self.objective, self.sync, self.faults)
 
     def _rank_batch(self, cursor) -> dict:
@@ -277,10 +278,13 @@ class Trainer:
             metrics.message(f"memtrain: resumed from {resumed[0]} at step {self.state.step} (loaded in "
                             f"{resumed[1]:.2f} s), plan {self.controller.plan}")
         t = self.cfg.training
-        ac = "on" if self.controller.activation_checkpointing else "off"
+        plan = self.controller.plan
+        ac = "on" if plan.lever("activation_checkpointing") else "off"
+        levers = "".join(f", {w}" for w in (lever(n).describe(v) for n, v in plan.levers if n != "activation_checkpointing")
+                         if w)
         metrics.message(f"memtrain: {self.engine.name} × {self.process.world_size} rank(s) on {self.process.device}, "
                         f"{self.engine.precision}, {self.n_params / 1e6:.2f}M parameters, {self.corpus.describe()}, "
-                        f"plan {self.controller.plan} (micro-batch × accumulation), activation checkpointing {ac}")
+                        f"plan {plan} (micro-batch × accumulation), activation checkpointing {ac}{levers}")
         per_step = (f"{t.global_batch_size * self.cfg.data.seq_len:,} tokens" if self.objective.unit == "tokens"
                     else f"{t.global_batch_size} utterances")
         epochs = t.max_steps * t.global_batch_size / max(1, len(self.corpus.train))
@@ -339,8 +343,7 @@ class Trainer:
                   int(m.cuda_memory_cap_gib * 2**30) if m.cuda_memory_cap_gib and self.process.device.type == "cuda"
                   else None)
         return {"engine": self.spec.name, "zero_stage": self.spec.zero_stage, "offload": self.spec.offload,
-                "activation_checkpointing": self.controller.activation_checkpointing,
-                "chunked_cross_entropy": m.chunked_cross_entropy, "device_type": self.process.device.type,
+                **self.controller.plan.settings(), "device_type": self.process.device.type,
                 "budget_bytes": budget, "simulated_peak_bytes": simulated.peak_bytes if simulated is not None else None}
 
     def _record(self, outcome: StepOutcome, run_start: float) -> dict[str, Any]:
@@ -372,7 +375,7 @@ class Trainer:
             done[-1]["measured_peak_bytes"] = measured
             done[-1]["prediction_error"] = round(done[-1]["predicted_peak_bytes"] / max(1, measured) - 1, 4)
 
-    def _capped_plan(self, cursor) -> Optional[Callable[[], MicroBatchPlan]]:
+    def _capped_plan(self, cursor) -> Optional[Callable[[], Plan]]:
         """Speech with ``data.speech.max_audio_samples_per_micro_batch``: the step's plan capped by
         the global batch's longest utterance (the same on every rank); else None."""
         cap = self.cfg.data.speech.max_audio_samples_per_micro_batch
@@ -389,12 +392,16 @@ class Trainer:
                         change.old, change.new, change.reason)
         self._apply_plan()
 
-    def _apply_plan(self) -> None:
-        """The one place the controller's plan reaches the engine (micro-batch and accumulation) and
-        the model transforms (activation checkpointing); idempotent."""
-        self.engine.set_plan(self.controller.plan)
-        self.transforms.set_activation_checkpointing(self.engine.unwrap(self.model),
-                                                     self.controller.activation_checkpointing)
+    def _apply_plan(self, chosen_before_step_1: bool = False) -> None:
+        """The one place the controller's plan reaches the engine (micro-batch and accumulation),
+        the levers (:mod:`memtrain.levers`, through the model transforms) and the evaluator
+        (whose micro-batch starts at the plan the planner chooses before step 1, then changes
+        only on its own OOM); idempotent."""
+        plan = self.controller.plan
+        self.engine.set_plan(plan)
+        self.transforms.apply_plan(plan)
+        if chosen_before_step_1:
+            self.evaluator.micro_batch_size = plan.micro_batch_size
 
     def _evaluate(self, record: dict[str, Any]) -> None:
         for name, value in self.evaluator(self.model).items():
@@ -441,6 +448,7 @@ class Trainer:
     def _about(self) -> dict[str, Any]:
         return {"parameters": self.n_params, "backend": self.engine.name, "world_size": self.process.world_size,
                 "precision": self.engine.precision, "final_plan": str(self.controller.plan),
+                "final_levers": self.controller.plan.settings(),
                 "oom_agreements": {"transport": self.sync.transport, "points": self.sync.agreements},
                 **({"compiled_graphs": compiled_graph_count()} if self.cfg.training.compile else {}),
                 "engine_spec": self.spec.as_dict(), "config": to_dict(self.cfg)}

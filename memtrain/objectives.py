@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memtrain.chunked_loss import cross_entropy_sum, install_chunked_head, labels_for_head
+from memtrain.chunked_loss import cross_entropy_sum, labels_for_head
 from memtrain.data import IGNORE_INDEX
 from memtrain.models import logits_of
 
@@ -176,23 +176,10 @@ class CTC:
                 "cer": sums[4] / max(sums[5], 1.0)}
 
 
-def make_objective(model: nn.Module, corpus, chunked_cross_entropy: bool = False) -> Objective:
+def make_objective(model: nn.Module, corpus) -> Objective:
     """The objective for ``corpus`` (``kind`` speech → :class:`CTC`, else :class:`CausalLM`).
-
-    Args:
-        chunked_cross_entropy: ``memory.chunked_cross_entropy``: a language model's output layer
-            computes the loss in chunks (installed here on ``model``, the unwrapped model).
-
-    Raises:
-        ConfigError: chunked cross-entropy for a model that does not support it, or for speech.
-    """
+    Chunked cross-entropy is a lever switched on the objective afterwards
+    (:mod:`memtrain.levers.chunked_cross_entropy`)."""
     if getattr(corpus, "kind", "text") == "speech":
-        if chunked_cross_entropy:
-            from memtrain.config import ConfigError
-
-            raise ConfigError("memory.chunked_cross_entropy", "is for causal language models; the CTC loss has no "
-                              "[tokens, vocab] logits to chunk (set it false)")
         return CTC(model, blank=int(getattr(getattr(model, "config", None), "pad_token_id", 0) or 0))
-    if chunked_cross_entropy:
-        install_chunked_head(model)
-    return CausalLM(chunked=chunked_cross_entropy)
+    return CausalLM()

@@ -14,10 +14,12 @@ import os
 import sys
 from typing import Any, Optional
 
+from memtrain.levers import lever_events
+
 GIB = 2 ** 30
 
-PLAN_EVENTS = frozenset({"plan_chosen", "oom_shrink", "activation_checkpointing_on", "oom_replan", "grow_back",
-                         "grow_back_failed", "eval_oom_shrink"})
+PLAN_EVENTS = frozenset({"plan_chosen", "oom_shrink", "oom_replan", "grow_back", "grow_back_failed",
+                         "eval_oom_shrink"}) | lever_events()
 EVENT_STYLES = {  # kind of event → legend label and line style
     "plan": {"label": "plan change", "color": "tab:red", "linestyle": "--"},
     "resume": {"label": "resume", "color": "tab:green", "linestyle": "-"},

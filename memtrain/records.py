@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from memtrain.plan import MicroBatchPlan
+from memtrain.plan import Plan
 from memtrain.state import TrainState
 
 
@@ -35,7 +35,7 @@ class StepOutcome:
     loss: float
     lr: float
     grad_norm: float
-    plan: MicroBatchPlan
+    plan: Plan
     count: int
     seconds: float
     fingerprint: str
@@ -44,11 +44,12 @@ class StepOutcome:
 
 def step_record(state: TrainState, outcome: StepOutcome, global_batch_size: int, unit: str,
                 peak_memory_bytes: int, elapsed_s: float) -> dict[str, Any]:
-    """The ``metrics.jsonl`` record of the step ``state`` was just advanced to (without events)."""
+    """The ``metrics.jsonl`` record of the step ``state`` was just advanced to (without events);
+    the plan that completed it: its split and each lever's setting under the lever's name."""
     return {
         "step": state.step, "epoch": state.epoch, "loss": outcome.loss, "lr": outcome.lr,
         "grad_norm": outcome.grad_norm, "micro_batch_size": outcome.plan.micro_batch_size,
-        "gradient_accumulation_steps": outcome.plan.gradient_accumulation_steps,
+        "gradient_accumulation_steps": outcome.plan.gradient_accumulation_steps, **outcome.plan.settings(),
         "global_batch_size": global_batch_size, "samples_seen": state.samples_seen,
         f"{unit}_seen": state.targets_seen, f"{unit}_per_s": outcome.count / outcome.seconds,
         "peak_memory_bytes": peak_memory_bytes, "elapsed_s": elapsed_s, "batch_fingerprint": outcome.fingerprint,

@@ -22,7 +22,7 @@ from memtrain.backends.base import Backend
 from memtrain.fingerprint import micro_batch_digest
 from memtrain.objectives import Objective
 from memtrain.oom import AgreedOOM, OOMSync, is_oom
-from memtrain.plan import MicroBatchPlan, PlanChange, PlanController
+from memtrain.plan import Plan, PlanChange, PlanController
 from memtrain.rng import capture, restore
 from memtrain.watchdog import progress
 
@@ -114,7 +114,7 @@ def close_step(process, sync: Optional[OOMSync], loss_sum: torch.Tensor, digest:
 
 
 def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.Tensor],
-               plan: MicroBatchPlan, objective: Objective, sync: Optional[OOMSync] = None,
+               plan: Plan, objective: Objective, sync: Optional[OOMSync] = None,
                hooks: Optional[StepHooks] = None) -> StepSums:
     """Forward and backward of one rank batch, accumulated over the plan's micro-batches.
 
@@ -178,8 +178,8 @@ def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.T
 def step_with_recovery(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.Tensor],
                        controller: PlanController, sync: OOMSync,
                        on_change: Callable[[PlanChange, list[int]], None], objective: Objective,
-                       hooks: Optional[StepHooks] = None, plan_for: Optional[Callable[[], MicroBatchPlan]] = None
-                       ) -> tuple[StepSums, MicroBatchPlan]:
+                       hooks: Optional[StepHooks] = None, plan_for: Optional[Callable[[], Plan]] = None
+                       ) -> tuple[StepSums, Plan]:
     """:func:`train_step` under the OOM protocol: on an out-of-memory error on any rank, every rank
     discards the partial gradients, adopts the same smaller plan and retries the same rank batch,
     replaying the random streams the failed attempt started with.
@@ -223,7 +223,7 @@ def step_with_recovery(model: nn.Module, backend: Backend, rank_batch: dict[str,
         on_change(change, ranks)
 
 
-def time_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.Tensor], plan: MicroBatchPlan,
+def time_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.Tensor], plan: Plan,
               objective: Objective, sync: OOMSync, hooks: Optional[StepHooks] = None, repeats: int = 2) -> Optional[float]:
     """Seconds of the forward and backward of ``rank_batch`` at ``plan`` (every micro-batch and the
     gradient reduction, as in a real step; no optimizer step), the fastest of ``repeats`` (the

@@ -13,7 +13,7 @@ from torch import nn
 from memtrain.backends.base import ComputeCollectives
 from memtrain.objectives import CausalLM
 from memtrain.oom import AgreedOOM, OOMSync
-from memtrain.plan import MicroBatchPlan
+from memtrain.plan import Plan
 from memtrain.step import train_step
 
 WORLD = 2
@@ -104,7 +104,7 @@ def _step(pattern, other, monkeypatch, sync=None):
     sync.install(list(model.layers), engine.compute_collectives(True))
     ids = torch.randint(0, 32, (MICRO_BATCHES * 2, 6), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "labels": ids}
-    return train_step(model, engine, batch, MicroBatchPlan(2, MICRO_BATCHES), CausalLM(), sync), sync, model
+    return train_step(model, engine, batch, Plan(2, MICRO_BATCHES), CausalLM(), sync), sync, model
 
 
 @pytest.mark.parametrize("pattern", list(PATTERNS))

@@ -34,6 +34,7 @@ def _saved_bytes_and_grads(model, objective, batch):
 def test_gradient_equals_the_plain_loss_and_logits_are_not_saved():
     """Same loss and gradients as F.cross_entropy on the full logits (within 1e-5), with less saved
     for backward; the model still returns plain logits outside the objective."""
+    from memtrain.levers import LeverTarget, lever
     from memtrain.objectives import CausalLM, make_objective
 
     plain_model, chunked_model = _gpt2(), _gpt2()
@@ -42,7 +43,8 @@ def test_gradient_equals_the_plain_loss_and_logits_are_not_saved():
     labels[:, -1] = -100
     batch = {"input_ids": ids, "labels": labels}
     loss_p, bytes_p, grads_p = _saved_bytes_and_grads(plain_model, CausalLM(), batch)
-    objective = make_objective(chunked_model, _Text(), chunked_cross_entropy=True)
+    objective = make_objective(chunked_model, _Text())
+    lever("chunked_cross_entropy").apply(LeverTarget(chunked_model, [], objective, None), True)
     loss_c, bytes_c, grads_c = _saved_bytes_and_grads(chunked_model, objective, batch)
     assert objective.chunked
     assert float(loss_c) == pytest.approx(float(loss_p), rel=1e-6)
@@ -69,36 +71,46 @@ def test_chunks_cover_every_token_once():
 
 
 def test_planner_counts_it_as_a_memory_lever(cache_dir):
-    """The planner's fake trace sees the chunked loss: fewer bytes per micro-batch, so a larger
-    micro-batch is predicted to fit the same budget."""
+    """The planner's fake trace applies the lever per plan: fewer bytes per micro-batch with the
+    chunked loss (so a larger micro-batch is predicted to fit the same budget), and the plain count
+    again when a plan switches it off."""
     from memtrain.config import parse_args
     from memtrain.data import build_corpus
     from memtrain.models import build_model
     from memtrain.objectives import make_objective
     from memtrain.memory.planner import activation_table
+    from memtrain.plan import Plan
 
     cfg = parse_args(TINY_ARGS + ["--data.cache_dir", cache_dir])
     corpus = build_corpus(cfg.data)
-    plain = activation_table(cfg, corpus, make_objective(build_model(cfg.model, corpus.vocab_size), corpus), "fp32", "cpu")
-    chunked = activation_table(cfg, corpus, make_objective(build_model(cfg.model, corpus.vocab_size), corpus, True),
-                               "fp32", "cpu")
+    objective = make_objective(build_model(cfg.model, corpus.vocab_size), corpus)
+    traced = activation_table(cfg, corpus, objective, "fp32", "cpu")
+
+    def acts(chunked: bool, ac: bool) -> int:
+        return traced(Plan(4, 1, (("activation_checkpointing", ac), ("chunked_cross_entropy", chunked))))
+
     logits_bytes = 4 * cfg.data.seq_len * corpus.vocab_size * 4
-    assert plain(4, False) - chunked(4, False) >= logits_bytes
-    assert chunked(4, True) < plain(4, True)
+    plain = acts(False, False)
+    assert plain - acts(True, False) >= logits_bytes
+    assert acts(True, True) < acts(False, True)
+    assert traced(Plan(2, 2, (("activation_checkpointing", False), ("chunked_cross_entropy", False)))) < plain
+    assert not objective.chunked  # the run's objective is not the one traced
 
 
 def test_unsupported_model_is_refused_by_name():
     """A model whose logits are not a plain linear output layer, or a CTC model: refused naming the field."""
+    from types import SimpleNamespace
+
+    from memtrain.levers import LeverTarget, lever
     from memtrain.objectives import make_objective
     from toy_models import make
 
+    model = make(64, dim=8)
     with pytest.raises(ConfigError) as info:
-        make_objective(make(64, dim=8), _Text(), chunked_cross_entropy=True)
+        lever("chunked_cross_entropy").apply(LeverTarget(model, [], make_objective(model, _Text()), None), True)
     assert info.value.field == "memory.chunked_cross_entropy" and "TinyLM" in str(info.value)
 
-    class Speech:
-        kind = "speech"
-
+    speech = SimpleNamespace(memory=SimpleNamespace(chunked_cross_entropy=True), data=SimpleNamespace(kind="speech"))
     with pytest.raises(ConfigError) as info:
-        make_objective(make(64, dim=8), Speech(), chunked_cross_entropy=True)
+        lever("chunked_cross_entropy").choices(speech, None)
     assert info.value.field == "memory.chunked_cross_entropy"

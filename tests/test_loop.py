@@ -6,7 +6,7 @@ import torch
 from memtrain.data import IGNORE_INDEX
 from memtrain.optim import lr_lambda
 from memtrain.step import train_step
-from memtrain.plan import MicroBatchPlan
+from memtrain.plan import Plan
 from memtrain.objectives import CTC, CausalLM
 
 
@@ -49,8 +49,8 @@ def _grads(backend, plan, dtype=torch.float64):
 
 def test_gradient_is_split_invariant(backend):
     """fp32, as training runs: 1×8 and 4×2 agree to 1e-6 relative (summation order only)."""
-    whole_loss, whole = _grads(backend, MicroBatchPlan(8, 1), torch.float32)
-    split_loss, split = _grads(backend, MicroBatchPlan(2, 4), torch.float32)
+    whole_loss, whole = _grads(backend, Plan(8, 1), torch.float32)
+    split_loss, split = _grads(backend, Plan(2, 4), torch.float32)
     assert split_loss == pytest.approx(whole_loss, rel=1e-6)
     scale = max(g.abs().max().item() for g in whole)
     for a, b in zip(whole, split):
@@ -65,7 +65,7 @@ def test_loss_is_mean_over_valid_tokens_of_global_batch(backend):
     ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX)
     ref.backward()
     ref_grads = [p.grad.clone() for p in model.parameters()]
-    loss, grads = _grads(backend, MicroBatchPlan(2, 4))
+    loss, grads = _grads(backend, Plan(2, 4))
     assert loss == pytest.approx(ref.item(), rel=1e-12)
     for a, b in zip(ref_grads, grads):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-12)
@@ -106,7 +106,7 @@ def test_ctc_gradient_is_split_invariant(backend):
         batch["attention_mask"][i, :n] = 1
         batch["labels"][i, :c] = torch.randint(2, 40, (c,), generator=g)
     results = []
-    for plan in (MicroBatchPlan(8, 1), MicroBatchPlan(2, 4)):
+    for plan in (Plan(8, 1), Plan(2, 4)):
         model = _speech_model()
         loss_sum, count, _ = train_step(model, backend, batch, plan, CTC(model))
         assert float(count) == sum(chars)

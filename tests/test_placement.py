@@ -12,6 +12,7 @@ from memtrain.memory.accounting import device_state_bytes, model_state_bytes
 from memtrain.memory.machine import Machine
 from memtrain.memory.placement import RATIO_STEP, Placement, plan_placements, variants
 from memtrain.memory.planner import Candidate
+from memtrain.plan import Plan
 
 GIB = 2**30
 N = 6_700_000_000
@@ -24,7 +25,8 @@ def machine(device_gib=80, host_gib=128, ranks=1, nvme=None):
 def candidates(activation_gib_per_sample=1.0, per_rank=16):
     out = []
     for micro in (16, 8, 4, 2, 1):
-        c = Candidate(micro, per_rank // micro, False, 0, int(activation_gib_per_sample * micro * GIB))
+        c = Candidate(Plan(micro, per_rank // micro, (("activation_checkpointing", False),)), 0,
+                      int(activation_gib_per_sample * micro * GIB))
         c.predicted_step_s = 6 * N * 1024 * per_rank / 400e12 + 1e-3 * (per_rank // micro)
         out.append(c)
     return out

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from memtrain.oom import OOMStop
-from memtrain.plan import MicroBatchPlan, PlanController
+from memtrain.levers.activation_checkpointing import CHOICES
+from memtrain.plan import Plan, PlanController
 
 
 def divisors(n: int) -> list[int]:
@@ -16,7 +17,9 @@ def divisors(n: int) -> list[int]:
 
 def controller(per_rank: int = 12, micro: int | None = None, ac: str = "auto", window: int = 2) -> PlanController:
     micro = per_rank if micro is None else micro
-    return PlanController(MicroBatchPlan(micro, per_rank // micro), per_rank, ac, window)
+    choices = {"activation_checkpointing": CHOICES[ac]}
+    configured = Plan(micro, per_rank // micro, (("activation_checkpointing", CHOICES[ac][0]),))
+    return PlanController(configured, per_rank, window, choices)
 
 
 def succeed(ctl: PlanController, n: int) -> list:
@@ -30,12 +33,12 @@ def shrink_to(ctl: PlanController, micro: int) -> None:
     assert ctl.plan.micro_batch_size == micro
 
 
-# -- MicroBatchPlan --------------------------------------------------------------------------
+# -- Plan --------------------------------------------------------------------------
 
 def test_for_global_batch_builds_plan_covering_global_batch():
     """for_global_batch: micro × accumulation × world_size equals the global batch."""
-    plan = MicroBatchPlan.for_global_batch(24, 3, 2)
-    assert plan == MicroBatchPlan(3, 4)
+    plan = Plan.for_global_batch(24, 3, 2)
+    assert plan.sizes == (3, 4)
     assert plan.micro_batch_size * plan.gradient_accumulation_steps * 2 == 24
 
 
@@ -43,7 +46,7 @@ def test_for_global_batch_builds_plan_covering_global_batch():
 def test_for_global_batch_divisibility_error_names_numbers(global_batch, micro, world):
     """for_global_batch refuses a global batch not divisible by micro × world, naming all three."""
     with pytest.raises(ValueError) as info:
-        MicroBatchPlan.for_global_batch(global_batch, micro, world)
+        Plan.for_global_batch(global_batch, micro, world)
     message = str(info.value)
     assert f"global_batch_size {global_batch}" in message
     assert f"{micro} × {world}" in message
@@ -51,7 +54,7 @@ def test_for_global_batch_divisibility_error_names_numbers(global_batch, micro, 
 
 def test_split_returns_ordered_micro_batches_covering_the_rank_batch():
     """split cuts every tensor into accumulation micro-batches of micro rows, in order, covering it."""
-    plan = MicroBatchPlan(3, 4)
+    plan = Plan(3, 4)
     batch = {"input_ids": torch.arange(24).reshape(12, 2), "labels": torch.arange(12) * 10}
     parts = plan.split(batch)
     assert len(parts) == plan.gradient_accumulation_steps
@@ -65,7 +68,7 @@ def test_split_returns_ordered_micro_batches_covering_the_rank_batch():
 def test_split_refuses_mismatched_batch():
     """split raises ValueError when the batch's leading dimension is not micro × accumulation."""
     with pytest.raises(ValueError, match="11 samples"):
-        MicroBatchPlan(3, 4).split({"input_ids": torch.zeros(11, 2)})
+        Plan(3, 4).split({"input_ids": torch.zeros(11, 2)})
 
 
 # -- shrinking on OOM ------------------------------------------------------------------------
@@ -90,11 +93,12 @@ def test_on_oom_at_micro_one_with_auto_turns_on_activation_checkpointing_then_st
     """With activation_checkpointing auto, micro-batch 1 first turns AC on (same plan); the next OOM stops."""
     ctl = controller(12, ac="auto")
     shrink_to(ctl, 1)
-    assert not ctl.activation_checkpointing
+    assert not ctl.plan.lever("activation_checkpointing")
     change = ctl.on_oom("forward")
     assert change.event == "activation_checkpointing_on"
-    assert change.old == change.new == MicroBatchPlan(1, 12)
-    assert ctl.activation_checkpointing
+    assert change.old.sizes == change.new.sizes == (1, 12)
+    assert not change.old.lever("activation_checkpointing") and change.new.lever("activation_checkpointing")
+    assert ctl.plan.lever("activation_checkpointing")
     with pytest.raises(OOMStop, match="activation checkpointing on"):
         ctl.on_oom("forward")
 
@@ -105,13 +109,13 @@ def test_on_oom_at_micro_one_with_off_stops_directly():
     shrink_to(ctl, 1)
     with pytest.raises(OOMStop, match="activation_checkpointing is off"):
         ctl.on_oom("forward")
-    assert not ctl.activation_checkpointing
+    assert not ctl.plan.lever("activation_checkpointing")
 
 
 def test_on_oom_at_micro_one_with_on_stops_directly():
     """With activation_checkpointing on from the start, an OOM at micro-batch 1 raises OOMStop at once."""
     ctl = controller(12, ac="on")
-    assert ctl.activation_checkpointing
+    assert ctl.plan.lever("activation_checkpointing")
     shrink_to(ctl, 1)
     with pytest.raises(OOMStop, match="activation checkpointing on"):
         ctl.on_oom("forward")
@@ -120,9 +124,9 @@ def test_on_oom_at_micro_one_with_on_stops_directly():
 def test_on_oom_shrinks_from_a_smaller_tried_plan():
     """An OOM of a smaller (capped) plan shrinks from that plan, not from the controller's."""
     ctl = controller(12)
-    change = ctl.on_oom("forward", tried=MicroBatchPlan(4, 3))
-    assert change.old == MicroBatchPlan(4, 3)
-    assert ctl.plan == MicroBatchPlan(2, 6)
+    change = ctl.on_oom("forward", tried=ctl.plan.with_micro_batch(4))
+    assert change.old.sizes == (4, 3)
+    assert ctl.plan.sizes == (2, 6)
 
 
 # -- growing back ----------------------------------------------------------------------------
@@ -140,11 +144,11 @@ def test_grow_back_after_window_to_next_divisor_at_least_double():
         grow = changes[-1]
         expected = min(d for d in divisors(per_rank) if d >= 2 * old.micro_batch_size)
         assert grow.event == "grow_back" and grow.old == old and grow.new == ctl.plan
-        assert ctl.plan == MicroBatchPlan(expected, per_rank // expected)
+        assert ctl.plan.sizes == (expected, per_rank // expected)
         sizes.append(expected)
     assert sizes == [1, 2, 4, 12]
     assert succeed(ctl, 3 * window) == [None] * (3 * window)  # at the configured plan: no further growth
-    assert ctl.plan == MicroBatchPlan(12, 1)
+    assert ctl.plan.sizes == (12, 1)
 
 
 def test_grow_back_never_exceeds_configured_micro_batch():
@@ -153,7 +157,7 @@ def test_grow_back_never_exceeds_configured_micro_batch():
     shrink_to(ctl, 1)
     while succeed(ctl, 1)[0] is not None:
         assert ctl.plan.micro_batch_size <= 4
-    assert ctl.plan == MicroBatchPlan(4, 3)
+    assert ctl.plan.sizes == (4, 3)
     assert succeed(ctl, 5) == [None] * 5
 
 
@@ -182,7 +186,7 @@ def test_grow_back_failure_restores_the_plan_that_worked_when_divisors_lie_betwe
     assert grow.new.micro_batch_size == 6
     change = ctl.on_oom("forward")
     assert change.event == "grow_back_failed"
-    assert ctl.plan == MicroBatchPlan(3, 4)
+    assert ctl.plan.sizes == (3, 4)
 
 
 def test_success_after_grow_back_ends_the_trial():
@@ -203,7 +207,7 @@ def test_grow_back_window_zero_never_grows():
     ctl = controller(12, window=0)
     shrink_to(ctl, 3)
     assert succeed(ctl, 50) == [None] * 50
-    assert ctl.plan == MicroBatchPlan(3, 4)
+    assert ctl.plan.sizes == (3, 4)
 
 
 # -- capped plans ----------------------------------------------------------------------------
@@ -214,17 +218,17 @@ def test_capped_largest_divisor_fitting_the_budget():
     ctl = controller(per_rank)
     plan = ctl.capped(longest, budget)
     expected = max(d for d in divisors(per_rank) if d * longest <= budget)
-    assert plan == MicroBatchPlan(expected, per_rank // expected)
+    assert plan.sizes == (expected, per_rank // expected)
     assert plan.micro_batch_size * longest <= budget
-    assert ctl.plan == MicroBatchPlan(12, 1)
+    assert ctl.plan.sizes == (12, 1)
 
 
 def test_capped_never_above_current_plan_and_at_least_one():
     """capped never exceeds the current micro-batch, and falls back to 1 when even one sample exceeds the budget."""
     ctl = controller(12)
     shrink_to(ctl, 3)
-    assert ctl.capped(1, 10**9) == MicroBatchPlan(3, 4)
-    assert ctl.capped(1000, 10) == MicroBatchPlan(1, 12)
+    assert ctl.capped(1, 10**9).sizes == (3, 4)
+    assert ctl.capped(1000, 10).sizes == (1, 12)
 
 
 # -- state -----------------------------------------------------------------------------------
@@ -238,8 +242,9 @@ def test_state_dict_round_trip():
     ctl.on_oom("forward")  # grow-back failed: window 6
     succeed(ctl, 2)
     state = ctl.state_dict()
-    assert state == {"micro_batch_size": 1, "window": 6, "ok_steps": 2, "activation_checkpointing": True,
-                     "trying_grow": False, "grown_from": 1, "grown_from_ac": True, "planner": None}
+    assert state == {"micro_batch_size": 1, "window": 6, "ok_steps": 2, "levers": {"activation_checkpointing": True},
+                     "trying_grow": False, "grown_from": 1, "grown_from_levers": {"activation_checkpointing": True},
+                     "planner": None}
 
     restored = controller(12, ac="auto", window=3)
     restored.load_state_dict(state)
@@ -259,7 +264,7 @@ def test_state_saved_during_a_grow_back_try_keeps_the_try():
     restored.load_state_dict(ctl.state_dict())
     for c in (ctl, restored):
         change = c.on_oom("forward")
-        assert change.event == "grow_back_failed" and c.plan == MicroBatchPlan(3, 4) and c.window == 4
+        assert change.event == "grow_back_failed" and c.plan.sizes == (3, 4) and c.window == 4
 
 
 def test_load_state_dict_at_another_per_rank_batch():
@@ -271,7 +276,7 @@ def test_load_state_dict_at_another_per_rank_batch():
     ctl = controller(8, window=2)
     ctl.load_state_dict(state)
     expected = max(d for d in divisors(8) if d <= 6)
-    assert ctl.plan == MicroBatchPlan(expected, 8 // expected)
+    assert ctl.plan.sizes == (expected, 8 // expected)
 
 
 def run_events(ctl: PlanController, events: str) -> list:
@@ -297,3 +302,48 @@ def test_same_events_give_same_state():
     assert kinds == {"oom_shrink", "grow_back", "grow_back_failed", "activation_checkpointing_on"}
     assert changes[-1] == "stop"
     assert a.state_dict() == b.state_dict() and a.plan == b.plan and a.trying_grow == b.trying_grow
+
+
+# -- levers ------------------------------------------------------------------------------------
+
+def two_lever_controller(ac: str = "auto") -> PlanController:
+    choices = {"activation_checkpointing": CHOICES[ac], "chunked_cross_entropy": (False,)}
+    configured = Plan(4, 1, tuple((name, options[0]) for name, options in choices.items()))
+    return PlanController(configured, 4, 2, choices)
+
+
+def test_a_plan_is_one_frozen_hashable_value_holding_its_levers():
+    """The plan carries the lever settings; changing the micro-batch keeps them; it is immutable."""
+    plan = Plan(4, 2, (("activation_checkpointing", True),))
+    assert plan.with_micro_batch(2) == Plan(2, 4, (("activation_checkpointing", True),))
+    assert plan.with_levers(activation_checkpointing=False).lever("activation_checkpointing") is False
+    assert {plan: 1}[Plan(4, 2, (("activation_checkpointing", True),))] == 1
+    assert plan.describe() == "4×2 + AC" and str(plan) == "4×2"
+    with pytest.raises(AttributeError):
+        plan.micro_batch_size = 1
+
+
+def test_the_floor_moves_levers_generically_and_the_stop_names_each_lever():
+    """At micro-batch 1 the first lever with a memory-saving choice left moves (here AC; chunked
+    cross-entropy has one choice); the stop message then names both levers' state."""
+    ctl = two_lever_controller("auto")
+    shrink_to(ctl, 1)
+    change = ctl.on_oom("forward")
+    assert change.event == "activation_checkpointing_on"
+    assert change.as_dict()["activation_checkpointing"] is True and change.as_dict()["chunked_cross_entropy"] is False
+    with pytest.raises(OOMStop, match="activation checkpointing on.*chunked_cross_entropy is off"):
+        ctl.on_oom("forward")
+
+
+def test_checkpoints_from_before_levers_resume_their_activation_checkpointing():
+    """A plan state of the format before levers (``activation_checkpointing`` / ``grown_from_ac``
+    bools) restores AC; a saved setting this run may not take falls back to the configured one."""
+    old = {"micro_batch_size": 2, "window": 4, "ok_steps": 1, "activation_checkpointing": True,
+           "trying_grow": False, "grown_from": 2, "grown_from_ac": True, "planner": None}
+    ctl = two_lever_controller("auto")
+    ctl.load_state_dict(old)
+    assert ctl.plan == Plan(2, 2, (("activation_checkpointing", True), ("chunked_cross_entropy", False)))
+    assert ctl.grown_from == ctl.plan and ctl.window == 4
+    off = two_lever_controller("off")
+    off.load_state_dict(old)
+    assert off.plan.lever("activation_checkpointing") is False and off.plan.sizes == (2, 2)

@@ -7,16 +7,40 @@ import pytest
 import torch
 
 from conftest import TINY_ARGS
-from memtrain.plan import MicroBatchPlan, PlanController
+from memtrain.levers.activation_checkpointing import CHOICES
+from memtrain.plan import Plan, PlanController
 from memtrain.memory.planner import Candidate, Planner, make_candidates
 from memtrain.oom import OOMStop
 
 MiB = 2**20
 
 
+def P(micro: int, ac: bool, per_rank: int = 8) -> Plan:
+    """The plan of micro-batch ``micro`` with activation checkpointing ``ac``."""
+    return Plan(micro, per_rank // micro, (("activation_checkpointing", ac),))
+
+
+def key(c: Candidate) -> tuple[int, bool]:
+    return c.micro_batch_size, c.plan.lever("activation_checkpointing")
+
+
+def AC(mode: str) -> dict:
+    """The lever choices of ``memory.activation_checkpointing MODE``."""
+    return {"activation_checkpointing": CHOICES[mode]}
+
+
+def by_ac(f):
+    """``f(micro, ac)`` as the planner's ``plan -> bytes``."""
+    return lambda plan: f(plan.micro_batch_size, plan.lever("activation_checkpointing"))
+
+
+def controller(micro: int, per_rank: int, mode: str, window: int, planner) -> PlanController:
+    return PlanController(P(micro, CHOICES[mode][0], per_rank), per_rank, window, AC(mode), make_planner=lambda: planner)
+
+
 def table(budget=None):
     """Per-rank share 8; activations 1 MiB per sample without AC, 0.25 MiB with; state 1 MiB."""
-    return make_candidates(8, "auto", MiB, lambda micro, ac: micro * MiB // (4 if ac else 1), "cpu", budget)
+    return make_candidates(8, AC("auto"), MiB, by_ac(lambda micro, ac: micro * MiB // (4 if ac else 1)), "cpu", budget)
 
 
 def timed(seconds: dict):
@@ -25,8 +49,8 @@ def timed(seconds: dict):
     calls = []
 
     def prober(c: Candidate):
-        calls.append(c.key)
-        return None if c.key not in seconds else seconds[c.key] * c.gradient_accumulation_steps
+        calls.append(key(c))
+        return None if key(c) not in seconds else seconds[key(c)] * c.gradient_accumulation_steps
 
     prober.calls = calls
     return prober
@@ -41,20 +65,20 @@ SECONDS = {(m, ac): (0.1 + 0.1 * m) * (1.25 if ac else 1) for m in (1, 2, 4, 8) 
 
 def test_candidates_and_predicted_fit():
     cands = table(budget=4 * MiB)
-    assert [(c.micro_batch_size, c.activation_checkpointing) for c in cands] == [
+    assert [key(c) for c in cands] == [
         (8, False), (8, True), (4, False), (4, True), (2, False), (2, True), (1, False), (1, True)]
     assert all(c.micro_batch_size * c.gradient_accumulation_steps == 8 for c in cands)
-    assert {c.key for c in cands if c.fits} == {(8, True), (4, True), (2, False), (2, True), (1, False), (1, True)}
+    assert {key(c) for c in cands if c.fits} == {(8, True), (4, True), (2, False), (2, True), (1, False), (1, True)}
 
 
 def test_initial_times_every_fitting_candidate_and_takes_the_fastest():
     planner = Planner(table(budget=4 * MiB), 4 * MiB, timed(SECONDS))
     chosen = planner.initial()
-    assert chosen.key == (8, True) and chosen.chosen and chosen.measured_step_s == pytest.approx(1.125)
+    assert key(chosen) == (8, True) and chosen.chosen and chosen.measured_step_s == pytest.approx(1.125)
     # the first candidate is probed twice (the process's cold first step), every fitting one once,
     # then, fastest first, each within 1.5× of the fastest (1.6875 s) once more: not (1, AC) at
     # 2.0 s; then each within 1.25× (1.406 s) a third time
-    calls, fitting = planner.prober.calls, sorted(c.key for c in planner.candidates if c.fits)
+    calls, fitting = planner.prober.calls, sorted(key(c) for c in planner.candidates if c.fits)
     assert calls[0] == calls[1] == (8, True)
     assert sorted(calls[1:1 + len(fitting)]) == fitting
     assert calls[1 + len(fitting):] == [(8, True), (2, False), (4, True), (2, True), (1, False),
@@ -71,7 +95,7 @@ def test_the_first_probe_is_a_warm_up_whose_time_is_not_kept():
         return next(seconds)
 
     planner = Planner(table()[1::2][:2], None, prober)  # (8, AC) and (4, AC)
-    assert planner.initial().key == (8, True)
+    assert key(planner.initial()) == (8, True)
 
 
 def test_contenders_are_timed_again_and_keep_their_best_time():
@@ -82,8 +106,8 @@ def test_contenders_are_timed_again_and_keep_their_best_time():
     # (2, AC) 1.2; the two within 1.5× again: (8, AC) 1.3, (2, AC) 0.9; within 1.25× a third time
     planner = Planner(table()[1::2][:3], None, lambda c: next(seconds))  # (8, AC), (4, AC), (2, AC)
     chosen = planner.initial()
-    assert chosen.key == (2, True) and chosen.measured_step_s == 0.9  # 1.2, then 0.9 on its second probe
-    assert planner.get(8, True).measured_step_s == 1.0 and planner.get(4, True).measured_step_s == 1.6
+    assert key(chosen) == (2, True) and chosen.measured_step_s == 0.9  # 1.2, then 0.9 on its second probe
+    assert planner.get(P(8, True)).measured_step_s == 1.0 and planner.get(P(4, True)).measured_step_s == 1.6
 
 
 def test_a_plan_slowed_by_the_warm_up_is_timed_again_and_wins():
@@ -94,11 +118,11 @@ def test_a_plan_slowed_by_the_warm_up_is_timed_again_and_wins():
     calls = []
 
     def prober(c):  # the first two probes run 1.4× slow
-        calls.append(c.key)
-        return true_s[c.key] * (1.4 if len(calls) <= 2 else 1.0)
+        calls.append(key(c))
+        return true_s[key(c)] * (1.4 if len(calls) <= 2 else 1.0)
 
     planner = Planner(table()[1::2][:3], None, prober)  # (8, AC), (4, AC), (2, AC)
-    assert planner.initial().key == (8, True) and planner.get(8, True).measured_step_s == 1.0
+    assert key(planner.initial()) == (8, True) and planner.get(P(8, True)).measured_step_s == 1.0
 
 
 def test_close_contenders_still_slowed_after_an_oom_get_a_third_probe():
@@ -110,69 +134,69 @@ def test_close_contenders_still_slowed_after_an_oom_get_a_third_probe():
     calls = []
 
     def prober(c):
-        calls.append(c.key)
-        return true_s[c.key] * slow.get(len(calls) - 1, 1.0)
+        calls.append(key(c))
+        return true_s[key(c)] * slow.get(len(calls) - 1, 1.0)
 
     planner = Planner(table()[1::2][:3], None, prober)  # (8, AC), (4, AC), (2, AC)
-    assert planner.initial().key == (8, True) and planner.get(8, True).measured_step_s == 1.0
+    assert key(planner.initial()) == (8, True) and planner.get(P(8, True)).measured_step_s == 1.0
     assert calls[4:7] == [(4, True), (2, True), (8, True)]  # after these (8, AC) had 1.3 s, (4, AC) 1.2 s
     assert calls[7:] == [(4, True), (8, True), (2, True)]  # all within 1.25 × 1.2 s: the third probe decides
 
 
 def test_oom_moves_to_the_fastest_plan_predicted_to_need_less():
     planner = Planner(table(), None, timed(SECONDS))
-    nxt = planner.after_oom(8, False)  # 9 MiB did not fit
-    assert planner.bound_bytes == 9 * MiB - 1 and not planner.get(8, False).fits
-    assert nxt.key == (4, False) and nxt.measured_step_s == pytest.approx(1.0)  # halving beats AC here
+    nxt = planner.after_oom(P(8, False))  # 9 MiB did not fit
+    assert planner.bound_bytes == 9 * MiB - 1 and not planner.get(P(8, False)).fits
+    assert key(nxt) == (4, False) and nxt.measured_step_s == pytest.approx(1.0)  # halving beats AC here
 
 
 def test_oom_turns_activation_checkpointing_on_when_that_is_faster():
     planner = Planner(table(), None, timed({**SECONDS, (8, True): 0.95}))  # cheap recompute
-    assert planner.after_oom(8, False).key == (8, True)
+    assert key(planner.after_oom(P(8, False))) == (8, True)
 
 
 def test_probe_out_of_memory_refutes_and_lowers_the_bound():
     seconds = {k: v for k, v in SECONDS.items() if k != (8, True)}  # None: the probe ran out of memory
     planner = Planner(table(), None, timed(seconds))
-    nxt = planner.after_oom(8, False)
-    assert not planner.get(8, True).fits and planner.bound_bytes == 3 * MiB - 1
-    assert nxt.key == (4, True)  # 4 without AC needs 5 MiB: more than what just failed, so not even timed
+    nxt = planner.after_oom(P(8, False))
+    assert not planner.get(P(8, True)).fits and planner.bound_bytes == 3 * MiB - 1
+    assert key(nxt) == (4, True)  # 4 without AC needs 5 MiB: more than what just failed, so not even timed
     assert (4, False) not in planner.prober.calls
 
 
 def test_nothing_left_is_none():
-    planner = Planner(make_candidates(1, "off", MiB, lambda m, ac: MiB, "cpu", None), None, timed({(1, False): 1.0}))
-    assert planner.after_oom(1, False) is None
+    planner = Planner(make_candidates(1, AC("off"), MiB, by_ac(lambda m, ac: MiB), "cpu", None), None, timed({(1, False): 1.0}))
+    assert planner.get(P(1, False, 1)) is not None and planner.after_oom(P(1, False, 1)) is None
 
 
 def test_grow_back_tries_the_next_faster_plan_and_confirms_it():
     planner = Planner(table(), None, timed(SECONDS))
     planner.measure(planner.candidates)
-    assert planner.faster_than(1, True).key == (2, True)  # the smallest step up in memory that is faster
+    assert key(planner.faster_than(P(1, True))) == (2, True)  # the smallest step up in memory that is faster
     planner.bound_bytes = 2 * MiB
-    planner.confirm(planner.get(2, False))
-    assert planner.bound_bytes == planner.get(2, False).predicted_peak_bytes
+    planner.confirm(planner.get(P(2, False)))
+    assert planner.bound_bytes == planner.get(P(2, False)).predicted_peak_bytes
 
 
 def test_controller_with_planner_oom_grow_back_and_state():
     per_rank = 8
     planner = Planner(table(), None, timed({**SECONDS, (8, True): 0.95}))
-    ctl = PlanController(MicroBatchPlan(8, 1), per_rank, "auto", grow_back_window=2, make_planner=lambda: planner)
+    ctl = controller(8, per_rank, "auto", 2, planner)
     change = ctl.on_oom("forward")
-    assert change.event == "activation_checkpointing_on" and ctl.activation_checkpointing and ctl.plan.micro_batch_size == 8
-    assert change.as_dict()["predicted_peak_bytes"] == planner.get(8, True).predicted_peak_bytes
+    assert change.event == "activation_checkpointing_on" and ctl.plan.lever("activation_checkpointing") and ctl.plan.micro_batch_size == 8
+    assert change.as_dict()["predicted_peak_bytes"] == planner.get(P(8, True)).predicted_peak_bytes
     change = ctl.on_oom("forward")  # 8 + AC fails as well: the fastest of what needs less than 3 MiB
-    assert change.event == "oom_shrink" and (ctl.plan.micro_batch_size, ctl.activation_checkpointing) == (4, True)
+    assert change.event == "oom_shrink" and (ctl.plan.micro_batch_size, ctl.plan.lever("activation_checkpointing")) == (4, True)
     assert ctl.on_success() is None
     grow = ctl.on_success()  # the window is full: the faster plan needing the least more memory
-    assert grow.event == "grow_back" and (ctl.plan.micro_batch_size, ctl.activation_checkpointing) == (8, True)
+    assert grow.event == "grow_back" and (ctl.plan.micro_batch_size, ctl.plan.lever("activation_checkpointing")) == (8, True)
     failed = ctl.on_oom("forward")
-    assert failed.event == "grow_back_failed" and (ctl.plan.micro_batch_size, ctl.activation_checkpointing) == (4, True)
-    assert failed.activation_checkpointing is True and ctl.window == 4
+    assert failed.event == "grow_back_failed" and (ctl.plan.micro_batch_size, ctl.plan.lever("activation_checkpointing")) == (4, True)
+    assert failed.new.lever("activation_checkpointing") is True and ctl.window == 4
     state = json.loads(json.dumps(ctl.state_dict()))
-    again = PlanController(MicroBatchPlan(8, 1), per_rank, "auto", 2, make_planner=lambda: Planner(table(), None))
+    again = controller(8, per_rank, "auto", 2, Planner(table(), None))
     again.load_state_dict(state)
-    assert again.plan == ctl.plan and again.activation_checkpointing == ctl.activation_checkpointing
+    assert again.plan == ctl.plan and again.plan.lever("activation_checkpointing") == ctl.plan.lever("activation_checkpointing")
     assert again.planner.bound_bytes == planner.bound_bytes
     assert [c.fits for c in again.planner.candidates] == [c.fits for c in planner.candidates]
 
@@ -180,8 +204,8 @@ def test_controller_with_planner_oom_grow_back_and_state():
 def test_controller_halves_when_the_planner_predicts_nothing_fits_then_stops():
     """A prediction never ends a run that halving could save: with every probe out of memory the
     controller halves, turns AC on at micro-batch 1, and only then stops."""
-    planner = Planner(make_candidates(2, "auto", MiB, lambda m, ac: m * MiB, "cpu", None), None, lambda c: None)
-    ctl = PlanController(MicroBatchPlan(2, 1), 2, "auto", 0, make_planner=lambda: planner)
+    planner = Planner(make_candidates(2, AC("auto"), MiB, by_ac(lambda m, ac: m * MiB), "cpu", None), None, lambda c: None)
+    ctl = controller(2, 2, "auto", 0, planner)
     assert ctl.on_oom("forward").event == "oom_shrink" and ctl.plan.micro_batch_size == 1
     assert ctl.on_oom("forward").event == "activation_checkpointing_on"
     with pytest.raises(OOMStop):
@@ -191,8 +215,8 @@ def test_controller_halves_when_the_planner_predicts_nothing_fits_then_stops():
 def test_fixed_plan_grows_back_without_measurements():
     """A run at a fixed micro-batch has no timed candidates: grow-back goes to the next larger
     micro-batch as without a planner."""
-    cands = make_candidates(8, "off", MiB, lambda micro, ac: micro * MiB, "cpu", None)
-    ctl = PlanController(MicroBatchPlan(8, 1), 8, "off", 2, make_planner=lambda: Planner(cands, None))
+    cands = make_candidates(8, AC("off"), MiB, by_ac(lambda micro, ac: micro * MiB), "cpu", None)
+    ctl = controller(8, 8, "off", 2, Planner(cands, None))
     assert ctl.on_oom("forward").event == "oom_shrink"  # untimed: the first candidate predicted to need less
     ctl.on_success()
     grow = ctl.on_success()
@@ -201,12 +225,12 @@ def test_fixed_plan_grows_back_without_measurements():
 
 def test_restored_state_keeps_this_devices_predictions():
     planner = Planner(table(), None)
-    planner.after_oom(8, False)
+    planner.after_oom(P(8, False))
     state = planner.state_dict()
     smaller = Planner(table(budget=4 * MiB), 4 * MiB)
     smaller.load_state_dict(state)
-    assert smaller.bound_bytes == 4 * MiB and not smaller.get(4, False).fits  # 5 MiB: not on this device
-    other = Planner(make_candidates(4, "auto", MiB, lambda m, ac: m * MiB, "cpu", None), None)
+    assert smaller.bound_bytes == 4 * MiB and not smaller.get(P(4, False)).fits  # 5 MiB: not on this device
+    other = Planner(make_candidates(4, AC("auto"), MiB, by_ac(lambda m, ac: m * MiB), "cpu", None), None)
     other.load_state_dict(state)  # another per-rank batch: nothing restored
     assert other.bound_bytes is None and all(c.fits for c in other.candidates)
 
@@ -214,8 +238,8 @@ def test_restored_state_keeps_this_devices_predictions():
 def test_decisions_are_a_function_of_the_table():
     """Every rank holds the same predictions and rank-averaged seconds, so the same decisions."""
     a, b = Planner(table(3 * MiB), 3 * MiB, timed(SECONDS)), Planner(table(3 * MiB), 3 * MiB, timed(SECONDS))
-    assert a.initial().key == b.initial().key
-    assert a.after_oom(*a.initial().key).key == b.after_oom(*b.initial().key).key
+    assert key(a.initial()) == key(b.initial())
+    assert key(a.after_oom(a.initial().plan)) == key(b.after_oom(b.initial().plan))
 
 
 def test_fake_trace_predicts_the_bytes_a_real_forward_saves(cache_dir):
@@ -244,8 +268,8 @@ def test_fake_trace_predicts_the_bytes_a_real_forward_saves(cache_dir):
                 loss = objective.loss_sum(model, trace_batch(corpus, micro))
             real = counter.peak_bytes
             del loss
-            assert traced(micro, ac) == pytest.approx(real, rel=0.15), (micro, ac)
-    assert traced(4, True) < traced(4, False)
+            assert traced(P(micro, ac, 4)) == pytest.approx(real, rel=0.15), (micro, ac)
+    assert traced(P(4, True, 4)) < traced(P(4, False, 4))
 
 
 def test_plan_cli_prints_the_candidates(cache_dir, capsys):

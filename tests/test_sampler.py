@@ -4,7 +4,7 @@ import torch
 
 from memtrain.data import GlobalBatchSampler, batch_fingerprint
 from memtrain.data.sampler import Cursor
-from memtrain.plan import MicroBatchPlan
+from memtrain.plan import Plan
 
 
 def test_every_sample_once_per_epoch_across_ranks():
@@ -37,7 +37,7 @@ def test_micro_batch_size_does_not_move_data():
     rank = s.rank_batch(Cursor(1, 2))
     batch = {"x": torch.as_tensor(rank)}
     for mbs in (1, 2, 4, 8):
-        plan = MicroBatchPlan.for_global_batch(16, mbs, 2)
+        plan = Plan.for_global_batch(16, mbs, 2)
         parts = plan.split(batch)
         assert len(parts) == plan.gradient_accumulation_steps == 8 // mbs
         np.testing.assert_array_equal(torch.cat([p["x"] for p in parts]).numpy(), rank)
@@ -55,4 +55,4 @@ def test_epochs_reshuffle_and_seed_matters():
 
 def test_plan_rejects_indivisible_batch():
     with pytest.raises(ValueError, match="not divisible"):
-        MicroBatchPlan.for_global_batch(12, 4, 2)
+        Plan.for_global_batch(12, 4, 2)

@@ -135,14 +135,14 @@ def test_bucketing_keeps_every_sample_once_and_groups_lengths():
 
 
 def test_frame_cap_and_greedy_ctc_decoding():
-    from memtrain.plan import MicroBatchPlan, PlanController
+    from memtrain.plan import Plan, PlanController
     from memtrain.objectives import CTC
 
-    controller = PlanController(MicroBatchPlan(8, 1), 8, "auto", 0)
+    controller = PlanController(Plan(8, 1), 8, 0)
     assert controller.capped(longest=1000, max_per_micro_batch=8000).micro_batch_size == 8
     assert controller.capped(longest=3000, max_per_micro_batch=8000).micro_batch_size == 2
     assert controller.capped(longest=9000, max_per_micro_batch=8000).micro_batch_size == 1
-    change = controller.on_oom("forward", tried=MicroBatchPlan(2, 4))  # the capped plan failed: halve it
+    change = controller.on_oom("forward", tried=controller.capped(longest=3000, max_per_micro_batch=8000))  # the capped plan failed: halve it
     assert (change.old.micro_batch_size, change.new.micro_batch_size) == (2, 1)
 
     ids = {c: i for i, c in enumerate(["<pad>", "<unk>", "|", "'"] + list("abcdefghijklmnopqrstuvwxyz"))}

@@ -49,6 +49,12 @@ def engine_module(name: str) -> ModuleType:
     return importlib.import_module(f"memtrain.backends.{name}")
 
 
+def engine_variants(engines: tuple[str, ...] = BACKENDS) -> list:
+    """Every :class:`memtrain.backends.spec.EngineVariant` of ``engines``, each engine's own list
+    (its module's ``VARIANTS``) in the order of ``engines``: the one list of placements."""
+    return [variant for name in engines for variant in engine_module(name).VARIANTS]
+
+
 def make_backend(cfg, spec, process, precision: str, plan) -> Backend:
     """Build the engine ``spec`` (a :class:`memtrain.backends.spec.EngineSpec`) for ``cfg`` (a
     :class:`memtrain.config.Config`) on ``process`` (a :class:`memtrain.distributed.ProcessState`),

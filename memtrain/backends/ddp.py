@@ -17,8 +17,12 @@ from torch import nn
 
 from memtrain.backends.base import ComputeCollectives
 from memtrain.backends.common import whole_model_build_context as model_build_context  # noqa: F401 (registry)
+from memtrain.backends.spec import EngineVariant
 from memtrain.distributed import ProcessState
 from memtrain.memory.accounting import model_state_bytes
+
+VARIANTS = (EngineVariant("ddp", "ddp"),)
+"""DDP's one placement: everything replicated on the device."""
 
 log = logging.getLogger("memtrain")
 

@@ -25,9 +25,23 @@ from memtrain.backends import ds_partial_offload
 from memtrain.backends.base import ComputeCollectives
 from memtrain.backends.ds_config import (OFFLOAD_DEVICES, build_ds_config, get_path, read_user_json,
                                          resolve_zero_stage)
+from memtrain.backends.spec import EngineVariant
 from memtrain.distributed import ProcessState
 from memtrain.errors import CheckpointError
 from memtrain.memory.accounting import model_state_bytes
+
+VARIANTS = (
+    *(EngineVariant(f"zero{s}", "deepspeed", s) for s in (1, 2, 3)),
+    *(EngineVariant(f"zero{s}_offload_optimizer", "deepspeed", s, "optimizer") for s in (1, 2, 3)),
+    EngineVariant("zero3_offload_optimizer_partial", "deepspeed", 3, "optimizer", 0.5, tune_ratio=True),
+    EngineVariant("zero3_offload_all", "deepspeed", 3, "optimizer_and_params"),
+    EngineVariant("zero3_offload_optimizer_nvme", "deepspeed", 3, "optimizer", nvme=True),
+    EngineVariant("zero3_offload_all_nvme", "deepspeed", 3, "optimizer_and_params", nvme=True),
+)
+"""DeepSpeed's placements, least offload first. Partial offload appears once (the placement
+planner chooses the fraction); NVMe offload only under ZeRO-3 (DeepSpeed's stages 1/2 keep
+"nvme" state in host memory) and never partial (DeepSpeed's swapper would take the device
+sub-groups too)."""
 
 log = logging.getLogger("memtrain")
 
@@ -43,7 +57,7 @@ class DeepSpeedBackend:
         offload_optimizer_ratio: ZeRO-3 partial offload (:mod:`memtrain.backends.ds_partial_offload`).
         nvme_path: offload to NVMe files in this folder (DeepSpeed's async_io op is needed).
         global_batch_size, max_grad_norm: from ``training``.
-        plan: the starting micro-batch plan (:class:`memtrain.plan.MicroBatchPlan`).
+        plan: the starting micro-batch plan (:class:`memtrain.plan.Plan`).
         training: ``training.*`` for the JSON's optimizer and scheduler sections.
 
     Attributes:

@@ -19,8 +19,12 @@ from torch import nn
 from memtrain.backends.base import ComputeCollectives
 from memtrain.backends.common import repeated_blocks
 from memtrain.backends.common import whole_model_build_context as model_build_context  # noqa: F401 (registry)
+from memtrain.backends.spec import EngineVariant
 from memtrain.distributed import ProcessState
 from memtrain.memory.accounting import model_state_bytes
+
+VARIANTS = (EngineVariant("fsdp", "fsdp"), EngineVariant("fsdp_offload", "fsdp", offload="optimizer_and_params"))
+"""FSDP2's placements: sharded on the device, or all of it on the host (``CPUOffloadPolicy``)."""
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 

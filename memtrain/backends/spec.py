@@ -51,6 +51,31 @@ class EngineSpec:
         return dataclasses.asdict(self)
 
 
+@dataclass(frozen=True)
+class EngineVariant:
+    """One way an engine can hold model state: a row of the placement table (``backend.offload
+    auto``, ``memtrain plan``) and of ``memtrain memory``'s model-state report. Each engine module
+    lists its own (``VARIANTS``); :func:`memtrain.backends.engine_variants` joins them.
+
+    Attributes:
+        name: the report's key (``ddp``, ``zero3_offload_optimizer``, ...).
+        engine: ``ddp``, ``fsdp`` or ``deepspeed``.
+        zero_stage: DeepSpeed's ZeRO stage (None elsewhere).
+        offload: ``none``, ``optimizer`` or ``optimizer_and_params``.
+        offload_optimizer_ratio: the fraction of the optimizer state on the host.
+        tune_ratio: partial offload whose fraction the placement planner chooses.
+        nvme: the offloaded state lives in files (``backend.nvme_path``).
+    """
+
+    name: str
+    engine: str
+    zero_stage: Optional[int] = None
+    offload: str = "none"
+    offload_optimizer_ratio: float = 1.0
+    tune_ratio: bool = False
+    nvme: bool = False
+
+
 PLACEMENT_FIELDS = ("name", "zero_stage", "offload", "offload_optimizer_ratio", "nvme_path")
 """The fields a placement (``backend.offload auto``, or a checkpoint's) decides."""
 

@@ -101,15 +101,18 @@ def _not_a_checkpoint(path: str) -> str:
     return f"{path} is not a memtrain checkpoint (no {MANIFEST}; expected OUTPUT_DIR/checkpoints/step_NNNNNNNN)"
 
 
-def verify(path: str) -> dict[str, Any]:
-    """Check a checkpoint against its manifest: every listed file present with its size and sha256.
+FORMAT_OF_ENGINE = {"ddp": "safetensors", "fsdp": "dcp", "deepspeed": "deepspeed"}
+"""The checkpoint format each engine wrote before manifests named it (``checkpoint_format``)."""
 
-    Returns:
-        The manifest.
+
+def read_manifest(path: str) -> dict[str, Any]:
+    """The one reader of ``path/manifest.json`` (resume, the placement a resumed run keeps, export,
+    the engines' loads), with today's fields filled in for manifests of earlier memtrain versions:
+    ``checkpoint_format`` (from the engine that wrote it) and ``engine_spec`` (from its config's
+    ``backend`` section). Nothing on disk is changed; the files are not checked (:func:`verify`).
 
     Raises:
-        CheckpointError: no manifest (an unfinished save), or a missing, truncated or corrupt file
-            (named in the message).
+        CheckpointError: no manifest (an unfinished save, or not a checkpoint), or not a JSON object.
     """
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest_path):
@@ -119,7 +122,28 @@ def verify(path: str) -> dict[str, Any]:
             manifest = json.load(fh)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{manifest_path} is unreadable: {exc}") from None
-    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{manifest_path} is malformed: not a JSON object")
+    if "checkpoint_format" not in manifest and manifest.get("backend") in FORMAT_OF_ENGINE:
+        manifest["checkpoint_format"] = FORMAT_OF_ENGINE[manifest["backend"]]
+    if "engine_spec" not in manifest and isinstance(manifest.get("config"), dict):
+        manifest["engine_spec"] = {**(manifest["config"].get("backend") or {}), "name": manifest.get("backend")}
+    return manifest
+
+
+def verify(path: str) -> dict[str, Any]:
+    """Check a checkpoint against its manifest: every listed file present with its size and sha256.
+
+    Returns:
+        The manifest (:func:`read_manifest`).
+
+    Raises:
+        CheckpointError: no manifest (an unfinished save), or a missing, truncated or corrupt file
+            (named in the message).
+    """
+    manifest = read_manifest(path)
+    manifest_path = os.path.join(path, MANIFEST)
+    files = manifest.get("files")
     if not isinstance(files, dict) or not all(isinstance(i, dict) and {"bytes", "sha256"} <= set(i) for i in files.values()):
         raise CheckpointError(f"{manifest_path} is malformed: no file list with sizes and checksums")
     for rel, info in files.items():

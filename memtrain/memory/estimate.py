@@ -27,17 +27,6 @@ from typing import Optional
 import torch
 from torch import nn
 
-ENGINE_VARIANTS = {
-    "ddp": ("ddp", None, "none"),
-    "fsdp": ("fsdp", None, "none"),
-    "fsdp_offload": ("fsdp", None, "optimizer_and_params"),
-    "zero1": ("deepspeed", 1, "none"),
-    "zero2": ("deepspeed", 2, "none"),
-    "zero3": ("deepspeed", 3, "none"),
-    "zero3_offload_optimizer": ("deepspeed", 3, "optimizer"),
-    "zero3_offload_all": ("deepspeed", 3, "optimizer_and_params"),
-}
-
 
 def activation_bytes(model: nn.Module, micro_batch: dict[str, torch.Tensor], activation_checkpointing: bool,
                      every_n_blocks: int = 1, objective=None) -> int:
@@ -92,12 +81,14 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
         (:class:`memtrain.memory.placement.Placement` dicts, the fastest fitting one ``chosen``) and the
         ``machine`` they were planned for.
     """
-    from memtrain.backends import infer_backend_name
+    from memtrain.backends import engine_variants, infer_backend_name
     from memtrain.memory.accounting import device_state_bytes, model_state_bytes
     from memtrain.data import build_corpus
     from memtrain.models import build_model, count_parameters
+    from memtrain.levers import lever_choices, recompute_fraction
     from memtrain.objectives import make_objective
     from memtrain.memory.machine import DEFAULT_GPU_FLOPS, device_budget_bytes
+    from memtrain.plan import Plan
     from memtrain.memory.placement import tokens_per_sample
     from memtrain.memory.planner import Planner, activation_table, estimated_step_s, make_candidates
     from memtrain.precision import resolve_precision
@@ -110,8 +101,10 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     corpus = build_corpus(cfg.data)
     with torch.device("meta"):  # parameter count and objective without allocating
         meta = build_model(cfg.model, corpus.vocab_size, cfg.training.seed, getattr(corpus, "eos_id", None))
-    n, objective = count_parameters(meta), make_objective(meta, corpus, cfg.memory.chunked_cross_entropy)
-    engines = {name: model_state_bytes(e, n, precision, s, o, world_size) for name, (e, s, o) in ENGINE_VARIANTS.items()}
+    n, objective = count_parameters(meta), make_objective(meta, corpus)
+    choices = lever_choices(cfg, None)  # the model levers; the engine's are in its state bytes
+    engines = {v.name: model_state_bytes(v.engine, n, precision, v.zero_stage, v.offload, world_size)
+               for v in engine_variants() if not v.tune_ratio and not v.nvme}
     b = cfg.backend
     engine = infer_backend_name(b.name, b.deepspeed_config)
     state = model_state_bytes(engine, n, precision, b.zero_stage if engine == "deepspeed" else None, b.offload or "none",
@@ -121,30 +114,30 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     acts = activation_table(cfg, corpus, objective, precision, device_type)
     per_rank = cfg.training.global_batch_size // world_size
     state_on_device = device_state_bytes(state)
-    planner = Planner(make_candidates(per_rank, cfg.memory.activation_checkpointing, state_on_device, acts, device_type,
-                                      budget), budget)
+    planner = Planner(make_candidates(per_rank, choices, state_on_device, acts, device_type, budget), budget)
     gpu_without_one = device_type == "cuda" and not torch.cuda.is_available()
     from memtrain.memory.machine import device_flops_per_s
 
     flops = DEFAULT_GPU_FLOPS if gpu_without_one else device_flops_per_s(device_type)
-    every = cfg.memory.activation_checkpointing_every_n_blocks
     tokens = tokens_per_sample(cfg, corpus)
     for c in planner.candidates:  # 1 ms per micro-batch (launches, reduction): ties go to fewer micro-batches
-        c.predicted_step_s = estimated_step_s(c, n, tokens, flops, 1 / every, 1e-3)
+        c.predicted_step_s = estimated_step_s(c, n, tokens, flops, recompute_fraction(c.plan.settings(), cfg), 1e-3)
     chosen = planner.fastest(planner.fitting())
     machine, placements = _placements(cfg, meta, n, precision, world_size, device_type, budget, flops, acts, tokens,
                                       host_memory_gib, nvme_path)
     micro = chosen.micro_batch_size if chosen is not None else (
         cfg.training.micro_batch_size if cfg.training.micro_batch_size != "auto" else 1)
+    first = {name: options[0] for name, options in choices.items()}
+    with_ac = lambda on: acts(Plan(micro, per_rank // micro, tuple({**first, "activation_checkpointing": on}.items())))  # noqa: E731
     return {
         "parameters": n, "precision": precision, "world_size": world_size, "engine": engine,
         "device": device_type, "budget_bytes": budget, "seq_len": cfg.data.seq_len, "micro_batch_size": micro,
         "candidates": [c.as_dict() for c in planner.candidates],
-        "activation_bytes": {"off": acts(micro, False), "on": acts(micro, True)},
+        "activation_bytes": {"off": with_ac(False), "on": with_ac(True)},
         "model_state_bytes": engines,
         "placements": [p.as_dict() for p in placements],
         "machine": dataclasses.asdict(machine),
-        "per_rank_total_bytes": {name: {ac: device_state_bytes(e) + acts(micro, ac == "on")
+        "per_rank_total_bytes": {name: {ac: device_state_bytes(e) + with_ac(ac == "on")
                                         for ac in ("off", "on")} for name, e in engines.items()},
         "note": "activations traced with fake tensors (no memory used); step seconds estimated from FLOPs at this "
                 "machine's matmul speed (a run with training.micro_batch_size auto measures them); transient "

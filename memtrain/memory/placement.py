@@ -98,25 +98,14 @@ class Placement:
 
 
 def variants(engines: tuple[str, ...], zero_stages: tuple[int, ...], nvme: bool) -> list[Placement]:
-    """Every placement of ``engines`` (ZeRO stages restricted to ``zero_stages``), least offload
-    first. Partial offload appears once (``tune_ratio``: the planner chooses the fraction); NVMe
-    offload only under ZeRO-3 (DeepSpeed's stages 1/2 keep "nvme" state in host memory) and never
-    partial (DeepSpeed's swapper would take the device sub-groups too)."""
-    out = []
-    if "ddp" in engines:
-        out.append(Placement("ddp", None, "none"))
-    if "fsdp" in engines:
-        out += [Placement("fsdp", None, "none"), Placement("fsdp", None, "optimizer_and_params")]
-    if "deepspeed" in engines:
-        out += [Placement("deepspeed", s, "none") for s in zero_stages]
-        out += [Placement("deepspeed", s, "optimizer") for s in zero_stages]
-        if 3 in zero_stages:
-            out += [Placement("deepspeed", 3, "optimizer", 0.5, tune_ratio=True),
-                    Placement("deepspeed", 3, "optimizer_and_params")]
-            if nvme:
-                out += [Placement("deepspeed", 3, "optimizer", nvme=True),
-                        Placement("deepspeed", 3, "optimizer_and_params", nvme=True)]
-    return out
+    """Every placement of ``engines`` (ZeRO stages restricted to ``zero_stages``; NVMe ones only
+    with ``nvme``), least offload first: the engines' own variants
+    (:func:`memtrain.backends.engine_variants`)."""
+    from memtrain.backends import engine_variants
+
+    return [Placement(v.engine, v.zero_stage, v.offload, v.offload_optimizer_ratio, v.nvme, v.tune_ratio)
+            for v in engine_variants(engines)
+            if (v.zero_stage is None or v.zero_stage in zero_stages) and (nvme or not v.nvme)]
 
 
 def state_bytes(p: Placement, n_params: int, precision: str, world_size: int) -> dict[str, int]:
@@ -143,7 +132,7 @@ def _size(p: Placement, c: Candidate, n_params: int, block_params: int, precisio
     per_rank_host += NVME_SWAP_BUFFERS_BYTES if p.nvme else 0
     per_rank_host += device if machine.device_type == "cpu" else 0
     p.micro_batch_size, p.gradient_accumulation_steps = c.micro_batch_size, c.gradient_accumulation_steps
-    p.activation_checkpointing = c.activation_checkpointing
+    p.activation_checkpointing = c.plan.lever("activation_checkpointing")
     p.device_bytes, p.host_bytes = device, per_rank_host * machine.ranks_per_host
     p.nvme_bytes = state["nvme_offloaded_bytes"]
     p.fits_device = machine.device_bytes is None or device <= machine.device_bytes
@@ -239,13 +228,17 @@ def nvme_usable(path: Optional[str]) -> bool:
     return os.path.isdir(os.path.expanduser(path)) and async_io_available()
 
 
-def micro_batch_candidates(per_rank_batch: int, activation_checkpointing: str, activation_bytes, n_params: int,
-                           tokens_per_sample: int, device_flops: float, ac_fraction: float) -> list[Candidate]:
-    """The micro-batch / activation-checkpointing plans of a rank's share with their traced
-    activation bytes and FLOP-estimated seconds (1 ms per micro-batch for launches and reduction)."""
-    candidates = make_candidates(per_rank_batch, activation_checkpointing, 0, activation_bytes, "cpu", None)
+def micro_batch_candidates(cfg, per_rank_batch: int, activation_bytes, n_params: int, tokens_per_sample: int,
+                           device_flops: float) -> list[Candidate]:
+    """The plans (micro-batch and model-lever settings: :func:`memtrain.levers.lever_choices`) of
+    a rank's share with their traced activation bytes and FLOP-estimated seconds (1 ms per
+    micro-batch for launches and reduction)."""
+    from memtrain.levers import lever_choices, recompute_fraction
+
+    candidates = make_candidates(per_rank_batch, lever_choices(cfg, None), 0, activation_bytes, "cpu", None)
     for c in candidates:
-        c.predicted_step_s = estimated_step_s(c, n_params, tokens_per_sample, device_flops, ac_fraction, 1e-3)
+        c.predicted_step_s = estimated_step_s(c, n_params, tokens_per_sample, device_flops,
+                                              recompute_fraction(c.plan.settings(), cfg), 1e-3)
     return candidates
 
 
@@ -269,7 +262,7 @@ def model_facts(cfg, corpus) -> tuple[int, int, object]:
 
     with torch.device("meta"):
         meta = build_model(cfg.model, corpus.vocab_size, cfg.training.seed, getattr(corpus, "eos_id", None))
-    objective = make_objective(meta, corpus, cfg.memory.chunked_cross_entropy)
+    objective = make_objective(meta, corpus)
     return count_parameters(meta), largest_block_params(meta), objective
 
 
@@ -279,14 +272,13 @@ def plan_model(cfg, activation_bytes, n_params: int, block_params: int, tokens: 
     ``training.micro_batch_size`` is kept; ``auto`` lets each placement take its best).
 
     Args:
-        activation_bytes: ``(micro_batch_size, ac) -> bytes`` (:func:`memtrain.memory.planner.activation_table`).
+        activation_bytes: ``plan -> bytes`` (:func:`memtrain.memory.planner.activation_table`).
         n_params, block_params: the model's and its largest block's parameters.
         tokens: tokens per sample (:func:`tokens_per_sample`).
     """
-    t, m = cfg.training, cfg.memory
-    candidates = micro_batch_candidates(t.global_batch_size // world_size, m.activation_checkpointing,
-                                        activation_bytes, n_params, tokens, machine.device_flops,
-                                        1 / m.activation_checkpointing_every_n_blocks)
+    t = cfg.training
+    candidates = micro_batch_candidates(cfg, t.global_batch_size // world_size, activation_bytes, n_params, tokens,
+                                        machine.device_flops)
     if t.micro_batch_size != "auto":
         candidates = [c for c in candidates if c.micro_batch_size == t.micro_batch_size]
     return plan_placements(candidates, pool, n_params, block_params, precision, world_size, machine)

@@ -1,8 +1,9 @@
-"""The planner: which micro-batch size and activation-checkpointing (AC) setting a run trains with.
+"""The planner: which plan — micro-batch size and lever settings (:mod:`memtrain.levers`:
+activation checkpointing (AC), chunked cross-entropy, ...) — a run trains with.
 
 Candidates are every micro-batch size that divides the rank's share of the global batch, each
-with AC off and on (as ``memory.activation_checkpointing`` allows). For each the planner predicts
-the peak device memory and measures the step time:
+with every combination of the levers' choices (``memory.activation_checkpointing auto``: AC off
+and on). For each the planner predicts the peak device memory and measures the step time:
 
 - **Peak bytes, without allocating.** The model is built on the meta device with fake parameters
   (``torch._subclasses.fake_tensor.FakeTensorMode``) and one micro-batch is traced while
@@ -27,16 +28,18 @@ micro-batch follows torch's ``FakeTensorMode``-based memory estimators.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import itertools
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch import nn
 
 from memtrain.memory.accounting import divisors, with_allocator_headroom
 from memtrain.memory.machine import device_budget_bytes
-from memtrain.plan import MicroBatchPlan
+from memtrain.plan import Plan
 
 CONTENDER_RATIO = 1.5
 """A candidate whose first probe took at most this × the fastest first probe is timed again: the
@@ -52,8 +55,7 @@ class Candidate:
     """One plan the planner considers.
 
     Attributes:
-        micro_batch_size, gradient_accumulation_steps: the split of the rank's share.
-        activation_checkpointing: AC on (every ``memory.activation_checkpointing_every_n_blocks``-th block).
+        plan: the :class:`memtrain.plan.Plan` (split and lever settings).
         predicted_peak_bytes: model state + saved activations (+ CUDA headroom), bytes per rank.
         activation_bytes: bytes one micro-batch's forward saves for backward (traced).
         predicted_step_s: seconds of an optimizer step's forward and backward estimated from its
@@ -64,9 +66,7 @@ class Candidate:
         chosen: the plan taken.
     """
 
-    micro_batch_size: int
-    gradient_accumulation_steps: int
-    activation_checkpointing: bool
+    plan: Plan
     predicted_peak_bytes: int
     activation_bytes: int
     predicted_step_s: Optional[float] = None
@@ -75,12 +75,12 @@ class Candidate:
     chosen: bool = False
 
     @property
-    def plan(self) -> MicroBatchPlan:
-        return MicroBatchPlan(self.micro_batch_size, self.gradient_accumulation_steps)
+    def micro_batch_size(self) -> int:
+        return self.plan.micro_batch_size
 
     @property
-    def key(self) -> tuple[int, bool]:
-        return self.micro_batch_size, self.activation_checkpointing
+    def gradient_accumulation_steps(self) -> int:
+        return self.plan.gradient_accumulation_steps
 
     @property
     def step_s(self) -> Optional[float]:
@@ -88,15 +88,19 @@ class Candidate:
         return self.measured_step_s if self.measured_step_s is not None else self.predicted_step_s
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """A ``plan.json`` row: the split, each lever's setting under its name, the predictions."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plan"}
+        return {"micro_batch_size": self.micro_batch_size, "gradient_accumulation_steps": self.gradient_accumulation_steps,
+                **self.plan.settings(), **fields}
 
     def __str__(self) -> str:
-        return f"{self.plan}{' + AC' if self.activation_checkpointing else ''}"
+        return self.plan.describe()
 
 
-def ac_options(activation_checkpointing: str) -> list[bool]:
-    """AC settings a plan may use under ``memory.activation_checkpointing`` (``off|on|auto``)."""
-    return {"off": [False], "on": [True], "auto": [False, True]}[activation_checkpointing]
+def lever_combinations(choices: Mapping[str, tuple]) -> list[dict[str, Any]]:
+    """Every combination of the levers' ``choices``, fastest first (the first lever varies slowest)."""
+    names = list(choices)
+    return [dict(zip(names, combo)) for combo in itertools.product(*(choices[n] for n in names))]
 
 
 def fake_model(build: Callable[[], nn.Module], dtype: Optional[torch.dtype] = None):
@@ -152,40 +156,41 @@ def predicted_peak_bytes(state_bytes: int, activation_bytes: int, device_type: s
     return with_allocator_headroom(state_bytes + activation_bytes, device_type)
 
 
-def make_candidates(per_rank_batch: int, activation_checkpointing: str, state_bytes: int,
-                    activation_bytes: Callable[[int, bool], int], device_type: str,
+def make_candidates(per_rank_batch: int, choices: Mapping[str, tuple], state_bytes: int,
+                    activation_bytes: Callable[[Plan], int], device_type: str,
                     budget_bytes: Optional[int]) -> list[Candidate]:
     """Every candidate plan with its predicted peak.
 
     Args:
         per_rank_batch: samples per rank per optimizer step.
-        activation_checkpointing: ``memory.activation_checkpointing``.
+        choices: ``{lever: settings, fastest first}`` (:func:`memtrain.levers.lever_choices`).
         state_bytes: the engine's model state on a rank (bytes on the device).
-        activation_bytes: ``(micro_batch_size, ac) -> bytes`` (e.g. :func:`traced_activation_bytes`).
+        activation_bytes: ``plan -> bytes`` one micro-batch saves (e.g. :func:`activation_table`).
         device_type: ``cuda`` or ``cpu``.
         budget_bytes: device bytes a rank may use; None = unbounded.
 
     Returns:
-        Candidates, largest micro-batch first, AC off before on.
+        Candidates, largest micro-batch first, then the levers' combinations fastest first.
     """
     out = []
     for micro in reversed(divisors(per_rank_batch)):
-        for ac in ac_options(activation_checkpointing):
-            acts = activation_bytes(micro, ac)
+        for settings in lever_combinations(choices):
+            plan = Plan(micro, per_rank_batch // micro, tuple(settings.items()))
+            acts = activation_bytes(plan)
             peak = predicted_peak_bytes(state_bytes, acts, device_type)
-            out.append(Candidate(micro, per_rank_batch // micro, ac, peak, acts,
-                                 fits=budget_bytes is None or peak <= budget_bytes))
+            out.append(Candidate(plan, peak, acts, fits=budget_bytes is None or peak <= budget_bytes))
     return out
 
 
 def estimated_step_s(candidate: Candidate, n_params: int, tokens_per_sample: int, flops_per_s: float,
-                     ac_fraction: float, micro_batch_overhead_s: float) -> float:
+                     recompute: float, micro_batch_overhead_s: float) -> float:
     """A step time without running: ``6 × parameters × tokens`` FLOPs for forward and backward
-    (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", §2.1), plus the recomputed
-    forward of the checkpointed fraction of blocks (``2 × parameters × tokens × ac_fraction``),
-    plus a fixed cost per micro-batch (launch and gradient reduction)."""
+    (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", §2.1), plus the forwards the
+    levers recompute (``2 × parameters × tokens × recompute``: activation checkpointing's
+    checkpointed fraction of blocks; :func:`memtrain.levers.recompute_fraction`), plus a fixed
+    cost per micro-batch (launch and gradient reduction)."""
     tokens = candidate.micro_batch_size * tokens_per_sample
-    flops = (6 + (2 * ac_fraction if candidate.activation_checkpointing else 0)) * n_params * tokens
+    flops = (6 + 2 * recompute) * n_params * tokens
     return candidate.gradient_accumulation_steps * (flops / flops_per_s + micro_batch_overhead_s)
 
 
@@ -222,9 +227,9 @@ class Planner:
         for c in self.candidates:
             c.fits = budget_bytes is None or c.predicted_peak_bytes <= budget_bytes
 
-    def get(self, micro_batch_size: int, activation_checkpointing: bool) -> Optional[Candidate]:
-        """The candidate of a plan, or None."""
-        return next((c for c in self.candidates if c.key == (micro_batch_size, activation_checkpointing)), None)
+    def get(self, plan: Plan) -> Optional[Candidate]:
+        """The candidate of ``plan``, or None."""
+        return next((c for c in self.candidates if c.plan == plan), None)
 
     def fitting(self, below: Optional[int] = None) -> list[Candidate]:
         """Candidates predicted to fit the learned bound (and need less than ``below`` bytes)."""
@@ -286,7 +291,8 @@ class Planner:
 
     def fastest(self, pool: list[Candidate]) -> Optional[Candidate]:
         """The fastest candidate of ``pool`` that still fits: by measured time where measured,
-        else the fewest micro-batches, AC off first (the order of :func:`make_candidates`)."""
+        else the fewest micro-batches, the levers' fastest settings first (the order of
+        :func:`make_candidates`)."""
         pool = [c for c in pool if c.fits]
         if not pool:
             return None
@@ -301,10 +307,10 @@ class Planner:
         self.measure(self.fitting())
         return self.fastest(self.fitting())
 
-    def after_oom(self, micro_batch_size: int, activation_checkpointing: bool) -> Optional[Candidate]:
-        """The plan to retry with after ``(micro_batch_size, activation_checkpointing)`` ran out of
-        memory: the fastest candidate predicted to need less; None = nothing left."""
-        failed = self.get(micro_batch_size, activation_checkpointing)
+    def after_oom(self, plan: Plan) -> Optional[Candidate]:
+        """The plan to retry with after ``plan`` ran out of memory: the fastest candidate
+        predicted to need less; None = nothing left."""
+        failed = self.get(plan)
         if failed is None:
             return None
         self.refute(failed)
@@ -312,10 +318,10 @@ class Planner:
         self.measure(pool)
         return self.fastest(self.fitting(below=failed.predicted_peak_bytes))
 
-    def faster_than(self, micro_batch_size: int, activation_checkpointing: bool) -> Optional[Candidate]:
-        """For grow-back: among measured candidates faster than the current plan, the one needing
-        the least memory above it (the smallest step up); None = none."""
-        current = self.get(micro_batch_size, activation_checkpointing)
+    def faster_than(self, plan: Plan) -> Optional[Candidate]:
+        """For grow-back: among measured candidates faster than ``plan``, the one needing the
+        least memory above it (the smallest step up); None = none."""
+        current = self.get(plan)
         if current is None or current.step_s is None:
             return None
         faster = [c for c in self.candidates if c.step_s is not None
@@ -332,7 +338,7 @@ class Planner:
     def state_dict(self) -> dict:
         """What was learned (the bound, measured times, refuted candidates), for checkpoints."""
         return {"bound_bytes": self.bound_bytes, "per_rank_batch": self._per_rank_batch(),
-                "candidates": [[c.micro_batch_size, c.activation_checkpointing, c.step_s,
+                "candidates": [[c.micro_batch_size, c.plan.settings(), c.step_s,
                                 c.measured_step_s is not None, c.fits] for c in self.candidates]}
 
     def _per_rank_batch(self) -> int:
@@ -341,14 +347,18 @@ class Planner:
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` on top of this device's predictions: the bound is the smaller
         of the saved one and this device's budget, a candidate fits if it did then and is predicted
-        to now. A saved table of another per-rank batch (another world size) is ignored."""
+        to now. A saved table of another per-rank batch (another world size) is ignored. Tables
+        written before levers existed name activation checkpointing by a bool."""
         if state.get("per_rank_batch") != self._per_rank_batch():
             return
         saved = state.get("bound_bytes")
         if saved is not None:
             self.bound_bytes = saved if self.bound_bytes is None else min(saved, self.bound_bytes)
-        for micro, ac, seconds, measured, fits in state.get("candidates", []):
-            c = self.get(micro, ac)
+        for micro, settings, seconds, measured, fits in state.get("candidates", []):
+            if not isinstance(settings, dict):
+                settings = {"activation_checkpointing": settings}
+            c = next((c for c in self.candidates if c.micro_batch_size == micro
+                      and all(c.plan.lever(k) == v for k, v in settings.items())), None)
             if c is not None:
                 c.fits = fits and c.fits
                 if measured:
@@ -371,43 +381,40 @@ def trace_batch(corpus, micro_batch_size: int) -> dict[str, torch.Tensor]:
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def activation_table(cfg, corpus, objective, precision: str, device_type: str):
-    """``(micro_batch_size, ac) -> traced activation bytes`` for ``cfg``'s model (built fake here;
-    results cached per key).
+def activation_table(cfg, corpus, objective, precision: str, device_type: str) -> Callable[[Plan], int]:
+    """``plan -> traced activation bytes`` of one micro-batch for ``cfg``'s model (built fake here,
+    the plan's model levers applied to it as to the real model: :mod:`memtrain.levers`; results
+    cached per micro-batch and model-lever settings). ``objective`` is not changed (a copy is traced).
 
     Raises:
         RuntimeError, NotImplementedError: the model cannot be traced with fake tensors.
+        memtrain.errors.ConfigError: a lever the model cannot take (chunked cross-entropy).
     """
-    from memtrain.activation import disable_activation_checkpointing, enable_activation_checkpointing
     from memtrain.backends.common import repeated_blocks
+    from memtrain.levers import LeverTarget, apply_levers, model_levers
     from memtrain.models import build_model
 
     dtype = COMPUTE_DTYPES.get(precision) if device_type == "cuda" else None
     model, mode = fake_model(lambda: build_model(cfg.model, corpus.vocab_size, cfg.training.seed,
                                                    getattr(corpus, "eos_id", None)), dtype)
-    if getattr(objective, "chunked", False):  # the run's output layer computes the loss in chunks
-        from memtrain.chunked_loss import install_chunked_head
+    target = LeverTarget(model, repeated_blocks(model), copy.copy(objective), cfg)
+    cache: dict[tuple, int] = {}
 
-        install_chunked_head(model)
-    blocks = repeated_blocks(model)
-    cache: dict[tuple[int, bool], int] = {}
-
-    def activation_bytes(micro: int, ac: bool) -> int:
-        if (micro, ac) not in cache:
-            if ac:
-                enable_activation_checkpointing(model, blocks, cfg.memory.activation_checkpointing_every_n_blocks)
-            else:
-                disable_activation_checkpointing(model, blocks)
-            cache[micro, ac] = traced_activation_bytes(model, mode, objective, trace_batch(corpus, micro))
-        return cache[micro, ac]
+    def activation_bytes(plan: Plan) -> int:
+        settings = {name: setting for name, setting in plan.levers if name in model_levers(plan.settings())}
+        key = (plan.micro_batch_size, tuple(settings.items()))
+        if key not in cache:
+            apply_levers(target, settings)
+            cache[key] = traced_activation_bytes(model, mode, target.objective, trace_batch(corpus, plan.micro_batch_size))
+        return cache[key]
 
     return activation_bytes
 
 
 def build_planner(cfg, corpus, objective, precision: str, device: torch.device, state_bytes: int,
-                  per_rank_batch: int) -> Planner:
-    """The run's planner: candidates of ``per_rank_batch`` with peaks predicted from a fake trace
-    of ``cfg``'s model, against :func:`device_budget_bytes`.
+                  per_rank_batch: int, choices: Mapping[str, tuple]) -> Planner:
+    """The run's planner: candidates of ``per_rank_batch`` and the levers' ``choices``, with peaks
+    predicted from a fake trace of ``cfg``'s model, against :func:`device_budget_bytes`.
 
     Args:
         state_bytes: the engine's model state on this rank's device (bytes).
@@ -416,5 +423,4 @@ def build_planner(cfg, corpus, objective, precision: str, device: torch.device, 
     device_type = "cpu" if cfg.faults.memory_budget_mib > 0 else device.type
     acts = activation_table(cfg, corpus, objective, precision, device_type)
     budget = device_budget_bytes(cfg, device)
-    return Planner(make_candidates(per_rank_batch, cfg.memory.activation_checkpointing, state_bytes, acts,
-                                   device_type, budget), budget)
+    return Planner(make_candidates(per_rank_batch, choices, state_bytes, acts, device_type, budget), budget)

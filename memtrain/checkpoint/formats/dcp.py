@@ -1,0 +1,59 @@
+"""Format ``dcp``: torch.distributed.checkpoint under ``dcp/`` — every rank writes its own shard
+file (``__RANK_0.distcp``), rank 0 the ``.metadata``; loading reshards to any world size (FSDP2).
+The model and optimizer are saved through ``torch.distributed.checkpoint.state_dict`` (whose
+keys do not depend on the wrapping)."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import nn
+
+NAME = "dcp"
+FOLDER = "dcp"
+
+
+def expected_files(world_size: int) -> list[str]:
+    """Glob patterns a complete save of ``world_size`` ranks holds."""
+    return [f"{FOLDER}/.metadata"] + [f"{FOLDER}/__{r}_*.distcp" for r in range(world_size)]
+
+
+def save(model: nn.Module, optimizer, directory: str, process_group=None):
+    """Save ``model`` and ``optimizer`` (a collective); with ``process_group`` (a separate gloo
+    group) in a background thread after staging to the CPU, returning its future; else None."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    path = os.path.join(directory, FOLDER)
+    if process_group is not None:
+        return dcp.async_save(state, checkpoint_id=path, process_group=process_group)
+    dcp.save(state, checkpoint_id=path)
+    return None
+
+
+def load(model: nn.Module, optimizer, directory: str) -> None:
+    """Load into this run's sharding (a collective; any saved world size)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=os.path.join(directory, FOLDER))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def read_full_weights(path: str, prefix: Optional[str] = "model.") -> dict[str, torch.Tensor]:
+    """The model entries of the shards, read without a process group."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(os.path.join(path, FOLDER)).read_metadata()
+    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in metadata.state_dict_metadata.items()
+             if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+    dcp.load(state, checkpoint_id=os.path.join(path, FOLDER), no_dist=True)
+    return {key[len(prefix):]: value for key, value in state.items()}

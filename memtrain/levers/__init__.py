@@ -1,0 +1,79 @@
+"""Memory levers as data (:mod:`memtrain.levers.base`): the registry and the one place a plan's
+lever settings are applied.
+
+Order matters only for messages and for the OOM recovery without a planner, which at the
+micro-batch floor moves the first lever that has a more memory-saving choice left.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from memtrain.levers.activation_checkpointing import ActivationCheckpointing
+from memtrain.levers.base import Lever, LeverTarget
+from memtrain.levers.chunked_cross_entropy import ChunkedCrossEntropy
+from memtrain.levers.engine_settings import OffloadOptimizerRatio, ReshardAfterForward
+
+LEVERS: tuple[Lever, ...] = (ActivationCheckpointing(), ChunkedCrossEntropy(), ReshardAfterForward(),
+                             OffloadOptimizerRatio())
+"""Every lever memtrain has, in the order the OOM recovery escalates them."""
+
+__all__ = ["LEVERS", "Lever", "LeverTarget", "lever", "lever_choices", "apply_levers", "recompute_fraction",
+           "describe", "lever_events"]
+
+
+def lever(name: str) -> Lever:
+    """The lever called ``name``.
+
+    Raises:
+        KeyError: no such lever.
+    """
+    for candidate in LEVERS:
+        if candidate.name == name:
+            return candidate
+    raise KeyError(f"no memory lever '{name}' (levers: {', '.join(x.name for x in LEVERS)})")
+
+
+def lever_choices(cfg, spec) -> dict[str, tuple]:
+    """``{lever name: its choices}`` for the levers the run of ``cfg`` on engine ``spec`` has
+    (``spec`` None: model levers only, e.g. ``memtrain plan`` before an engine is chosen).
+
+    Raises:
+        memtrain.errors.ConfigError: a lever's config field asks for what the run cannot do.
+    """
+    return {x.name: x.choices(cfg, spec) for x in LEVERS
+            if (spec is not None or x.model_lever) and x.applies(cfg, spec)}
+
+
+def apply_levers(target: LeverTarget, settings: dict[str, Any], model_levers: bool | None = None) -> None:
+    """Put ``settings`` (a plan's ``{lever: setting}``) into effect on ``target``.
+
+    Args:
+        model_levers: True = only levers that transform the model (before the engine wraps it);
+            False = only engine settings; None = all.
+    """
+    for name, setting in settings.items():
+        x = lever(name)
+        if model_levers is None or x.model_lever == model_levers:
+            x.apply(target, setting)
+
+
+def recompute_fraction(settings: dict[str, Any], cfg) -> float:
+    """Extra forwards per step the settings cost (fraction of one forward, summed over levers)."""
+    return sum(lever(name).recompute_fraction(setting, cfg) for name, setting in settings.items())
+
+
+def describe(settings: dict[str, Any]) -> str:
+    """The settings in words (`` + AC + chunked CE``); empty when every lever is plain."""
+    words = [lever(name).describe(setting) for name, setting in settings.items()]
+    return "".join(f" {w}" for w in words if w)
+
+
+def lever_events() -> frozenset[str]:
+    """Metrics events the levers add (e.g. ``activation_checkpointing_on``)."""
+    return frozenset(x.escalate_event for x in LEVERS if x.escalate_event)
+
+
+def model_levers(names: Iterable[str]) -> list[str]:
+    """The names of ``names`` that transform the model (their effect on activations is traced)."""
+    return [n for n in names if lever(n).model_lever]

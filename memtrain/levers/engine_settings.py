@@ -1,0 +1,56 @@
+"""The engine settings that are levers, fixed when the engine is built: FSDP2's
+``reshard_after_forward`` (free each block's gathered parameters after its forward, gather them
+again in backward) and DeepSpeed ZeRO-3's optimizer-offload ratio (the fraction of the optimizer
+state CPU Adam updates on the host; :mod:`memtrain.backends.ds_partial_offload`). The engine's
+own accounting (:mod:`memtrain.memory.accounting`) reports the bytes each setting leaves on the
+device; the placement planner chooses the ratio under ``backend.offload auto``."""
+
+from __future__ import annotations
+
+from memtrain.levers.base import Lever
+
+
+class ReshardAfterForward(Lever):
+    """Settings: bool (FSDP2 only)."""
+
+    name = "reshard_after_forward"
+    config_key = "backend.reshard_after_forward"
+    model_lever = False
+    runtime = False
+
+    def applies(self, cfg, spec) -> bool:
+        return spec is not None and spec.name == "fsdp"
+
+    def choices(self, cfg, spec) -> tuple:
+        return (bool(spec.reshard_after_forward),)
+
+    def describe(self, setting) -> str:
+        return "" if setting else "blocks kept gathered"
+
+
+class OffloadOptimizerRatio(Lever):
+    """Settings: float in (0, 1] (DeepSpeed with optimizer offload only)."""
+
+    name = "offload_optimizer_ratio"
+    config_key = "backend.offload_optimizer_ratio"
+    model_lever = False
+    runtime = False
+
+    def applies(self, cfg, spec) -> bool:
+        return spec is not None and spec.name == "deepspeed" and _offload(cfg, spec)[0] != "none"
+
+    def choices(self, cfg, spec) -> tuple:
+        return (_offload(cfg, spec)[1],)
+
+    def describe(self, setting) -> str:
+        return f"{setting:.0%} of the optimizer on the host" if setting < 1 else ""
+
+
+def _offload(cfg, spec) -> tuple[str, float]:
+    """``(offload, ratio)`` of the engine: the spec's, else its DeepSpeed JSON's."""
+    if spec.offload is not None:
+        return spec.offload, float(spec.offload_optimizer_ratio)
+    from memtrain.backends.ds_config import offload_in_json, read_user_json
+
+    offload, ratio, _ = offload_in_json(read_user_json(spec.deepspeed_config))
+    return offload, float(spec.offload_optimizer_ratio if spec.offload_optimizer_ratio != 1.0 else ratio)

@@ -1,0 +1,105 @@
+"""Memory levers as data (memtrain/levers/): a lever is read generically by the planner, the plan
+controller and plan events, so a new one needs no change there; the real levers take effect on
+the model and are undone; a lever fixed when the engine was built refuses another setting."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import memtrain.levers as levers
+from memtrain.levers import Lever, LeverTarget, apply_levers, lever, lever_choices
+from memtrain.memory.planner import Planner, make_candidates
+from memtrain.oom import OOMStop
+from memtrain.plan import Plan, PlanController
+
+MiB = 2**20
+
+
+class HalveActivations(Lever):
+    """A stand-in lever, registered only in these tests: halves a micro-batch's activation bytes."""
+
+    name = "halve_activations"
+    config_key = "memory.halve_activations"
+    escalate_event = "halve_activations_on"
+
+    def choices(self, cfg, spec):
+        return (False, True)
+
+    def apply(self, target, setting):
+        target.model.halved = setting
+
+
+@pytest.fixture
+def with_stand_in(monkeypatch):
+    monkeypatch.setattr(levers, "LEVERS", levers.LEVERS + (HalveActivations(),))
+
+
+def cfg(ac: str = "auto", chunked: bool = False):
+    return SimpleNamespace(memory=SimpleNamespace(activation_checkpointing=ac, chunked_cross_entropy=chunked,
+                                                  activation_checkpointing_every_n_blocks=1),
+                           data=SimpleNamespace(kind="text"))
+
+
+def test_a_new_lever_is_planned_recovered_and_logged_without_other_changes(with_stand_in):
+    """Registering one lever class: its choices join the run's, the planner's candidates cover
+    every combination, the fastest fitting one is taken, recovery at the floor moves it, and plan
+    events carry its setting."""
+    choices = lever_choices(cfg("off"), None)
+    assert choices == {"activation_checkpointing": (False,), "chunked_cross_entropy": (False,),
+                       "halve_activations": (False, True)}
+
+    def acts(plan: Plan) -> int:
+        return plan.micro_batch_size * MiB // (2 if plan.lever("halve_activations") else 1)
+
+    candidates = make_candidates(4, choices, MiB, acts, "cpu", 3 * MiB)
+    assert [(c.micro_batch_size, c.plan.lever("halve_activations")) for c in candidates] == [
+        (m, h) for m in (4, 2, 1) for h in (False, True)]
+    assert candidates[1].as_dict()["halve_activations"] is True
+    seconds = {False: 1.0, True: 1.1}  # per micro-batch; halving costs a tenth more
+    planner = Planner(candidates, 3 * MiB, lambda c: seconds[c.plan.lever("halve_activations")] *
+                      c.gradient_accumulation_steps)
+    chosen = planner.initial()
+    assert (chosen.micro_batch_size, chosen.plan.lever("halve_activations")) == (4, True)  # 3 MiB: 4 only halved
+
+    first = {name: options[0] for name, options in choices.items()}
+    ctl = PlanController(Plan(1, 4, tuple(first.items())), 4, 0, choices)
+    change = ctl.on_oom("forward")
+    assert change.event == "halve_activations_on" and change.as_dict()["halve_activations"] is True
+    with pytest.raises(OOMStop):
+        ctl.on_oom("forward")
+
+
+def test_activation_checkpointing_lever_wraps_and_unwraps_the_blocks():
+    """The lever's setting takes effect on the model (blocks wrapped in checkpoint, the fault
+    injector told) and switching it off restores the plain forward, with the same output."""
+    from toy_models import make_stack
+
+    from memtrain.backends.common import repeated_blocks
+
+    model = make_stack(32)
+    blocks = repeated_blocks(model)
+    faults = SimpleNamespace(activation_checkpointing=False)
+    target = LeverTarget(model, blocks, None, cfg("auto"), faults)
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    model.eval()
+    before = model(ids)
+    apply_levers(target, {"activation_checkpointing": True})
+    assert all(b._memtrain_checkpointed for b in blocks) and faults.activation_checkpointing
+    apply_levers(target, {"activation_checkpointing": False})
+    assert not any(b._memtrain_checkpointed for b in blocks) and not faults.activation_checkpointing
+    assert all("forward" not in b.__dict__ for b in blocks)
+    assert torch.equal(model(ids), before)
+
+
+def test_an_engine_lever_is_fixed_when_the_engine_is_built():
+    """FSDP2's resharding is a lever of FSDP runs only, and a plan cannot change it after the build."""
+    spec = SimpleNamespace(name="fsdp", reshard_after_forward=True)
+    assert lever_choices(cfg(), spec)["reshard_after_forward"] == (True,)
+    assert "reshard_after_forward" not in lever_choices(cfg(), SimpleNamespace(name="ddp"))
+    target = LeverTarget(torch.nn.Linear(1, 1), [], None, cfg(), built={"reshard_after_forward": True})
+    lever("reshard_after_forward").apply(target, True)
+    with pytest.raises(RuntimeError, match="backend.reshard_after_forward is fixed"):
+        lever("reshard_after_forward").apply(target, False)
