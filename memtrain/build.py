@@ -40,22 +40,26 @@ from memtrain.transforms import ModelTransforms
 log = logging.getLogger("memtrain")
 
 
-def make_sampler(cfg: Config, corpus, process: ProcessState) -> GlobalBatchSampler:
-    """The global-batch sampler; speech corpora get length-aware batching (``data.speech.bucket_batches``)."""
+def make_sampler(cfg: Config, corpus, spec) -> GlobalBatchSampler:
+    """The global-batch sampler over the data-parallel ranks of ``spec`` (an
+    :class:`memtrain.backends.spec.EngineSpec`); speech corpora get length-aware batching
+    (``data.speech.bucket_batches``)."""
     t, speech = cfg.training, cfg.data.speech if corpus.kind == "speech" else None
-    return GlobalBatchSampler(len(corpus.train), t.global_batch_size, t.seed, process.world_size, process.rank,
+    return GlobalBatchSampler(len(corpus.train), t.global_batch_size, t.seed, spec.data_parallel_size,
+                              spec.data_parallel_rank,
                               lengths=corpus.train.lengths if speech is not None else None,
                               bucket_batches=speech.bucket_batches if speech is not None else 0)
 
 
-def make_controller(cfg: Config, world_size: int, choices: dict[str, tuple], make_planner=None) -> PlanController:
+def make_controller(cfg: Config, data_parallel_size: int, choices: dict[str, tuple],
+                    make_planner=None) -> PlanController:
     """The plan controller, starting from ``training.micro_batch_size`` (``auto``: the whole rank
-    share until the planner chooses before step 1) and each lever's first choice (``choices``:
-    :func:`memtrain.levers.lever_choices`)."""
+    share of the ``data_parallel_size`` ranks until the planner chooses before step 1) and each
+    lever's first choice (``choices``: :func:`memtrain.levers.lever_choices`)."""
     t = cfg.training
-    per_rank = t.global_batch_size // world_size
+    per_rank = t.global_batch_size // data_parallel_size
     plan = Plan.for_global_batch(t.global_batch_size, per_rank if t.micro_batch_size == "auto" else t.micro_batch_size,
-                                 world_size, {name: options[0] for name, options in choices.items()})
+                                 data_parallel_size, {name: options[0] for name, options in choices.items()})
     return PlanController(plan, per_rank, cfg.memory.grow_back_window, choices, make_planner)
 
 
@@ -144,12 +148,12 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Tra
     n_params, objective = count_parameters(model), make_objective(model, corpus)
     layerdrop = getattr(model, "memtrain_layerdrop", None)  # memtrain.layerdrop.AgreedLayerDrop
     utilisation = model_flops(model, n_params, cfg.data.seq_len, objective.unit, precision, process.device)
-    sampler = make_sampler(cfg, corpus, process)
+    sampler = make_sampler(cfg, corpus, spec)
     # the planner is built on first use, after the engine below exists
     choices = lever_choices(cfg, spec)
     make_planner = planner_factory(cfg, corpus, objective, precision, process, lambda: engine.model_state_bytes(n_params),
                                    choices)
-    controller = make_controller(cfg, process.world_size, choices, make_planner)
+    controller = make_controller(cfg, spec.data_parallel_size, choices, make_planner)
     engine = make_backend(cfg, spec, process, precision, controller.plan)
     closing.callback(engine.close)
     sync = OOMSync(process.world_size, process.rank, enabled=cfg.memory.oom_recovery, device=process.device,

@@ -97,7 +97,7 @@ def export_checkpoint(path: str, out: str, max_shard_size: str = "5GB") -> str:
             holds files no export wrote (:func:`memtrain.folders.check_export_target`); checked
             before anything is read or written.
     """
-    from memtrain.backends import read_full_weights
+    from memtrain.checkpoint.formats import read_full_weights
     from memtrain.checkpoint.layout import latest_checkpoint, verify
     from memtrain.config import Config, _to_dataclass
     from memtrain.models import build_model
@@ -110,7 +110,7 @@ def export_checkpoint(path: str, out: str, max_shard_size: str = "5GB") -> str:
     check_export_target(out, _run_folders(path))
     manifest = verify(path)
     cfg = _to_dataclass(Config, manifest["config"])
-    state = read_full_weights(path, manifest)  # by the engine that wrote it
+    state = read_full_weights(path, manifest)  # by the format the manifest names
     tokenizer = None
     if os.path.isdir(os.path.join(path, "tokenizer")):
         from transformers import PreTrainedTokenizerFast

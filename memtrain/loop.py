@@ -23,7 +23,8 @@ from typing import Any, Callable, Optional
 from torch import nn
 
 from memtrain.backends.base import Backend
-from memtrain.checkpoint import MANIFEST, Checkpointer
+from memtrain.checkpoint import Checkpointer
+from memtrain.checkpoint.layout import read_manifest
 from memtrain.checkpoint.compat import TAKES_EFFECT, changed_settings, check_resumable, data_identity
 from memtrain.collector import StepCollector
 from memtrain.config import Config, to_dict
@@ -174,11 +175,16 @@ class Trainer:
             return None
         start = time.perf_counter()
         progress(f"resuming from {path}", timed=False, context="")
-        with open(os.path.join(path, MANIFEST)) as fh:
-            manifest = json.load(fh)
+        manifest = read_manifest(path)
         check_resumable(path, manifest, to_dict(self.cfg), data_identity(self.corpus))
+        if manifest.get("backend") != self.engine.name and self.process.is_main:
+            log.warning("memtrain: resuming a %s checkpoint under %s: the weights and the optimizer state are "
+                        "converted; the schedule, data position, plan and random streams carry over as they are",
+                        manifest.get("backend"), self.engine.name)
         self.checkpointer.load(path, self.checkpoint_states)
         changed = changed_settings(manifest, to_dict(self.cfg))
+        if manifest.get("backend") != self.engine.name:  # the engine switch: named in the resume event
+            changed["backend.name"] = [manifest.get("backend"), self.engine.name]
         if any(key in changed for key in ("training.weight_decay", "training.adam_beta1", "training.adam_beta2",
                                           "training.adam_eps")):
             apply_hyperparameters(self.optimizer, self.cfg.training)
@@ -187,7 +193,7 @@ class Trainer:
             self.controller.restart()
         if changed and self.process.is_main:
             log.warning("memtrain: resuming %s with changed settings: %s", path, "; ".join(
-                f"{key} {old!r} → {new!r} ({TAKES_EFFECT.get(key, 'takes effect')})"
+                f"{key} {old!r} → {new!r} ({TAKES_EFFECT.get(key, 'converted on load')})"
                 for key, (old, new) in changed.items()))
         self._apply_plan()  # the checkpoint's (AC may have been switched on by an OOM before it)
         return path, time.perf_counter() - start, changed

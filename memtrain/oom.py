@@ -291,7 +291,8 @@ def oom_stop_message(exc: OOMStop, step: int, rank: int, report: dict[str, int],
     on += ["chunked cross-entropy"] if context.get("chunked_cross_entropy") else []
     left = []
     if context["engine"] == "ddp":
-        left.append("backend.name fsdp, or deepspeed with backend.zero_stage 3 (shards the model state)")
+        left.append("backend.name fsdp, or deepspeed with backend.zero_stage 3 (shards the model state; the same "
+                    "command with --backend.name fsdp resumes this run's last checkpoint under FSDP2)")
     elif context["engine"] == "deepspeed" and (context.get("zero_stage") or 2) < 3:
         left.append("backend.zero_stage 3")
     if context["engine"] != "ddp" and context.get("offload") in (None, "none"):

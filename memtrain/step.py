@@ -152,7 +152,7 @@ def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.T
             progress(f"micro-batch {i + 1} of {len(micro_batches)}, forward and backward")
             if sync is not None:
                 sync.expect(collectives[i])  # where the block hooks agree in this micro-batch
-            with backend.sync_context(model, sync=i == last):
+            with backend.reduction_context(model, reduce_gradients=i == last):
                 with hooks.forward_context() if hooks is not None else contextlib.nullcontext():
                     micro_loss = objective.loss_sum(model, micro_batch)
                 digest += micro_batch_digest(micro_batch)  # what went through forward

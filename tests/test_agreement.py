@@ -56,7 +56,7 @@ class Engine:
     def compute_collectives(self, last_micro_batch):
         return ComputeCollectives(*self.pattern(last_micro_batch))
 
-    def sync_context(self, model, sync):
+    def reduction_context(self, model, reduce_gradients):
         return torch.enable_grad()
 
     def backward(self, loss):

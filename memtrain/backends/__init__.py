@@ -1,8 +1,9 @@
 """Engines behind one interface (:class:`memtrain.backends.base.Backend`): DDP, FSDP2, DeepSpeed.
 
 A registry: each engine is a module ``memtrain.backends.NAME`` that builds its backend and also
-answers, without building one, "read the full weights from my checkpoint" and "bytes of model
-state per rank", so the exporter and the memory estimate never branch on engines.
+answers, without building one, "how is the model built for me", "bytes of model state per rank"
+and "which placements do I offer" (``VARIANTS``), so the planners and the memory estimate never
+branch on engines. Checkpoint files are read by their format (:mod:`memtrain.checkpoint.formats`).
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ import importlib
 import os
 from types import ModuleType
 from typing import Optional
-
-import torch
 
 from memtrain.backends.base import Backend
 
@@ -72,17 +71,3 @@ def model_build_context(cfg, spec, precision: str, world_size: int):
     ``model.pretrained``: built already partitioned, weights read by rank 0 only; else none)."""
     return engine_module(spec.name).model_build_context(cfg, spec, precision, world_size)
 
-
-def read_full_weights(path: str, manifest: dict) -> dict[str, torch.Tensor]:
-    """The whole model's weights (CPU) of the verified checkpoint ``path``, read in one process
-    by the engine that wrote it (``manifest["backend"]``).
-
-    Raises:
-        memtrain.errors.CheckpointError: the manifest names no known engine.
-    """
-    from memtrain.errors import CheckpointError
-
-    name = manifest.get("backend")
-    if name not in BACKENDS:
-        raise CheckpointError(f"{path}: its manifest names backend '{name}', not one of {', '.join(BACKENDS)}")
-    return engine_module(name).read_full_weights(path)

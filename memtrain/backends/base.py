@@ -5,16 +5,17 @@ engines is one config key (``backend.name``) and the loop never branches on the 
 process is (rank, device, collectives) is not the engine's business: that is
 :class:`memtrain.distributed.ProcessState`, built before the engine and shared with it.
 
-Besides the class, each engine module defines four functions the registry
-(:mod:`memtrain.backends`) calls without building an engine:
+Besides the class, each engine module defines what the registry (:mod:`memtrain.backends`)
+reads without building an engine:
 
-* ``build(cfg, process, precision, plan) -> Backend``;
-* ``read_full_weights(path) -> dict[str, Tensor]``: the whole model's weights from one of its
-  checkpoints, on CPU, in one process (for ``memtrain export``);
-* ``model_state_bytes(n_params, precision, zero_stage, offload, world_size) -> dict``: bytes of
-  parameters, gradients and optimizer state per rank (for ``memtrain memory``);
+* ``build(cfg, spec, process, precision, plan) -> Backend``;
 * ``model_build_context(cfg, spec, precision, world_size)``: the context the model is built in
-  (ZeRO-3 builds a pretrained model already partitioned).
+  (ZeRO-3 builds a pretrained model already partitioned);
+* ``VARIANTS``: its :class:`memtrain.backends.spec.EngineVariant` placements (the placement
+  planner's and ``memtrain memory``'s rows).
+
+An engine's bytes of model state come from :func:`memtrain.memory.accounting.model_state_bytes`;
+its checkpoint files are written and read by a format (:mod:`memtrain.checkpoint.formats`).
 """
 
 from __future__ import annotations
@@ -91,9 +92,9 @@ class Backend(Protocol):
         bucket all-reduce), so the OOM protocol agrees at those block boundaries and nowhere else;
         ``last_micro_batch``: the step's last (the one that reduces gradients)."""
 
-    def sync_context(self, model: nn.Module, sync: bool) -> AbstractContextManager:
-        """Context for one micro-batch's forward+backward; ``sync=False`` skips the gradient
-        reduction (non-final micro-batches of an accumulation)."""
+    def reduction_context(self, model: nn.Module, reduce_gradients: bool) -> AbstractContextManager:
+        """Context for one micro-batch's forward+backward; ``reduce_gradients=False`` skips the
+        gradient reduction (non-final micro-batches of an accumulation)."""
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of a scalar loss (with loss scaling where the precision needs it)."""
@@ -150,6 +151,16 @@ class Backend(Protocol):
         Raises:
             memtrain.errors.CheckpointError: the engine cannot load a checkpoint written by
                 ``saved_world_size`` ranks on this many.
+        """
+
+    def load_full_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, weights: dict[str, torch.Tensor],
+                        optimizer_state: dict[str, Any]) -> None:
+        """Load a checkpoint written by another engine, given as the whole model's weights and the
+        full optimizer state keyed by parameter name (``torch.distributed.checkpoint.state_dict``'s
+        layout; :func:`memtrain.checkpoint.formats.read_full_state`). Every rank calls it.
+
+        Raises:
+            memtrain.errors.CheckpointError: the engine cannot take another engine's state.
         """
 
     def manifest_fields(self) -> dict[str, Any]:

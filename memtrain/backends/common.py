@@ -75,3 +75,14 @@ def whole_model_build_context(cfg, spec, precision: str, world_size: int):
     """``model_build_context`` of the engines that build the model whole on every rank, then wrap
     it (DDP, FSDP2): no context needed."""
     return contextlib.nullcontext()
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, weights: dict[str, torch.Tensor],
+                    optimizer_state: dict) -> None:
+    """Load whole-model ``weights`` and a full, name-keyed ``optimizer_state`` into ``model`` (a
+    plain module or an FSDP2-sharded one, which takes its shards) and its ``optimizer`` through
+    torch's ``set_state_dict`` (``full_state_dict=True``): the engine switch on resume."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optimizer_state,
+                   options=StateDictOptions(full_state_dict=True))

@@ -9,15 +9,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 from typing import Callable
 
 import torch
 from torch import nn
 
 from memtrain.backends.base import ComputeCollectives
+from memtrain.backends.common import load_full_state
 from memtrain.backends.common import whole_model_build_context as model_build_context  # noqa: F401 (registry)
 from memtrain.backends.spec import EngineVariant
+from memtrain.checkpoint.formats import safetensors as safetensors_format
 from memtrain.distributed import ProcessState
 from memtrain.memory.accounting import model_state_bytes
 
@@ -109,8 +110,8 @@ class DDPBackend:
         overlapped = last_micro_batch and not self.defer_reduction and self.world_size > 1
         return ComputeCollectives(False, overlapped)
 
-    def sync_context(self, model: nn.Module, sync: bool):
-        if sync and not self.defer_reduction:
+    def reduction_context(self, model: nn.Module, reduce_gradients: bool):
+        if reduce_gradients and not self.defer_reduction:
             return contextlib.nullcontext()
         return self.accelerator.no_sync(model)
 
@@ -200,30 +201,29 @@ class DDPBackend:
 
     def save_state(self, model: nn.Module, optimizer, directory: str, max_shard_size: str = "5GB",
                    async_save: bool = False) -> None:
-        """Rank 0 writes the (replicated) weights as safetensors, sharded past ``max_shard_size``,
-        and ``optimizer.pt`` (optimizer state and the fp16 GradScaler's state)."""
+        """Rank 0 writes the (replicated) weights and the optimizer and GradScaler state
+        (:mod:`memtrain.checkpoint.formats.safetensors`)."""
         if not self.process.is_main:
             return
-        from memtrain.weights import save_weights
-
-        save_weights(self.unwrap(model).state_dict(), directory, max_shard_size)
         scaler = getattr(self.accelerator, "scaler", None)
-        torch.save({"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict() if scaler is not None else None},
-                   os.path.join(directory, "optimizer.pt"))
+        safetensors_format.save(self.unwrap(model), optimizer.state_dict(),
+                                scaler.state_dict() if scaler is not None else None, directory, max_shard_size)
 
     def expected_files(self) -> list[str]:
-        return ["model*.safetensors", "optimizer.pt"]
+        return safetensors_format.expected_files(self.world_size)
 
     def load_state(self, model: nn.Module, optimizer, directory: str, saved_world_size: int) -> None:
         """Every rank reads the full weights and optimizer state (any world size: nothing is sharded)."""
-        from memtrain.weights import load_into, load_weights
-
-        load_into(self.unwrap(model), load_weights(directory))
-        state = torch.load(os.path.join(directory, "optimizer.pt"), map_location="cpu", weights_only=True)
+        state = safetensors_format.load(self.unwrap(model), directory)
         optimizer.load_state_dict(state["optimizer"])
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None and state["scaler"] is not None:
             scaler.load_state_dict(state["scaler"])
+
+    def load_full_state(self, model: nn.Module, optimizer, weights, optimizer_state) -> None:
+        """Another engine's state (:meth:`memtrain.backends.base.Backend.load_full_state`) into the
+        replicated module; the fp16 GradScaler, which other engines do not save, starts afresh."""
+        load_full_state(self.unwrap(model), optimizer, weights, optimizer_state)
 
     def replicated_tensors(self, model: nn.Module):
         module = self.unwrap(model)
@@ -238,7 +238,7 @@ class DDPBackend:
         return {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()} if self.process.is_main else None
 
     def manifest_fields(self) -> dict:
-        return {"backend": self.name, "checkpoint_format": "safetensors", "zero_stage": None}
+        return {"backend": self.name, "checkpoint_format": safetensors_format.NAME, "zero_stage": None}
 
     def model_state_bytes(self, n_params: int) -> dict[str, int]:
         return model_state_bytes("ddp", n_params, self.precision, None, "none", self.world_size)
@@ -253,9 +253,3 @@ def build(cfg, spec, process: ProcessState, precision: str, plan) -> DDPBackend:
     return DDPBackend(process, precision, find_unused_parameters=spec.find_unused_parameters,
                       defer_reduction=cfg.memory.oom_recovery)
 
-
-def read_full_weights(path: str) -> dict[str, torch.Tensor]:
-    """The replicated weights rank 0 wrote as safetensors."""
-    from memtrain.weights import load_weights
-
-    return load_weights(path)

@@ -26,6 +26,7 @@ from memtrain.backends.base import ComputeCollectives
 from memtrain.backends.ds_config import (OFFLOAD_DEVICES, build_ds_config, get_path, read_user_json,
                                          resolve_zero_stage)
 from memtrain.backends.spec import EngineVariant
+from memtrain.checkpoint.formats import deepspeed as deepspeed_format
 from memtrain.distributed import ProcessState
 from memtrain.errors import CheckpointError
 from memtrain.memory.accounting import model_state_bytes
@@ -66,7 +67,7 @@ class DeepSpeedBackend:
 
     name = "deepspeed"
     supports_async_save = False
-    _TAG = "zero"
+    _TAG = deepspeed_format.TAG
 
     def __init__(self, process: ProcessState, precision: str, precision_requested: str, ds_config_path: Optional[str],
                  zero_stage: Optional[int], offload: Optional[str], global_batch_size: int, max_grad_norm: float,
@@ -148,8 +149,8 @@ class DeepSpeedBackend:
             return ComputeCollectives(False, backward, frozenset({0}))
         return ComputeCollectives(self.zero_stage >= 3, backward)
 
-    def sync_context(self, model: nn.Module, sync: bool):
-        self.engine.set_gradient_accumulation_boundary(sync)
+    def reduction_context(self, model: nn.Module, reduce_gradients: bool):
+        self.engine.set_gradient_accumulation_boundary(reduce_gradients)
         return contextlib.nullcontext()
 
     def set_plan(self, plan) -> None:
@@ -231,12 +232,7 @@ class DeepSpeedBackend:
         return os.path.join(directory, self._TAG, f"device_optimizer_rank_{rank}.pt")
 
     def expected_files(self) -> list[str]:
-        files = [f"{self._TAG}/*model_states.pt"]
-        if self.zero_stage > 0:
-            files += [f"{self._TAG}/*zero_pp_rank_{r}_mp_rank_*optim_states.pt" for r in range(self.world_size)]
-        if self.offload_ratio < 1.0:
-            files += [f"{self._TAG}/device_optimizer_rank_{r}.pt" for r in range(self.world_size)]
-        return files
+        return deepspeed_format.expected_files(self.world_size, self.zero_stage, self.offload_ratio < 1.0)
 
     def load_state(self, model: nn.Module, optimizer, directory: str, saved_world_size: int) -> None:
         """Load DeepSpeed's checkpoint. ZeRO partitions are tied to the world size that wrote
@@ -321,13 +317,18 @@ class DeepSpeedBackend:
         if path is None:
             raise CheckpointError(f"{directory}: DeepSpeed found no universal checkpoint in {work}")
 
+    def load_full_state(self, model: nn.Module, optimizer, weights, optimizer_state) -> None:
+        """Not yet: ZeRO partitions are filled from DeepSpeed's own checkpoints only."""
+        raise CheckpointError("a checkpoint of another engine cannot be resumed under DeepSpeed yet; resume it "
+                              "under the engine that wrote it, ddp or fsdp (they take each other's checkpoints)")
+
     def replicated_tensors(self, model: nn.Module):
         module = self.unwrap(model)
         params = list(module.named_parameters()) if self.zero_stage < 3 else []  # ZeRO-3 partitions parameters
         return params + list(module.named_buffers())
 
     def manifest_fields(self) -> dict:
-        return {"backend": self.name, "checkpoint_format": "deepspeed", "zero_stage": self.zero_stage}
+        return {"backend": self.name, "checkpoint_format": deepspeed_format.NAME, "zero_stage": self.zero_stage}
 
     def model_state_bytes(self, n_params: int) -> dict[str, int]:
         offload = "none"
@@ -404,9 +405,3 @@ def model_build_context(cfg, spec, precision: str, world_size: int):
         unset_hf_deepspeed_config()
         del keep
 
-
-def read_full_weights(path: str) -> dict[str, torch.Tensor]:
-    """fp32 weights consolidated from the ZeRO partitions with DeepSpeed's ``zero_to_fp32``."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    return dict(get_fp32_state_dict_from_zero_checkpoint(path, tag=DeepSpeedBackend._TAG))

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from typing import Callable, Optional
 
 import torch
 from torch import nn
 
 from memtrain.backends.base import ComputeCollectives
-from memtrain.backends.common import repeated_blocks
+from memtrain.backends.common import load_full_state, repeated_blocks
 from memtrain.backends.common import whole_model_build_context as model_build_context  # noqa: F401 (registry)
 from memtrain.backends.spec import EngineVariant
+from memtrain.checkpoint.formats import dcp as dcp_format
 from memtrain.distributed import ProcessState
 from memtrain.memory.accounting import model_state_bytes
 
@@ -88,9 +88,9 @@ class FSDPBackend:
             return ComputeCollectives(False, False)
         return ComputeCollectives(True, last_micro_batch or self.reshard_after_forward)
 
-    def sync_context(self, model: nn.Module, sync: bool):
+    def reduction_context(self, model: nn.Module, reduce_gradients: bool):
         # non-final micro-batches keep unsharded gradients and skip the reduce-scatter
-        model.set_requires_gradient_sync(sync)
+        model.set_requires_gradient_sync(reduce_gradients)
         return contextlib.nullcontext()
 
     def set_plan(self, plan) -> None:
@@ -144,41 +144,31 @@ class FSDPBackend:
 
     def save_state(self, model: nn.Module, optimizer, directory: str, max_shard_size: str = "5GB",
                    async_save: bool = False):
-        """torch.distributed.checkpoint into ``directory/dcp``: every rank writes its own shard
-        file (``__RANK_0.distcp``), rank 0 the ``.metadata``. ``async_save``: stage to CPU, write in
-        a background thread over a separate gloo group, return the future."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        path = os.path.join(directory, "dcp")
-        if async_save:
-            if self._async_group is None:  # a collective: every rank gets here at the same save
-                self._async_group = torch.distributed.new_group(backend="gloo")
-            return dcp.async_save(state, checkpoint_id=path, process_group=self._async_group)
-        dcp.save(state, checkpoint_id=path)
-        return None
+        """torch.distributed.checkpoint (:mod:`memtrain.checkpoint.formats.dcp`): every rank writes
+        its own shard. ``async_save``: stage to CPU, write in a background thread over a separate
+        gloo group, return the future."""
+        if async_save and self._async_group is None:  # a collective: every rank gets here at the same save
+            self._async_group = torch.distributed.new_group(backend="gloo")
+        return dcp_format.save(model, optimizer, directory, self._async_group if async_save else None)
 
     def expected_files(self) -> list[str]:
-        return ["dcp/.metadata"] + [f"dcp/__{r}_*.distcp" for r in range(self.world_size)]
+        return dcp_format.expected_files(self.world_size)
 
     def load_state(self, model: nn.Module, optimizer, directory: str, saved_world_size: int) -> None:
         """Load the DCP shards into this run's sharding; torch.distributed.checkpoint reshards, so
         the saved world size may differ from this one."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        dcp_format.load(model, optimizer, directory)
 
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=os.path.join(directory, "dcp"))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    def load_full_state(self, model: nn.Module, optimizer, weights, optimizer_state) -> None:
+        """Another engine's state (:meth:`memtrain.backends.base.Backend.load_full_state`): every
+        rank keeps its shard of the whole weights and optimizer state."""
+        load_full_state(model, optimizer, weights, optimizer_state)
 
     def replicated_tensors(self, model: nn.Module):
         return list(model.named_buffers())  # parameters are sharded DTensors
 
     def manifest_fields(self) -> dict:
-        return {"backend": self.name, "checkpoint_format": "dcp", "zero_stage": None}
+        return {"backend": self.name, "checkpoint_format": dcp_format.NAME, "zero_stage": None}
 
     def model_state_bytes(self, n_params: int) -> dict[str, int]:
         return model_state_bytes("fsdp", n_params, self.precision, None, self.offload, self.world_size)
@@ -196,19 +186,6 @@ def build(cfg, spec, process: ProcessState, precision: str, plan) -> FSDPBackend
     """
     return FSDPBackend(process, precision, reshard_after_forward=spec.reshard_after_forward,
                        offload=spec.offload or "none")
-
-
-def read_full_weights(path: str) -> dict[str, torch.Tensor]:
-    """The model entries of the torch.distributed.checkpoint shards, read without a process group."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    metadata = dcp.FileSystemReader(os.path.join(path, "dcp")).read_metadata()
-    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in metadata.state_dict_metadata.items()
-             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
-    dcp.load(state, checkpoint_id=os.path.join(path, "dcp"), no_dist=True)
-    return {key[len("model."):]: value for key, value in state.items()}
 
 
 def _param_groups(state) -> list:

@@ -112,8 +112,7 @@ class Checkpointer:
         Raises:
             CheckpointError: an entry that does not fit this run, or a state the checkpoint lacks.
         """
-        with open(os.path.join(path, layout.MANIFEST)) as fh:
-            manifest = json.load(fh)
+        manifest = layout.read_manifest(path)
         with open(os.path.join(path, layout.TRAINER_STATE)) as fh:
             saved = json.load(fh)
         if manifest.get("format", 1) == 1:

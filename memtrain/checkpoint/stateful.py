@@ -133,30 +133,43 @@ class EngineState:
         return self.backend.expected_files()
 
     def load_files(self, directory: str, manifest: dict[str, Any]) -> None:
-        """Load after checking the engine and every parameter's shape against the manifest.
+        """Load after checking every parameter's shape (and the ZeRO stage) against the manifest.
+        A checkpoint of another engine is converted (:meth:`_load_from_another_engine`).
 
         Raises:
-            ConfigError: another engine or ZeRO stage (fields ``backend.name``, ``backend.zero_stage``).
-            CheckpointError: another model shape, or a world size the engine cannot reshard to.
+            ConfigError: another ZeRO stage (field ``backend.zero_stage``).
+            CheckpointError: another model shape, a world size the engine cannot reshard to, or
+                another engine whose state cannot be converted to this one's yet.
         """
         from memtrain.config import ConfigError
 
-        name = self.backend.name
-        if manifest["backend"] != name:
-            raise ConfigError("backend.name", f"is {name} but {directory} was written by backend.name "
-                              f"{manifest['backend']}. Resume with backend.name {manifest['backend']}, start a new run "
-                              "(--resume never, or another --output_dir), or `memtrain export` its weights")
+        if manifest["backend"] != self.backend.name:
+            self._check_shapes(directory, manifest)
+            self._load_from_another_engine(directory, manifest)
+            return
         stage, saved_stage = self.backend.manifest_fields().get("zero_stage"), manifest.get("zero_stage")
         if stage != saved_stage:
             raise ConfigError("backend.zero_stage", f"is {stage} but {directory} was written under ZeRO stage "
                               f"{saved_stage}: DeepSpeed's partitions differ. Resume with backend.zero_stage "
                               f"{saved_stage}, or start a new run (--resume never, or another --output_dir)")
+        self._check_shapes(directory, manifest)
+        self.backend.load_state(self.model, self.optimizer, directory, manifest["world_size"])
+
+    def _check_shapes(self, directory: str, manifest: dict[str, Any]) -> None:
         shapes, saved = model_shapes(self.backend.unwrap(self.model)), manifest["model_shapes"]
         if saved != shapes:
             diff = next((k for k in sorted(set(shapes) | set(saved)) if shapes.get(k) != saved.get(k)), None)
             raise CheckpointError(f"{directory}: the model differs from the checkpoint's at parameter {diff}: "
                                   f"checkpoint {saved.get(diff)}, this run {shapes.get(diff)}")
-        self.backend.load_state(self.model, self.optimizer, directory, manifest["world_size"])
+
+    def _load_from_another_engine(self, directory: str, manifest: dict[str, Any]) -> None:
+        """The engine switch: the checkpoint's format gives the whole weights and the optimizer
+        state keyed by parameter name, this engine takes its share
+        (:meth:`memtrain.backends.base.Backend.load_full_state`)."""
+        from memtrain.checkpoint.formats import read_full_state
+
+        weights, optimizer_state = read_full_state(directory, manifest, self.backend.unwrap(self.model))
+        self.backend.load_full_state(self.model, self.optimizer, weights, optimizer_state)
 
 
 def rng_state() -> dict[str, Any]:

@@ -88,16 +88,11 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     from memtrain.levers import lever_choices, recompute_fraction
     from memtrain.objectives import make_objective
     from memtrain.memory.machine import DEFAULT_GPU_FLOPS, device_budget_bytes
-    from memtrain.plan import Plan
     from memtrain.memory.placement import tokens_per_sample
     from memtrain.memory.planner import Planner, activation_table, estimated_step_s, make_candidates
-    from memtrain.precision import resolve_precision
 
     device_type = "cuda" if torch.cuda.is_available() or gpu_memory_gib else "cpu"
-    try:
-        precision = resolve_precision(cfg.precision, device_type)
-    except Exception:  # planning a GPU run on a machine without one
-        precision = "bf16" if cfg.precision == "auto" else cfg.precision
+    precision = _planned_precision(cfg.precision, device_type)
     corpus = build_corpus(cfg.data)
     with torch.device("meta"):  # parameter count and objective without allocating
         meta = build_model(cfg.model, corpus.vocab_size, cfg.training.seed, getattr(corpus, "eos_id", None))
@@ -127,22 +122,42 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
                                       host_memory_gib, nvme_path)
     micro = chosen.micro_batch_size if chosen is not None else (
         cfg.training.micro_batch_size if cfg.training.micro_batch_size != "auto" else 1)
-    first = {name: options[0] for name, options in choices.items()}
-    with_ac = lambda on: acts(Plan(micro, per_rank // micro, tuple({**first, "activation_checkpointing": on}.items())))  # noqa: E731
+    ac_bytes = _activation_bytes_by_ac(acts, choices, micro, per_rank)
     return {
         "parameters": n, "precision": precision, "world_size": world_size, "engine": engine,
         "device": device_type, "budget_bytes": budget, "seq_len": cfg.data.seq_len, "micro_batch_size": micro,
         "candidates": [c.as_dict() for c in planner.candidates],
-        "activation_bytes": {"off": with_ac(False), "on": with_ac(True)},
+        "activation_bytes": ac_bytes,
         "model_state_bytes": engines,
         "placements": [p.as_dict() for p in placements],
         "machine": dataclasses.asdict(machine),
-        "per_rank_total_bytes": {name: {ac: device_state_bytes(e) + with_ac(ac == "on")
+        "per_rank_total_bytes": {name: {ac: device_state_bytes(e) + ac_bytes[ac]
                                         for ac in ("off", "on")} for name, e in engines.items()},
         "note": "activations traced with fake tensors (no memory used); step seconds estimated from FLOPs at this "
                 "machine's matmul speed (a run with training.micro_batch_size auto measures them); transient "
                 "gathered blocks and communication buckets are not counted",
     }
+
+
+def _planned_precision(precision: str, device_type: str) -> str:
+    """``precision`` resolved for ``device_type`` (bf16 for ``auto`` when planning a GPU run on a
+    machine without one)."""
+    from memtrain.precision import resolve_precision
+
+    try:
+        return resolve_precision(precision, device_type)
+    except Exception:  # planning a GPU run on a machine without one
+        return "bf16" if precision == "auto" else precision
+
+
+def _activation_bytes_by_ac(acts, choices: dict, micro: int, per_rank: int) -> dict[str, int]:
+    """``{"off": bytes, "on": bytes}``: one micro-batch of ``micro`` samples traced with activation
+    checkpointing off and on (the other levers at their first choice)."""
+    from memtrain.plan import Plan
+
+    first = {name: options[0] for name, options in choices.items()}
+    return {word: acts(Plan(micro, per_rank // micro, tuple({**first, "activation_checkpointing": on}.items())))
+            for word, on in (("off", False), ("on", True))}
 
 
 def _placements(cfg, meta, n: int, precision: str, world_size: int, device_type: str, budget, flops: float,

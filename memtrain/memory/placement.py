@@ -478,19 +478,16 @@ def _resume_placement(cfg) -> Optional[dict]:
     """A resumed ``offload: auto`` run takes the placement its checkpoint was written with
     (another one could not load its optimizer state): its manifest's ``engine_spec`` (checkpoints
     written before the spec existed: its config's ``backend`` section). None when there is none."""
-    import json
-
-    from memtrain.checkpoint.layout import MANIFEST, complete_checkpoints, latest_checkpoint
+    from memtrain.checkpoint.layout import complete_checkpoints, latest_checkpoint, read_manifest
+    from memtrain.errors import CheckpointError
 
     if cfg.resume == "never":
         return None
     root = os.path.join(os.path.expanduser(cfg.output_dir), "checkpoints")
     path = cfg.resume if cfg.resume != "auto" else latest_checkpoint(root) or (complete_checkpoints(root) or [None])[-1]
     try:
-        with open(os.path.join(path, MANIFEST)) as fh:
-            manifest = json.load(fh)
-        saved = manifest.get("engine_spec") or manifest["config"]["backend"]
-    except (OSError, ValueError, KeyError, TypeError):
+        saved = read_manifest(path)["engine_spec"]
+    except (CheckpointError, KeyError, TypeError):
         return None
     if saved.get("offload") in (None, "auto"):
         return None

@@ -5,7 +5,9 @@ Each format is one module of this package with:
 * ``NAME``: its ``checkpoint_format`` value;
 * ``expected_files(world_size, **details) -> list[str]``: the glob patterns a complete save holds;
 * ``read_full_weights(path) -> dict[str, Tensor]``: the whole model's weights (CPU) read in one
-  process without a process group (``memtrain export``, and an engine switch on resume);
+  process without a process group (``memtrain export``);
+* ``read_full_state(path, module)`` where the format can: the weights and the optimizer state
+  keyed by parameter name, for resuming under another engine;
 * its own ``save``/``load`` for the objects it stores (the engines call them).
 
 A new format is one module here and its name in :data:`FORMATS`.
@@ -32,6 +34,22 @@ def format_module(name: str) -> ModuleType:
     if name not in FORMATS:
         raise CheckpointError(f"checkpoint format '{name}' is not one of {', '.join(FORMATS)}")
     return importlib.import_module(f"memtrain.checkpoint.formats.{name}")
+
+
+def read_full_state(path: str, manifest: dict, module) -> tuple[dict[str, torch.Tensor], dict]:
+    """``(whole-model weights, full optimizer state keyed by parameter name)`` of checkpoint
+    ``path`` for another engine (:meth:`memtrain.backends.base.Backend.load_full_state`);
+    ``module`` is this run's model (names the parameters where the format numbers them).
+
+    Raises:
+        CheckpointError: the format cannot give its state to another engine yet.
+    """
+    module_of_format = format_module(manifest.get("checkpoint_format") or "")
+    if not hasattr(module_of_format, "read_full_state"):
+        raise CheckpointError(f"{path}: a {manifest.get('backend')} checkpoint ({module_of_format.NAME} format) cannot "
+                              "be resumed under another engine yet (supported: ddp ↔ fsdp); resume it under "
+                              f"backend.name {manifest.get('backend')}, or `memtrain export` its weights")
+    return module_of_format.read_full_state(path, module)
 
 
 def read_full_weights(path: str, manifest: dict) -> dict[str, torch.Tensor]:

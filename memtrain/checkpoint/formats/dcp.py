@@ -46,6 +46,25 @@ def load(model: nn.Module, optimizer, directory: str) -> None:
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
+def read_full_state(path: str, module: nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
+    """The whole model's weights and the full optimizer state keyed by parameter name, read in
+    this process without a process group (torch's ``dcp_to_torch_save`` into a temporary file in
+    the system's temporary folder, removed again; the checkpoint is not touched). ``module`` is
+    not needed: the keys are names already."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    fd, file = tempfile.mkstemp(prefix="memtrain-full-state-", suffix=".pt")
+    os.close(fd)
+    try:
+        dcp_to_torch_save(os.path.join(path, FOLDER), file)
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    finally:
+        os.remove(file)
+    return state["model"], state["optim"]
+
+
 def read_full_weights(path: str, prefix: Optional[str] = "model.") -> dict[str, torch.Tensor]:
     """The model entries of the shards, read without a process group."""
     import torch.distributed.checkpoint as dcp

@@ -38,6 +38,24 @@ def load(module: nn.Module, directory: str) -> dict[str, Any]:
     return torch.load(os.path.join(directory, OPTIMIZER_FILE), map_location="cpu", weights_only=True)
 
 
+def read_full_state(path: str, module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The whole model's weights and the optimizer state keyed by parameter name (the layout of
+    ``torch.distributed.checkpoint.state_dict``'s full optimizer state dict), for another engine.
+
+    ``optimizer.pt`` numbers parameters in the order the optimizer was built
+    (:func:`memtrain.optim.weight_decay_groups` over the model's parameters); ``module`` (this
+    run's model, of the same structure, wrapped or not) gives the names in that order.
+    """
+    from memtrain.optim import weight_decay_groups
+
+    names = {id(p): name for name, p in module.named_parameters()}
+    ordered = [names[id(p)] for group in weight_decay_groups(module, 0.0) for p in group["params"]]
+    saved = torch.load(os.path.join(path, OPTIMIZER_FILE), map_location="cpu", weights_only=True)["optimizer"]
+    optimizer = {"state": {ordered[i]: state for i, state in saved["state"].items()},
+                 "param_groups": [{**g, "params": [ordered[i] for i in g["params"]]} for g in saved["param_groups"]]}
+    return read_full_weights(path), optimizer
+
+
 def read_full_weights(path: str) -> dict[str, torch.Tensor]:
     """The replicated weights rank 0 wrote."""
     from memtrain.weights import load_weights

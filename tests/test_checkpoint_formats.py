@@ -1,0 +1,94 @@
+"""Checkpoint formats as plugins (memtrain/checkpoint/formats/) and the one manifest reader
+(memtrain/checkpoint/layout.read_manifest): the manifest's checkpoint_format decides how weights
+are read, never the engine that wrote them; manifests from before the field still read."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from memtrain.checkpoint.formats import dcp, format_module, read_full_weights, safetensors
+from memtrain.checkpoint.layout import read_manifest
+from memtrain.errors import CheckpointError
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+@pytest.mark.parametrize("name", ["safetensors", "dcp"])
+def test_each_format_reads_back_the_weights_it_wrote_without_a_process_group(tmp_path, name):
+    """Saved by the format's own ``save`` in one process, read by ``read_full_weights`` through the
+    manifest's ``checkpoint_format`` (the manifest's engine name is deliberately another one)."""
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters())
+    net(torch.ones(3, 4)).sum().backward()
+    optimizer.step()
+    if name == "safetensors":
+        safetensors.save(net, optimizer.state_dict(), None, str(tmp_path), "5GB")
+    else:
+        dcp.save(net, optimizer, str(tmp_path))
+    weights = read_full_weights(str(tmp_path), {"checkpoint_format": name, "backend": "deepspeed"})
+    assert weights.keys() == net.state_dict().keys()
+    assert all(torch.equal(weights[k], v) for k, v in net.state_dict().items())
+
+
+def test_an_unknown_format_is_refused_by_name(tmp_path):
+    with pytest.raises(CheckpointError, match="'zip' is not one of safetensors, dcp, deepspeed"):
+        format_module("zip")
+    with pytest.raises(CheckpointError, match="names no checkpoint_format"):
+        read_full_weights(str(tmp_path), {})
+
+
+def test_manifests_from_before_formats_and_specs_read_with_both(tmp_path):
+    """A manifest written before ``checkpoint_format`` and ``engine_spec`` existed gets both (from
+    its engine and its config's backend section); the file is not changed."""
+    old = {"format": 2, "backend": "fsdp", "step": 4, "world_size": 2,
+           "config": {"backend": {"name": "auto", "offload": "optimizer_and_params", "zero_stage": None}}}
+    (tmp_path / "manifest.json").write_text(json.dumps(old))
+    manifest = read_manifest(str(tmp_path))
+    assert manifest["checkpoint_format"] == "dcp"
+    assert manifest["engine_spec"]["name"] == "fsdp" and manifest["engine_spec"]["offload"] == "optimizer_and_params"
+    assert json.loads((tmp_path / "manifest.json").read_text()) == old
+    with pytest.raises(CheckpointError, match="missing does not exist"):
+        read_manifest(str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize("name", ["safetensors", "dcp"])
+def test_full_state_is_keyed_by_name_and_loads_into_another_model(tmp_path, name):
+    """``read_full_state`` gives the weights and the optimizer state keyed by parameter name;
+    loaded into a fresh model and optimizer through torch's state-dict API (what an engine switch
+    does), the next optimizer step matches the original's exactly: Adam's moments and step count
+    came across."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    def trained():
+        net = model()
+        opt = torch.optim.AdamW([{"params": [p for p in net.parameters() if p.ndim >= 2], "weight_decay": 0.1},
+                                 {"params": [p for p in net.parameters() if p.ndim < 2], "weight_decay": 0.0}])
+        return net, opt
+
+    def step(net, opt):
+        opt.zero_grad()
+        net(torch.arange(12.0).reshape(3, 4)).pow(2).sum().backward()
+        opt.step()
+
+    net, opt = trained()
+    for _ in range(2):
+        step(net, opt)
+    if name == "safetensors":
+        safetensors.save(net, opt.state_dict(), None, str(tmp_path), "5GB")
+    else:
+        dcp.save(net, opt, str(tmp_path))
+    fresh, fresh_opt = trained()
+    weights, optim = format_module(name).read_full_state(str(tmp_path), fresh)
+    assert set(optim["state"]) == {n for n, _ in net.named_parameters()}
+    set_state_dict(fresh, fresh_opt, model_state_dict=weights, optim_state_dict=optim,
+                   options=StateDictOptions(full_state_dict=True))
+    step(net, opt)
+    step(fresh, fresh_opt)
+    for (n, a), b in zip(net.named_parameters(), fresh.parameters()):
+        assert torch.equal(a, b), n
