@@ -391,12 +391,20 @@ def _join_negative_numbers(argv: list[str]) -> list[str]:
     return out
 
 
-def _parser():
+def _parser(show_all: bool = False):
+    """The trainer's parser; its help gives each option its field's first docstring sentence and
+    hides the test-only ``faults.*`` options unless ``show_all`` (:mod:`memtrain.cli_help`)."""
     from jsonargparse import ActionConfigFile, ArgumentParser
 
-    parser = ArgumentParser(prog="memtrain", exit_on_error=False, description="memtrain trainer", allow_abbrev=False)
-    parser.add_argument("--config", action=ActionConfigFile, help="YAML recipe")
+    from memtrain.cli_help import describe
+
+    parser = ArgumentParser(prog="memtrain train", exit_on_error=False, allow_abbrev=False,
+                            usage="memtrain train [--config RECIPE.yaml] [--SECTION.KEY VALUE ...]",
+                            description="Train with memtrain: a recipe plus --section.key overrides (the same keys as "
+                                        "the recipe's). --help_all also lists the fault-injection options of tests.")
+    parser.add_argument("--config", action=ActionConfigFile, help="a YAML recipe (recipes/*.yaml)")
     parser.add_class_arguments(Config)
+    describe(parser, Config, show_all)
     return parser
 
 
@@ -435,9 +443,10 @@ def parse_args(argv: Optional[list[str]] = None) -> Config:
         path = rest[i + 1] if arg == "--config" and i + 1 < len(rest) else arg.partition("=")[2] if arg.startswith("--config=") else None
         if path and os.path.isfile(path):
             check_recipe(path)
-    parser = _parser()
+    show_all = "--help_all" in rest
+    parser = _parser(show_all)
     try:
-        ns = parser.parse_args(rest)
+        ns = parser.parse_args(["--help" if arg == "--help_all" else arg for arg in rest])
     except argparse.ArgumentError as exc:  # jsonargparse names the key in its message
         msg = str(exc)
         key = "config"

@@ -435,6 +435,9 @@ class Trainer:
         if resumed is not None:
             events.insert(0, {"event": "resume", "step": step, "from": resumed[0], "load_s": resumed[1],
                               **({"changed": resumed[2]} if resumed[2] else {})})
+            if "backend.name" in resumed[2]:  # the checkpoint was written by another engine
+                old, new = resumed[2]["backend.name"]
+                events.insert(1, {"event": "engine_switch", "step": step, "from": old, "to": new})
         for source in (self.evaluator.events, self.checkpointer.events):
             events += [{**e, "step": step} for e in source]
             source.clear()

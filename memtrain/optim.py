@@ -32,10 +32,13 @@ def make_optimizer(model: nn.Module, tcfg) -> torch.optim.Optimizer:
 def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """The trainable parameters in two optimizer groups: matrices (ndim ≥ 2) with ``weight_decay``,
     then biases, norms and other 1-D parameters without (the usual AdamW recipe: nanoGPT,
-    transformers' Trainer). ZeRO keeps one flat partition per group."""
+    transformers' Trainer). ZeRO keeps one flat partition per group. A parameter ZeRO-3 has
+    partitioned already (``model.pretrained`` built under ``zero.Init``) is judged by its full shape
+    (``ds_shape``)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    matrix = lambda p: len(getattr(p, "ds_shape", p.shape)) >= 2  # noqa: E731 - a ZeRO-3 partition is flat
+    return [{"params": [p for p in params if matrix(p)], "weight_decay": weight_decay},
+            {"params": [p for p in params if not matrix(p)], "weight_decay": 0.0}]
 
 
 def apply_hyperparameters(optimizer, tcfg) -> None:

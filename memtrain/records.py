@@ -63,7 +63,7 @@ def attach_events(record: dict[str, Any], events: list[dict]) -> None:
         record["plan_changes"] = events
 
 
-NOT_PLAN_CHANGES = ("checkpoint_saved", "resume", "nonfinite_skip")
+NOT_PLAN_CHANGES = ("checkpoint_saved", "resume", "engine_switch", "nonfinite_skip")
 """Events that change no plan (every other event — a shrink, a grow-back, a lever switched — does)."""
 
 

@@ -170,3 +170,13 @@ def test_help_lists_the_subcommands_and_plan_has_its_own():
     assert plan.returncode == 0 and "--gpu_memory_gib" in plan.stdout and "--world_size" in plan.stdout
     train = run("train", "--help")
     assert train.returncode == 0 and "--training.max_steps" in train.stdout
+    # one line per option from the config's own docstrings; the test-only fault flags only with --help_all
+    from memtrain.cli_help import field_docs, one_line
+    from memtrain.config import Config
+
+    text = " ".join(train.stdout.split())
+    assert "Samples per forward/backward on one rank." in text  # training.micro_batch_size's docstring
+    assert one_line(field_docs(Config)["backend.offload"])[:40] in text
+    assert "--faults.kill_at_step" not in train.stdout and len(train.stdout.splitlines()) < 300
+    everything = run("train", "--help_all")
+    assert everything.returncode == 0 and "--faults.kill_at_step" in everything.stdout

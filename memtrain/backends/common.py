@@ -81,8 +81,12 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, weights:
                     optimizer_state: dict) -> None:
     """Load whole-model ``weights`` and a full, name-keyed ``optimizer_state`` into ``model`` (a
     plain module or an FSDP2-sharded one, which takes its shards) and its ``optimizer`` through
-    torch's ``set_state_dict`` (``full_state_dict=True``): the engine switch on resume."""
+    torch's ``set_state_dict`` (``full_state_dict=True``): the engine switch on resume. Group
+    settings the other engine's optimizer had and this one has not are dropped."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
+    keys = set().union(*(group.keys() for group in optimizer.param_groups))  # this optimizer's settings only
+    optimizer_state = {**optimizer_state, "param_groups": [{k: v for k, v in group.items() if k in keys}
+                                                           for group in optimizer_state["param_groups"]]}
     set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optimizer_state,
                    options=StateDictOptions(full_state_dict=True))

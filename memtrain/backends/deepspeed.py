@@ -318,9 +318,14 @@ class DeepSpeedBackend:
             raise CheckpointError(f"{directory}: DeepSpeed found no universal checkpoint in {work}")
 
     def load_full_state(self, model: nn.Module, optimizer, weights, optimizer_state) -> None:
-        """Not yet: ZeRO partitions are filled from DeepSpeed's own checkpoints only."""
-        raise CheckpointError("a checkpoint of another engine cannot be resumed under DeepSpeed yet; resume it "
-                              "under the engine that wrote it, ddp or fsdp (they take each other's checkpoints)")
+        """Not yet: ZeRO partitions are filled from DeepSpeed's own checkpoints only (a ZeRO
+        checkpoint resumes under DDP or FSDP2, not the other way round).
+
+        Raises:
+            CheckpointError: always, naming what works.
+        """
+        raise CheckpointError("a DDP or FSDP2 checkpoint cannot be resumed under DeepSpeed yet (DDP ↔ FSDP2 and "
+                              "ZeRO → DDP/FSDP2 can): resume it under the engine that wrote it, or under ddp/fsdp")
 
     def replicated_tensors(self, model: nn.Module):
         module = self.unwrap(model)

@@ -47,7 +47,7 @@ def read_full_state(path: str, manifest: dict, module) -> tuple[dict[str, torch.
     module_of_format = format_module(manifest.get("checkpoint_format") or "")
     if not hasattr(module_of_format, "read_full_state"):
         raise CheckpointError(f"{path}: a {manifest.get('backend')} checkpoint ({module_of_format.NAME} format) cannot "
-                              "be resumed under another engine yet (supported: ddp ↔ fsdp); resume it under "
+                              "be resumed under another engine yet; resume it under "
                               f"backend.name {manifest.get('backend')}, or `memtrain export` its weights")
     return module_of_format.read_full_state(path, module)
 

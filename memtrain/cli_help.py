@@ -1,0 +1,52 @@
+"""``memtrain train --help``: one line per option, taken from the config's own field docstrings
+(the text under each field in :mod:`memtrain.config`), with jsonargparse's type and default
+after it; the test-only ``faults.*`` options are left out unless ``--help_all`` is given."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import re
+import typing
+
+HIDDEN_SECTIONS = ("faults",)
+"""Config sections shown only by ``--help_all`` (fault injection for tests and benchmarks)."""
+WIDTH = 110
+"""Characters of a field's docstring shown in the help (its first sentence, cut here)."""
+
+
+def field_docs(cls, prefix: str = "") -> dict[str, str]:
+    """``{"section.key": docstring}`` for every field of dataclass ``cls`` and its nested
+    dataclasses (a docstring is the string literal right under the field, as in :mod:`memtrain.config`)."""
+    docs: dict[str, str] = {}
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    for node, after in zip(body, body[1:] + [None]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[prefix + node.target.id] = after.value.value
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            docs.update(field_docs(hints[f.name], f"{prefix}{f.name}."))
+    return docs
+
+
+def one_line(doc: str) -> str:
+    """The first sentence of ``doc`` on one line (reST markup dropped), at most :data:`WIDTH` characters."""
+    text = re.sub(r"\s+", " ", doc.replace("``", "")).strip()
+    first = re.split(r"(?<=\.)\s", text, maxsplit=1)[0]
+    return first if len(first) <= WIDTH else first[:WIDTH - 1].rstrip() + "…"
+
+
+def describe(parser, config_cls, show_all: bool) -> None:
+    """Give each option of ``parser`` (built from ``config_cls``) its field's one-line docstring;
+    hide the :data:`HIDDEN_SECTIONS` unless ``show_all``."""
+    docs = field_docs(config_cls)
+    for action in parser._actions:
+        dest = getattr(action, "dest", "")
+        if not show_all and dest.split(".")[0] in HIDDEN_SECTIONS:
+            action.help = argparse.SUPPRESS
+        elif dest in docs:
+            action.help = one_line(docs[dest]).replace("%", "%%")
