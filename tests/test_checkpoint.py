@@ -236,6 +236,19 @@ def test_a_killed_run_resumes_under_another_engine(tmp_path, tmp_path_factory, c
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-5)
 
 
+def test_another_engines_checkpoint_is_refused_under_deepspeed_by_name(tmp_path, tmp_path_factory, cache_dir):
+    """DDP → ZeRO is not supported yet: the resume stops (exit 4) naming what works, trains nothing,
+    and leaves the checkpoint as it was."""
+    from memtrain.checkpoint import verify
+
+    shutil.copytree(continuous("ddp", tmp_path_factory, cache_dir) / "checkpoints" / "step_00000015", tmp_path / "from")
+    proc = launch(tiny_args(tmp_path / "run", cache_dir, *CKPT, *ENGINES["zero3"], "--resume", str(tmp_path / "from")),
+                  check=False)
+    assert 4 in child_exit_codes(proc) and "cannot be resumed under DeepSpeed yet" in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "run")  # nothing trained
+    verify(str(tmp_path / "from"))
+
+
 def test_explicit_corrupt_checkpoint_is_refused_by_name(tmp_path, tmp_path_factory, cache_dir):
     ckpt = tmp_path / "step"
     shutil.copytree(continuous("ddp", tmp_path_factory, cache_dir) / "checkpoints" / "step_00000015", ckpt)
