@@ -177,13 +177,14 @@ class Trainer:
         progress(f"resuming from {path}", timed=False, context="")
         manifest = read_manifest(path)
         check_resumable(path, manifest, to_dict(self.cfg), data_identity(self.corpus))
-        if manifest.get("backend") != self.engine.name and self.process.is_main:
+        switched = manifest.get("backend") != self.engine.name  # written by another engine: converted on load
+        if switched and self.process.is_main:
             log.warning("memtrain: resuming a %s checkpoint under %s: the weights and the optimizer state are "
                         "converted; the schedule, data position, plan and random streams carry over as they are",
                         manifest.get("backend"), self.engine.name)
         self.checkpointer.load(path, self.checkpoint_states)
         changed = changed_settings(manifest, to_dict(self.cfg))
-        if manifest.get("backend") != self.engine.name:  # the engine switch: named in the resume event
+        if switched:  # named in the resume event
             changed["backend.name"] = [manifest.get("backend"), self.engine.name]
         if any(key in changed for key in ("training.weight_decay", "training.adam_beta1", "training.adam_beta2",
                                           "training.adam_eps")):

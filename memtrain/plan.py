@@ -192,9 +192,6 @@ class PlanController:
         self.plan = self.grown_from = self.configured
         self.ok_steps, self.trying_grow = 0, False
 
-    def _with_micro(self, micro: int) -> Plan:
-        return dataclasses.replace(self.plan, micro_batch_size=micro, gradient_accumulation_steps=self.per_rank_batch // micro)
-
     def capped(self, longest: int, max_per_micro_batch: int) -> Plan:
         """The plan for a step whose longest sample has length ``longest`` (e.g. audio samples): the
         largest micro-batch at most the current one with ``micro_batch_size × longest <=
@@ -202,7 +199,7 @@ class PlanController:
         the global batch."""
         fitting = [d for d in self._divisors()
                    if d <= self.plan.micro_batch_size and d * longest <= max_per_micro_batch]
-        return self._with_micro(max(fitting, default=1))
+        return self.plan.with_micro_batch(max(fitting, default=1))
 
     def on_oom(self, where: str, tried: Plan | None = None) -> PlanChange:
         """The step ran out of memory on some rank: the next plan to retry with.
@@ -232,7 +229,7 @@ class PlanController:
             return replanned
         smaller = [d for d in self._divisors() if d <= old.micro_batch_size // 2]
         if smaller:
-            self.plan = self._with_micro(max(smaller))
+            self.plan = self.plan.with_micro_batch(max(smaller))
             return PlanChange("oom_shrink", old, self.plan, f"OOM in {where}")
         return self._escalate(old, where)
 
@@ -274,7 +271,7 @@ class PlanController:
             return None
         larger = [d for d in self._divisors() if self.plan.micro_batch_size < d <= self.configured.micro_batch_size]
         old = self.plan
-        self.plan = self._with_micro(min(d for d in larger if d >= 2 * old.micro_batch_size) if any(
+        self.plan = self.plan.with_micro_batch(min(d for d in larger if d >= 2 * old.micro_batch_size) if any(
             d >= 2 * old.micro_batch_size for d in larger) else max(larger))
         self.ok_steps = 0
         self.trying_grow, self.grown_from = True, old

@@ -275,23 +275,14 @@ class DeepSpeedBackend:
         Raises:
             CheckpointError: the conversion or the load failed (names the checkpoint).
         """
-        import argparse
-        import io
         import shutil
-
-        from deepspeed.checkpoint.ds_to_universal import main as to_universal
 
         work = os.path.join(os.path.dirname(os.path.abspath(directory)), f".tmp-universal-{os.path.basename(directory)}")
         failure = None
         if self.process.is_main:  # rank 0 converts, however long it takes; the others wait patiently
             shutil.rmtree(work, ignore_errors=True)
-            args = argparse.Namespace(input_folder=os.path.join(directory, self._TAG),
-                                      output_folder=os.path.join(work, self._TAG), num_extract_workers=1,
-                                      num_merge_workers=1, keep_temp_folder=False, strict=True,
-                                      inject_missing_state=True)
             try:
-                with contextlib.redirect_stdout(io.StringIO()):
-                    to_universal(args)
+                deepspeed_format.to_universal(directory, work)
             except Exception as exc:  # noqa: BLE001 — DeepSpeed raises assertions and more
                 shutil.rmtree(work, ignore_errors=True)
                 failure = repr(exc)

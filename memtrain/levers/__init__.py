@@ -7,7 +7,7 @@ micro-batch floor moves the first lever that has a more memory-saving choice lef
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
 from memtrain.levers.activation_checkpointing import ActivationCheckpointing
 from memtrain.levers.base import Lever, LeverTarget
@@ -73,7 +73,3 @@ def lever_events() -> frozenset[str]:
     """Metrics events the levers add (e.g. ``activation_checkpointing_on``)."""
     return frozenset(x.escalate_event for x in LEVERS if x.escalate_event)
 
-
-def model_levers(names: Iterable[str]) -> list[str]:
-    """The names of ``names`` that transform the model (their effect on activations is traced)."""
-    return [n for n in names if lever(n).model_lever]

@@ -10,13 +10,19 @@ from __future__ import annotations
 from memtrain.levers.base import Lever
 
 
-class ReshardAfterForward(Lever):
+class EngineSetting(Lever):
+    """A lever the engine is built with: its bytes come from the engine's accounting, and it is
+    fixed for the run (a plan asking for another setting is an error)."""
+
+    model_lever = False
+    runtime = False
+
+
+class ReshardAfterForward(EngineSetting):
     """Settings: bool (FSDP2 only)."""
 
     name = "reshard_after_forward"
     config_key = "backend.reshard_after_forward"
-    model_lever = False
-    runtime = False
 
     def applies(self, cfg, spec) -> bool:
         return spec is not None and spec.name == "fsdp"
@@ -28,13 +34,11 @@ class ReshardAfterForward(Lever):
         return "" if setting else "blocks kept gathered"
 
 
-class OffloadOptimizerRatio(Lever):
+class OffloadOptimizerRatio(EngineSetting):
     """Settings: float in (0, 1] (DeepSpeed with optimizer offload only)."""
 
     name = "offload_optimizer_ratio"
     config_key = "backend.offload_optimizer_ratio"
-    model_lever = False
-    runtime = False
 
     def applies(self, cfg, spec) -> bool:
         return spec is not None and spec.name == "deepspeed" and _offload(cfg, spec)[0] != "none"

@@ -391,7 +391,7 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str) -
         memtrain.errors.ConfigError: a lever the model cannot take (chunked cross-entropy).
     """
     from memtrain.backends.common import repeated_blocks
-    from memtrain.levers import LeverTarget, apply_levers, model_levers
+    from memtrain.levers import LeverTarget, apply_levers, lever
     from memtrain.models import build_model
 
     dtype = COMPUTE_DTYPES.get(precision) if device_type == "cuda" else None
@@ -401,7 +401,7 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str) -
     cache: dict[tuple, int] = {}
 
     def activation_bytes(plan: Plan) -> int:
-        settings = {name: setting for name, setting in plan.levers if name in model_levers(plan.settings())}
+        settings = {name: setting for name, setting in plan.levers if lever(name).model_lever}
         key = (plan.micro_batch_size, tuple(settings.items()))
         if key not in cache:
             apply_levers(target, settings)

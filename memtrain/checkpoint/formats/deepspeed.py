@@ -48,7 +48,7 @@ def to_universal(path: str, out: str) -> None:
     args = argparse.Namespace(input_folder=os.path.join(path, TAG), output_folder=os.path.join(out, TAG),
                               num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
                               inject_missing_state=True)
-    with contextlib.redirect_stdout(io.StringIO()):
+    with contextlib.redirect_stdout(io.StringIO()):  # its progress goes to stdout
         convert(args)
 
 
