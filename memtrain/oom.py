@@ -292,7 +292,8 @@ def oom_stop_message(exc: OOMStop, step: int, rank: int, report: dict[str, int],
     left = []
     if context["engine"] == "ddp":
         left.append("backend.name fsdp, or deepspeed with backend.zero_stage 3 (shards the model state; the same "
-                    "command with --backend.name fsdp resumes this run's last checkpoint under FSDP2)")
+                    "command with --backend.name fsdp, or --backend.name deepspeed --backend.zero_stage 3, resumes this "
+                    "run's last checkpoint under that engine)")
     elif context["engine"] == "deepspeed" and (context.get("zero_stage") or 2) < 3:
         left.append("backend.zero_stage 3")
     if context["engine"] != "ddp" and context.get("offload") in (None, "none"):

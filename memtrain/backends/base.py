@@ -154,10 +154,11 @@ class Backend(Protocol):
         """
 
     def load_full_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, weights: dict[str, torch.Tensor],
-                        optimizer_state: dict[str, Any]) -> None:
+                        optimizer_state: dict[str, Any], directory: str) -> None:
         """Load a checkpoint written by another engine, given as the whole model's weights and the
         full optimizer state keyed by parameter name (``torch.distributed.checkpoint.state_dict``'s
-        layout; :func:`memtrain.checkpoint.formats.read_full_state`). Every rank calls it.
+        layout; :func:`memtrain.checkpoint.formats.read_full_state`). ``directory`` is the
+        checkpoint (an engine may convert beside it, never in it). Every rank calls it.
 
         Raises:
             memtrain.errors.CheckpointError: the engine cannot take another engine's state.

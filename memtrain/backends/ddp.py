@@ -220,7 +220,7 @@ class DDPBackend:
         if scaler is not None and state["scaler"] is not None:
             scaler.load_state_dict(state["scaler"])
 
-    def load_full_state(self, model: nn.Module, optimizer, weights, optimizer_state) -> None:
+    def load_full_state(self, model: nn.Module, optimizer, weights, optimizer_state, directory: str) -> None:
         """Another engine's state (:meth:`memtrain.backends.base.Backend.load_full_state`) into the
         replicated module; the fp16 GradScaler, which other engines do not save, starts afresh."""
         load_full_state(self.unwrap(model), optimizer, weights, optimizer_state)

@@ -266,14 +266,24 @@ class DeepSpeedBackend:
                 raise CheckpointError(f"{directory}: {exc}") from exc
 
     def _load_universal(self, directory: str, saved_world_size: int) -> None:
-        """Resume a ZeRO checkpoint written by ``saved_world_size`` ranks: rank 0 converts it with
-        DeepSpeed's ``ds_to_universal`` (per-parameter fp32 weights and Adam moments, no ranks)
-        into ``.tmp-universal-<name>`` beside it, every rank loads its new partition from there
-        (DeepSpeed's ``load_universal``), and the folder is removed. The checkpoint itself is
-        never modified; a conversion cut short is removed by the next start like an unfinished save.
+        """Resume a ZeRO checkpoint written by ``saved_world_size`` ranks through DeepSpeed's
+        universal checkpoint (``ds_to_universal``: per-parameter fp32 weights and Adam moments,
+        no ranks; :meth:`_load_through_universal`).
 
         Raises:
             CheckpointError: the conversion or the load failed (names the checkpoint).
+        """
+        self._load_through_universal(directory, lambda work: deepspeed_format.to_universal(directory, work),
+                                     f"the ZeRO-{self.zero_stage} checkpoint of {saved_world_size} ranks")
+
+    def _load_through_universal(self, directory: str, write: Callable[[str], None], what: str) -> None:
+        """Rank 0 writes a universal checkpoint (``write(folder)``) into ``.tmp-universal-<name>``
+        beside ``directory``, every rank loads its new partition from there (DeepSpeed's
+        ``load_universal``), and the folder is removed. The checkpoint itself is never modified;
+        a folder left by a conversion cut short is removed by the next start like an unfinished save.
+
+        Raises:
+            CheckpointError: the conversion or the load failed (names the checkpoint and ``what``).
         """
         import shutil
 
@@ -282,41 +292,67 @@ class DeepSpeedBackend:
         if self.process.is_main:  # rank 0 converts, however long it takes; the others wait patiently
             shutil.rmtree(work, ignore_errors=True)
             try:
-                deepspeed_format.to_universal(directory, work)
+                write(work)
             except Exception as exc:  # noqa: BLE001 — DeepSpeed raises assertions and more
                 shutil.rmtree(work, ignore_errors=True)
                 failure = repr(exc)
         failure = self.process.broadcast_object(failure, patient=True)  # every rank stops alike
         if failure is not None:
-            raise CheckpointError(f"{directory}: converting the ZeRO-{self.zero_stage} checkpoint of "
-                                  f"{saved_world_size} ranks for {self.world_size} failed: {failure}")
+            raise CheckpointError(f"{directory}: converting {what} for ZeRO-{self.zero_stage} on {self.world_size} "
+                                  f"ranks failed: {failure}")
         # ZeRO-3's universal load gives every parameter group the first group's settings (its weight
         # decay included, which memtrain keeps off biases and norms): keep this run's own
-        inner = getattr(self.engine.optimizer, "optimizer", None)
-        settings = [{k: v for k, v in g.items() if k != "params"} for g in getattr(inner, "param_groups", [])]
+        settings = self._group_settings()
         self.engine._config.load_universal_checkpoint = True  # DeepSpeed reads the flag at load time
         try:
             path, _ = self.engine.load_checkpoint(work, tag=self._TAG, load_module_strict=True,
                                                   load_optimizer_states=True, load_lr_scheduler_states=False)
         finally:
             self.engine._config.load_universal_checkpoint = False
+        inner = getattr(self.engine.optimizer, "optimizer", None)
         for group, own in zip(getattr(inner, "param_groups", []), settings):
             group.update(own)
+        for state in getattr(inner, "state", {}).values():
+            # ZeRO-3's universal load gives every sub-group one shared step tensor, which torch's
+            # AdamW increments in place: once per sub-group and step, skewing the bias correction
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
         self.process.barrier()
         if self.process.is_main:
             shutil.rmtree(work, ignore_errors=True)
         if path is None:
             raise CheckpointError(f"{directory}: DeepSpeed found no universal checkpoint in {work}")
 
-    def load_full_state(self, model: nn.Module, optimizer, weights, optimizer_state) -> None:
-        """Not yet: ZeRO partitions are filled from DeepSpeed's own checkpoints only (a ZeRO
-        checkpoint resumes under DDP or FSDP2, not the other way round).
+    def _group_settings(self) -> list[dict]:
+        """This run's optimizer parameter groups' settings (without ``params``)."""
+        inner = getattr(self.engine.optimizer, "optimizer", None)
+        return [{k: v for k, v in g.items() if k != "params"} for g in getattr(inner, "param_groups", [])]
+
+    def load_full_state(self, model: nn.Module, optimizer, weights, optimizer_state, directory: str) -> None:
+        """Another engine's state (:meth:`memtrain.backends.base.Backend.load_full_state`) into
+        the ZeRO partitions: written as DeepSpeed's universal checkpoint
+        (:func:`memtrain.checkpoint.formats.deepspeed.write_universal`) and loaded by DeepSpeed's
+        own universal loader, as a ZeRO checkpoint on another world size is; buffers are copied
+        into the module.
 
         Raises:
-            CheckpointError: always, naming what works.
+            CheckpointError: partial or NVMe optimizer offload (no universal load for them), or
+                the load failed.
         """
-        raise CheckpointError("a DDP or FSDP2 checkpoint cannot be resumed under DeepSpeed yet (DDP ↔ FSDP2 and "
-                              "ZeRO → DDP/FSDP2 can): resume it under the engine that wrote it, or under ddp/fsdp")
+        if self.offload_ratio < 1.0 or self.nvme:
+            raise CheckpointError(f"{directory}: another engine's checkpoint resumes under ZeRO without partial or "
+                                  "NVMe offload only (DeepSpeed's universal checkpoint has no loader for them): "
+                                  "resume with backend.offload_optimizer_ratio 1.0 and without backend.nvme_path")
+        module = self.unwrap(model)
+        buffers = dict(module.named_buffers())
+        settings = self._group_settings()
+        weights, optimizer_state = _by_first_name(module, weights, optimizer_state)
+        self._load_through_universal(directory, lambda work: deepspeed_format.write_universal(
+            work, weights, optimizer_state, self.zero_stage, settings, frozenset(buffers)), "another engine's checkpoint")
+        with torch.no_grad():
+            for name, buffer in buffers.items():
+                if name in weights:
+                    buffer.copy_(weights[name])
 
     def replicated_tensors(self, model: nn.Module):
         module = self.unwrap(model)
@@ -337,6 +373,23 @@ class DeepSpeedBackend:
         """Release the engine (the process group is the process state's)."""
         if self.engine is not None and hasattr(self.engine, "destroy"):
             self.engine.destroy()
+
+
+def _by_first_name(module: nn.Module, weights: dict[str, torch.Tensor], optimizer_state: dict) -> tuple[dict, dict]:
+    """``weights`` and ``optimizer_state["state"]`` keyed by the name DeepSpeed gives each
+    parameter (its first in ``named_parameters``), whichever of a tied parameter's names
+    (GPT-2's ``lm_head.weight`` / ``transformer.wte.weight``) the other engine saved it under."""
+    first: dict[int, str] = {}
+    names: dict[str, str] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names[name] = first.setdefault(id(param), name)
+    renamed, state = dict(weights), dict(optimizer_state.get("state", {}))
+    for name, canonical in names.items():
+        if name != canonical:
+            for table in (renamed, state):
+                if name in table:
+                    table.setdefault(canonical, table.pop(name))
+    return renamed, {**optimizer_state, "state": state}
 
 
 def build(cfg, spec, process: ProcessState, precision: str, plan) -> DeepSpeedBackend:

@@ -159,7 +159,7 @@ class FSDPBackend:
         the saved world size may differ from this one."""
         dcp_format.load(model, optimizer, directory)
 
-    def load_full_state(self, model: nn.Module, optimizer, weights, optimizer_state) -> None:
+    def load_full_state(self, model: nn.Module, optimizer, weights, optimizer_state, directory: str) -> None:
         """Another engine's state (:meth:`memtrain.backends.base.Backend.load_full_state`): every
         rank keeps its shard of the whole weights and optimizer state."""
         load_full_state(model, optimizer, weights, optimizer_state)

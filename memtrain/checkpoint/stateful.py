@@ -169,7 +169,7 @@ class EngineState:
         from memtrain.checkpoint.formats import read_full_state
 
         weights, optimizer_state = read_full_state(directory, manifest, self.backend.unwrap(self.model))
-        self.backend.load_full_state(self.model, self.optimizer, weights, optimizer_state)
+        self.backend.load_full_state(self.model, self.optimizer, weights, optimizer_state, directory)
 
 
 def rng_state() -> dict[str, Any]:

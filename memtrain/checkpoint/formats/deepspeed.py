@@ -52,6 +52,53 @@ def to_universal(path: str, out: str) -> None:
         convert(args)
 
 
+def write_universal(out: str, weights: dict[str, torch.Tensor], optimizer_state: dict, zero_stage: int,
+                    param_groups: list[dict], buffers: frozenset = frozenset()) -> None:
+    """Write a whole model's fp32 weights and its Adam state (another engine's checkpoint, read
+    by :func:`read_full_state` of its format) as DeepSpeed's universal checkpoint under
+    ``out/TAG``, which a ZeRO engine of any stage and world size loads into its partitions with
+    its own universal loader (``load_universal_checkpoint``).
+
+    The layout is the one ``ds_to_universal`` writes: per parameter ``zero/<name>/fp32.pt``,
+    ``exp_avg.pt``, ``exp_avg_sq.pt`` (``{"param": tensor}``, the parameter's full shape) and
+    ``step.pt``; ``zero/optimizer_state.pt`` (the step count where ZeRO-3 reads it, the group
+    settings); and the engine's model-states file with its counters (``global_steps`` = the Adam
+    step count).
+
+    Args:
+        out: a new folder.
+        weights: parameter (and buffer) name → tensor, fp32.
+        optimizer_state: ``{"state": {name: {"step", "exp_avg", "exp_avg_sq"}}, ...}``; a
+            parameter without state (never stepped) gets zero moments.
+        zero_stage: 1, 2 or 3 (names the model-states file as that engine looks for it).
+        param_groups: the loading optimizer's own group settings, without ``params``.
+        buffers: names in ``weights`` that are buffers, not parameters (skipped here).
+    """
+    import deepspeed
+
+    folder = os.path.join(out, TAG, "zero")
+    state = optimizer_state.get("state", {})
+    steps = {float(s["step"]) for s in state.values() if "step" in s}
+    step = steps.pop() if len(steps) == 1 else 0.0  # AdamW steps every parameter together
+    for name, tensor in weights.items():
+        if name in buffers:
+            continue
+        own = state.get(name, {})
+        os.makedirs(os.path.join(folder, name))
+        for key, value in (("fp32", tensor), ("exp_avg", own.get("exp_avg")), ("exp_avg_sq", own.get("exp_avg_sq"))):
+            value = torch.zeros_like(tensor) if value is None else value.reshape(tensor.shape)
+            torch.save({"param": value.detach().float().contiguous(), "cat_dim": 0},
+                       os.path.join(folder, name, f"{key}.pt"))
+        torch.save(torch.tensor(step), os.path.join(folder, name, "step.pt"))
+    torch.save({"ds_version": deepspeed.__version__, "param_groups": param_groups,
+                "optimizer_state_dict": {"state": {0: {"step": torch.tensor(step)}}, "param_groups": param_groups}},
+               os.path.join(folder, "optimizer_state.pt"))
+    states = "zero_pp_rank_0_mp_rank_00_model_states.pt" if zero_stage == 3 else "mp_rank_00_model_states.pt"
+    torch.save({"module": {}, "buffer_names": [], "global_steps": int(step), "skipped_steps": 0,
+                "dp_world_size": 1, "mp_world_size": 1, "ds_version": deepspeed.__version__},
+               os.path.join(out, TAG, states))
+
+
 def read_full_state(path: str, module: nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
     """The whole model's fp32 weights (:func:`read_full_weights`) and the optimizer state keyed by
     parameter name, from DeepSpeed's universal checkpoint made in a temporary folder (removed
