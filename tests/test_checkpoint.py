@@ -204,9 +204,10 @@ def test_resume_two_rank_checkpoint_on_one_rank(tmp_path, tmp_path_factory, cach
 
 
 @pytest.mark.parametrize("source,target,nproc", [("ddp", "fsdp", 2), ("fsdp", "ddp", 2), ("zero2_plain", "ddp", 2),
-                                                  ("ddp", "zero3", 1)])
+                                                  ("ddp", "zero3", 2), ("fsdp", "zero3", 1)])
 def test_a_killed_run_resumes_under_another_engine(tmp_path, tmp_path_factory, cache_dir, source, target, nproc):
-    """DDP ↔ FSDP2, ZeRO-2 → DDP and DDP → ZeRO-3 (on 1 rank: another world size too): a run
+    """DDP ↔ FSDP2, ZeRO-2 → DDP, DDP → ZeRO-3 and FSDP2 → ZeRO-3 (on 1 rank: another world
+    size too): a run
     killed after step 5 and rerun with the other engine resumes its step-3 checkpoint and trains
     steps 4–16 on the same samples (same ``batch_fingerprint``) with the losses of the run that
     never switched (within the 1e-4 at which the engines agree); Adam's moments and step counts
