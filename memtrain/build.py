@@ -16,6 +16,7 @@ from memtrain.backends import make_backend, model_build_context
 from memtrain.backends.common import repeated_blocks
 from memtrain.memory.accounting import device_state_bytes
 from memtrain.checkpoint import Checkpointer
+from memtrain.memory.breakdown import MemoryBreakdown
 from memtrain.checkpoint.stateful import EngineState, RNGState, SchedulerState, TokenizerFiles
 from memtrain.config import Config, to_dict
 from memtrain.checkpoint.compat import data_identity
@@ -139,6 +140,8 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Tra
     from accelerate.utils import set_seed
 
     set_seed(t.seed)  # same initial weights on every rank
+    breakdown = MemoryBreakdown(cfg.logging.memory_breakdown_step, cfg.output_dir, process.rank).start()
+    closing.callback(breakdown.close)  # counts from before the model exists (logging.memory_breakdown_step)
     with model_build_context(cfg, spec, precision, process.world_size):
         model = build_model(cfg.model, corpus.vocab_size, t.seed, getattr(corpus, "eos_id", None))
     # compute randomness (dropout, SpecAugment) differs by rank from here on, as Accelerate's
@@ -181,7 +184,7 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Tra
     }
     return Trainer(cfg, process, engine, model, optimizer, scheduler, corpus, objective, sampler, controller, sync,
                    faults, transforms, evaluator, guard, checkpointer, checkpoint_states, state, n_params, spec,
-                   layerdrop, *utilisation)
+                   layerdrop, *utilisation, breakdown=breakdown)
 
 
 def model_flops(model, n_params: int, seq_len: int, unit: str, precision: str, device: torch.device) -> tuple:

@@ -318,6 +318,11 @@ class LoggingConfig:
     ``clearml``, ``dvclive``, ``trackio``, ``swanlab``) or ``all``: the same scalars as
     ``metrics.jsonl``, sent through Accelerate's trackers on rank 0, logged under
     ``output_dir/trackers``."""
+    memory_breakdown_step: int = 0
+    """Count this optimizer step's tensor memory with torch's MemTracker, entered before the model
+    is built (every tensor: model state, engine buffers, activations, temporaries), and write its
+    peak per rank and category to ``output_dir/memory_breakdown/rank_XXXXX.json``
+    (memtrain/memory/breakdown.py); 0 = off. Slows the steps up to it."""
 
 
 @dataclass

@@ -102,6 +102,7 @@ class Trainer:
     peak_flops: Optional[float] = None
     pending_events: list[dict] = field(default_factory=list)  # plan events of the next step
     probe_batch: Optional[dict] = None  # the rank batch the planner's probes time
+    breakdown: Any = None  # memtrain.memory.breakdown.MemoryBreakdown (logging.memory_breakdown_step)
 
     def run(self) -> RunResult:
         """Train to ``training.max_steps`` (resuming from a checkpoint when ``resume`` finds one),
@@ -135,7 +136,11 @@ class Trainer:
             run_start = time.perf_counter()
             for step in range(first_step, t.max_steps + 1):
                 try:
+                    if self.breakdown is not None:
+                        self.breakdown.before_step(step)
                     outcome = self._optimizer_step(step, run_start)
+                    if self.breakdown is not None:
+                        self.breakdown.after_step(step)
                 except BaseException as exc:  # an OOM the agreement did not catch: leave a note for a restart
                     if is_oom(exc) and not isinstance(exc, OOMStop):
                         record_escaped_oom(self.cfg.output_dir, self.process.rank, step, str(self.controller.plan))

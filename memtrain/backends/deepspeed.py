@@ -29,7 +29,8 @@ from memtrain.backends.spec import EngineVariant
 from memtrain.checkpoint.formats import deepspeed as deepspeed_format
 from memtrain.distributed import ProcessState
 from memtrain.errors import CheckpointError
-from memtrain.memory.accounting import model_state_bytes
+from memtrain.memory.accounting import (ZERO3_PERSISTENCE_THRESHOLD, model_state_bytes, zero3_persistent_elements,
+                                        zero_reduce_bucket_elements)
 
 VARIANTS = (
     *(EngineVariant(f"zero{s}", "deepspeed", s) for s in (1, 2, 3)),
@@ -99,6 +100,8 @@ class DeepSpeedBackend:
         self.grad_average_factor = float(self.world_size)  # ZeRO averages gradients over ranks
         self.engine = None
         self._one_bucket = False  # every ZeRO-1/2 gradient fits one reduce bucket (set in prepare)
+        self.reduce_bucket_elements: Optional[int] = None  # zero_optimization.reduce_bucket_size (set in prepare)
+        self.persistent_elements = 0  # ZeRO-3's whole small parameters (set in prepare)
 
     def prepare(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]):
         import deepspeed
@@ -108,6 +111,14 @@ class DeepSpeedBackend:
             n_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
             self.ds_config["zero_optimization"]["sub_group_size"] = ds_partial_offload.sub_group_size(
                 n_params, self.world_size)
+        trainable = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if p.requires_grad)
+        if get_path(self.ds_config, "zero_optimization.reduce_bucket_size") in (None, "auto"):
+            self.ds_config["zero_optimization"]["reduce_bucket_size"] = zero_reduce_bucket_elements(trainable)
+        self.reduce_bucket_elements = int(float(self.ds_config["zero_optimization"]["reduce_bucket_size"]))
+        threshold = get_path(self.ds_config, "zero_optimization.stage3_param_persistence_threshold")
+        self.persistent_elements = zero3_persistent_elements(
+            (int(getattr(p, "ds_numel", p.numel())) for p in model.parameters()),
+            ZERO3_PERSISTENCE_THRESHOLD if threshold in (None, "auto") else int(float(threshold)))
         if self.offload_optimizer:  # ZeRO-Offload steps on CPU with its own Adam kernel (same AdamW math)
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -124,7 +135,6 @@ class DeepSpeedBackend:
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config,
                                                     dist_init_required=False)
         bucket = getattr(self.engine.optimizer, "reduce_bucket_size", None)  # ZeRO-1/2's, in elements
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self._one_bucket = bucket is not None and trainable <= bucket
         on_device, groups = ds_partial_offload.prepare(self.engine.optimizer, self.device.type)
         if groups and self.process.is_main:
@@ -367,7 +377,8 @@ class DeepSpeedBackend:
         if self.offload_optimizer:
             offload = "optimizer_and_params" if self.offload_params else "optimizer"
         return model_state_bytes("deepspeed", n_params, self.precision, self.zero_stage, offload, self.world_size,
-                                 self.offload_ratio, "nvme" if self.nvme else "cpu")
+                                 self.offload_ratio, "nvme" if self.nvme else "cpu", self.reduce_bucket_elements,
+                                 self.persistent_elements)
 
     def close(self) -> None:
         """Release the engine (the process group is the process state's)."""

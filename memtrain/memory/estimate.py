@@ -82,7 +82,7 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
         ``machine`` they were planned for.
     """
     from memtrain.backends import engine_variants, infer_backend_name
-    from memtrain.memory.accounting import device_state_bytes, model_state_bytes
+    from memtrain.memory.accounting import device_state_bytes, model_state_bytes, zero3_persistent_elements
     from memtrain.data import build_corpus
     from memtrain.models import build_model, count_parameters
     from memtrain.levers import lever_choices, recompute_fraction
@@ -98,12 +98,14 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
         meta = build_model(cfg.model, corpus.vocab_size, cfg.training.seed, getattr(corpus, "eos_id", None))
     n, objective = count_parameters(meta), make_objective(meta, corpus)
     choices = lever_choices(cfg, None)  # the model levers; the engine's are in its state bytes
-    engines = {v.name: model_state_bytes(v.engine, n, precision, v.zero_stage, v.offload, world_size)
+    persistent = zero3_persistent_elements(p.numel() for p in meta.parameters())
+    engines = {v.name: model_state_bytes(v.engine, n, precision, v.zero_stage, v.offload, world_size,
+                                         persistent_elements=persistent)
                for v in engine_variants() if not v.tune_ratio and not v.nvme}
     b = cfg.backend
     engine = infer_backend_name(b.name, b.deepspeed_config)
     state = model_state_bytes(engine, n, precision, b.zero_stage if engine == "deepspeed" else None, b.offload or "none",
-                              world_size)
+                              world_size, persistent_elements=persistent)
     budget = (int(gpu_memory_gib * 2**30) if gpu_memory_gib else
               device_budget_bytes(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu")))
     acts = activation_table(cfg, corpus, objective, precision, device_type)

@@ -7,11 +7,13 @@ and on). For each the planner predicts the peak device memory and measures the s
 
 - **Peak bytes, without allocating.** The model is built on the meta device with fake parameters
   (``torch._subclasses.fake_tensor.FakeTensorMode``) and one micro-batch is traced while
-  :class:`memtrain.memory.simulated.SimulatedMemory` counts the bytes autograd saves for backward,
-  exactly as the simulated device of a CPU run counts them. Planning a 10B-parameter model takes
-  seconds and no memory. The prediction is model state (the engine's accounting,
-  ``model_state_bytes``) + saved activations (+ on CUDA, a headroom for the allocator and
-  transient buffers: :func:`memtrain.memory.accounting.with_allocator_headroom`).
+  its forward and backward are counted (:mod:`memtrain.memory.step_trace`: saved activations and
+  the transients beside them, e.g. the logits' gradient; under a simulated device only what
+  autograd saves, which is all it counts). Planning a 10B-parameter model takes seconds and no
+  memory. The prediction is model state (the engine's accounting, ``model_state_bytes``, its
+  buffers included) + that peak (+ on CUDA, a headroom for the allocator:
+  :func:`memtrain.memory.accounting.with_allocator_headroom`); ``benchmarks/memory_accuracy.py``
+  checks it against torch's ``MemTracker`` on real runs.
 - **Step time, measured.** A run times the forward and backward of a whole rank batch (every
   micro-batch and the gradient reduction, no optimizer step) at each candidate predicted to
   fit, on the real engine and data; the seconds are averaged over ranks, so every rank holds
@@ -56,8 +58,9 @@ class Candidate:
 
     Attributes:
         plan: the :class:`memtrain.plan.Plan` (split and lever settings).
-        predicted_peak_bytes: model state + saved activations (+ CUDA headroom), bytes per rank.
-        activation_bytes: bytes one micro-batch's forward saves for backward (traced).
+        predicted_peak_bytes: model state + activation bytes (+ CUDA headroom), bytes per rank.
+        activation_bytes: the peak bytes one micro-batch's forward and backward hold beyond model
+            state (traced: :func:`activation_table`).
         predicted_step_s: seconds of an optimizer step's forward and backward estimated from its
             FLOPs (``memtrain plan``); None = not estimated.
         measured_step_s: the same, measured: the fastest timed probe on the run's engine; None =
@@ -386,18 +389,26 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str) -
     the plan's model levers applied to it as to the real model: :mod:`memtrain.levers`; results
     cached per micro-batch and model-lever settings). ``objective`` is not changed (a copy is traced).
 
+    The bytes are the peak of the micro-step's forward and backward beyond model state (saved
+    activations and transients: :func:`memtrain.memory.step_trace.step_peak_bytes`), except under
+    a simulated device (``faults.memory_budget_mib``), which counts what autograd saves and nothing
+    else: there they are that count (:func:`traced_activation_bytes`), so the planner predicts
+    what the simulated device will count.
+
     Raises:
         RuntimeError, NotImplementedError: the model cannot be traced with fake tensors.
         memtrain.errors.ConfigError: a lever the model cannot take (chunked cross-entropy).
     """
     from memtrain.backends.common import repeated_blocks
     from memtrain.levers import LeverTarget, apply_levers, lever
+    from memtrain.memory.step_trace import step_peak_bytes
     from memtrain.models import build_model
 
     dtype = COMPUTE_DTYPES.get(precision) if device_type == "cuda" else None
     model, mode = fake_model(lambda: build_model(cfg.model, corpus.vocab_size, cfg.training.seed,
                                                    getattr(corpus, "eos_id", None)), dtype)
     target = LeverTarget(model, repeated_blocks(model), copy.copy(objective), cfg)
+    trace = traced_activation_bytes if cfg.faults.memory_budget_mib > 0 else step_peak_bytes
     cache: dict[tuple, int] = {}
 
     def activation_bytes(plan: Plan) -> int:
@@ -405,7 +416,7 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str) -
         key = (plan.micro_batch_size, tuple(settings.items()))
         if key not in cache:
             apply_levers(target, settings)
-            cache[key] = traced_activation_bytes(model, mode, target.objective, trace_batch(corpus, plan.micro_batch_size))
+            cache[key] = trace(model, mode, target.objective, trace_batch(corpus, plan.micro_batch_size))
         return cache[key]
 
     return activation_bytes

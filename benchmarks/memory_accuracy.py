@@ -1,0 +1,116 @@
+"""The planner's predicted peak beside an independent count, per engine and plan.
+
+For each engine (DDP, FSDP2, ZeRO-2, ZeRO-3; 2 ranks) and each plan (micro-batch size ×
+activation checkpointing off/on) one short run counts its second optimizer step with torch's
+``MemTracker`` (``logging.memory_breakdown_step``: every tensor the rank allocates, from before
+the model is built, engine buffers included; on CUDA ``max_memory_allocated`` is reported beside
+it), and ``memtrain.memory.estimate.plan_report`` predicts the same plan's peak without running
+anything. One JSON row per (engine, plan, rank 0):
+
+    engine, micro_batch_size, gradient_accumulation_steps, activation_checkpointing,
+    predicted_bytes, measured_bytes, relative_error = (predicted - measured) / measured,
+    measured_by_category (MemTracker's: Parameter, Gradient, Optstate, Activation, Temp, ...),
+    predicted_state_bytes, predicted_activation_bytes
+
+and a last ``summary`` row: min/median/max relative error per engine.
+
+    python benchmarks/memory_accuracy.py            # the CPU model of benchmarks/common.py, 4 engines × 4 plans
+    python benchmarks/memory_accuracy.py --quick    # the tests' tiny model, 4 engines × 1 plan (prints only)
+    python benchmarks/memory_accuracy.py --results  # also append the rows to benchmarks/results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import CPU_ARGS, ENGINES, REPO, emit, run_memtrain, scratch_dir  # noqa: E402
+
+QUICK_ARGS = [  # the test suite's tiny run (tests/conftest.py)
+    "--config", str(REPO / "recipes" / "code_lm_tiny.yaml"), "--precision", "fp32",
+    "--data.max_bytes", "300000", "--data.vocab_size", "512", "--data.seq_len", "32",
+    "--model.config.n_layer", "2", "--model.config.n_embd", "32", "--model.config.n_head", "2",
+    "--model.config.n_positions", "32", "--training.warmup_steps", "2", "--training.eval_every", "0",
+    "--training.eval_samples", "8", "--checkpoint.every_steps", "0", "--training.global_batch_size", "8",
+]
+FULL_PLANS = [(16, "off"), (8, "off"), (16, "on"), (4, "on")]  # global batch 64 on 2 ranks
+QUICK_PLANS = [(2, "off")]  # global batch 8 on 2 ranks
+
+
+def predicted(args: list[str], micro: int, ac: str, world_size: int) -> dict:
+    """The planner's prediction for plan ``micro`` × AC ``ac`` (bytes per rank)."""
+    from memtrain.config import parse_args
+    from memtrain.memory.estimate import plan_report
+
+    cfg = parse_args(args + ["--training.micro_batch_size", str(micro), "--memory.activation_checkpointing", ac])
+    report = plan_report(cfg, world_size)
+    on = ac == "on"
+    row = next(c for c in report["candidates"]
+               if c["micro_batch_size"] == micro and bool(c.get("activation_checkpointing") == "on") == on)
+    return {"predicted_bytes": row["predicted_peak_bytes"], "predicted_activation_bytes": row["activation_bytes"],
+            "predicted_state_bytes": row["predicted_peak_bytes"] - row["activation_bytes"]}
+
+
+def measured(args: list[str], engine: str, micro: int, ac: str, world_size: int) -> dict:
+    """Rank 0's MemTracker count of step 2 of a 2-step run of the plan."""
+    out = scratch_dir(f"memacc-{engine}")
+    try:
+        run_memtrain(args + ENGINES[engine] + ["--training.max_steps", "2", "--logging.memory_breakdown_step", "2",
+                                               "--training.micro_batch_size", str(micro),
+                                               "--memory.activation_checkpointing", ac],
+                     out, nproc=world_size, timeout=900)
+        with open(os.path.join(out, "memory_breakdown", "rank_00000.json")) as fh:
+            return json.load(fh)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def rows(args: list[str], plans: list[tuple[int, str]], engines: list[str], world_size: int):
+    """One row per engine and plan (see the module docstring)."""
+    for engine in engines:
+        engine_args = args + ENGINES[engine]
+        for micro, ac in plans:
+            count = measured(args, engine, micro, ac, world_size)
+            guess = predicted(engine_args, micro, ac, world_size)
+            yield {"benchmark": "memory_accuracy", "engine": engine, "world_size": world_size,
+                   "micro_batch_size": micro, "activation_checkpointing": ac, **guess,
+                   "measured_bytes": count["peak_bytes"], "measured_by_category": count["peak_by_category"],
+                   "cuda_max_memory_allocated": count["cuda_max_memory_allocated"],
+                   "relative_error": (guess["predicted_bytes"] - count["peak_bytes"]) / count["peak_bytes"]}
+
+
+def summary(results: list[dict]) -> dict:
+    """min/median/max relative error per engine."""
+    by_engine: dict[str, list[float]] = {}
+    for r in results:
+        by_engine.setdefault(r["engine"], []).append(r["relative_error"])
+    return {"benchmark": "memory_accuracy", "summary": {
+        e: {"min": min(v), "median": statistics.median(v), "max": max(v), "rows": len(v)} for e, v in by_engine.items()}}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the tests' tiny model, one plan per engine")
+    parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ",".join(ENGINES))
+    parser.add_argument("--results", action="store_true", help="append to benchmarks/results/ (not with --quick)")
+    parser.add_argument("--data_cache_dir", default=None, help="a corpus cache to reuse (data.cache_dir)")
+    opts = parser.parse_args(argv)
+    args = list(QUICK_ARGS if opts.quick else CPU_ARGS + ["--training.global_batch_size", "64"])
+    if opts.data_cache_dir:
+        args += ["--data.cache_dir", opts.data_cache_dir]
+    results = []
+    for row in rows(args, QUICK_PLANS if opts.quick else FULL_PLANS, opts.engines.split(","), world_size=2):
+        results.append(row)
+        emit("memory_accuracy", "cpu", row, save=opts.results and not opts.quick)
+    emit("memory_accuracy", "cpu", summary(results), save=opts.results and not opts.quick)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

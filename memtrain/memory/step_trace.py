@@ -1,0 +1,93 @@
+"""The peak bytes one training micro-step holds beyond model state, traced on fake tensors.
+
+A micro-step's memory above the model state (parameters, gradients, optimizer state; counted by
+:mod:`memtrain.memory.accounting`) is more than what autograd saves for backward: at the start
+of backward the loss's gradient with respect to the logits sits beside the saved activations,
+the output layer's weight gradient is computed into a fresh tensor before it is accumulated, and
+each block's backward holds its own temporaries. :func:`step_peak_bytes` runs forward *and*
+backward of one micro-batch under ``FakeTensorMode`` (no memory is used) with a dispatch mode
+that counts every tensor storage an operator creates until it is freed, and returns the peak.
+A parameter's gradient counts until autograd accumulates it into ``.grad`` (model state from
+then on), as a real accumulation step's fresh gradient is freed after the in-place add.
+
+The count is checked against torch's ``MemTracker`` on real runs of every engine by
+``benchmarks/memory_accuracy.py``.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Counts the bytes of storages created by operators inside it until they are freed.
+
+    Attributes:
+        live_bytes, peak_bytes: bytes now and at most.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live_bytes = self.peak_bytes = 0
+        self._sizes: dict[int, int] = {}  # storage key -> bytes counted
+        self._refs: dict[int, weakref.ref] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._count(t.untyped_storage())
+        return out
+
+    def _count(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        if key in self._sizes:
+            return
+        size = storage.nbytes()
+        self._sizes[key] = size
+        self._refs[key] = weakref.ref(storage, lambda _, key=key: self.release(key))
+        self.live_bytes += size
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def release(self, key: int) -> None:
+        """Stop counting storage ``key`` (freed, or model state from now on)."""
+        size = self._sizes.pop(key, None)
+        self._refs.pop(key, None)
+        if size is not None:
+            self.live_bytes -= size
+
+
+def step_peak_bytes(model: nn.Module, mode, objective, micro_batch: dict[str, torch.Tensor]) -> int:
+    """Peak bytes of one training forward and backward of ``micro_batch`` beyond model state.
+
+    Args:
+        model: a fake model (:func:`memtrain.memory.planner.fake_model`, levers applied).
+        mode: its ``FakeTensorMode``.
+        objective: the run's objective (:mod:`memtrain.objectives`); its ``loss_sum`` is traced.
+        micro_batch: tensors [B, …] on any device (moved to meta here).
+
+    Returns:
+        Bytes (saved activations, transients, fresh gradients before accumulation) at the peak.
+    """
+    counter = _LiveBytes()
+    params = [p for p in model.parameters() if p.requires_grad]
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: counter.release(p.grad.untyped_storage()._cdata))
+             for p in params]
+    try:
+        with mode:
+            batch = {k: v.to("meta") for k, v in micro_batch.items()}
+            with torch.enable_grad(), counter:
+                loss = objective.loss_sum(model, batch)
+                loss.backward()
+                del loss
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for p in params:
+            p.grad = None
+    return counter.peak_bytes
