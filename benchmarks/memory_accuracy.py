@@ -52,7 +52,7 @@ def predicted(args: list[str], micro: int, ac: str, world_size: int) -> dict:
     report = plan_report(cfg, world_size)
     on = ac == "on"
     row = next(c for c in report["candidates"]
-               if c["micro_batch_size"] == micro and bool(c.get("activation_checkpointing") == "on") == on)
+               if c["micro_batch_size"] == micro and (c.get("activation_checkpointing") in (True, "on")) == on)
     return {"predicted_bytes": row["predicted_peak_bytes"], "predicted_activation_bytes": row["activation_bytes"],
             "predicted_state_bytes": row["predicted_peak_bytes"] - row["activation_bytes"]}
 

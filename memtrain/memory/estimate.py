@@ -11,8 +11,11 @@ tensors, so planning a 10B-parameter model takes seconds on a laptop.
 the placement planner of ``backend.offload: auto`` (:mod:`memtrain.memory.placement`): where model
 state lives, with device and host bytes. Model state is counted by :mod:`memtrain.memory.accounting`
 (each engine's formula, following the ZeRO paper, Rajbhandari et al. 2020, "ZeRO: Memory
-Optimizations Toward Training Trillion Parameter Models", §3.1 and §5). Transient buffers (one
-gathered block under FSDP2/ZeRO-3, communication buckets) are not counted.
+Optimizations Toward Training Trillion Parameter Models", §3.1 and §5; ZeRO's reduce bucket and
+ZeRO-3's whole small parameters included). A micro-step's activations are the peak of its traced
+forward and backward (:mod:`memtrain.memory.step_trace`). Not counted in the candidates: one
+gathered block under FSDP2/ZeRO-3 (the placements add it) and DDP's flat all-reduce bucket, which
+lives after backward, when the activations are gone.
 """
 
 from __future__ import annotations
@@ -135,9 +138,9 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
         "machine": dataclasses.asdict(machine),
         "per_rank_total_bytes": {name: {ac: device_state_bytes(e) + ac_bytes[ac]
                                         for ac in ("off", "on")} for name, e in engines.items()},
-        "note": "activations traced with fake tensors (no memory used); step seconds estimated from FLOPs at this "
-                "machine's matmul speed (a run with training.micro_batch_size auto measures them); transient "
-                "gathered blocks and communication buckets are not counted",
+        "note": "activations: the peak of a micro-step's forward and backward traced with fake tensors (no memory "
+                "used); step seconds estimated from FLOPs at this machine's matmul speed (a run with "
+                "training.micro_batch_size auto measures them); gathered blocks are in the placements only",
     }
 
 

@@ -7,8 +7,8 @@ the output layer's weight gradient is computed into a fresh tensor before it is 
 each block's backward holds its own temporaries. :func:`step_peak_bytes` runs forward *and*
 backward of one micro-batch under ``FakeTensorMode`` (no memory is used) with a dispatch mode
 that counts every tensor storage an operator creates until it is freed, and returns the peak.
-A parameter's gradient counts until autograd accumulates it into ``.grad`` (model state from
-then on), as a real accumulation step's fresh gradient is freed after the in-place add.
+A parameter's gradient is model state (counted by the accounting, whole, for the whole step)
+from the moment autograd hands it to the parameter's hooks.
 
 The count is checked against torch's ``MemTracker`` on real runs of every engine by
 ``benchmarks/memory_accuracy.py``.
@@ -36,6 +36,7 @@ class _LiveBytes(TorchDispatchMode):
         self.live_bytes = self.peak_bytes = 0
         self._sizes: dict[int, int] = {}  # storage key -> bytes counted
         self._refs: dict[int, weakref.ref] = {}
+        self._state: set[int] = set()  # storages that became model state (never counted again)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -46,7 +47,7 @@ class _LiveBytes(TorchDispatchMode):
 
     def _count(self, storage: torch.UntypedStorage) -> None:
         key = storage._cdata
-        if key in self._sizes:
+        if key in self._sizes or key in self._state:
             return
         size = storage.nbytes()
         self._sizes[key] = size
@@ -54,8 +55,14 @@ class _LiveBytes(TorchDispatchMode):
         self.live_bytes += size
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
+    def to_state(self, key: int) -> None:
+        """Storage ``key`` is model state from now on (a gradient accumulated into ``.grad``):
+        not counted here, also when a later operator returns a view of it."""
+        self._state.add(key)
+        self.release(key)
+
     def release(self, key: int) -> None:
-        """Stop counting storage ``key`` (freed, or model state from now on)."""
+        """Stop counting storage ``key`` (freed)."""
         size = self._sizes.pop(key, None)
         self._refs.pop(key, None)
         if size is not None:
@@ -72,12 +79,17 @@ def step_peak_bytes(model: nn.Module, mode, objective, micro_batch: dict[str, to
         micro_batch: tensors [B, …] on any device (moved to meta here).
 
     Returns:
-        Bytes (saved activations, transients, fresh gradients before accumulation) at the peak.
+        Bytes (saved activations and transients) at the peak.
     """
     counter = _LiveBytes()
+    for t in [*model.parameters(), *model.buffers()]:  # model state; views of it (a transposed weight) too
+        counter.to_state(t.untyped_storage()._cdata)
     params = [p for p in model.parameters() if p.requires_grad]
-    hooks = [p.register_post_accumulate_grad_hook(lambda p: counter.release(p.grad.untyped_storage()._cdata))
-             for p in params]
+    # the gradient autograd hands over, and the copy AccumulateGrad makes of it when its layout
+    # differs from the parameter's (a transposed Linear weight's): both are the gradient
+    hooks = [p.register_hook(lambda grad: counter.to_state(grad.untyped_storage()._cdata)) for p in params]
+    hooks += [p.register_post_accumulate_grad_hook(lambda p: counter.to_state(p.grad.untyped_storage()._cdata))
+              for p in params]
     try:
         with mode:
             batch = {k: v.to("meta") for k, v in micro_batch.items()}
