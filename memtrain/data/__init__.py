@@ -120,7 +120,7 @@ def build_corpus(data_cfg, pretrained_tokenizer=None):
 
     files = select_files(data_cfg.files, data_cfg.max_bytes, data_cfg.validation_fraction)
     train_files, val_files = split_files(files, data_cfg.validation_fraction)
-    if not val_files:
+    if not val_files or not train_files:  # one file lands on either side, by its name's hash
         from memtrain.config import ConfigError
 
         raise ConfigError("data.files", f"{len(files)} file(s) selected; at least two are needed (whole files are held "
