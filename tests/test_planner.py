@@ -4,7 +4,6 @@ trace against the bytes a real forward saves, and the plan controller driven by 
 import json
 
 import pytest
-import torch
 
 from conftest import TINY_ARGS
 from memtrain.levers.activation_checkpointing import CHOICES

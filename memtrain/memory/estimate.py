@@ -105,8 +105,7 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     engines = {v.name: model_state_bytes(v.engine, n, precision, v.zero_stage, v.offload, world_size,
                                          persistent_elements=persistent)
                for v in engine_variants() if not v.tune_ratio and not v.nvme}
-    b = cfg.backend
-    engine = infer_backend_name(b.name, b.deepspeed_config)
+    b, engine = cfg.backend, infer_backend_name(cfg.backend.name, cfg.backend.deepspeed_config)
     state = model_state_bytes(engine, n, precision, b.zero_stage if engine == "deepspeed" else None, b.offload or "none",
                               world_size, persistent_elements=persistent)
     budget = (int(gpu_memory_gib * 2**30) if gpu_memory_gib else
