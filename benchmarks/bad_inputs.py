@@ -21,14 +21,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-TRAIN = str(REPO / "memtrain" / "train.py")
-TINY = ["--config", str(REPO / "recipes" / "code_lm_tiny.yaml"), "--precision", "fp32", "--data.max_bytes", "300000",
-        "--data.vocab_size", "512", "--data.seq_len", "32", "--training.global_batch_size", "8",
-        "--training.micro_batch_size", "2", "--training.warmup_steps", "2", "--training.eval_every", "0",
-        "--training.eval_samples", "8", "--model.config.n_layer", "2", "--model.config.n_embd", "32",
-        "--model.config.n_head", "2", "--model.config.n_positions", "32", "--training.max_steps", "4",
-        "--checkpoint.every_steps", "2", "--training.lr", "1e-3"]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, TINY_ARGS, TRAIN  # noqa: E402
+
+TINY = TINY_ARGS + ["--training.max_steps", "4", "--checkpoint.every_steps", "2", "--training.lr", "1e-3"]
 
 
 def snapshot(folder: Path) -> dict[str, str]:

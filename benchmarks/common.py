@@ -36,6 +36,14 @@ CPU_ARGS = [
     "--model.config.n_positions", "64", "--training.warmup_steps", "2", "--training.eval_every", "0",
     "--training.eval_samples", "8", "--checkpoint.every_steps", "0",
 ]
+# the test suite's tiny run (tests/conftest.py: 2 layers, 32 wide, 32 tokens), global batch 8 of micro-batches of 2
+TINY_ARGS = [
+    "--config", str(REPO / "recipes" / "code_lm_tiny.yaml"), "--precision", "fp32",
+    "--data.max_bytes", "300000", "--data.vocab_size", "512", "--data.seq_len", "32",
+    "--training.global_batch_size", "8", "--training.micro_batch_size", "2", "--training.warmup_steps", "2",
+    "--training.eval_every", "0", "--training.eval_samples", "8", "--model.config.n_layer", "2",
+    "--model.config.n_embd", "32", "--model.config.n_head", "2", "--model.config.n_positions", "32",
+]
 GPU_ARGS = ["--config", str(REPO / "recipes" / "code_lm_350m.yaml"), "--training.eval_every", "0",
             "--training.eval_samples", "16", "--checkpoint.every_steps", "0"]
 

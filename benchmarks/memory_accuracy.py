@@ -30,15 +30,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import CPU_ARGS, ENGINES, REPO, emit, run_memtrain, scratch_dir  # noqa: E402
+from common import CPU_ARGS, ENGINES, TINY_ARGS, emit, run_memtrain, scratch_dir  # noqa: E402
 
-QUICK_ARGS = [  # the test suite's tiny run (tests/conftest.py)
-    "--config", str(REPO / "recipes" / "code_lm_tiny.yaml"), "--precision", "fp32",
-    "--data.max_bytes", "300000", "--data.vocab_size", "512", "--data.seq_len", "32",
-    "--model.config.n_layer", "2", "--model.config.n_embd", "32", "--model.config.n_head", "2",
-    "--model.config.n_positions", "32", "--training.warmup_steps", "2", "--training.eval_every", "0",
-    "--training.eval_samples", "8", "--checkpoint.every_steps", "0", "--training.global_batch_size", "8",
-]
 FULL_PLANS = [(16, "off"), (8, "off"), (16, "on"), (4, "on")]  # global batch 64 on 2 ranks
 QUICK_PLANS = [(2, "off")]  # global batch 8 on 2 ranks
 
@@ -101,7 +94,8 @@ def main(argv=None) -> int:
     parser.add_argument("--results", action="store_true", help="append to benchmarks/results/ (not with --quick)")
     parser.add_argument("--data_cache_dir", default=None, help="a corpus cache to reuse (data.cache_dir)")
     opts = parser.parse_args(argv)
-    args = list(QUICK_ARGS if opts.quick else CPU_ARGS + ["--training.global_batch_size", "64"])
+    args = list(TINY_ARGS + ["--checkpoint.every_steps", "0"] if opts.quick
+                else CPU_ARGS + ["--training.global_batch_size", "64"])
     if opts.data_cache_dir:
         args += ["--data.cache_dir", opts.data_cache_dir]
     results = []

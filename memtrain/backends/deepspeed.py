@@ -107,18 +107,17 @@ class DeepSpeedBackend:
         import deepspeed
 
         optimizer = make_optimizer(model)
+        numels = [(int(getattr(p, "ds_numel", p.numel())), p.requires_grad) for p in model.parameters()]  # ZeRO-3: whole
         if self.offload_ratio < 1.0 and get_path(self.ds_config, "zero_optimization.sub_group_size") is None:
-            n_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
             self.ds_config["zero_optimization"]["sub_group_size"] = ds_partial_offload.sub_group_size(
-                n_params, self.world_size)
-        trainable = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if p.requires_grad)
+                sum(n for n, _ in numels), self.world_size)
+        trainable = sum(n for n, grad in numels if grad)
         if get_path(self.ds_config, "zero_optimization.reduce_bucket_size") in (None, "auto"):
             self.ds_config["zero_optimization"]["reduce_bucket_size"] = zero_reduce_bucket_elements(trainable)
         self.reduce_bucket_elements = int(float(self.ds_config["zero_optimization"]["reduce_bucket_size"]))
         threshold = get_path(self.ds_config, "zero_optimization.stage3_param_persistence_threshold")
         self.persistent_elements = zero3_persistent_elements(
-            (int(getattr(p, "ds_numel", p.numel())) for p in model.parameters()),
-            ZERO3_PERSISTENCE_THRESHOLD if threshold in (None, "auto") else int(float(threshold)))
+            (n for n, _ in numels), ZERO3_PERSISTENCE_THRESHOLD if threshold in (None, "auto") else int(float(threshold)))
         if self.offload_optimizer:  # ZeRO-Offload steps on CPU with its own Adam kernel (same AdamW math)
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -283,11 +282,12 @@ class DeepSpeedBackend:
         Raises:
             CheckpointError: the conversion or the load failed (names the checkpoint).
         """
-        self._load_through_universal(directory, lambda work: deepspeed_format.to_universal(directory, work),
+        self._load_through_universal(directory, lambda work, _: deepspeed_format.to_universal(directory, work),
                                      f"the ZeRO-{self.zero_stage} checkpoint of {saved_world_size} ranks")
 
-    def _load_through_universal(self, directory: str, write: Callable[[str], None], what: str) -> None:
-        """Rank 0 writes a universal checkpoint (``write(folder)``) into ``.tmp-universal-<name>``
+    def _load_through_universal(self, directory: str, write: Callable[[str, list[dict]], None], what: str) -> None:
+        """Rank 0 writes a universal checkpoint (``write(folder, this run's optimizer group
+        settings)``) into ``.tmp-universal-<name>``
         beside ``directory``, every rank loads its new partition from there (DeepSpeed's
         ``load_universal``), and the folder is removed. The checkpoint itself is never modified;
         a folder left by a conversion cut short is removed by the next start like an unfinished save.
@@ -298,11 +298,15 @@ class DeepSpeedBackend:
         import shutil
 
         work = os.path.join(os.path.dirname(os.path.abspath(directory)), f".tmp-universal-{os.path.basename(directory)}")
+        # ZeRO-3's universal load gives every parameter group the first group's settings (its weight
+        # decay included, which memtrain keeps off biases and norms): this run's own are restored
+        inner = getattr(self.engine.optimizer, "optimizer", None)
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in getattr(inner, "param_groups", [])]
         failure = None
         if self.process.is_main:  # rank 0 converts, however long it takes; the others wait patiently
             shutil.rmtree(work, ignore_errors=True)
             try:
-                write(work)
+                write(work, settings)
             except Exception as exc:  # noqa: BLE001 — DeepSpeed raises assertions and more
                 shutil.rmtree(work, ignore_errors=True)
                 failure = repr(exc)
@@ -310,16 +314,12 @@ class DeepSpeedBackend:
         if failure is not None:
             raise CheckpointError(f"{directory}: converting {what} for ZeRO-{self.zero_stage} on {self.world_size} "
                                   f"ranks failed: {failure}")
-        # ZeRO-3's universal load gives every parameter group the first group's settings (its weight
-        # decay included, which memtrain keeps off biases and norms): keep this run's own
-        settings = self._group_settings()
         self.engine._config.load_universal_checkpoint = True  # DeepSpeed reads the flag at load time
         try:
             path, _ = self.engine.load_checkpoint(work, tag=self._TAG, load_module_strict=True,
                                                   load_optimizer_states=True, load_lr_scheduler_states=False)
         finally:
             self.engine._config.load_universal_checkpoint = False
-        inner = getattr(self.engine.optimizer, "optimizer", None)
         for group, own in zip(getattr(inner, "param_groups", []), settings):
             group.update(own)
         for state in getattr(inner, "state", {}).values():
@@ -332,11 +332,6 @@ class DeepSpeedBackend:
             shutil.rmtree(work, ignore_errors=True)
         if path is None:
             raise CheckpointError(f"{directory}: DeepSpeed found no universal checkpoint in {work}")
-
-    def _group_settings(self) -> list[dict]:
-        """This run's optimizer parameter groups' settings (without ``params``)."""
-        inner = getattr(self.engine.optimizer, "optimizer", None)
-        return [{k: v for k, v in g.items() if k != "params"} for g in getattr(inner, "param_groups", [])]
 
     def load_full_state(self, model: nn.Module, optimizer, weights, optimizer_state, directory: str) -> None:
         """Another engine's state (:meth:`memtrain.backends.base.Backend.load_full_state`) into
@@ -355,9 +350,8 @@ class DeepSpeedBackend:
                                   "resume with backend.offload_optimizer_ratio 1.0 and without backend.nvme_path")
         module = self.unwrap(model)
         buffers = dict(module.named_buffers())
-        settings = self._group_settings()
         weights, optimizer_state = _by_first_name(module, weights, optimizer_state)
-        self._load_through_universal(directory, lambda work: deepspeed_format.write_universal(
+        self._load_through_universal(directory, lambda work, settings: deepspeed_format.write_universal(
             work, weights, optimizer_state, self.zero_stage, settings, frozenset(buffers)), "another engine's checkpoint")
         with torch.no_grad():
             for name, buffer in buffers.items():

@@ -74,22 +74,13 @@ def model_state_bytes(engine: str, n_params: int, precision: str, zero_stage: Op
         ValueError: an unknown engine.
     """
     if engine == "deepspeed":
-        state = _zero(n_params, precision, zero_stage, offload, max(1, world_size), offload_optimizer_ratio,
-                      offload_device)
         bucket = zero_reduce_bucket_elements(n_params) if reduce_bucket_elements is None else reduce_bucket_elements
-        p_bytes = 2 if precision in ("bf16", "fp16") else 4
-        if (zero_stage or 2) >= 3:  # small parameters whole on every rank's device, never partitioned or offloaded
-            whole = p_bytes * persistent_elements
-            state["parameter_bytes"] += whole if offload == "optimizer_and_params" else whole - whole // max(1, world_size)
-        return {**state, "buffer_bytes": bucket * p_bytes}
+        return _zero(n_params, precision, zero_stage, offload, max(1, world_size), offload_optimizer_ratio,
+                     offload_device, bucket, persistent_elements)
     if engine not in ("ddp", "fsdp"):
         raise ValueError(f"backend.name: '{engine}' is not one of ddp, fsdp, deepspeed")
     formula = _ddp if engine == "ddp" else _fsdp
-    # DDP's reducer allocates its buckets, a second copy of the fp32 gradients, when it wraps the
-    # model on more than one rank (MemTracker: 1.08 MB for a 0.27M-parameter model on 2 ranks)
-    buckets = 4 * n_params if engine == "ddp" and world_size > 1 else 0
-    return {"nvme_offloaded_bytes": 0, "buffer_bytes": buckets,
-            **formula(n_params, precision, zero_stage, offload, max(1, world_size))}
+    return {"nvme_offloaded_bytes": 0, **formula(n_params, precision, zero_stage, offload, max(1, world_size))}
 
 
 def device_state_bytes(state_bytes: dict[str, int]) -> int:
@@ -99,10 +90,12 @@ def device_state_bytes(state_bytes: dict[str, int]) -> int:
 
 def _ddp(n_params: int, precision: str, zero_stage, offload: str, world_size: int) -> dict[str, int]:
     """Every rank holds everything: Accelerate's autocast keeps fp32 parameters and gradients
-    (cast for compute) and AdamW's two fp32 moments."""
+    (cast for compute) and AdamW's two fp32 moments. On more than one rank DDP's reducer also
+    allocates its buckets, a second copy of the fp32 gradients (MemTracker: 1.08 MB for a
+    0.27M-parameter model on 2 ranks)."""
     n = n_params
     return {"parameter_bytes": 4 * n, "gradient_bytes": 4 * n, "optimizer_bytes": ADAM_STATE_BYTES * n,
-            "cpu_offloaded_bytes": 0}
+            "buffer_bytes": 4 * n if world_size > 1 else 0, "cpu_offloaded_bytes": 0}
 
 
 def _fsdp(n_params: int, precision: str, zero_stage, offload: str, world_size: int) -> dict[str, int]:
@@ -111,13 +104,15 @@ def _fsdp(n_params: int, precision: str, zero_stage, offload: str, world_size: i
     n, w = n_params, world_size
     params, grads, optim = 4 * n // w, 4 * n // w, ADAM_STATE_BYTES * n // w
     if offload not in (None, "none"):
-        return {"parameter_bytes": 0, "gradient_bytes": 0, "optimizer_bytes": 0,
+        return {"parameter_bytes": 0, "gradient_bytes": 0, "optimizer_bytes": 0, "buffer_bytes": 0,
                 "cpu_offloaded_bytes": params + grads + optim}
-    return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim, "cpu_offloaded_bytes": 0}
+    return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim, "buffer_bytes": 0,
+            "cpu_offloaded_bytes": 0}
 
 
 def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str, world_size: int,
-          offload_optimizer_ratio: float = 1.0, offload_device: str = "cpu") -> dict[str, int]:
+          offload_optimizer_ratio: float, offload_device: str, reduce_bucket_elements: int,
+          persistent_elements: int) -> dict[str, int]:
     """ZeRO's accounting (Rajbhandari et al. 2020, §3.1 and §5), bytes per rank: 16-bit parameters
     and gradients in bf16/fp16 (fp32 otherwise) plus an fp32 master copy kept with AdamW's
     moments; stage 1 shards the optimizer state, 2 also the gradients, 3 also the parameters
@@ -130,7 +125,11 @@ def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str
     partition buffer plus the fp32 gradient DeepSpeed keeps beside every optimizer sub-group, on the
     device for the sub-groups stepped there. ``optimizer_and_params`` moves the parameters too.
     With ``offload_device`` ``nvme`` (stage 3) the offloaded optimizer state (with its fp32
-    gradients) and parameters are files (``nvme_offloaded_bytes``)."""
+    gradients) and parameters are files (``nvme_offloaded_bytes``).
+
+    DeepSpeed's own buffers: the reduce bucket, allocated whole in the parameters' dtype on the
+    device (also under offload); ZeRO-3's small parameters (``persistent_elements``), kept whole
+    on every rank's device, never partitioned or offloaded."""
     n, w = n_params, world_size
     stage = 2 if zero_stage is None else zero_stage
     half = precision in ("bf16", "fp16")
@@ -159,8 +158,12 @@ def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str
         else:
             host += params
         params = 0
+    if stage >= 3:  # the partition of the persistent parameters is in params already, unless offloaded
+        whole = p_bytes * persistent_elements
+        params += whole if offload == "optimizer_and_params" else whole - whole // w
     return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim,
-            "cpu_offloaded_bytes": host, "nvme_offloaded_bytes": files}
+            "buffer_bytes": p_bytes * reduce_bucket_elements, "cpu_offloaded_bytes": host,
+            "nvme_offloaded_bytes": files}
 
 
 def divisors(n: int) -> list[int]:

@@ -3,8 +3,7 @@
 A micro-step's memory above the model state (parameters, gradients, optimizer state; counted by
 :mod:`memtrain.memory.accounting`) is more than what autograd saves for backward: at the start
 of backward the loss's gradient with respect to the logits sits beside the saved activations,
-the output layer's weight gradient is computed into a fresh tensor before it is accumulated, and
-each block's backward holds its own temporaries. :func:`step_peak_bytes` runs forward *and*
+and each block's backward holds its own temporaries. :func:`step_peak_bytes` runs forward *and*
 backward of one micro-batch under ``FakeTensorMode`` (no memory is used) with a dispatch mode
 that counts every tensor storage an operator creates until it is freed, and returns the peak.
 A parameter's gradient is model state (counted by the accounting, whole, for the whole step)
