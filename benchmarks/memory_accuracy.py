@@ -14,9 +14,10 @@ anything. One JSON row per (engine, plan, rank 0):
 
 and a last ``summary`` row: min/median/max relative error per engine.
 
-    python benchmarks/memory_accuracy.py            # the CPU model of benchmarks/common.py, 4 engines × 4 plans
-    python benchmarks/memory_accuracy.py --quick    # the tests' tiny model, 4 engines × 1 plan (prints only)
-    python benchmarks/memory_accuracy.py --results  # also append the rows to benchmarks/results/
+    python benchmarks/memory_accuracy.py                    # the CPU model of benchmarks/common.py, 4 engines × 4 plans
+    python benchmarks/memory_accuracy.py --shape gpt2_small # GPT-2 small's blocks (86M parameters), 4 engines × 2 plans
+    python benchmarks/memory_accuracy.py --quick            # the tests' tiny model, 4 engines × 1 plan (prints only)
+    python benchmarks/memory_accuracy.py --results          # also append the rows to benchmarks/results/
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ from common import CPU_ARGS, ENGINES, TINY_ARGS, emit, run_memtrain, scratch_dir
 
 FULL_PLANS = [(16, "off"), (8, "off"), (16, "on"), (4, "on")]  # global batch 64 on 2 ranks
 QUICK_PLANS = [(2, "off")]  # global batch 8 on 2 ranks
+# GPT-2 small's 12 blocks of width 768 with the corpus's 1024-token vocabulary (86M parameters; its
+# blocks are past ZeRO-3's persistence threshold, so ZeRO-3 partitions and gathers them)
+GPT2_SMALL_ARGS = CPU_ARGS + ["--model.config.n_layer", "12", "--model.config.n_embd", "768", "--model.config.n_head", "12",
+                              "--model.config.n_positions", "128", "--data.seq_len", "128", "--training.global_batch_size", "8"]
+GPT2_SMALL_PLANS = [(2, "off"), (2, "on")]  # global batch 8 on 2 ranks: accumulation 2
+SHAPES = {"cpu": (CPU_ARGS + ["--training.global_batch_size", "64"], FULL_PLANS),
+          "gpt2_small": (GPT2_SMALL_ARGS, GPT2_SMALL_PLANS), "quick": (TINY_ARGS + ["--checkpoint.every_steps", "0"], QUICK_PLANS)}
 
 
 def predicted(args: list[str], micro: int, ac: str, world_size: int) -> dict:
@@ -46,7 +54,8 @@ def predicted(args: list[str], micro: int, ac: str, world_size: int) -> dict:
     on = ac == "on"
     row = next(c for c in report["candidates"]
                if c["micro_batch_size"] == micro and (c.get("activation_checkpointing") in (True, "on")) == on)
-    return {"predicted_bytes": row["predicted_peak_bytes"], "predicted_activation_bytes": row["activation_bytes"],
+    return {"gradient_accumulation_steps": row["gradient_accumulation_steps"],
+            "predicted_bytes": row["predicted_peak_bytes"], "predicted_activation_bytes": row["activation_bytes"],
             "predicted_state_bytes": row["predicted_peak_bytes"] - row["activation_bytes"]}
 
 
@@ -64,45 +73,47 @@ def measured(args: list[str], engine: str, micro: int, ac: str, world_size: int)
         shutil.rmtree(out, ignore_errors=True)
 
 
-def rows(args: list[str], plans: list[tuple[int, str]], engines: list[str], world_size: int):
+def rows(args: list[str], plans: list[tuple[int, str]], engines: list[str], world_size: int, shape: str):
     """One row per engine and plan (see the module docstring)."""
     for engine in engines:
         engine_args = args + ENGINES[engine]
         for micro, ac in plans:
             count = measured(args, engine, micro, ac, world_size)
             guess = predicted(engine_args, micro, ac, world_size)
-            yield {"benchmark": "memory_accuracy", "engine": engine, "world_size": world_size,
+            yield {"benchmark": "memory_accuracy", "shape": shape, "engine": engine, "world_size": world_size,
                    "micro_batch_size": micro, "activation_checkpointing": ac, **guess,
                    "measured_bytes": count["peak_bytes"], "measured_by_category": count["peak_by_category"],
                    "cuda_max_memory_allocated": count["cuda_max_memory_allocated"],
                    "relative_error": (guess["predicted_bytes"] - count["peak_bytes"]) / count["peak_bytes"]}
 
 
-def summary(results: list[dict]) -> dict:
+def summary(results: list[dict], shape: str) -> dict:
     """min/median/max relative error per engine."""
     by_engine: dict[str, list[float]] = {}
     for r in results:
         by_engine.setdefault(r["engine"], []).append(r["relative_error"])
-    return {"benchmark": "memory_accuracy", "summary": {
+    return {"benchmark": "memory_accuracy", "shape": shape, "summary": {
         e: {"min": min(v), "median": statistics.median(v), "max": max(v), "rows": len(v)} for e, v in by_engine.items()}}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the tests' tiny model, one plan per engine")
+    parser.add_argument("--shape", choices=[k for k in SHAPES if k != "quick"], default="cpu",
+                        help="the model: the benchmarks' CPU model (0.27M parameters) or GPT-2 small's blocks (86M)")
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ",".join(ENGINES))
     parser.add_argument("--results", action="store_true", help="append to benchmarks/results/ (not with --quick)")
     parser.add_argument("--data_cache_dir", default=None, help="a corpus cache to reuse (data.cache_dir)")
     opts = parser.parse_args(argv)
-    args = list(TINY_ARGS + ["--checkpoint.every_steps", "0"] if opts.quick
-                else CPU_ARGS + ["--training.global_batch_size", "64"])
+    shape = "quick" if opts.quick else opts.shape
+    args, plans = list(SHAPES[shape][0]), SHAPES[shape][1]
     if opts.data_cache_dir:
         args += ["--data.cache_dir", opts.data_cache_dir]
     results = []
-    for row in rows(args, QUICK_PLANS if opts.quick else FULL_PLANS, opts.engines.split(","), world_size=2):
+    for row in rows(args, plans, opts.engines.split(","), world_size=2, shape=shape):
         results.append(row)
         emit("memory_accuracy", "cpu", row, save=opts.results and not opts.quick)
-    emit("memory_accuracy", "cpu", summary(results), save=opts.results and not opts.quick)
+    emit("memory_accuracy", "cpu", summary(results, shape), save=opts.results and not opts.quick)
     return 0
 
 

@@ -1,15 +1,17 @@
-"""The README's benchmark tables, generated from ``benchmarks/results/*.jsonl`` (the newest row per
-configuration), so the README shows what the code measured and nothing typed by hand.
+"""The benchmark tables of docs/ (and README.md), generated from ``benchmarks/results/*.jsonl`` (the newest row per
+configuration), so the docs show what the code measured and nothing typed by hand.
 
     python benchmarks/tables.py oom_stress [--device cpu]     # markdown on stdout
     python benchmarks/tables.py largest_model_plan             # memtrain plan's placements per Llama shape
     python benchmarks/tables.py overhead [--device cpu]        # memtrain vs each engine's plain loop
+    python benchmarks/tables.py memory_accuracy [--device cpu] # predicted peak vs MemTracker, per engine and shape
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -111,16 +113,46 @@ def overhead(device: str) -> str:
     return "\n".join(out)
 
 
+def memory_accuracy(device: str) -> str:
+    """The planner's predicted peak against MemTracker's count: per model shape and engine, the
+    relative error's min / median / max over the plans (newest row per shape, engine and plan)."""
+    newest_rows: dict[tuple, dict] = {}
+    with open(RESULTS / f"memory_accuracy-{device}.jsonl") as fh:
+        for line in fh:
+            row = json.loads(line)
+            if "engine" in row:
+                key = (row.get("shape", "cpu"), row["engine"], row["micro_batch_size"], row["activation_checkpointing"])
+                newest_rows.pop(key, None)  # keep the row order of the newest run
+                newest_rows[key] = row
+    runs: dict[str, list[dict]] = {}
+    for (shape, *_), row in newest_rows.items():
+        runs.setdefault(shape, []).append(row)
+    out = ["| model | engine | plans (micro-batch × accumulation, AC) | relative error min / median / max |",
+           "|---|---|---|---|"]
+    names = {"cpu": "GPT-2, 4 × 64 wide (0.27M)", "gpt2_small": "GPT-2 small's blocks, 12 × 768 (86M)"}
+    for shape, rows in runs.items():
+        for engine in ENGINE_NAMES:
+            mine = [r for r in rows if r["engine"] == engine]
+            if not mine:
+                continue
+            errors = [r["relative_error"] for r in mine]
+            plans = ", ".join(f"{r['micro_batch_size']} × {r.get('gradient_accumulation_steps', '?')} "
+                              f"{r['activation_checkpointing']}" for r in mine)
+            out.append(f"| {names.get(shape, shape)} | {ENGINE_NAMES[engine]} | {plans} | "
+                       f"{min(errors):+.1%} / {statistics.median(errors):+.1%} / {max(errors):+.1%} |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("benchmark", choices=["oom_stress", "largest_model_plan", "overhead"])
+    parser.add_argument("benchmark", choices=["oom_stress", "largest_model_plan", "overhead", "memory_accuracy"])
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     if args.benchmark == "largest_model_plan":
         print(largest_model_plan())
         return 0
-    if args.benchmark == "overhead":
-        print(overhead(args.device))
+    if args.benchmark in ("overhead", "memory_accuracy"):
+        print((overhead if args.benchmark == "overhead" else memory_accuracy)(args.device))
         return 0
     print("Steady:\n\n" + oom_stress_steady(args.device))
     if newest("oom_stress", args.device, "spike"):

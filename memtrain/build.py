@@ -81,7 +81,7 @@ def planner_factory(cfg: Config, corpus, objective, precision: str, process: Pro
         planner, error = None, None
         try:
             planner = build_planner(cfg, corpus, objective, precision, process.device,
-                                    device_state_bytes(state_bytes()), cfg.training.global_batch_size // process.world_size,
+                                    state_bytes(), cfg.training.global_batch_size // process.world_size,
                                     choices)
         except Exception as exc:  # noqa: BLE001 - a model fake tensors cannot trace must not end the run
             error = exc

@@ -30,7 +30,7 @@ def _init_under_torchelastic(cpu: bool, timeout: timedelta) -> None:
     the same ``attempt`` prefix in ``torch.distributed.rendezvous``. With several agents (nodes)
     the restart counts can differ between nodes (an agent whose workers looked healthy restarts
     them without counting), so there the launcher must start a new store each round:
-    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (README, "Several machines").
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (docs/operations.md).
     """
     one_agent = os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not one_agent or dist.is_initialized():

@@ -86,7 +86,7 @@ subcommands (each has its own --help):
   plot     draw a run's metrics.jsonl (loss, learning rate, throughput, memory, plan changes)
 
 exit codes: 0 done, 2 bad input, 3 out of memory at the smallest plan, 4 checkpoint, 5 non-finite
-steps, 6 collective failure or timeout, 130 Ctrl-C, 1 memtrain's own error (README, "Exit codes")."""
+steps, 6 collective failure or timeout, 130 Ctrl-C, 1 memtrain's own error (docs/operations.md, "Exit codes")."""
 
 
 INTERRUPTED = 130

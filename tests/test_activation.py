@@ -71,9 +71,11 @@ def test_memory_report_cli(cache_dir, capsys):
     states = report["model_state_bytes"]
     assert states["ddp"]["optimizer_bytes"] == 8 * n
     # fp32; every parameter of the tiny model is under ZeRO-3's persistence threshold (1e5
-    # elements, DeepSpeed's default), so each rank holds them whole, not a quarter
-    assert states["zero3"]["parameter_bytes"] == 4 * n
-    assert states["zero3"]["optimizer_bytes"] == 8 * n // 4  # sharded over 4 ranks
+    # elements, DeepSpeed's default), so each rank holds them whole beside its quarter (the
+    # partition stays in ZeRO-3's flat buffer: DeepSpeed's fp16_partitioned_groups_flat)
+    assert states["zero3"]["parameter_bytes"] == 4 * n + 4 * n // 4
+    # AdamW's moments and ZeRO's fp32 master partition (a copy also for an fp32 model), over 4 ranks
+    assert states["zero3"]["optimizer_bytes"] == (8 + 4) * n // 4
     # parameter offload moves the partitioned parameters; the whole small ones stay on the device
     assert states["zero3_offload_all"]["parameter_bytes"] == 4 * n and states["zero3_offload_all"]["cpu_offloaded_bytes"] > 0
     assert report["activation_bytes"]["on"] < report["activation_bytes"]["off"]

@@ -67,16 +67,16 @@ def test_compile_quick_reports_ratio_and_equal_losses():
 
 def test_memory_accuracy_quick_is_checked_against_memtracker(cache_dir):
     """The planner's predicted peak against torch's MemTracker count of a real 2-rank step, on
-    every engine: never more than 10% under (an OOM the planner said would not happen) nor 15%
-    over. ZeRO's reduce bucket is sized to the model: with DeepSpeed's default of 5e8 elements
-    the count is ~2 GB per rank, far above DDP's. Rows are printed, not saved."""
+    every engine: within 10% either way (under: an OOM the planner said would not happen; over:
+    memory left idle). ZeRO's reduce bucket is sized to the model: with DeepSpeed's default of
+    5e8 elements the count is ~2 GB per rank, far above DDP's. Rows are printed, not saved."""
     results = REPO / "benchmarks" / "results"
     before = {p.name: p.stat().st_size for p in results.glob("*")}
     rows = run_quick("memory_accuracy", "--data_cache_dir", cache_dir)
     engines = [r for r in rows if "engine" in r]
     assert [r["engine"] for r in engines] == ["ddp", "fsdp", "zero2", "zero3"]
     for r in engines:
-        assert -0.10 <= r["relative_error"] <= 0.15, r
+        assert -0.10 <= r["relative_error"] <= 0.10, r
         assert r["measured_bytes"] < 3 * engines[0]["measured_bytes"], r  # no 2 GB bucket
     assert set(rows[-1]["summary"]) == {"ddp", "fsdp", "zero2", "zero3"}
     assert {p.name: p.stat().st_size for p in results.glob("*")} == before

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import REPO, TRAIN, tiny_args
-from memtrain.memory.accounting import device_state_bytes, model_state_bytes
+from memtrain.memory.accounting import ModelShape, device_state_bytes, model_state_bytes
 from memtrain.memory.machine import Machine
 from memtrain.memory.placement import RATIO_STEP, Placement, plan_placements, variants
 from memtrain.memory.planner import Candidate
@@ -16,6 +16,7 @@ from memtrain.plan import Plan
 
 GIB = 2**30
 N = 6_700_000_000
+SHAPE = ModelShape(N, largest_block=N // 32, largest_module=N // 96)  # 32 blocks; a block's MLP matrix
 
 
 def machine(device_gib=80, host_gib=128, ranks=1, nvme=None):
@@ -40,9 +41,11 @@ def test_partial_offload_moves_exactly_the_ratio_of_the_optimizer_state():
     assert half["optimizer_bytes"] == pytest.approx(full["optimizer_bytes"] / 2, rel=1e-9)
     assert half["gradient_bytes"] == 4 * N // 2
     assert half["cpu_offloaded_bytes"] == full["optimizer_bytes"] // 2 + 2 * N + 4 * N // 2
-    nvme = model_state_bytes("deepspeed", N, "bf16", 3, "optimizer_and_params", 1, offload_device="nvme")
-    # only ZeRO's reduce bucket stays on the device: DeepSpeed's default 5e8 elements, bf16
-    assert device_state_bytes(nvme) == nvme["buffer_bytes"] == 2 * min(500_000_000, N)
+    nvme = model_state_bytes("deepspeed", N, "bf16", 3, "optimizer_and_params", 1, offload_device="nvme", shape=SHAPE)
+    # only DeepSpeed's buffers stay on the device, in bf16: the reduce bucket (DeepSpeed's default
+    # 5e8 elements) and the gathered parameters (one module, DeepSpeed's default prefetch of 5e7
+    # elements and up to its default reuse distance of 1e9 elements kept gathered)
+    assert device_state_bytes(nvme) == nvme["buffer_bytes"] == 2 * 500_000_000 + 2 * (N // 96 + 5 * 10**7 + 10**9)
     assert nvme["nvme_offloaded_bytes"] == (12 + 4) * N + 2 * N
     stage1 = model_state_bytes("deepspeed", N, "bf16", 1, "optimizer", 2)
     assert stage1["gradient_bytes"] == 2 * N and stage1["cpu_offloaded_bytes"] == 16 * N // 2  # whole 16-bit grads
@@ -69,7 +72,7 @@ def test_deepspeed_json_partial_and_nvme_offload_are_checked():
 def test_planner_keeps_as_much_optimizer_state_on_the_device_as_fits():
     """6.7B on 80 GB + 128 GB: all on the device does not fit, all on the host is slower (CPU Adam);
     the chosen partial offload is the smallest fraction that fits (one step less does not)."""
-    table = plan_placements(candidates(), variants(("deepspeed",), (3,), False), N, N // 32, "bf16", 1, machine())
+    table = plan_placements(candidates(), variants(("deepspeed",), (3,), False), SHAPE, "bf16", 1, machine())
     by_name = {p.offload + str(p.offload_optimizer_ratio < 1): p for p in table}
     assert not by_name["noneFalse"].fits_device
     chosen = next(p for p in table if p.chosen)
@@ -77,23 +80,23 @@ def test_planner_keeps_as_much_optimizer_state_on_the_device_as_fits():
     assert chosen.predicted_step_s < by_name["optimizerFalse"].predicted_step_s
     tighter = plan_placements([c for c in candidates() if c.micro_batch_size == chosen.micro_batch_size],
                               [Placement("deepspeed", 3, "optimizer", chosen.offload_optimizer_ratio)],
-                              N, N // 32, "bf16", 1, machine())[0]
+                              SHAPE, "bf16", 1, machine())[0]
     assert tighter.fits
     one_step_less = Placement("deepspeed", 3, "optimizer", round(chosen.offload_optimizer_ratio - RATIO_STEP, 4))
     from memtrain.memory.placement import _size
 
-    _size(one_step_less, next(c for c in candidates() if c.micro_batch_size == chosen.micro_batch_size), N, N // 32,
+    _size(one_step_less, next(c for c in candidates() if c.micro_batch_size == chosen.micro_batch_size), SHAPE,
           "bf16", 1, machine())
     assert not one_step_less.fits_device
 
 
 def test_host_memory_is_a_budget_and_nvme_is_planned_only_with_a_folder():
-    table = plan_placements(candidates(), variants(("deepspeed",), (3,), False), N, N // 32, "bf16", 1,
+    table = plan_placements(candidates(), variants(("deepspeed",), (3,), False), SHAPE, "bf16", 1,
                             machine(device_gib=16, host_gib=32))
     assert not any(p.chosen for p in table)  # 16 GB device, 32 GB host: nothing holds 107 GB of state
     assert any(p.fits_device and not p.fits_host for p in table)
     assert not any(p.nvme for p in variants(("deepspeed",), (3,), False))
-    table = plan_placements(candidates(), variants(("deepspeed",), (3,), True), N, N // 32, "bf16", 1,
+    table = plan_placements(candidates(), variants(("deepspeed",), (3,), True), SHAPE, "bf16", 1,
                             machine(device_gib=16, host_gib=32))
     chosen = next(p for p in table if p.chosen)
     assert chosen.nvme and chosen.host_bytes <= 32 * GIB and chosen.nvme_bytes > 0

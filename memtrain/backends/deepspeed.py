@@ -29,8 +29,7 @@ from memtrain.backends.spec import EngineVariant
 from memtrain.checkpoint.formats import deepspeed as deepspeed_format
 from memtrain.distributed import ProcessState
 from memtrain.errors import CheckpointError
-from memtrain.memory.accounting import (ZERO3_PERSISTENCE_THRESHOLD, model_state_bytes, zero3_persistent_elements,
-                                        zero_reduce_bucket_elements)
+from memtrain.memory.accounting import ModelShape, deepspeed_buffer_settings, model_shape, model_state_bytes
 
 VARIANTS = (
     *(EngineVariant(f"zero{s}", "deepspeed", s) for s in (1, 2, 3)),
@@ -100,8 +99,8 @@ class DeepSpeedBackend:
         self.grad_average_factor = float(self.world_size)  # ZeRO averages gradients over ranks
         self.engine = None
         self._one_bucket = False  # every ZeRO-1/2 gradient fits one reduce bucket (set in prepare)
-        self.reduce_bucket_elements: Optional[int] = None  # zero_optimization.reduce_bucket_size (set in prepare)
-        self.persistent_elements = 0  # ZeRO-3's whole small parameters (set in prepare)
+        self.shape: Optional[ModelShape] = None  # the model's element counts (set in prepare)
+        self.zero_settings: dict[str, int] = {}  # zero_optimization's buffer sizes this run uses (set in prepare)
 
     def prepare(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]):
         import deepspeed
@@ -111,13 +110,8 @@ class DeepSpeedBackend:
         if self.offload_ratio < 1.0 and get_path(self.ds_config, "zero_optimization.sub_group_size") is None:
             self.ds_config["zero_optimization"]["sub_group_size"] = ds_partial_offload.sub_group_size(
                 sum(n for n, _ in numels), self.world_size)
-        trainable = sum(n for n, grad in numels if grad)
-        if get_path(self.ds_config, "zero_optimization.reduce_bucket_size") in (None, "auto"):
-            self.ds_config["zero_optimization"]["reduce_bucket_size"] = zero_reduce_bucket_elements(trainable)
-        self.reduce_bucket_elements = int(float(self.ds_config["zero_optimization"]["reduce_bucket_size"]))
-        threshold = get_path(self.ds_config, "zero_optimization.stage3_param_persistence_threshold")
-        self.persistent_elements = zero3_persistent_elements(
-            (n for n, _ in numels), ZERO3_PERSISTENCE_THRESHOLD if threshold in (None, "auto") else int(float(threshold)))
+        self.shape = model_shape(model)
+        self.zero_settings = size_buffers(self.ds_config, self.shape, sum(n for n, grad in numels if grad))
         if self.offload_optimizer:  # ZeRO-Offload steps on CPU with its own Adam kernel (same AdamW math)
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -134,7 +128,7 @@ class DeepSpeedBackend:
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config,
                                                     dist_init_required=False)
         bucket = getattr(self.engine.optimizer, "reduce_bucket_size", None)  # ZeRO-1/2's, in elements
-        self._one_bucket = bucket is not None and trainable <= bucket
+        self._one_bucket = bucket is not None and sum(n for n, grad in numels if grad) <= bucket
         on_device, groups = ds_partial_offload.prepare(self.engine.optimizer, self.device.type)
         if groups and self.process.is_main:
             log.warning("memtrain: ZeRO-3 partial offload: %d of %d optimizer sub-groups of rank 0 stepped on the "
@@ -371,8 +365,7 @@ class DeepSpeedBackend:
         if self.offload_optimizer:
             offload = "optimizer_and_params" if self.offload_params else "optimizer"
         return model_state_bytes("deepspeed", n_params, self.precision, self.zero_stage, offload, self.world_size,
-                                 self.offload_ratio, "nvme" if self.nvme else "cpu", self.reduce_bucket_elements,
-                                 self.persistent_elements)
+                                 self.offload_ratio, "nvme" if self.nvme else "cpu", self.shape, self.zero_settings)
 
     def close(self) -> None:
         """Release the engine (the process group is the process state's)."""
@@ -434,6 +427,19 @@ def _zero_stage_and_json(spec) -> tuple[int, dict]:
     """(ZeRO stage, the user's JSON or {}) as :func:`build` will resolve them."""
     user = read_user_json(spec.deepspeed_config)
     return resolve_zero_stage(spec.zero_stage, user), user
+
+
+def size_buffers(ds_config: dict, shape: ModelShape, trainable: int) -> dict[str, int]:
+    """Write into ``ds_config`` the ``zero_optimization`` buffer sizes it leaves unset or ``auto``
+    (:func:`memtrain.memory.accounting.deepspeed_buffer_settings`, sized from the model), and
+    return every buffer size the run will use, in elements (the user's own values kept and counted)."""
+    zero = ds_config.setdefault("zero_optimization", {})
+    for key, value in deepspeed_buffer_settings(shape, trainable).items():
+        if zero.get(key) in (None, "auto"):
+            zero[key] = value
+    keys = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_max_reuse_distance",
+            "stage3_param_persistence_threshold")
+    return {k: int(float(zero[k])) for k in keys if zero.get(k) not in (None, "auto")}
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from memtrain.backends.common import whole_model_build_context as model_build_co
 from memtrain.backends.spec import EngineVariant
 from memtrain.checkpoint.formats import dcp as dcp_format
 from memtrain.distributed import ProcessState
-from memtrain.memory.accounting import model_state_bytes
+from memtrain.memory.accounting import ModelShape, model_shape, model_state_bytes
 
 VARIANTS = (EngineVariant("fsdp", "fsdp"), EngineVariant("fsdp_offload", "fsdp", offload="optimizer_and_params"))
 """FSDP2's placements: sharded on the device, or all of it on the host (``CPUOffloadPolicy``)."""
@@ -63,11 +63,13 @@ class FSDPBackend:
         process.ensure_group()  # plain `python`: a one-rank group
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         self._async_group = None  # process group of background checkpoint writes (made on first use)
+        self.shape: Optional[ModelShape] = None  # the model's element counts (set in prepare)
         self.grad_average_factor = float(self.world_size)  # reduce-scatter averages over ranks
 
     def prepare(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+        self.shape = model_shape(model)
         if self.offload == "none":
             model = model.to(self.device)
         kwargs = dict(
@@ -171,7 +173,7 @@ class FSDPBackend:
         return {"backend": self.name, "checkpoint_format": dcp_format.NAME, "zero_stage": None}
 
     def model_state_bytes(self, n_params: int) -> dict[str, int]:
-        return model_state_bytes("fsdp", n_params, self.precision, None, self.offload, self.world_size)
+        return model_state_bytes("fsdp", n_params, self.precision, None, self.offload, self.world_size, shape=self.shape)
 
     def close(self) -> None:
         """Nothing beyond the process group, which the process state closes."""

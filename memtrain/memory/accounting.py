@@ -6,7 +6,8 @@ the same functions.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Optional
 
 ADAM_STATE_BYTES = 8
 """exp_avg + exp_avg_sq in fp32, per parameter (AdamW's state; ZeRO paper, Rajbhandari et al. 2020, §3.1)."""
@@ -30,8 +31,55 @@ def with_allocator_headroom(device_bytes: int, device_type: str) -> int:
 DEVICE_STATE_KEYS = ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "buffer_bytes")
 """The keys of a ``model_state_bytes`` dict that are bytes on the device."""
 
+@dataclass(frozen=True)
+class ModelShape:
+    """The element counts of a model the engines' formulas need beyond its size.
+
+    Attributes:
+        parameters: all parameters (a tied one once).
+        largest_block: parameters of the largest repeated block (FSDP2's unit: two of them are
+            gathered at once); 0 = no repeated blocks.
+        largest_module: parameters one submodule owns directly, at most (what ZeRO-3 gathers for
+            one call: a Linear, an Embedding).
+        root: parameters outside the repeated blocks (FSDP2's root unit: embeddings, head, final norm).
+        numels: each parameter's elements (ZeRO-3 keeps the small ones whole); empty = none small.
+    """
+
+    parameters: int
+    largest_block: int = 0
+    largest_module: int = 0
+    root: int = 0
+    numels: tuple[int, ...] = ()
+
+
+def model_shape(model) -> ModelShape:
+    """The :class:`ModelShape` of ``model`` (a real, meta or ZeRO-3-partitioned module: a
+    partitioned parameter counts its whole ``ds_numel``)."""
+    from memtrain.backends.common import repeated_blocks
+
+    def numel(p) -> int:
+        return int(getattr(p, "ds_numel", p.numel()))
+
+    params = {id(p): numel(p) for p in model.parameters()}
+    blocks = [{id(p) for p in b.parameters()} for b in repeated_blocks(model)]
+    in_blocks = set().union(*blocks) if blocks else set()
+    own = (sum(numel(p) for p in m.parameters(recurse=False)) for m in model.modules())
+    return ModelShape(parameters=sum(params.values()),
+                      largest_block=max((sum(params[i] for i in b) for b in blocks), default=0),
+                      largest_module=max(own, default=0),
+                      root=sum(n for i, n in params.items() if i not in in_blocks),
+                      numels=tuple(params.values()))
+
+
 DEEPSPEED_REDUCE_BUCKET_ELEMENTS = 500_000_000
 """DeepSpeed's default ``zero_optimization.reduce_bucket_size`` (elements)."""
+DEEPSPEED_PREFETCH_ELEMENTS = 50_000_000
+"""DeepSpeed's default ``stage3_prefetch_bucket_size`` (elements)."""
+DEEPSPEED_REUSE_ELEMENTS = 1_000_000_000
+"""DeepSpeed's default ``stage3_max_reuse_distance`` (elements)."""
+ZERO3_PERSISTENCE_THRESHOLD = 100_000
+"""DeepSpeed's default ``stage3_param_persistence_threshold`` (elements): ZeRO-3 keeps every
+parameter of at most this many elements whole on every rank instead of partitioning it."""
 
 
 def zero_reduce_bucket_elements(n_params: int) -> int:
@@ -43,9 +91,20 @@ def zero_reduce_bucket_elements(n_params: int) -> int:
     return max(1, min(DEEPSPEED_REDUCE_BUCKET_ELEMENTS, n_params))
 
 
-ZERO3_PERSISTENCE_THRESHOLD = 100_000
-"""DeepSpeed's default ``stage3_param_persistence_threshold`` (elements): ZeRO-3 keeps every
-parameter of at most this many elements whole on every rank instead of partitioning it."""
+def deepspeed_buffer_settings(shape: ModelShape, trainable: int) -> dict[str, int]:
+    """The ``zero_optimization`` buffer sizes (elements) memtrain writes into a DeepSpeed config
+    that does not set them, so that :func:`model_state_bytes` counts what DeepSpeed allocates:
+    ``reduce_bucket_size`` = :func:`zero_reduce_bucket_elements` of the ``trainable`` parameters.
+
+    ZeRO-3's gather limits stay at DeepSpeed's defaults and are counted
+    (:func:`zero3_gathered_elements`): ``stage3_prefetch_bucket_size`` 5e7 and
+    ``stage3_max_reuse_distance`` 1e9 elements. Smaller ones were tried on GPT-2 small's blocks
+    (86M, 2 CPU ranks, DeepSpeed 0.19.8) — a prefetch of one block; a reuse distance of one to four
+    blocks — and each stopped the run when the order of parameter use changed (the first
+    evaluation, or the export after training with activation checkpointing) with DeepSpeed's
+    "Cannot partition a param in flight". A user's JSON may set them; they are counted as set.
+    """
+    return {"reduce_bucket_size": zero_reduce_bucket_elements(trainable)}
 
 
 def zero3_persistent_elements(numels: Iterable[int], threshold: int = ZERO3_PERSISTENCE_THRESHOLD) -> int:
@@ -54,33 +113,58 @@ def zero3_persistent_elements(numels: Iterable[int], threshold: int = ZERO3_PERS
     return sum(n for n in numels if n <= threshold)
 
 
+def zero3_gathered_elements(shape: ModelShape, settings: Mapping[str, int]) -> int:
+    """Parameters ZeRO-3 holds gathered on a rank at once, at most: the submodule being run
+    (``shape.largest_module``), the next ones prefetched (``stage3_prefetch_bucket_size``) and
+    those kept for reuse (``stage3_max_reuse_distance``; DeepSpeed's
+    ``PartitionedParameterCoordinator``), never more than the partitioned (not persistent) ones."""
+    persistent = zero3_persistent_elements(
+        shape.numels, settings.get("stage3_param_persistence_threshold", ZERO3_PERSISTENCE_THRESHOLD))
+    held = (shape.largest_module + settings.get("stage3_prefetch_bucket_size", DEEPSPEED_PREFETCH_ELEMENTS)
+            + settings.get("stage3_max_reuse_distance", DEEPSPEED_REUSE_ELEMENTS))
+    return max(0, min(shape.parameters - persistent, held))
+
+
 def model_state_bytes(engine: str, n_params: int, precision: str, zero_stage: Optional[int] = None,
                       offload: str = "none", world_size: int = 1, offload_optimizer_ratio: float = 1.0,
-                      offload_device: str = "cpu", reduce_bucket_elements: Optional[int] = None,
-                      persistent_elements: int = 0) -> dict[str, int]:
+                      offload_device: str = "cpu", shape: Optional[ModelShape] = None,
+                      zero_settings: Optional[Mapping[str, int]] = None) -> dict[str, int]:
     """Per-rank bytes of model state for AdamW training under ``engine`` (the formulas below;
-    ``offload_optimizer_ratio``, ``offload_device``, ``reduce_bucket_elements`` (None =
-    :func:`zero_reduce_bucket_elements`) and ``persistent_elements`` (ZeRO-3's whole small
-    parameters: :func:`zero3_persistent_elements`) are DeepSpeed's).
+    ``offload_optimizer_ratio`` and ``offload_device`` are DeepSpeed's).
+
+    Args:
+        shape: the model's element counts (None: ``ModelShape(n_params)``, no blocks, nothing small).
+        zero_settings: DeepSpeed's ``zero_optimization`` buffer sizes in elements where the run's
+            config sets them (the user's JSON); the rest are :func:`deepspeed_buffer_settings`.
 
     Returns:
         ``parameter_bytes``, ``gradient_bytes``, ``optimizer_bytes`` and ``buffer_bytes`` (the
-        engine's own buffers held through the run: ZeRO's reduce bucket, DDP's gradient buckets)
-        on the accelerator
-        (:data:`DEVICE_STATE_KEYS`), ``cpu_offloaded_bytes`` in host memory and
+        engine's own buffers: ZeRO's reduce bucket and gathered parameters, DDP's gradient
+        buckets) on the accelerator (:data:`DEVICE_STATE_KEYS`), ``accumulation_gradient_bytes``
+        more on the device while micro-batches accumulate (a plan with gradient accumulation > 1:
+        FSDP2's unsharded gradients), ``step_gradient_bytes`` on the device from the end of the
+        last backward to the optimizer step, when the activations are freed (ZeRO-2's whole
+        gradients: a peak is state + the larger of the activations and these),
+        ``cpu_offloaded_bytes`` in host memory and
         ``nvme_offloaded_bytes`` in NVMe files (all per rank).
 
     Raises:
         ValueError: an unknown engine.
     """
+    shape = shape or ModelShape(n_params)
+    w = max(1, world_size)
     if engine == "deepspeed":
-        bucket = zero_reduce_bucket_elements(n_params) if reduce_bucket_elements is None else reduce_bucket_elements
-        return _zero(n_params, precision, zero_stage, offload, max(1, world_size), offload_optimizer_ratio,
-                     offload_device, bucket, persistent_elements)
-    if engine not in ("ddp", "fsdp"):
+        settings = {**deepspeed_buffer_settings(shape, n_params), **(zero_settings or {})}
+        persistent = zero3_persistent_elements(
+            shape.numels, settings.get("stage3_param_persistence_threshold", ZERO3_PERSISTENCE_THRESHOLD))
+        return {"accumulation_gradient_bytes": 0, **_zero(
+            n_params, precision, zero_stage, offload, w, offload_optimizer_ratio, offload_device,
+            settings["reduce_bucket_size"], persistent, zero3_gathered_elements(shape, settings))}
+    if engine == "fsdp":
+        return {"nvme_offloaded_bytes": 0, "step_gradient_bytes": 0, **_fsdp(n_params, precision, offload, w, shape)}
+    if engine != "ddp":
         raise ValueError(f"backend.name: '{engine}' is not one of ddp, fsdp, deepspeed")
-    formula = _ddp if engine == "ddp" else _fsdp
-    return {"nvme_offloaded_bytes": 0, **formula(n_params, precision, zero_stage, offload, max(1, world_size))}
+    return {"nvme_offloaded_bytes": 0, "accumulation_gradient_bytes": 0, "step_gradient_bytes": 0, **_ddp(n_params, w)}
 
 
 def device_state_bytes(state_bytes: dict[str, int]) -> int:
@@ -88,7 +172,7 @@ def device_state_bytes(state_bytes: dict[str, int]) -> int:
     return sum(state_bytes.get(k, 0) for k in DEVICE_STATE_KEYS)
 
 
-def _ddp(n_params: int, precision: str, zero_stage, offload: str, world_size: int) -> dict[str, int]:
+def _ddp(n_params: int, world_size: int) -> dict[str, int]:
     """Every rank holds everything: Accelerate's autocast keeps fp32 parameters and gradients
     (cast for compute) and AdamW's two fp32 moments. On more than one rank DDP's reducer also
     allocates its buckets, a second copy of the fp32 gradients (MemTracker: 1.08 MB for a
@@ -98,25 +182,40 @@ def _ddp(n_params: int, precision: str, zero_stage, offload: str, world_size: in
             "buffer_bytes": 4 * n if world_size > 1 else 0, "cpu_offloaded_bytes": 0}
 
 
-def _fsdp(n_params: int, precision: str, zero_stage, offload: str, world_size: int) -> dict[str, int]:
+def _fsdp(n_params: int, precision: str, offload: str, world_size: int, shape: ModelShape) -> dict[str, int]:
     """fp32 parameters, gradients and AdamW moments, sharded over ranks (FSDP2's mixed-precision
-    policy casts for compute); CPUOffloadPolicy moves all three to host memory."""
+    policy casts for compute); CPUOffloadPolicy moves all three to host memory. On the device
+    beside them, in the compute dtype: the root unit's parameters (embeddings, head, final norm),
+    gathered from its forward to the end of backward (memtrain does not reshard the root), and
+    their unsharded gradients through the backward; two blocks' parameters gathered (the one
+    running and the one prefetched). While micro-batches accumulate, every unsharded gradient is
+    kept in fp32 (``set_requires_gradient_sync(False)``) until the last micro-batch
+    reduce-scatters it: 4 bytes per parameter in all. MemTracker on 2 ranks: the tiny recipe's
+    model holds 1.08 MB of gradients = 4 × its 0.27M parameters; GPT-2 small's blocks (86M) hold
+    one block gathered beside the root at the peak, and 2–2.5 blocks' bytes of gathered and
+    reduce-scatter buffers."""
     n, w = n_params, world_size
+    u = 2 if precision in ("bf16", "fp16") else 4
     params, grads, optim = 4 * n // w, 4 * n // w, ADAM_STATE_BYTES * n // w
+    host = 0
     if offload not in (None, "none"):
-        return {"parameter_bytes": 0, "gradient_bytes": 0, "optimizer_bytes": 0, "buffer_bytes": 0,
-                "cpu_offloaded_bytes": params + grads + optim}
-    return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim, "buffer_bytes": 0,
-            "cpu_offloaded_bytes": 0}
+        host, params, grads, optim = params + grads + optim, 0, 0, 0
+    params, grads = params + u * shape.root, grads + u * shape.root
+    return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim,
+            "buffer_bytes": 2 * u * shape.largest_block,
+            "accumulation_gradient_bytes": max(0, 4 * n - grads), "cpu_offloaded_bytes": host}
 
 
 def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str, world_size: int,
           offload_optimizer_ratio: float, offload_device: str, reduce_bucket_elements: int,
-          persistent_elements: int) -> dict[str, int]:
+          persistent_elements: int, gathered_elements: int) -> dict[str, int]:
     """ZeRO's accounting (Rajbhandari et al. 2020, §3.1 and §5), bytes per rank: 16-bit parameters
     and gradients in bf16/fp16 (fp32 otherwise) plus an fp32 master copy kept with AdamW's
     moments; stage 1 shards the optimizer state, 2 also the gradients, 3 also the parameters
-    (default stage 2).
+    (default stage 2). ZeRO's optimizer keeps its fp32 master partition as a copy also when the
+    model is fp32 (stages 1/2 clone it; stage 3 compares a ``torch.device`` with a device name,
+    which never matches, so never aliases it); found by listing the optimizer's tensors after a
+    step (fp32, 2 CPU ranks).
 
     Offload (ZeRO-Offload, Ren et al. 2021): the optimizer state leaves the device —
     ``offload_optimizer_ratio`` of it under ZeRO-3's partial offload — and the gradients are
@@ -129,12 +228,19 @@ def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str
 
     DeepSpeed's own buffers: the reduce bucket, allocated whole in the parameters' dtype on the
     device (also under offload); ZeRO-3's small parameters (``persistent_elements``), kept whole
-    on every rank's device, never partitioned or offloaded."""
+    on every rank's device beside their partition, never offloaded; ZeRO-3's gathered parameters
+    (``gathered_elements``: :func:`zero3_gathered_elements`) in the parameters' dtype.
+
+    ZeRO-2 holds every parameter's whole gradient from the end of the last backward to the step,
+    beside its bucket and partitions (``step_gradient_bytes``): MemTracker on GPT-2 small's blocks
+    (86M, fp32, 2 ranks) counts one peak, 20 bytes per parameter, with activation checkpointing
+    off and on alike (parameters 4, whole gradients 4, reduce bucket 4, gradient partition 2,
+    fp32 master partition 2, AdamW moments 4)."""
     n, w = n_params, world_size
     stage = 2 if zero_stage is None else zero_stage
     half = precision in ("bf16", "fp16")
     p_bytes = 2 if half else 4
-    master = 4 if half else 0
+    master = 4 if half or stage >= 1 else 0
     params = p_bytes * n // (w if stage >= 3 else 1)
     grads = p_bytes * n // (w if stage >= 2 else 1)
     optim = (ADAM_STATE_BYTES + master) * n // (w if stage >= 1 else 1)
@@ -158,11 +264,12 @@ def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str
         else:
             host += params
         params = 0
-    if stage >= 3:  # the partition of the persistent parameters is in params already, unless offloaded
-        whole = p_bytes * persistent_elements
-        params += whole if offload == "optimizer_and_params" else whole - whole // w
+    buffers = p_bytes * reduce_bucket_elements
+    if stage >= 3:  # whole persistent parameters beside their partitions; the gathered ones
+        params += p_bytes * persistent_elements
+        buffers += p_bytes * gathered_elements
     return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim,
-            "buffer_bytes": p_bytes * reduce_bucket_elements, "cpu_offloaded_bytes": host,
+            "buffer_bytes": buffers, "step_gradient_bytes": p_bytes * n if stage == 2 else 0, "cpu_offloaded_bytes": host,
             "nvme_offloaded_bytes": files}
 
 

@@ -85,7 +85,7 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
         ``machine`` they were planned for.
     """
     from memtrain.backends import engine_variants, infer_backend_name
-    from memtrain.memory.accounting import device_state_bytes, model_state_bytes, zero3_persistent_elements
+    from memtrain.memory.accounting import device_state_bytes, model_shape, model_state_bytes
     from memtrain.data import build_corpus
     from memtrain.models import build_model, count_parameters
     from memtrain.levers import lever_choices, recompute_fraction
@@ -101,19 +101,19 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
         meta = build_model(cfg.model, corpus.vocab_size, cfg.training.seed, getattr(corpus, "eos_id", None))
     n, objective = count_parameters(meta), make_objective(meta, corpus)
     choices = lever_choices(cfg, None)  # the model levers; the engine's are in its state bytes
-    persistent = zero3_persistent_elements(p.numel() for p in meta.parameters())
-    engines = {v.name: model_state_bytes(v.engine, n, precision, v.zero_stage, v.offload, world_size,
-                                         persistent_elements=persistent)
+    shape = model_shape(meta)
+    engines = {v.name: model_state_bytes(v.engine, n, precision, v.zero_stage, v.offload, world_size, shape=shape)
                for v in engine_variants() if not v.tune_ratio and not v.nvme}
     b, engine = cfg.backend, infer_backend_name(cfg.backend.name, cfg.backend.deepspeed_config)
     state = model_state_bytes(engine, n, precision, b.zero_stage if engine == "deepspeed" else None, b.offload or "none",
-                              world_size, persistent_elements=persistent)
+                              world_size, shape=shape)
     budget = (int(gpu_memory_gib * 2**30) if gpu_memory_gib else
               device_budget_bytes(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu")))
     acts = activation_table(cfg, corpus, objective, precision, device_type)
     per_rank = cfg.training.global_batch_size // world_size
     state_on_device = device_state_bytes(state)
-    planner = Planner(make_candidates(per_rank, choices, state_on_device, acts, device_type, budget), budget)
+    planner = Planner(make_candidates(per_rank, choices, state_on_device, acts, device_type, budget,
+                                      state["accumulation_gradient_bytes"], state["step_gradient_bytes"]), budget)
     gpu_without_one = device_type == "cuda" and not torch.cuda.is_available()
     from memtrain.memory.machine import device_flops_per_s
 
@@ -122,7 +122,7 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     for c in planner.candidates:  # 1 ms per micro-batch (launches, reduction): ties go to fewer micro-batches
         c.predicted_step_s = estimated_step_s(c, n, tokens, flops, recompute_fraction(c.plan.settings(), cfg), 1e-3)
     chosen = planner.fastest(planner.fitting())
-    machine, placements = _placements(cfg, meta, n, precision, world_size, device_type, budget, flops, acts, tokens,
+    machine, placements = _placements(cfg, shape, n, precision, world_size, device_type, budget, flops, acts, tokens,
                                       host_memory_gib, nvme_path)
     micro = chosen.micro_batch_size if chosen is not None else (
         cfg.training.micro_batch_size if cfg.training.micro_batch_size != "auto" else 1)
@@ -135,7 +135,7 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
         "model_state_bytes": engines,
         "placements": [p.as_dict() for p in placements],
         "machine": dataclasses.asdict(machine),
-        "per_rank_total_bytes": {name: {ac: device_state_bytes(e) + ac_bytes[ac]
+        "per_rank_total_bytes": {name: {ac: device_state_bytes(e) + max(ac_bytes[ac], e["step_gradient_bytes"])
                                         for ac in ("off", "on")} for name, e in engines.items()},
         "note": "activations: the peak of a micro-step's forward and backward traced with fake tensors (no memory "
                 "used); step seconds estimated from FLOPs at this machine's matmul speed (a run with "
@@ -164,20 +164,20 @@ def _activation_bytes_by_ac(acts, choices: dict, micro: int, per_rank: int) -> d
             for word, on in (("off", False), ("on", True))}
 
 
-def _placements(cfg, meta, n: int, precision: str, world_size: int, device_type: str, budget, flops: float,
+def _placements(cfg, shape, n: int, precision: str, world_size: int, device_type: str, budget, flops: float,
                 acts, tokens: int, host_memory_gib: Optional[float], nvme_path: Optional[str]):
     """The placement table (:mod:`memtrain.memory.placement`) of :func:`plan_report`: every placement of
     :func:`memtrain.memory.placement.planning_pool`."""
     from memtrain.memory.machine import (PLAN_PROCESS_BYTES, Machine, cpu_adam_params_per_s, host_budget_bytes,
                                          process_bytes)
-    from memtrain.memory.placement import largest_block_params, nvme_usable, plan_model, planning_pool
+    from memtrain.memory.placement import nvme_usable, plan_model, planning_pool
 
     gpu_here = torch.cuda.is_available()
     host = int(host_memory_gib * 2**30) if host_memory_gib else host_budget_bytes(cfg.memory.host_memory_gib)
     machine = Machine(budget, host, world_size, device_type, flops, cpu_adam_params_per_s(),
                       process_bytes(device_type) if device_type == "cpu" or gpu_here else PLAN_PROCESS_BYTES, nvme_path)
     pool = planning_pool(cfg, nvme_usable(nvme_path))
-    return machine, plan_model(cfg, acts, n, largest_block_params(meta), tokens, world_size, machine, precision, pool)
+    return machine, plan_model(cfg, acts, shape, tokens, world_size, machine, precision, pool)
 
 
 def _pop_option(argv: list[str], name: str, default=None, flag: bool = False):

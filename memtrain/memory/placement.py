@@ -10,7 +10,8 @@ placement an engine offers is sized and timed before anything is allocated:
   offloads into files.
 - **Device bytes** per rank: the engine's model state (``model_state_bytes``) + the activations of
   the best micro-batch / activation-checkpointing plan (traced with fake tensors,
-  :mod:`memtrain.memory.planner`) + under ZeRO-3 two gathered blocks in 16-bit + the CUDA headroom.
+  :mod:`memtrain.memory.planner`) + the CUDA headroom (DeepSpeed's buffers and ZeRO-3's gathered
+  parameters are in the engine's accounting, sized as memtrain writes them into the config).
 - **Host bytes**, all ranks of the machine together: each rank's process (libraries, the CUDA
   context, data: :func:`memtrain.memory.machine.process_bytes`) + offloaded state + DeepSpeed's pinned NVMe swap
   buffers + the checkpoint staging of a save (DeepSpeed serialises one flat partition at a time:
@@ -37,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from memtrain.memory.accounting import with_allocator_headroom
+from memtrain.memory.accounting import ModelShape, with_allocator_headroom
 from memtrain.memory.machine import Machine
 from memtrain.memory.planner import Candidate, estimated_step_s, make_candidates
 
@@ -108,24 +109,27 @@ def variants(engines: tuple[str, ...], zero_stages: tuple[int, ...], nvme: bool)
             if (v.zero_stage is None or v.zero_stage in zero_stages) and (nvme or not v.nvme)]
 
 
-def state_bytes(p: Placement, n_params: int, precision: str, world_size: int) -> dict[str, int]:
-    """The engine's model-state accounting of ``p`` (:func:`memtrain.memory.accounting.model_state_bytes`)."""
+def state_bytes(p: Placement, shape: ModelShape, precision: str, world_size: int) -> dict[str, int]:
+    """The engine's model-state accounting of ``p`` (:func:`memtrain.memory.accounting.model_state_bytes`;
+    DeepSpeed's buffers as memtrain sizes them)."""
     from memtrain.memory.accounting import model_state_bytes
 
-    return model_state_bytes(p.engine, n_params, precision, p.zero_stage, p.offload, world_size,
-                             p.offload_optimizer_ratio, "nvme" if p.nvme else "cpu")
+    return model_state_bytes(p.engine, shape.parameters, precision, p.zero_stage, p.offload, world_size,
+                             p.offload_optimizer_ratio, "nvme" if p.nvme else "cpu", shape)
 
 
-def _size(p: Placement, c: Candidate, n_params: int, block_params: int, precision: str, world_size: int,
+def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_size: int,
           machine: Machine) -> None:
     """Fill ``p``'s bytes and seconds for micro-batch plan ``c``."""
     from memtrain.memory.accounting import device_state_bytes
 
-    state = state_bytes(p, n_params, precision, world_size)
+    state = state_bytes(p, shape, precision, world_size)
+    n_params = shape.parameters
     half = precision in ("bf16", "fp16")
     p_bytes = 2 if half else 4
-    gathered = 2 * block_params * p_bytes if p.zero_stage == 3 else 0
-    device = with_allocator_headroom(device_state_bytes(state) + c.activation_bytes + gathered, machine.device_type)
+    accumulating = state["accumulation_gradient_bytes"] if c.gradient_accumulation_steps > 1 else 0
+    device = with_allocator_headroom(device_state_bytes(state) + accumulating
+                                     + max(c.activation_bytes, state["step_gradient_bytes"]), machine.device_type)
     optimizer_on_device = state["optimizer_bytes"]
     staging = min(optimizer_on_device, STAGING_LIMIT_BYTES) if p.engine == "deepspeed" else optimizer_on_device
     per_rank_host = machine.process_bytes + state["cpu_offloaded_bytes"] + staging
@@ -166,7 +170,7 @@ def _ratios() -> list[float]:
     return [round(i * RATIO_STEP, 4) for i in range(1, steps + 1)]
 
 
-def plan_placements(candidates: list[Candidate], pool: list[Placement], n_params: int, block_params: int,
+def plan_placements(candidates: list[Candidate], pool: list[Placement], shape: ModelShape,
                     precision: str, world_size: int, machine: Machine) -> list[Placement]:
     """Size and time every placement of ``pool`` at its best micro-batch plan and choose.
 
@@ -174,7 +178,7 @@ def plan_placements(candidates: list[Candidate], pool: list[Placement], n_params
         candidates: the micro-batch plans of a rank's share with ``activation_bytes`` and
             ``predicted_step_s`` set (:func:`micro_batch_candidates`).
         pool: from :func:`variants`; a partial-offload entry takes the smallest fitting ratio.
-        n_params: parameters; block_params: parameters of the largest repeated block.
+        shape: the model's element counts (:func:`memtrain.memory.accounting.model_shape`).
         precision: ``bf16|fp16|fp32``; world_size: ranks; machine: the budgets and rates.
 
     Returns:
@@ -187,7 +191,7 @@ def plan_placements(candidates: list[Candidate], pool: list[Placement], n_params
         for ratio in ratios:
             trial = dataclasses.replace(p, offload_optimizer_ratio=ratio)
             for c in candidates:
-                _size(trial, c, n_params, block_params, precision, world_size, machine)
+                _size(trial, c, shape, precision, world_size, machine)
                 if best is None or _better(trial, best):
                     best = dataclasses.replace(trial)
         for field in dataclasses.fields(Placement):
@@ -242,46 +246,38 @@ def micro_batch_candidates(cfg, per_rank_batch: int, activation_bytes, n_params:
     return candidates
 
 
-def largest_block_params(model) -> int:
-    """Parameters of ``model``'s largest repeated block (what ZeRO-3 gathers at once)."""
-    from memtrain.backends.common import repeated_blocks
-
-    return max((sum(p.numel() for p in b.parameters()) for b in repeated_blocks(model)), default=0)
-
-
 def tokens_per_sample(cfg, corpus) -> int:
     """Tokens (frames for speech: the longest utterance) one sample holds, for FLOP estimates."""
     return cfg.data.seq_len if corpus.kind != "speech" else int(max(corpus.train.lengths))
 
 
-def model_facts(cfg, corpus) -> tuple[int, int, object]:
-    """``(parameters, parameters of the largest repeated block, objective)`` of ``cfg``'s model,
-    built on the meta device (nothing allocated)."""
-    from memtrain.models import build_model, count_parameters
+def model_facts(cfg, corpus) -> tuple[ModelShape, object]:
+    """``(element counts, objective)`` of ``cfg``'s model, built on the meta device (nothing allocated)."""
+    from memtrain.memory.accounting import model_shape
+    from memtrain.models import build_model
     from memtrain.objectives import make_objective
 
     with torch.device("meta"):
         meta = build_model(cfg.model, corpus.vocab_size, cfg.training.seed, getattr(corpus, "eos_id", None))
-    objective = make_objective(meta, corpus)
-    return count_parameters(meta), largest_block_params(meta), objective
+    return model_shape(meta), make_objective(meta, corpus)
 
 
-def plan_model(cfg, activation_bytes, n_params: int, block_params: int, tokens: int, world_size: int,
+def plan_model(cfg, activation_bytes, shape: ModelShape, tokens: int, world_size: int,
                machine: Machine, precision: str, pool: list[Placement]) -> list[Placement]:
     """:func:`plan_placements` over the micro-batch plans of ``cfg`` (a numeric
     ``training.micro_batch_size`` is kept; ``auto`` lets each placement take its best).
 
     Args:
         activation_bytes: ``plan -> bytes`` (:func:`memtrain.memory.planner.activation_table`).
-        n_params, block_params: the model's and its largest block's parameters.
+        shape: the model's element counts (:func:`memtrain.memory.accounting.model_shape`).
         tokens: tokens per sample (:func:`tokens_per_sample`).
     """
     t = cfg.training
-    candidates = micro_batch_candidates(cfg, t.global_batch_size // world_size, activation_bytes, n_params, tokens,
+    candidates = micro_batch_candidates(cfg, t.global_batch_size // world_size, activation_bytes, shape.parameters, tokens,
                                         machine.device_flops)
     if t.micro_batch_size != "auto":
         candidates = [c for c in candidates if c.micro_batch_size == t.micro_batch_size]
-    return plan_placements(candidates, pool, n_params, block_params, precision, world_size, machine)
+    return plan_placements(candidates, pool, shape, precision, world_size, machine)
 
 
 def placement_table(cfg, corpus, world_size: int, machine: Machine, precision: str,
@@ -293,9 +289,9 @@ def placement_table(cfg, corpus, world_size: int, machine: Machine, precision: s
     """
     from memtrain.memory.planner import activation_table
 
-    n, block, objective = model_facts(cfg, corpus)
+    shape, objective = model_facts(cfg, corpus)
     acts = activation_table(cfg, corpus, objective, precision, machine.device_type)
-    return plan_model(cfg, acts, n, block, tokens_per_sample(cfg, corpus), world_size, machine, precision, pool)
+    return plan_model(cfg, acts, shape, tokens_per_sample(cfg, corpus), world_size, machine, precision, pool)
 
 
 def planning_pool(cfg, nvme: bool) -> list[Placement]:

@@ -106,13 +106,21 @@ def lever_combinations(choices: Mapping[str, tuple]) -> list[dict[str, Any]]:
     return [dict(zip(names, combo)) for combo in itertools.product(*(choices[n] for n in names))]
 
 
-def fake_model(build: Callable[[], nn.Module], dtype: Optional[torch.dtype] = None):
+def fake_model(build: Callable[[], nn.Module], dtype: Optional[torch.dtype] = None,
+               device: Optional[torch.device] = None):
     """A model with fake parameters (no memory): built on the meta device, then every parameter and
-    buffer turned into a fake tensor so data-dependent checks in model code see a tracer.
+    buffer turned into a fake tensor on ``device`` so data-dependent checks in model code see a
+    tracer and operators pick the kernels they pick on that device.
+
+    The device matters: ``scaled_dot_product_attention`` on CPU and CUDA runs a fused kernel that
+    saves its output and a log-sum-exp, while on the meta device it falls back to the math path,
+    which saves the ``[B, heads, T, T]`` attention weights of every layer (the tiny recipe's model
+    at micro-batch 16: 4.2 MB, 10%, more than a real CPU run holds).
 
     Args:
         build: builds the model (called under ``torch.device("meta")``).
         dtype: cast floating-point parameters to this dtype (a bf16/fp16 run's compute dtype).
+        device: the device the fakes claim (None: meta).
 
     Returns:
         (the model in train mode, the ``FakeTensorMode`` to trace it under).
@@ -122,15 +130,38 @@ def fake_model(build: Callable[[], nn.Module], dtype: Optional[torch.dtype] = No
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with torch.device("meta"):
         model = build()
+    made: dict[int, torch.Tensor] = {}  # by the meta tensor's id: tied parameters stay one parameter
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        t = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        return (mode.fake_tensor_converter.from_meta_and_device(mode, t, device) if device is not None
+                else mode.from_tensor(t))
+
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is not None:
-                t = p.to(dtype) if dtype is not None and p.is_floating_point() else p
-                module._parameters[name] = nn.Parameter(mode.from_tensor(t), requires_grad=p.requires_grad)
+                if id(p) not in made:
+                    made[id(p)] = nn.Parameter(fake(p.detach()), requires_grad=p.requires_grad)
+                module._parameters[name] = made[id(p)]
         for name, b in list(module._buffers.items()):
             if b is not None:
-                module._buffers[name] = mode.from_tensor(b)
+                module._buffers[name] = made.setdefault(id(b), fake(b))
     return model.train(), mode
+
+
+def fake_batch(mode, micro_batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """``micro_batch`` as fake tensors of ``mode`` on ``device`` (no memory)."""
+    return {k: mode.fake_tensor_converter.from_meta_and_device(mode, v.to("meta"), device)
+            for k, v in micro_batch.items()}
+
+
+def trace_device(device_type: str) -> torch.device:
+    """The device a planner's fake tensors claim: the run's own when this machine has it (its
+    kernels are the run's), else meta (``scaled_dot_product_attention``'s math path: more than a
+    fused kernel saves, so a GPU planned from a machine without one is over-predicted, never under)."""
+    if device_type == "cpu" or (device_type == "cuda" and torch.cuda.is_available()):
+        return torch.device(device_type)
+    return torch.device("meta")
 
 
 def traced_activation_bytes(model: nn.Module, mode, objective, micro_batch: dict[str, torch.Tensor]) -> int:
@@ -140,13 +171,13 @@ def traced_activation_bytes(model: nn.Module, mode, objective, micro_batch: dict
     Args:
         model: a :func:`fake_model` (AC switched as wanted); mode: its ``FakeTensorMode``.
         objective: the run's objective (:mod:`memtrain.objectives`).
-        micro_batch: tensors [B, …] on any device (moved to meta here).
+        micro_batch: tensors [B, …] on any device (made fakes on the model's device here).
     """
     from memtrain.memory.simulated import SimulatedMemory
 
     counter = SimulatedMemory(2**62, 0, model.parameters())
     with mode:
-        batch = {k: v.to("meta") for k, v in micro_batch.items()}
+        batch = fake_batch(mode, micro_batch, next(model.parameters()).device)
         with torch.enable_grad(), counter.context():
             loss = objective.loss_sum(model, batch)
         del loss
@@ -161,7 +192,7 @@ def predicted_peak_bytes(state_bytes: int, activation_bytes: int, device_type: s
 
 def make_candidates(per_rank_batch: int, choices: Mapping[str, tuple], state_bytes: int,
                     activation_bytes: Callable[[Plan], int], device_type: str,
-                    budget_bytes: Optional[int]) -> list[Candidate]:
+                    budget_bytes: Optional[int], accumulation_bytes: int = 0, step_bytes: int = 0) -> list[Candidate]:
     """Every candidate plan with its predicted peak.
 
     Args:
@@ -171,6 +202,10 @@ def make_candidates(per_rank_batch: int, choices: Mapping[str, tuple], state_byt
         activation_bytes: ``plan -> bytes`` one micro-batch saves (e.g. :func:`activation_table`).
         device_type: ``cuda`` or ``cpu``.
         budget_bytes: device bytes a rank may use; None = unbounded.
+        accumulation_bytes: more model state on the device in plans that accumulate
+            (gradient_accumulation_steps > 1; the accounting's ``accumulation_gradient_bytes``).
+        step_bytes: more on the device at the optimizer step, when the activations are freed (the
+            accounting's ``step_gradient_bytes``): a peak counts the larger of the two.
 
     Returns:
         Candidates, largest micro-batch first, then the levers' combinations fastest first.
@@ -180,7 +215,8 @@ def make_candidates(per_rank_batch: int, choices: Mapping[str, tuple], state_byt
         for settings in lever_combinations(choices):
             plan = Plan(micro, per_rank_batch // micro, tuple(settings.items()))
             acts = activation_bytes(plan)
-            peak = predicted_peak_bytes(state_bytes, acts, device_type)
+            state = state_bytes + (accumulation_bytes if plan.gradient_accumulation_steps > 1 else 0)
+            peak = predicted_peak_bytes(state, max(acts, step_bytes), device_type)
             out.append(Candidate(plan, peak, acts, fits=budget_bytes is None or peak <= budget_bytes))
     return out
 
@@ -406,7 +442,7 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str) -
 
     dtype = COMPUTE_DTYPES.get(precision) if device_type == "cuda" else None
     model, mode = fake_model(lambda: build_model(cfg.model, corpus.vocab_size, cfg.training.seed,
-                                                   getattr(corpus, "eos_id", None)), dtype)
+                                                   getattr(corpus, "eos_id", None)), dtype, trace_device(device_type))
     target = LeverTarget(model, repeated_blocks(model), copy.copy(objective), cfg)
     trace = traced_activation_bytes if cfg.faults.memory_budget_mib > 0 else step_peak_bytes
     cache: dict[tuple, int] = {}
@@ -422,16 +458,23 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str) -
     return activation_bytes
 
 
-def build_planner(cfg, corpus, objective, precision: str, device: torch.device, state_bytes: int,
+def build_planner(cfg, corpus, objective, precision: str, device: torch.device, state: Mapping[str, int],
                   per_rank_batch: int, choices: Mapping[str, tuple]) -> Planner:
     """The run's planner: candidates of ``per_rank_batch`` and the levers' ``choices``, with peaks
     predicted from a fake trace of ``cfg``'s model, against :func:`device_budget_bytes`.
 
     Args:
-        state_bytes: the engine's model state on this rank's device (bytes).
+        state: the engine's model state on this rank (a ``model_state_bytes`` dict, bytes).
     """
-    # the simulated device counts state + saved bytes exactly: no CUDA headroom even on a GPU host
-    device_type = "cpu" if cfg.faults.memory_budget_mib > 0 else device.type
+    from memtrain.memory.accounting import device_state_bytes
+
+    # the simulated device counts state + saved bytes exactly (no CUDA headroom even on a GPU host,
+    # the state one constant: no accumulation term)
+    simulated = cfg.faults.memory_budget_mib > 0
+    device_type = "cpu" if simulated else device.type
     acts = activation_table(cfg, corpus, objective, precision, device_type)
     budget = device_budget_bytes(cfg, device)
-    return Planner(make_candidates(per_rank_batch, choices, state_bytes, acts, device_type, budget), budget)
+    extra = {} if simulated else {"accumulation_bytes": state.get("accumulation_gradient_bytes", 0),
+                                  "step_bytes": state.get("step_gradient_bytes", 0)}
+    return Planner(make_candidates(per_rank_batch, choices, device_state_bytes(state), acts, device_type, budget,
+                                   **extra), budget)

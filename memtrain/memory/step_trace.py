@@ -75,11 +75,13 @@ def step_peak_bytes(model: nn.Module, mode, objective, micro_batch: dict[str, to
         model: a fake model (:func:`memtrain.memory.planner.fake_model`, levers applied).
         mode: its ``FakeTensorMode``.
         objective: the run's objective (:mod:`memtrain.objectives`); its ``loss_sum`` is traced.
-        micro_batch: tensors [B, …] on any device (moved to meta here).
+        micro_batch: tensors [B, …] on any device (made fakes on the model's device here).
 
     Returns:
         Bytes (saved activations and transients) at the peak.
     """
+    from memtrain.memory.planner import fake_batch
+
     counter = _LiveBytes()
     for t in [*model.parameters(), *model.buffers()]:  # model state; views of it (a transposed weight) too
         counter.to_state(t.untyped_storage()._cdata)
@@ -91,7 +93,7 @@ def step_peak_bytes(model: nn.Module, mode, objective, micro_batch: dict[str, to
               for p in params]
     try:
         with mode:
-            batch = {k: v.to("meta") for k, v in micro_batch.items()}
+            batch = fake_batch(mode, micro_batch, next(model.parameters()).device)
             with torch.enable_grad(), counter:
                 loss = objective.loss_sum(model, batch)
                 loss.backward()
