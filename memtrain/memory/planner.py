@@ -149,12 +149,6 @@ def fake_model(build: Callable[[], nn.Module], dtype: Optional[torch.dtype] = No
     return model.train(), mode
 
 
-def fake_batch(mode, micro_batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """``micro_batch`` as fake tensors of ``mode`` on ``device`` (no memory)."""
-    return {k: mode.fake_tensor_converter.from_meta_and_device(mode, v.to("meta"), device)
-            for k, v in micro_batch.items()}
-
-
 def trace_device(device_type: str) -> torch.device:
     """The device a planner's fake tensors claim: the run's own when this machine has it (its
     kernels are the run's), else meta (``scaled_dot_product_attention``'s math path: more than a
@@ -174,6 +168,8 @@ def traced_activation_bytes(model: nn.Module, mode, objective, micro_batch: dict
         micro_batch: tensors [B, …] on any device (made fakes on the model's device here).
     """
     from memtrain.memory.simulated import SimulatedMemory
+
+    from memtrain.memory.step_trace import fake_batch
 
     counter = SimulatedMemory(2**62, 0, model.parameters())
     with mode:

@@ -68,6 +68,12 @@ class _LiveBytes(TorchDispatchMode):
             self.live_bytes -= size
 
 
+def fake_batch(mode, micro_batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """``micro_batch`` as fake tensors of ``mode`` on ``device`` (no memory)."""
+    return {k: mode.fake_tensor_converter.from_meta_and_device(mode, v.to("meta"), device)
+            for k, v in micro_batch.items()}
+
+
 def step_peak_bytes(model: nn.Module, mode, objective, micro_batch: dict[str, torch.Tensor]) -> int:
     """Peak bytes of one training forward and backward of ``micro_batch`` beyond model state.
 
@@ -80,8 +86,6 @@ def step_peak_bytes(model: nn.Module, mode, objective, micro_batch: dict[str, to
     Returns:
         Bytes (saved activations and transients) at the peak.
     """
-    from memtrain.memory.planner import fake_batch
-
     counter = _LiveBytes()
     for t in [*model.parameters(), *model.buffers()]:  # model state; views of it (a transposed weight) too
         counter.to_state(t.untyped_storage()._cdata)
