@@ -143,7 +143,7 @@ def model_state_bytes(engine: str, n_params: int, precision: str, zero_stage: Op
         buckets) on the accelerator (:data:`DEVICE_STATE_KEYS`), ``accumulation_gradient_bytes``
         more on the device while micro-batches accumulate (a plan with gradient accumulation > 1:
         FSDP2's unsharded gradients), ``step_gradient_bytes`` on the device from the end of the
-        last backward to the optimizer step, when the activations are freed (ZeRO-2's whole
+        last backward to the optimizer step, when the activations are freed (ZeRO-2/3's whole
         gradients: a peak is state + the larger of the activations and these),
         ``cpu_offloaded_bytes`` in host memory and
         ``nvme_offloaded_bytes`` in NVMe files (all per rank).
@@ -231,11 +231,14 @@ def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str
     on every rank's device beside their partition, never offloaded; ZeRO-3's gathered parameters
     (``gathered_elements``: :func:`zero3_gathered_elements`) in the parameters' dtype.
 
-    ZeRO-2 holds every parameter's whole gradient from the end of the last backward to the step,
-    beside its bucket and partitions (``step_gradient_bytes``): MemTracker on GPT-2 small's blocks
-    (86M, fp32, 2 ranks) counts one peak, 20 bytes per parameter, with activation checkpointing
-    off and on alike (parameters 4, whole gradients 4, reduce bucket 4, gradient partition 2,
-    fp32 master partition 2, AdamW moments 4)."""
+    ZeRO-2 and ZeRO-3 hold every parameter's whole gradient from the end of the last backward to
+    the step, beside their buckets and partitions (``step_gradient_bytes``): MemTracker on GPT-2
+    small's blocks (86M, fp32, 2 ranks) counts one peak per engine with activation checkpointing
+    off and on alike — ZeRO-2 20 bytes per parameter (parameters 4, whole gradients 4, reduce
+    bucket 4, gradient partition 2, fp32 master partition 2, AdamW moments 4; on one rank
+    MemTracker's peak equals this prediction to the byte's 1e-5), ZeRO-3 the same beside its
+    gathered parameters. Under offload, where the gradient partitions go to the host, this term
+    is not counted (not measured there)."""
     n, w = n_params, world_size
     stage = 2 if zero_stage is None else zero_stage
     half = precision in ("bf16", "fp16")
@@ -269,7 +272,7 @@ def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str
         params += p_bytes * persistent_elements
         buffers += p_bytes * gathered_elements
     return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim,
-            "buffer_bytes": buffers, "step_gradient_bytes": p_bytes * n if stage == 2 else 0, "cpu_offloaded_bytes": host,
+            "buffer_bytes": buffers, "step_gradient_bytes": p_bytes * n if stage >= 2 and offload in (None, "none") else 0, "cpu_offloaded_bytes": host,
             "nvme_offloaded_bytes": files}
 
 
