@@ -31,6 +31,7 @@ def with_allocator_headroom(device_bytes: int, device_type: str) -> int:
 DEVICE_STATE_KEYS = ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "buffer_bytes")
 """The keys of a ``model_state_bytes`` dict that are bytes on the device."""
 
+
 @dataclass(frozen=True)
 class ModelShape:
     """The element counts of a model the engines' formulas need beyond its size.
