@@ -10,8 +10,8 @@ placement an engine offers is sized and timed before anything is allocated:
   offloads into files.
 - **Device bytes** per rank: the engine's model state (``model_state_bytes``) + the activations of
   the best micro-batch / activation-checkpointing plan (traced with fake tensors,
-  :mod:`memtrain.memory.planner`) + the CUDA headroom (DeepSpeed's buffers and ZeRO-3's gathered
-  parameters are in the engine's accounting, sized as memtrain writes them into the config).
+  :mod:`memtrain.memory.planner`) + the CUDA headroom (DeepSpeed's buffers — the reduce bucket
+  memtrain sizes, ZeRO-3's gathered parameters at DeepSpeed's limits — are in the engine's accounting).
 - **Host bytes**, all ranks of the machine together: each rank's process (libraries, the CUDA
   context, data: :func:`memtrain.memory.machine.process_bytes`) + offloaded state + DeepSpeed's pinned NVMe swap
   buffers + the checkpoint staging of a save (DeepSpeed serialises one flat partition at a time:
