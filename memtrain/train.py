@@ -85,6 +85,9 @@ subcommands (each has its own --help):
   export   a checkpoint's weights as a transformers folder (model.safetensors, config, tokenizer)
   plot     draw a run's metrics.jsonl (loss, learning rate, throughput, memory, plan changes)
 
+memtrain train ... --print_config prints what the command will run (engine, plan, levers, config)
+and exits without starting anything.
+
 exit codes: 0 done, 2 bad input, 3 out of memory at the smallest plan, 4 checkpoint, 5 non-finite
 steps, 6 collective failure or timeout, 130 Ctrl-C, 1 memtrain's own error (docs/operations.md, "Exit codes")."""
 
@@ -102,7 +105,8 @@ def cli() -> None:
     stopped making progress (``backend.timeout_s``), 130 after Ctrl-C (the first finishes the step
     and saves it, a second stops at once), 1 on any other error. Every error is one message on
     stderr; ``--debug`` adds the Python traceback. ``memtrain --help`` lists the subcommands;
-    ``memtrain train`` is the trainer (also without the word)."""
+    ``memtrain train`` is the trainer (also without the word); ``--print_config`` prints what it
+    would run and exits (:func:`print_run`)."""
     if sys.argv[1:2] in (["--help"], ["-h"], ["help"]) or sys.argv[1:] == []:
         print(USAGE)
         sys.exit(0)
@@ -120,6 +124,8 @@ def cli() -> None:
         from memtrain.memory.estimate import main as plan_main
 
         sys.exit(plan_main(sys.argv[2:], command=sys.argv[1]))
+    if any(a == "--print_config" or a.startswith("--print_config=") for a in sys.argv[1:]):
+        sys.exit(print_run([a for a in sys.argv[1:] if not a.startswith("--print_config")]))
     cfg = None
     try:
         cfg = prepare_config()
@@ -137,6 +143,20 @@ def cli() -> None:
             traceback.print_exc()
         print(f"memtrain: {message}", file=sys.stderr)
     _exit_now(code)
+
+
+def print_run(argv: list[str]) -> int:
+    """``--print_config``: print what this command line will run (:mod:`memtrain.show`) and
+    return 0, or the error's exit code and message (2 for a bad input) without running."""
+    from memtrain.show import describe_run, format_run
+
+    try:
+        print(format_run(describe_run(argv)))
+        return 0
+    except Exception as exc:  # noqa: BLE001 — the same message and exit code a run would give
+        code, message = error_report(exc, None)
+        print(f"memtrain: {message}", file=sys.stderr)
+        return code
 
 
 def error_report(exc: Exception, cfg: Optional[Config]) -> tuple[int, str]:

@@ -180,3 +180,29 @@ def test_help_lists_the_subcommands_and_plan_has_its_own():
     assert "--faults.kill_at_step" not in train.stdout and len(train.stdout.splitlines()) < 300
     everything = run("train", "--help_all")
     assert everything.returncode == 0 and "--faults.kill_at_step" in everything.stdout
+
+
+def test_print_config_prints_what_will_run_and_starts_nothing(tmp_path):
+    """``--print_config`` resolves the launcher's world size, the engine, precision and plan the
+    run would use and exits 0 without writing the output folder; a bad input gives the run's
+    own exit code 2 and message."""
+    import yaml
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-c", "from memtrain.train import cli; cli()", "train", *TINY_ARGS,
+           "--backend.name", "deepspeed", "--backend.zero_stage", "3", "--output_dir", str(out), "--print_config"]
+    env = {**os.environ, "WORLD_SIZE": "2"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    shown = yaml.safe_load(proc.stdout)
+    assert shown["engine"]["name"] == "deepspeed" and shown["engine"]["zero_stage"] == 3
+    assert shown["launcher"]["world_size"] == 2
+    t = shown["config"]["training"]
+    assert shown["plan"]["per_rank_batch"] == t["global_batch_size"] // 2
+    if t["micro_batch_size"] != "auto":
+        assert shown["plan"]["gradient_accumulation_steps"] * t["micro_batch_size"] * 2 == t["global_batch_size"]
+    assert shown["tokens_per_step"] == t["global_batch_size"] * shown["config"]["data"]["seq_len"]
+    assert not out.exists()  # nothing started, nothing written
+    bad = subprocess.run(cmd[:-1] + ["--training.max_step", "2", "--print_config"], capture_output=True, text=True,
+                         timeout=120, cwd=REPO, env=env)
+    assert bad.returncode == 2 and "training.max_steps" in bad.stderr and "Traceback" not in bad.stderr
