@@ -157,6 +157,32 @@ def _fsdp(cfg: Config, environ: Mapping[str, str]) -> None:
         cfg.backend.reshard_after_forward = reshard.lower() in _TRUE
 
 
+MPI_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MPI_LOCALNRANKS")
+"""Variables an MPI launcher sets in each process it starts (Open MPI, MPICH / Intel MPI)."""
+
+
+def _one_process_of_several(environ: Mapping[str, str], world_size: int) -> None:
+    """``accelerate launch`` with an Accelerate config asking for several CPU processes
+    (``distributed_type: MULTI_CPU``) starts them only through ``mpirun`` (``mpirun_hostfile``);
+    without it, Accelerate's simple launcher starts this one process, with ``MASTER_ADDR`` set
+    for a group nobody else will join. Training on alone would be a different run than the one
+    asked for: refused, with how to launch instead.
+
+    Raises:
+        ConfigError: launched by Accelerate for several processes (``MASTER_ADDR`` set) as one
+            process, without a torchrun/DeepSpeed (``WORLD_SIZE``) or MPI world.
+    """
+    by_accelerate = "ACCELERATE_MIXED_PRECISION" in environ
+    if (not by_accelerate or "MASTER_ADDR" not in environ or "WORLD_SIZE" in environ or world_size > 1
+            or any(name in environ for name in MPI_SIZE_VARIABLES)):
+        return
+    raise ConfigError("accelerate launch", "the Accelerate config asks for several processes, but its launcher "
+                      "started this one alone (distributed_type MULTI_CPU starts CPU processes only through mpirun, "
+                      "with mpirun_hostfile); launch them with `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu "
+                      "--num_processes N memtrain/train.py ...` (torchrun underneath) or `torchrun --nproc_per_node N "
+                      "memtrain/train.py ...`")
+
+
 def _number(value: str, setting: str, kind):
     """``kind(value)``, or a ConfigError naming the Accelerate setting."""
     try:
@@ -197,6 +223,7 @@ def apply_accelerate_settings(cfg: Config, world_size: int, environ: Optional[Ma
     """
     environ = os.environ if environ is None else environ
     warnings: list[str] = []
+    _one_process_of_several(environ, world_size)
     _precision(cfg, environ)
     _accumulation(cfg, world_size, environ, warnings.append)
     _clipping(cfg, environ)

@@ -241,3 +241,30 @@ def test_accelerate_engine_settings_fill_the_backend_section_whatever_its_name()
                                   {**fsdp, "FSDP_RESHARD_AFTER_FORWARD": "true"})
     with pytest.raises(ConfigError, match="gradient_accumulation_steps = 'two'"):
         apply_accelerate_settings(_cfg(), 2, {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "two"})
+
+
+def test_an_accelerate_config_asking_for_several_cpu_processes_that_start_one_is_refused(tmp_path):
+    """``distributed_type: MULTI_CPU`` with 2 processes and no mpirun: Accelerate's launcher starts
+    one process. memtrain stops before anything is written (exit 2, which Accelerate's launcher
+    reports as its own failure) and says how to launch instead."""
+    import subprocess
+    import sys
+
+    from memtrain.launcher import apply_accelerate_settings
+
+    config = tmp_path / "multi_cpu.yaml"
+    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_machines: 1\n"
+                      "num_processes: 2\nuse_cpu: true\nmixed_precision: 'no'\nmachine_rank: 0\n"
+                      f"main_process_ip: 127.0.0.1\nmain_process_port: {_free_port()}\n")
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+                           str(REPO / "memtrain" / "train.py"), "--config", str(REPO / "recipes" / "code_lm_tiny.yaml"),
+                           "--output_dir", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    # memtrain exits 2; Accelerate's simple launcher reports that and exits 1 itself
+    assert proc.returncode != 0 and "returned non-zero exit status 2" in proc.stderr, proc.stderr[-3000:]
+    assert "started this one alone" in proc.stderr and "--multi_gpu --num_processes N" in proc.stderr
+    assert not out.exists()
+    # the same environment under torchrun (WORLD_SIZE) or mpirun is a real world: nothing to say
+    env = _launch_env(ACCELERATE_MIXED_PRECISION="no", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    for world in ({"WORLD_SIZE": "2"}, {"OMPI_COMM_WORLD_SIZE": "2"}):
+        assert apply_accelerate_settings(_cfg(), 2, {**env, **world}) == []
