@@ -10,7 +10,8 @@ of 128 tokens, fp32 on CPU, random weights and tokens. Reported:
   backward, counted by the simulated device's saved-tensor hooks. Goal: chunked ≥ 4× lower.
 - ``model_saved_bytes``: the same for the whole model's forward (what the planner predicts with).
 - ``step_s``: forward + backward seconds, plain and chunked in alternating repeats, and the ratio
-  chunked / plain per repeat (min / median / max): the price of recomputing the logits.
+  chunked / plain per repeat (min / median / max): the price of recomputing the logits;
+  ``step_s_each_repeat`` holds every repeat's seconds.
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ def main(argv=None) -> None:
             times[name].append(step_seconds(m, o, batch))
     ratios = [c / p for p, c in zip(times["plain"], times["chunked"])]
     result["step_s"] = {k: {"min": min(v), "median": statistics.median(v), "max": max(v)} for k, v in times.items()}
+    result["step_s_each_repeat"] = times
     result["ratio_chunked_to_plain_step_s"] = {"min": min(ratios), "median": statistics.median(ratios), "max": max(ratios)}
     result["goal_loss_saved_bytes_ratio"] = 4.0
     emit("chunked_loss", "cpu", result, args.results)
