@@ -121,6 +121,26 @@ def test_plan_prints_a_fitting_placement_for_a_10b_llama_on_80gb_and_128gb(cache
     assert chosen["parameters"] >= 10e9
 
 
+def test_plan_answers_for_the_target_machine(cache_dir):
+    """``memtrain plan --world_size 8 --gpu_memory_gib 12`` plans another machine: a recipe's
+    micro-batch that cannot divide a rank's share there is replaced by the planner's (and said
+    so); with its host not given, no placement is refused for this machine's host, and the
+    verdict names the host memory the chosen one needs."""
+    from conftest import TINY_ARGS
+
+    i = TINY_ARGS.index("--training.micro_batch_size")
+    recipe_micro = TINY_ARGS[:i] + TINY_ARGS[i + 2:]  # the recipe's own micro-batch (16)
+    proc = subprocess.run([sys.executable, "-c", "from memtrain.train import cli; cli()", "plan", *recipe_micro,
+                           "--training.global_batch_size", "16", "--world_size", "8", "--gpu_memory_gib", "12",
+                           "--data.cache_dir", cache_dir], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "does not divide a rank's share" in proc.stderr
+    table = proc.stdout.split("placements (", 1)[1]
+    assert "host memory not given" in table and "no (host)" not in table
+    verdict = next(line for line in proc.stdout.splitlines() if line.startswith("verdict:"))
+    assert "fastest placement" in verdict and "GiB host for 8 rank(s)" in verdict
+
+
 def test_an_offload_the_host_cannot_hold_is_refused_before_start(tmp_path, cache_dir):
     """Exit 2 with the numbers, before the model is built and before anything is written."""
     out = tmp_path / "run"

@@ -123,7 +123,7 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
         c.predicted_step_s = estimated_step_s(c, n, tokens, flops, recompute_fraction(c.plan.settings(), cfg), 1e-3)
     chosen = planner.fastest(planner.fitting())
     machine, placements = _placements(cfg, shape, n, precision, world_size, device_type, budget, flops, acts, tokens,
-                                      host_memory_gib, nvme_path)
+                                      host_memory_gib, nvme_path, gpu_memory_gib is not None)
     micro = chosen.micro_batch_size if chosen is not None else (
         cfg.training.micro_batch_size if cfg.training.micro_batch_size != "auto" else 1)
     ac_bytes = _activation_bytes_by_ac(acts, choices, micro, per_rank)
@@ -165,15 +165,22 @@ def _activation_bytes_by_ac(acts, choices: dict, micro: int, per_rank: int) -> d
 
 
 def _placements(cfg, shape, n: int, precision: str, world_size: int, device_type: str, budget, flops: float,
-                acts, tokens: int, host_memory_gib: Optional[float], nvme_path: Optional[str]):
+                acts, tokens: int, host_memory_gib: Optional[float], nvme_path: Optional[str], gpu_given: bool):
     """The placement table (:mod:`memtrain.memory.placement`) of :func:`plan_report`: every placement of
-    :func:`memtrain.memory.placement.planning_pool`."""
+    :func:`memtrain.memory.placement.planning_pool`. A GPU given without its host's memory
+    (``gpu_given``, no ``host_memory_gib`` here or in the config) plans an unbounded host: each
+    placement shows the host memory it needs."""
     from memtrain.memory.machine import (PLAN_PROCESS_BYTES, Machine, cpu_adam_params_per_s, host_budget_bytes,
                                          process_bytes)
     from memtrain.memory.placement import nvme_usable, plan_model, planning_pool
 
     gpu_here = torch.cuda.is_available()
-    host = int(host_memory_gib * 2**30) if host_memory_gib else host_budget_bytes(cfg.memory.host_memory_gib)
+    if host_memory_gib:
+        host = int(host_memory_gib * 2**30)
+    elif gpu_given and not cfg.memory.host_memory_gib:
+        host = None  # another machine's GPU, its host not given: show what each placement needs
+    else:
+        host = host_budget_bytes(cfg.memory.host_memory_gib)
     machine = Machine(budget, host, world_size, device_type, flops, cpu_adam_params_per_s(),
                       process_bytes(device_type) if device_type == "cpu" or gpu_here else PLAN_PROCESS_BYTES, nvme_path)
     pool = planning_pool(cfg, nvme_usable(nvme_path))
@@ -211,8 +218,31 @@ def format_table(report: dict) -> str:
     placements = [Placement(**{k: v for k, v in p.items() if k in fields}) for p in report.get("placements", [])]
     host = (report.get("machine") or {}).get("host_bytes")
     return (head + "\n" + "\n".join(rows) + "\n\nplacements (host " +
-            (f"{host / 2**30:.1f} GiB" if host else "unbounded") + f" for {report['world_size']} rank(s)):\n"
-            + format_placements(placements))
+            (f"{host / 2**30:.1f} GiB" if host else "memory not given: each row shows what it needs") +
+            f" for {report['world_size']} rank(s)):\n" + format_placements(placements) + "\n\n" + verdict(report))
+
+
+def verdict(report: dict) -> str:
+    """One paragraph in words: the plan the run will use, the placement chosen (with the host
+    memory it needs when the host was not given), or what to change when nothing fits."""
+    chosen = next((c for c in report["candidates"] if c["chosen"]), None)
+    world, budget = report["world_size"], report["budget_bytes"]
+    if chosen is None:
+        return ("verdict: no micro-batch plan fits " + (f"{budget / 2**30:.1f} GiB per rank" if budget else "") +
+                " with this engine; try another engine or offload (the placements above), more ranks, "
+                "memory.activation_checkpointing on or a shorter data.seq_len")
+    words = (f"verdict: micro-batch {chosen['micro_batch_size']} × accumulation {chosen['gradient_accumulation_steps']}"
+             f" per rank, activation checkpointing {'on' if chosen['activation_checkpointing'] else 'off'}, predicted "
+             f"peak {chosen['predicted_peak_bytes'] / 2**30:.2f} GiB per rank")
+    placed = next((p for p in report.get("placements", []) if p.get("chosen")), None)
+    host = (report.get("machine") or {}).get("host_bytes")
+    if placed is not None:
+        words += (f"; fastest placement: {placed['name']} ({placed['device_bytes'] / 2**30:.1f} GiB GPU per rank, "
+                  f"{placed['host_bytes'] / 2**30:.1f} GiB host for {world} rank(s)" +
+                  (", the smallest host that runs it: give --host_memory_gib to check a machine)" if not host else ")"))
+    elif report.get("placements"):
+        words += "; no placement fits this host: give a larger --host_memory_gib, more ranks, or --nvme_path"
+    return words
 
 
 PLAN_HELP = """usage: memtrain {command} --config RECIPE.yaml [options] [--section.key value ...]
@@ -227,6 +257,21 @@ options:
   --host_memory_gib H   host memory of the ranks of one machine together, in GiB (default: available here)
   --nvme_path DIR       a folder for NVMe offload (placements that use it are planned)
   --json                one JSON object per plan, then one per placement (plan only)"""
+
+
+def _plan_micro_batch_for_target(cfg, world_size: int, given: bool, command: str) -> None:
+    """A recipe's fixed ``training.micro_batch_size`` that cannot divide a rank's share of the
+    global batch on the target's ``world_size`` is replaced by ``auto`` (the planner chooses),
+    and said so; one ``given`` on the command line is kept (and refused by validation if wrong)."""
+    t = cfg.training
+    share = t.global_batch_size // max(1, world_size)
+    if given or t.micro_batch_size == "auto" or (share > 0 and share % t.micro_batch_size == 0):
+        return
+    print(f"memtrain {command}: the recipe's training.micro_batch_size {t.micro_batch_size} does not divide a rank's "
+          f"share of the global batch ({t.global_batch_size} / {world_size} ranks = {share}); planning the "
+          "micro-batch instead (training.micro_batch_size auto; give one on the command line to fix it)",
+          file=sys.stderr)
+    t.micro_batch_size = "auto"
 
 
 def main(argv: Optional[list[str]] = None, command: str = "memory") -> int:
@@ -268,6 +313,7 @@ def main(argv: Optional[list[str]] = None, command: str = "memory") -> int:
             raise ConfigError("--nvme_path", f"'{nvme}' is not a folder")
         cfg = parse_args(argv)
         apply_accelerate_settings(cfg, world_size)
+        _plan_micro_batch_for_target(cfg, world_size, "--training.micro_batch_size" in argv, command)
         validate(cfg, world_size)
     except ConfigError as exc:
         print(f"memtrain {command}: {exc}", file=sys.stderr)
