@@ -106,12 +106,12 @@ class DeepSpeedBackend:
         import deepspeed
 
         optimizer = make_optimizer(model)
-        numels = [(int(getattr(p, "ds_numel", p.numel())), p.requires_grad) for p in model.parameters()]  # ZeRO-3: whole
+        self.shape = model_shape(model)  # ZeRO-3-partitioned parameters by their whole size
+        trainable = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if p.requires_grad)
         if self.offload_ratio < 1.0 and get_path(self.ds_config, "zero_optimization.sub_group_size") is None:
             self.ds_config["zero_optimization"]["sub_group_size"] = ds_partial_offload.sub_group_size(
-                sum(n for n, _ in numels), self.world_size)
-        self.shape = model_shape(model)
-        self.zero_settings = size_buffers(self.ds_config, self.shape, sum(n for n, grad in numels if grad))
+                self.shape.parameters, self.world_size)
+        self.zero_settings = size_buffers(self.ds_config, self.shape, trainable)
         if self.offload_optimizer:  # ZeRO-Offload steps on CPU with its own Adam kernel (same AdamW math)
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -128,7 +128,7 @@ class DeepSpeedBackend:
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config,
                                                     dist_init_required=False)
         bucket = getattr(self.engine.optimizer, "reduce_bucket_size", None)  # ZeRO-1/2's, in elements
-        self._one_bucket = bucket is not None and sum(n for n, grad in numels if grad) <= bucket
+        self._one_bucket = bucket is not None and trainable <= bucket
         on_device, groups = ds_partial_offload.prepare(self.engine.optimizer, self.device.type)
         if groups and self.process.is_main:
             log.warning("memtrain: ZeRO-3 partial offload: %d of %d optimizer sub-groups of rank 0 stepped on the "

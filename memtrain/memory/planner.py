@@ -145,7 +145,9 @@ def fake_model(build: Callable[[], nn.Module], dtype: Optional[torch.dtype] = No
                 module._parameters[name] = made[id(p)]
         for name, b in list(module._buffers.items()):
             if b is not None:
-                module._buffers[name] = made.setdefault(id(b), fake(b))
+                if id(b) not in made:
+                    made[id(b)] = fake(b)
+                module._buffers[name] = made[id(b)]
     return model.train(), mode
 
 
