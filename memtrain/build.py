@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import ExitStack
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -26,10 +27,10 @@ from memtrain.distributed import ProcessState
 from memtrain.evaluate import Evaluator
 from memtrain.faults import FaultInjector
 from memtrain.levers import LeverTarget, lever_choices
-from memtrain.loop import Trainer
-from memtrain.models import build_model, count_parameters
+from memtrain.loop import TrainingLoop
+from memtrain.models import ModelSource, count_parameters
 from memtrain.flops import flops_per_token, peak_bf16_flops
-from memtrain.objectives import make_objective
+from memtrain.objectives import as_objective, make_objective
 from memtrain.oom import OOMSync
 from memtrain.optim import make_optimizer, make_scheduler
 from memtrain.memory.placement import resolve as resolve_placement
@@ -65,9 +66,10 @@ def make_controller(cfg: Config, data_parallel_size: int, choices: dict[str, tup
 
 
 def planner_factory(cfg: Config, corpus, objective, precision: str, process: ProcessState,
-                    state_bytes: Callable[[], dict[str, int]], choices: dict[str, tuple]):
+                    state_bytes: Callable[[], dict[str, int]], choices: dict[str, tuple], source=None):
     """What builds the run's planner on first use (:mod:`memtrain.memory.planner`), given the engine's
-    model-state accounting (``state_bytes()``, called then) and the levers' ``choices``; None under
+    model-state accounting (``state_bytes()``, called then), the levers' ``choices`` and the
+    model's :class:`memtrain.models.ModelSource`; None under
     ``faults.oom_above_tokens``, whose out-of-memory rule is not memory the planner could predict."""
     if cfg.faults.oom_above_tokens > 0:
         return None
@@ -82,7 +84,7 @@ def planner_factory(cfg: Config, corpus, objective, precision: str, process: Pro
         try:
             planner = build_planner(cfg, corpus, objective, precision, process.device,
                                     state_bytes(), cfg.training.global_batch_size // process.world_size,
-                                    choices)
+                                    choices, source)
         except Exception as exc:  # noqa: BLE001 - a model fake tensors cannot trace must not end the run
             error = exc
         restore(streams)
@@ -112,22 +114,55 @@ def pretrained_tokenizer(cfg: Config, is_main: bool) -> Optional[str]:
     return None
 
 
-def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Trainer:
+@dataclass(frozen=True)
+class UserInputs:
+    """What a Python caller hands over in place of the config's (:class:`memtrain.api.Trainer`);
+    each None = the config's.
+
+    Attributes:
+        model: an ``nn.Module``, or a zero-argument function building one (called after seeding,
+            inside the engine's build context: ZeRO-3 builds it partitioned).
+        train_dataset, eval_dataset: map-style datasets of examples (:mod:`memtrain.data.examples`).
+        collate_fn: list of examples -> dict of tensors [B, …]; None = ``default_collate``.
+        objective: :func:`memtrain.objectives.as_objective` accepts it.
+        tokenizer: saved with checkpoints and exports.
+    """
+
+    model: Any = None
+    train_dataset: Any = None
+    eval_dataset: Any = None
+    collate_fn: Optional[Callable] = None
+    objective: Any = None
+    tokenizer: Any = None
+
+    def corpus(self):
+        """The :class:`memtrain.data.examples.ExampleCorpus` of the given datasets."""
+        from memtrain.data.examples import ExampleCorpus, ExampleDataset
+
+        return ExampleCorpus(ExampleDataset(self.train_dataset, self.collate_fn),
+                             ExampleDataset(self.eval_dataset if self.eval_dataset is not None else [], self.collate_fn),
+                             self.tokenizer)
+
+
+def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
+                  inputs: Optional[UserInputs] = None) -> TrainingLoop:
     """Everything the loop needs, from a validated config and a started process state.
 
     Args:
         cfg: the validated config.
         process: this process's state.
         closing: the engine's ``close`` is pushed here as soon as the engine exists.
+        inputs: a Python caller's model, data and objective (None: all from ``cfg``).
 
     Raises:
         ValueError, memtrain.config.ConfigError: data or model settings that cannot work, an
             option the engine cannot honour.
     """
-    t = cfg.training
+    t, inputs = cfg.training, inputs or UserInputs()
     precision = resolve_precision(cfg.precision, process.device.type)  # a refused precision stops before any work
     with process.main_process_first():
-        corpus = build_corpus(cfg.data, pretrained_tokenizer(cfg, process.is_main))
+        corpus = (inputs.corpus() if inputs.train_dataset is not None
+                  else build_corpus(cfg.data, pretrained_tokenizer(cfg, process.is_main)))
         if cfg.resume == "never" and process.is_main:  # after the data: a bad data file leaves the folder as it was
             moved = move_previous_run(cfg.output_dir)
             if moved:
@@ -136,26 +171,31 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Tra
     if process.is_main:  # once per run (also when the cache is reused), each naming its file
         for warning in getattr(getattr(corpus, "tokenized", None), "decode_warnings", ()):
             log.warning("memtrain: %s", warning)
-    spec = resolve_placement(cfg, corpus, process, precision)  # the engine; backend.offload auto; the host budget
+    source = ModelSource.of(cfg, corpus, inputs.model)
+    user_objective = as_objective(inputs.objective) if inputs.objective is not None else None
+    # the engine; backend.offload auto; the host budget
+    spec = resolve_placement(cfg, corpus, process, precision, source, user_objective)
     from accelerate.utils import set_seed
 
     set_seed(t.seed)  # same initial weights on every rank
     breakdown = MemoryBreakdown(cfg.logging.memory_breakdown_step, cfg.output_dir, process.rank).start()
     closing.callback(breakdown.close)  # counts from before the model exists (logging.memory_breakdown_step)
     with model_build_context(cfg, spec, precision, process.world_size):
-        model = build_model(cfg.model, corpus.vocab_size, t.seed, getattr(corpus, "eos_id", None))
+        model = source.build()
+    if isinstance(inputs.model, torch.nn.Module):
+        check_same_model(model, process)
     # compute randomness (dropout, SpecAugment) differs by rank from here on, as Accelerate's
     # device-specific seeding does: still a pure function of (seed, rank), and each rank's streams
     # are replayed on OOM retries and saved in checkpoints
     set_seed(t.seed + process.rank)
-    n_params, objective = count_parameters(model), make_objective(model, corpus)
+    n_params, objective = count_parameters(model), user_objective or make_objective(model, corpus)
     layerdrop = getattr(model, "memtrain_layerdrop", None)  # memtrain.layerdrop.AgreedLayerDrop
     utilisation = model_flops(model, n_params, cfg.data.seq_len, objective.unit, precision, process.device)
     sampler = make_sampler(cfg, corpus, spec)
     # the planner is built on first use, after the engine below exists
     choices = lever_choices(cfg, spec)
     make_planner = planner_factory(cfg, corpus, objective, precision, process, lambda: engine.model_state_bytes(n_params),
-                                   choices)
+                                   choices, source)
     controller = make_controller(cfg, spec.data_parallel_size, choices, make_planner)
     engine = make_backend(cfg, spec, process, precision, controller.plan)
     closing.callback(engine.close)
@@ -182,9 +222,27 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack) -> Tra
         "evaluator": evaluator, "nonfinite": guard, "rng": RNGState(process.rank, process.world_size),
         "tokenizer": TokenizerFiles(corpus.hf_tokenizer(), process.is_main),
     }
-    return Trainer(cfg, process, engine, model, optimizer, scheduler, corpus, objective, sampler, controller, sync,
+    return TrainingLoop(cfg, process, engine, model, optimizer, scheduler, corpus, objective, sampler, controller, sync,
                    faults, transforms, evaluator, guard, checkpointer, checkpoint_states, state, n_params, spec,
                    layerdrop, *utilisation, breakdown=breakdown)
+
+
+def check_same_model(model: torch.nn.Module, process: ProcessState) -> None:
+    """A module the user built before the run must be the same on every rank (a model function
+    is called after memtrain seeds every rank alike); compared by a checksum of its tensors.
+
+    Raises:
+        memtrain.config.ConfigError: the ranks' modules differ (field ``model``).
+    """
+    if process.world_size == 1:
+        return
+    with torch.no_grad():
+        local = [float(t.double().sum()) for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
+    if len(set(map(tuple, process.all_gather_object(local)))) > 1:
+        from memtrain.config import ConfigError
+
+        raise ConfigError("model", "the module differs between ranks (each rank built its own random weights): seed "
+                          "before building it (torch.manual_seed), or pass a function that builds it")
 
 
 def model_flops(model, n_params: int, seq_len: int, unit: str, precision: str, device: torch.device) -> tuple:

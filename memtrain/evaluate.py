@@ -39,6 +39,7 @@ class Evaluator:
         self.process, self.corpus, self.objective, self.sync = process, corpus, objective, sync
         n = min(num_samples, len(corpus.validation))
         self.mine = list(range(process.rank, n - n % process.world_size, process.world_size))
+        self.active = bool(n - n % process.world_size)  # the same on every rank; off: no validation examples
         self.micro_batch_size = micro_batch_size
         self.events: list[dict] = []
 

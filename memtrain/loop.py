@@ -1,5 +1,5 @@
 """The training loop: cursor → rank batch → step (with OOM recovery) → optimizer → metrics →
-checkpoint → export. The mechanisms live elsewhere; :meth:`Trainer.run` reads as the outline.
+checkpoint → export. The mechanisms live elsewhere; :meth:`TrainingLoop.run` reads as the outline.
 
 Three rules hold it together:
 
@@ -55,7 +55,7 @@ log = logging.getLogger("memtrain")
 
 @dataclass
 class RunResult:
-    """What :meth:`Trainer.run` returns (for tests and callers embedding memtrain).
+    """What :meth:`TrainingLoop.run` returns (for tests and callers embedding memtrain).
 
     Attributes:
         model: the user's module (unwrapped) after training.
@@ -69,7 +69,7 @@ class RunResult:
 
 
 @dataclass
-class Trainer:
+class TrainingLoop:
     """Everything a run is made of, built by :func:`memtrain.build.build_trainer`, and the loop.
 
     ``checkpoint_states`` is what checkpoints hold (:mod:`memtrain.checkpoint.stateful`): the engine's model
@@ -128,7 +128,7 @@ class Trainer:
                 self._choose_plan()
             self._shrink_after_escaped_oom()
             metrics = self._open_metrics(resumed)
-            if resumed is None:
+            if resumed is None and self.evaluator.active:
                 self.state.initial_val_loss = self.state.val_loss = self.evaluator(self.model)["loss"]
             first_step, session_start_targets = self.state.step + 1, self.state.targets_seen
             records: list[dict] = []
@@ -297,11 +297,11 @@ class Trainer:
         metrics.message(f"memtrain: {self.engine.name} × {self.process.world_size} rank(s) on {self.process.device}, "
                         f"{self.engine.precision}, {self.n_params / 1e6:.2f}M parameters, {self.corpus.describe()}, "
                         f"plan {plan} (micro-batch × accumulation), activation checkpointing {ac}{levers}")
-        per_step = (f"{t.global_batch_size * self.cfg.data.seq_len:,} tokens" if self.objective.unit == "tokens"
-                    else f"{t.global_batch_size} utterances")
+        per_step = (f"{t.global_batch_size * self.cfg.data.seq_len:,} tokens" if self.corpus.kind == "text"
+                    else f"{t.global_batch_size} utterances" if self.corpus.kind == "speech" else "")
         epochs = t.max_steps * t.global_batch_size / max(1, len(self.corpus.train))
-        metrics.message(f"memtrain: steps {self.state.step + 1}–{t.max_steps} of {t.global_batch_size} samples "
-                        f"({per_step}) each, {epochs:.3g} epochs in all; outputs in {self.cfg.output_dir}")
+        metrics.message(f"memtrain: steps {self.state.step + 1}–{t.max_steps} of {t.global_batch_size} samples"
+                        f"{f' ({per_step})' if per_step else ''} each, {epochs:.3g} epochs in all; outputs in {self.cfg.output_dir}")
         return metrics
 
     def _optimizer_step(self, step: int, run_start: float) -> StepOutcome:
@@ -416,6 +416,8 @@ class Trainer:
             self.evaluator.micro_batch_size = plan.micro_batch_size
 
     def _evaluate(self, record: dict[str, Any]) -> None:
+        if not self.evaluator.active:  # no validation examples (training.eval_samples 0, or none given)
+            return
         for name, value in self.evaluator(self.model).items():
             record[f"val_{name}"] = value
         self.state.val_loss = record["val_loss"]

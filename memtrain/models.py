@@ -174,3 +174,64 @@ def count_parameters(model: nn.Module) -> int:
     """Number of parameters (tied weights counted once; a ZeRO-3-partitioned parameter by its
     full size, ``ds_numel``)."""
     return sum(getattr(p, "ds_numel", p.numel()) for p in {id(p): p for p in model.parameters()}.values())
+
+
+class ModelSource:
+    """Where a run's model comes from: the config (``model.config``/``model.factory``/``model.pretrained``,
+    :func:`build_model`) or the user's Python (:class:`memtrain.api.Trainer`): an ``nn.Module``
+    already built, or a zero-argument function building one.
+
+    The planners build the model without memory (:meth:`build_meta`: on the meta device, or a
+    meta copy of a built module), the run builds it for real once (:meth:`build`).
+
+    Args:
+        model_cfg: the ``model`` section (used when ``user`` is None).
+        vocab_size, seed, eos_token_id: as for :func:`build_model`.
+        user: the user's module or model function; None = the config's model.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, vocab_size: int, seed: int = 0, eos_token_id: Optional[int] = None,
+                 user=None):
+        self.model_cfg, self.vocab_size, self.seed, self.eos_token_id = model_cfg, vocab_size, seed, eos_token_id
+        self.user = user
+
+    @classmethod
+    def of(cls, cfg, corpus, user=None) -> "ModelSource":
+        """The source of ``cfg``'s model for ``corpus`` (its vocabulary and end-of-text id)."""
+        return cls(cfg.model, getattr(corpus, "vocab_size", 0), cfg.training.seed, getattr(corpus, "eos_id", None), user)
+
+    def build(self) -> nn.Module:
+        """The model (seed the RNG first; inside an engine's build context for a partitioned build).
+
+        Raises:
+            ConfigError: as :func:`build_model`; a user's function that returns no ``nn.Module``.
+        """
+        if self.user is None:
+            return build_model(self.model_cfg, self.vocab_size, self.seed, self.eos_token_id)
+        model = self.user if isinstance(self.user, nn.Module) else self.user()
+        if not isinstance(model, nn.Module):
+            raise ConfigError("model", f"the model function returned {type(model).__name__}, not a torch.nn.Module")
+        return model.train()
+
+    def build_meta(self) -> nn.Module:
+        """The model with every parameter and buffer on the meta device (no memory allocated)."""
+        if isinstance(self.user, nn.Module):
+            return meta_copy(self.user)
+        with torch.device("meta"):
+            return self.build()
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are meta tensors of the same shapes and
+    dtypes (tied parameters stay tied); the original is not touched and nothing is allocated."""
+    import copy
+
+    memo: dict[int, object] = {}
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None and id(p) not in memo:
+                memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        for b in module._buffers.values():
+            if b is not None and id(b) not in memo:
+                memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)

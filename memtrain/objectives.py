@@ -183,3 +183,57 @@ def make_objective(model: nn.Module, corpus) -> Objective:
     if getattr(corpus, "kind", "text") == "speech":
         return CTC(model, blank=int(getattr(getattr(model, "config", None), "pad_token_id", 0) or 0))
     return CausalLM()
+
+
+class UserObjective:
+    """A user's objective from Python (:class:`memtrain.api.Trainer`), under the loop's contract:
+    ``loss_sum(model, micro_batch)`` is the micro-batch's summed loss (a scalar tensor, nats) and
+    ``count(batch)`` its normalisation count (how many units the sum is over); each step's loss is
+    the global sum divided by the global count, whatever the micro-batch split. Evaluation reports
+    the same ratio as ``val_loss``.
+
+    Args:
+        loss_sum: ``(model, micro_batch) -> scalar tensor``; ``micro_batch`` is the collated dict of tensors.
+        count: ``batch -> number``; None = the number of examples in the batch (the first dimension).
+        unit: what ``count`` counts, for ``<unit>_per_s`` in metrics (``samples``, ``tokens``, …).
+    """
+
+    eval_metrics: tuple[str, ...] = ()
+
+    def __init__(self, loss_sum, count=None, unit: str = "samples"):
+        self._loss_sum, self._count, self.unit = loss_sum, count, unit
+
+    def loss_sum(self, model, micro_batch):
+        return self._loss_sum(model, micro_batch)
+
+    def count(self, batch):
+        if self._count is None:
+            return torch.tensor(float(len(next(iter(batch.values())))), dtype=torch.float64)
+        return torch.as_tensor(self._count(batch), dtype=torch.float64)
+
+    def eval_sums(self, model, batch):
+        return [float(self.loss_sum(model, batch)), float(self.count(batch))]
+
+    def finish(self, sums):
+        return {"loss": sums[0] / max(sums[1], 1.0)}
+
+
+def as_objective(objective) -> Objective:
+    """The user's objective as an :class:`Objective`: one with all of the protocol's members is used
+    as it is; one with ``loss_sum`` and ``count`` methods, or a plain ``(model, micro_batch) ->
+    loss sum`` function (count: examples), becomes a :class:`UserObjective`.
+
+    Raises:
+        memtrain.errors.ConfigError: neither (field ``objective``).
+    """
+    from memtrain.errors import ConfigError
+
+    members = ("loss_sum", "count", "eval_sums", "finish", "unit", "eval_metrics")
+    if all(hasattr(objective, m) for m in members):
+        return objective
+    if hasattr(objective, "loss_sum") and hasattr(objective, "count"):
+        return UserObjective(objective.loss_sum, objective.count, getattr(objective, "unit", "samples"))
+    if callable(objective):
+        return UserObjective(objective)
+    raise ConfigError("objective", f"{type(objective).__name__} is neither a (model, micro_batch) -> loss sum function "
+                      "nor an object with loss_sum(model, micro_batch) and count(batch)")

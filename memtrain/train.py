@@ -23,9 +23,10 @@ from memtrain.config import Config, ConfigError, parse_args  # noqa: E402
 from memtrain.validation import validate  # noqa: E402
 
 
-def prepare_config(argv: Optional[list[str]] = None) -> Config:
+def prepare_config(argv: Optional[list[str]] = None, python_model: bool = False, python_data: bool = False) -> Config:
     """Parse a command line, reconcile it with the user's Accelerate launcher settings
-    (:mod:`memtrain.launcher`) and validate it against the launcher's world size (``WORLD_SIZE``).
+    (:mod:`memtrain.launcher`) and validate it against the launcher's world size (``WORLD_SIZE``);
+    ``python_model``/``python_data``: a Python caller gives them (:func:`memtrain.validation.validate`).
 
     Raises:
         ConfigError: any invalid field, or a launcher setting contradicting one (named in the message).
@@ -35,7 +36,7 @@ def prepare_config(argv: Optional[list[str]] = None) -> Config:
     cfg = parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     apply_accelerate_settings(cfg, world_size)
-    validate(cfg, world_size)
+    validate(cfg, world_size, python_model, python_data)
     return cfg
 
 
@@ -48,9 +49,11 @@ def main(argv: Optional[list[str]] = None):
     return run(prepare_config(argv))
 
 
-def run(cfg: Config):
+def run(cfg: Config, inputs=None):
     """Train ``cfg`` (validated): the process state, the watchdog with several ranks
-    (:mod:`memtrain.watchdog`), the trainer; returns the :class:`memtrain.loop.RunResult`."""
+    (:mod:`memtrain.watchdog`), the training loop; returns the :class:`memtrain.loop.RunResult`.
+    ``inputs``: a Python caller's model, data and objective (:class:`memtrain.build.UserInputs`;
+    :class:`memtrain.api.Trainer`), None = all from ``cfg``."""
     from contextlib import ExitStack
 
     import torch
@@ -72,7 +75,7 @@ def run(cfg: Config):
         closing.callback(process.close)  # the engine is closed first, the lock released last
         if process.world_size > 1:  # alone, nobody waits on this rank
             closing.callback(Watchdog(cfg.backend.timeout_s, process.rank).start().stop)
-        return build_trainer(cfg, process, closing).run()
+        return build_trainer(cfg, process, closing, inputs).run()
 
 
 USAGE = """usage: memtrain [train] --config RECIPE.yaml [--section.key value ...]
@@ -128,8 +131,11 @@ def cli() -> None:
         sys.exit(print_run([a for a in sys.argv[1:] if not a.startswith("--print_config")]))
     cfg = None
     try:
-        cfg = prepare_config()
-        result = run(cfg)
+        from memtrain.api import Trainer
+
+        trainer = Trainer(args=sys.argv[1:])  # the same class a Python script uses
+        cfg = trainer.config
+        result = trainer.fit()
         code = INTERRUPTED if result.summary.get("preempted") == "SIGINT" else 0  # Ctrl-C: saved, then stopped
     except KeyboardInterrupt:  # Ctrl-C before the loop, or a second one: nothing more is written
         print("memtrain: interrupted; the last complete checkpoint is untouched (rerun the same command to resume "

@@ -163,6 +163,18 @@ def _check_model_builds(cfg: Config, mc: dict) -> None:
                           f"{type(exc).__name__}: {first}") from None
 
 
+def _validate_python_inputs(cfg: Config, python_model: bool, python_data: bool) -> None:
+    """A model or data given from Python leaves the config's own unset (two models, or two
+    datasets, named at once is refused, not one silently ignored)."""
+    named = [f"model.{k}" for k in ("config", "factory", "pretrained") if getattr(cfg.model, k)]
+    if python_model and named:
+        raise ConfigError(named[0], "is set, and a model is given from Python too; drop one (e.g. "
+                          f"--{named[0]} null, or a recipe without a model section)")
+    if python_data and (cfg.data.files is not None or cfg.data.kind != "text"):
+        key = "data.files" if cfg.data.files is not None else "data.kind"
+        raise ConfigError(key, "is set, and a train_dataset is given from Python too; drop one")
+
+
 def _validate_model(cfg: Config) -> None:
     """A transformers model: its ``model_type`` known, its config buildable (:func:`_check_model_builds`),
     ``data.seq_len`` within its positions. A factory's model is checked when it is built."""
@@ -189,12 +201,14 @@ def _validate_model(cfg: Config) -> None:
         )
 
 
-def validate(cfg: Config, world_size: int) -> None:
+def validate(cfg: Config, world_size: int, python_model: bool = False, python_data: bool = False) -> None:
     """Check cross-field constraints before any work is done.
 
     Args:
         cfg: the parsed config.
         world_size: number of ranks (processes) taking part.
+        python_model, python_data: a Python caller gives the model / the training data
+            (:class:`memtrain.api.Trainer`): the config must not name another.
 
     Raises:
         ConfigError: with the field name: non-positive sizes; ``training.global_batch_size``
@@ -216,8 +230,10 @@ def validate(cfg: Config, world_size: int) -> None:
             if all(os.path.isdir(m) and not is_dataset_source(m) for m in matches):
                 raise ConfigError("data.files", f"'{pattern}' is a folder; give its files, e.g. "
                                   f"'{os.path.join(pattern, '**', '*.txt')}'")
-    _validate_speech(cfg)
-    _validate_model(cfg)
+    _validate_python_inputs(cfg, python_model, python_data)
+    if not python_model:
+        _validate_speech(cfg)
+        _validate_model(cfg)
     ds = cfg.backend.deepspeed_config
     if ds is not None and not os.path.isfile(ds):
         raise ConfigError("backend.deepspeed_config", f"'{ds}' is not a file (a DeepSpeed JSON config is expected)")

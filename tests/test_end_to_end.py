@@ -85,7 +85,7 @@ def test_a_step_reads_the_device_at_most_as_documented(tmp_path, cache_dir, monk
 
     for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
         monkeypatch.setattr(torch.Tensor, name, counting(getattr(torch.Tensor, name)))
-    step = loop.Trainer._optimizer_step
+    step = loop.TrainingLoop._optimizer_step
 
     def counted_step(self, *args):
         steps[0] += 1  # step 1 also checks once that every parameter got a gradient: not counted
@@ -95,7 +95,7 @@ def test_a_step_reads_the_device_at_most_as_documented(tmp_path, cache_dir, monk
         finally:
             inside[0] = False
 
-    monkeypatch.setattr(loop.Trainer, "_optimizer_step", counted_step)
+    monkeypatch.setattr(loop.TrainingLoop, "_optimizer_step", counted_step)
     main(tiny_args(tmp_path, cache_dir, "--training.max_steps", "3", "--training.micro_batch_size", "1"))
     assert len(reads) <= 2 * HOST_READS_PER_STEP, reads  # steps 2-3, 8 micro-batches each
     assert len(reads) >= 2  # the counter sees the step's reads (it would be blind otherwise)

@@ -99,7 +99,10 @@ def _flat_keys(config: dict) -> set[str]:
 
 
 def data_identity(corpus) -> Optional[str]:
-    """The corpus cache's name (a hash of the files' contents and the tokenizer settings), or None."""
+    """The corpus cache's name (a hash of the files' contents and the tokenizer settings), a
+    Python caller's examples' ``identity`` (:mod:`memtrain.data.examples`), or None."""
+    if getattr(corpus, "identity", None):
+        return corpus.identity
     directory = getattr(getattr(corpus, "tokenized", None), "directory", None) or getattr(corpus, "directory", None)
     return os.path.basename(os.path.normpath(directory)) if directory else None
 

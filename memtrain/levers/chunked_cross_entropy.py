@@ -23,6 +23,9 @@ class ChunkedCrossEntropy(Lever):
         return (bool(cfg.memory.chunked_cross_entropy),)
 
     def apply(self, target: LeverTarget, setting) -> None:
+        if setting and not hasattr(target.objective, "chunked"):
+            raise ConfigError("memory.chunked_cross_entropy", f"is for memtrain's causal-LM objective; this run's "
+                              f"{type(target.objective).__name__} computes its own loss (set it false)")
         if setting:
             install_chunked_head(target.model)  # ConfigError for a model whose logits are not one linear layer
         if hasattr(target.objective, "chunked"):

@@ -251,15 +251,16 @@ def tokens_per_sample(cfg, corpus) -> int:
     return cfg.data.seq_len if corpus.kind != "speech" else int(max(corpus.train.lengths))
 
 
-def model_facts(cfg, corpus) -> tuple[ModelShape, object]:
-    """``(element counts, objective)`` of ``cfg``'s model, built on the meta device (nothing allocated)."""
+def model_facts(cfg, corpus, source=None, objective=None) -> tuple[ModelShape, object]:
+    """``(element counts, objective)`` of the model of ``source`` (a :class:`memtrain.models.ModelSource`;
+    None: ``cfg``'s), built on the meta device (nothing allocated); ``objective``: the user's, or
+    None for the corpus's (:func:`memtrain.objectives.make_objective`)."""
     from memtrain.memory.accounting import model_shape
-    from memtrain.models import build_model
+    from memtrain.models import ModelSource
     from memtrain.objectives import make_objective
 
-    with torch.device("meta"):
-        meta = build_model(cfg.model, corpus.vocab_size, cfg.training.seed, getattr(corpus, "eos_id", None))
-    return model_shape(meta), make_objective(meta, corpus)
+    meta = (source or ModelSource.of(cfg, corpus)).build_meta()
+    return model_shape(meta), objective or make_objective(meta, corpus)
 
 
 def plan_model(cfg, activation_bytes, shape: ModelShape, tokens: int, world_size: int,
@@ -281,16 +282,17 @@ def plan_model(cfg, activation_bytes, shape: ModelShape, tokens: int, world_size
 
 
 def placement_table(cfg, corpus, world_size: int, machine: Machine, precision: str,
-                    pool: list[Placement]) -> list[Placement]:
-    """Plan ``pool`` for ``cfg``'s model (:func:`plan_model`), tracing it with fake tensors.
+                    pool: list[Placement], source=None, objective=None) -> list[Placement]:
+    """Plan ``pool`` for ``cfg``'s model (or ``source``'s, with ``objective``: :func:`model_facts`;
+    :func:`plan_model`), tracing it with fake tensors.
 
     Raises:
         RuntimeError, NotImplementedError: the model cannot be traced with fake tensors.
     """
     from memtrain.memory.planner import activation_table
 
-    shape, objective = model_facts(cfg, corpus)
-    acts = activation_table(cfg, corpus, objective, precision, machine.device_type)
+    shape, objective = model_facts(cfg, corpus, source, objective)
+    acts = activation_table(cfg, corpus, objective, precision, machine.device_type, source)
     return plan_model(cfg, acts, shape, tokens_per_sample(cfg, corpus), world_size, machine, precision, pool)
 
 
@@ -362,11 +364,12 @@ def run_machine(cfg, device: torch.device, world_size: int) -> Machine:
                    cfg.backend.nvme_path)
 
 
-def resolve(cfg, corpus, process, precision: str):
+def resolve(cfg, corpus, process, precision: str, source=None, objective=None):
     """Before the model is built: the run's :class:`memtrain.backends.spec.EngineSpec`. With
     ``backend.offload auto`` the placement is chosen here (a resumed run keeps its checkpoint's);
     with an offload set, the host is checked to hold it. Rank 0 plans, every rank takes its answer.
-    The config is not changed.
+    The config is not changed. ``source``, ``objective``: the user's model and objective
+    (:func:`model_facts`); None = the config's.
 
     Raises:
         memtrain.config.ConfigError: no placement fits (``backend.offload``), or the configured
@@ -382,7 +385,7 @@ def resolve(cfg, corpus, process, precision: str):
     view = planned_view(cfg, spec) if kept is not None else cfg
     if view.backend.offload != "auto" and configured_offload(view)[0] == "none":
         return spec
-    answer = _plan_on_main(view, corpus, process, precision)
+    answer = _plan_on_main(view, corpus, process, precision, source, objective)
     if answer is None:
         return spec
     answer, host_budget = answer["table"], answer["host_bytes"]
@@ -416,7 +419,7 @@ def planned_view(cfg, spec):
     return dataclasses.replace(cfg, backend=backend_view(cfg.backend, spec))
 
 
-def _plan_on_main(cfg, corpus, process, precision: str) -> Optional[dict]:
+def _plan_on_main(cfg, corpus, process, precision: str, source=None, objective=None) -> Optional[dict]:
     """Rank 0's placement table for ``cfg`` (``{"table", "host_bytes"}``), broadcast to every rank;
     None when the model cannot be traced and the placement is the user's (only warned about).
 
@@ -430,7 +433,7 @@ def _plan_on_main(cfg, corpus, process, precision: str) -> Optional[dict]:
         try:
             machine = run_machine(cfg, process.device, process.world_size)
             pool = allowed_pool(cfg, nvme_usable(b.nvme_path))
-            table = placement_table(cfg, corpus, process.world_size, machine, precision, pool)
+            table = placement_table(cfg, corpus, process.world_size, machine, precision, pool, source, objective)
             answer = {"table": table, "host_bytes": machine.host_bytes}
         except ConfigError as exc:
             answer = (exc.field, str(exc).split(": ", 1)[1])

@@ -418,7 +418,8 @@ def trace_batch(corpus, micro_batch_size: int) -> dict[str, torch.Tensor]:
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def activation_table(cfg, corpus, objective, precision: str, device_type: str) -> Callable[[Plan], int]:
+def activation_table(cfg, corpus, objective, precision: str, device_type: str,
+                     source=None) -> Callable[[Plan], int]:
     """``plan -> traced activation bytes`` of one micro-batch for ``cfg``'s model (built fake here,
     the plan's model levers applied to it as to the real model: :mod:`memtrain.levers`; results
     cached per micro-batch and model-lever settings). ``objective`` is not changed (a copy is traced).
@@ -427,7 +428,8 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str) -
     activations and transients: :func:`memtrain.memory.step_trace.step_peak_bytes`), except under
     a simulated device (``faults.memory_budget_mib``), which counts what autograd saves and nothing
     else: there they are that count (:func:`traced_activation_bytes`), so the planner predicts
-    what the simulated device will count.
+    what the simulated device will count. ``source``: the :class:`memtrain.models.ModelSource`
+    (None: ``cfg``'s model).
 
     Raises:
         RuntimeError, NotImplementedError: the model cannot be traced with fake tensors.
@@ -436,11 +438,11 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str) -
     from memtrain.backends.common import repeated_blocks
     from memtrain.levers import LeverTarget, apply_levers, lever
     from memtrain.memory.step_trace import step_peak_bytes
-    from memtrain.models import build_model
+    from memtrain.models import ModelSource
 
     dtype = COMPUTE_DTYPES.get(precision) if device_type == "cuda" else None
-    model, mode = fake_model(lambda: build_model(cfg.model, corpus.vocab_size, cfg.training.seed,
-                                                   getattr(corpus, "eos_id", None)), dtype, trace_device(device_type))
+    source = source or ModelSource.of(cfg, corpus)
+    model, mode = fake_model(source.build_meta, dtype, trace_device(device_type))
     target = LeverTarget(model, repeated_blocks(model), copy.copy(objective), cfg)
     trace = traced_activation_bytes if cfg.faults.memory_budget_mib > 0 else step_peak_bytes
     cache: dict[tuple, int] = {}
@@ -457,12 +459,13 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str) -
 
 
 def build_planner(cfg, corpus, objective, precision: str, device: torch.device, state: Mapping[str, int],
-                  per_rank_batch: int, choices: Mapping[str, tuple]) -> Planner:
+                  per_rank_batch: int, choices: Mapping[str, tuple], source=None) -> Planner:
     """The run's planner: candidates of ``per_rank_batch`` and the levers' ``choices``, with peaks
     predicted from a fake trace of ``cfg``'s model, against :func:`device_budget_bytes`.
 
     Args:
         state: the engine's model state on this rank (a ``model_state_bytes`` dict, bytes).
+        source: the :class:`memtrain.models.ModelSource` (None: ``cfg``'s model).
     """
     from memtrain.memory.accounting import device_state_bytes
 
@@ -470,7 +473,7 @@ def build_planner(cfg, corpus, objective, precision: str, device: torch.device, 
     # the state one constant: no accumulation term)
     simulated = cfg.faults.memory_budget_mib > 0
     device_type = "cpu" if simulated else device.type
-    acts = activation_table(cfg, corpus, objective, precision, device_type)
+    acts = activation_table(cfg, corpus, objective, precision, device_type, source)
     budget = device_budget_bytes(cfg, device)
     extra = {} if simulated else {"accumulation_bytes": state.get("accumulation_gradient_bytes", 0),
                                   "step_bytes": state.get("step_gradient_bytes", 0)}

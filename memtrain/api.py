@@ -1,0 +1,106 @@
+"""memtrain from Python: :class:`Trainer` trains a user's model on a user's data with everything the
+command line does (every engine and launcher, the planner and OOM recovery, exact resume,
+checkpoints, export, metrics and trackers). The command line is a user of this class.
+
+    import memtrain
+
+    trainer = memtrain.Trainer("recipes/code_lm_tiny.yaml", model=make_model, train_dataset=examples,
+                               collate_fn=collate, args=sys.argv[1:])
+    result = trainer.fit()
+
+The script is what a launcher starts (``torchrun --nproc_per_node 2 script.py``, ``accelerate
+launch``, ``deepspeed``): every rank builds the same :class:`Trainer` and calls :meth:`Trainer.fit`.
+Errors are the exceptions the command line turns into exit codes (docs/operations.md): a bad
+setting :class:`memtrain.ConfigError` (2), out of memory at the smallest plan :class:`memtrain.OOMStop`
+(3), a checkpoint that cannot be saved or resumed :class:`memtrain.CheckpointError` (4), too many
+non-finite steps :class:`memtrain.NonFiniteStop` (5).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable, Optional, Sequence, Union
+
+from memtrain.build import UserInputs
+from memtrain.config import Config, to_dict
+
+
+def config_argv(config: Union[str, os.PathLike, dict, Config, None], args: Sequence[str] = ()) -> list[str]:
+    """The command line equivalent to ``config`` (a recipe path, a dict of sections, a
+    :class:`memtrain.config.Config`, or None for the defaults) followed by ``args``
+    (``--section.key value`` overrides, such as a script's ``sys.argv[1:]``).
+
+    Raises:
+        memtrain.ConfigError: ``config`` is of another type (field ``config``).
+    """
+    if config is None:
+        head: list[str] = []
+    elif isinstance(config, (str, os.PathLike)):
+        head = ["--config", os.fspath(config)]
+    elif isinstance(config, (dict, Config)):
+        head = ["--config", json.dumps(to_dict(config) if isinstance(config, Config) else config)]
+    else:
+        from memtrain.errors import ConfigError
+
+        raise ConfigError("config", f"a recipe path, a dict or a memtrain Config; got {type(config).__name__}")
+    return head + list(args)
+
+
+class Trainer:
+    """A training run from Python.
+
+    Args:
+        config: a recipe path, a dict (``{"training": {"max_steps": 100}, ...}``), a
+            :class:`memtrain.config.Config`, or None (the defaults).
+        model: an ``nn.Module`` mapping the micro-batch's tensors to what the objective reads (for
+            the default causal-LM objective: ``input_ids`` int64 [B, T] → logits [B, T, V], or an
+            object with ``.logits``), or a zero-argument function that builds one. A function is
+            called after memtrain seeds the run (the same weights on every rank) and inside the
+            engine's build context (ZeRO-3 builds the model partitioned, never whole on a rank);
+            a module built beforehand must be the same on every rank. None = ``model.*`` of the config.
+        train_dataset: map-style dataset of examples (``len`` and ``[int]``; a ``datasets.Dataset``
+            is read in torch format); None = ``data.*`` of the config.
+        eval_dataset: validation examples (``training.eval_samples`` of them are evaluated);
+            None with a ``train_dataset``: no evaluation.
+        collate_fn: list of examples → dict of tensors [B, …]; None = ``default_collate``.
+        objective: the loss: None = causal LM (``input_ids``/``labels``, mean per label token) or
+            CTC for speech data; a ``(model, micro_batch) -> summed loss`` function (mean per
+            example); or an object with ``loss_sum(model, micro_batch)`` and ``count(batch)``
+            (:class:`memtrain.objectives.UserObjective`).
+        tokenizer: a ``transformers`` tokenizer saved with checkpoints and the exported model.
+        args: command-line overrides applied over ``config`` (``["--training.max_steps", "50"]``;
+            a script passes ``sys.argv[1:]``).
+
+    Raises:
+        memtrain.ConfigError: an invalid setting, or one the launcher contradicts; nothing is
+            written and no process group is started.
+    """
+
+    def __init__(self, config: Union[str, os.PathLike, dict, Config, None] = None, *, model: Any = None,
+                 train_dataset: Any = None, eval_dataset: Any = None, collate_fn: Optional[Callable] = None,
+                 objective: Any = None, tokenizer: Any = None, args: Sequence[str] = ()):
+        from memtrain.errors import ConfigError
+        from memtrain.train import prepare_config
+
+        if train_dataset is None and (eval_dataset is not None or collate_fn is not None):
+            raise ConfigError("train_dataset", "eval_dataset and collate_fn go with a train_dataset")
+        self.config: Config = prepare_config(config_argv(config, args), model is not None, train_dataset is not None)
+        self.inputs = UserInputs(model, train_dataset, eval_dataset, collate_fn, objective, tokenizer)
+
+    def fit(self):
+        """Train to ``training.max_steps`` (resuming from ``output_dir``'s last checkpoint as
+        ``resume`` says), then export the model to ``output_dir/model``.
+
+        Returns:
+            :class:`memtrain.loop.RunResult`: the trained (unwrapped) model, this rank's step
+            records, and the run summary (also in ``output_dir/summary.json``).
+
+        Raises:
+            memtrain.ConfigError, memtrain.OOMStop, memtrain.CheckpointError,
+            memtrain.NonFiniteStop: as the command line's exit codes 2-5; a collective that
+            failed or timed out raises torch's error (exit code 6 on the command line).
+        """
+        from memtrain.train import run
+
+        return run(self.config, self.inputs)

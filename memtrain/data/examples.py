@@ -1,0 +1,98 @@
+"""A user's own data from Python (:class:`memtrain.api.Trainer`): a map-style dataset of examples
+(anything with ``__len__`` and ``__getitem__(int)``, a ``datasets.Dataset`` included) and an
+optional collate function, behind the same interface as the built-in corpora: the global-batch
+sampler draws sample indices, ``batch(indices)`` collates them.
+
+Its identity (what a resumed run is compared by, as the built-in corpora's file hashes are) is a
+hash of the number of examples and of up to :data:`IDENTITY_SAMPLES` examples spread evenly over
+the dataset: a different dataset, or one reordered, resized or with other content at those
+examples, is refused on resume.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+IDENTITY_SAMPLES = 1024
+"""Examples of each split the dataset identity hashes (evenly spaced, first and last included)."""
+
+
+class ExampleDataset:
+    """Examples collated into batches on demand.
+
+    Args:
+        examples: map-style dataset; a ``datasets.Dataset`` without a collate function is read
+            in torch format (each column a tensor).
+        collate_fn: ``list of examples -> dict[str, Tensor]`` (each tensor [B, …]); None =
+            ``torch.utils.data.default_collate``.
+    """
+
+    def __init__(self, examples, collate_fn: Optional[Callable[[list], dict]] = None):
+        if collate_fn is None and hasattr(examples, "with_format") and getattr(examples, "format", {}).get("type") is None:
+            examples = examples.with_format("torch")
+        self.examples = examples
+        self.collate_fn = collate_fn or torch.utils.data.default_collate
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def batch(self, indices) -> dict[str, torch.Tensor]:
+        """The collated examples ``indices`` (int sequence [B]).
+
+        Raises:
+            memtrain.errors.ConfigError: the collate function gives no dict of tensors (field ``collate_fn``).
+        """
+        out = self.collate_fn([self.examples[int(i)] for i in indices])
+        if not isinstance(out, dict) or not out or not all(isinstance(v, torch.Tensor) for v in out.values()):
+            from memtrain.errors import ConfigError
+
+            got = {k: type(v).__name__ for k, v in out.items()} if isinstance(out, dict) else type(out).__name__
+            raise ConfigError("collate_fn", f"a batch must be a dict of tensors [batch, ...]; got {got}")
+        return out
+
+
+class ExampleCorpus:
+    """A user's training (and validation) examples, in place of a built-in corpus.
+
+    Args:
+        train, validation: :class:`ExampleDataset`; an empty validation set turns evaluation off.
+        tokenizer: a ``transformers`` tokenizer saved with checkpoints and exports, or None.
+    """
+
+    kind = "examples"
+
+    def __init__(self, train: ExampleDataset, validation: ExampleDataset, tokenizer: Any = None):
+        if len(train) == 0:
+            from memtrain.errors import ConfigError
+
+            raise ConfigError("train_dataset", "has no examples")
+        self.train, self.validation, self.tokenizer = train, validation, tokenizer
+        self.vocab_size = len(tokenizer) if tokenizer is not None else 0
+        self.identity = "examples-" + dataset_identity(train, validation)
+
+    def hf_tokenizer(self):
+        """The tokenizer given with the data (None: nothing saved)."""
+        return self.tokenizer
+
+    def describe(self) -> str:
+        """One line for the start-of-run message."""
+        return f"{len(self.train)} training examples"
+
+
+def dataset_identity(*splits: ExampleDataset) -> str:
+    """16 hex digits of sha256 over each split's length and its sampled examples' collated
+    tensors (names, dtypes, shapes, bytes)."""
+    digest = hashlib.sha256()
+    for split in splits:
+        n = len(split)
+        digest.update(f"split of {n}".encode())
+        for i in sorted(set(np.linspace(0, n - 1, min(n, IDENTITY_SAMPLES)).round().astype(int).tolist())) if n else []:
+            for name, value in sorted(split.batch([i]).items()):
+                value = value.detach().cpu().contiguous()
+                digest.update(f"{name}:{value.dtype}:{tuple(value.shape)}".encode())
+                digest.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+    return digest.hexdigest()[:16]
