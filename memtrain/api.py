@@ -23,7 +23,8 @@ import os
 from typing import Any, Callable, Optional, Sequence, Union
 
 from memtrain.build import UserInputs
-from memtrain.config import Config, to_dict
+from memtrain.config import Config, parse_args, to_dict
+from memtrain.validation import validate
 
 
 def config_argv(config: Union[str, os.PathLike, dict, Config, None], args: Sequence[str] = ()) -> list[str]:
@@ -45,6 +46,52 @@ def config_argv(config: Union[str, os.PathLike, dict, Config, None], args: Seque
 
         raise ConfigError("config", f"a recipe path, a dict or a memtrain Config; got {type(config).__name__}")
     return head + list(args)
+
+
+def prepare_config(argv: Optional[list[str]] = None, python_model: bool = False, python_data: bool = False) -> Config:
+    """Parse a command line, reconcile it with the user's Accelerate launcher settings
+    (:mod:`memtrain.launcher`) and validate it against the launcher's world size (``WORLD_SIZE``);
+    ``python_model``/``python_data``: a Python caller gives them (:func:`memtrain.validation.validate`).
+
+    Raises:
+        ConfigError: any invalid field, or a launcher setting contradicting one (named in the message).
+    """
+    from memtrain.launcher import apply_accelerate_settings
+
+    cfg = parse_args(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    apply_accelerate_settings(cfg, world_size)
+    validate(cfg, world_size, python_model, python_data)
+    return cfg
+
+
+def run(cfg: Config, inputs=None):
+    """Train ``cfg`` (validated): the process state, the watchdog with several ranks
+    (:mod:`memtrain.watchdog`), the training loop; returns the :class:`memtrain.loop.RunResult`.
+    ``inputs``: a Python caller's model, data and objective (:class:`memtrain.build.UserInputs`;
+    :class:`memtrain.api.Trainer`), None = all from ``cfg``."""
+    from contextlib import ExitStack
+
+    import torch
+
+    from memtrain.build import build_trainer
+    from memtrain.distributed import ProcessState, quiet_library_notices
+    from memtrain.folders import RunLock
+    from memtrain.host_allocator import fix_thresholds
+    from memtrain.watchdog import Watchdog, progress
+
+    progress("start-up", timed=False, context="")  # nothing left from an earlier run in this process
+    with ExitStack() as closing:
+        if int(os.environ.get("RANK", "0")) == 0:  # global rank 0 holds the run folder; nothing is written before
+            closing.callback(RunLock(cfg.output_dir).acquire().release)
+        fix_thresholds(cfg.memory.host_allocator_thresholds)  # before the model and data allocate
+        quiet_library_notices(torch.cuda.is_available())
+        process = ProcessState(cpu=not torch.cuda.is_available(), timeout_s=cfg.backend.timeout_s)
+        process.cap_cuda_memory(cfg.memory.cuda_memory_cap_gib)
+        closing.callback(process.close)  # the engine is closed first, the lock released last
+        if process.world_size > 1:  # alone, nobody waits on this rank
+            closing.callback(Watchdog(cfg.backend.timeout_s, process.rank).start().stop)
+        return build_trainer(cfg, process, closing, inputs).run()
 
 
 class Trainer:
@@ -81,8 +128,6 @@ class Trainer:
                  train_dataset: Any = None, eval_dataset: Any = None, collate_fn: Optional[Callable] = None,
                  objective: Any = None, tokenizer: Any = None, args: Sequence[str] = ()):
         from memtrain.errors import ConfigError
-        from memtrain.train import prepare_config
-
         if train_dataset is None and (eval_dataset is not None or collate_fn is not None):
             raise ConfigError("train_dataset", "eval_dataset and collate_fn go with a train_dataset")
         self.config: Config = prepare_config(config_argv(config, args), model is not None, train_dataset is not None)
@@ -101,6 +146,4 @@ class Trainer:
             memtrain.NonFiniteStop: as the command line's exit codes 2-5; a collective that
             failed or timed out raises torch's error (exit code 6 on the command line).
         """
-        from memtrain.train import run
-
         return run(self.config, self.inputs)

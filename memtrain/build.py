@@ -144,6 +144,24 @@ class UserInputs:
                              self.tokenizer)
 
 
+def make_corpus(cfg: Config, process: ProcessState, inputs: UserInputs):
+    """The run's data (the caller's examples, or ``data.*`` built and cached by rank 0 first);
+    then, with ``resume never``, the previous run's outputs moved aside (after the data: a bad
+    data file leaves the folder as it was)."""
+    with process.main_process_first():
+        corpus = (inputs.corpus() if inputs.train_dataset is not None
+                  else build_corpus(cfg.data, pretrained_tokenizer(cfg, process.is_main)))
+        if cfg.resume == "never" and process.is_main:
+            moved = move_previous_run(cfg.output_dir)
+            if moved:
+                log.warning("memtrain: resume never: the previous run's outputs in %s were moved to %s",
+                            cfg.output_dir, moved)
+    if process.is_main:  # once per run (also when the cache is reused), each naming its file
+        for warning in getattr(getattr(corpus, "tokenized", None), "decode_warnings", ()):
+            log.warning("memtrain: %s", warning)
+    return corpus
+
+
 def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
                   inputs: Optional[UserInputs] = None) -> TrainingLoop:
     """Everything the loop needs, from a validated config and a started process state.
@@ -160,17 +178,7 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
     """
     t, inputs = cfg.training, inputs or UserInputs()
     precision = resolve_precision(cfg.precision, process.device.type)  # a refused precision stops before any work
-    with process.main_process_first():
-        corpus = (inputs.corpus() if inputs.train_dataset is not None
-                  else build_corpus(cfg.data, pretrained_tokenizer(cfg, process.is_main)))
-        if cfg.resume == "never" and process.is_main:  # after the data: a bad data file leaves the folder as it was
-            moved = move_previous_run(cfg.output_dir)
-            if moved:
-                log.warning("memtrain: resume never: the previous run's outputs in %s were moved to %s",
-                            cfg.output_dir, moved)
-    if process.is_main:  # once per run (also when the cache is reused), each naming its file
-        for warning in getattr(getattr(corpus, "tokenized", None), "decode_warnings", ()):
-            log.warning("memtrain: %s", warning)
+    corpus = make_corpus(cfg, process, inputs)
     source = ModelSource.of(cfg, corpus, inputs.model)
     user_objective = as_objective(inputs.objective) if inputs.objective is not None else None
     # the engine; backend.offload auto; the host budget

@@ -170,7 +170,10 @@ class MetricsLogger:
         if summary.get("preempted"):
             line = f"memtrain: stopped by {summary['preempted']} after step {summary['steps']}; checkpoint saved"
         else:
+            validation = ("val_loss {initial_val_loss:.4f} → {final_val_loss:.4f}, "
+                          if summary.get("initial_val_loss") is not None and summary.get("final_val_loss") is not None
+                          else "")  # no validation examples: no val_loss
             line = ("memtrain: done — {steps} steps in {minutes:.2f} min, loss {first_loss:.4f} → {last_loss:.4f}, "
-                    "val_loss {initial_val_loss:.4f} → {final_val_loss:.4f}, {rate:.0f} {unit}/s, "
-                    "model in {model_dir}").format(**summary, rate=summary[f"{self.unit}_per_s"], unit=self.unit)
+                    + validation + "{rate:.0f} {unit}/s, model in {model_dir}").format(
+                        **summary, rate=summary[f"{self.unit}_per_s"], unit=self.unit)
         print(line, flush=True)

@@ -4,10 +4,10 @@
     torchrun --nproc_per_node 2 memtrain/train.py --config ...
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 memtrain/train.py --config ...
 
-Order of work: parse and validate the config (nothing is written before this passes), fix the
-host allocator's thresholds (:mod:`memtrain.host_allocator`), start the process state (process
-group), then :func:`memtrain.build.build_trainer` (data on rank 0
-first, model from the seed, plan, engine, model transforms), train, export.
+The command line is a user of :class:`memtrain.api.Trainer` (which owns the order of work:
+parse and validate the config, nothing written before this passes; the host allocator's
+thresholds; the process state; :func:`memtrain.build.build_trainer`; train; export); this module
+adds the subcommands and turns errors into exit codes.
 """
 
 from __future__ import annotations
@@ -19,25 +19,7 @@ from typing import Optional
 if __package__ in (None, ""):  # run as a script: make the package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from memtrain.config import Config, ConfigError, parse_args  # noqa: E402
-from memtrain.validation import validate  # noqa: E402
-
-
-def prepare_config(argv: Optional[list[str]] = None, python_model: bool = False, python_data: bool = False) -> Config:
-    """Parse a command line, reconcile it with the user's Accelerate launcher settings
-    (:mod:`memtrain.launcher`) and validate it against the launcher's world size (``WORLD_SIZE``);
-    ``python_model``/``python_data``: a Python caller gives them (:func:`memtrain.validation.validate`).
-
-    Raises:
-        ConfigError: any invalid field, or a launcher setting contradicting one (named in the message).
-    """
-    from memtrain.launcher import apply_accelerate_settings
-
-    cfg = parse_args(argv)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    apply_accelerate_settings(cfg, world_size)
-    validate(cfg, world_size, python_model, python_data)
-    return cfg
+from memtrain.config import Config, ConfigError  # noqa: E402
 
 
 def main(argv: Optional[list[str]] = None):
@@ -46,36 +28,9 @@ def main(argv: Optional[list[str]] = None):
     Raises:
         ConfigError: invalid configuration (before any process group or file is created).
     """
-    return run(prepare_config(argv))
+    from memtrain.api import Trainer
 
-
-def run(cfg: Config, inputs=None):
-    """Train ``cfg`` (validated): the process state, the watchdog with several ranks
-    (:mod:`memtrain.watchdog`), the training loop; returns the :class:`memtrain.loop.RunResult`.
-    ``inputs``: a Python caller's model, data and objective (:class:`memtrain.build.UserInputs`;
-    :class:`memtrain.api.Trainer`), None = all from ``cfg``."""
-    from contextlib import ExitStack
-
-    import torch
-
-    from memtrain.build import build_trainer
-    from memtrain.distributed import ProcessState, quiet_library_notices
-    from memtrain.folders import RunLock
-    from memtrain.host_allocator import fix_thresholds
-    from memtrain.watchdog import Watchdog, progress
-
-    progress("start-up", timed=False, context="")  # nothing left from an earlier run in this process
-    with ExitStack() as closing:
-        if int(os.environ.get("RANK", "0")) == 0:  # global rank 0 holds the run folder; nothing is written before
-            closing.callback(RunLock(cfg.output_dir).acquire().release)
-        fix_thresholds(cfg.memory.host_allocator_thresholds)  # before the model and data allocate
-        quiet_library_notices(torch.cuda.is_available())
-        process = ProcessState(cpu=not torch.cuda.is_available(), timeout_s=cfg.backend.timeout_s)
-        process.cap_cuda_memory(cfg.memory.cuda_memory_cap_gib)
-        closing.callback(process.close)  # the engine is closed first, the lock released last
-        if process.world_size > 1:  # alone, nobody waits on this rank
-            closing.callback(Watchdog(cfg.backend.timeout_s, process.rank).start().stop)
-        return build_trainer(cfg, process, closing, inputs).run()
+    return Trainer(args=sys.argv[1:] if argv is None else argv).fit()
 
 
 USAGE = """usage: memtrain [train] --config RECIPE.yaml [--section.key value ...]

@@ -169,7 +169,7 @@ def _validate_python_inputs(cfg: Config, python_model: bool, python_data: bool) 
     named = [f"model.{k}" for k in ("config", "factory", "pretrained") if getattr(cfg.model, k)]
     if python_model and named:
         raise ConfigError(named[0], "is set, and a model is given from Python too; drop one (e.g. "
-                          f"--{named[0]} null, or a recipe without a model section)")
+                          f"--{named[0]} '{{}}', or a recipe without a model section)")
     if python_data and (cfg.data.files is not None or cfg.data.kind != "text"):
         key = "data.files" if cfg.data.files is not None else "data.kind"
         raise ConfigError(key, "is set, and a train_dataset is given from Python too; drop one")

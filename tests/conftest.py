@@ -54,9 +54,9 @@ def read_metrics(output_dir) -> list[dict]:
 
 
 def launch(args: list[str], nproc: int = 2, timeout: float = 300, env: dict | None = None,
-           launcher: list[str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``memtrain/train.py`` with ``nproc`` CPU ranks (gloo), under torchrun unless
-    ``launcher`` (the command before the script) is given.
+           launcher: list[str] | None = None, check: bool = True, script: str = TRAIN) -> subprocess.CompletedProcess:
+    """Run ``script`` (``memtrain/train.py``, or a script using :class:`memtrain.Trainer`) with
+    ``nproc`` CPU ranks (gloo), under torchrun unless ``launcher`` (the command before the script) is given.
 
     Fails the test (instead of hanging CI) when the run does not finish within ``timeout`` s,
     and, with ``check``, when it exits non-zero.
@@ -64,7 +64,7 @@ def launch(args: list[str], nproc: int = 2, timeout: float = 300, env: dict | No
     port = str(_free_port())
     if launcher is None:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", port]
-    cmd = [*[a.replace("{port}", port) for a in launcher], TRAIN, *args]
+    cmd = [*[a.replace("{port}", port) for a in launcher], script, *args]
     pythonpath = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath, **(env or {})}
     try:

@@ -56,3 +56,34 @@ def test_every_link_resolves(page):
         assert path.exists(), f"{page.name}: {link} -> {path}"
         if anchor:
             assert anchor in anchors(path), f"{page.name}: #{anchor} is not a heading of {path.name}"
+
+
+@pytest.mark.slow
+def test_the_python_page_runs_as_written(tmp_path):
+    """docs/python.md's program and commands, as written but for ``runs/`` (a temporary folder):
+    each exits 0; the program's and the examples' validation losses fall; the exported model
+    the last command fine-tunes is the third command's."""
+    import os
+    import subprocess
+    import sys
+
+    page = (REPO / "docs" / "python.md").read_text()
+    program, = fenced_blocks(page, "python")
+    commands, = fenced_blocks(page, "bash")
+    runs = f"{tmp_path}/runs/"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": os.pathsep.join([str(Path(sys.executable).parent),
+                                                                           os.environ["PATH"]])}
+    script = tmp_path / "quickstart.py"
+    script.write_text(program.replace("runs/", runs))
+    outputs = [subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=REPO,
+                              env=env)]
+    for line in commands.strip().splitlines():
+        outputs.append(subprocess.run(line.replace("runs/", runs), shell=True, capture_output=True, text=True,
+                                      timeout=300, cwd=REPO, env=env))
+        assert outputs[-1].returncode == 0, (line, outputs[-1].stderr[-4000:])
+    assert outputs[0].returncode == 0, outputs[0].stderr[-4000:]
+    for out in (outputs[0], outputs[1], outputs[2], outputs[4]):  # the program and the scripts print it
+        first, last = map(float, re.search(r"validation loss ([\d.]+) -> ([\d.]+)", out.stdout).groups())
+        assert last < first, out.stdout[-2000:]
+    assert (tmp_path / "runs" / "finetune" / "model" / "model.safetensors").is_file()
+    assert (tmp_path / "runs" / "finetune" / "model" / "tokenizer.json").is_file()  # the tokenizer handed over
