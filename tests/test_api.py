@@ -128,3 +128,27 @@ def test_meta_copy_and_user_objective_contract():
     objective = as_objective(lambda m, mb: mb["x"].sum())
     batch = {"x": torch.ones(4, 2)}
     assert float(objective.count(batch)) == 4 and objective.finish(objective.eval_sums(None, batch)) == {"loss": 2.0}
+
+
+def test_a_resumed_run_with_other_examples_is_refused(tmp_path):
+    """A run from Python resumes with the same examples and is refused with others (another
+    value in one example): the dataset identity is what the checkpoint is compared by."""
+    import memtrain
+
+    def examples(shift: float = 0.0) -> list[dict]:
+        x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+        x[37, 2] += shift
+        return [{"x": row, "y": row.sum(0, keepdim=True)} for row in x]
+
+    def run(data, steps: int):
+        settings = {"output_dir": str(tmp_path / "run"), "precision": "fp32",
+                    "training": {"global_batch_size": 8, "micro_batch_size": 8, "max_steps": steps, "lr": 1e-2,
+                                 "warmup_steps": 0, "eval_every": 0}, "checkpoint": {"every_steps": 1}}
+        return memtrain.Trainer(settings, model=lambda: torch.nn.Linear(4, 1), train_dataset=data,
+                                objective=lambda m, mb: ((m(mb["x"]) - mb["y"]) ** 2).sum()).fit()
+
+    run(examples(), 2)
+    resumed = run(examples(), 3)
+    assert resumed.summary["resumed_from"] and [r["step"] for r in resumed.records] == [3]
+    with pytest.raises(memtrain.ConfigError, match="'train_dataset'.*differs from what checkpoint"):
+        run(examples(shift=1.0), 4)

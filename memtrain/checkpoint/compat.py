@@ -145,6 +145,9 @@ def check_resumable(path: str, manifest: dict, config: dict, identity: Optional[
                               "cannot change on resume (docs/checkpoints.md, \"Changing settings on resume\"). Use "
                               "the saved value, or start a new run (resume never, or another output_dir)")
     if known and saved_identity != identity:
-        raise ConfigError("data.files", f"the data differs from what checkpoint {path} was trained on (corpus "
-                          f"{identity}, saved {saved_identity}: a file's contents or the tokenizer changed); resuming would "
+        examples = str(identity).startswith("examples-") or str(saved_identity).startswith("examples-")
+        what = ("train_dataset", "the examples' number or content changed, or data from the config took their place"
+                ) if examples else ("data.files", "a file's contents or the tokenizer changed")
+        raise ConfigError(what[0], f"the data differs from what checkpoint {path} was trained on (corpus "
+                          f"{identity}, saved {saved_identity}: {what[1]}); resuming would "
                           "continue at a position in other data. Restore the data, or start a new run")
