@@ -128,6 +128,7 @@ class Trainer:
                  train_dataset: Any = None, eval_dataset: Any = None, collate_fn: Optional[Callable] = None,
                  objective: Any = None, tokenizer: Any = None, args: Sequence[str] = ()):
         from memtrain.errors import ConfigError
+
         if train_dataset is None and (eval_dataset is not None or collate_fn is not None):
             raise ConfigError("train_dataset", "eval_dataset and collate_fn go with a train_dataset")
         self.config: Config = prepare_config(config_argv(config, args), model is not None, train_dataset is not None)
