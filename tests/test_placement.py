@@ -141,6 +141,25 @@ def test_plan_answers_for_the_target_machine(cache_dir):
     assert "fastest placement" in verdict and "GiB host for 8 rank(s)" in verdict
 
 
+def test_the_plan_marked_is_the_plan_the_run_uses(tmp_path, cache_dir):
+    """With a fixed micro-batch (2 of a rank's 8 samples) the row ``memtrain plan`` marks is the
+    plan a run of the same config trains its first step with (its metrics), not the planner's
+    fastest (a larger micro-batch fits the unbounded CPU budget)."""
+    from conftest import tiny_args
+    from memtrain.train import main
+
+    args = tiny_args(tmp_path, cache_dir, "--training.max_steps", "1")
+    proc = subprocess.run([sys.executable, "-c", "from memtrain.train import cli; cli()", "plan", "--json", *args],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    marked = [r for r in rows if not r.get("placement") and r["chosen"]]
+    assert any(r["micro_batch_size"] > 2 and r["fits"] for r in rows if not r.get("placement"))
+    first = main(args).records[0]
+    assert [(r["micro_batch_size"], r["gradient_accumulation_steps"], r["activation_checkpointing"]) for r in marked] \
+        == [(first["micro_batch_size"], first["gradient_accumulation_steps"], first["activation_checkpointing"])]
+
+
 def test_an_offload_the_host_cannot_hold_is_refused_before_start(tmp_path, cache_dir):
     """Exit 2 with the numbers, before the model is built and before anything is written."""
     out = tmp_path / "run"

@@ -121,7 +121,7 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     tokens = tokens_per_sample(cfg, corpus)
     for c in planner.candidates:  # 1 ms per micro-batch (launches, reduction): ties go to fewer micro-batches
         c.predicted_step_s = estimated_step_s(c, n, tokens, flops, recompute_fraction(c.plan.settings(), cfg), 1e-3)
-    chosen = planner.fastest(planner.fitting())
+    chosen = run_plan(planner, cfg, choices)
     machine, placements = _placements(cfg, shape, n, precision, world_size, device_type, budget, flops, acts, tokens,
                                       host_memory_gib, nvme_path, gpu_memory_gib is not None)
     micro = chosen.micro_batch_size if chosen is not None else (
@@ -129,7 +129,7 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     ac_bytes = _activation_bytes_by_ac(acts, choices, micro, per_rank)
     return {
         "parameters": n, "precision": precision, "world_size": world_size, "engine": engine,
-        "device": device_type, "budget_bytes": budget, "seq_len": cfg.data.seq_len, "micro_batch_size": micro,
+        "micro_batch_given": cfg.training.micro_batch_size != "auto", "device": device_type, "budget_bytes": budget, "seq_len": cfg.data.seq_len, "micro_batch_size": micro,
         "candidates": [c.as_dict() for c in planner.candidates],
         "activation_bytes": ac_bytes,
         "model_state_bytes": engines,
@@ -141,6 +141,22 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
                 "used); step seconds estimated from FLOPs at this machine's matmul speed (a run with "
                 "training.micro_batch_size auto measures them); gathered blocks are in the placements only",
     }
+
+
+def run_plan(planner, cfg, choices: dict):
+    """The candidate the run will start with, marked ``chosen``: with a fixed
+    ``training.micro_batch_size``, that micro-batch with each lever's configured (first) setting,
+    as :func:`memtrain.build.make_controller` starts it, whether or not it is predicted to fit;
+    under ``auto``, the fastest fitting candidate (:meth:`memtrain.memory.planner.Planner.fastest`)."""
+    micro = cfg.training.micro_batch_size
+    if micro == "auto":
+        return planner.fastest(planner.fitting())
+    start = {name: options[0] for name, options in choices.items()}
+    run = next((c for c in planner.candidates if c.micro_batch_size == micro
+                and all(c.plan.lever(k) == v for k, v in start.items())), None)
+    for c in planner.candidates:
+        c.chosen = c is run
+    return run
 
 
 def _planned_precision(precision: str, device_type: str) -> str:
@@ -232,8 +248,12 @@ def verdict(report: dict) -> str:
                 " with this engine; try another engine or offload (the placements above), more ranks, "
                 "memory.activation_checkpointing on or a shorter data.seq_len")
     words = (f"verdict: micro-batch {chosen['micro_batch_size']} × accumulation {chosen['gradient_accumulation_steps']}"
-             f" per rank, activation checkpointing {'on' if chosen['activation_checkpointing'] else 'off'}, predicted "
+             f" per rank, activation checkpointing {'on' if chosen['activation_checkpointing'] else 'off'}"
+             f"{' (the config fixes the micro-batch)' if report.get('micro_batch_given') else ''}, predicted "
              f"peak {chosen['predicted_peak_bytes'] / 2**30:.2f} GiB per rank")
+    if not chosen["fits"]:
+        words += (" — more than fits: the run would start there and recover from the out-of-memory error to a "
+                  "smaller plan; set training.micro_batch_size auto to start at the fastest plan that fits")
     placed = next((p for p in report.get("placements", []) if p.get("chosen")), None)
     host = (report.get("machine") or {}).get("host_bytes")
     if placed is not None:
