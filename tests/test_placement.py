@@ -242,3 +242,23 @@ def test_planning_never_compiles_deepspeeds_cpu_adam(tmp_path, monkeypatch):
     assert not cpu_adam_built()
     assert cpu_adam_params_per_s(2**16) > 0
     assert not any(tmp_path.iterdir())  # nothing was built
+
+
+def test_plan_times_the_host_optimizer_at_the_target_rate(cache_dir):
+    """``--cpu_adam_params_per_s`` (the target host's CPU Adam rate) times the optimizer of every
+    placement that offloads it, and only those; the report says the rate was given."""
+    from conftest import TINY_ARGS
+    from memtrain.config import parse_args
+    from memtrain.memory.estimate import plan_report
+
+    cfg = parse_args(TINY_ARGS + ["--data.cache_dir", cache_dir])
+    slow, fast = (plan_report(cfg, 1, cpu_adam_params_per_s=rate) for rate in (1e5, 1e9))
+    assert slow["cpu_adam_source"] == "given" and slow["machine"]["cpu_adam_params_per_s"] == 1e5
+    base = [p["predicted_step_s"] for r in (slow, fast) for p in r["placements"] if p["name"] == "ddp"]
+    compute = base[0] - base[1]  # each report measures this machine's matmul rate anew: the same for every row
+    for a, b in zip(slow["placements"], fast["placements"]):
+        assert a["name"] == b["name"]
+        on_host = 0.0 if a["offload"] == "none" else a["offload_optimizer_ratio"] if a["engine"] == "deepspeed" else 1.0
+        expected = slow["parameters"] * on_host * (1 / 1e5 - 1 / 1e9)  # one rank: its optimizer's parameters
+        assert a["predicted_step_s"] - b["predicted_step_s"] - compute == pytest.approx(expected, rel=0.05, abs=1e-3), \
+            a["name"]

@@ -61,8 +61,15 @@ def activation_bytes(model: nn.Module, micro_batch: dict[str, torch.Tensor], act
     return counter.peak_bytes
 
 
+NOTE = ("activations: the peak of a micro-step's forward and backward traced with fake tensors (no memory used); step "
+        "seconds estimated from FLOPs at this machine's matmul speed (a run with training.micro_batch_size auto measures "
+        "them); gathered blocks are in the placements only")
+"""The report's ``note``: how its numbers were made."""
+
+
 def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
-                host_memory_gib: Optional[float] = None, nvme_path: Optional[str] = None) -> dict:
+                host_memory_gib: Optional[float] = None, nvme_path: Optional[str] = None,
+                cpu_adam_params_per_s: Optional[float] = None) -> dict:
     """The planner's view of a config before it runs, without allocating the model: the
     candidate plans of ``training.global_batch_size / world_size`` samples per rank with their
     predicted peak bytes and step seconds, and the model state of every engine variant.
@@ -75,6 +82,8 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
         host_memory_gib: host memory of the machine (its ranks together); None =
             ``memory.host_memory_gib``, else this machine's available memory.
         nvme_path: a folder for NVMe offload placements.
+        cpu_adam_params_per_s: the target host's CPU Adam rate (parameters/s, all cores); None =
+            measured here (the report's ``cpu_adam_source`` says which).
 
     Returns:
         A JSON-serialisable dict: ``parameters``, ``precision``, ``world_size``, ``engine``,
@@ -90,7 +99,7 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     from memtrain.models import build_model, count_parameters
     from memtrain.levers import lever_choices, recompute_fraction
     from memtrain.objectives import make_objective
-    from memtrain.memory.machine import DEFAULT_GPU_FLOPS, device_budget_bytes
+    from memtrain.memory.machine import DEFAULT_GPU_FLOPS, device_budget_bytes, device_flops_per_s
     from memtrain.memory.placement import tokens_per_sample
     from memtrain.memory.planner import Planner, activation_table, estimated_step_s, make_candidates
 
@@ -115,15 +124,13 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     planner = Planner(make_candidates(per_rank, choices, state_on_device, acts, device_type, budget,
                                       state["accumulation_gradient_bytes"], state["step_gradient_bytes"]), budget)
     gpu_without_one = device_type == "cuda" and not torch.cuda.is_available()
-    from memtrain.memory.machine import device_flops_per_s
-
     flops = DEFAULT_GPU_FLOPS if gpu_without_one else device_flops_per_s(device_type)
     tokens = tokens_per_sample(cfg, corpus)
     for c in planner.candidates:  # 1 ms per micro-batch (launches, reduction): ties go to fewer micro-batches
         c.predicted_step_s = estimated_step_s(c, n, tokens, flops, recompute_fraction(c.plan.settings(), cfg), 1e-3)
     chosen = run_plan(planner, cfg, choices)
     machine, placements = _placements(cfg, shape, n, precision, world_size, device_type, budget, flops, acts, tokens,
-                                      host_memory_gib, nvme_path, gpu_memory_gib is not None)
+                                      host_memory_gib, nvme_path, gpu_memory_gib is not None, cpu_adam_params_per_s)
     micro = chosen.micro_batch_size if chosen is not None else (
         cfg.training.micro_batch_size if cfg.training.micro_batch_size != "auto" else 1)
     ac_bytes = _activation_bytes_by_ac(acts, choices, micro, per_rank)
@@ -135,11 +142,10 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
         "model_state_bytes": engines,
         "placements": [p.as_dict() for p in placements],
         "machine": dataclasses.asdict(machine),
+        "cpu_adam_source": "given" if cpu_adam_params_per_s else "measured on this machine",
         "per_rank_total_bytes": {name: {ac: device_state_bytes(e) + max(ac_bytes[ac], e["step_gradient_bytes"])
                                         for ac in ("off", "on")} for name, e in engines.items()},
-        "note": "activations: the peak of a micro-step's forward and backward traced with fake tensors (no memory "
-                "used); step seconds estimated from FLOPs at this machine's matmul speed (a run with "
-                "training.micro_batch_size auto measures them); gathered blocks are in the placements only",
+        "note": NOTE,
     }
 
 
@@ -181,11 +187,12 @@ def _activation_bytes_by_ac(acts, choices: dict, micro: int, per_rank: int) -> d
 
 
 def _placements(cfg, shape, n: int, precision: str, world_size: int, device_type: str, budget, flops: float,
-                acts, tokens: int, host_memory_gib: Optional[float], nvme_path: Optional[str], gpu_given: bool):
+                acts, tokens: int, host_memory_gib: Optional[float], nvme_path: Optional[str], gpu_given: bool,
+                cpu_adam: Optional[float] = None):
     """The placement table (:mod:`memtrain.memory.placement`) of :func:`plan_report`: every placement of
     :func:`memtrain.memory.placement.planning_pool`. A GPU given without its host's memory
     (``gpu_given``, no ``host_memory_gib`` here or in the config) plans an unbounded host: each
-    placement shows the host memory it needs."""
+    placement shows the host memory it needs. ``cpu_adam``: the target's CPU Adam rate (None: measured here)."""
     from memtrain.memory.machine import (PLAN_PROCESS_BYTES, Machine, cpu_adam_params_per_s, host_budget_bytes,
                                          process_bytes)
     from memtrain.memory.placement import nvme_usable, plan_model, planning_pool
@@ -197,7 +204,7 @@ def _placements(cfg, shape, n: int, precision: str, world_size: int, device_type
         host = None  # another machine's GPU, its host not given: show what each placement needs
     else:
         host = host_budget_bytes(cfg.memory.host_memory_gib)
-    machine = Machine(budget, host, world_size, device_type, flops, cpu_adam_params_per_s(),
+    machine = Machine(budget, host, world_size, device_type, flops, cpu_adam or cpu_adam_params_per_s(),
                       process_bytes(device_type) if device_type == "cpu" or gpu_here else PLAN_PROCESS_BYTES, nvme_path)
     pool = planning_pool(cfg, nvme_usable(nvme_path))
     return machine, plan_model(cfg, acts, shape, tokens, world_size, machine, precision, pool)
@@ -260,6 +267,11 @@ def verdict(report: dict) -> str:
         words += (f"; fastest placement: {placed['name']} ({placed['device_bytes'] / 2**30:.1f} GiB GPU per rank, "
                   f"{placed['host_bytes'] / 2**30:.1f} GiB host for {world} rank(s)" +
                   (", the smallest host that runs it: give --host_memory_gib to check a machine)" if not host else ")"))
+        if placed.get("offload", "none") != "none":  # its step time holds the host's CPU Adam
+            rate = (report.get("machine") or {}).get("cpu_adam_params_per_s") or 0
+            words += (f"; its step time counts CPU Adam at {rate / 1e6:.0f}M parameters/s, "
+                      + ("given" if report.get("cpu_adam_source") == "given" else
+                         "measured on this machine (give the target's with --cpu_adam_params_per_s)"))
     elif report.get("placements"):
         words += "; no placement fits this host: give a larger --host_memory_gib, more ranks, or --nvme_path"
     return words
@@ -276,6 +288,8 @@ options:
   --gpu_memory_gib G    device memory of one rank, in GiB (a GPU run is planned; default: this machine's)
   --host_memory_gib H   host memory of the ranks of one machine together, in GiB (default: available here)
   --nvme_path DIR       a folder for NVMe offload (placements that use it are planned)
+  --cpu_adam_params_per_s R  the target host's CPU Adam rate, parameters per second with all its cores
+                        (times the optimizer of offloading placements; default: measured on this machine)
   --json                one JSON object per plan, then one per placement (plan only)"""
 
 
@@ -317,18 +331,20 @@ def main(argv: Optional[list[str]] = None, command: str = "memory") -> int:
         gib = float(gib) if gib is not None else None
         host = _pop_option(argv, "--host_memory_gib")
         host = float(host) if host is not None else None
+        adam = _pop_option(argv, "--cpu_adam_params_per_s")
+        adam = float(adam) if adam is not None else None
         nvme = _pop_option(argv, "--nvme_path")
     except ValueError as exc:
-        print(f"memtrain {command}: --world_size is an integer, --gpu_memory_gib and --host_memory_gib numbers ({exc})",
-              file=sys.stderr)
+        print(f"memtrain {command}: --world_size is an integer, --gpu_memory_gib, --host_memory_gib and "
+              f"--cpu_adam_params_per_s numbers ({exc})", file=sys.stderr)
         return 2
     as_json = _pop_option(argv, "--json", flag=True)
     try:
         if world_size < 1:
             raise ConfigError("--world_size", f"must be at least 1, got {world_size}")
-        for name, value in (("--gpu_memory_gib", gib), ("--host_memory_gib", host)):
+        for name, value in (("--gpu_memory_gib", gib), ("--host_memory_gib", host), ("--cpu_adam_params_per_s", adam)):
             if value is not None and not value > 0:
-                raise ConfigError(name, f"must be > 0 (GiB), got {value}")
+                raise ConfigError(name, f"must be > 0, got {value}")
         if nvme is not None and not os.path.isdir(os.path.expanduser(nvme)):
             raise ConfigError("--nvme_path", f"'{nvme}' is not a folder")
         cfg = parse_args(argv)
@@ -339,7 +355,7 @@ def main(argv: Optional[list[str]] = None, command: str = "memory") -> int:
         print(f"memtrain {command}: {exc}", file=sys.stderr)
         return 2
     try:
-        report = plan_report(cfg, world_size, gib, host, nvme)
+        report = plan_report(cfg, world_size, gib, host, nvme, adam)
     except (ConfigError, ValueError) as exc:  # data or model settings that cannot work (named in the message)
         print(f"memtrain {command}: {exc}", file=sys.stderr)
         return 2
