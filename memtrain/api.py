@@ -65,11 +65,13 @@ def prepare_config(argv: Optional[list[str]] = None, python_model: bool = False,
     return cfg
 
 
-def run(cfg: Config, inputs=None):
+def run(cfg: Config, inputs=None, owns_process: bool = False):
     """Train ``cfg`` (validated): the process state, the watchdog with several ranks
     (:mod:`memtrain.watchdog`), the training loop; returns the :class:`memtrain.loop.RunResult`.
     ``inputs``: a Python caller's model, data and objective (:class:`memtrain.build.UserInputs`;
-    :class:`memtrain.api.Trainer`), None = all from ``cfg``."""
+    :class:`memtrain.api.Trainer`), None = all from ``cfg``. ``owns_process``: the ``memtrain``
+    command runs it, so process-wide settings nobody else relies on may be tuned
+    (``memory.host_allocator_thresholds`` null: :func:`memtrain.host_allocator.fix_thresholds`)."""
     from contextlib import ExitStack
 
     import torch
@@ -84,7 +86,8 @@ def run(cfg: Config, inputs=None):
     with ExitStack() as closing:
         if int(os.environ.get("RANK", "0")) == 0:  # global rank 0 holds the run folder; nothing is written before
             closing.callback(RunLock(cfg.output_dir).acquire().release)
-        fix_thresholds(cfg.memory.host_allocator_thresholds)  # before the model and data allocate
+        thresholds = cfg.memory.host_allocator_thresholds
+        fix_thresholds(owns_process if thresholds is None else thresholds)  # before the model and data allocate
         quiet_library_notices(torch.cuda.is_available())
         process = ProcessState(cpu=not torch.cuda.is_available(), timeout_s=cfg.backend.timeout_s)
         process.cap_cuda_memory(cfg.memory.cuda_memory_cap_gib)
@@ -118,6 +121,9 @@ class Trainer:
         tokenizer: a ``transformers`` tokenizer saved with checkpoints and the exported model.
         args: command-line overrides applied over ``config`` (``["--training.max_steps", "50"]``;
             a script passes ``sys.argv[1:]``).
+        owns_process: the caller is memtrain's command line, whose process is memtrain's alone:
+            process-wide settings may be tuned (glibc's malloc thresholds, unless
+            ``memory.host_allocator_thresholds`` says otherwise). A Python caller leaves it False.
 
     Raises:
         memtrain.ConfigError: an invalid setting, or one the launcher contradicts; nothing is
@@ -126,13 +132,14 @@ class Trainer:
 
     def __init__(self, config: Union[str, os.PathLike, dict, Config, None] = None, *, model: Any = None,
                  train_dataset: Any = None, eval_dataset: Any = None, collate_fn: Optional[Callable] = None,
-                 objective: Any = None, tokenizer: Any = None, args: Sequence[str] = ()):
+                 objective: Any = None, tokenizer: Any = None, args: Sequence[str] = (), owns_process: bool = False):
         from memtrain.errors import ConfigError
 
         if train_dataset is None and (eval_dataset is not None or collate_fn is not None):
             raise ConfigError("train_dataset", "eval_dataset and collate_fn go with a train_dataset")
         self.config: Config = prepare_config(config_argv(config, args), model is not None, train_dataset is not None)
         self.inputs = UserInputs(model, train_dataset, eval_dataset, collate_fn, objective, tokenizer)
+        self.owns_process = owns_process
 
     def fit(self):
         """Train to ``training.max_steps`` (resuming from ``output_dir``'s last checkpoint as
@@ -147,4 +154,4 @@ class Trainer:
             memtrain.NonFiniteStop: as the command line's exit codes 2-5; a collective that
             failed or timed out raises torch's error (exit code 6 on the command line).
         """
-        return run(self.config, self.inputs)
+        return run(self.config, self.inputs, self.owns_process)

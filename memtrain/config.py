@@ -228,12 +228,14 @@ class MemoryConfig:
     grow_back_window: int = 50
     """After this many OOM-free optimizer steps, try the previous (2×) micro-batch again; the
     window doubles after each failed try. 0 = never grow back."""
-    host_allocator_thresholds: bool = True
+    host_allocator_thresholds: Optional[bool] = None
     """glibc (Linux): fix malloc's mmap threshold at 32 MiB and its trim threshold at 64 MiB at
     start-up, so freed activations stay in the process (up to 64 MiB free at the top of each malloc
     arena) instead of being page-faulted in again every step (memtrain/host_allocator.py). Left
     alone when ``MALLOC_*`` threshold variables, a ``glibc.malloc`` tunable or a preloaded
-    jemalloc/tcmalloc/mimalloc say otherwise."""
+    jemalloc/tcmalloc/mimalloc say otherwise. null (default): set by the ``memtrain`` command,
+    which owns its process; left alone by ``memtrain.Trainer`` in a user's Python process (glibc
+    cannot read back or undo them); true / false: set / leave alone either way."""
 
 
 @dataclass

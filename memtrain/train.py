@@ -30,7 +30,7 @@ def main(argv: Optional[list[str]] = None):
     """
     from memtrain.api import Trainer
 
-    return Trainer(args=sys.argv[1:] if argv is None else argv).fit()
+    return Trainer(args=sys.argv[1:] if argv is None else argv, owns_process=True).fit()
 
 
 USAGE = """usage: memtrain [train] --config RECIPE.yaml [--section.key value ...]
@@ -88,7 +88,7 @@ def cli() -> None:
     try:
         from memtrain.api import Trainer
 
-        trainer = Trainer(args=sys.argv[1:])  # the same class a Python script uses
+        trainer = Trainer(args=sys.argv[1:], owns_process=True)  # the class a Python script uses
         cfg = trainer.config
         result = trainer.fit()
         code = INTERRUPTED if result.summary.get("preempted") == "SIGINT" else 0  # Ctrl-C: saved, then stopped

@@ -7,7 +7,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from conftest import REPO
 from memtrain.host_allocator import glibc_version, reason_to_leave
 
 # a step-like pattern in a fresh process, through the C allocator torch's CPU tensors use: 64
@@ -80,3 +82,30 @@ def test_another_c_library_is_left_alone_and_nothing_raises(monkeypatch):
     monkeypatch.setattr(ctypes, "CDLL", NoMallopt)
     monkeypatch.setattr(host_allocator, "glibc_version", lambda: "glibc 2.36")
     assert host_allocator.fix_thresholds(True, environ={}) is None
+
+
+@pytest.mark.parametrize("how,setting,expected", [("python", None, False), ("python", "true", True),
+                                                  ("command_line", None, True), ("command_line", "false", False)])
+def test_only_the_command_line_tunes_the_process_unless_told(tmp_path, monkeypatch, how, setting, expected):
+    """``memory.host_allocator_thresholds`` null: the ``memtrain`` command (which owns its
+    process) fixes glibc's thresholds, ``memtrain.Trainer`` in a user's process does not; an
+    explicit setting wins either way. Stopped right after the decision (nothing trained)."""
+    import memtrain
+    from memtrain import host_allocator
+    from memtrain.train import main
+
+    asked = []
+
+    def record(enabled=True, environ=None):
+        asked.append(enabled)
+        raise KeyboardInterrupt  # the decision is made: stop the run here
+
+    monkeypatch.setattr(host_allocator, "fix_thresholds", record)
+    args = ["--output_dir", str(tmp_path / "run"), *(["--memory.host_allocator_thresholds", setting] if setting else [])]
+    with pytest.raises(KeyboardInterrupt):
+        if how == "python":
+            memtrain.Trainer(model=lambda: torch.nn.Linear(2, 1),
+                             train_dataset=[{"x": torch.zeros(2)}] * 8, args=args).fit()
+        else:
+            main(["--config", str(REPO / "recipes" / "code_lm_tiny.yaml"), *args])
+    assert asked == [expected]
