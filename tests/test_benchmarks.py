@@ -1,5 +1,7 @@
 """Each benchmark's --quick mode runs and prints the JSON it promises (no timing asserts:
-numbers live in the benchmarks, not in tests)."""
+numbers live in the benchmarks, not in tests). All of them run once, through the GPU suite's
+plumbing (``benchmarks/gpu_suite.py --device cpu --quick``), which must write neither results
+nor tables."""
 
 import json
 import subprocess
@@ -10,19 +12,51 @@ import pytest
 from conftest import REPO
 
 pytestmark = pytest.mark.slow
+RESULTS = REPO / "benchmarks" / "results"
 
 
-def run_quick(name: str, *extra: str) -> list[dict]:
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / f"{name}.py"), "--quick", *extra],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+@pytest.fixture(scope="module")
+def suite(cache_dir) -> dict:
+    """``gpu_suite.py --device cpu --quick``'s rows (run once for the module), and the results
+    folder's files before and after it."""
+    before = {p.name: p.stat().st_size for p in RESULTS.glob("*")}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_suite.py"), "--device", "cpu", "--quick",
+                           "--data_cache_dir", cache_dir], capture_output=True, text=True, timeout=1500, cwd=REPO)
+    return {"returncode": proc.returncode, "stderr": proc.stderr, "before": before,
+            "rows": [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")],
+            "after": {p.name: p.stat().st_size for p in RESULTS.glob("*")}}
 
 
-def test_oom_stress_quick_recovers_without_losing_samples():
+def run_quick(suite: dict, name: str) -> list[dict]:
+    """The JSON rows the benchmark ``name`` printed in the suite's run (it exited 0)."""
+    (step,) = [r for r in suite["rows"] if r.get("step") == name]
+    assert step["returncode"] == 0, step.get("stderr_tail")
+    return step["rows"]
+
+
+def test_gpu_suite_plumbing_runs_every_step_and_writes_nothing(suite):
+    """Every step ran (the CUDA tests have nothing to run on a CPU), none failed, no result row or
+    table was written; on a GPU every benchmark step appends its rows (``--results``) and the
+    steps' limits fit the 25-minute budget."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from gpu_suite import BUDGET_S, STEPS, command
+
+    assert suite["returncode"] == 0, suite["stderr"][-3000:]
+    ran = [r["step"] for r in suite["rows"] if "returncode" in r]
+    assert ran == [s.name for s in STEPS if s.quick is not None] and "cuda_tests" not in ran
+    assert suite["rows"][-1]["summary"]["failed"] == []
+    assert suite["after"] == suite["before"]  # no rows appended, no gpu_tables.md
+    assert sum(s.limit_s for s in STEPS) <= BUDGET_S == 25 * 60
+    for s in STEPS:
+        cmd = command(s, quick=False, data_cache_dir=None)
+        assert cmd is None or s.name == "cuda_tests" or "--results" in cmd, s.name
+        assert cmd is None or "cpu" not in cmd, s.name  # the GPU commands measure the GPU
+
+
+def test_oom_stress_quick_recovers_without_losing_samples(suite):
     """On the simulated device: recovery lands on a plan that fits and trains the same data with
     the same losses as that plan run by hand; auto never runs out of memory."""
-    (row,) = run_quick("oom_stress")
+    (row,) = run_quick(suite, "oom_stress")
     assert row["ooms"] >= 1 and row["start_plan"] == "16x1" and row["final_plan"] != "16x1"
     assert row["steps_with_other_data_than_static_final_plan"] == 0
     assert row["max_rel_loss_diff_vs_static_final_plan"] < 1e-5
@@ -34,8 +68,8 @@ def test_oom_stress_quick_recovers_without_losing_samples():
         assert row[key]["median"] == pytest.approx(tps[run]["median"] / tps[best]["median"]), key
 
 
-def test_overhead_quick_reports_ratio():
-    (row,) = run_quick("overhead")
+def test_overhead_quick_reports_ratio(suite):
+    (row,) = run_quick(suite, "overhead")
     assert len(row["ratios"]) == len(row["mean_ratios"]) == row["repeats"] == 1
     assert row["plain_step_s_median"] > 0 and row["memtrain_step_s_median"] > 0
     # the ratio is memtrain's step time over the plain loop's (not inverted, not another repeat's)
@@ -44,16 +78,16 @@ def test_overhead_quick_reports_ratio():
     assert row["ratio_min"] == row["ratio_median"] == row["ratio_max"] == row["ratios"][0]
 
 
-def test_checkpoint_io_quick_reports_each_format():
-    rows = run_quick("checkpoint_io")
+def test_checkpoint_io_quick_reports_each_format(suite):
+    rows = run_quick(suite, "checkpoint_io")
     assert [r["config"] for r in rows] == ["fsdp_async"]
     for row in rows:
         assert row["checkpoints"] == 2 and row["bytes"] > 0 and row["load_s"] > 0
         assert 0 < row["blocked_s_median"] <= row["save_s_median"] + 1e-6
 
 
-def test_chunked_loss_quick_reports_saved_bytes_and_time():
-    (row,) = run_quick("chunked_loss")
+def test_chunked_loss_quick_reports_saved_bytes_and_time(suite):
+    (row,) = run_quick(suite, "chunked_loss")
     assert row["loss_saved_bytes"]["plain_over_chunked"] >= row["goal_loss_saved_bytes_ratio"]
     assert row["model_saved_bytes"]["chunked"] < row["model_saved_bytes"]["plain"]
     # each repeat's ratio is its chunked step time over its plain one's (not inverted, not mixed up)
@@ -63,25 +97,22 @@ def test_chunked_loss_quick_reports_saved_bytes_and_time():
     assert (r["min"], r["max"]) == (pytest.approx(min(ratios)), pytest.approx(max(ratios)))
 
 
-def test_compile_quick_reports_ratio_and_equal_losses():
+def test_compile_quick_reports_ratio_and_equal_losses(suite):
     """training.compile end to end (inductor, cold cache): it trains the same losses as eager."""
-    (row,) = run_quick("compile")
+    (row,) = run_quick(suite, "compile")
     assert row["max_rel_loss_diff"] < 1e-3
     assert row["compile_s"] > 0 and 0 < row["ratio_compiled_to_eager"]["median"]
 
 
-def test_memory_accuracy_quick_is_checked_against_memtracker(cache_dir):
+def test_memory_accuracy_quick_is_checked_against_memtracker(suite):
     """The planner's predicted peak against torch's MemTracker count of a real 2-rank step, on
     every engine: within 10% either way (under: an OOM the planner said would not happen; over:
     memory left idle). ZeRO's reduce bucket is sized to the model: with DeepSpeed's default of
     5e8 elements the count is ~2 GB per rank, far above DDP's. Rows are printed, not saved."""
-    results = REPO / "benchmarks" / "results"
-    before = {p.name: p.stat().st_size for p in results.glob("*")}
-    rows = run_quick("memory_accuracy", "--data_cache_dir", cache_dir)
+    rows = run_quick(suite, "memory_accuracy")
     engines = [r for r in rows if "engine" in r]
     assert [r["engine"] for r in engines] == ["ddp", "fsdp", "zero2", "zero3"]
     for r in engines:
         assert -0.10 <= r["relative_error"] <= 0.10, r
         assert r["measured_bytes"] < 3 * engines[0]["measured_bytes"], r  # no 2 GB bucket
     assert set(rows[-1]["summary"]) == {"ddp", "fsdp", "zero2", "zero3"}
-    assert {p.name: p.stat().st_size for p in results.glob("*")} == before
