@@ -13,8 +13,15 @@ CPU processes); ZeRO-2 is ``deepspeed.initialize`` with ``engine.backward`` / ``
 plain loop's AdamW has memtrain's two parameter groups (weight decay on matrices only), since ZeRO
 keeps one flat partition per group. Reported: the median step time of each, and the ratio
 memtrain / plain with min, median and max over repeats, for each run's median step and for its
-mean step (wall time per step, slow steps included); the runs alternate and so does which of
-the two runs first in a repeat. Goal: ratio ≤ 1.02.
+mean step (wall time per step, slow steps included); the runs alternate and so does which
+runs first in a repeat. Goal: ratio ≤ 1.02.
+
+Process settings: memtrain fixes glibc's malloc thresholds (``memory.host_allocator_thresholds``),
+steps a fused AdamW and runs the garbage collector every 50 steps (``training.gc_every_steps``). The
+``overhead`` ratio (``ratio_*``) compares it with a plain loop given the same settings (the same
+thresholds through ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``, ``fused=True``, the
+automatic collector off and a young-generation pass every 50 steps); ``tuning_gain_*`` is a plain
+loop with none of them (a user's defaults) over memtrain: how much the settings are worth.
 memtrain's extra work per step: the OOM agreements (shared memory between ranks of one host),
 the global token count, the data fingerprint, and — with OOM recovery on — a DDP gradient
 all-reduce after backward instead of one overlapped with it.
@@ -38,12 +45,22 @@ from common import (CPU_ARGS, ENGINES, GPU_ARGS, REPO, _free_port, emit, run_mem
                     step_times)
 
 
-def plain_accelerate_loop(memtrain_args: list[str], out_file: str, engine: str = "ddp") -> None:
+SAME_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(64 * 2**20)}
+"""glibc's thresholds as memtrain sets them (memtrain/host_allocator.py), for a plain loop's process."""
+GC_EVERY_STEPS = 50
+"""memtrain's default ``training.gc_every_steps``."""
+
+
+def plain_accelerate_loop(memtrain_args: list[str], out_file: str, engine: str = "ddp", same: bool = False) -> None:
     """A hand-written training loop of ``engine`` (runs under torchrun); writes its step times.
 
     Only the model and the token blocks come from memtrain (so both loops train the same
-    thing); everything else is what a user writes from Accelerate's docs.
+    thing); everything else is what a user writes from Accelerate's docs. ``same``: memtrain's
+    process settings (fused AdamW, the collector every :data:`GC_EVERY_STEPS` steps; the malloc
+    thresholds come with the environment, :data:`SAME_ENV`).
     """
+    import gc
+
     sys.path.insert(0, str(REPO))
     import torch
     import torch.nn.functional as F
@@ -80,11 +97,14 @@ def plain_accelerate_loop(memtrain_args: list[str], out_file: str, engine: str =
 
     def plain_optimizer(m):
         """AdamW with memtrain's parameter groups and a linear warm-up, on ``m``'s parameters."""
-        optimizer = torch.optim.AdamW(weight_decay_groups(m, t.weight_decay), lr=t.lr)
+        optimizer = torch.optim.AdamW(weight_decay_groups(m, t.weight_decay), lr=t.lr, fused=True if same else None)
         return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / t.warmup_steps))
 
+    if same:
+        gc.disable()
+        gc.collect(1)
     if engine != "ddp":
-        plain_sharded_loop(engine, model, plain_optimizer, accelerator.prepare(loader), t, accumulation, out_file)
+        plain_sharded_loop(engine, model, plain_optimizer, accelerator.prepare(loader), t, accumulation, out_file, same)
         return
     optimizer, scheduler = plain_optimizer(model)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
@@ -103,9 +123,12 @@ def plain_accelerate_loop(memtrain_args: list[str], out_file: str, engine: str =
                 optimizer.zero_grad()
             if accelerator.sync_gradients:
                 loss.item()  # wait for the step, as memtrain's metrics do
+                steps += 1
+                if same and steps % GC_EVERY_STEPS == 0:
+                    gc.collect(1)
                 now = time.perf_counter()
                 times.append(now - last)
-                last, steps = now, steps + 1
+                last = now
                 if steps >= t.max_steps:
                     break
     if accelerator.is_main_process:
@@ -114,11 +137,15 @@ def plain_accelerate_loop(memtrain_args: list[str], out_file: str, engine: str =
     accelerator.end_training()
 
 
-def plain_sharded_loop(engine: str, model, plain_optimizer, loader, t, accumulation: int, out_file: str) -> None:
+def plain_sharded_loop(engine: str, model, plain_optimizer, loader, t, accumulation: int, out_file: str,
+                       same: bool = False) -> None:
     """FSDP2 (``fully_shard`` per block, then the root) or DeepSpeed ZeRO-2 (``deepspeed.initialize``),
     each stepped as its documentation shows; writes the step times (rank 0). ``plain_optimizer(model)``
     gives ``(optimizer, scheduler)``: built after ``fully_shard`` (on its sharded parameters), before
-    ``deepspeed.initialize`` (which takes the optimizer)."""
+    ``deepspeed.initialize`` (which takes the optimizer); ``same``: the collector every
+    :data:`GC_EVERY_STEPS` steps (turned off by the caller)."""
+    import gc
+
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -163,6 +190,8 @@ def plain_sharded_loop(engine: str, model, plain_optimizer, loader, t, accumulat
                 model.step()  # DeepSpeed steps at its own accumulation boundary
             if boundary:
                 loss.item()  # wait for the step, as memtrain's metrics do
+                if same and (len(times) + 1) % GC_EVERY_STEPS == 0:
+                    gc.collect(1)
                 now = time.perf_counter()
                 times.append(now - last)
                 last = now
@@ -173,11 +202,14 @@ def plain_sharded_loop(engine: str, model, plain_optimizer, loader, t, accumulat
             json.dump(times, fh)
 
 
-def run_plain(args: list[str], nproc: int, engine: str = "ddp") -> list[float]:
+def run_plain(args: list[str], nproc: int, engine: str = "ddp", same: bool = False) -> list[float]:
+    """The plain loop's step times (seconds), with memtrain's process settings or (``same`` False)
+    a user's defaults."""
     out = os.path.join(scratch_dir("plain"), "times.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(_free_port()), __file__, "--worker", out, engine, "--", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+           str(_free_port()), __file__, "--worker", out, engine, "same" if same else "default", "--", *args]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env.update({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(SAME_ENV if same else {})})
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"plain loop failed: {proc.stderr[-3000:]}")
@@ -189,8 +221,8 @@ def run_plain(args: list[str], nproc: int, engine: str = "ddp") -> list[float]:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--worker"]:  # inside torchrun: the plain loop (--worker OUT ENGINE -- ARGS)
-        plain_accelerate_loop(argv[4:], argv[1], argv[2])
+    if argv[:1] == ["--worker"]:  # inside torchrun: the plain loop (--worker OUT ENGINE same|default -- ARGS)
+        plain_accelerate_loop(argv[5:], argv[1], argv[2], argv[3] == "same")
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)  # skip finalisation, which can abort a gloo process at exit (memtrain/train.py, _exit_now)
@@ -226,7 +258,7 @@ def measure(engine: str, args_: list[str], nproc: int, args) -> None:
     slow step) and the mean step (the run's wall time per step, i.e. its throughput, which also
     counts the slow steps: a garbage-collector pause, a scheduling hiccup). Each ratio
     memtrain ÷ plain is taken within a repeat; min / median / max over repeats."""
-    runs: dict[str, list[list[float]]] = {"plain": [], "memtrain": []}
+    runs: dict[str, list[list[float]]] = {"plain": [], "memtrain": [], "plain_default": []}
 
     def memtrain_times() -> list[float]:
         out = scratch_dir("memtrain")
@@ -234,12 +266,13 @@ def measure(engine: str, args_: list[str], nproc: int, args) -> None:
         shutil.rmtree(out, ignore_errors=True)
         return times
 
-    for repeat in range(args.repeats):  # alternate, so drift in machine load hits both alike
-        order = ["plain", "memtrain"] if repeat % 2 == 0 else ["memtrain", "plain"]  # ABBA
+    for repeat in range(args.repeats):  # alternate, so drift in machine load hits every variant alike
+        order = ["plain", "memtrain", "plain_default"][::1 if repeat % 2 == 0 else -1]
         for which in order:
-            runs[which].append(run_plain(args_, nproc, engine)[args.warmup:] if which == "plain" else memtrain_times())
+            runs[which].append(memtrain_times() if which == "memtrain" else
+                               run_plain(args_, nproc, engine, same=which == "plain")[args.warmup:])
     row = {"benchmark": "overhead", "device": args.device, "world_size": nproc, "engine": engine, "steps": args.steps,
-           "repeats": args.repeats, "goal": 1.02}
+           "repeats": args.repeats, "goal": 1.02, "plain_settings": "same"}
     for stat in ("median", "mean"):
         f = getattr(statistics, stat)
         plain, mem = [f(t) for t in runs["plain"]], [f(t) for t in runs["memtrain"]]
@@ -248,6 +281,11 @@ def measure(engine: str, args_: list[str], nproc: int, args) -> None:
         row.update({f"plain_step_s_{stat}": statistics.median(plain), f"memtrain_step_s_{stat}": statistics.median(mem),
                     f"{prefix}ratio_min": min(ratios), f"{prefix}ratio_median": statistics.median(ratios),
                     f"{prefix}ratio_max": max(ratios), f"{prefix}ratios": ratios})
+        default = [f(t) for t in runs["plain_default"]]
+        gains = [d / m for d, m in zip(default, mem)]  # > 1: memtrain's settings make it faster than a default loop
+        row.update({f"plain_default_step_s_{stat}": statistics.median(default),
+                    f"{prefix}tuning_gain_min": min(gains), f"{prefix}tuning_gain_median": statistics.median(gains),
+                    f"{prefix}tuning_gain_max": max(gains), f"{prefix}tuning_gains": gains})
     emit("overhead", args.device, row, args.results)
 
 

@@ -76,6 +76,9 @@ def test_overhead_quick_reports_ratio(suite):
     assert row["ratios"] == [pytest.approx(row["memtrain_step_s_median"] / row["plain_step_s_median"])]
     assert row["mean_ratios"] == [pytest.approx(row["memtrain_step_s_mean"] / row["plain_step_s_mean"])]
     assert row["ratio_min"] == row["ratio_median"] == row["ratio_max"] == row["ratios"][0]
+    # the plain loop had memtrain's settings; the tuning gain is a default plain loop over memtrain
+    assert row["plain_settings"] == "same" and row["plain_default_step_s_median"] > 0
+    assert row["tuning_gains"] == [pytest.approx(row["plain_default_step_s_median"] / row["memtrain_step_s_median"])]
 
 
 def test_checkpoint_io_quick_reports_each_format(suite):
