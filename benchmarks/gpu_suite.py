@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -92,13 +94,17 @@ def command(step: Step, quick: bool, data_cache_dir: Optional[str]) -> Optional[
 def run_step(step: Step, cmd: list[str], limit_s: float) -> dict:
     """Run ``cmd`` from the repository root with a time limit; its JSON lines become ``rows``."""
     start = time.perf_counter()
+    # a session of its own: at the time limit the whole group goes (torchrun's workers would
+    # otherwise live on and hold the GPU for the next step)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s, cwd=REPO)
-        code, out, err, timed_out = proc.returncode, proc.stdout, proc.stderr, False
-    except subprocess.TimeoutExpired as exc:
+        out, err = proc.communicate(timeout=limit_s)
+        code, timed_out = proc.returncode, False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
         code, timed_out = None, True
-        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
-        err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else exc.stderr or ""
     rows = []
     for line in out.splitlines():
         if line.startswith("{"):

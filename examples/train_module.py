@@ -97,6 +97,6 @@ if __name__ == "__main__":
                                eval_dataset=make_examples(64, seed=1), collate_fn=collate,
                                objective=TokenCrossEntropy(), args=sys.argv[1:])
     result = trainer.fit()
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"validation loss {result.summary['initial_val_loss']:.3f} -> {result.summary['final_val_loss']:.3f} "
-              f"per position; model in {trainer.config.output_dir}/model")
+    first, last = result.summary["initial_val_loss"], result.summary["final_val_loss"]
+    if int(os.environ.get("RANK", "0")) == 0 and first is not None and last is not None:
+        print(f"validation loss {first:.3f} -> {last:.3f} per position; model in {trainer.config.output_dir}/model")

@@ -4,7 +4,7 @@ checkpoints, export, metrics and trackers). The command line is a user of this c
 
     import memtrain
 
-    trainer = memtrain.Trainer("recipes/code_lm_tiny.yaml", model=make_model, train_dataset=examples,
+    trainer = memtrain.Trainer({"training": {"max_steps": 100}}, model=make_model, train_dataset=examples,
                                collate_fn=collate, args=sys.argv[1:])
     result = trainer.fit()
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Collection, Optional, Sequence, Union
 
 from memtrain.build import UserInputs
 from memtrain.config import Config, parse_args, to_dict
@@ -48,10 +48,10 @@ def config_argv(config: Union[str, os.PathLike, dict, Config, None], args: Seque
     return head + list(args)
 
 
-def prepare_config(argv: Optional[list[str]] = None, python_model: bool = False, python_data: bool = False) -> Config:
+def prepare_config(argv: Optional[list[str]] = None, python: Collection[str] = ()) -> Config:
     """Parse a command line, reconcile it with the user's Accelerate launcher settings
     (:mod:`memtrain.launcher`) and validate it against the launcher's world size (``WORLD_SIZE``);
-    ``python_model``/``python_data``: a Python caller gives them (:func:`memtrain.validation.validate`).
+    ``python``: what a Python caller gives (:func:`memtrain.validation.validate`).
 
     Raises:
         ConfigError: any invalid field, or a launcher setting contradicting one (named in the message).
@@ -61,7 +61,7 @@ def prepare_config(argv: Optional[list[str]] = None, python_model: bool = False,
     cfg = parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     apply_accelerate_settings(cfg, world_size)
-    validate(cfg, world_size, python_model, python_data)
+    validate(cfg, world_size, python)
     return cfg
 
 
@@ -126,8 +126,8 @@ class Trainer:
             ``memory.host_allocator_thresholds`` says otherwise). A Python caller leaves it False.
 
     Raises:
-        memtrain.ConfigError: an invalid setting, or one the launcher contradicts; nothing is
-            written and no process group is started.
+        memtrain.ConfigError: an invalid setting, one the launcher contradicts, or Python inputs
+            that do not go together; nothing is written and no process group is started.
     """
 
     def __init__(self, config: Union[str, os.PathLike, dict, Config, None] = None, *, model: Any = None,
@@ -135,9 +135,13 @@ class Trainer:
                  objective: Any = None, tokenizer: Any = None, args: Sequence[str] = (), owns_process: bool = False):
         from memtrain.errors import ConfigError
 
-        if train_dataset is None and (eval_dataset is not None or collate_fn is not None):
-            raise ConfigError("train_dataset", "eval_dataset and collate_fn go with a train_dataset")
-        self.config: Config = prepare_config(config_argv(config, args), model is not None, train_dataset is not None)
+        from memtrain.objectives import as_objective
+
+        if train_dataset is None and (eval_dataset is not None or collate_fn is not None or tokenizer is not None):
+            raise ConfigError("train_dataset", "eval_dataset, collate_fn and tokenizer go with a train_dataset")
+        objective = as_objective(objective) if objective is not None else None
+        given = {"model": model, "train_dataset": train_dataset, "objective": objective, "tokenizer": tokenizer}
+        self.config: Config = prepare_config(config_argv(config, args), [k for k, v in given.items() if v is not None])
         self.inputs = UserInputs(model, train_dataset, eval_dataset, collate_fn, objective, tokenizer)
         self.owns_process = owns_process
 

@@ -19,7 +19,7 @@ from memtrain.memory.accounting import device_state_bytes
 from memtrain.checkpoint import Checkpointer
 from memtrain.memory.breakdown import MemoryBreakdown
 from memtrain.checkpoint.stateful import EngineState, RNGState, SchedulerState, TokenizerFiles
-from memtrain.config import Config, to_dict
+from memtrain.config import Config, ConfigError, to_dict
 from memtrain.checkpoint.compat import data_identity
 from memtrain.checkpoint.layout import move_previous_run
 from memtrain.data import GlobalBatchSampler, build_corpus
@@ -159,6 +159,11 @@ def make_corpus(cfg: Config, process: ProcessState, inputs: UserInputs):
     if process.is_main:  # once per run (also when the cache is reused), each naming its file
         for warning in getattr(getattr(corpus, "tokenized", None), "decode_warnings", ()):
             log.warning("memtrain: %s", warning)
+    if inputs.train_dataset is not None and process.world_size > 1:
+        identities = process.all_gather_object(corpus.identity)
+        if len(set(identities)) > 1:
+            raise ConfigError("train_dataset", f"differs between ranks (identities {identities}): every rank must "
+                              "build the same examples in the same order (seed or sort what you build)")
     return corpus
 
 
@@ -180,7 +185,7 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
     precision = resolve_precision(cfg.precision, process.device.type)  # a refused precision stops before any work
     corpus = make_corpus(cfg, process, inputs)
     source = ModelSource.of(cfg, corpus, inputs.model)
-    user_objective = as_objective(inputs.objective) if inputs.objective is not None else None
+    user_objective = as_objective(inputs.objective) if inputs.objective is not None else None  # already one from Trainer
     # the engine; backend.offload auto; the host budget
     spec = resolve_placement(cfg, corpus, process, precision, source, user_objective)
     from accelerate.utils import set_seed
@@ -188,7 +193,8 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
     set_seed(t.seed)  # same initial weights on every rank
     breakdown = MemoryBreakdown(cfg.logging.memory_breakdown_step, cfg.output_dir, process.rank).start()
     closing.callback(breakdown.close)  # counts from before the model exists (logging.memory_breakdown_step)
-    with model_build_context(cfg, spec, precision, process.world_size):
+    python_function = inputs.model is not None and not isinstance(inputs.model, torch.nn.Module)
+    with model_build_context(cfg, spec, precision, process.world_size, python_function):
         model = source.build()
     if isinstance(inputs.model, torch.nn.Module):
         check_same_model(model, process)
@@ -247,8 +253,6 @@ def check_same_model(model: torch.nn.Module, process: ProcessState) -> None:
     with torch.no_grad():
         local = [float(t.double().sum()) for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
     if len(set(map(tuple, process.all_gather_object(local)))) > 1:
-        from memtrain.config import ConfigError
-
         raise ConfigError("model", "the module differs between ranks (each rank built its own random weights): seed "
                           "before building it (torch.manual_seed), or pass a function that builds it")
 

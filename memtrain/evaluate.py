@@ -39,7 +39,10 @@ class Evaluator:
         self.process, self.corpus, self.objective, self.sync = process, corpus, objective, sync
         n = min(num_samples, len(corpus.validation))
         self.mine = list(range(process.rank, n - n % process.world_size, process.world_size))
-        self.active = bool(n - n % process.world_size)  # the same on every rank; off: no validation examples
+        self.active = bool(n - n % process.world_size)  # the same on every rank
+        if not self.active and len(corpus.validation) and process.is_main:
+            log.warning("memtrain: no evaluation: %d validation sample(s) to share among %d ranks (training.eval_samples "
+                        "%d); give at least one per rank", n, process.world_size, num_samples)
         self.micro_batch_size = micro_batch_size
         self.events: list[dict] = []
 

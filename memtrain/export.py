@@ -80,8 +80,10 @@ def _write_export(model: nn.Module, state_dict: dict[str, torch.Tensor], tmp: st
             if positions:  # not tokenizers' "no limit" (1e30), so a pipeline truncates at the model's positions
                 tokenizer.model_max_length = int(positions)
             tokenizer.save_pretrained(tmp)
-    else:
+    else:  # a plain nn.Module: its weights (and the tokenizer it was trained with, if any)
         save_weights(state_dict, tmp, max_shard_size)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
 
 
 def export_checkpoint(path: str, out: str, max_shard_size: str = "5GB") -> str:

@@ -416,7 +416,7 @@ class TrainingLoop:
             self.evaluator.micro_batch_size = plan.micro_batch_size
 
     def _evaluate(self, record: dict[str, Any]) -> None:
-        if not self.evaluator.active:  # no validation examples (training.eval_samples 0, or none given)
+        if not self.evaluator.active:  # no validation examples given, or fewer than ranks (warned at start)
             return
         for name, value in self.evaluator(self.model).items():
             record[f"val_{name}"] = value

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import os
+from typing import Collection
 
 from memtrain.config import Config, ConfigError, freeze
 from memtrain.models import ctc_model_types
@@ -163,16 +164,26 @@ def _check_model_builds(cfg: Config, mc: dict) -> None:
                           f"{type(exc).__name__}: {first}") from None
 
 
-def _validate_python_inputs(cfg: Config, python_model: bool, python_data: bool) -> None:
+def _validate_python_inputs(cfg: Config, python: Collection[str]) -> None:
     """A model or data given from Python leaves the config's own unset (two models, or two
-    datasets, named at once is refused, not one silently ignored)."""
+    datasets, named at once is refused, not one silently ignored); a Python objective computes
+    its own loss (no chunked cross-entropy); examples without a tokenizer give the config's
+    model no vocabulary size."""
     named = [f"model.{k}" for k in ("config", "factory", "pretrained") if getattr(cfg.model, k)]
-    if python_model and named:
+    if "model" in python and named:
         raise ConfigError(named[0], "is set, and a model is given from Python too; drop one (e.g. "
                           f"--{named[0]} '{{}}', or a recipe without a model section)")
-    if python_data and (cfg.data.files is not None or cfg.data.kind != "text"):
+    if "train_dataset" in python and (cfg.data.files is not None or cfg.data.kind != "text"):
         key = "data.files" if cfg.data.files is not None else "data.kind"
         raise ConfigError(key, "is set, and a train_dataset is given from Python too; drop one")
+    if "objective" in python and cfg.memory.chunked_cross_entropy:
+        raise ConfigError("memory.chunked_cross_entropy", "is for memtrain's causal-LM objective; a Python objective "
+                          "computes its own loss (set it false)")
+    if ("train_dataset" in python and not {"model", "tokenizer"} & set(python) and not cfg.model.pretrained
+            and "vocab_size" not in (cfg.model.config or {})):
+        raise ConfigError("model.config.vocab_size", "is needed: the config's model takes its vocabulary from a "
+                          "tokenizer, and a train_dataset without one gives none (set it, pass tokenizer=, or pass "
+                          "the model)")
 
 
 def _validate_model(cfg: Config) -> None:
@@ -201,14 +212,14 @@ def _validate_model(cfg: Config) -> None:
         )
 
 
-def validate(cfg: Config, world_size: int, python_model: bool = False, python_data: bool = False) -> None:
+def validate(cfg: Config, world_size: int, python: Collection[str] = ()) -> None:
     """Check cross-field constraints before any work is done.
 
     Args:
         cfg: the parsed config.
         world_size: number of ranks (processes) taking part.
-        python_model, python_data: a Python caller gives the model / the training data
-            (:class:`memtrain.api.Trainer`): the config must not name another.
+        python: what a Python caller gives (:class:`memtrain.api.Trainer`): any of ``model``,
+            ``train_dataset``, ``objective``, ``tokenizer`` (:func:`_validate_python_inputs`).
 
     Raises:
         ConfigError: with the field name: non-positive sizes; ``training.global_batch_size``
@@ -230,8 +241,8 @@ def validate(cfg: Config, world_size: int, python_model: bool = False, python_da
             if all(os.path.isdir(m) and not is_dataset_source(m) for m in matches):
                 raise ConfigError("data.files", f"'{pattern}' is a folder; give its files, e.g. "
                                   f"'{os.path.join(pattern, '**', '*.txt')}'")
-    _validate_python_inputs(cfg, python_model, python_data)
-    if not python_model:
+    _validate_python_inputs(cfg, python)
+    if "model" not in python:
         _validate_speech(cfg)
         _validate_model(cfg)
     ds = cfg.backend.deepspeed_config

@@ -152,3 +152,33 @@ def test_a_resumed_run_with_other_examples_is_refused(tmp_path):
     assert resumed.summary["resumed_from"] and [r["step"] for r in resumed.records] == [3]
     with pytest.raises(memtrain.ConfigError, match="'train_dataset'.*differs from what checkpoint"):
         run(examples(shift=1.0), 4)
+
+
+def test_a_model_function_is_built_partitioned_under_zero3(monkeypatch):
+    """Under ZeRO-3 a Python caller's model function runs inside ``deepspeed.zero.Init``: each
+    parameter leaves the build as this rank's partition (DeepSpeed's ``ds_numel`` the whole
+    size, the tensor itself empty), never whole; under DDP it is built whole."""
+    import torch.distributed as dist
+
+    from conftest import _free_port
+    from memtrain.backends import model_build_context
+    from memtrain.backends.spec import resolve_engine
+    from memtrain.config import parse_args
+
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0", "WORLD_SIZE": "1",
+                       "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        built = {}
+        for engine in (["--backend.name", "deepspeed", "--backend.zero_stage", "3"], ["--backend.name", "ddp"]):
+            cfg = parse_args(["--model.config", "{}", *engine])
+            spec = resolve_engine(cfg.backend, 1, 0)
+            with model_build_context(cfg, spec, "fp32", 1, python_function=True):
+                built[spec.name] = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    finally:
+        dist.destroy_process_group()
+    partitioned, whole = built["deepspeed"], built["ddp"]
+    assert [p.ds_numel for p in partitioned.parameters()] == [p.numel() for p in whole.parameters()]
+    assert all(p.numel() == 0 and p.dtype == torch.float32 for p in partitioned.parameters())  # fp32 run: fp32
+    assert not any(hasattr(p, "ds_id") for p in whole.parameters())

@@ -66,8 +66,9 @@ def make_backend(cfg, spec, process, precision: str, plan) -> Backend:
     return engine_module(spec.name).build(cfg, spec, process, precision, plan)
 
 
-def model_build_context(cfg, spec, precision: str, world_size: int):
+def model_build_context(cfg, spec, precision: str, world_size: int, python_function: bool = False):
     """The context the model is built in for the engine ``spec`` (DeepSpeed ZeRO-3 with
-    ``model.pretrained``: built already partitioned, weights read by rank 0 only; else none)."""
-    return engine_module(spec.name).model_build_context(cfg, spec, precision, world_size)
+    ``model.pretrained``, or with a Python caller's model function (``python_function``): built
+    already partitioned; else none)."""
+    return engine_module(spec.name).model_build_context(cfg, spec, precision, world_size, python_function)
 

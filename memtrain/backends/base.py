@@ -9,8 +9,8 @@ Besides the class, each engine module defines what the registry (:mod:`memtrain.
 reads without building an engine:
 
 * ``build(cfg, spec, process, precision, plan) -> Backend``;
-* ``model_build_context(cfg, spec, precision, world_size)``: the context the model is built in
-  (ZeRO-3 builds a pretrained model already partitioned);
+* ``model_build_context(cfg, spec, precision, world_size, python_function)``: the context the model
+  is built in (ZeRO-3 builds a pretrained model, or a Python caller's model function, already partitioned);
 * ``VARIANTS``: its :class:`memtrain.backends.spec.EngineVariant` placements (the placement
   planner's and ``memtrain memory``'s rows).
 

@@ -71,7 +71,7 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     return [child for child in largest if any(True for _ in child.parameters())]
 
 
-def whole_model_build_context(cfg, spec, precision: str, world_size: int):
+def whole_model_build_context(cfg, spec, precision: str, world_size: int, python_function: bool = False):
     """``model_build_context`` of the engines that build the model whole on every rank, then wrap
     it (DDP, FSDP2): no context needed."""
     return contextlib.nullcontext()

@@ -443,22 +443,34 @@ def size_buffers(ds_config: dict, shape: ModelShape, trainable: int) -> dict[str
 
 
 @contextlib.contextmanager
-def model_build_context(cfg, spec, precision: str, world_size: int):
+def model_build_context(cfg, spec, precision: str, world_size: int, python_function: bool = False):
     """Where the model is built. ZeRO-3 with ``model.pretrained``: transformers' ``from_pretrained``
     builds it already partitioned (``deepspeed.zero.Init``) and only rank 0 reads the weights,
     handing each rank its partition (transformers' ``HfDeepSpeedConfig`` integration), so no rank
-    holds the whole model. Otherwise nothing changes."""
-    stage, user = _zero_stage_and_json(spec) if cfg.model.pretrained else (0, {})
+    holds the whole model. ZeRO-3 with a Python caller's model function (``python_function``): the
+    function runs inside ``deepspeed.zero.Init``, which partitions each submodule's parameters as
+    soon as it is built (every rank builds the same values from the same seed, then keeps its
+    part). Otherwise nothing changes."""
+    stage, user = _zero_stage_and_json(spec) if cfg.model.pretrained or python_function else (0, {})
     if stage != 3:
         yield
         return
-    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
-
     share = cfg.training.global_batch_size // max(1, world_size)
     zero = {"stage": 3, **{k: v for k, v in (user.get("zero_optimization") or {}).items() if k == "offload_param"}}
-    keep = HfDeepSpeedConfig({"zero_optimization": zero, "bf16": {"enabled": precision == "bf16"},
-                              "fp16": {"enabled": precision == "fp16"}, "train_micro_batch_size_per_gpu": share,
-                              "train_batch_size": share * max(1, world_size)})
+    settings = {"zero_optimization": zero, "bf16": {"enabled": precision == "bf16"},
+                "fp16": {"enabled": precision == "fp16"}, "train_micro_batch_size_per_gpu": share,
+                "train_batch_size": share * max(1, world_size)}
+    if python_function:
+        import deepspeed
+
+        # the parameters' dtype comes from the bf16/fp16 flags (fp32 with neither): an explicit
+        # dtype= is overridden by bf16 on a CPU without fp16 (DeepSpeed 0.19's Init._set_dtype)
+        with deepspeed.zero.Init(config_dict_or_path=settings, mem_efficient_linear=False):
+            yield
+        return
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    keep = HfDeepSpeedConfig(settings)
     try:
         yield
     finally:

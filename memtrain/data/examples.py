@@ -85,7 +85,24 @@ class ExampleCorpus:
 
 def dataset_identity(*splits: ExampleDataset) -> str:
     """16 hex digits of sha256 over each split's length and its sampled examples' collated
-    tensors (names, dtypes, shapes, bytes)."""
+    tensors (names, dtypes, shapes, bytes). Read under fixed seeds of Python's, NumPy's and
+    torch's generators, put back afterwards: an example or collate function that draws (an
+    augmentation) hashes the same in every launch, and the run's random streams are untouched."""
+    import random
+
+    from memtrain.rng import capture, restore
+
+    streams = capture()
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    try:
+        return _hash_splits(splits)
+    finally:
+        restore(streams)
+
+
+def _hash_splits(splits) -> str:
     digest = hashlib.sha256()
     for split in splits:
         n = len(split)
