@@ -108,6 +108,14 @@ def test_bad_python_inputs_are_refused_by_name(tmp_path):
                          args=["--output_dir", str(out)])
     with pytest.raises(memtrain.ConfigError, match="'objective'"):
         as_objective(3)
+    with pytest.raises(memtrain.ConfigError, match="'memory.chunked_cross_entropy'.*Python objective"):
+        memtrain.Trainer(model=torch.nn.Linear(2, 2), objective=lambda m, mb: m(mb["x"]).sum(),
+                         args=["--output_dir", str(out), "--memory.chunked_cross_entropy", "true"])
+    with pytest.raises(memtrain.ConfigError, match="'model.config.vocab_size'"):  # the config's model, no tokenizer
+        memtrain.Trainer(str(REPO / "recipes" / "code_lm_tiny.yaml"), train_dataset=[{"input_ids": torch.zeros(4)}],
+                         args=["--output_dir", str(out)])
+    with pytest.raises(memtrain.ConfigError, match="'train_dataset'.*tokenizer go with"):
+        memtrain.Trainer(model=torch.nn.Linear(2, 2), tokenizer=object(), args=["--output_dir", str(out)])
     with pytest.raises(memtrain.ConfigError, match="'collate_fn'.*dict of tensors"):
         ExampleDataset([1, 2], collate_fn=lambda xs: xs).batch([0, 1])
     assert not out.exists()
@@ -182,3 +190,30 @@ def test_a_model_function_is_built_partitioned_under_zero3(monkeypatch):
     assert [p.ds_numel for p in partitioned.parameters()] == [p.numel() for p in whole.parameters()]
     assert all(p.numel() == 0 and p.dtype == torch.float32 for p in partitioned.parameters())  # fp32 run: fp32
     assert not any(hasattr(p, "ds_id") for p in whole.parameters())
+
+
+RANK_DATA = """
+import os, sys, torch
+import memtrain
+rank = int(os.environ["RANK"])
+examples = [{"x": torch.full((2,), float(i + (rank if i == 5 else 0)))} for i in range(16)]  # rank 1: example 5 differs
+try:
+    memtrain.Trainer({"output_dir": sys.argv[1], "training": {"global_batch_size": 4, "micro_batch_size": 2}},
+                     model=lambda: torch.nn.Linear(2, 1), train_dataset=examples,
+                     objective=lambda m, mb: m(mb["x"]).sum()).fit()
+except memtrain.ConfigError as exc:
+    print(f"rank {rank}: {exc}")
+    sys.exit(2)
+"""
+
+
+@pytest.mark.slow
+def test_ranks_that_built_different_examples_are_refused(tmp_path):
+    """Two ranks whose datasets differ in one example: every rank stops with the ConfigError
+    naming train_dataset before step 1; no step is trained."""
+    script = tmp_path / "rank_data.py"
+    script.write_text(RANK_DATA)
+    proc = launch([str(tmp_path / "run")], script=str(script), check=False, timeout=180)
+    assert proc.returncode != 0
+    assert proc.stdout.count("config error in 'train_dataset': differs between ranks") == 2, proc.stdout[-3000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
