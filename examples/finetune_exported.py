@@ -5,7 +5,7 @@ An export (``output_dir/model``: model.safetensors, config.json, the tokenizer) 
 packages, tokenized with the export's tokenizer and cut into samples of ``SEQ_LEN`` tokens, a
 tenth of them held out for validation.
 
-    memtrain --config recipes/code_lm_tiny.yaml --data.max_bytes 2000000 --training.max_steps 40 \\
+    memtrain --config recipes/code_lm_tiny.yaml --data.max_bytes 1000000 --training.max_steps 20 \\
         --output_dir runs/code_lm_small
     python examples/finetune_exported.py --model.pretrained runs/code_lm_small/model --output_dir runs/finetune
 
