@@ -282,11 +282,12 @@ def test_fake_trace_predicts_what_memtracker_counts_in_a_real_micro_step(cache_d
 
 
 def test_plan_cli_prints_the_candidates(cache_dir, capsys):
-    """``memtrain plan --json``: one object per candidate, the chosen one fits, then the placements; a world size that
-    does not divide the global batch is exit 2 naming the field."""
+    """``memtrain plan --json``: one object per candidate, the chosen one (``auto``: the planner's) fits, then the
+    placements; a world size that does not divide the global batch is exit 2 naming the field."""
     from memtrain.memory.estimate import main
 
-    args = TINY_ARGS + ["--data.cache_dir", cache_dir, "--faults.memory_budget_mib", "1"]
+    args = TINY_ARGS + ["--data.cache_dir", cache_dir, "--faults.memory_budget_mib", "1",
+                        "--training.micro_batch_size", "auto"]
     assert main(["--world_size", "2", "--json", *args], command="plan") == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     rows = [r for r in lines if not r.get("placement")]
