@@ -134,7 +134,6 @@ class Trainer:
                  train_dataset: Any = None, eval_dataset: Any = None, collate_fn: Optional[Callable] = None,
                  objective: Any = None, tokenizer: Any = None, args: Sequence[str] = (), owns_process: bool = False):
         from memtrain.errors import ConfigError
-
         from memtrain.objectives import as_objective
 
         if train_dataset is None and (eval_dataset is not None or collate_fn is not None or tokenizer is not None):

@@ -26,11 +26,11 @@ from memtrain.data import GlobalBatchSampler, build_corpus
 from memtrain.distributed import ProcessState
 from memtrain.evaluate import Evaluator
 from memtrain.faults import FaultInjector
-from memtrain.levers import LeverTarget, lever_choices
+from memtrain.levers import LeverTarget, first_settings, lever_choices
 from memtrain.loop import TrainingLoop
 from memtrain.models import ModelSource, count_parameters
 from memtrain.flops import flops_per_token, peak_bf16_flops
-from memtrain.objectives import as_objective, make_objective
+from memtrain.objectives import make_objective
 from memtrain.oom import OOMSync
 from memtrain.optim import make_optimizer, make_scheduler
 from memtrain.memory.placement import resolve as resolve_placement
@@ -61,7 +61,7 @@ def make_controller(cfg: Config, data_parallel_size: int, choices: dict[str, tup
     t = cfg.training
     per_rank = t.global_batch_size // data_parallel_size
     plan = Plan.for_global_batch(t.global_batch_size, per_rank if t.micro_batch_size == "auto" else t.micro_batch_size,
-                                 data_parallel_size, {name: options[0] for name, options in choices.items()})
+                                 data_parallel_size, first_settings(choices))
     return PlanController(plan, per_rank, cfg.memory.grow_back_window, choices, make_planner)
 
 
@@ -124,7 +124,8 @@ class UserInputs:
             inside the engine's build context: ZeRO-3 builds it partitioned).
         train_dataset, eval_dataset: map-style datasets of examples (:mod:`memtrain.data.examples`).
         collate_fn: list of examples -> dict of tensors [B, …]; None = ``default_collate``.
-        objective: :func:`memtrain.objectives.as_objective` accepts it.
+        objective: an :class:`memtrain.objectives.Objective` (:func:`memtrain.objectives.as_objective`
+            of what the caller gave).
         tokenizer: saved with checkpoints and exports.
     """
 
@@ -185,9 +186,8 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
     precision = resolve_precision(cfg.precision, process.device.type)  # a refused precision stops before any work
     corpus = make_corpus(cfg, process, inputs)
     source = ModelSource.of(cfg, corpus, inputs.model)
-    user_objective = as_objective(inputs.objective) if inputs.objective is not None else None  # already one from Trainer
     # the engine; backend.offload auto; the host budget
-    spec = resolve_placement(cfg, corpus, process, precision, source, user_objective)
+    spec = resolve_placement(cfg, corpus, process, precision, source, inputs.objective)
     from accelerate.utils import set_seed
 
     set_seed(t.seed)  # same initial weights on every rank
@@ -202,7 +202,7 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
     # device-specific seeding does: still a pure function of (seed, rank), and each rank's streams
     # are replayed on OOM retries and saved in checkpoints
     set_seed(t.seed + process.rank)
-    n_params, objective = count_parameters(model), user_objective or make_objective(model, corpus)
+    n_params, objective = count_parameters(model), inputs.objective or make_objective(model, corpus)
     layerdrop = getattr(model, "memtrain_layerdrop", None)  # memtrain.layerdrop.AgreedLayerDrop
     utilisation = model_flops(model, n_params, cfg.data.seq_len, objective.unit, precision, process.device)
     sampler = make_sampler(cfg, corpus, spec)

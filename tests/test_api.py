@@ -55,8 +55,9 @@ def test_example_killed_resumed_bitwise_and_recovers_from_oom(tmp_path, engine):
         assert recovered[step]["loss"] == pytest.approx(before[step]["loss"], rel=1e-5, abs=1e-5), step
 
 
-def tiny_examples(cache_dir) -> list[dict]:
-    """The tiny run's training samples as a user's list of examples (one dict of tensors each)."""
+def tiny_examples(cache_dir) -> tuple[list[dict], object]:
+    """The tiny run's training samples as a user's list of examples (one dict of tensors each),
+    and the corpus they came from."""
     from memtrain.config import parse_args
     from memtrain.data import build_corpus
 

@@ -45,6 +45,12 @@ def lever_choices(cfg, spec) -> dict[str, tuple]:
             if (spec is not None or x.model_lever) and x.applies(cfg, spec)}
 
 
+def first_settings(choices: dict[str, tuple]) -> dict[str, Any]:
+    """Each lever's first (fastest) choice: the settings a run starts with before the planner or
+    OOM recovery moves them."""
+    return {name: options[0] for name, options in choices.items()}
+
+
 def apply_levers(target: LeverTarget, settings: dict[str, Any], model_levers: bool | None = None) -> None:
     """Put ``settings`` (a plan's ``{lever: setting}``) into effect on ``target``.
 

@@ -94,23 +94,19 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
         ``machine`` they were planned for.
     """
     from memtrain.backends import engine_variants, infer_backend_name
-    from memtrain.memory.accounting import device_state_bytes, model_shape, model_state_bytes
+    from memtrain.memory.accounting import device_state_bytes, model_state_bytes
     from memtrain.data import build_corpus
-    from memtrain.models import build_model, count_parameters
     from memtrain.levers import lever_choices, recompute_fraction
-    from memtrain.objectives import make_objective
     from memtrain.memory.machine import DEFAULT_GPU_FLOPS, device_budget_bytes, device_flops_per_s
-    from memtrain.memory.placement import tokens_per_sample
+    from memtrain.memory.placement import model_facts, tokens_per_sample
     from memtrain.memory.planner import Planner, activation_table, estimated_step_s, make_candidates
 
     device_type = "cuda" if torch.cuda.is_available() or gpu_memory_gib else "cpu"
     precision = _planned_precision(cfg.precision, device_type)
     corpus = build_corpus(cfg.data)
-    with torch.device("meta"):  # parameter count and objective without allocating
-        meta = build_model(cfg.model, corpus.vocab_size, cfg.training.seed, getattr(corpus, "eos_id", None))
-    n, objective = count_parameters(meta), make_objective(meta, corpus)
+    shape, objective = model_facts(cfg, corpus)  # on the meta device: nothing allocated
+    n = shape.parameters
     choices = lever_choices(cfg, None)  # the model levers; the engine's are in its state bytes
-    shape = model_shape(meta)
     engines = {v.name: model_state_bytes(v.engine, n, precision, v.zero_stage, v.offload, world_size, shape=shape)
                for v in engine_variants() if not v.tune_ratio and not v.nvme}
     b, engine = cfg.backend, infer_backend_name(cfg.backend.name, cfg.backend.deepspeed_config)
@@ -136,7 +132,8 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     ac_bytes = _activation_bytes_by_ac(acts, choices, micro, per_rank)
     return {
         "parameters": n, "precision": precision, "world_size": world_size, "engine": engine,
-        "micro_batch_given": cfg.training.micro_batch_size != "auto", "device": device_type, "budget_bytes": budget, "seq_len": cfg.data.seq_len, "micro_batch_size": micro,
+        "micro_batch_given": cfg.training.micro_batch_size != "auto", "device": device_type, "budget_bytes": budget,
+        "seq_len": cfg.data.seq_len, "micro_batch_size": micro,
         "candidates": [c.as_dict() for c in planner.candidates],
         "activation_bytes": ac_bytes,
         "model_state_bytes": engines,
@@ -157,9 +154,10 @@ def run_plan(planner, cfg, choices: dict):
     micro = cfg.training.micro_batch_size
     if micro == "auto":
         return planner.fastest(planner.fitting())
-    start = {name: options[0] for name, options in choices.items()}
+    from memtrain.levers import first_settings
+
     run = next((c for c in planner.candidates if c.micro_batch_size == micro
-                and all(c.plan.lever(k) == v for k, v in start.items())), None)
+                and all(c.plan.lever(k) == v for k, v in first_settings(choices).items())), None)
     for c in planner.candidates:
         c.chosen = c is run
     return run
@@ -179,9 +177,10 @@ def _planned_precision(precision: str, device_type: str) -> str:
 def _activation_bytes_by_ac(acts, choices: dict, micro: int, per_rank: int) -> dict[str, int]:
     """``{"off": bytes, "on": bytes}``: one micro-batch of ``micro`` samples traced with activation
     checkpointing off and on (the other levers at their first choice)."""
+    from memtrain.levers import first_settings
     from memtrain.plan import Plan
 
-    first = {name: options[0] for name, options in choices.items()}
+    first = first_settings(choices)
     return {word: acts(Plan(micro, per_rank // micro, tuple({**first, "activation_checkpointing": on}.items())))
             for word, on in (("off", False), ("on", True))}
 
