@@ -11,7 +11,7 @@ H100); a step that fails or runs out of time is reported and the suite goes on. 
 ``benchmarks/tables.py <name> --device cuda`` prints each table generated from those rows, and
 the suite writes them to ``benchmarks/results/gpu_tables.md`` for the docs.
 
-Steps, in order (the CUDA tests first: a GPU is lent for a limited time):
+Steps, in order (the CUDA tests first: they tell soonest whether the GPU-only paths work):
 
 * ``cuda_tests``: ``pytest -m cuda`` (the tests that need a GPU: real CUDA OOMs, NCCL, fp16, …).
 * ``oom_stress``: the 355M model (``recipes/code_lm_350m.yaml``) under ``memory.cuda_memory_cap_gib 12``,
@@ -94,7 +94,7 @@ def command(step: Step, quick: bool, data_cache_dir: Optional[str]) -> Optional[
 def run_step(step: Step, cmd: list[str], limit_s: float) -> dict:
     """Run ``cmd`` from the repository root with a time limit; its JSON lines become ``rows``."""
     start = time.perf_counter()
-    # a session of its own: at the time limit the whole group goes (torchrun's workers would
+    # a process group of its own: at the time limit the whole group goes (torchrun's workers would
     # otherwise live on and hold the GPU for the next step)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                             start_new_session=True)
