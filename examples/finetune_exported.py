@@ -7,7 +7,7 @@ tenth of them held out for validation.
 
     memtrain --config recipes/code_lm_tiny.yaml --data.max_bytes 1000000 --training.max_steps 20 \\
         --output_dir runs/code_lm_small
-    python examples/finetune_exported.py --model.pretrained runs/code_lm_small/model --output_dir runs/finetune
+    python examples/finetune_exported.py --model.pretrained runs/code_lm_small/model --output_dir runs/code_lm_small_finetune
 
 Every memtrain setting can be given as on the command line; rerunning the same command resumes.
 """
@@ -41,7 +41,7 @@ def token_samples(texts: list[str], tokenizer):
 
 
 DEFAULTS = {
-    "output_dir": "runs/finetune",
+    "output_dir": "runs/code_lm_small_finetune",
     "precision": "fp32",
     "data": {"seq_len": SEQ_LEN},
     "training": {"global_batch_size": 16, "micro_batch_size": 8, "max_steps": 30, "lr": 1e-3, "warmup_steps": 3,

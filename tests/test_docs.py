@@ -85,5 +85,106 @@ def test_the_python_page_runs_as_written(tmp_path):
     for out in (outputs[0], outputs[1], outputs[2], outputs[4]):  # the program and the scripts print it
         first, last = map(float, re.search(r"validation loss ([\d.]+) -> ([\d.]+)", out.stdout).groups())
         assert last < first, out.stdout[-2000:]
-    assert (tmp_path / "runs" / "finetune" / "model" / "model.safetensors").is_file()
-    assert (tmp_path / "runs" / "finetune" / "model" / "tokenizer.json").is_file()  # the tokenizer handed over
+    assert (tmp_path / "runs" / "code_lm_small_finetune" / "model" / "model.safetensors").is_file()
+    assert (tmp_path / "runs" / "code_lm_small_finetune" / "model" / "tokenizer.json").is_file()  # the tokenizer handed over
+
+
+# The pages in the order the README's table sends a reader through them, the README first.
+ORDER = ["README.md", "docs/engines.md", "docs/memory.md", "docs/checkpoints.md", "docs/configuration.md",
+         "docs/python.md", "docs/operations.md", "docs/speech.md", "docs/benchmarks.md", "docs/bad_inputs.md",
+         "docs/design.md"]
+# Documented commands this machine cannot run as a user would: what marks them, and why.
+NOT_RUN_HERE = {
+    "pytest": "the test suite itself",
+    "benchmarks/": "benchmarks: tests/test_benchmarks.py runs their plumbing",
+    "HOST0": "several machines",
+    "--hostfile": "several machines",
+    "examples/": "test_the_python_page_runs_as_written runs them and checks their losses",
+    "train.py --config recipes/code_lm_350m.yaml": "training 355M parameters needs a GPU (its `memtrain plan` runs)",
+}
+
+
+def documented_commands() -> list[tuple[str, list[str]]]:
+    """Every shell command of the README and docs/, in reading order: ``(page, argv)``, with line
+    continuations joined, comments dropped and a leading ``pip install … &&`` removed."""
+    import shlex
+
+    commands = []
+    assert sorted(ORDER) == sorted(str(p.relative_to(REPO)) for p in PAGES)
+    for page in ORDER:
+        for block in fenced_blocks((REPO / page).read_text()):
+            for line in block.replace("\\\n", " ").splitlines():
+                argv = shlex.split(line, comments=True)
+                if "&&" in argv:
+                    argv = argv[len(argv) - argv[::-1].index("&&"):]
+                if argv:
+                    commands.append((page, argv))
+    return commands
+
+
+def _runs_here(argv: list[str]) -> bool:
+    line = " ".join(argv)
+    return not any(mark in line for mark in NOT_RUN_HERE)
+
+
+def _trains(argv: list[str]) -> bool:
+    return any(a.endswith("train.py") for a in argv) or argv[:2] == ["memtrain", "--config"]
+
+
+def _output_dir(argv: list[str]) -> str | None:
+    """The folder a training command writes: its ``--output_dir``, else its recipe's."""
+    import yaml
+
+    if "--output_dir" in argv:
+        return argv[argv.index("--output_dir") + 1]
+    return yaml.safe_load((REPO / argv[argv.index("--config") + 1]).read_text())["output_dir"]
+
+
+def test_no_two_documented_runs_share_a_folder():
+    """A reader who runs the docs in order never resumes (or is refused by) another command's run:
+    two training commands write one folder only when they are the same command (the second
+    resumes the first, as docs/checkpoints.md shows)."""
+    writers: dict[str, set[str]] = {}
+    for page, argv in documented_commands():
+        if _trains(argv):
+            script = next(i for i, a in enumerate(argv) if a.endswith(".py") or a == "memtrain")
+            writers.setdefault(_output_dir(argv), set()).add(" ".join(argv[script:]))  # launcher aside
+    shared = {folder: runs for folder, runs in writers.items() if len(runs) > 1}
+    assert not shared, shared
+
+
+@pytest.mark.slow
+def test_the_documented_commands_run_in_order(tmp_path):
+    """Every command of the README and docs/ that this CPU machine can run, run in the docs' order
+    in one folder as a reader would (``runs/`` shared; training shortened with
+    ``--training.max_steps 2``; ``my_corpus/`` and ``my_dataset_on_disk`` made): each exits 0,
+    including the launchers' own commands (torchrun, accelerate launch, deepspeed)."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    import datasets
+
+    for name in ("memtrain", "recipes", "ds_configs", "examples"):
+        (tmp_path / name).symlink_to(REPO / name)
+    texts = [p.read_text() for p in sorted(Path(os.__file__).parent.glob("[a-m]*.py"))[:40]]
+    (tmp_path / "my_corpus").mkdir()
+    for i, text in enumerate(texts):
+        (tmp_path / "my_corpus" / f"{i}.txt").write_text(text)
+    datasets.Dataset.from_dict({"content": texts}).save_to_disk(str(tmp_path / "my_dataset_on_disk"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])}
+    ran = []
+    for page, argv in documented_commands():
+        if not _runs_here(argv):
+            continue
+        if _trains(argv):
+            argv = argv + ["--training.max_steps", "2"]
+        proc = subprocess.run(shlex.join(argv), shell=True, capture_output=True, text=True, timeout=420,
+                              cwd=tmp_path, env=env)
+        assert proc.returncode == 0, (page, shlex.join(argv), proc.stdout[-3000:], proc.stderr[-5000:])
+        ran.append(argv)
+    assert (tmp_path / "runs" / "tiny_ckpt" / "model" / "model.safetensors").is_file()
+    assert (tmp_path / "exports" / "tiny_ckpt" / "model.safetensors").is_file()
+    assert len(ran) >= 15, ran
