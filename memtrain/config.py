@@ -206,8 +206,10 @@ class MemoryConfig:
     """On out-of-memory, all ranks agree, halve micro_batch_size, double accumulation and retry
     the same samples. Also defers DDP's gradient all-reduce until every rank finished its
     micro-batches, so an OOM on one rank never leaves another waiting in a collective."""
-    activation_checkpointing: Literal["off", "on", "auto"] = "auto"
-    """Recompute block activations in backward. auto = off until an OOM at micro-batch 1 asks for it."""
+    activation_checkpointing: Literal["off", "on", "selective", "auto"] = "auto"
+    """Recompute block activations in backward: on = all of each block's; selective = keep the
+    matmul and attention outputs, recompute pointwise ops and norms (same losses as off, less than
+    half of off's activation memory on GPT-2); auto = off until an OOM at micro-batch 1 asks for on."""
     cuda_memory_cap_gib: float = 0.0
     """Cap this process's CUDA memory (torch.cuda.set_per_process_memory_fraction) to this many
     GiB, to reproduce a smaller GPU; 0 = no cap. Ignored on CPU."""

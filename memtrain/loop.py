@@ -291,7 +291,7 @@ class TrainingLoop:
                             f"{resumed[1]:.2f} s), plan {self.controller.plan}")
         t = self.cfg.training
         plan = self.controller.plan
-        ac = "on" if plan.lever("activation_checkpointing") else "off"
+        ac = plan.lever("activation_checkpointing", "off")
         levers = "".join(f", {w}" for w in (lever(n).describe(v) for n, v in plan.levers if n != "activation_checkpointing")
                          if w)
         metrics.message(f"memtrain: {self.engine.name} × {self.process.world_size} rank(s) on {self.process.device}, "

@@ -274,7 +274,8 @@ def oom_stop_message(exc: OOMStop, step: int, rank: int, report: dict[str, int],
     Args:
         report: :func:`memory_report` (its ``peak_memory_bytes`` is named for what it is: the
             device's peak allocation on CUDA, the process's peak resident size on the CPU).
-        context: ``engine``, ``zero_stage``, ``offload``, ``activation_checkpointing`` (bool),
+        context: ``engine``, ``zero_stage``, ``offload``, ``activation_checkpointing`` (``off``,
+            ``selective`` or ``on``),
             ``chunked_cross_entropy`` (bool), ``device_type``, and, where known, ``budget_bytes`` (the
             simulated device's or the CUDA cap) and ``simulated_peak_bytes``.
     """
@@ -286,7 +287,8 @@ def oom_stop_message(exc: OOMStop, step: int, rank: int, report: dict[str, int],
                                                         if context.get("simulated_peak_bytes") else "") + "."
            if budget else "")
     on = [f"engine {context['engine']}" + (f" ZeRO-{context['zero_stage']}" if context.get("zero_stage") else "")]
-    on += ["activation checkpointing"] if context.get("activation_checkpointing") else []
+    ac = context.get("activation_checkpointing", "off")
+    on += [f"{'selective ' if ac == 'selective' else ''}activation checkpointing"] if ac != "off" else []
     on += [f"offload {context['offload']}"] if context.get("offload") not in (None, "none") else []
     on += ["chunked cross-entropy"] if context.get("chunked_cross_entropy") else []
     left = []
@@ -298,8 +300,9 @@ def oom_stop_message(exc: OOMStop, step: int, rank: int, report: dict[str, int],
         left.append("backend.zero_stage 3")
     if context["engine"] != "ddp" and context.get("offload") in (None, "none"):
         left.append("backend.offload optimizer")
-    if not context.get("activation_checkpointing"):
-        left.append("memory.activation_checkpointing on")
+    if ac != "on":
+        left.append("memory.activation_checkpointing on" if ac == "selective" else
+                    "memory.activation_checkpointing selective (or on)")
     if not context.get("chunked_cross_entropy"):
         left.append("memory.chunked_cross_entropy true")
     left.append("a shorter data.seq_len")

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from memtrain.levers import describe, lever
+from memtrain.levers import describe, lever, restore_settings
 from memtrain.memory.accounting import divisors
 from memtrain.oom import OOMStop
 
@@ -316,7 +316,7 @@ class PlanController:
     def _restored(self, micro: int, saved: dict) -> Plan:
         """The plan of a checkpoint: the largest micro-batch dividing this run's per-rank batch, at
         most ``micro``; each lever's saved setting where this run may take it, else the configured."""
-        settings = {}
+        settings, saved = {}, restore_settings(saved)
         for name, configured in self.configured.levers:
             value = saved.get(name, configured)
             settings[name] = value if value in self.choices.get(name, (value,)) else configured

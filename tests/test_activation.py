@@ -55,11 +55,51 @@ def test_activation_checkpointing_lowers_probe_activation_bytes(cache_dir, model
     corpus = build_corpus(cfg.data)
     net = build_model(cfg.model, corpus.tokenized.vocab_size)
     batch = corpus.train.batch(list(range(4)))
-    off = activation_bytes(net, batch, False)
-    on = activation_bytes(net, batch, True)
-    half = activation_bytes(net, batch, True, every_n_blocks=2)
-    assert on < half < off
+    off = activation_bytes(net, batch, "off")
+    on = activation_bytes(net, batch, "on")
+    half = activation_bytes(net, batch, "on", every_n_blocks=2)
+    selective = activation_bytes(net, batch, "selective")
+    assert on < half < off and on < selective < off
     assert not any(getattr(b, "gradient_checkpointing", False) for b in net.modules())  # the probe copied the model
+
+
+@pytest.mark.parametrize("model", ["gpt2", "plain"])
+def test_selective_checkpointing_keeps_gradients_bitwise_and_the_matmul_outputs(model):
+    """Selective checkpointing (fp32, GPT-2 with dropout on, and a plain module): the loss and every
+    gradient bitwise equal to no checkpointing; the simulated device counts what it keeps — less
+    than off, more than full checkpointing — and all of it is released after backward."""
+    import copy
+
+    from toy_models import make_stack
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from memtrain.activation import enable_activation_checkpointing
+    from memtrain.backends.common import repeated_blocks
+    from memtrain.memory.simulated import SimulatedMemory
+
+    torch.manual_seed(0)
+    if model == "gpt2":
+        net = GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=32, n_head=2, n_positions=32, vocab_size=64,
+                                         resid_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0))
+    else:
+        net = make_stack(64)
+    ids = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(1))
+    results = {}
+    for ac in ("off", "selective", "on"):
+        probe = copy.deepcopy(net).train()
+        if ac != "off":
+            enable_activation_checkpointing(probe, repeated_blocks(probe), mode=ac)
+        memory = SimulatedMemory(2**40, 0, probe.parameters())
+        torch.manual_seed(2)  # the same dropout masks in every run
+        with memory.context():
+            out = probe(input_ids=ids, labels=ids).loss if model == "gpt2" else probe(ids).float().pow(2).mean()
+        out.backward()
+        results[ac] = out.detach(), [p.grad for p in probe.parameters()], memory.peak_bytes, memory.saved_bytes
+    for ac in ("selective", "on"):
+        assert torch.equal(results[ac][0], results["off"][0])
+        assert all(torch.equal(a, b) for a, b in zip(results[ac][1], results["off"][1]))
+    assert results["on"][2] < results["selective"][2] < results["off"][2]
+    assert all(r[3] == 0 for r in results.values())  # nothing counted outlives backward
 
 
 def test_memory_report_cli(cache_dir, capsys):
@@ -78,7 +118,7 @@ def test_memory_report_cli(cache_dir, capsys):
     assert states["zero3"]["optimizer_bytes"] == (8 + 4) * n // 4
     # parameter offload moves the partitioned parameters; the whole small ones stay on the device
     assert states["zero3_offload_all"]["parameter_bytes"] == 4 * n and states["zero3_offload_all"]["cpu_offloaded_bytes"] > 0
-    assert report["activation_bytes"]["on"] < report["activation_bytes"]["off"]
+    assert report["activation_bytes"]["on"] < report["activation_bytes"]["selective"] < report["activation_bytes"]["off"]
     assert report["per_rank_total_bytes"]["zero3"]["off"] < report["per_rank_total_bytes"]["ddp"]["off"]
 
 

@@ -48,7 +48,7 @@ def test_a_new_lever_is_planned_recovered_and_logged_without_other_changes(with_
     every combination, the fastest fitting one is taken, recovery at the floor moves it, and plan
     events carry its setting."""
     choices = lever_choices(cfg("off"), None)
-    assert choices == {"activation_checkpointing": (False,), "chunked_cross_entropy": (False,),
+    assert choices == {"activation_checkpointing": ("off",), "chunked_cross_entropy": (False,),
                        "halve_activations": (False, True)}
 
     def acts(plan: Plan) -> int:
@@ -73,10 +73,12 @@ def test_a_new_lever_is_planned_recovered_and_logged_without_other_changes(with_
 
 
 def test_activation_checkpointing_lever_wraps_and_unwraps_the_blocks():
-    """The lever's setting takes effect on the model (blocks wrapped in checkpoint, the fault
-    injector told) and switching it off restores the plain forward, with the same output."""
+    """The lever's setting takes effect on the model (blocks wrapped in checkpoint, selective with
+    torch's selective-checkpoint context, the fault injector told) and switching it off restores
+    the plain forward, with the same output."""
     from toy_models import make_stack
 
+    from memtrain.activation import selective_context
     from memtrain.backends.common import repeated_blocks
 
     model = make_stack(32)
@@ -86,9 +88,14 @@ def test_activation_checkpointing_lever_wraps_and_unwraps_the_blocks():
     ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
     model.eval()
     before = model(ids)
-    apply_levers(target, {"activation_checkpointing": True})
+    apply_levers(target, {"activation_checkpointing": "on"})
     assert all(b._memtrain_checkpointed for b in blocks) and faults.activation_checkpointing
-    apply_levers(target, {"activation_checkpointing": False})
+    assert all("context_fn" not in b.forward.keywords for b in blocks)
+    apply_levers(target, {"activation_checkpointing": "selective"})
+    assert all(b.forward.keywords["context_fn"] is selective_context for b in blocks)
+    assert not faults.activation_checkpointing  # the injected-OOM model divides tokens only under full AC
+    assert torch.equal(model(ids), before)
+    apply_levers(target, {"activation_checkpointing": "off"})
     assert not any(b._memtrain_checkpointed for b in blocks) and not faults.activation_checkpointing
     assert all("forward" not in b.__dict__ for b in blocks)
     assert torch.equal(model(ids), before)

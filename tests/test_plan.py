@@ -93,12 +93,12 @@ def test_on_oom_at_micro_one_with_auto_turns_on_activation_checkpointing_then_st
     """With activation_checkpointing auto, micro-batch 1 first turns AC on (same plan); the next OOM stops."""
     ctl = controller(12, ac="auto")
     shrink_to(ctl, 1)
-    assert not ctl.plan.lever("activation_checkpointing")
+    assert ctl.plan.lever("activation_checkpointing") == "off"
     change = ctl.on_oom("forward")
     assert change.event == "activation_checkpointing_on"
     assert change.old.sizes == change.new.sizes == (1, 12)
-    assert not change.old.lever("activation_checkpointing") and change.new.lever("activation_checkpointing")
-    assert ctl.plan.lever("activation_checkpointing")
+    assert change.old.lever("activation_checkpointing") == "off" and change.new.lever("activation_checkpointing") == "on"
+    assert ctl.plan.lever("activation_checkpointing") == "on"
     with pytest.raises(OOMStop, match="activation checkpointing on"):
         ctl.on_oom("forward")
 
@@ -109,15 +109,17 @@ def test_on_oom_at_micro_one_with_off_stops_directly():
     shrink_to(ctl, 1)
     with pytest.raises(OOMStop, match="activation_checkpointing is off"):
         ctl.on_oom("forward")
-    assert not ctl.plan.lever("activation_checkpointing")
+    assert ctl.plan.lever("activation_checkpointing") == "off"
 
 
-def test_on_oom_at_micro_one_with_on_stops_directly():
-    """With activation_checkpointing on from the start, an OOM at micro-batch 1 raises OOMStop at once."""
-    ctl = controller(12, ac="on")
-    assert ctl.plan.lever("activation_checkpointing")
+@pytest.mark.parametrize("ac", ["on", "selective"])
+def test_on_oom_at_micro_one_with_on_stops_directly(ac):
+    """With activation_checkpointing on (or selective) from the start, an OOM at micro-batch 1
+    raises OOMStop at once, naming the setting."""
+    ctl = controller(12, ac=ac)
+    assert ctl.plan.lever("activation_checkpointing") == ac
     shrink_to(ctl, 1)
-    with pytest.raises(OOMStop, match="activation checkpointing on"):
+    with pytest.raises(OOMStop, match=f"with {'selective ' if ac == 'selective' else ''}activation checkpointing on"):
         ctl.on_oom("forward")
 
 
@@ -242,8 +244,8 @@ def test_state_dict_round_trip():
     ctl.on_oom("forward")  # grow-back failed: window 6
     succeed(ctl, 2)
     state = ctl.state_dict()
-    assert state == {"micro_batch_size": 1, "window": 6, "ok_steps": 2, "levers": {"activation_checkpointing": True},
-                     "trying_grow": False, "grown_from": 1, "grown_from_levers": {"activation_checkpointing": True},
+    assert state == {"micro_batch_size": 1, "window": 6, "ok_steps": 2, "levers": {"activation_checkpointing": "on"},
+                     "trying_grow": False, "grown_from": 1, "grown_from_levers": {"activation_checkpointing": "on"},
                      "planner": None}
 
     restored = controller(12, ac="auto", window=3)
@@ -314,11 +316,12 @@ def two_lever_controller(ac: str = "auto") -> PlanController:
 
 def test_a_plan_is_one_frozen_hashable_value_holding_its_levers():
     """The plan carries the lever settings; changing the micro-batch keeps them; it is immutable."""
-    plan = Plan(4, 2, (("activation_checkpointing", True),))
-    assert plan.with_micro_batch(2) == Plan(2, 4, (("activation_checkpointing", True),))
-    assert plan.with_levers(activation_checkpointing=False).lever("activation_checkpointing") is False
-    assert {plan: 1}[Plan(4, 2, (("activation_checkpointing", True),))] == 1
+    plan = Plan(4, 2, (("activation_checkpointing", "on"),))
+    assert plan.with_micro_batch(2) == Plan(2, 4, (("activation_checkpointing", "on"),))
+    assert plan.with_levers(activation_checkpointing="off").lever("activation_checkpointing") == "off"
+    assert {plan: 1}[Plan(4, 2, (("activation_checkpointing", "on"),))] == 1
     assert plan.describe() == "4×2 + AC" and str(plan) == "4×2"
+    assert plan.with_levers(activation_checkpointing="selective").describe() == "4×2 + selective AC"
     with pytest.raises(AttributeError):
         plan.micro_batch_size = 1
 
@@ -330,20 +333,25 @@ def test_the_floor_moves_levers_generically_and_the_stop_names_each_lever():
     shrink_to(ctl, 1)
     change = ctl.on_oom("forward")
     assert change.event == "activation_checkpointing_on"
-    assert change.as_dict()["activation_checkpointing"] is True and change.as_dict()["chunked_cross_entropy"] is False
+    assert change.as_dict()["activation_checkpointing"] == "on" and change.as_dict()["chunked_cross_entropy"] is False
     with pytest.raises(OOMStop, match="activation checkpointing on.*chunked_cross_entropy is off"):
         ctl.on_oom("forward")
 
 
 def test_checkpoints_from_before_levers_resume_their_activation_checkpointing():
     """A plan state of the format before levers (``activation_checkpointing`` / ``grown_from_ac``
-    bools) restores AC; a saved setting this run may not take falls back to the configured one."""
+    bools), and one of levers whose AC setting was a bool, restore AC as ``on``; a saved setting
+    this run may not take falls back to the configured one."""
     old = {"micro_batch_size": 2, "window": 4, "ok_steps": 1, "activation_checkpointing": True,
            "trying_grow": False, "grown_from": 2, "grown_from_ac": True, "planner": None}
-    ctl = two_lever_controller("auto")
-    ctl.load_state_dict(old)
-    assert ctl.plan == Plan(2, 2, (("activation_checkpointing", True), ("chunked_cross_entropy", False)))
-    assert ctl.grown_from == ctl.plan and ctl.window == 4
+    bool_levers = {"micro_batch_size": 2, "window": 4, "ok_steps": 1, "levers": {"activation_checkpointing": True},
+                   "trying_grow": False, "grown_from": 2, "grown_from_levers": {"activation_checkpointing": True},
+                   "planner": None}
+    for state in (old, bool_levers):
+        ctl = two_lever_controller("auto")
+        ctl.load_state_dict(state)
+        assert ctl.plan == Plan(2, 2, (("activation_checkpointing", "on"), ("chunked_cross_entropy", False)))
+        assert ctl.grown_from == ctl.plan and ctl.window == 4
     off = two_lever_controller("off")
     off.load_state_dict(old)
-    assert off.plan.lever("activation_checkpointing") is False and off.plan.sizes == (2, 2)
+    assert off.plan.lever("activation_checkpointing") == "off" and off.plan.sizes == (2, 2)

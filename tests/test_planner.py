@@ -6,7 +6,7 @@ import json
 import pytest
 
 from conftest import TINY_ARGS
-from memtrain.levers.activation_checkpointing import CHOICES
+from memtrain.levers.activation_checkpointing import CHOICES, setting
 from memtrain.plan import Plan, PlanController
 from memtrain.memory.planner import Candidate, Planner, make_candidates
 from memtrain.oom import OOMStop
@@ -14,13 +14,15 @@ from memtrain.oom import OOMStop
 MiB = 2**20
 
 
-def P(micro: int, ac: bool, per_rank: int = 8) -> Plan:
-    """The plan of micro-batch ``micro`` with activation checkpointing ``ac``."""
-    return Plan(micro, per_rank // micro, (("activation_checkpointing", ac),))
+def P(micro: int, ac, per_rank: int = 8) -> Plan:
+    """The plan of micro-batch ``micro`` with activation checkpointing ``ac`` (a setting, or a
+    bool: on/off)."""
+    return Plan(micro, per_rank // micro, (("activation_checkpointing", setting(ac)),))
 
 
 def key(c: Candidate) -> tuple[int, bool]:
-    return c.micro_batch_size, c.plan.lever("activation_checkpointing")
+    """``(micro-batch, AC on)``."""
+    return c.micro_batch_size, c.plan.lever("activation_checkpointing") == "on"
 
 
 def AC(mode: str) -> dict:
@@ -30,7 +32,7 @@ def AC(mode: str) -> dict:
 
 def by_ac(f):
     """``f(micro, ac)`` as the planner's ``plan -> bytes``."""
-    return lambda plan: f(plan.micro_batch_size, plan.lever("activation_checkpointing"))
+    return lambda plan: f(plan.micro_batch_size, plan.lever("activation_checkpointing") == "on")
 
 
 def controller(micro: int, per_rank: int, mode: str, window: int, planner) -> PlanController:
@@ -185,13 +187,13 @@ def test_controller_with_planner_oom_grow_back_and_state():
     assert change.event == "activation_checkpointing_on" and ctl.plan.lever("activation_checkpointing") and ctl.plan.micro_batch_size == 8
     assert change.as_dict()["predicted_peak_bytes"] == planner.get(P(8, True)).predicted_peak_bytes
     change = ctl.on_oom("forward")  # 8 + AC fails as well: the fastest of what needs less than 3 MiB
-    assert change.event == "oom_shrink" and (ctl.plan.micro_batch_size, ctl.plan.lever("activation_checkpointing")) == (4, True)
+    assert change.event == "oom_shrink" and (ctl.plan.micro_batch_size, ctl.plan.lever("activation_checkpointing")) == (4, "on")
     assert ctl.on_success() is None
     grow = ctl.on_success()  # the window is full: the faster plan needing the least more memory
-    assert grow.event == "grow_back" and (ctl.plan.micro_batch_size, ctl.plan.lever("activation_checkpointing")) == (8, True)
+    assert grow.event == "grow_back" and (ctl.plan.micro_batch_size, ctl.plan.lever("activation_checkpointing")) == (8, "on")
     failed = ctl.on_oom("forward")
-    assert failed.event == "grow_back_failed" and (ctl.plan.micro_batch_size, ctl.plan.lever("activation_checkpointing")) == (4, True)
-    assert failed.new.lever("activation_checkpointing") is True and ctl.window == 4
+    assert failed.event == "grow_back_failed" and (ctl.plan.micro_batch_size, ctl.plan.lever("activation_checkpointing")) == (4, "on")
+    assert failed.new.lever("activation_checkpointing") == "on" and ctl.window == 4
     state = json.loads(json.dumps(ctl.state_dict()))
     again = controller(8, per_rank, "auto", 2, Planner(table(), None))
     again.load_state_dict(state)
@@ -244,12 +246,12 @@ def test_decisions_are_a_function_of_the_table():
 def test_fake_trace_predicts_what_memtracker_counts_in_a_real_micro_step(cache_dir):
     """The fake-tensor trace (no memory) against torch's MemTracker on a real forward and backward
     of the same model and micro-batch (an accumulation micro-step: gradients already exist and are
-    model state): the bytes above parameters and gradients agree within 10%, with and without
-    activation checkpointing; under a simulated device the trace is what autograd saves, which is
+    model state): the bytes above parameters and gradients agree within 10%, with activation
+    checkpointing off, selective and on; under a simulated device the trace is what autograd saves, which is
     all that device counts (less)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from memtrain.activation import enable_activation_checkpointing
+    from memtrain.activation import disable_activation_checkpointing, enable_activation_checkpointing
     from memtrain.backends.common import repeated_blocks
     from memtrain.config import parse_args
     from memtrain.data import build_corpus
@@ -263,9 +265,10 @@ def test_fake_trace_predicts_what_memtracker_counts_in_a_real_micro_step(cache_d
     objective = make_objective(model, corpus)
     traced = activation_table(cfg, corpus, objective, "fp32", "cpu")
     state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # parameters + gradients
-    for ac in (False, True):
-        if ac:
-            enable_activation_checkpointing(model, repeated_blocks(model))
+    for ac in ("off", "selective", "on"):
+        if ac != "off":
+            disable_activation_checkpointing(model, repeated_blocks(model))
+            enable_activation_checkpointing(model, repeated_blocks(model), mode=ac)
         for micro in (4, 8):
             batch = trace_batch(corpus, micro)
             objective.loss_sum(model, batch).backward()  # the gradients exist, as in accumulation
@@ -275,7 +278,7 @@ def test_fake_trace_predicts_what_memtracker_counts_in_a_real_micro_step(cache_d
                 objective.loss_sum(model, batch).backward()
             real = max(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values()) - state
             assert traced(P(micro, ac, 8)) == pytest.approx(real, rel=0.10), (micro, ac)
-    assert traced(P(4, True, 8)) < traced(P(4, False, 8))
+    assert traced(P(4, "on", 8)) < traced(P(4, "selective", 8)) < traced(P(4, "off", 8))
     simulated = activation_table(parse_args(TINY_ARGS + ["--data.cache_dir", cache_dir, "--faults.memory_budget_mib",
                                                          "64"]), corpus, objective, "fp32", "cpu")
     assert simulated(P(4, False, 8)) < traced(P(4, False, 8))
@@ -295,7 +298,7 @@ def test_plan_cli_prints_the_candidates(cache_dir, capsys):
     assert {p["engine"] for p in placements} == {"ddp", "fsdp", "deepspeed"}
     assert sum(p["chosen"] for p in placements) <= 1
     assert {(r["micro_batch_size"], r["activation_checkpointing"]) for r in rows} == {
-        (m, ac) for m in (1, 2, 4) for ac in (False, True)}
+        (m, ac) for m in (1, 2, 4) for ac in ("off", "on")}
     (chosen,) = [r for r in rows if r["chosen"]]
     assert chosen["fits"] and chosen["predicted_peak_bytes"] <= 2**20
     assert not any(r["fits"] for r in rows if r["predicted_peak_bytes"] > 2**20)

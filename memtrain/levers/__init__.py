@@ -19,7 +19,7 @@ LEVERS: tuple[Lever, ...] = (ActivationCheckpointing(), ChunkedCrossEntropy(), R
 """Every lever memtrain has, in the order the OOM recovery escalates them."""
 
 __all__ = ["LEVERS", "Lever", "LeverTarget", "lever", "lever_choices", "apply_levers", "recompute_fraction",
-           "describe", "lever_events"]
+           "describe", "lever_events", "first_settings", "restore_settings"]
 
 
 def lever(name: str) -> Lever:
@@ -62,6 +62,13 @@ def apply_levers(target: LeverTarget, settings: dict[str, Any], model_levers: bo
         x = lever(name)
         if model_levers is None or x.model_lever == model_levers:
             x.apply(target, setting)
+
+
+def restore_settings(saved: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's ``{lever: setting}`` as this version names the settings (levers this
+    version does not have are kept as they are)."""
+    names = {x.name for x in LEVERS}
+    return {name: lever(name).restore(value) if name in names else value for name, value in saved.items()}
 
 
 def recompute_fraction(settings: dict[str, Any], cfg) -> float:

@@ -1,18 +1,38 @@
-"""Activation checkpointing as a lever (``memory.activation_checkpointing off|on|auto``):
+"""Activation checkpointing as a lever (``memory.activation_checkpointing off|on|selective|auto``):
 recompute each checkpointed block's activations in backward instead of keeping them (Chen et al.
-2016, "Training Deep Nets with Sublinear Memory Cost"; the wrapping is :mod:`memtrain.activation`).
-Switchable between steps: the planner, the OOM recovery and grow-back turn it on and off."""
+2016, "Training Deep Nets with Sublinear Memory Cost"), all of them (``on``) or only the cheap
+ones (``selective``: matmul and attention outputs kept; the wrapping is :mod:`memtrain.activation`).
+Switchable between steps: the planner, the OOM recovery and grow-back move it.
+
+Settings are the strings ``off``, ``selective``, ``on`` (plan rows, ``plan.json``, checkpoints and
+``metrics.jsonl`` carry them); a plan state written when the setting was a bool reads as
+``on``/``off`` (:func:`setting`).
+"""
 
 from __future__ import annotations
 
 from memtrain.activation import disable_activation_checkpointing, enable_activation_checkpointing
 from memtrain.levers.base import Lever, LeverTarget
 
-CHOICES = {"off": (False,), "on": (True,), "auto": (False, True)}
+CHOICES = {"off": ("off",), "on": ("on",), "selective": ("selective",), "auto": ("off", "on")}
+"""The settings a plan may take for each ``memory.activation_checkpointing``, fastest first."""
+
+RECOMPUTE = {"off": 0.0, "selective": 0.1, "on": 1.0}
+"""Extra forward FLOPs per checkpointed block, as a fraction of its forward (selective recomputes
+the pointwise ops and norms, a small share of a block's FLOPs; an estimate the planner's timed
+probes replace)."""
+
+
+def setting(value) -> str:
+    """The setting ``value`` as the lever names it (a bool of older plan states: ``on``/``off``)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return value
 
 
 class ActivationCheckpointing(Lever):
-    """Settings: bool (on for every ``memory.activation_checkpointing_every_n_blocks``-th block)."""
+    """Settings: ``off``, ``selective`` or ``on`` (on every
+    ``memory.activation_checkpointing_every_n_blocks``-th block)."""
 
     name = "activation_checkpointing"
     config_key = "memory.activation_checkpointing"
@@ -21,22 +41,30 @@ class ActivationCheckpointing(Lever):
     def choices(self, cfg, spec) -> tuple:
         return CHOICES[cfg.memory.activation_checkpointing]
 
-    def apply(self, target: LeverTarget, setting) -> None:
-        on = getattr(target.model, "_memtrain_activation_checkpointing", False)
-        if setting and not on:
-            enable_activation_checkpointing(target.model, target.blocks,
-                                            target.cfg.memory.activation_checkpointing_every_n_blocks)
-        elif on and not setting:
-            disable_activation_checkpointing(target.model, target.blocks)
-        target.model._memtrain_activation_checkpointing = bool(setting)
+    def apply(self, target: LeverTarget, value) -> None:
+        value = setting(value)
+        now = getattr(target.model, "_memtrain_activation_checkpointing", "off")
+        if value != now:
+            if now != "off":
+                disable_activation_checkpointing(target.model, target.blocks)
+            if value != "off":
+                enable_activation_checkpointing(target.model, target.blocks,
+                                                target.cfg.memory.activation_checkpointing_every_n_blocks, value)
+        target.model._memtrain_activation_checkpointing = value
         if target.faults is not None:
-            target.faults.activation_checkpointing = bool(setting)
+            target.faults.activation_checkpointing = value == "on"
 
-    def recompute_fraction(self, setting, cfg) -> float:
-        return 1 / cfg.memory.activation_checkpointing_every_n_blocks if setting else 0.0
+    def restore(self, saved):
+        return setting(saved)
 
-    def describe(self, setting) -> str:
-        return "+ AC" if setting else ""
+    def recompute_fraction(self, value, cfg) -> float:
+        return RECOMPUTE[setting(value)] / cfg.memory.activation_checkpointing_every_n_blocks
 
-    def floor_note(self, setting, choices: tuple) -> str:
-        return "with activation checkpointing on" if setting else "(memory.activation_checkpointing is off)"
+    def describe(self, value) -> str:
+        return {"off": "", "selective": "+ selective AC", "on": "+ AC"}[setting(value)]
+
+    def floor_note(self, value, choices: tuple) -> str:
+        value = setting(value)
+        if value == "off":
+            return "(memory.activation_checkpointing is off)"
+        return f"with {'selective ' if value == 'selective' else ''}activation checkpointing on"

@@ -80,6 +80,10 @@ class Lever:
             raise RuntimeError(f"{self.config_key} is fixed when the engine is built "
                                f"({target.built[self.name]!r}); a plan asked for {setting!r}")
 
+    def restore(self, saved):
+        """A setting as a checkpoint of an older memtrain wrote it, as this version names it."""
+        return saved
+
     def recompute_fraction(self, setting, cfg) -> float:
         """Extra forward passes the setting costs per step, as a fraction of one forward (FLOP
         estimates of :func:`memtrain.memory.planner.estimated_step_s`); 0 = none."""

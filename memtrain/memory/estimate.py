@@ -31,15 +31,15 @@ import torch
 from torch import nn
 
 
-def activation_bytes(model: nn.Module, micro_batch: dict[str, torch.Tensor], activation_checkpointing: bool,
+def activation_bytes(model: nn.Module, micro_batch: dict[str, torch.Tensor], activation_checkpointing="off",
                      every_n_blocks: int = 1, objective=None) -> int:
     """Bytes of activations one training forward keeps for backward (a copy of ``model`` is used).
 
     Args:
         model: the unwrapped model (not modified).
         micro_batch: ``input_ids`` and ``labels`` int64 [B, T] (or what ``objective`` takes).
-        activation_checkpointing: measure with activation checkpointing on.
-        every_n_blocks: checkpoint every n-th block when on.
+        activation_checkpointing: ``off``, ``selective`` or ``on`` (a bool: on/off).
+        every_n_blocks: checkpoint every n-th block when on or selective.
         objective: a :mod:`memtrain.objectives` objective; None = causal LM.
 
     Returns:
@@ -47,13 +47,14 @@ def activation_bytes(model: nn.Module, micro_batch: dict[str, torch.Tensor], act
     """
     from memtrain.activation import enable_activation_checkpointing
     from memtrain.backends.common import repeated_blocks
+    from memtrain.levers.activation_checkpointing import setting
     from memtrain.objectives import CausalLM
     from memtrain.memory.simulated import SimulatedMemory
 
     objective = objective or CausalLM()
     probe = copy.deepcopy(model).train()
-    if activation_checkpointing:
-        enable_activation_checkpointing(probe, repeated_blocks(probe), every_n_blocks)
+    if setting(activation_checkpointing) != "off":
+        enable_activation_checkpointing(probe, repeated_blocks(probe), every_n_blocks, setting(activation_checkpointing))
     counter = SimulatedMemory(2**62, 0, probe.parameters())
     with torch.enable_grad(), counter.context():
         loss = objective.loss_sum(probe, micro_batch)
@@ -175,14 +176,14 @@ def _planned_precision(precision: str, device_type: str) -> str:
 
 
 def _activation_bytes_by_ac(acts, choices: dict, micro: int, per_rank: int) -> dict[str, int]:
-    """``{"off": bytes, "on": bytes}``: one micro-batch of ``micro`` samples traced with activation
-    checkpointing off and on (the other levers at their first choice)."""
+    """``{"off": bytes, "selective": bytes, "on": bytes}``: one micro-batch of ``micro`` samples
+    traced with each activation checkpointing setting (the other levers at their first choice)."""
     from memtrain.levers import first_settings
     from memtrain.plan import Plan
 
     first = first_settings(choices)
-    return {word: acts(Plan(micro, per_rank // micro, tuple({**first, "activation_checkpointing": on}.items())))
-            for word, on in (("off", False), ("on", True))}
+    return {ac: acts(Plan(micro, per_rank // micro, tuple({**first, "activation_checkpointing": ac}.items())))
+            for ac in ("off", "selective", "on")}
 
 
 def _placements(cfg, shape, n: int, precision: str, world_size: int, device_type: str, budget, flops: float,
@@ -227,11 +228,11 @@ def format_table(report: dict) -> str:
     """The candidates of :func:`plan_report` as a text table."""
     from memtrain.memory.placement import Placement, format_placements
 
-    rows = [f"{'micro':>5} {'accum':>5} {'AC':>3} {'peak MiB':>10} {'step s':>9} {'fits':>4}  chosen"]
+    rows = [f"{'micro':>5} {'accum':>5} {'AC':>9} {'peak MiB':>10} {'step s':>9} {'fits':>4}  chosen"]
     for c in report["candidates"]:
         step = f"{c['predicted_step_s']:.4f}" if c["predicted_step_s"] is not None else "-"
         rows.append(f"{c['micro_batch_size']:>5} {c['gradient_accumulation_steps']:>5} "
-                    f"{'on' if c['activation_checkpointing'] else 'off':>3} {c['predicted_peak_bytes'] / 2**20:>10.1f} "
+                    f"{c['activation_checkpointing']:>9} {c['predicted_peak_bytes'] / 2**20:>10.1f} "
                     f"{step:>9} {'yes' if c['fits'] else 'no':>4}  {'*' if c['chosen'] else ''}")
     budget = report["budget_bytes"]
     head = (f"{report['parameters'] / 1e6:.1f}M parameters, {report['engine']} × {report['world_size']}, "
@@ -252,9 +253,9 @@ def verdict(report: dict) -> str:
     if chosen is None:
         return ("verdict: no micro-batch plan fits " + (f"{budget / 2**30:.1f} GiB per rank" if budget else "") +
                 " with this engine; try another engine or offload (the placements above), more ranks, "
-                "memory.activation_checkpointing on or a shorter data.seq_len")
+                "memory.activation_checkpointing selective or on, or a shorter data.seq_len")
     words = (f"verdict: micro-batch {chosen['micro_batch_size']} × accumulation {chosen['gradient_accumulation_steps']}"
-             f" per rank, activation checkpointing {'on' if chosen['activation_checkpointing'] else 'off'}"
+             f" per rank, activation checkpointing {chosen['activation_checkpointing']}"
              f"{' (the config fixes the micro-batch)' if report.get('micro_batch_given') else ''}, predicted "
              f"peak {chosen['predicted_peak_bytes'] / 2**30:.2f} GiB per rank")
     if not chosen["fits"]:

@@ -71,7 +71,7 @@ class Placement:
     tune_ratio: bool = False
     micro_batch_size: Optional[int] = None
     gradient_accumulation_steps: Optional[int] = None
-    activation_checkpointing: Optional[bool] = None
+    activation_checkpointing: Optional[str] = None
     device_bytes: int = 0
     host_bytes: int = 0
     nvme_bytes: int = 0
@@ -214,10 +214,10 @@ def _better(a: Placement, b: Placement) -> bool:
 
 def format_placements(table: list[Placement]) -> str:
     """``table`` as text, one row per placement (GiB; seconds per optimizer step)."""
-    rows = [f"{'placement':<30} {'micro':>5} {'AC':>3} {'device GiB':>10} {'host GiB':>9} {'step s':>9} fits  chosen"]
+    rows = [f"{'placement':<30} {'micro':>5} {'AC':>9} {'device GiB':>10} {'host GiB':>9} {'step s':>9} fits  chosen"]
     for p in table:
         fits = "yes" if p.fits else "no (device)" if not p.fits_device else "no (host)"
-        rows.append(f"{p.name:<30} {p.micro_batch_size:>5} {'on' if p.activation_checkpointing else 'off':>3} "
+        rows.append(f"{p.name:<30} {p.micro_batch_size:>5} {p.activation_checkpointing or '-':>9} "
                     f"{p.device_bytes / 2**30:>10.1f} {p.host_bytes / 2**30:>9.1f} {p.predicted_step_s:>9.3f} "
                     f"{fits:<5} {'*' if p.chosen else ''}")
     return "\n".join(rows)

@@ -41,6 +41,7 @@ from torch import nn
 
 from memtrain.memory.accounting import divisors, with_allocator_headroom
 from memtrain.memory.machine import device_budget_bytes
+from memtrain.levers import restore_settings
 from memtrain.plan import Plan
 
 CONTENDER_RATIO = 1.5
@@ -392,8 +393,7 @@ class Planner:
         if saved is not None:
             self.bound_bytes = saved if self.bound_bytes is None else min(saved, self.bound_bytes)
         for micro, settings, seconds, measured, fits in state.get("candidates", []):
-            if not isinstance(settings, dict):
-                settings = {"activation_checkpointing": settings}
+            settings = restore_settings(settings if isinstance(settings, dict) else {"activation_checkpointing": settings})
             c = next((c for c in self.candidates if c.micro_batch_size == micro
                       and all(c.plan.lever(k) == v for k, v in settings.items())), None)
             if c is not None:

@@ -7,17 +7,37 @@ autograd saves for backward, counted with ``torch.autograd.graph.saved_tensors_h
 saved (each storage once; parameters are not counted twice) and released when autograd frees
 them. A save that would take the count past the budget raises a real ``torch.OutOfMemoryError``,
 which takes the same path as a CUDA one. Activation checkpointing lowers the count because inside
-a checkpointed region torch keeps nothing for backward. Not counted: transient tensors that are
+a checkpointed region torch keeps nothing for backward; under selective checkpointing the outputs
+the policy keeps (:mod:`memtrain.activation`) are counted from the moment they are kept until
+their storage is freed. Not counted: transient tensors that are
 never saved for backward (a block's intermediate results between two saves, the recompute inside
 a checkpointed block during backward, communication buffers).
 """
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from contextlib import AbstractContextManager
 from typing import Iterable
 
 import torch
+from torch.utils._pytree import tree_flatten
+
+_COUNTING: list["SimulatedMemory"] = []  # the simulated memories whose context() is open, innermost last
+
+
+def note_kept(out) -> None:
+    """Count the tensors of ``out`` (an operator's output a selective-checkpoint policy keeps for
+    backward outside autograd's saved tensors) on the simulated memory counting now, if any.
+
+    Raises:
+        torch.OutOfMemoryError: keeping them passes the simulated budget.
+    """
+    if _COUNTING:
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                _COUNTING[-1].keep(t)
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -72,14 +92,36 @@ class SimulatedMemory:
         # for a parameter and go uncounted.
         self._parameter_storages = [getattr(p, "_local_tensor", p).untyped_storage() for p in self._parameters]
         self._parameter_keys = {s._cdata for s in self._parameter_storages}
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        return self._counting()
+
+    @contextlib.contextmanager
+    def _counting(self):
+        _COUNTING.append(self)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            _COUNTING.remove(self)
+
+    def keep(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage until it is freed (an output kept outside autograd's saved tensors)."""
+        key = self._count(t)
+        if key is not None:
+            weakref.finalize(t.untyped_storage(), self._release, key)
 
     def _pack(self, t: torch.Tensor):
+        key = self._count(t)
+        # detached: a saved output holding its own grad_fn would make a cycle autograd never frees
+        return t if key is None else _Saved(t.detach(), self, key)
+
+    def _count(self, t: torch.Tensor):
+        """Add a reference to ``t``'s storage (its bytes on the first); None for model state.
+        Raises torch.OutOfMemoryError past the budget."""
         key = storage_key(t)
         # a parameter (or a view of one, e.g. a transposed weight) is model state; ZeRO-3 and FSDP2
         # gather parameters into new storages during forward, which are still Parameters
         if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter) or key in self._parameter_keys:
-            return t
+            return None
         entry = self._live.get(key)
         if entry is None:
             size = t.untyped_storage().nbytes()
@@ -94,8 +136,7 @@ class SimulatedMemory:
             self.saved_bytes += size
             self.peak_bytes = max(self.peak_bytes, total)
         entry[0] += 1
-        # detached: a saved output holding its own grad_fn would make a cycle autograd never frees
-        return _Saved(t.detach(), self, key)
+        return key
 
     @staticmethod
     def _unpack(packed):
