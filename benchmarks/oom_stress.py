@@ -63,7 +63,7 @@ def cpu_budget(base: list[str], per_rank: int, nproc: int) -> list[str]:
     just fits (its predicted peak + 1 KiB): the starting plan (the whole share) does not."""
     table = plan_table(base, nproc, [])
     peak = next(c["predicted_peak_bytes"] for c in table
-                if c["micro_batch_size"] == per_rank // 4 and not c["activation_checkpointing"])
+                if c["micro_batch_size"] == per_rank // 4 and c["activation_checkpointing"] == "off")
     return ["--faults.memory_budget_mib", repr((peak + 1024) / 2**20)]
 
 
@@ -93,17 +93,20 @@ def settled_tps(records: list[dict]) -> float:
 
 def static_configs(table: list[dict]) -> dict[str, list[str]]:
     """Every candidate predicted to fit, as a fixed plan with recovery off ("by hand")."""
-    return {f"{c['micro_batch_size']}x{c['gradient_accumulation_steps']}{'+AC' if c['activation_checkpointing'] else ''}":
+    return {f"{c['micro_batch_size']}x{c['gradient_accumulation_steps']}{AC_SUFFIX[c['activation_checkpointing']]}":
             ["--training.micro_batch_size", str(c["micro_batch_size"]), "--memory.oom_recovery", "false",
-             "--memory.activation_checkpointing", "on" if c["activation_checkpointing"] else "off"]
+             "--memory.activation_checkpointing", c["activation_checkpointing"]]
             for c in table if c["fits"]}
+
+
+AC_SUFFIX = {"off": "", "selective": "+SAC", "on": "+AC"}
 
 
 def plan_name(records: list[dict]) -> str:
     """The plan a run ended with, as ``static_configs`` names it (``4x4+AC``)."""
     events = plan_events(records)
-    ac = bool(events and events[-1].get("activation_checkpointing"))
-    return f"{records[-1]['micro_batch_size']}x{records[-1]['gradient_accumulation_steps']}{'+AC' if ac else ''}"
+    ac = events[-1].get("activation_checkpointing", "off") if events else "off"
+    return f"{records[-1]['micro_batch_size']}x{records[-1]['gradient_accumulation_steps']}{AC_SUFFIX[ac]}"
 
 
 def spread(values: list[float]) -> dict:

@@ -15,6 +15,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from memtrain.levers.activation_checkpointing import setting  # results of older versions hold a bool
+
 RESULTS = Path(__file__).resolve().parent / "results"
 ENGINE_NAMES = {"ddp": "DDP", "fsdp": "FSDP2", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
 
@@ -79,7 +81,7 @@ def largest_model_plan() -> str:
         for p in row["placements"]:
             fits = "**chosen**" if p["chosen"] else "yes" if p["fits"] else "no (GPU)" if not p["fits_device"] else "no (host)"
             out.append(f"| {shape} ({p.get('parameters', 0) / 1e9:.2f}B) | {p['name']} | {p['micro_batch_size']} × "
-                       f"{p['gradient_accumulation_steps']} | {'on' if p['activation_checkpointing'] else 'off'} "
+                       f"{p['gradient_accumulation_steps']} | {setting(p['activation_checkpointing'])} "
                        f"| {p['device_bytes'] / 2**30:.1f} | {p['host_bytes'] / 2**30:.1f} | {p['predicted_step_s']:.2f} | {fits} |")
     return "\n".join(out)
 
