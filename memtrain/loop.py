@@ -292,16 +292,16 @@ class TrainingLoop:
         t = self.cfg.training
         plan = self.controller.plan
         ac = plan.lever("activation_checkpointing", "off")
-        levers = "".join(f", {w}" for w in (lever(n).describe(v) for n, v in plan.levers if n != "activation_checkpointing")
-                         if w)
-        metrics.message(f"memtrain: {self.engine.name} × {self.process.world_size} rank(s) on {self.process.device}, "
-                        f"{self.engine.precision}, {self.n_params / 1e6:.2f}M parameters, {self.corpus.describe()}, "
-                        f"plan {plan} (micro-batch × accumulation), activation checkpointing {ac}{levers}")
+        levers = "".join(f", {w.removeprefix('+ ')}" for w in (lever(n).describe(v) for n, v in plan.levers
+                                                                if n != "activation_checkpointing") if w)
         per_step = (f"{t.global_batch_size * self.cfg.data.seq_len:,} tokens" if self.corpus.kind == "text"
                     else f"{t.global_batch_size} utterances" if self.corpus.kind == "speech" else "")
         epochs = t.max_steps * t.global_batch_size / max(1, len(self.corpus.train))
-        metrics.message(f"memtrain: steps {self.state.step + 1}–{t.max_steps} of {t.global_batch_size} samples"
-                        f"{f' ({per_step})' if per_step else ''} each, {epochs:.3g} epochs in all; outputs in {self.cfg.output_dir}")
+        metrics.message(f"memtrain: {self.engine.name} × {self.process.world_size} rank(s) on {self.process.device}, "
+                        f"{self.engine.precision}, {self.n_params / 1e6:.2f}M parameters; plan {plan} (micro-batch × "
+                        f"accumulation), activation checkpointing {ac}{levers}; steps {self.state.step + 1}–{t.max_steps}"
+                        f" of {t.global_batch_size} samples{f' ({per_step})' if per_step else ''} each, {epochs:.3g} "
+                        f"epochs of {self.corpus.describe()}; outputs in {self.cfg.output_dir}")
         return metrics
 
     def _optimizer_step(self, step: int, run_start: float) -> StepOutcome:

@@ -102,8 +102,18 @@ def cli() -> None:
             import traceback
 
             traceback.print_exc()
-        print(f"memtrain: {message}", file=sys.stderr)
+        if not _said_by_rank_0(exc):
+            print(f"memtrain: {message}", file=sys.stderr)
     _exit_now(code)
+
+
+def _said_by_rank_0(exc: Exception) -> bool:
+    """Whether ``exc`` is a stop every rank raises together (out of memory at the smallest plan,
+    a non-finite loss), said once by rank 0, and this is another rank."""
+    from memtrain.oom import OOMStop
+    from memtrain.precision import NonFiniteStop
+
+    return isinstance(exc, (OOMStop, NonFiniteStop)) and int(os.environ.get("RANK", "0")) != 0
 
 
 def print_run(argv: list[str]) -> int:

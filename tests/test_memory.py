@@ -120,6 +120,7 @@ def test_oom_at_floor_with_checkpointing_off_stops_with_report(tmp_path, cache_d
     for word in ("micro-batch 1", "parameter_bytes", "optimizer_bytes", "zero_stage", "activation_checkpointing",
                  "Already on: engine ddp", "process peak resident size"):
         assert word in proc.stderr, word
+    assert proc.stderr.count("Already on: engine ddp") == 1  # the agreed stop is said once, by rank 0
 
 
 def test_the_floor_message_names_the_budget_and_suggests_only_what_is_off():
@@ -129,7 +130,7 @@ def test_the_floor_message_names_the_budget_and_suggests_only_what_is_off():
     from memtrain.oom import OOMStop, oom_stop_message
 
     report = {"parameter_bytes": 2**20, "gradient_bytes": 2**20, "optimizer_bytes": 2**21, "peak_memory_bytes": 2**30}
-    context = {"engine": "ddp", "zero_stage": None, "offload": None, "activation_checkpointing": True,
+    context = {"engine": "ddp", "zero_stage": None, "offload": None, "activation_checkpointing": "on",
                "chunked_cross_entropy": False, "device_type": "cpu", "budget_bytes": 40 * 2**20,
                "simulated_peak_bytes": 39 * 2**20}
     message = oom_stop_message(OOMStop("out of memory in forward at micro-batch 1"), 3, 1, report, context)
@@ -137,6 +138,10 @@ def test_the_floor_message_names_the_budget_and_suggests_only_what_is_off():
     assert "Already on: engine ddp, activation checkpointing." in message
     assert "memory.activation_checkpointing on" not in message and "memory.chunked_cross_entropy true" in message
     assert "process peak resident size = 1024.0 MiB" in message and "backend.name fsdp" in message
+    selective = oom_stop_message(OOMStop("out of memory in forward at micro-batch 1"), 3, 1, report,
+                                 {**context, "activation_checkpointing": "selective"})
+    assert "Already on: engine ddp, selective activation checkpointing." in selective
+    assert "memory.activation_checkpointing on" in selective  # the full recompute is left
 
 
 def test_eval_oom_has_its_own_plan(tmp_path, tmp_path_factory, cache_dir):
