@@ -350,13 +350,18 @@ class TrainingLoop:
 
     def _oom_context(self) -> dict[str, Any]:
         """What :func:`memtrain.oom.oom_stop_message` says was on, and the budget that was hit."""
-        m, simulated = self.cfg.memory, self.faults.memory
-        budget = (int(self.cfg.faults.memory_budget_mib * 2**20) if self.cfg.faults.memory_budget_mib else
-                  int(m.cuda_memory_cap_gib * 2**30) if m.cuda_memory_cap_gib and self.process.device.type == "cuda"
-                  else None)
+        simulated = self.faults.memory
         return {"engine": self.spec.name, "zero_stage": self.spec.zero_stage, "offload": self.spec.offload,
                 **self.controller.plan.settings(), "device_type": self.process.device.type,
-                "budget_bytes": budget, "simulated_peak_bytes": simulated.peak_bytes if simulated is not None else None}
+                "budget_bytes": self._budget_bytes(),
+                "simulated_peak_bytes": simulated.peak_bytes if simulated is not None else None}
+
+    def _budget_bytes(self) -> Optional[int]:
+        """The memory budget a rank runs under: the simulated device's or the CUDA cap (None: the device's own)."""
+        m = self.cfg.memory
+        return (int(self.cfg.faults.memory_budget_mib * 2**20) if self.cfg.faults.memory_budget_mib else
+                int(m.cuda_memory_cap_gib * 2**30) if m.cuda_memory_cap_gib and self.process.device.type == "cuda"
+                else None)
 
     def _record(self, outcome: StepOutcome, run_start: float) -> dict[str, Any]:
         """The step's ``metrics.jsonl`` record (:mod:`memtrain.records`), without events yet."""
@@ -373,6 +378,10 @@ class TrainingLoop:
         if self.faults.memory is not None:
             record["simulated_peak_bytes"] = self.faults.memory.peak_bytes
             self.faults.memory.reset_peak()
+        if self._budget_bytes():
+            record["memory_budget_bytes"] = self._budget_bytes()
+        if self.state.step == 1 and self.state.initial_val_loss is not None:
+            record["initial_val_loss"] = self.state.initial_val_loss
         self._prediction_error(outcome, record.get("simulated_peak_bytes", record["peak_memory_bytes"]))
         return record
 

@@ -1,9 +1,12 @@
 """``memtrain plot RUN_DIR [--out FILE.png]``: one PNG of a run's ``metrics.jsonl``.
 
-Panels over the optimizer step: loss and val_loss; learning rate; throughput (``<unit>_per_s``);
-peak memory (GiB). Every panel carries a vertical line per event of the records' ``event`` field
-(plan changes, resume, checkpoint saves, others), and the loss panel names the plan
-(micro-batch × accumulation) wherever it changes. Drawn with matplotlib's Agg canvas (no display).
+Panels over the optimizer step: loss and val_loss (the validation loss before step 1 at step 0);
+learning rate; throughput (``<unit>_per_s``); peak memory (GiB, with the budget the run ran under
+as a horizontal line). Every panel carries a vertical line per event of the records' ``event``
+field (plan changes, resume, checkpoint saves, others), and the loss panel names the plan
+(micro-batch × accumulation and the levers on) wherever it changes. The title's steps and
+minutes are the records' (every segment), so a plot of a run still going is not stale. Drawn
+with matplotlib's Agg canvas (no display).
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import os
 import sys
 from typing import Any, Optional
 
-from memtrain.levers import lever_events
+from memtrain.levers import LEVERS, describe, lever_events, restore_settings
+from memtrain.records import training_minutes
 
 GIB = 2 ** 30
 
@@ -83,15 +87,33 @@ def events(records: list[dict[str, Any]]) -> list[tuple[int, str]]:
 
 
 def plan_changes(records: list[dict[str, Any]]) -> list[tuple[int, str]]:
-    """(step, ``"<micro_batch_size>×<gradient_accumulation_steps>"``) at the first record and
-    wherever the plan differs from the record before."""
+    """(step, ``"<micro_batch_size>×<gradient_accumulation_steps>"`` and the levers on, e.g.
+    ``1×32 + AC``) at the first record and wherever the plan differs from the record before."""
     changes, last = [], None
+    names = [x.name for x in LEVERS]
     for r in records:
-        plan = (r.get("micro_batch_size"), r.get("gradient_accumulation_steps"))
-        if None not in plan and plan != last:
-            changes.append((r["step"], f"{plan[0]}×{plan[1]}"))
+        levers = restore_settings({name: r[name] for name in names if name in r})
+        plan = (r.get("micro_batch_size"), r.get("gradient_accumulation_steps"), tuple(levers.items()))
+        if None not in plan[:2] and plan != last:
+            changes.append((r["step"], f"{plan[0]}×{plan[1]}{describe(levers)}"))
             last = plan
     return changes
+
+
+def validation_series(records: list[dict[str, Any]], summary: Optional[dict[str, Any]]):
+    """(steps, val_loss) with the loss before step 1 at step 0 (step 1's ``initial_val_loss``, or
+    the summary's for records of older versions)."""
+    steps, values = series(records, "val_loss")
+    first = next((r["initial_val_loss"] for r in records if isinstance(r.get("initial_val_loss"), float)), None)
+    if first is None and summary and isinstance(summary.get("initial_val_loss"), float):
+        first = summary["initial_val_loss"]
+    return ([0, *steps], [first, *values]) if first is not None else (steps, values)
+
+
+def loss_unit(records: list[dict[str, Any]]) -> str:
+    """The unit the loss is averaged over (``token``, ``character``), from the throughput field."""
+    key = throughput_key(records)
+    return key[:-len("_per_s")].removesuffix("s") if key else "target"
 
 
 def series(records: list[dict[str, Any]], key: str, scale: float = 1.0) -> tuple[list[int], list[float]]:
@@ -143,9 +165,10 @@ def figure(records: list[dict[str, Any]], summary: Optional[dict[str, Any]] = No
     FigureCanvasAgg(fig)
     ax_loss, ax_lr, ax_rate, ax_mem = fig.subplots(4, 1, sharex=True)
     ax_loss.plot(*series(records, "loss"), label="loss", color="tab:blue")
-    if any("val_loss" in r for r in records):
-        ax_loss.plot(*series(records, "val_loss"), "o-", label="val_loss", color="tab:orange")
-    ax_loss.set_ylabel("loss (nats per unit)")
+    val_steps, val_losses = validation_series(records, summary)
+    if val_steps:
+        ax_loss.plot(val_steps, val_losses, "o-", label="val_loss", color="tab:orange")
+    ax_loss.set_ylabel(f"loss (nats per {loss_unit(records)})")
     ax_lr.plot(*series(records, "lr"), color="tab:blue")
     ax_lr.set_ylabel("learning rate")
     ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
@@ -156,6 +179,9 @@ def figure(records: list[dict[str, Any]], summary: Optional[dict[str, Any]] = No
     ax_mem.plot(*series(records, "peak_memory_bytes", GIB), label="peak_memory_bytes", color="tab:blue")
     if any("simulated_peak_bytes" in r for r in records):
         ax_mem.plot(*series(records, "simulated_peak_bytes", GIB), label="simulated_peak_bytes", color="tab:orange")
+    budgets = series(records, "memory_budget_bytes", GIB)[1]
+    if budgets:
+        ax_mem.axhline(budgets[-1], color="tab:red", linewidth=1, label="memory budget", gid="memtrain-budget")
     ax_mem.set_ylabel("peak memory (GiB)")
     ax_mem.set_xlabel("optimizer step")
     ax_mem.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -167,20 +193,22 @@ def figure(records: list[dict[str, Any]], summary: Optional[dict[str, Any]] = No
     for ax in axes:
         ax.grid(True, alpha=0.3)
     ax_loss.legend(loc="best", fontsize=8)
-    if any(line.get_label() == "simulated_peak_bytes" for line in ax_mem.get_lines()):
+    if any(line.get_label() in ("simulated_peak_bytes", "memory budget") for line in ax_mem.get_lines()):
         ax_mem.legend(loc="best", fontsize=8)
-    fig.suptitle(title_line(title, summary))
+    fig.suptitle(title_line(title, summary, records))
     return fig
 
 
-def title_line(title: str, summary: Optional[dict[str, Any]]) -> str:
-    """``title`` plus the summary's steps, minutes, backend × world size and precision when known."""
+def title_line(title: str, summary: Optional[dict[str, Any]], records: Optional[list[dict[str, Any]]] = None) -> str:
+    """``title`` plus the steps and minutes of ``records`` (the summary's without records), and the
+    summary's backend × world size and precision when known."""
     parts = [title] if title else []
+    steps = records[-1]["step"] if records else (summary or {}).get("steps")
+    minutes = training_minutes(records) if records else (summary or {}).get("minutes")
+    if isinstance(steps, int) and isinstance(minutes, (int, float)):
+        took = f"{minutes:.1f} min" if minutes >= 1 else f"{minutes * 60:.0f} s"
+        parts.append(f"{steps} steps in {took}")
     if summary:
-        if isinstance(summary.get("steps"), int) and isinstance(summary.get("minutes"), (int, float)):
-            minutes = summary["minutes"]
-            took = f"{minutes:.1f} min" if minutes >= 1 else f"{minutes * 60:.0f} s"
-            parts.append(f"{summary['steps']} steps in {took}")
         if summary.get("backend"):
             parts.append(f"{summary['backend']} × {summary.get('world_size', '?')}")
         if summary.get("precision"):

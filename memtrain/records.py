@@ -4,8 +4,9 @@ The record contract: ``step``, ``epoch``, ``loss``, ``lr``, ``grad_norm``, ``mic
 ``gradient_accumulation_steps``, ``global_batch_size``, ``samples_seen``, ``<unit>_seen``,
 ``<unit>_per_s``, ``peak_memory_bytes``, ``elapsed_s``, ``batch_fingerprint``; ``val_<metric>``
 on evaluation steps; ``mfu`` (model FLOPs utilisation, :mod:`memtrain.flops`) for a language
-model in bf16/fp16 on a GPU of known peak; ``simulated_peak_bytes`` under ``faults.memory_budget_mib``; ``event`` and
-``plan_changes`` when something happened. ``<unit>`` is the
+model in bf16/fp16 on a GPU of known peak; ``simulated_peak_bytes`` under ``faults.memory_budget_mib``;
+``memory_budget_bytes`` under a budget (the simulated device's, or ``memory.cuda_memory_cap_gib``);
+``initial_val_loss`` (before step 1) in step 1's record; ``event`` and ``plan_changes`` when something happened. ``<unit>`` is the
 objective's: ``tokens`` for a language model, ``characters`` (transcript characters) for CTC.
 """
 
@@ -103,17 +104,22 @@ def run_summary(state: TrainState, *, records: list[dict], unit: str, session_ta
         earlier: the records of the segments before this one (``metrics.jsonl`` as resumed).
 
     Returns:
-        ``minutes`` (every segment) and ``session_minutes``, ``<unit>_per_s`` of this session,
-        ``events`` (kind → count, every segment) and ``plan_changes`` (how many of those changed a
-        plan), the losses, and ``about``.
+        Totals of every segment: ``minutes``, ``samples_seen``, ``<unit>_seen``, ``<unit>_per_s``
+        (``<unit>_seen`` over the training seconds), ``events`` (kind → count) and ``plan_changes``
+        (how many of those changed a plan); this session's ``session_minutes`` and
+        ``session_<unit>_per_s``; the losses, and ``about``.
     """
     every = (earlier or []) + records
     events = events_by_kind(every)
+    minutes = training_minutes(every)
     return {
-        "steps": state.step, "minutes": training_minutes(every), "session_minutes": elapsed_s / 60,
+        "steps": state.step, "minutes": minutes, "session_minutes": elapsed_s / 60,
+        "samples_seen": state.samples_seen, f"{unit}_seen": state.targets_seen,
+        f"{unit}_per_s": state.targets_seen / (minutes * 60) if minutes > 0 else 0.0,
+        f"session_{unit}_per_s": session_targets / elapsed_s,
         "first_loss": state.first_loss, "last_loss": state.last_loss,
         "resumed_from": resumed_from, "preempted": preempted, "initial_val_loss": state.initial_val_loss,
-        "final_val_loss": state.val_loss, f"{unit}_per_s": session_targets / elapsed_s, "events": events,
+        "final_val_loss": state.val_loss, "events": events,
         "plan_changes": sum(n for kind, n in events.items() if kind not in NOT_PLAN_CHANGES), "model_dir": model_dir,
         **about,
     }

@@ -25,11 +25,14 @@ def step_record(step: int, mb: int = 4, acc: int = 2, **extra) -> dict:
 
 
 def synthetic_run(run_dir) -> list[dict]:
-    """Ten steps: val_loss on 5 and 10, an OOM shrink 4×2 → 2×4 at 4, a resume at 7 (with a checkpoint at 6)."""
+    """Ten steps under a 2 GiB budget: val_loss before step 1 and on 5 and 10, an OOM shrink 4×2 →
+    2×4 with activation checkpointing turned on at 4, a resume at 7 (with a checkpoint at 6)."""
     records = []
     for step in range(1, 11):
         mb, acc = (4, 2) if step < 4 else (2, 4)
-        extra = {}
+        extra = {"activation_checkpointing": "off" if step < 4 else "on", "memory_budget_bytes": 2 * GIB}
+        if step == 1:
+            extra["initial_val_loss"] = 4.5
         if step in (5, 10):
             extra["val_loss"] = 4.0 - 0.1 * step
         if step == 4:
@@ -76,14 +79,16 @@ def test_plot_writes_png_with_panels(tmp_path, capsys):
 
 
 def test_plot_default_out_and_summary_title(tmp_path, capsys):
-    """Without --out the PNG is RUN_DIR/run.png; summary.json's facts go into the title."""
+    """Without --out the PNG is RUN_DIR/run.png; summary.json's facts go into the title, its steps
+    and minutes those of the records (a summary of an earlier segment does not make it stale:
+    3 s before the resume at step 7, 5 s after)."""
     records = synthetic_run(tmp_path)
-    (tmp_path / "summary.json").write_text(json.dumps({"steps": 10, "minutes": 2.0, "backend": "ddp",
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 6, "minutes": 0.05, "backend": "ddp",
                                                        "world_size": 2, "precision": "bf16"}))
     assert plot.main([str(tmp_path)]) == 0
     assert (tmp_path / "run.png").stat().st_size > 10_000
     fig = plot.figure(records, plot.read_summary(str(tmp_path)), title="myrun")
-    assert fig._suptitle.get_text() == "myrun, 10 steps in 2.0 min, ddp × 2, bf16"
+    assert fig._suptitle.get_text() == "myrun, 10 steps in 8 s, ddp × 2, bf16"
 
 
 def test_figure_draws_events_legend_and_plan(tmp_path):
@@ -100,9 +105,12 @@ def test_figure_draws_events_legend_and_plan(tmp_path):
     legend = [t.get_text() for t in axes[0].get_legend().get_texts()]
     assert sorted(legend) == ["checkpoint saved", "loss", "plan change", "resume", "val_loss"]
     plans = [(t.xy[0], t.get_text()) for t in axes[0].texts if t.get_gid() == "memtrain-plan"]
-    assert plans == [(1, "4×2"), (4, "2×4")]
+    assert plans == [(1, "4×2"), (4, "2×4 + AC")]
     val = next(line for line in axes[0].get_lines() if line.get_label() == "val_loss")
-    assert list(val.get_xdata()) == [5, 10]
+    assert list(val.get_xdata()) == [0, 5, 10] and val.get_ydata()[0] == 4.5  # before step 1 at step 0
+    assert axes[0].get_ylabel() == "loss (nats per token)"
+    budget = [line for line in axes[3].get_lines() if line.get_gid() == "memtrain-budget"]
+    assert len(budget) == 1 and list(budget[0].get_ydata()) == [2.0, 2.0]
     memory = axes[3].get_lines()[0]
     assert memory.get_ydata()[0] == pytest.approx(records[0]["peak_memory_bytes"] / GIB)
     assert "tokens / s" in axes[2].get_ylabel()

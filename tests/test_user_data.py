@@ -196,6 +196,8 @@ def test_changed_settings_on_resume_take_effect_and_are_recorded(finished_run, t
     assert summary["events"] == {"checkpoint_saved": 3, "resume": 1} and summary["plan_changes"] == 0
     first_minutes = records[3]["elapsed_s"] / 60
     assert summary["minutes"] == pytest.approx(first_minutes + records[5]["elapsed_s"] / 60)
+    assert summary["tokens_seen"] == records[5]["tokens_seen"] and summary["samples_seen"] == records[5]["samples_seen"]
+    assert summary["tokens_per_s"] == pytest.approx(summary["tokens_seen"] / (summary["minutes"] * 60))
     assert summary["engine_spec"]["name"] == "ddp" and summary["engine_spec"]["data_parallel_size"] == 1
     # the same resume without the change trains other weights: the change reached the optimizer
     same = copy_run(finished_run, tmp_path / "same")
