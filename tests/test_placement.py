@@ -123,22 +123,65 @@ def test_plan_prints_a_fitting_placement_for_a_10b_llama_on_80gb_and_128gb(cache
 
 def test_plan_answers_for_the_target_machine(cache_dir):
     """``memtrain plan --world_size 8 --gpu_memory_gib 12`` plans another machine: a recipe's
-    micro-batch that cannot divide a rank's share there is replaced by the planner's (and said
-    so); with its host not given, no placement is refused for this machine's host, and the
-    verdict names the host memory the chosen one needs."""
+    micro-batch is replaced by the planner's (and said so: here it cannot divide a rank's share;
+    with a share it divides, because another machine is planned); with its host not given, no
+    placement is refused for this machine's host; the marked placement is the one the run uses
+    (``backend.name auto`` without offload: DDP), and the verdict names the host memory it needs
+    for the ranks of one machine (``--nodes 2``: half of them)."""
     from conftest import TINY_ARGS
 
     i = TINY_ARGS.index("--training.micro_batch_size")
     recipe_micro = TINY_ARGS[:i] + TINY_ARGS[i + 2:]  # the recipe's own micro-batch (16)
-    proc = subprocess.run([sys.executable, "-c", "from memtrain.train import cli; cli()", "plan", *recipe_micro,
-                           "--training.global_batch_size", "16", "--world_size", "8", "--gpu_memory_gib", "12",
-                           "--data.cache_dir", cache_dir], capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def plan(*extra):
+        proc = subprocess.run([sys.executable, "-c", "from memtrain.train import cli; cli()", "plan", *recipe_micro,
+                               "--world_size", "8", "--gpu_memory_gib", "12", "--data.cache_dir", cache_dir, *extra],
+                              capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+
+    proc = plan("--training.global_batch_size", "16")
     assert "does not divide a rank's share" in proc.stderr
     table = proc.stdout.split("placements (", 1)[1]
     assert "host memory not given" in table and "no (host)" not in table
+    marked = [line.split()[0] for line in table.splitlines() if line.rstrip().endswith("*")]
+    assert marked == ["ddp"]
     verdict = next(line for line in proc.stdout.splitlines() if line.startswith("verdict:"))
-    assert "fastest placement" in verdict and "GiB host for 8 rank(s)" in verdict
+    assert "model state ddp:" in verdict and "GiB host for the 8 rank(s) of a machine" in verdict
+    assert "the smallest host that runs it" in verdict
+    divides = plan("--training.global_batch_size", "128", "--json", "--nodes", "2")
+    assert "another machine is planned" in divides.stderr
+    rows = [json.loads(line) for line in divides.stdout.splitlines()]
+    ddp = next(r for r in rows if r.get("placement") and r["name"] == "ddp")
+    whole = [json.loads(line) for line in plan("--training.global_batch_size", "128", "--json").stdout.splitlines()]
+    assert ddp["host_bytes"] < next(r for r in whole if r.get("placement") and r["name"] == "ddp")["host_bytes"]
+
+
+def test_the_verdict_says_what_the_run_will_use():
+    """Under ``backend.offload auto`` the verdict is the chosen placement's plan (not the candidate
+    table of the engine without offload, which may not fit); otherwise the marked plan on the
+    config's placement, and a faster placement is pointed at. The CPU Adam rate is named with its
+    source."""
+    from memtrain.memory.estimate import verdict
+
+    placement = {"name": "zero3 optimizer 68%→host", "micro_batch_size": 1, "gradient_accumulation_steps": 16,
+                 "activation_checkpointing": "on", "predicted_step_s": 7.1, "device_bytes": 79 * GIB,
+                 "host_bytes": 129 * GIB, "fits": True, "fits_host": True, "chosen": True, "offload": "optimizer"}
+    report = {"candidates": [], "budget_bytes": 80 * GIB, "world_size": 1, "placement_decides": True,
+              "placements": [placement], "cpu_adam_source": "reference",
+              "machine": {"host_bytes": 130 * GIB, "ranks_per_host": 1, "cpu_adam_params_per_s": 3.3e9}}
+    words = verdict(report)
+    assert "places model state as zero3 optimizer 68%→host, micro-batch 1 × accumulation 16" in words
+    assert "no micro-batch plan fits" not in words and "3.3G parameters/s, the reference rate" in words
+    assert "no placement fits" in verdict({**report, "placements": [{**placement, "chosen": False}]})
+    fixed = {**report, "placement_decides": False, "micro_batch_given": False,
+             "candidates": [{"chosen": True, "micro_batch_size": 4, "gradient_accumulation_steps": 2, "fits": True,
+                             "activation_checkpointing": "on", "predicted_peak_bytes": 10 * GIB}],
+             "placements": [{**placement, "name": "ddp", "offload": "none", "predicted_step_s": 0.06},
+                            {**placement, "name": "fsdp", "offload": "none", "chosen": False, "predicted_step_s": 0.05}]}
+    words = verdict(fixed)
+    assert words.startswith("verdict: micro-batch 4 × accumulation 2 per rank, activation checkpointing on")
+    assert "model state ddp:" in words and "fsdp is predicted faster" in words
 
 
 def test_the_plan_marked_is_the_plan_the_run_uses(tmp_path, cache_dir):
@@ -254,6 +297,11 @@ def test_plan_times_the_host_optimizer_at_the_target_rate(cache_dir):
     cfg = parse_args(TINY_ARGS + ["--data.cache_dir", cache_dir])
     slow, fast = (plan_report(cfg, 1, cpu_adam_params_per_s=rate) for rate in (1e5, 1e9))
     assert slow["cpu_adam_source"] == "given" and slow["machine"]["cpu_adam_params_per_s"] == 1e5
+    from memtrain.memory.machine import REFERENCE_CPU_ADAM_PARAMS_PER_S
+
+    target = plan_report(cfg, 1, gpu_memory_gib=12)  # another machine, its rate not given: the reference, said so
+    assert target["cpu_adam_source"] == "reference"
+    assert target["machine"]["cpu_adam_params_per_s"] == REFERENCE_CPU_ADAM_PARAMS_PER_S
     base = [p["predicted_step_s"] for r in (slow, fast) for p in r["placements"] if p["name"] == "ddp"]
     compute = base[0] - base[1]  # each report measures this machine's matmul rate anew: the same for every row
     for a, b in zip(slow["placements"], fast["placements"]):

@@ -70,7 +70,7 @@ NOTE = ("activations: the peak of a micro-step's forward and backward traced wit
 
 def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
                 host_memory_gib: Optional[float] = None, nvme_path: Optional[str] = None,
-                cpu_adam_params_per_s: Optional[float] = None) -> dict:
+                cpu_adam_params_per_s: Optional[float] = None, nodes: int = 1) -> dict:
     """The planner's view of a config before it runs, without allocating the model: the
     candidate plans of ``training.global_batch_size / world_size`` samples per rank with their
     predicted peak bytes and step seconds, and the model state of every engine variant.
@@ -84,7 +84,10 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
             ``memory.host_memory_gib``, else this machine's available memory.
         nvme_path: a folder for NVMe offload placements.
         cpu_adam_params_per_s: the target host's CPU Adam rate (parameters/s, all cores); None =
-            measured here (the report's ``cpu_adam_source`` says which).
+            :data:`memtrain.memory.machine.REFERENCE_CPU_ADAM_PARAMS_PER_S` when another machine is
+            described (``gpu_memory_gib`` or ``host_memory_gib`` given), else measured here (the
+            report's ``cpu_adam_source`` says which).
+        nodes: machines the ranks are spread over (``world_size / nodes`` ranks share a host).
 
     Returns:
         A JSON-serialisable dict: ``parameters``, ``precision``, ``world_size``, ``engine``,
@@ -98,7 +101,8 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     from memtrain.memory.accounting import device_state_bytes, model_state_bytes
     from memtrain.data import build_corpus
     from memtrain.levers import lever_choices, recompute_fraction
-    from memtrain.memory.machine import DEFAULT_GPU_FLOPS, device_budget_bytes, device_flops_per_s
+    from memtrain.memory.machine import (DEFAULT_GPU_FLOPS, REFERENCE_CPU_ADAM_PARAMS_PER_S, device_budget_bytes,
+                                         device_flops_per_s)
     from memtrain.memory.placement import model_facts, tokens_per_sample
     from memtrain.memory.planner import Planner, activation_table, estimated_step_s, make_candidates
 
@@ -126,8 +130,11 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     for c in planner.candidates:  # 1 ms per micro-batch (launches, reduction): ties go to fewer micro-batches
         c.predicted_step_s = estimated_step_s(c, n, tokens, flops, recompute_fraction(c.plan.settings(), cfg), 1e-3)
     chosen = run_plan(planner, cfg, choices)
+    target = gpu_memory_gib is not None or host_memory_gib is not None
+    adam_source = "given" if cpu_adam_params_per_s else "reference" if target else "measured on this machine"
+    adam = cpu_adam_params_per_s or (REFERENCE_CPU_ADAM_PARAMS_PER_S if target else None)
     machine, placements = _placements(cfg, shape, n, precision, world_size, device_type, budget, flops, acts, tokens,
-                                      host_memory_gib, nvme_path, gpu_memory_gib is not None, cpu_adam_params_per_s)
+                                      host_memory_gib, nvme_path, gpu_memory_gib is not None, adam, nodes)
     micro = chosen.micro_batch_size if chosen is not None else (
         cfg.training.micro_batch_size if cfg.training.micro_batch_size != "auto" else 1)
     ac_bytes = _activation_bytes_by_ac(acts, choices, micro, per_rank)
@@ -140,7 +147,7 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
         "model_state_bytes": engines,
         "placements": [p.as_dict() for p in placements],
         "machine": dataclasses.asdict(machine),
-        "cpu_adam_source": "given" if cpu_adam_params_per_s else "measured on this machine",
+        "cpu_adam_source": adam_source, "placement_decides": cfg.backend.offload == "auto",
         "per_rank_total_bytes": {name: {ac: device_state_bytes(e) + max(ac_bytes[ac], e["step_gradient_bytes"])
                                         for ac in ("off", "on")} for name, e in engines.items()},
         "note": NOTE,
@@ -188,14 +195,17 @@ def _activation_bytes_by_ac(acts, choices: dict, micro: int, per_rank: int) -> d
 
 def _placements(cfg, shape, n: int, precision: str, world_size: int, device_type: str, budget, flops: float,
                 acts, tokens: int, host_memory_gib: Optional[float], nvme_path: Optional[str], gpu_given: bool,
-                cpu_adam: Optional[float] = None):
+                cpu_adam: Optional[float] = None, nodes: int = 1):
     """The placement table (:mod:`memtrain.memory.placement`) of :func:`plan_report`: every placement of
-    :func:`memtrain.memory.placement.planning_pool`. A GPU given without its host's memory
+    :func:`memtrain.memory.placement.planning_pool` (and the config's own, when it names one the
+    pool lacks), the one the run will use marked ``chosen``: the fastest fitting under
+    ``backend.offload auto``, else the config's (fitting or not). A GPU given without its host's memory
     (``gpu_given``, no ``host_memory_gib`` here or in the config) plans an unbounded host: each
-    placement shows the host memory it needs. ``cpu_adam``: the target's CPU Adam rate (None: measured here)."""
+    placement shows the host memory it needs. ``cpu_adam``: the target's CPU Adam rate (None:
+    measured here); ``nodes``: machines sharing the ranks."""
     from memtrain.memory.machine import (PLAN_PROCESS_BYTES, Machine, cpu_adam_params_per_s, host_budget_bytes,
                                          process_bytes)
-    from memtrain.memory.placement import nvme_usable, plan_model, planning_pool
+    from memtrain.memory.placement import allowed_pool, nvme_usable, plan_model, planning_pool
 
     gpu_here = torch.cuda.is_available()
     if host_memory_gib:
@@ -204,10 +214,17 @@ def _placements(cfg, shape, n: int, precision: str, world_size: int, device_type
         host = None  # another machine's GPU, its host not given: show what each placement needs
     else:
         host = host_budget_bytes(cfg.memory.host_memory_gib)
-    machine = Machine(budget, host, world_size, device_type, flops, cpu_adam or cpu_adam_params_per_s(),
+    machine = Machine(budget, host, world_size // nodes, device_type, flops, cpu_adam or cpu_adam_params_per_s(),
                       process_bytes(device_type) if device_type == "cpu" or gpu_here else PLAN_PROCESS_BYTES, nvme_path)
     pool = planning_pool(cfg, nvme_usable(nvme_path))
-    return machine, plan_model(cfg, acts, shape, tokens, world_size, machine, precision, pool)
+    own = allowed_pool(cfg, nvme_usable(nvme_path))
+    names = {p.name for p in pool}
+    table = plan_model(cfg, acts, shape, tokens, world_size, machine, precision,
+                       pool + [p for p in own if p.name not in names])
+    if cfg.backend.offload != "auto":  # the run takes the config's placement, whatever is faster
+        for p in table:
+            p.chosen = p.name == own[0].name
+    return machine, table
 
 
 def _pop_option(argv: list[str], name: str, default=None, flag: bool = False):
@@ -242,14 +259,26 @@ def format_table(report: dict) -> str:
     host = (report.get("machine") or {}).get("host_bytes")
     return (head + "\n" + "\n".join(rows) + "\n\nplacements (host " +
             (f"{host / 2**30:.1f} GiB" if host else "memory not given: each row shows what it needs") +
-            f" for {report['world_size']} rank(s)):\n" + format_placements(placements) + "\n\n" + verdict(report))
+            f" for the {(report.get('machine') or {}).get('ranks_per_host') or report['world_size']} rank(s) of a "
+            f"machine):\n" + format_placements(placements) + "\n\n" + verdict(report))
 
 
 def verdict(report: dict) -> str:
-    """One paragraph in words: the plan the run will use, the placement chosen (with the host
-    memory it needs when the host was not given), or what to change when nothing fits."""
+    """One paragraph in words: what the run will use (under ``backend.offload auto`` the chosen
+    placement and its plan; otherwise the marked micro-batch plan on the config's placement), the
+    host memory it needs when the host was not given, the CPU Adam rate its step time assumes, or
+    what to change when nothing fits."""
+    placed = next((p for p in report.get("placements", []) if p.get("chosen")), None)
+    if report.get("placement_decides"):
+        if placed is None or not placed["fits"]:
+            return ("verdict: no placement fits; give a larger --host_memory_gib or --gpu_memory_gib, more ranks, "
+                    "--nvme_path, memory.activation_checkpointing selective or on, or a shorter data.seq_len")
+        return (f"verdict: backend.offload auto places model state as {placed['name']}, micro-batch "
+                f"{placed['micro_batch_size']} × accumulation {placed['gradient_accumulation_steps']} per rank, "
+                f"activation checkpointing {placed['activation_checkpointing']}, about {placed['predicted_step_s']:.2f} "
+                f"s per step" + _where(report, placed))
     chosen = next((c for c in report["candidates"] if c["chosen"]), None)
-    world, budget = report["world_size"], report["budget_bytes"]
+    budget = report["budget_bytes"]
     if chosen is None:
         return ("verdict: no micro-batch plan fits " + (f"{budget / 2**30:.1f} GiB per rank" if budget else "") +
                 " with this engine; try another engine or offload (the placements above), more ranks, "
@@ -261,19 +290,31 @@ def verdict(report: dict) -> str:
     if not chosen["fits"]:
         words += (" — more than fits: the run would start there and recover from the out-of-memory error to a "
                   "smaller plan; set training.micro_batch_size auto to start at the fastest plan that fits")
-    placed = next((p for p in report.get("placements", []) if p.get("chosen")), None)
-    host = (report.get("machine") or {}).get("host_bytes")
-    if placed is not None:
-        words += (f"; fastest placement: {placed['name']} ({placed['device_bytes'] / 2**30:.1f} GiB GPU per rank, "
-                  f"{placed['host_bytes'] / 2**30:.1f} GiB host for {world} rank(s)" +
-                  (", the smallest host that runs it: give --host_memory_gib to check a machine)" if not host else ")"))
-        if placed.get("offload", "none") != "none":  # its step time holds the host's CPU Adam
-            rate = (report.get("machine") or {}).get("cpu_adam_params_per_s") or 0
-            words += (f"; its step time counts CPU Adam at {rate / 1e6:.0f}M parameters/s, "
-                      + ("given" if report.get("cpu_adam_source") == "given" else
-                         "measured on this machine (give the target's with --cpu_adam_params_per_s)"))
-    elif report.get("placements"):
-        words += "; no placement fits this host: give a larger --host_memory_gib, more ranks, or --nvme_path"
+    words += _where(report, placed) if placed is not None else ""
+    faster = [p for p in report.get("placements", []) if p["fits"] and placed is not None
+              and p["predicted_step_s"] < 0.95 * placed["predicted_step_s"]]
+    if faster:
+        best = min(faster, key=lambda p: p["predicted_step_s"])
+        words += (f"; {best['name']} is predicted faster ({best['predicted_step_s']:.3g} s per step against "
+                  f"{placed['predicted_step_s']:.3g}): backend.offload auto lets the run choose the placement")
+    return words
+
+
+def _where(report: dict, placed: dict) -> str:
+    """The verdict's words on the placement ``placed``: its device and host memory (the smallest
+    host that runs it when the host was not given) and the CPU Adam rate its step time assumes."""
+    machine = report.get("machine") or {}
+    ranks = machine.get("ranks_per_host") or report["world_size"]
+    words = (f"; model state {placed['name']}: {placed['device_bytes'] / 2**30:.1f} GiB GPU per rank, "
+             f"{placed['host_bytes'] / 2**30:.1f} GiB host for the {ranks} rank(s) of a machine"
+             + (" (the smallest host that runs it; give --host_memory_gib to check one)" if not machine.get("host_bytes")
+                else "" if placed["fits_host"] else " — more than the host has"))
+    if placed.get("offload", "none") != "none":  # its step time holds the host's CPU Adam
+        rate = machine.get("cpu_adam_params_per_s") or 0
+        words += (f"; its step time counts CPU Adam at {rate / 1e9:.2g}G parameters/s, " + {
+            "given": "given",
+            "reference": "the reference rate of an assumed server host (give the target's with --cpu_adam_params_per_s)",
+        }.get(report.get("cpu_adam_source"), "measured on this machine (give the target's with --cpu_adam_params_per_s)"))
     return words
 
 
@@ -287,23 +328,34 @@ options:
   --world_size N        ranks the run will have (default: the launcher's WORLD_SIZE, else 1)
   --gpu_memory_gib G    device memory of one rank, in GiB (a GPU run is planned; default: this machine's)
   --host_memory_gib H   host memory of the ranks of one machine together, in GiB (default: available here)
+  --nodes M             machines the ranks are spread over, world_size / M per machine (default 1)
   --nvme_path DIR       a folder for NVMe offload (placements that use it are planned)
   --cpu_adam_params_per_s R  the target host's CPU Adam rate, parameters per second with all its cores
-                        (times the optimizer of offloading placements; default: measured on this machine)
+                        (times the optimizer of offloading placements; default: a reference rate of
+                        3.3e9 when --gpu_memory_gib or --host_memory_gib describe another machine,
+                        else measured on this machine)
   --json                one JSON object per plan, then one per placement (plan only)"""
 
 
-def _plan_micro_batch_for_target(cfg, world_size: int, given: bool, command: str) -> None:
-    """A recipe's fixed ``training.micro_batch_size`` that cannot divide a rank's share of the
-    global batch on the target's ``world_size`` is replaced by ``auto`` (the planner chooses),
-    and said so; one ``given`` on the command line is kept (and refused by validation if wrong)."""
+def _plan_micro_batch_for_target(cfg, world_size: int, given: bool, command: str, target: bool = False) -> None:
+    """A recipe's fixed ``training.micro_batch_size`` is replaced by ``auto`` (the planner chooses),
+    and said so, when it cannot divide a rank's share of the global batch on the target's
+    ``world_size``, or when another machine is planned (``target``: its GPU given), whose
+    micro-batch the recipe could not have been written for; one ``given`` on the command line is
+    kept (and refused by validation if wrong)."""
     t = cfg.training
     share = t.global_batch_size // max(1, world_size)
-    if given or t.micro_batch_size == "auto" or (share > 0 and share % t.micro_batch_size == 0):
+    if given or t.micro_batch_size == "auto":
         return
-    print(f"memtrain {command}: the recipe's training.micro_batch_size {t.micro_batch_size} does not divide a rank's "
-          f"share of the global batch ({t.global_batch_size} / {world_size} ranks = {share}); planning the "
-          "micro-batch instead (training.micro_batch_size auto; give one on the command line to fix it)",
+    if share > 0 and share % t.micro_batch_size == 0:
+        if not target:
+            return
+        why = "another machine is planned"
+    else:
+        why = (f"it does not divide a rank's share of the global batch ({t.global_batch_size} / {world_size} ranks "
+               f"= {share})")
+    print(f"memtrain {command}: the recipe's training.micro_batch_size {t.micro_batch_size} is not planned: {why}; "
+          "planning the micro-batch instead (training.micro_batch_size auto; give one on the command line to fix it)",
           file=sys.stderr)
     t.micro_batch_size = "auto"
 
@@ -334,14 +386,17 @@ def main(argv: Optional[list[str]] = None, command: str = "memory") -> int:
         adam = _pop_option(argv, "--cpu_adam_params_per_s")
         adam = float(adam) if adam is not None else None
         nvme = _pop_option(argv, "--nvme_path")
+        nodes = int(_pop_option(argv, "--nodes", "1"))
     except ValueError as exc:
-        print(f"memtrain {command}: --world_size is an integer, --gpu_memory_gib, --host_memory_gib and "
+        print(f"memtrain {command}: --world_size and --nodes are integers, --gpu_memory_gib, --host_memory_gib and "
               f"--cpu_adam_params_per_s numbers ({exc})", file=sys.stderr)
         return 2
     as_json = _pop_option(argv, "--json", flag=True)
     try:
         if world_size < 1:
             raise ConfigError("--world_size", f"must be at least 1, got {world_size}")
+        if nodes < 1 or world_size % nodes:
+            raise ConfigError("--nodes", f"must divide --world_size {world_size} (ranks per machine), got {nodes}")
         for name, value in (("--gpu_memory_gib", gib), ("--host_memory_gib", host), ("--cpu_adam_params_per_s", adam)):
             if value is not None and not value > 0:
                 raise ConfigError(name, f"must be > 0, got {value}")
@@ -349,13 +404,13 @@ def main(argv: Optional[list[str]] = None, command: str = "memory") -> int:
             raise ConfigError("--nvme_path", f"'{nvme}' is not a folder")
         cfg = parse_args(argv)
         apply_accelerate_settings(cfg, world_size)
-        _plan_micro_batch_for_target(cfg, world_size, "--training.micro_batch_size" in argv, command)
+        _plan_micro_batch_for_target(cfg, world_size, "--training.micro_batch_size" in argv, command, gib is not None)
         validate(cfg, world_size)
     except ConfigError as exc:
         print(f"memtrain {command}: {exc}", file=sys.stderr)
         return 2
     try:
-        report = plan_report(cfg, world_size, gib, host, nvme, adam)
+        report = plan_report(cfg, world_size, gib, host, nvme, adam, nodes)
     except (ConfigError, ValueError) as exc:  # data or model settings that cannot work (named in the message)
         print(f"memtrain {command}: {exc}", file=sys.stderr)
         return 2

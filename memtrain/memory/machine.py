@@ -17,6 +17,12 @@ PLAN_PROCESS_BYTES = 4 * 2**30
 """Host bytes per rank's process assumed by ``memtrain plan`` (a run measures its own)."""
 DEFAULT_GPU_FLOPS = 400e12
 """FLOP/s ``memtrain plan`` assumes for a GPU it cannot measure (an H100's achieved dense bf16)."""
+REFERENCE_CPU_ADAM_PARAMS_PER_S = 3.3e9
+"""Parameters per second ``memtrain plan`` assumes CPU Adam steps on another machine's host when
+its rate is not given (``--cpu_adam_params_per_s``): 100 GB/s of host memory bandwidth (about one
+server socket's STREAM triad) over the ~30 bytes CPU Adam moves per parameter (fp32 weight and
+both moments read and written, the gradient read, the 16-bit weight written). An assumption, not
+a measurement: the step times of offloading placements scale with it."""
 
 
 @dataclass
