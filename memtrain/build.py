@@ -208,6 +208,8 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
     sampler = make_sampler(cfg, corpus, spec)
     # the planner is built on first use, after the engine below exists
     choices = lever_choices(cfg, spec)
+    if inputs.model is not None or not hasattr(objective, "chunked"):  # a user's model or loss: not offered
+        choices["chunked_cross_entropy"] = choices.get("chunked_cross_entropy", (False,))[:1]
     make_planner = planner_factory(cfg, corpus, objective, precision, process, lambda: engine.model_state_bytes(n_params),
                                    choices, source)
     controller = make_controller(cfg, spec.data_parallel_size, choices, make_planner)

@@ -206,6 +206,12 @@ class MemoryConfig:
     """On out-of-memory, all ranks agree, halve micro_batch_size, double accumulation and retry
     the same samples. Also defers DDP's gradient all-reduce until every rank finished its
     micro-batches, so an OOM on one rank never leaves another waiting in a collective."""
+    levers: Literal["off", "auto"] = "off"
+    """auto = the planner (training.micro_batch_size auto) and out-of-memory recovery also choose
+    among the lossless levers left at their defaults: activation checkpointing off, selective or on
+    (when memory.activation_checkpointing is auto) and chunked cross-entropy (a config's language
+    model, when memory.chunked_cross_entropy is false); off = only the micro-batch and activation
+    checkpointing off/on, as configured."""
     activation_checkpointing: Literal["off", "on", "selective", "auto"] = "auto"
     """Recompute block activations in backward: on = all of each block's; selective = keep the
     matmul and attention outputs, recompute pointwise ops and norms (same losses as off, less than

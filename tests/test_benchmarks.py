@@ -119,3 +119,14 @@ def test_memory_accuracy_quick_is_checked_against_memtracker(suite):
         assert -0.10 <= r["relative_error"] <= 0.10, r
         assert r["measured_bytes"] < 3 * engines[0]["measured_bytes"], r  # no 2 GB bucket
     assert set(rows[-1]["summary"]) == {"ddp", "fsdp", "zero2", "zero3"}
+
+
+def test_solver_quick_chooses_without_running_out_of_memory(cache_dir):
+    """``benchmarks/solver.py --quick``: at the tight budget both modes choose a plan before step 1
+    and neither runs out of memory; the row carries both modes' tokens/s and their ratio."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "solver.py"), "--quick"],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert row["budget"] == "tight" and row["oom_events"] == {"off": 0, "auto": 0}
+    assert "?" not in row["plan"].values() and row["ratio_auto_to_off"]["median"] > 0

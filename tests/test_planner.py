@@ -304,3 +304,34 @@ def test_plan_cli_prints_the_candidates(cache_dir, capsys):
     assert not any(r["fits"] for r in rows if r["predicted_peak_bytes"] > 2**20)
     assert main(["--world_size", "3", *args], command="plan") == 2
     assert "training.global_batch_size" in capsys.readouterr().err
+
+
+def test_the_solver_shortlist_times_fewer_plans_and_finds_the_fastest():
+    """``memory.levers auto``: with AC off, selective and on, the planner times the largest fitting
+    micro-batch of each setting, then the fastest setting's other micro-batches — fewer probes
+    than timing every fitting plan, and the same choice as timing them all (here selective AC at
+    micro-batch 4: off fits only at 2, and full AC's recompute costs more than selective's)."""
+    from memtrain.levers.activation_checkpointing import SOLVER_CHOICES
+
+    per_sample = {"off": MiB, "selective": MiB // 2, "on": MiB // 4}
+    cands = lambda: make_candidates(8, {"activation_checkpointing": SOLVER_CHOICES}, MiB,  # noqa: E731
+                                    lambda plan: plan.micro_batch_size * per_sample[plan.lever("activation_checkpointing")],
+                                    "cpu", 3 * MiB)
+    cost = {"off": 1.0, "selective": 1.05, "on": 1.3}
+    seconds = {(m, ac): (0.1 + 0.1 * m) * cost[ac] for m in (1, 2, 4, 8) for ac in SOLVER_CHOICES}
+    calls = []
+
+    def prober(c):
+        calls.append(c)
+        return seconds[(c.micro_batch_size, c.plan.lever("activation_checkpointing"))] * c.gradient_accumulation_steps
+
+    every = Planner(cands(), 3 * MiB, prober)
+    best = every.initial()
+    probes_every, calls[:] = len(calls), []
+    short = Planner(cands(), 3 * MiB, prober, shortlist=True)
+    chosen = short.initial()
+    assert (chosen.micro_batch_size, chosen.plan.lever("activation_checkpointing")) == (4, "selective")
+    assert (best.micro_batch_size, best.plan.lever("activation_checkpointing")) == (4, "selective")
+    assert len(calls) < probes_every
+    assert {(c.micro_batch_size, c.plan.lever("activation_checkpointing")) for c in calls} >= {
+        (2, "off"), (4, "selective"), (8, "on")}  # each setting's largest fitting micro-batch

@@ -16,6 +16,8 @@ from memtrain.levers.base import Lever, LeverTarget
 
 CHOICES = {"off": ("off",), "on": ("on",), "selective": ("selective",), "auto": ("off", "on")}
 """The settings a plan may take for each ``memory.activation_checkpointing``, fastest first."""
+SOLVER_CHOICES = ("off", "selective", "on")
+"""``auto`` under ``memory.levers auto``."""
 
 RECOMPUTE = {"off": 0.0, "selective": 0.1, "on": 1.0}
 """Extra forward FLOPs per checkpointed block, as a fraction of its forward (selective recomputes
@@ -35,11 +37,13 @@ class ActivationCheckpointing(Lever):
     ``memory.activation_checkpointing_every_n_blocks``-th block)."""
 
     name = "activation_checkpointing"
+    column = "AC"
     config_key = "memory.activation_checkpointing"
     escalate_event = "activation_checkpointing_on"
 
     def choices(self, cfg, spec) -> tuple:
-        return CHOICES[cfg.memory.activation_checkpointing]
+        ac = cfg.memory.activation_checkpointing
+        return SOLVER_CHOICES if ac == "auto" and getattr(cfg.memory, "levers", "off") == "auto" else CHOICES[ac]
 
     def apply(self, target: LeverTarget, value) -> None:
         value = setting(value)

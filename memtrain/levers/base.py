@@ -46,6 +46,7 @@ class Lever:
 
     Attributes:
         name: the plan's key for it (the field name in ``plan.json`` rows and plan events).
+        column: its column's heading in ``memtrain plan``'s table.
         config_key: the config field its choices are read from (``section.key``).
         model_lever: it transforms the model, so it is applied before the engine wraps it and
             to the planner's fake model (its effect on saved activations is traced); False =
@@ -57,6 +58,7 @@ class Lever:
     """
 
     name: str = ""
+    column: str = ""
     config_key: str = ""
     model_lever: bool = True
     runtime: bool = True

@@ -14,12 +14,16 @@ class ChunkedCrossEntropy(Lever):
     """Settings: bool."""
 
     name = "chunked_cross_entropy"
+    column = "chunked CE"
     config_key = "memory.chunked_cross_entropy"
 
     def choices(self, cfg, spec) -> tuple:
         if cfg.memory.chunked_cross_entropy and cfg.data.kind == "speech":
             raise ConfigError("memory.chunked_cross_entropy", "is for causal language models; the CTC loss has no "
                               "[tokens, vocab] logits to chunk (set it false)")
+        if (not cfg.memory.chunked_cross_entropy and getattr(cfg.memory, "levers", "off") == "auto"
+                and cfg.data.kind == "text" and getattr(cfg.model, "factory", None) is None):
+            return (False, True)  # the solver may turn it on (memory.levers auto)
         return (bool(cfg.memory.chunked_cross_entropy),)
 
     def apply(self, target: LeverTarget, setting) -> None:

@@ -22,6 +22,7 @@ class ReshardAfterForward(EngineSetting):
     """Settings: bool (FSDP2 only)."""
 
     name = "reshard_after_forward"
+    column = "reshard"
     config_key = "backend.reshard_after_forward"
 
     def applies(self, cfg, spec) -> bool:
@@ -38,6 +39,7 @@ class OffloadOptimizerRatio(EngineSetting):
     """Settings: float in (0, 1] (DeepSpeed with optimizer offload only)."""
 
     name = "offload_optimizer_ratio"
+    column = "host share"
     config_key = "backend.offload_optimizer_ratio"
 
     def applies(self, cfg, spec) -> bool:

@@ -245,11 +245,17 @@ def format_table(report: dict) -> str:
     """The candidates of :func:`plan_report` as a text table."""
     from memtrain.memory.placement import Placement, format_placements
 
-    rows = [f"{'micro':>5} {'accum':>5} {'AC':>9} {'peak MiB':>10} {'step s':>9} {'fits':>4}  chosen"]
+    from memtrain.levers import LEVERS
+
+    levers = [(x.name, x.column) for x in LEVERS if any(x.name in c for c in report["candidates"])]
+    width = {name: max(len(column), 9) for name, column in levers}
+    rows = [f"{'micro':>5} {'accum':>5} " + "".join(f"{column:>{width[name]}} " for name, column in levers)
+            + f"{'peak MiB':>10} {'step s':>9} {'fits':>4}  chosen"]
     for c in report["candidates"]:
         step = f"{c['predicted_step_s']:.4f}" if c["predicted_step_s"] is not None else "-"
-        rows.append(f"{c['micro_batch_size']:>5} {c['gradient_accumulation_steps']:>5} "
-                    f"{c['activation_checkpointing']:>9} {c['predicted_peak_bytes'] / 2**20:>10.1f} "
+        settings = "".join(f"{_setting_word(c.get(name)):>{width[name]}} " for name, _ in levers)
+        rows.append(f"{c['micro_batch_size']:>5} {c['gradient_accumulation_steps']:>5} {settings}"
+                    f"{c['predicted_peak_bytes'] / 2**20:>10.1f} "
                     f"{step:>9} {'yes' if c['fits'] else 'no':>4}  {'*' if c['chosen'] else ''}")
     budget = report["budget_bytes"]
     head = (f"{report['parameters'] / 1e6:.1f}M parameters, {report['engine']} × {report['world_size']}, "
@@ -261,6 +267,11 @@ def format_table(report: dict) -> str:
             (f"{host / 2**30:.1f} GiB" if host else "memory not given: each row shows what it needs") +
             f" for the {(report.get('machine') or {}).get('ranks_per_host') or report['world_size']} rank(s) of a "
             f"machine):\n" + format_placements(placements) + "\n\n" + verdict(report))
+
+
+def _setting_word(value) -> str:
+    """A lever's setting in a table cell (``on``/``off`` for a bool)."""
+    return ("on" if value else "off") if isinstance(value, bool) else "-" if value is None else str(value)
 
 
 def verdict(report: dict) -> str:

@@ -244,6 +244,9 @@ class Planner:
         prober: ``prober(candidate) -> seconds or None``: times a step's forward and backward at
             the candidate on the real engine (None when it ran out of memory); set by the loop.
             None = no timing.
+        shortlist: time fewer candidates (``memory.levers auto``, whose lever combinations
+            multiply them): the largest fitting micro-batch of each combination, then the other
+            micro-batches of the fastest combination only (:meth:`measure_shortlist`).
 
     Attributes:
         bound_bytes: the budget as learned: after an out-of-memory error, at most the predicted
@@ -251,11 +254,12 @@ class Planner:
     """
 
     def __init__(self, candidates: list[Candidate], budget_bytes: Optional[int],
-                 prober: Optional[Callable[[Candidate], Optional[float]]] = None):
+                 prober: Optional[Callable[[Candidate], Optional[float]]] = None, shortlist: bool = False):
         self.candidates = candidates
         self.budget_bytes = budget_bytes
         self.bound_bytes = budget_bytes
         self.prober = prober
+        self.shortlist = shortlist
         self._warmed_up = False  # the process's first probe runs twice (cold start)
 
     def restrict_budget(self, budget_bytes: Optional[int]) -> None:
@@ -341,9 +345,28 @@ class Planner:
         return best
 
     def initial(self) -> Optional[Candidate]:
-        """The plan before step 1: the fastest candidate predicted to fit (all fitting ones timed)."""
-        self.measure(self.fitting())
+        """The plan before step 1: the fastest candidate predicted to fit (all fitting ones timed,
+        or a shortlist of them)."""
+        (self.measure_shortlist if self.shortlist else self.measure)(self.fitting())
         return self.fastest(self.fitting())
+
+    def measure_shortlist(self, pool: list[Candidate]) -> None:
+        """Time the largest micro-batch of ``pool`` in each lever combination (what each lever
+        costs, measured), then every micro-batch of the fastest combination; a combination whose
+        probe ran out of memory is tried again at its next micro-batch."""
+        combos: dict[tuple, list[Candidate]] = {}
+        for c in pool:  # largest micro-batch first (make_candidates' order)
+            combos.setdefault(c.plan.levers, []).append(c)
+        firsts = []
+        for options in combos.values():
+            for c in options:
+                self.measure([c])
+                if c.fits and c.measured_step_s is not None:
+                    firsts.append(c)
+                    break
+        self._time_again(firsts, CONTENDER_RATIO, at_least=2)  # one probe each is noisy: the close ones again
+        if firsts:
+            self.measure(combos[min(firsts, key=lambda c: c.step_s).plan.levers])
 
     def after_oom(self, plan: Plan) -> Optional[Candidate]:
         """The plan to retry with after ``plan`` ran out of memory: the fastest candidate
@@ -353,7 +376,7 @@ class Planner:
             return None
         self.refute(failed)
         pool = self.fitting(below=failed.predicted_peak_bytes)
-        self.measure(pool)
+        (self.measure_shortlist if self.shortlist else self.measure)(pool)
         return self.fastest(self.fitting(below=failed.predicted_peak_bytes))
 
     def faster_than(self, plan: Plan) -> Optional[Candidate]:
@@ -478,4 +501,4 @@ def build_planner(cfg, corpus, objective, precision: str, device: torch.device, 
     extra = {} if simulated else {"accumulation_bytes": state.get("accumulation_gradient_bytes", 0),
                                   "step_bytes": state.get("step_gradient_bytes", 0)}
     return Planner(make_candidates(per_rank_batch, choices, device_state_bytes(state), acts, device_type, budget,
-                                   **extra), budget)
+                                   **extra), budget, shortlist=cfg.memory.levers == "auto")

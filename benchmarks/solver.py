@@ -1,0 +1,113 @@
+"""The memory solver: what ``memory.levers auto`` (selective activation checkpointing and chunked
+cross-entropy beside the micro-batch and full AC) buys over the planner without it.
+
+    python benchmarks/solver.py --device cpu --quick                   # the plumbing (< 2 min)
+    python benchmarks/solver.py --engines ddp,fsdp --repeats 3 --results
+
+Per engine (2 CPU ranks, gloo, fp32, a 0.4M-parameter GPT-2), on a simulated device
+(``faults.memory_budget_mib``) at three budgets taken from ``memtrain plan``'s predictions —
+*tight* (full AC fits at a quarter of a rank's share), *medium* (selective AC fits at half of
+it), *loose* (the whole share fits without AC) — two runs with ``training.micro_batch_size auto``
+in alternating order, ``--repeats`` times: ``memory.levers off`` (the micro-batch and AC off/on)
+and ``memory.levers auto``. Reported per budget: each mode's chosen plan (the ``plan_chosen``
+event of the last repeat), tokens/s after the planning step (min/median/max over repeats), the
+ratio auto ÷ off taken per repeat (min/median/max), and the out-of-memory events of each mode
+(0 expected: the planner predicts what fits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import CPU_ARGS, ENGINES, REPO, TRAIN, emit, run_memtrain, scratch_dir, tokens_per_s  # noqa: E402
+
+MODES = {"off": ["--memory.levers", "off"], "auto": ["--memory.levers", "auto"]}
+OOM_EVENTS = ("oom_shrink", "oom_replan", "activation_checkpointing_on", "grow_back_failed")
+
+
+def spread(values: list[float]) -> dict:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def predicted(base: list[str], nproc: int) -> list[dict]:
+    """``memtrain plan --json`` rows of every micro-batch and lever combination (``memory.levers auto``)."""
+    cmd = [sys.executable, TRAIN, "plan", *base, "--memory.levers", "auto", "--world_size", str(nproc), "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO).stdout
+    return [r for r in (json.loads(line) for line in out.splitlines() if line.startswith("{")) if not r.get("placement")]
+
+
+def budgets(rows: list[dict], per_rank: int) -> dict[str, float]:
+    """MiB per rank of the three budgets (each the predicted peak of its plan + 1 KiB)."""
+    def peak(micro: int, ac: str) -> int:
+        return next(r["predicted_peak_bytes"] for r in rows if r["micro_batch_size"] == micro
+                    and r["activation_checkpointing"] == ac and not r.get("chunked_cross_entropy"))
+    plans = {"tight": (per_rank // 4, "on"), "medium": (per_rank // 2, "selective"), "loose": (per_rank, "off")}
+    return {name: (peak(*plan) + 1024) / 2**20 for name, plan in plans.items()}
+
+
+def chosen(records: list[dict]) -> str:
+    """The plan the planner chose before step 1, as ``micro×accum + levers``."""
+    event = next((e for r in records for e in r.get("plan_changes", []) if e["event"] == "plan_chosen"), None)
+    if event is None:
+        return "?"
+    return f"{event['new']} AC {event['activation_checkpointing']}" + (
+        " + chunked CE" if event.get("chunked_cross_entropy") else "")
+
+
+def measure(engine: str, nproc: int, steps: int, repeats: int, names: list[str]) -> list[dict]:
+    per_rank = 16
+    base = CPU_ARGS + ENGINES[engine] + ["--training.global_batch_size", str(per_rank * nproc),
+                                         "--training.micro_batch_size", "auto", "--training.max_steps", str(steps)]
+    limits = budgets(predicted(base, nproc), per_rank)
+    results = []
+    for name in names:
+        args = base + ["--faults.memory_budget_mib", repr(limits[name])]
+        tps: dict[str, list[float]] = {m: [] for m in MODES}
+        ooms, plans = {m: 0 for m in MODES}, {}
+        for _ in range(repeats):
+            for mode, extra in MODES.items():  # alternating: the machine's drift hits both
+                out = scratch_dir(f"solver_{engine}_{name}_{mode}_")
+                records = run_memtrain(args + extra, out, nproc)
+                shutil.rmtree(out, ignore_errors=True)
+                tps[mode].append(tokens_per_s(records[2:]))
+                ooms[mode] += sum(e["event"] in OOM_EVENTS for r in records for e in r.get("plan_changes", []))
+                plans[mode] = chosen(records)
+        results.append({
+            "benchmark": "solver", "engine": engine, "world_size": nproc, "steps": steps, "repeats": repeats,
+            "budget": name, "budget_mib": limits[name], "plan": plans, "oom_events": ooms,
+            "tokens_per_s": {m: spread(v) for m, v in tps.items()},
+            "ratio_auto_to_off": spread([a / b for a, b in zip(tps["auto"], tps["off"])]),
+        })
+    return results
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu"])
+    ap.add_argument("--engines", default="ddp,fsdp")
+    ap.add_argument("--budgets", default="tight,medium,loose")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="one engine, the tight budget, 6 steps, 1 repeat")
+    ap.add_argument("--results", action="store_true", help="append to benchmarks/results/solver-cpu.jsonl")
+    args = ap.parse_args(argv)
+    engines, names = args.engines.split(","), args.budgets.split(",")
+    steps, repeats = args.steps, args.repeats
+    if args.quick:
+        engines, names, steps, repeats = engines[:1], ["tight"], 6, 1
+    for engine in engines:
+        for result in measure(engine, 2, steps, repeats, names):
+            emit("solver", args.device, result, args.results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
