@@ -150,16 +150,35 @@ def memory_accuracy(device: str) -> str:
     return "\n".join(out)
 
 
+def solver(device: str) -> str:
+    """``benchmarks/solver.py``: the newest row per (engine, budget)."""
+    rows: dict[tuple, dict] = {}
+    with open(RESULTS / f"solver-{device}.jsonl") as fh:
+        for line in fh:
+            row = json.loads(line)
+            rows[(row["engine"], row["budget"])] = row
+    out = ["| engine | budget (MiB per rank) | plan: levers off | plan: levers auto | OOM events (off / auto) "
+           "| tokens/s off (min / median / max) | tokens/s auto (min / median / max) | auto ÷ off (min / median / max) |",
+           "|---|---|---|---|---|---|---|---|"]
+    for (engine, budget), r in sorted(rows.items(), key=lambda kv: (list(ENGINE_NAMES).index(kv[0][0]),
+                                                                      ["tight", "medium", "loose"].index(kv[0][1]))):
+        t = r["tokens_per_s"]
+        out.append(f"| {ENGINE_NAMES[engine]} | {budget} ({r['budget_mib']:.1f}) | {r['plan']['off']} | {r['plan']['auto']} "
+                   f"| {r['oom_events']['off']} / {r['oom_events']['auto']} | {spread(t['off'], '{:,.0f}')} "
+                   f"| {spread(t['auto'], '{:,.0f}')} | {spread(r['ratio_auto_to_off'])} |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("benchmark", choices=["oom_stress", "largest_model_plan", "overhead", "memory_accuracy"])
+    parser.add_argument("benchmark", choices=["oom_stress", "largest_model_plan", "overhead", "memory_accuracy", "solver"])
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     if args.benchmark == "largest_model_plan":
         print(largest_model_plan())
         return 0
-    if args.benchmark in ("overhead", "memory_accuracy"):
-        print((overhead if args.benchmark == "overhead" else memory_accuracy)(args.device))
+    if args.benchmark in ("overhead", "memory_accuracy", "solver"):
+        print({"overhead": overhead, "memory_accuracy": memory_accuracy, "solver": solver}[args.benchmark](args.device))
         return 0
     print("Steady:\n\n" + oom_stress_steady(args.device))
     if newest("oom_stress", args.device, "spike"):

@@ -5,7 +5,7 @@ installed once and used only while the objective asks for it."""
 
 from __future__ import annotations
 
-from memtrain.chunked_loss import install_chunked_head
+from memtrain.chunked_loss import SUPPORTED_MODEL_TYPES, install_chunked_head
 from memtrain.errors import ConfigError
 from memtrain.levers.base import Lever, LeverTarget
 
@@ -22,8 +22,9 @@ class ChunkedCrossEntropy(Lever):
             raise ConfigError("memory.chunked_cross_entropy", "is for causal language models; the CTC loss has no "
                               "[tokens, vocab] logits to chunk (set it false)")
         if (not cfg.memory.chunked_cross_entropy and getattr(cfg.memory, "levers", "off") == "auto"
-                and cfg.data.kind == "text" and getattr(cfg.model, "factory", None) is None):
-            return (False, True)  # the solver may turn it on (memory.levers auto)
+                and cfg.data.kind == "text" and getattr(cfg.model, "factory", None) is None
+                and (getattr(cfg.model, "config", None) or {}).get("model_type") in SUPPORTED_MODEL_TYPES):
+            return (False, True)  # the solver may turn it on (memory.levers auto): a config's language model
         return (bool(cfg.memory.chunked_cross_entropy),)
 
     def apply(self, target: LeverTarget, setting) -> None:
