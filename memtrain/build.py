@@ -26,7 +26,7 @@ from memtrain.data import GlobalBatchSampler, build_corpus
 from memtrain.distributed import ProcessState
 from memtrain.evaluate import Evaluator
 from memtrain.faults import FaultInjector
-from memtrain.levers import LeverTarget, first_settings, lever_choices
+from memtrain.levers import LeverTarget, first_settings, offered_choices
 from memtrain.loop import TrainingLoop
 from memtrain.models import ModelSource, count_parameters
 from memtrain.flops import flops_per_token, peak_bf16_flops
@@ -207,9 +207,7 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
     utilisation = model_flops(model, n_params, cfg.data.seq_len, objective.unit, precision, process.device)
     sampler = make_sampler(cfg, corpus, spec)
     # the planner is built on first use, after the engine below exists
-    choices = lever_choices(cfg, spec)
-    if inputs.model is not None or not hasattr(objective, "chunked"):  # a user's model or loss: not offered
-        choices["chunked_cross_entropy"] = choices.get("chunked_cross_entropy", (False,))[:1]
+    choices = offered_choices(cfg, spec, source, objective)
     make_planner = planner_factory(cfg, corpus, objective, precision, process, lambda: engine.model_state_bytes(n_params),
                                    choices, source)
     controller = make_controller(cfg, spec.data_parallel_size, choices, make_planner)

@@ -116,8 +116,8 @@ class TrainingConfig:
     """Samples per optimizer step, summed over all ranks and micro-batches."""
     micro_batch_size: Union[int, Literal["auto"]] = 8
     """Samples per forward/backward on one rank. auto = the planner's fastest plan predicted to fit
-    the device (memtrain/memory/planner.py): every divisor of the rank's share, with activation
-    checkpointing off and on (as memory.activation_checkpointing allows), timed before step 1."""
+    the device (memtrain/memory/planner.py): every divisor of the rank's share, with each setting
+    of the levers memory.activation_checkpointing and memory.levers allow, timed before step 1."""
     max_steps: int = 100
     """Optimizer steps to run."""
     seed: int = 1234

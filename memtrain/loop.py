@@ -194,8 +194,8 @@ class TrainingLoop:
         if any(key in changed for key in ("training.weight_decay", "training.adam_beta1", "training.adam_beta2",
                                           "training.adam_eps")):
             apply_hyperparameters(self.optimizer, self.cfg.training)
-        if "training.micro_batch_size" in changed or any(lever(name).config_key in changed
-                                                         for name in self.controller.choices):
+        if ("training.micro_batch_size" in changed or "memory.levers" in changed
+                or any(lever(name).config_key in changed for name in self.controller.choices)):
             self.controller.restart()
         if changed and self.process.is_main:
             log.warning("memtrain: resuming %s with changed settings: %s", path, "; ".join(

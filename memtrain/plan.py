@@ -238,8 +238,9 @@ class PlanController:
         for name, options in self.choices.items():
             x, setting = lever(name), old.lever(name)
             if x.runtime and setting in options and options.index(setting) + 1 < len(options):
-                self.plan = old.with_levers(**{name: options[options.index(setting) + 1]})
-                return PlanChange(x.escalate_event or f"{name}_changed", old, self.plan,
+                saving = options[options.index(setting) + 1]
+                self.plan = old.with_levers(**{name: saving})
+                return PlanChange(x.event_for(saving) or f"{name}_changed", old, self.plan,
                                   f"OOM in {where} at micro-batch 1")
         notes = [lever(name).floor_note(old.lever(name), options) for name, options in self.choices.items()]
         raise OOMStop(f"out of memory in {where} at micro-batch 1" + "".join(f" {n}" for n in notes if n))
@@ -253,7 +254,7 @@ class PlanController:
             return None
         moved = [name for name, setting in nxt.plan.levers if setting != old.lever(name)]
         event = ("oom_shrink" if nxt.micro_batch_size < old.micro_batch_size else
-                 (lever(moved[0]).escalate_event or "oom_replan") if moved else "oom_replan")
+                 (lever(moved[0]).event_for(nxt.plan.lever(moved[0])) or "oom_replan") if moved else "oom_replan")
         return self.adopt(nxt, event, f"OOM in {where}; fastest plan predicted to fit: {nxt}")
 
     def on_success(self) -> PlanChange | None:

@@ -355,3 +355,18 @@ def test_checkpoints_from_before_levers_resume_their_activation_checkpointing():
     off = two_lever_controller("off")
     off.load_state_dict(old)
     assert off.plan.lever("activation_checkpointing") == "off" and off.plan.sizes == (2, 2)
+
+
+def test_the_floor_under_levers_auto_names_each_move():
+    """``memory.levers auto`` at micro-batch 1: AC goes off → selective → on, then chunked
+    cross-entropy turns on, each change named by what it moved to; then the run stops."""
+    from memtrain.levers.activation_checkpointing import SOLVER_CHOICES
+
+    choices = {"activation_checkpointing": SOLVER_CHOICES, "chunked_cross_entropy": (False, True)}
+    ctl = PlanController(Plan(1, 4, (("activation_checkpointing", "off"), ("chunked_cross_entropy", False))), 4, 2,
+                         choices)
+    events = [ctl.on_oom("forward").event for _ in range(3)]
+    assert events == ["activation_checkpointing_selective", "activation_checkpointing_on", "chunked_cross_entropy_on"]
+    assert ctl.plan.settings() == {"activation_checkpointing": "on", "chunked_cross_entropy": True}
+    with pytest.raises(OOMStop):
+        ctl.on_oom("forward")

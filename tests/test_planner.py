@@ -184,7 +184,8 @@ def test_controller_with_planner_oom_grow_back_and_state():
     planner = Planner(table(), None, timed({**SECONDS, (8, True): 0.95}))
     ctl = controller(8, per_rank, "auto", 2, planner)
     change = ctl.on_oom("forward")
-    assert change.event == "activation_checkpointing_on" and ctl.plan.lever("activation_checkpointing") and ctl.plan.micro_batch_size == 8
+    assert change.event == "activation_checkpointing_on" and ctl.plan.lever("activation_checkpointing") == "on" \
+        and ctl.plan.micro_batch_size == 8
     assert change.as_dict()["predicted_peak_bytes"] == planner.get(P(8, True)).predicted_peak_bytes
     change = ctl.on_oom("forward")  # 8 + AC fails as well: the fastest of what needs less than 3 MiB
     assert change.event == "oom_shrink" and (ctl.plan.micro_batch_size, ctl.plan.lever("activation_checkpointing")) == (4, "on")

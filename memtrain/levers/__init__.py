@@ -19,7 +19,7 @@ LEVERS: tuple[Lever, ...] = (ActivationCheckpointing(), ChunkedCrossEntropy(), R
 """Every lever memtrain has, in the order the OOM recovery escalates them."""
 
 __all__ = ["LEVERS", "Lever", "LeverTarget", "lever", "lever_choices", "apply_levers", "recompute_fraction",
-           "describe", "lever_events", "first_settings", "restore_settings"]
+           "describe", "lever_events", "first_settings", "restore_settings", "offered_choices"]
 
 
 def lever(name: str) -> Lever:
@@ -43,6 +43,18 @@ def lever_choices(cfg, spec) -> dict[str, tuple]:
     """
     return {x.name: x.choices(cfg, spec) for x in LEVERS
             if (spec is not None or x.model_lever) and x.applies(cfg, spec)}
+
+
+def offered_choices(cfg, spec, source=None, objective=None) -> dict[str, tuple]:
+    """:func:`lever_choices`, less what the run's model or objective cannot take: chunked
+    cross-entropy is offered (``memory.levers auto``) only to memtrain's causal-LM objective on a
+    config's model (``source``: the :class:`memtrain.models.ModelSource`, None = the config's;
+    ``objective`` None = memtrain's)."""
+    choices = lever_choices(cfg, spec)
+    user = source is not None and getattr(source, "user", None) is not None
+    if "chunked_cross_entropy" in choices and (user or (objective is not None and not hasattr(objective, "chunked"))):
+        choices["chunked_cross_entropy"] = choices["chunked_cross_entropy"][:1]
+    return choices
 
 
 def first_settings(choices: dict[str, tuple]) -> dict[str, Any]:
@@ -84,5 +96,5 @@ def describe(settings: dict[str, Any]) -> str:
 
 def lever_events() -> frozenset[str]:
     """Metrics events the levers add (e.g. ``activation_checkpointing_on``)."""
-    return frozenset(x.escalate_event for x in LEVERS if x.escalate_event)
+    return frozenset(event for x in LEVERS for event in x.events())
 

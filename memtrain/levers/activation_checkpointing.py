@@ -58,6 +58,12 @@ class ActivationCheckpointing(Lever):
         if target.faults is not None:
             target.faults.activation_checkpointing = value == "on"
 
+    def event_for(self, value) -> str:
+        return f"activation_checkpointing_{setting(value)}"  # _on, _selective (and _off for a move back)
+
+    def events(self) -> tuple[str, ...]:
+        return tuple(f"activation_checkpointing_{value}" for value in SOLVER_CHOICES)
+
     def restore(self, saved):
         return setting(saved)
 

@@ -82,6 +82,15 @@ class Lever:
             raise RuntimeError(f"{self.config_key} is fixed when the engine is built "
                                f"({target.built[self.name]!r}); a plan asked for {setting!r}")
 
+    def event_for(self, setting) -> Optional[str]:
+        """The metrics event of moving to ``setting`` under out-of-memory recovery (None: the
+        caller's generic name)."""
+        return self.escalate_event
+
+    def events(self) -> tuple[str, ...]:
+        """Every event :meth:`event_for` may name."""
+        return (self.escalate_event,) if self.escalate_event else ()
+
     def restore(self, saved):
         """A setting as a checkpoint of an older memtrain wrote it, as this version names it."""
         return saved

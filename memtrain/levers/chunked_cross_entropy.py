@@ -14,6 +14,7 @@ class ChunkedCrossEntropy(Lever):
     """Settings: bool."""
 
     name = "chunked_cross_entropy"
+    escalate_event = "chunked_cross_entropy_on"
     column = "chunked CE"
     config_key = "memory.chunked_cross_entropy"
 

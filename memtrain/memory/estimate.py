@@ -101,8 +101,7 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     from memtrain.memory.accounting import device_state_bytes, model_state_bytes
     from memtrain.data import build_corpus
     from memtrain.levers import lever_choices, recompute_fraction
-    from memtrain.memory.machine import (DEFAULT_GPU_FLOPS, REFERENCE_CPU_ADAM_PARAMS_PER_S, device_budget_bytes,
-                                         device_flops_per_s)
+    from memtrain.memory.machine import DEFAULT_GPU_FLOPS, device_budget_bytes, device_flops_per_s
     from memtrain.memory.placement import model_facts, tokens_per_sample
     from memtrain.memory.planner import Planner, activation_table, estimated_step_s, make_candidates
 
@@ -124,15 +123,12 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     state_on_device = device_state_bytes(state)
     planner = Planner(make_candidates(per_rank, choices, state_on_device, acts, device_type, budget,
                                       state["accumulation_gradient_bytes"], state["step_gradient_bytes"]), budget)
-    gpu_without_one = device_type == "cuda" and not torch.cuda.is_available()
-    flops = DEFAULT_GPU_FLOPS if gpu_without_one else device_flops_per_s(device_type)
+    flops = DEFAULT_GPU_FLOPS if device_type == "cuda" and not torch.cuda.is_available() else device_flops_per_s(device_type)
     tokens = tokens_per_sample(cfg, corpus)
     for c in planner.candidates:  # 1 ms per micro-batch (launches, reduction): ties go to fewer micro-batches
         c.predicted_step_s = estimated_step_s(c, n, tokens, flops, recompute_fraction(c.plan.settings(), cfg), 1e-3)
     chosen = run_plan(planner, cfg, choices)
-    target = gpu_memory_gib is not None or host_memory_gib is not None
-    adam_source = "given" if cpu_adam_params_per_s else "reference" if target else "measured on this machine"
-    adam = cpu_adam_params_per_s or (REFERENCE_CPU_ADAM_PARAMS_PER_S if target else None)
+    adam, adam_source = _cpu_adam_rate(cpu_adam_params_per_s, gpu_memory_gib is not None or host_memory_gib is not None)
     machine, placements = _placements(cfg, shape, n, precision, world_size, device_type, budget, flops, acts, tokens,
                                       host_memory_gib, nvme_path, gpu_memory_gib is not None, adam, nodes)
     micro = chosen.micro_batch_size if chosen is not None else (
@@ -152,6 +148,16 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
                                         for ac in ("off", "on")} for name, e in engines.items()},
         "note": NOTE,
     }
+
+
+def _cpu_adam_rate(given: Optional[float], target: bool) -> tuple[Optional[float], str]:
+    """``(rate, source)``: the CPU Adam rate a plan assumes, parameters/s — the one ``given``, else
+    for another machine (``target``) the reference rate, else None (measured here)."""
+    from memtrain.memory.machine import REFERENCE_CPU_ADAM_PARAMS_PER_S
+
+    if given:
+        return given, "given"
+    return (REFERENCE_CPU_ADAM_PARAMS_PER_S, "reference") if target else (None, "measured on this machine")
 
 
 def run_plan(planner, cfg, choices: dict):

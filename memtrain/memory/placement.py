@@ -233,13 +233,14 @@ def nvme_usable(path: Optional[str]) -> bool:
 
 
 def micro_batch_candidates(cfg, per_rank_batch: int, activation_bytes, n_params: int, tokens_per_sample: int,
-                           device_flops: float) -> list[Candidate]:
-    """The plans (micro-batch and model-lever settings: :func:`memtrain.levers.lever_choices`) of
-    a rank's share with their traced activation bytes and FLOP-estimated seconds (1 ms per
-    micro-batch for launches and reduction)."""
+                           device_flops: float, choices: Optional[dict] = None) -> list[Candidate]:
+    """The plans (micro-batch and model-lever settings: ``choices``, None =
+    :func:`memtrain.levers.lever_choices`) of a rank's share with their traced activation bytes and
+    FLOP-estimated seconds (1 ms per micro-batch for launches and reduction)."""
     from memtrain.levers import lever_choices, recompute_fraction
 
-    candidates = make_candidates(per_rank_batch, lever_choices(cfg, None), 0, activation_bytes, "cpu", None)
+    choices = lever_choices(cfg, None) if choices is None else choices
+    candidates = make_candidates(per_rank_batch, choices, 0, activation_bytes, "cpu", None)
     for c in candidates:
         c.predicted_step_s = estimated_step_s(c, n_params, tokens_per_sample, device_flops,
                                               recompute_fraction(c.plan.settings(), cfg), 1e-3)
@@ -264,7 +265,7 @@ def model_facts(cfg, corpus, source=None, objective=None) -> tuple[ModelShape, o
 
 
 def plan_model(cfg, activation_bytes, shape: ModelShape, tokens: int, world_size: int,
-               machine: Machine, precision: str, pool: list[Placement]) -> list[Placement]:
+               machine: Machine, precision: str, pool: list[Placement], choices: Optional[dict] = None) -> list[Placement]:
     """:func:`plan_placements` over the micro-batch plans of ``cfg`` (a numeric
     ``training.micro_batch_size`` is kept; ``auto`` lets each placement take its best).
 
@@ -272,10 +273,11 @@ def plan_model(cfg, activation_bytes, shape: ModelShape, tokens: int, world_size
         activation_bytes: ``plan -> bytes`` (:func:`memtrain.memory.planner.activation_table`).
         shape: the model's element counts (:func:`memtrain.memory.accounting.model_shape`).
         tokens: tokens per sample (:func:`tokens_per_sample`).
+        choices: the model levers' choices (None: :func:`memtrain.levers.lever_choices`).
     """
     t = cfg.training
     candidates = micro_batch_candidates(cfg, t.global_batch_size // world_size, activation_bytes, shape.parameters, tokens,
-                                        machine.device_flops)
+                                        machine.device_flops, choices)
     if t.micro_batch_size != "auto":
         candidates = [c for c in candidates if c.micro_batch_size == t.micro_batch_size]
     return plan_placements(candidates, pool, shape, precision, world_size, machine)
@@ -289,11 +291,14 @@ def placement_table(cfg, corpus, world_size: int, machine: Machine, precision: s
     Raises:
         RuntimeError, NotImplementedError: the model cannot be traced with fake tensors.
     """
+    from memtrain.levers import offered_choices
     from memtrain.memory.planner import activation_table
 
+    user_objective = objective
     shape, objective = model_facts(cfg, corpus, source, objective)
     acts = activation_table(cfg, corpus, objective, precision, machine.device_type, source)
-    return plan_model(cfg, acts, shape, tokens_per_sample(cfg, corpus), world_size, machine, precision, pool)
+    return plan_model(cfg, acts, shape, tokens_per_sample(cfg, corpus), world_size, machine, precision, pool,
+                      offered_choices(cfg, None, source, user_objective))
 
 
 def planning_pool(cfg, nvme: bool) -> list[Placement]:

@@ -365,6 +365,7 @@ class Planner:
                     firsts.append(c)
                     break
         self._time_again(firsts, CONTENDER_RATIO, at_least=2)  # one probe each is noisy: the close ones again
+        firsts = [c for c in firsts if c in self.fitting()]  # a later probe may have refuted it or lowered the bound
         if firsts:
             self.measure(combos[min(firsts, key=lambda c: c.step_s).plan.levers])
 
