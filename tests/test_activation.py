@@ -32,9 +32,10 @@ def run(out, cache_dir, engine, model, ac):
 # the engines that communicate inside the recomputed blocks (DDP reduces after backward)
 @pytest.mark.parametrize("engine,model", [("fsdp", "gpt2"), ("fsdp", "plain"), ("zero3", "gpt2")])
 def test_activation_checkpointing_keeps_losses_and_gradients(tmp_path, cache_dir, engine, model):
-    """Full and selective checkpointing train like no checkpointing on 2 ranks, dropout on."""
+    """Full and selective checkpointing train like no checkpointing on 2 ranks, dropout on
+    (ZeRO-3 refuses selective: test_levers)."""
     off, w_off = run(tmp_path / "off", cache_dir, engine, model, "off")
-    for ac in ("on", "selective"):
+    for ac in ("on", "selective") if engine != "zero3" else ("on",):
         on, w_on = run(tmp_path / ac, cache_dir, engine, model, ac)
         assert [r["activation_checkpointing"] for r in on] == [ac] * len(off)  # the setting was in effect
         for a, b in zip(off, on):

@@ -110,3 +110,19 @@ def test_an_engine_lever_is_fixed_when_the_engine_is_built():
     lever("reshard_after_forward").apply(target, True)
     with pytest.raises(RuntimeError, match="backend.reshard_after_forward is fixed"):
         lever("reshard_after_forward").apply(target, False)
+
+
+def test_zero3_refuses_selective_checkpointing_and_the_solver_leaves_it_out():
+    """DeepSpeed ZeRO-3 gathers parameters inside a block, differently in the forward and in the
+    recompute, which torch's selective checkpointing refuses at run time: asked for, it is a config
+    error naming the field; under ``memory.levers auto`` it is not offered; FSDP2 keeps it."""
+    from memtrain.errors import ConfigError
+
+    zero3 = SimpleNamespace(name="deepspeed", zero_stage=3, deepspeed_config=None)
+    solver = cfg("auto")
+    solver.memory.levers = "auto"
+    ac = levers.lever("activation_checkpointing")
+    with pytest.raises(ConfigError, match="'memory.activation_checkpointing'.*ZeRO-3"):
+        ac.choices(cfg("selective"), zero3)
+    assert ac.choices(solver, zero3) == ("off", "on")
+    assert ac.choices(solver, SimpleNamespace(name="fsdp")) == ("off", "selective", "on")

@@ -12,6 +12,7 @@ Settings are the strings ``off``, ``selective``, ``on`` (plan rows, ``plan.json`
 from __future__ import annotations
 
 from memtrain.activation import disable_activation_checkpointing, enable_activation_checkpointing
+from memtrain.errors import ConfigError
 from memtrain.levers.base import Lever, LeverTarget
 
 CHOICES = {"off": ("off",), "on": ("on",), "selective": ("selective",), "auto": ("off", "on")}
@@ -23,6 +24,15 @@ RECOMPUTE = {"off": 0.0, "selective": 0.1, "on": 1.0}
 """Extra forward FLOPs per checkpointed block, as a fraction of its forward (selective recomputes
 the pointwise ops and norms, a small share of a block's FLOPs; an estimate the planner's timed
 probes replace)."""
+
+
+def _zero3(spec) -> bool:
+    """Whether the engine is DeepSpeed ZeRO-3 (its stage given, or its DeepSpeed JSON's)."""
+    if spec.name != "deepspeed":
+        return False
+    from memtrain.backends.ds_config import read_user_json, resolve_zero_stage
+
+    return resolve_zero_stage(spec.zero_stage, read_user_json(spec.deepspeed_config)) == 3
 
 
 def setting(value) -> str:
@@ -43,7 +53,14 @@ class ActivationCheckpointing(Lever):
 
     def choices(self, cfg, spec) -> tuple:
         ac = cfg.memory.activation_checkpointing
-        return SOLVER_CHOICES if ac == "auto" and getattr(cfg.memory, "levers", "off") == "auto" else CHOICES[ac]
+        options = SOLVER_CHOICES if ac == "auto" and getattr(cfg.memory, "levers", "off") == "auto" else CHOICES[ac]
+        if spec is not None and _zero3(spec):
+            if ac == "selective":
+                raise ConfigError("memory.activation_checkpointing", "selective is not supported under DeepSpeed "
+                                  "ZeRO-3: its parameter gathers inside a block differ between the forward and the "
+                                  "recompute, which torch's selective checkpointing refuses; use on (or off)")
+            options = tuple(o for o in options if o != "selective")
+        return options
 
     def apply(self, target: LeverTarget, value) -> None:
         value = setting(value)
