@@ -378,8 +378,9 @@ class TrainingLoop:
         if self.faults.memory is not None:
             record["simulated_peak_bytes"] = self.faults.memory.peak_bytes
             self.faults.memory.reset_peak()
-        if self._budget_bytes():
-            record["memory_budget_bytes"] = self._budget_bytes()
+        budget = self._budget_bytes()
+        if budget:
+            record["memory_budget_bytes"] = budget
         if self.state.step == 1 and self.state.initial_val_loss is not None:
             record["initial_val_loss"] = self.state.initial_val_loss
         self._prediction_error(outcome, record.get("simulated_peak_bytes", record["peak_memory_bytes"]))

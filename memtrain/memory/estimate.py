@@ -53,8 +53,9 @@ def activation_bytes(model: nn.Module, micro_batch: dict[str, torch.Tensor], act
 
     objective = objective or CausalLM()
     probe = copy.deepcopy(model).train()
-    if setting(activation_checkpointing) != "off":
-        enable_activation_checkpointing(probe, repeated_blocks(probe), every_n_blocks, setting(activation_checkpointing))
+    mode = setting(activation_checkpointing)
+    if mode != "off":
+        enable_activation_checkpointing(probe, repeated_blocks(probe), every_n_blocks, mode)
     counter = SimulatedMemory(2**62, 0, probe.parameters())
     with torch.enable_grad(), counter.context():
         loss = objective.loss_sum(probe, micro_batch)
