@@ -56,8 +56,12 @@ def prepare_config(argv: Optional[list[str]] = None, python: Collection[str] = (
     Raises:
         ConfigError: any invalid field, or a launcher setting contradicting one (named in the message).
     """
+    from memtrain.distributed import quiet_library_notices
     from memtrain.launcher import apply_accelerate_settings
 
+    import torch
+
+    quiet_library_notices(torch.cuda.is_available())  # validation builds the model: transformers imports
     cfg = parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     apply_accelerate_settings(cfg, world_size)

@@ -156,6 +156,17 @@ class TrainingConfig:
 
 
 @dataclass
+class OptimizerConfig:
+    """How AdamW keeps its state (its hyperparameters are ``training.*``)."""
+
+    state_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
+    """AdamW's two moments: fp32 = 8 bytes per parameter; bf16 = 4 (stepped in fp32, stored
+    rounded to nearest); int8 = about 2 (torchao's 8-bit AdamW, block-wise scaled; the extra
+    memtrain[lowbit]; DDP and FSDP2 only). bf16 and int8 are lossy: the moments are rounded every
+    step. Must match on resume."""
+
+
+@dataclass
 class BackendConfig:
     """The distributed engine."""
 
@@ -346,6 +357,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
@@ -524,7 +536,7 @@ def _guarded_setattr(self, name: str, value) -> None:
     object.__setattr__(self, name, value)
 
 
-SECTIONS = (SpeechDataConfig, DataConfig, ModelConfig, TrainingConfig, BackendConfig, MemoryConfig, FaultsConfig,
+SECTIONS = (SpeechDataConfig, DataConfig, ModelConfig, TrainingConfig, OptimizerConfig, BackendConfig, MemoryConfig, FaultsConfig,
             CheckpointConfig, LoggingConfig, Config)
 for _section in SECTIONS:  # set after the classes exist, so jsonargparse sees plain dataclasses
     _section.__setattr__ = _guarded_setattr

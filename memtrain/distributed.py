@@ -188,9 +188,14 @@ def quiet_library_notices(cuda: bool) -> None:
     """Silence what a user cannot act on: torch's FutureWarning for the deprecated collectives
     DeepSpeed calls (``all_gather_into_tensor``, ``reduce_scatter_tensor``; 18 lines per ZeRO-3
     run), and, without CUDA, DeepSpeed's "Setting accelerator to CPU" (told so by
-    ``DS_ACCELERATOR=cpu`` unless the user set it)."""
+    ``DS_ACCELERATOR=cpu`` unless the user set it). When torchao is installed (transformers
+    imports it), its warnings on import: kernels of other builds that fail to load, no Triton, and
+    torch's notice on how torchao registers two enums."""
+    import logging
     import warnings
 
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -311,7 +311,7 @@ class TrainingLoop:
         progress("reading its batch", context=f"step {step}")
         cursor = self.sampler.cursor(step - 1)
         rank_batch = self._rank_batch(cursor)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = float(self.scheduler.get_last_lr()[0])  # a tensor when the optimizer keeps one (torchao)
         self.faults.step = step
         rank_batch = self.faults.perturb(rank_batch)
         if self.layerdrop is not None:

@@ -338,6 +338,7 @@ def _validate_placement(cfg: Config) -> None:
     if engine == "fsdp" and (b.offload_optimizer_ratio != 1.0 or b.nvme_path):
         raise ConfigError("backend.offload_optimizer_ratio" if b.offload_optimizer_ratio != 1.0 else "backend.nvme_path",
                           "partial and NVMe offload are DeepSpeed's (ZeRO-3); FSDP2 offloads everything or nothing")
+    _validate_optimizer_state(cfg, engine)
     if not 0.0 < b.offload_optimizer_ratio <= 1.0:
         raise ConfigError("backend.offload_optimizer_ratio", f"must be in (0, 1] (the fraction of the optimizer state "
                           f"on the host), got {b.offload_optimizer_ratio}")
@@ -351,3 +352,17 @@ def _validate_placement(cfg: Config) -> None:
     if cfg.memory.host_memory_gib < 0:
         raise ConfigError("memory.host_memory_gib", f"must be >= 0 (GiB of host memory; 0 = what is available), got "
                           f"{cfg.memory.host_memory_gib}")
+
+
+def _validate_optimizer_state(cfg: Config, engine: str) -> None:
+    """``optimizer.state_dtype``: bf16 and int8 on DDP and FSDP2 only; int8 needs torchao."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from memtrain.levers import lever
+
+    lever("optimizer_state_dtype").choices(cfg, SimpleNamespace(name=engine))  # names what DeepSpeed cannot take
+    if cfg.optimizer.state_dtype == "int8" and importlib.util.find_spec("torchao") is None:
+        raise ConfigError("optimizer.state_dtype", "int8 is torchao's 8-bit AdamW, which is not installed: pip "
+                          "install 'memtrain[lowbit]', or choose fp32 or bf16")
+

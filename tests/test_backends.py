@@ -4,6 +4,7 @@ on 2 CPU ranks gives the same losses, whichever launcher starts it."""
 import sys
 
 import pytest
+import torch
 
 from conftest import REPO, launch, read_metrics, tiny_args
 
@@ -150,3 +151,42 @@ def test_rank_divergent_buffer_is_made_equal_before_step_1(tmp_path, cache_dir):
     launch(tiny_args(tmp_path / "one", cache_dir, *args, model=False), nproc=1)
     for a, b in zip(read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one")):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("engine,dtype", [("fsdp", "bf16"), ("ddp", "int8")])
+def test_lossy_optimizer_state_trains_near_fp32_and_resumes_exactly(tmp_path, cache_dir, ddp_run, engine, dtype):
+    """optimizer.state_dtype bf16 (FSDP2: DTensor moments in a DCP checkpoint) and int8 (DDP:
+    torchao's quantized moments through optimizer.pt): the same data and first loss as the fp32
+    DDP run, every loss within 1% of it but not all equal (the moments are rounded), the checkpoint
+    holding the moments in that dtype, and a run killed after step 6 resuming from step 4 to the
+    same losses bitwise."""
+    import json
+    import shutil
+
+    if dtype == "int8":
+        pytest.importorskip("torchao.optim")
+    args = tiny_args(tmp_path, cache_dir, *STEPS, "--backend.name", engine, "--optimizer.state_dtype", dtype,
+                     "--checkpoint.every_steps", "4")
+    launch(args + ["--faults.kill_at_step", "6"], check=False, timeout=420)
+    killed = {r["step"]: r for r in read_metrics(tmp_path) if "loss" in r}
+    assert max(killed) == 6
+    shutil.copytree(tmp_path / "checkpoints" / "step_00000004", tmp_path.parent / f"{tmp_path.name}-step4")
+    launch(args, timeout=420)
+    records = [r for r in read_metrics(tmp_path) if "loss" in r]
+    for step in (5, 6):
+        assert (records[step - 1]["loss"], records[step - 1]["grad_norm"]) == (killed[step]["loss"], killed[step]["grad_norm"])
+    assert [r["batch_fingerprint"] for r in records] == [r["batch_fingerprint"] for r in ddp_run]
+    assert records[0]["loss"] == ddp_run[0]["loss"]
+    assert all(r["loss"] == pytest.approx(ref["loss"], rel=0.01) for r, ref in zip(records, ddp_run))
+    assert any(r["loss"] != ref["loss"] for r, ref in zip(records, ddp_run))
+    assert json.loads((tmp_path / "summary.json").read_text())["config"]["optimizer"]["state_dtype"] == dtype
+    saved = tmp_path.parent / f"{tmp_path.name}-step4"
+    if engine == "fsdp":
+        from torch.distributed.checkpoint import FileSystemReader
+
+        meta = FileSystemReader(str(saved / "dcp")).read_metadata().state_dict_metadata
+        moments = [m.properties.dtype for k, m in meta.items() if k.endswith(".exp_avg")]
+        assert moments and all(d == torch.bfloat16 for d in moments)
+    else:
+        state = torch.load(saved / "optimizer.pt", weights_only=True)["optimizer"]["state"]
+        assert any(type(s["exp_avg"]).__name__ == "OptimState8bit" for s in state.values())

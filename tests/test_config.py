@@ -22,6 +22,7 @@ BAD = [
     (["--data.files", "[/nonexistent/corpus/*.txt]"], 1, "data.files", "matches no file"),
     (["--data.seq_len", "64"], 1, "data.seq_len", "32 positions"),
     (["--training.micro_batch_size", "0"], 1, "training.micro_batch_size", "positive"),
+    (["--optimizer.state_dtype", "bf16", "--backend.name", "deepspeed"], 1, "optimizer.state_dtype", "ddp and fsdp"),
 ]
 
 

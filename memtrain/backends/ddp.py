@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -20,7 +20,7 @@ from memtrain.backends.common import whole_model_build_context as model_build_co
 from memtrain.backends.spec import EngineVariant
 from memtrain.checkpoint.formats import safetensors as safetensors_format
 from memtrain.distributed import ProcessState
-from memtrain.memory.accounting import model_state_bytes
+from memtrain.memory.accounting import ModelShape, model_shape, model_state_bytes
 
 VARIANTS = (EngineVariant("ddp", "ddp"),)
 """DDP's one placement: everything replicated on the device."""
@@ -67,13 +67,15 @@ class DDPBackend:
     scheduler_config = None  # memtrain's warmup + cosine
 
     def __init__(self, process: ProcessState, precision: str, find_unused_parameters: str = "auto",
-                 defer_reduction: bool = False):
+                 defer_reduction: bool = False, optimizer_state_dtype: str = "fp32"):
         from accelerate import Accelerator
         from accelerate.utils import DistributedDataParallelKwargs
 
         self.process = process
         self.precision = precision
         self.find_unused_parameters = find_unused_parameters
+        self.optimizer_state_dtype = optimizer_state_dtype
+        self.shape: Optional[ModelShape] = None  # the model's element counts (set in prepare)
         self._ddp_kwargs = DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters == "true")
         self._checked_unused = find_unused_parameters != "auto"
         self._skips_layers = False
@@ -100,6 +102,7 @@ class DDPBackend:
             log.warning("memtrain: the model skips layers at random (layerdrop > 0): DDP's unused-parameter "
                         "search is on (find_unused_parameters=True)")
         model = model.to(self.device)
+        self.shape = model_shape(model)
         optimizer = make_optimizer(model)
         model, optimizer = self.accelerator.prepare(model, optimizer)
         return model, optimizer
@@ -241,7 +244,8 @@ class DDPBackend:
         return {"backend": self.name, "checkpoint_format": safetensors_format.NAME, "zero_stage": None}
 
     def model_state_bytes(self, n_params: int) -> dict[str, int]:
-        return model_state_bytes("ddp", n_params, self.precision, None, "none", self.world_size)
+        return model_state_bytes("ddp", n_params, self.precision, None, "none", self.world_size, shape=self.shape,
+                                 state_dtype=self.optimizer_state_dtype)
 
     def close(self) -> None:
         """Nothing beyond the process group, which the process state closes."""
@@ -251,5 +255,6 @@ def build(cfg, spec, process: ProcessState, precision: str, plan) -> DDPBackend:
     """The DDP engine for ``cfg`` (``backend.find_unused_parameters``; the deferred reduction
     when ``memory.oom_recovery`` is on)."""
     return DDPBackend(process, precision, find_unused_parameters=spec.find_unused_parameters,
-                      defer_reduction=cfg.memory.oom_recovery)
+                      defer_reduction=cfg.memory.oom_recovery,
+                      optimizer_state_dtype=plan.settings().get("optimizer_state_dtype", "fp32"))
 

@@ -49,7 +49,7 @@ class FSDPBackend:
     scheduler_config = None  # memtrain's warmup + cosine
 
     def __init__(self, process: ProcessState, precision: str, reshard_after_forward: bool = True,
-                 offload: str = "none"):
+                 offload: str = "none", optimizer_state_dtype: str = "fp32"):
         from torch.distributed.device_mesh import init_device_mesh
 
         if precision == "fp16":
@@ -59,6 +59,7 @@ class FSDPBackend:
         self.world_size = process.world_size
         self.device = process.device
         self.reshard_after_forward = reshard_after_forward
+        self.optimizer_state_dtype = optimizer_state_dtype
         self.offload = offload
         process.ensure_group()  # plain `python`: a one-rank group
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
@@ -173,7 +174,8 @@ class FSDPBackend:
         return {"backend": self.name, "checkpoint_format": dcp_format.NAME, "zero_stage": None}
 
     def model_state_bytes(self, n_params: int) -> dict[str, int]:
-        return model_state_bytes("fsdp", n_params, self.precision, None, self.offload, self.world_size, shape=self.shape)
+        return model_state_bytes("fsdp", n_params, self.precision, None, self.offload, self.world_size, shape=self.shape,
+                                 state_dtype=self.optimizer_state_dtype)
 
     def close(self) -> None:
         """Nothing beyond the process group, which the process state closes."""
@@ -187,7 +189,8 @@ def build(cfg, spec, process: ProcessState, precision: str, plan) -> FSDPBackend
         ValueError: fp16.
     """
     return FSDPBackend(process, precision, reshard_after_forward=spec.reshard_after_forward,
-                       offload=spec.offload or "none")
+                       offload=spec.offload or "none",
+                       optimizer_state_dtype=plan.settings().get("optimizer_state_dtype", "fp32"))
 
 
 def _param_groups(state) -> list:

@@ -9,7 +9,8 @@ ignored:
   (:mod:`memtrain.data.sampler`); it means the same samples only if the samples, their order and
   the step size are the same: the data (files and their contents, tokenizer, ``seq_len``,
   encoding), ``training.seed`` and ``training.global_batch_size``. The engine and where its state
-  lives (its checkpoint format), and the weights the run started from, must match too.
+  lives (its checkpoint format), the optimizer state's dtype, and the weights the run started
+  from, must match too.
 * **takes effect** — from the first resumed step, said in the log and in the ``resume`` event
   of ``metrics.jsonl`` (``changed``: key → ``[checkpoint's, this run's]``). The learning-rate
   schedule is a function of the optimizer step and ``training.lr``, ``warmup_steps``,
@@ -36,7 +37,7 @@ DATA_KEYS = ("data.files", "data.max_bytes", "data.vocab_size", "data.text_field
 
 MUST_MATCH = DATA_POSITION_KEYS + DATA_KEYS + (
     "data.encoding", "model.pretrained", "model.factory", "backend.name", "backend.zero_stage", "backend.offload",
-    "backend.offload_optimizer_ratio", "backend.nvme_path")
+    "backend.offload_optimizer_ratio", "backend.nvme_path", "optimizer.state_dtype")
 """Settings a resumed run must keep (compared by :func:`check_resumable`; the engine and model
 shapes also by :class:`memtrain.checkpoint.stateful.EngineState` against the manifest)."""
 ENGINE_KEYS = ("backend.name", "backend.zero_stage")

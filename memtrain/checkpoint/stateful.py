@@ -245,7 +245,8 @@ class TokenizerFiles:
 
 class SchedulerState:
     """The LR scheduler as a :class:`Stateful`. Loading also writes the scheduler's learning rates
-    into the optimizer's groups (the engine's optimizer state may carry another group lr).
+    into the optimizer's groups (the engine's optimizer state may carry another group lr). A rate
+    kept as a tensor (torchao's optimizers) is saved as a float and filled in place on loading.
 
     Args:
         scheduler: a ``torch.optim.lr_scheduler`` scheduler; optimizer: the one it drives.
@@ -255,9 +256,14 @@ class SchedulerState:
         self.scheduler, self.optimizer = scheduler, optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        return self.scheduler.state_dict()
+        plain = lambda v: float(v) if isinstance(v, torch.Tensor) else v  # noqa: E731 - JSON
+        return {k: [plain(x) for x in v] if isinstance(v, list) else plain(v)
+                for k, v in self.scheduler.state_dict().items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state)
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
-            group["lr"] = lr
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(float(lr))
+            else:
+                group["lr"] = float(lr)

@@ -83,6 +83,32 @@ ZERO3_PERSISTENCE_THRESHOLD = 100_000
 parameter of at most this many elements whole on every rank instead of partitioning it."""
 
 
+INT8_BLOCK = 256
+"""Elements per fp32 scale of torchao's 8-bit AdamW states."""
+INT8_MIN_ELEMENTS = 4096
+"""torchao's 8-bit AdamW keeps tensors of fewer elements (or not a multiple of the block) in fp32."""
+
+
+def adam_state_bytes(state_dtype: str, numels: Iterable[int]) -> int:
+    """Bytes of AdamW's two moments for parameters of ``numels`` elements each, kept in
+    ``state_dtype`` (``optimizer.state_dtype``): fp32 8 bytes per element, bf16 4, int8 2 plus
+    two fp32 scales per :data:`INT8_BLOCK` elements and two 256-entry fp32 code maps per tensor
+    (torchao's layout, counted from its tensors; small tensors in fp32).
+
+    Raises:
+        ValueError: an unknown dtype.
+    """
+    numels = list(numels)
+    if state_dtype == "fp32":
+        return ADAM_STATE_BYTES * sum(numels)
+    if state_dtype == "bf16":
+        return ADAM_STATE_BYTES // 2 * sum(numels)
+    if state_dtype == "int8":
+        return sum(2 * n + 8 * (n // INT8_BLOCK) + 2 * 1024 if n >= INT8_MIN_ELEMENTS and n % INT8_BLOCK == 0
+                   else ADAM_STATE_BYTES * n for n in numels)
+    raise ValueError(f"optimizer.state_dtype: '{state_dtype}' is not one of fp32, bf16, int8")
+
+
 def zero_reduce_bucket_elements(n_params: int) -> int:
     """The ``reduce_bucket_size`` memtrain writes into a DeepSpeed config that does not set one:
     DeepSpeed's default, but never more than the model's parameters. ZeRO allocates the whole
@@ -129,12 +155,13 @@ def zero3_gathered_elements(shape: ModelShape, settings: Mapping[str, int]) -> i
 def model_state_bytes(engine: str, n_params: int, precision: str, zero_stage: Optional[int] = None,
                       offload: str = "none", world_size: int = 1, offload_optimizer_ratio: float = 1.0,
                       offload_device: str = "cpu", shape: Optional[ModelShape] = None,
-                      zero_settings: Optional[Mapping[str, int]] = None) -> dict[str, int]:
+                      zero_settings: Optional[Mapping[str, int]] = None, state_dtype: str = "fp32") -> dict[str, int]:
     """Per-rank bytes of model state for AdamW training under ``engine`` (the formulas below;
     ``offload_optimizer_ratio`` and ``offload_device`` are DeepSpeed's).
 
     Args:
         shape: the model's element counts (None: ``ModelShape(n_params)``, no blocks, nothing small).
+        state_dtype: ``optimizer.state_dtype`` (DDP and FSDP2; :func:`adam_state_bytes`).
         zero_settings: DeepSpeed's ``zero_optimization`` buffer sizes in elements where the run's
             config sets them (the user's JSON); the rest are :func:`deepspeed_buffer_settings`.
 
@@ -162,10 +189,12 @@ def model_state_bytes(engine: str, n_params: int, precision: str, zero_stage: Op
             n_params, precision, zero_stage, offload, w, offload_optimizer_ratio, offload_device,
             settings["reduce_bucket_size"], persistent, zero3_gathered_elements(shape, settings))}
     if engine == "fsdp":
-        return {"nvme_offloaded_bytes": 0, "step_gradient_bytes": 0, **_fsdp(n_params, precision, offload, w, shape)}
+        optim = adam_state_bytes(state_dtype, shape.numels or [n_params]) // w  # int8: whole tensors' blocks
+        return {"nvme_offloaded_bytes": 0, "step_gradient_bytes": 0, **_fsdp(n_params, precision, offload, w, shape, optim)}
     if engine != "ddp":
         raise ValueError(f"backend.name: '{engine}' is not one of ddp, fsdp, deepspeed")
-    return {"nvme_offloaded_bytes": 0, "accumulation_gradient_bytes": 0, "step_gradient_bytes": 0, **_ddp(n_params, w)}
+    return {"nvme_offloaded_bytes": 0, "accumulation_gradient_bytes": 0, "step_gradient_bytes": 0,
+            **_ddp(n_params, w, adam_state_bytes(state_dtype, shape.numels or [n_params]))}
 
 
 def device_state_bytes(state_bytes: dict[str, int]) -> int:
@@ -173,19 +202,20 @@ def device_state_bytes(state_bytes: dict[str, int]) -> int:
     return sum(state_bytes.get(k, 0) for k in DEVICE_STATE_KEYS)
 
 
-def _ddp(n_params: int, world_size: int) -> dict[str, int]:
+def _ddp(n_params: int, world_size: int, optim: int) -> dict[str, int]:
     """Every rank holds everything: Accelerate's autocast keeps fp32 parameters and gradients
-    (cast for compute) and AdamW's two fp32 moments. On more than one rank DDP's reducer also
+    (cast for compute) and AdamW's two moments (``optim`` bytes). On more than one rank DDP's reducer also
     allocates its buckets, a second copy of the fp32 gradients (MemTracker: 1.08 MB for a
     0.27M-parameter model on 2 ranks)."""
     n = n_params
-    return {"parameter_bytes": 4 * n, "gradient_bytes": 4 * n, "optimizer_bytes": ADAM_STATE_BYTES * n,
+    return {"parameter_bytes": 4 * n, "gradient_bytes": 4 * n, "optimizer_bytes": optim,
             "buffer_bytes": 4 * n if world_size > 1 else 0, "cpu_offloaded_bytes": 0}
 
 
-def _fsdp(n_params: int, precision: str, offload: str, world_size: int, shape: ModelShape) -> dict[str, int]:
-    """fp32 parameters, gradients and AdamW moments, sharded over ranks (FSDP2's mixed-precision
-    policy casts for compute); CPUOffloadPolicy moves all three to host memory. On the device
+def _fsdp(n_params: int, precision: str, offload: str, world_size: int, shape: ModelShape,
+          optim: int) -> dict[str, int]:
+    """fp32 parameters and gradients and AdamW's moments (``optim`` bytes per rank), sharded over
+    ranks (FSDP2's mixed-precision policy casts for compute); CPUOffloadPolicy moves all three to host memory. On the device
     beside them, in the compute dtype: the root unit's parameters (embeddings, head, final norm),
     gathered from its forward to the end of backward (memtrain does not reshard the root), and
     their unsharded gradients through the backward; two blocks' parameters gathered (the one
@@ -197,7 +227,7 @@ def _fsdp(n_params: int, precision: str, offload: str, world_size: int, shape: M
     reduce-scatter buffers."""
     n, w = n_params, world_size
     u = 2 if precision in ("bf16", "fp16") else 4
-    params, grads, optim = 4 * n // w, 4 * n // w, ADAM_STATE_BYTES * n // w
+    params, grads = 4 * n // w, 4 * n // w
     host = 0
     if offload not in (None, "none"):
         host, params, grads, optim = params + grads + optim, 0, 0, 0

@@ -112,11 +112,14 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     shape, objective = model_facts(cfg, corpus)  # on the meta device: nothing allocated
     n = shape.parameters
     choices = lever_choices(cfg, None)  # the model levers; the engine's are in its state bytes
-    engines = {v.name: model_state_bytes(v.engine, n, precision, v.zero_stage, v.offload, world_size, shape=shape)
+    dtype = cfg.optimizer.state_dtype
+    engines = {v.name: model_state_bytes(v.engine, n, precision, v.zero_stage, v.offload, world_size, shape=shape,
+                                         state_dtype=dtype if v.engine != "deepspeed" else "fp32")
                for v in engine_variants() if not v.tune_ratio and not v.nvme}
     b, engine = cfg.backend, infer_backend_name(cfg.backend.name, cfg.backend.deepspeed_config)
-    state = model_state_bytes(engine, n, precision, b.zero_stage if engine == "deepspeed" else None, b.offload or "none",
-                              world_size, shape=shape)
+    state_of = lambda d: model_state_bytes(engine, n, precision, b.zero_stage if engine == "deepspeed" else None,  # noqa
+                                           b.offload or "none", world_size, shape=shape, state_dtype=d)
+    state = state_of(dtype)
     budget = (int(gpu_memory_gib * 2**30) if gpu_memory_gib else
               device_budget_bytes(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu")))
     acts = activation_table(cfg, corpus, objective, precision, device_type)
@@ -147,6 +150,9 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
         "cpu_adam_source": adam_source, "placement_decides": cfg.backend.offload == "auto",
         "per_rank_total_bytes": {name: {ac: device_state_bytes(e) + max(ac_bytes[ac], e["step_gradient_bytes"])
                                         for ac in ("off", "on")} for name, e in engines.items()},
+        "optimizer_state_dtype": dtype,
+        "optimizer_state_bytes": {d: (lambda e: e["optimizer_bytes"] + e["cpu_offloaded_bytes"])(state_of(d))
+                                  for d in OPTIMIZER_STATE_DTYPES} if engine != "deepspeed" else {},
         "note": NOTE,
     }
 
@@ -273,7 +279,23 @@ def format_table(report: dict) -> str:
     return (head + "\n" + "\n".join(rows) + "\n\nplacements (host " +
             (f"{host / 2**30:.1f} GiB" if host else "memory not given: each row shows what it needs") +
             f" for the {(report.get('machine') or {}).get('ranks_per_host') or report['world_size']} rank(s) of a "
-            f"machine):\n" + format_placements(placements) + "\n\n" + verdict(report))
+            f"machine):\n" + format_placements(placements) + "\n\n" + _optimizer_state_line(report) + verdict(report))
+
+
+def _optimizer_state_line(report: dict) -> str:
+    """What each ``optimizer.state_dtype`` keeps per rank (lossy ones are set by the user, never chosen)."""
+    sizes = report.get("optimizer_state_bytes") or {}
+    if not sizes:
+        return ""
+    size = lambda b: f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"  # noqa: E731
+    cells = ", ".join(f"{d} {size(b)}" + (" (this run)" if d == report["optimizer_state_dtype"] else "")
+                      for d, b in sizes.items())
+    return (f"optimizer state per rank (optimizer.state_dtype): {cells}; bf16 and int8 round the moments every "
+            "step (lossy), so only the config turns them on\n")
+
+
+OPTIMIZER_STATE_DTYPES = ("fp32", "bf16", "int8")
+"""The settings of ``optimizer.state_dtype`` (memtrain/levers/optimizer_state.py)."""
 
 
 def _setting_word(value) -> str:
