@@ -40,7 +40,7 @@ def with_stand_in(monkeypatch):
 def cfg(ac: str = "auto", chunked: bool = False):
     return SimpleNamespace(memory=SimpleNamespace(activation_checkpointing=ac, chunked_cross_entropy=chunked,
                                                   activation_checkpointing_every_n_blocks=1),
-                           data=SimpleNamespace(kind="text"))
+                           data=SimpleNamespace(kind="text"), optimizer=SimpleNamespace(state_dtype="fp32"))
 
 
 def test_a_new_lever_is_planned_recovered_and_logged_without_other_changes(with_stand_in):
@@ -105,6 +105,7 @@ def test_an_engine_lever_is_fixed_when_the_engine_is_built():
     """FSDP2's resharding is a lever of FSDP runs only, and a plan cannot change it after the build."""
     spec = SimpleNamespace(name="fsdp", reshard_after_forward=True)
     assert lever_choices(cfg(), spec)["reshard_after_forward"] == (True,)
+    assert lever_choices(cfg(), spec)["optimizer_state_dtype"] == ("fp32",)
     assert "reshard_after_forward" not in lever_choices(cfg(), SimpleNamespace(name="ddp"))
     target = LeverTarget(torch.nn.Linear(1, 1), [], None, cfg(), built={"reshard_after_forward": True})
     lever("reshard_after_forward").apply(target, True)
