@@ -23,7 +23,8 @@ Steps, in order (the CUDA tests first: they tell soonest whether the GPU-only pa
 * ``largest_model``: the 6.7B and 10B Llama shapes, memtrain's placement vs the stock
   ``ds_configs/zero3_offload.json``, device and host peaks.
 * ``checkpoint_io``: save, blocked and load seconds per checkpoint format.
-* ``chunked_loss``: a CPU measurement; at the quick size only (its plumbing).
+* ``chunked_loss``, ``lossy_levers``, ``seq_len_reach``: CPU measurements; at the quick size only
+  (their plumbing).
 
 One JSON row per step on stdout: ``step``, ``command``, ``returncode``, ``wall_s``, ``limit_s``,
 ``rows`` (the step's own JSON rows), ``timed_out``; last a ``summary`` row.
@@ -76,6 +77,8 @@ STEPS = (
     Step("checkpoint_io", ("benchmarks/checkpoint_io.py", "--device", "cuda"), ("benchmarks/checkpoint_io.py", "--quick"),
          90),
     Step("chunked_loss", None, ("benchmarks/chunked_loss.py", "--quick"), 0),  # a CPU measurement: its plumbing only
+    Step("lossy_levers", None, ("benchmarks/lossy_levers.py", "--quick"), 0),  # CPU measurements: their plumbing only
+    Step("seq_len_reach", None, ("benchmarks/seq_len_reach.py", "--quick"), 0),
 )
 assert sum(s.limit_s for s in STEPS) <= BUDGET_S
 

@@ -12,7 +12,10 @@ in alternating order, ``--repeats`` times: ``memory.levers off`` (the micro-batc
 and ``memory.levers auto``. Reported per budget: each mode's chosen plan (the ``plan_chosen``
 event of the last repeat), tokens/s after the planning step (min/median/max over repeats), the
 ratio auto ÷ off taken per repeat (min/median/max), and the out-of-memory events of each mode
-(0 expected: the planner predicts what fits).
+(0 expected: the planner predicts what fits). A third run per repeat starts ``auto`` at the whole
+share in one micro-batch (16, too large below the loose budget): its out-of-memory recovery,
+which asks the same planner, should land on the plan ``auto`` chose before step 1
+(``recovery_lands_on_auto_plan``; its tokens/s include the recovery).
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import CPU_ARGS, ENGINES, REPO, TRAIN, emit, run_memtrain, scratch_dir, tokens_per_s  # noqa: E402
 
 MODES = {"off": ["--memory.levers", "off"], "auto": ["--memory.levers", "auto"]}
+RECOVERY = {"auto_from_whole_share": ["--memory.levers", "auto", "--training.micro_batch_size", "16"]}
+"""Out-of-memory recovery under ``memory.levers auto``: the whole share in one micro-batch, too
+large at the tight and medium budgets; where the recovery lands is compared with ``auto``'s plan."""
 OOM_EVENTS = ("oom_shrink", "oom_replan", "activation_checkpointing_on", "grow_back_failed")
 
 
@@ -65,6 +71,13 @@ def chosen(records: list[dict]) -> str:
         " + chunked CE" if event.get("chunked_cross_entropy") else "")
 
 
+def final_plan(records: list[dict]) -> str:
+    """The plan of the last step, as :func:`chosen` writes one."""
+    r = [r for r in records if "micro_batch_size" in r][-1]
+    return (f"{r['micro_batch_size']}×{r['gradient_accumulation_steps']} AC {r['activation_checkpointing']}"
+            + (" + chunked CE" if r.get("chunked_cross_entropy") else ""))
+
+
 def measure(engine: str, nproc: int, steps: int, repeats: int, names: list[str]) -> list[dict]:
     per_rank = 16
     base = CPU_ARGS + ENGINES[engine] + ["--training.global_batch_size", str(per_rank * nproc),
@@ -73,21 +86,23 @@ def measure(engine: str, nproc: int, steps: int, repeats: int, names: list[str])
     results = []
     for name in names:
         args = base + ["--faults.memory_budget_mib", repr(limits[name])]
-        tps: dict[str, list[float]] = {m: [] for m in MODES}
-        ooms, plans = {m: 0 for m in MODES}, {}
+        modes = {**MODES, **RECOVERY}
+        tps: dict[str, list[float]] = {m: [] for m in modes}
+        ooms, plans = {m: 0 for m in modes}, {}
         for _ in range(repeats):
-            for mode, extra in MODES.items():  # alternating: the machine's drift hits both
+            for mode, extra in modes.items():  # alternating: the machine's drift hits each alike
                 out = scratch_dir(f"solver_{engine}_{name}_{mode}_")
                 records = run_memtrain(args + extra, out, nproc)
                 shutil.rmtree(out, ignore_errors=True)
                 tps[mode].append(tokens_per_s(records[2:]))
                 ooms[mode] += sum(e["event"] in OOM_EVENTS for r in records for e in r.get("plan_changes", []))
-                plans[mode] = chosen(records)
+                plans[mode] = final_plan(records) if mode in RECOVERY else chosen(records)
         results.append({
             "benchmark": "solver", "engine": engine, "world_size": nproc, "steps": steps, "repeats": repeats,
             "budget": name, "budget_mib": limits[name], "plan": plans, "oom_events": ooms,
             "tokens_per_s": {m: spread(v) for m, v in tps.items()},
             "ratio_auto_to_off": spread([a / b for a, b in zip(tps["auto"], tps["off"])]),
+            "recovery_lands_on_auto_plan": plans["auto_from_whole_share"] == plans["auto"],
         })
     return results
 

@@ -5,6 +5,9 @@ configuration), so the docs show what the code measured and nothing typed by han
     python benchmarks/tables.py largest_model_plan             # memtrain plan's placements per Llama shape
     python benchmarks/tables.py overhead [--device cpu]        # memtrain vs each engine's plain loop
     python benchmarks/tables.py memory_accuracy [--device cpu] # predicted peak vs MemTracker, per engine and shape
+    python benchmarks/tables.py solver                         # memory.levers auto vs off at three budgets
+    python benchmarks/tables.py lossy_levers                   # optimizer.state_dtype: loss and bytes
+    python benchmarks/tables.py seq_len_reach                  # the longest data.seq_len under one budget
 """
 
 from __future__ import annotations
@@ -158,27 +161,74 @@ def solver(device: str) -> str:
             row = json.loads(line)
             rows[(row["engine"], row["budget"])] = row
     out = ["| engine | budget (MiB per rank) | plan: levers off | plan: levers auto | OOM events (off / auto) "
-           "| tokens/s off (min / median / max) | tokens/s auto (min / median / max) | auto ÷ off (min / median / max) |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| tokens/s off (min / median / max) | tokens/s auto (min / median / max) | auto ÷ off (min / median / max) "
+           "| auto from 16 × 1: OOM events → plan |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for (engine, budget), r in sorted(rows.items(), key=lambda kv: (list(ENGINE_NAMES).index(kv[0][0]),
                                                                       ["tight", "medium", "loose"].index(kv[0][1]))):
         t = r["tokens_per_s"]
         out.append(f"| {ENGINE_NAMES[engine]} | {budget} ({r['budget_mib']:.1f}) | {r['plan']['off']} | {r['plan']['auto']} "
                    f"| {r['oom_events']['off']} / {r['oom_events']['auto']} | {spread(t['off'], '{:,.0f}')} "
-                   f"| {spread(t['auto'], '{:,.0f}')} | {spread(r['ratio_auto_to_off'])} |")
+                   f"| {spread(t['auto'], '{:,.0f}')} | {spread(r['ratio_auto_to_off'])} | {recovery(r)} |")
+    return "\n".join(out)
+
+
+def recovery(row: dict) -> str:
+    """The solver row's recovery cell: OOM events, then the plan it landed on (= auto's or not)."""
+    if "auto_from_whole_share" not in row["plan"]:
+        return "–"  # rows from before the recovery run
+    same = " (= auto's)" if row["recovery_lands_on_auto_plan"] else ""
+    return f"{row['oom_events']['auto_from_whole_share']} → {row['plan']['auto_from_whole_share']}{same}"
+
+
+def lossy_levers(device: str) -> str:
+    """``benchmarks/lossy_levers.py``: the newest row per optimizer state dtype."""
+    rows: dict[str, dict] = {}
+    with open(RESULTS / f"lossy_levers-{device}.jsonl") as fh:
+        for line in fh:
+            row = json.loads(line)
+            rows[row["optimizer_state_dtype"]] = row
+    out = ["| optimizer.state_dtype | optimizer state per rank (MiB, predicted) | validation loss | last training loss "
+           "| tokens/s (median step) |", "|---|---|---|---|---|"]
+    for dtype in ("fp32", "bf16", "int8"):
+        if dtype in rows:
+            r = rows[dtype]
+            out.append(f"| {dtype} | {r['predicted_optimizer_state_bytes'] / 2**20:.1f} | {r['val_loss']:.4f} "
+                       f"| {r['last_loss']:.4f} | {r['tokens_per_s']:,.0f} |")
+    return "\n".join(out)
+
+
+def seq_len_reach(device: str) -> str:
+    """``benchmarks/seq_len_reach.py``: the newest row per engine."""
+    rows: dict[str, dict] = {}
+    with open(RESULTS / f"seq_len_reach-{device}.jsonl") as fh:
+        for line in fh:
+            row = json.loads(line)
+            rows[row["engine"]] = row
+    out = ["| engine | budget (MiB per rank) | longest seq_len: levers off | plan there | longest seq_len: levers auto "
+           "| plan there | auto ÷ off | OOM events (off / auto) |", "|---|---|---|---|---|---|---|---|"]
+    for engine, r in sorted(rows.items(), key=lambda kv: list(ENGINE_NAMES).index(kv[0])):
+        off, auto = r["off"], r["auto"]
+        out.append(f"| {ENGINE_NAMES[engine]} | {r['budget_mib']:.1f} | {off['longest_seq_len']} "
+                   f"| {off['plans'].get(str(off['longest_seq_len']), '–')} | {auto['longest_seq_len']} "
+                   f"| {auto['plans'].get(str(auto['longest_seq_len']), '–')} | {r['ratio_auto_to_off']:.0f}× "
+                   f"| {off['oom_events']} / {auto['oom_events']} |")
     return "\n".join(out)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("benchmark", choices=["oom_stress", "largest_model_plan", "overhead", "memory_accuracy", "solver"])
+    parser.add_argument("benchmark", choices=["oom_stress", "largest_model_plan", "overhead", "memory_accuracy", "solver",
+                                              "lossy_levers", "seq_len_reach"])
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     if args.benchmark == "largest_model_plan":
         print(largest_model_plan())
         return 0
-    if args.benchmark in ("overhead", "memory_accuracy", "solver"):
-        print({"overhead": overhead, "memory_accuracy": memory_accuracy, "solver": solver}[args.benchmark](args.device))
+    simple = {"overhead": overhead, "memory_accuracy": memory_accuracy, "solver": solver, "lossy_levers": lossy_levers,
+              "seq_len_reach": seq_len_reach}
+    if args.benchmark in simple:
+        print(simple[args.benchmark](args.device))
         return 0
     print("Steady:\n\n" + oom_stress_steady(args.device))
     if newest("oom_stress", args.device, "spike"):

@@ -276,7 +276,7 @@ def oom_stop_message(exc: OOMStop, step: int, rank: int, report: dict[str, int],
             device's peak allocation on CUDA, the process's peak resident size on the CPU).
         context: ``engine``, ``zero_stage``, ``offload``, ``activation_checkpointing`` (``off``,
             ``selective`` or ``on``),
-            ``chunked_cross_entropy`` (bool), ``device_type``, and, where known, ``budget_bytes`` (the
+            ``chunked_cross_entropy`` (bool), ``optimizer_state_dtype``, ``device_type``, and, where known, ``budget_bytes`` (the
             simulated device's or the CUDA cap) and ``simulated_peak_bytes``.
     """
     mib = lambda v: f"{v / 2**20:.1f} MiB"  # noqa: E731
@@ -291,8 +291,16 @@ def oom_stop_message(exc: OOMStop, step: int, rank: int, report: dict[str, int],
     on += [f"{'selective ' if ac == 'selective' else ''}activation checkpointing"] if ac != "off" else []
     on += [f"offload {context['offload']}"] if context.get("offload") not in (None, "none") else []
     on += ["chunked cross-entropy"] if context.get("chunked_cross_entropy") else []
+    dtype = context.get("optimizer_state_dtype", "fp32")
+    on += [f"{dtype} optimizer state"] if dtype != "fp32" else []
     left = []
-    if context["engine"] == "ddp":
+    if context["engine"] == "ddp" and dtype == "int8":
+        left.append("backend.name fsdp in a new output_dir (shards the model state; int8 optimizer state does not "
+                    "resume under another engine)")
+    elif context["engine"] == "ddp" and dtype == "bf16":
+        left.append("backend.name fsdp (shards the model state; the same command with --backend.name fsdp resumes "
+                    "this run's last checkpoint under it; DeepSpeed keeps fp32 optimizer state)")
+    elif context["engine"] == "ddp":
         left.append("backend.name fsdp, or deepspeed with backend.zero_stage 3 (shards the model state; the same "
                     "command with --backend.name fsdp, or --backend.name deepspeed --backend.zero_stage 3, resumes this "
                     "run's last checkpoint under that engine)")
@@ -305,6 +313,9 @@ def oom_stop_message(exc: OOMStop, step: int, rank: int, report: dict[str, int],
                     "memory.activation_checkpointing selective (or on)")
     if not context.get("chunked_cross_entropy"):
         left.append("memory.chunked_cross_entropy true")
+    if dtype == "fp32" and context["engine"] != "deepspeed":
+        left.append("optimizer.state_dtype bf16 or int8 in a new output_dir (half or a quarter of the optimizer "
+                    "state; lossy; it must match on resume)")
     left.append("a shorter data.seq_len")
     return (f"{exc} at step {step} (rank {rank}).{hit} Memory on this rank: "
             + ", ".join(f"{k} = {mib(v)}" for k, v in shown.items())

@@ -61,8 +61,10 @@ class AdamWBf16States(torch.optim.AdamW):
     reads them into fp32, updates them and the parameter in fp32 (torch's AdamW math: decoupled
     weight decay, bias correction) and stores them rounded to nearest; the parameters stay in
     their own dtype. ``state_dict`` is torch's; ``load_state_dict`` keeps the moments in bf16
-    (torch's casts them to the parameter's dtype). Lossy: the moments lose 16 bits of mantissa every step (the idea of bf16 optimizer states as
-    in torchao's low-bit optimizers; the update here is torch's, in fp32).
+    (torch's casts them to the parameter's dtype). Lossy: the moments lose 16 bits of mantissa
+    every step, so a decay 1 - ``beta2`` below half a bf16 step is lost (validation refuses
+    ``adam_beta2`` above 0.99). The idea of bf16 optimizer states as in torchao's low-bit
+    optimizers; the update here is torch's, in fp32.
     """
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -89,21 +91,47 @@ class AdamWBf16States(torch.optim.AdamW):
 
     @staticmethod
     def _step_one(p, state: dict, lr: float, beta1: float, beta2: float, eps: float, decay: float) -> None:
-        """One parameter's AdamW update with bf16 moments (``state`` initialised on first use)."""
+        """One parameter's AdamW update with bf16 moments (``state`` initialised on first use), on
+        its local tensors (an FSDP2 DTensor's shard), :data:`BF16_STEP_CHUNK` elements at a time."""
         if not state:
             state["step"] = torch.tensor(0.0)
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.preserve_format)
         state["step"] += 1
         step = float(state["step"])
-        grad = p.grad.float()
-        exp_avg = state["exp_avg"].float().lerp_(grad, 1 - beta1)
-        exp_avg_sq = state["exp_avg_sq"].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        state["exp_avg"].copy_(exp_avg)
-        state["exp_avg_sq"].copy_(exp_avg_sq)
-        denom = (exp_avg_sq.sqrt_() / math.sqrt(1 - beta2 ** step)).add_(eps)
-        update = exp_avg.div_(denom).mul_(lr / (1 - beta1 ** step))
-        p.mul_(1 - lr * decay).sub_(update.to(p.dtype))
+        scale = (lr / (1 - beta1 ** step), math.sqrt(1 - beta2 ** step))
+        tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+        if not all(t.is_contiguous() for t in tensors):
+            return _adamw_bf16(*tensors, lr * decay, beta1, beta2, eps, scale)
+        flat = [t.view(-1) for t in tensors]
+        for i in range(0, flat[0].numel(), BF16_STEP_CHUNK):
+            _adamw_bf16(*(t[i:i + BF16_STEP_CHUNK] for t in flat), lr * decay, beta1, beta2, eps, scale)
+
+
+BF16_STEP_CHUNK = 1 << 24
+"""Elements :class:`AdamWBf16States` updates at once: its fp32 temporaries (about 12 bytes per
+element) are those of one chunk (192 MiB), not of the largest parameter (an embedding of 128k ×
+4096 would need 6 GiB)."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor (its storage: in-place updates reach it), else ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _adamw_bf16(p, grad, exp_avg, exp_avg_sq, lr_decay: float, beta1: float, beta2: float, eps: float,
+                scale: tuple[float, float]) -> None:
+    """torch's AdamW update of ``p`` in fp32 with bf16 moments stored rounded to nearest
+    (``scale``: the step size over the first bias correction, the square root of the second)."""
+    grad = grad.float()
+    m = exp_avg.float().lerp_(grad, 1 - beta1)
+    v = exp_avg_sq.float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+    update = m.div_(v.sqrt_().div_(scale[1]).add_(eps)).mul_(scale[0])
+    p.mul_(1 - lr_decay).sub_(update.to(p.dtype))
 
 
 def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -354,14 +354,25 @@ def _validate_placement(cfg: Config) -> None:
                           f"{cfg.memory.host_memory_gib}")
 
 
+BF16_MAX_BETA2 = 0.99
+"""The largest ``training.adam_beta2`` bf16 moments take: a decay 1 - beta2 must be well above half
+a bf16 step (2^-9 ≈ 0.002) for round-to-nearest to keep it."""
+
+
 def _validate_optimizer_state(cfg: Config, engine: str) -> None:
-    """``optimizer.state_dtype``: bf16 and int8 on DDP and FSDP2 only; int8 needs torchao."""
+    """``optimizer.state_dtype``: bf16 and int8 on DDP and FSDP2 only; bf16 with ``adam_beta2`` at
+    most :data:`BF16_MAX_BETA2`; int8 needs torchao."""
     import importlib.util
     from types import SimpleNamespace
 
     from memtrain.levers import lever
 
     lever("optimizer_state_dtype").choices(cfg, SimpleNamespace(name=engine))  # names what DeepSpeed cannot take
+    if cfg.optimizer.state_dtype == "bf16" and cfg.training.adam_beta2 > BF16_MAX_BETA2:
+        raise ConfigError("optimizer.state_dtype", f"bf16 with training.adam_beta2 {cfg.training.adam_beta2}: each step "
+                          f"decays the second moment by 1 - beta2, less than half a bf16 step (2^-9), which rounding to "
+                          f"nearest loses, so the moment stops decaying; use adam_beta2 <= {BF16_MAX_BETA2}, or fp32 "
+                          "or int8 (block-scaled)")
     if cfg.optimizer.state_dtype == "int8" and importlib.util.find_spec("torchao") is None:
         raise ConfigError("optimizer.state_dtype", "int8 is torchao's 8-bit AdamW, which is not installed: pip "
                           "install 'memtrain[lowbit]', or choose fp32 or bf16")

@@ -142,6 +142,11 @@ def test_the_floor_message_names_the_budget_and_suggests_only_what_is_off():
                                  {**context, "activation_checkpointing": "selective"})
     assert "Already on: engine ddp, selective activation checkpointing." in selective
     assert "memory.activation_checkpointing on" in selective  # the full recompute is left
+    assert "optimizer.state_dtype bf16 or int8" in message
+    int8 = oom_stop_message(OOMStop("out of memory in forward at micro-batch 1"), 3, 1, report,
+                            {**context, "optimizer_state_dtype": "int8"})
+    assert "int8 optimizer state." in int8 and "zero_stage 3" not in int8  # DeepSpeed refuses lossy states
+    assert "optimizer.state_dtype bf16" not in int8 and "backend.name fsdp in a new output_dir" in int8
 
 
 def test_eval_oom_has_its_own_plan(tmp_path, tmp_path_factory, cache_dir):

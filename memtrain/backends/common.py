@@ -82,8 +82,20 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, weights:
     """Load whole-model ``weights`` and a full, name-keyed ``optimizer_state`` into ``model`` (a
     plain module or an FSDP2-sharded one, which takes its shards) and its ``optimizer`` through
     torch's ``set_state_dict`` (``full_state_dict=True``): the engine switch on resume. Group
-    settings the other engine's optimizer had and this one has not are dropped."""
+    settings the other engine's optimizer had and this one has not are dropped.
+
+    Raises:
+        memtrain.errors.CheckpointError: the optimizer is torchao's (``optimizer.state_dtype int8``):
+            its quantized moments do not cross engines (FSDP2 cannot shard them whole; a DCP
+            checkpoint holds them dequantized, which would stay fp32).
+    """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    from memtrain.errors import CheckpointError
+
+    if type(getattr(optimizer, "optimizer", optimizer)).__module__.startswith("torchao"):  # Accelerate's wrapper
+        raise CheckpointError("optimizer.state_dtype int8 cannot resume under another engine: its quantized moments "
+                              "do not cross between DDP and FSDP2. Resume with the engine that saved the checkpoint")
 
     keys = set().union(*(group.keys() for group in optimizer.param_groups))  # this optimizer's settings only
     optimizer_state = {**optimizer_state, "param_groups": [{k: v for k, v in group.items() if k in keys}

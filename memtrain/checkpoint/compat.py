@@ -40,6 +40,8 @@ MUST_MATCH = DATA_POSITION_KEYS + DATA_KEYS + (
     "backend.offload_optimizer_ratio", "backend.nvme_path", "optimizer.state_dtype")
 """Settings a resumed run must keep (compared by :func:`check_resumable`; the engine and model
 shapes also by :class:`memtrain.checkpoint.stateful.EngineState` against the manifest)."""
+OLDER_DEFAULTS = {"optimizer.state_dtype": "fp32"}
+"""Must-match keys that checkpoints of earlier versions lack, with the value those versions used."""
 ENGINE_KEYS = ("backend.name", "backend.zero_stage")
 """Must match, compared as resolved (``auto`` becomes an engine) against the manifest's ``backend`` and
 ``zero_stage`` by :class:`memtrain.checkpoint.stateful.EngineState`."""
@@ -142,7 +144,9 @@ def check_resumable(path: str, manifest: dict, config: dict, identity: Optional[
         if key in ENGINE_KEYS or (placement_auto and key in PLACEMENT_KEYS):
             continue  # compared as resolved: the engine by EngineState, an auto placement is the checkpoint's
         before, now = _get(saved, key), _get(config, key)
-        if key in saved_keys and before != now:  # a key older checkpoints lack is not compared
+        if key in OLDER_DEFAULTS and key not in saved_keys:
+            before, saved_keys = OLDER_DEFAULTS[key], saved_keys | {key}  # what a checkpoint before the key used
+        if key in saved_keys and before != now:  # another key older checkpoints lack is not compared
             raise ConfigError(key, f"is {now!r} but checkpoint {path} was saved with {before!r}; this setting "
                               "cannot change on resume (docs/checkpoints.md, \"Changing settings on resume\"). Use "
                               "the saved value, or start a new run (resume never, or another output_dir)")

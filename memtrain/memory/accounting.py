@@ -109,6 +109,25 @@ def adam_state_bytes(state_dtype: str, numels: Iterable[int]) -> int:
     raise ValueError(f"optimizer.state_dtype: '{state_dtype}' is not one of fp32, bf16, int8")
 
 
+def optimizer_state_bytes(engine: str, state_dtype: str, shape: ModelShape, world_size: int) -> int:
+    """Per-rank bytes of AdamW's moments under DDP (every rank holds them all) or FSDP2 (each rank
+    its shard: torchao decides per shard whether it quantizes, so int8 is counted on shards of
+    ``ceil(numel / world_size)`` elements, each with its own code maps).
+
+    Raises:
+        ValueError: another engine (DeepSpeed keeps fp32 partitions: :func:`model_state_bytes`).
+    """
+    numels = shape.numels or (shape.parameters,)
+    w = max(1, world_size)
+    if engine == "ddp":
+        return adam_state_bytes(state_dtype, numels)
+    if engine != "fsdp":
+        raise ValueError(f"optimizer state dtypes are counted for ddp and fsdp, not {engine}")
+    if state_dtype == "int8":
+        return adam_state_bytes(state_dtype, [-(-n // w) for n in numels])
+    return adam_state_bytes(state_dtype, numels) // w
+
+
 def zero_reduce_bucket_elements(n_params: int) -> int:
     """The ``reduce_bucket_size`` memtrain writes into a DeepSpeed config that does not set one:
     DeepSpeed's default, but never more than the model's parameters. ZeRO allocates the whole
@@ -189,12 +208,12 @@ def model_state_bytes(engine: str, n_params: int, precision: str, zero_stage: Op
             n_params, precision, zero_stage, offload, w, offload_optimizer_ratio, offload_device,
             settings["reduce_bucket_size"], persistent, zero3_gathered_elements(shape, settings))}
     if engine == "fsdp":
-        optim = adam_state_bytes(state_dtype, shape.numels or [n_params]) // w  # int8: whole tensors' blocks
+        optim = optimizer_state_bytes("fsdp", state_dtype, shape, w)
         return {"nvme_offloaded_bytes": 0, "step_gradient_bytes": 0, **_fsdp(n_params, precision, offload, w, shape, optim)}
     if engine != "ddp":
         raise ValueError(f"backend.name: '{engine}' is not one of ddp, fsdp, deepspeed")
     return {"nvme_offloaded_bytes": 0, "accumulation_gradient_bytes": 0, "step_gradient_bytes": 0,
-            **_ddp(n_params, w, adam_state_bytes(state_dtype, shape.numels or [n_params]))}
+            **_ddp(n_params, w, optimizer_state_bytes("ddp", state_dtype, shape, w))}
 
 
 def device_state_bytes(state_bytes: dict[str, int]) -> int:

@@ -98,8 +98,7 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
         (:class:`memtrain.memory.placement.Placement` dicts, the fastest fitting one ``chosen``) and the
         ``machine`` they were planned for.
     """
-    from memtrain.backends import engine_variants, infer_backend_name
-    from memtrain.memory.accounting import device_state_bytes, model_state_bytes
+    from memtrain.memory.accounting import device_state_bytes, optimizer_state_bytes
     from memtrain.data import build_corpus
     from memtrain.levers import lever_choices, recompute_fraction
     from memtrain.memory.machine import DEFAULT_GPU_FLOPS, device_budget_bytes, device_flops_per_s
@@ -112,14 +111,7 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     shape, objective = model_facts(cfg, corpus)  # on the meta device: nothing allocated
     n = shape.parameters
     choices = lever_choices(cfg, None)  # the model levers; the engine's are in its state bytes
-    dtype = cfg.optimizer.state_dtype
-    engines = {v.name: model_state_bytes(v.engine, n, precision, v.zero_stage, v.offload, world_size, shape=shape,
-                                         state_dtype=dtype if v.engine != "deepspeed" else "fp32")
-               for v in engine_variants() if not v.tune_ratio and not v.nvme}
-    b, engine = cfg.backend, infer_backend_name(cfg.backend.name, cfg.backend.deepspeed_config)
-    state_of = lambda d: model_state_bytes(engine, n, precision, b.zero_stage if engine == "deepspeed" else None,  # noqa
-                                           b.offload or "none", world_size, shape=shape, state_dtype=d)
-    state = state_of(dtype)
+    engines, engine, state = _model_states(cfg, shape, precision, world_size)
     budget = (int(gpu_memory_gib * 2**30) if gpu_memory_gib else
               device_budget_bytes(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu")))
     acts = activation_table(cfg, corpus, objective, precision, device_type)
@@ -150,11 +142,27 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
         "cpu_adam_source": adam_source, "placement_decides": cfg.backend.offload == "auto",
         "per_rank_total_bytes": {name: {ac: device_state_bytes(e) + max(ac_bytes[ac], e["step_gradient_bytes"])
                                         for ac in ("off", "on")} for name, e in engines.items()},
-        "optimizer_state_dtype": dtype,
-        "optimizer_state_bytes": {d: (lambda e: e["optimizer_bytes"] + e["cpu_offloaded_bytes"])(state_of(d))
+        "optimizer_state_dtype": cfg.optimizer.state_dtype,
+        "optimizer_state_bytes": {d: optimizer_state_bytes(engine, d, shape, world_size)
                                   for d in OPTIMIZER_STATE_DTYPES} if engine != "deepspeed" else {},
         "note": NOTE,
     }
+
+
+def _model_states(cfg, shape, precision: str, world_size: int) -> tuple[dict, str, dict]:
+    """``(model state bytes per engine variant, the run's engine, its model state bytes)`` with the
+    config's ``optimizer.state_dtype`` (DeepSpeed's variants keep fp32)."""
+    from memtrain.backends import engine_variants, infer_backend_name
+    from memtrain.memory.accounting import model_state_bytes
+
+    n, dtype = shape.parameters, cfg.optimizer.state_dtype
+    engines = {v.name: model_state_bytes(v.engine, n, precision, v.zero_stage, v.offload, world_size, shape=shape,
+                                         state_dtype=dtype if v.engine != "deepspeed" else "fp32")
+               for v in engine_variants() if not v.tune_ratio and not v.nvme}
+    b, engine = cfg.backend, infer_backend_name(cfg.backend.name, cfg.backend.deepspeed_config)
+    state = model_state_bytes(engine, n, precision, b.zero_stage if engine == "deepspeed" else None, b.offload or "none",
+                              world_size, shape=shape, state_dtype=dtype)
+    return engines, engine, state
 
 
 def _cpu_adam_rate(given: Optional[float], target: bool) -> tuple[Optional[float], str]:

@@ -61,7 +61,8 @@ class Placement:
 
     ``offload_optimizer_ratio`` is the fraction of the optimizer state on the host (``tune_ratio``:
     the planner chooses it); ``nvme``: the offloaded state is in files. ``device_bytes`` is per
-    rank, ``host_bytes`` for all ranks of a machine, ``nvme_bytes`` per rank."""
+    rank, ``host_bytes`` for all ranks of a machine, ``nvme_bytes`` per rank; ``state_dtype`` is
+    ``optimizer.state_dtype`` (DDP and FSDP2 take bf16 and int8)."""
 
     engine: str
     zero_stage: Optional[int]
@@ -79,6 +80,7 @@ class Placement:
     fits_device: bool = False
     fits_host: bool = False
     chosen: bool = False
+    state_dtype: str = "fp32"
 
     @property
     def name(self) -> str:
@@ -98,13 +100,15 @@ class Placement:
         return {"name": self.name, **dataclasses.asdict(self), "fits": self.fits}
 
 
-def variants(engines: tuple[str, ...], zero_stages: tuple[int, ...], nvme: bool) -> list[Placement]:
+def variants(engines: tuple[str, ...], zero_stages: tuple[int, ...], nvme: bool,
+             state_dtype: str = "fp32") -> list[Placement]:
     """Every placement of ``engines`` (ZeRO stages restricted to ``zero_stages``; NVMe ones only
     with ``nvme``), least offload first: the engines' own variants
-    (:func:`memtrain.backends.engine_variants`)."""
+    (:func:`memtrain.backends.engine_variants`), with optimizer states in ``state_dtype``."""
     from memtrain.backends import engine_variants
 
-    return [Placement(v.engine, v.zero_stage, v.offload, v.offload_optimizer_ratio, v.nvme, v.tune_ratio)
+    return [Placement(v.engine, v.zero_stage, v.offload, v.offload_optimizer_ratio, v.nvme, v.tune_ratio,
+                      state_dtype=state_dtype)
             for v in engine_variants(engines)
             if (v.zero_stage is None or v.zero_stage in zero_stages) and (nvme or not v.nvme)]
 
@@ -115,7 +119,7 @@ def state_bytes(p: Placement, shape: ModelShape, precision: str, world_size: int
     from memtrain.memory.accounting import model_state_bytes
 
     return model_state_bytes(p.engine, shape.parameters, precision, p.zero_stage, p.offload, world_size,
-                             p.offload_optimizer_ratio, "nvme" if p.nvme else "cpu", shape)
+                             p.offload_optimizer_ratio, "nvme" if p.nvme else "cpu", shape, state_dtype=p.state_dtype)
 
 
 def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_size: int,
@@ -320,9 +324,12 @@ def planning_pool(cfg, nvme: bool) -> list[Placement]:
     if b.offload == "auto" and offload_in_json(user)[0] != "none":
         raise ConfigError("backend.offload", f"auto, but {b.deepspeed_config} sets an offload of its own: drop one")
     engines = (engine,) if b.name != "auto" or engine != "ddp" else ("ddp", "fsdp", "deepspeed")
+    dtype = cfg.optimizer.state_dtype
+    if dtype != "fp32":  # DeepSpeed keeps fp32 optimizer partitions (memtrain/levers/optimizer_state.py)
+        engines = tuple(e for e in engines if e != "deepspeed")
     json_stage = get_path(user, "zero_optimization.stage")
     stage = b.zero_stage if b.zero_stage is not None else json_stage if json_stage in (1, 2, 3) else None
-    return variants(engines, (stage,) if stage else (1, 2, 3), nvme)
+    return variants(engines, (stage,) if stage else (1, 2, 3), nvme, dtype)
 
 
 def allowed_pool(cfg, nvme: bool) -> list[Placement]:
@@ -337,7 +344,7 @@ def allowed_pool(cfg, nvme: bool) -> list[Placement]:
     engine = infer_backend_name(b.name, b.deepspeed_config)
     offload, ratio, on_nvme = configured_offload(cfg)
     stage = resolve_zero_stage(b.zero_stage, read_user_json(b.deepspeed_config)) if engine == "deepspeed" else None
-    return [Placement(engine, stage, offload, ratio, nvme=on_nvme)]
+    return [Placement(engine, stage, offload, ratio, nvme=on_nvme, state_dtype=cfg.optimizer.state_dtype)]
 
 
 def configured_offload(cfg) -> tuple[str, float, bool]:
