@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import CPU_ARGS, REPO, TRAIN, emit, run_memtrain, scratch_dir, tokens_per_s  # noqa: E402
 
-DTYPES = ("fp32", "bf16", "int8")
+from memtrain.levers.optimizer_state import STATE_DTYPES  # noqa: E402
 
 
 def predicted_state_bytes(base: list[str], nproc: int) -> dict[str, int]:
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="the benchmarks' 0.4M model, 4 steps per dtype, nothing written")
     ap.add_argument("--results", action="store_true", help="append to benchmarks/results/lossy_levers-cpu.jsonl")
     args = ap.parse_args(argv)
-    for row in measure(4 if args.quick else args.steps, 2, DTYPES, args.quick):
+    for row in measure(4 if args.quick else args.steps, 2, STATE_DTYPES, args.quick):
         emit("lossy_levers", "cpu", row, args.results and not args.quick)
     return 0
 

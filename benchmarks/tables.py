@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from memtrain.levers.activation_checkpointing import setting  # results of older versions hold a bool
+from memtrain.levers.optimizer_state import STATE_DTYPES
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ENGINE_NAMES = {"ddp": "DDP", "fsdp": "FSDP2", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
@@ -33,6 +34,16 @@ def newest(name: str, device: str, scenario: str) -> list[dict]:
             if row.get("scenario") == scenario and "repeats" in row:
                 rows[row["engine"]] = row
     return [rows[e] for e in ENGINE_NAMES if e in rows]
+
+
+def newest_by(name: str, device: str, key) -> dict:
+    """``{key(row): row}`` over ``benchmarks/results/<name>-<device>.jsonl``: the newest row per key."""
+    rows: dict = {}
+    with open(RESULTS / f"{name}-{device}.jsonl") as fh:
+        for line in fh:
+            row = json.loads(line)
+            rows[key(row)] = row
+    return rows
 
 
 def fmt(value, spec: str = ".1e") -> str:
@@ -155,11 +166,7 @@ def memory_accuracy(device: str) -> str:
 
 def solver(device: str) -> str:
     """``benchmarks/solver.py``: the newest row per (engine, budget)."""
-    rows: dict[tuple, dict] = {}
-    with open(RESULTS / f"solver-{device}.jsonl") as fh:
-        for line in fh:
-            row = json.loads(line)
-            rows[(row["engine"], row["budget"])] = row
+    rows = newest_by("solver", device, lambda row: (row["engine"], row["budget"]))
     out = ["| engine | budget (MiB per rank) | plan: levers off | plan: levers auto | OOM events (off / auto) "
            "| tokens/s off (min / median / max) | tokens/s auto (min / median / max) | auto ÷ off (min / median / max) "
            "| auto from 16 × 1: OOM events → plan |",
@@ -183,14 +190,10 @@ def recovery(row: dict) -> str:
 
 def lossy_levers(device: str) -> str:
     """``benchmarks/lossy_levers.py``: the newest row per optimizer state dtype."""
-    rows: dict[str, dict] = {}
-    with open(RESULTS / f"lossy_levers-{device}.jsonl") as fh:
-        for line in fh:
-            row = json.loads(line)
-            rows[row["optimizer_state_dtype"]] = row
+    rows = newest_by("lossy_levers", device, lambda row: row["optimizer_state_dtype"])
     out = ["| optimizer.state_dtype | optimizer state per rank (MiB, predicted) | validation loss | last training loss "
            "| tokens/s (median step) |", "|---|---|---|---|---|"]
-    for dtype in ("fp32", "bf16", "int8"):
+    for dtype in STATE_DTYPES:
         if dtype in rows:
             r = rows[dtype]
             out.append(f"| {dtype} | {r['predicted_optimizer_state_bytes'] / 2**20:.1f} | {r['val_loss']:.4f} "
@@ -200,11 +203,7 @@ def lossy_levers(device: str) -> str:
 
 def seq_len_reach(device: str) -> str:
     """``benchmarks/seq_len_reach.py``: the newest row per engine."""
-    rows: dict[str, dict] = {}
-    with open(RESULTS / f"seq_len_reach-{device}.jsonl") as fh:
-        for line in fh:
-            row = json.loads(line)
-            rows[row["engine"]] = row
+    rows = newest_by("seq_len_reach", device, lambda row: row["engine"])
     out = ["| engine | budget (MiB per rank) | longest seq_len: levers off | plan there | longest seq_len: levers auto "
            "| plan there | auto ÷ off | OOM events (off / auto) |", "|---|---|---|---|---|---|---|---|"]
     for engine, r in sorted(rows.items(), key=lambda kv: list(ENGINE_NAMES).index(kv[0])):

@@ -12,6 +12,8 @@ from memtrain.levers.engine_settings import EngineSetting
 
 LOSSY = ("bf16", "int8")
 """Settings that round the moments every step."""
+STATE_DTYPES = ("fp32",) + LOSSY
+"""Every setting of ``optimizer.state_dtype``."""
 
 
 class OptimizerStateDtype(EngineSetting):

@@ -98,6 +98,7 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
         (:class:`memtrain.memory.placement.Placement` dicts, the fastest fitting one ``chosen``) and the
         ``machine`` they were planned for.
     """
+    from memtrain.levers.optimizer_state import STATE_DTYPES
     from memtrain.memory.accounting import device_state_bytes, optimizer_state_bytes
     from memtrain.data import build_corpus
     from memtrain.levers import lever_choices, recompute_fraction
@@ -144,7 +145,7 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
                                         for ac in ("off", "on")} for name, e in engines.items()},
         "optimizer_state_dtype": cfg.optimizer.state_dtype,
         "optimizer_state_bytes": {d: optimizer_state_bytes(engine, d, shape, world_size)
-                                  for d in OPTIMIZER_STATE_DTYPES} if engine != "deepspeed" else {},
+                                  for d in STATE_DTYPES} if engine != "deepspeed" else {},
         "note": NOTE,
     }
 
@@ -301,9 +302,6 @@ def _optimizer_state_line(report: dict) -> str:
     return (f"optimizer state per rank (optimizer.state_dtype): {cells}; bf16 and int8 round the moments every "
             "step (lossy), so only the config turns them on\n")
 
-
-OPTIMIZER_STATE_DTYPES = ("fp32", "bf16", "int8")
-"""The settings of ``optimizer.state_dtype`` (memtrain/levers/optimizer_state.py)."""
 
 
 def _setting_word(value) -> str:

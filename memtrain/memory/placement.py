@@ -317,6 +317,7 @@ def planning_pool(cfg, nvme: bool) -> list[Placement]:
     from memtrain.backends import infer_backend_name
     from memtrain.backends.ds_config import get_path, offload_in_json, read_user_json
     from memtrain.config import ConfigError
+    from memtrain.levers.optimizer_state import LOSSY
 
     b = cfg.backend
     engine = infer_backend_name(b.name, b.deepspeed_config)
@@ -325,7 +326,7 @@ def planning_pool(cfg, nvme: bool) -> list[Placement]:
         raise ConfigError("backend.offload", f"auto, but {b.deepspeed_config} sets an offload of its own: drop one")
     engines = (engine,) if b.name != "auto" or engine != "ddp" else ("ddp", "fsdp", "deepspeed")
     dtype = cfg.optimizer.state_dtype
-    if dtype != "fp32":  # DeepSpeed keeps fp32 optimizer partitions (memtrain/levers/optimizer_state.py)
+    if dtype in LOSSY:  # DeepSpeed keeps fp32 optimizer partitions (memtrain/levers/optimizer_state.py)
         engines = tuple(e for e in engines if e != "deepspeed")
     json_stage = get_path(user, "zero_optimization.stage")
     stage = b.zero_stage if b.zero_stage is not None else json_stage if json_stage in (1, 2, 3) else None
