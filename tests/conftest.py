@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))  # tests/toy_models.py, tests/forkserver.py
+from forkserver import ForkServer  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "memtrain" / "train.py")
-sys.path.insert(0, str(Path(__file__).parent))  # for model factories in tests/toy_models.py
 
 # A ~50k-parameter GPT-2 on a 300 kB slice of the standard library: enough to show every
 # property, small enough for 2 CPU cores.
@@ -53,24 +55,38 @@ def read_metrics(output_dir) -> list[dict]:
         return [json.loads(line) for line in fh]
 
 
+RUN_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+"""Set for every launched run (and for the fork server, whose libraries read them at import)."""
+
+_FORK_SERVER = ForkServer(env=RUN_ENV)
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "{port}"]
+"""The real launcher, for tests of what a user sees (its output, what a run imports): ``launch(…, launcher=TORCHRUN)``."""
+
+
 def launch(args: list[str], nproc: int = 2, timeout: float = 300, env: dict | None = None,
            launcher: list[str] | None = None, check: bool = True, script: str = TRAIN) -> subprocess.CompletedProcess:
     """Run ``script`` (``memtrain/train.py``, or a script using :class:`memtrain.Trainer`) with
-    ``nproc`` CPU ranks (gloo), under torchrun unless ``launcher`` (the command before the script) is given.
+    ``nproc`` CPU ranks (gloo): forked by :mod:`forkserver` with torchrun's environment, or under
+    ``launcher`` (the command before the script, ``{port}`` filled in) when given.
 
     Fails the test (instead of hanging CI) when the run does not finish within ``timeout`` s,
     and, with ``check``, when it exits non-zero.
     """
-    port = str(_free_port())
-    if launcher is None:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", port]
-    cmd = [*[a.replace("{port}", port) for a in launcher], script, *args]
+    port = _free_port()
     pythonpath = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath, **(env or {})}
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"distributed run timed out after {timeout}s: {' '.join(cmd)}\n{exc.stdout}\n{exc.stderr}")
+    full_env = {**os.environ, **RUN_ENV, "PYTHONPATH": pythonpath, **(env or {})}
+    if launcher is None:
+        cmd = ["forkserver", "--nproc_per_node", str(nproc), script, *args]
+        proc = _FORK_SERVER.run(cmd, script, args, nproc=nproc, port=port, env=full_env, cwd=str(REPO), timeout=timeout)
+    else:
+        cmd = [*[a.replace("{port}", str(port)) for a in launcher], script, *args]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+        except subprocess.TimeoutExpired as exc:
+            proc = subprocess.CompletedProcess(cmd, None, exc.stdout, exc.stderr)
+    if proc.returncode is None:
+        pytest.fail(f"distributed run timed out after {timeout}s: {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}")
     if check and proc.returncode != 0:
         pytest.fail(f"run failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, launch, read_metrics, tiny_args
+from conftest import REPO, TORCHRUN, launch, read_metrics, tiny_args
 
 pytestmark = pytest.mark.slow
 STEPS = ["--training.max_steps", "8"]
@@ -48,7 +48,7 @@ def _assert_matches_ddp(records, ddp):
 
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_engine_matches_ddp(tmp_path, cache_dir, ddp_run, engine):
-    proc = launch(tiny_args(tmp_path, cache_dir, *STEPS, *ENGINES[engine]), timeout=420)
+    proc = launch(tiny_args(tmp_path, cache_dir, *STEPS, *ENGINES[engine]), launcher=TORCHRUN, timeout=420)
     name = "fsdp" if engine.startswith("fsdp") else "deepspeed"
     assert f"memtrain: {name} × 2 rank(s)" in proc.stdout + proc.stderr
     for noise in ("is deprecated", "Setting accelerator to CPU", "[transformers] Model config"):  # nothing to act on
@@ -119,7 +119,7 @@ def test_layerdrop_model_trains_under_ddp(tmp_path, cache_dir):
 
     proc = launch(tiny_args(tmp_path, cache_dir, "--training.max_steps", "6", "--backend.name", "ddp",
                             "--model.factory", "toy_models:make_layerdrop", "--model.config", "{layerdrop: 0.5}",
-                            model=False))
+                            model=False), launcher=TORCHRUN)
     assert "find_unused_parameters=True" in proc.stderr
     assert "Setting accelerator to CPU" not in proc.stderr  # a DDP run says nothing of DeepSpeed
     assert len(read_metrics(tmp_path)) == 6

@@ -1,0 +1,234 @@
+"""A torchrun stand-in for the test suite: one process imports torch, transformers, accelerate,
+DeepSpeed and memtrain once, then forks the ranks of every run.
+
+A torchrun launch spends ~4 of a tiny run's ~7 s starting Python and importing the same
+libraries in the agent and in every rank; forking from a process that has imported them (and run
+nothing) skips that, the way ``multiprocessing``'s ``forkserver`` start method does. Each rank gets
+the environment torchrun gives its workers (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``/``MASTER_PORT``, ``TORCHELASTIC_*``) and runs the script as ``__main__``; like
+torchrun's agent, the server stops the other ranks (SIGTERM, then SIGKILL after 30 s) when one
+exits non-zero, and the client reports torchrun's exit status (1 when a rank failed) and its
+failure summary (``exitcode  : N`` per failed rank).
+
+What a fork cannot stand in for stays on the real launchers: elastic restarts, two agents as two
+nodes, ``accelerate launch`` / ``deepspeed``, signals sent to the launcher, and the launcher's own
+output — those tests pass ``launcher=`` to :func:`conftest.launch`.
+
+Run as ``python tests/forkserver.py ADDRESS`` (the client starts it); the protocol is one request
+(a dict) and two answers (the ranks' pids, then their exit codes) per run over a
+:mod:`multiprocessing.connection`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import time
+
+WARM_MODULES = [
+    "torch", "accelerate", "deepspeed", "transformers", "jsonargparse",
+    "transformers.modeling_utils", "transformers.modeling_layers", "transformers.masking_utils",
+    "transformers.activations", "transformers.models.auto.modeling_auto", "transformers.models.gpt2.modeling_gpt2",
+    "deepspeed.runtime.zero.muon.muon_optimizer", "torch.distributed.checkpoint", "torch.distributed.fsdp",
+]
+"""Modules a run imports (at start or lazily; ``python -X importtime`` of DDP, FSDP2 and ZeRO-3
+runs), imported once by the server, with every ``memtrain`` module."""
+
+STOP_GRACE_S = 30.0
+"""Seconds between SIGTERM and SIGKILL when the other ranks are stopped (torchrun's default)."""
+
+
+def _torchrun_env(rank: int, nproc: int, port: int) -> dict[str, str]:
+    """The variables torchrun (one node, no restarts) sets for the worker of ``rank``."""
+    return {
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+        "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "ROLE_WORLD_SIZE": str(nproc),
+        "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none",
+        "TORCHELASTIC_USE_AGENT_STORE": "False", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    }
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """The process exit status Python gives ``sys.exit(exc.code)``."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code & 0xFF
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def _rank_main(req: dict, rank: int) -> None:
+    """The forked rank: torchrun's environment, output to the request's files, ``script`` as ``__main__``."""
+    import atexit
+    import runpy
+    import threading
+    import traceback
+
+    code = 1
+    try:
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            f = os.open(f"{req[name]}.{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(f, fd)
+            os.close(f)
+        os.environ.clear()
+        os.environ.update(req["env"])
+        os.environ.update(_torchrun_env(rank, req["nproc"], req["port"]))
+        os.chdir(req["cwd"])
+        extra = [p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[:] = [os.path.dirname(req["script"]), *extra, *sys.path[1:]]
+        sys.argv = [req["script"], *req["args"]]
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            runpy.run_path(req["script"], run_name="__main__")
+            code = 0
+        except SystemExit as exc:
+            code = _exit_code(exc)
+        except BaseException:  # what the interpreter prints for an uncaught exception
+            traceback.print_exc()
+            code = 1
+        threading._shutdown()  # as at interpreter exit: wait for non-daemon threads, then atexit
+        atexit._run_exitfuncs()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _wait_ranks(pids: dict[int, int]) -> dict[int, tuple[int, bool]]:
+    """Wait for every rank; when one fails, SIGTERM the rest (SIGKILL after :data:`STOP_GRACE_S`).
+
+    Returns rank → (exit code, negative for a signal; whether it failed before the others were stopped).
+    """
+    results: dict[int, tuple[int, bool]] = {}
+    stopping_since = None
+    while len(results) < len(pids):
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            if stopping_since is not None and time.monotonic() - stopping_since > STOP_GRACE_S:
+                for p, r in pids.items():
+                    if r not in results:
+                        os.kill(p, signal.SIGKILL)
+            time.sleep(0.02)
+            continue
+        if pid not in pids:
+            continue
+        code = os.waitstatus_to_exitcode(status)
+        results[pids[pid]] = (code, stopping_since is None)
+        if code != 0 and stopping_since is None:
+            stopping_since = time.monotonic()
+            for p, r in pids.items():
+                if r not in results:
+                    os.kill(p, signal.SIGTERM)
+    return results
+
+
+def serve(address: str) -> None:
+    """Import the libraries every run needs, then answer run requests until the client closes."""
+    from multiprocessing.connection import Listener
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # what memtrain sets on a machine without CUDA
+    import importlib
+    import pkgutil
+
+    import memtrain
+
+    for name in WARM_MODULES + [m.name for m in pkgutil.walk_packages(memtrain.__path__, "memtrain.")]:
+        importlib.import_module(name)
+
+    with Listener(address, authkey=b"memtrain-tests") as listener:
+        print("ready", flush=True)
+        with listener.accept() as conn:
+            while True:
+                try:
+                    req = conn.recv()
+                except EOFError:  # the client exited
+                    shutil.rmtree(os.path.dirname(address), ignore_errors=True)
+                    return
+                pids = {}
+                for rank in range(req["nproc"]):
+                    pid = os.fork()
+                    if pid == 0:
+                        conn.close()
+                        _rank_main(req, rank)
+                    pids[pid] = rank
+                conn.send(sorted(pids))
+                conn.send(_wait_ranks(pids))
+
+
+class ForkServer:
+    """The client: starts the server on first use (its environment: this process's plus ``env``)
+    and runs one request at a time; the server exits when this process does."""
+
+    def __init__(self, env: dict[str, str]):
+        self._env = env
+        self._conn = None
+        self._server = None
+
+    def _connect(self):
+        import subprocess
+        import tempfile
+        from multiprocessing.connection import Client
+
+        folder = tempfile.mkdtemp(prefix="memtrain-forkserver-")
+        address = os.path.join(folder, "socket")
+        log = os.path.join(folder, "server.log")  # its imports' notices (the runs' own output is the ranks')
+        with open(log, "wb") as fh:
+            self._server = subprocess.Popen([sys.executable, os.path.abspath(__file__), address],
+                                            env={**os.environ, **self._env}, stdout=subprocess.PIPE, stderr=fh)
+        if self._server.stdout.readline().strip() != b"ready":
+            with open(log, errors="replace") as fh:
+                raise RuntimeError(f"the fork server did not start (exit {self._server.wait()}):\n{fh.read()[-4000:]}")
+        self._conn = Client(address, authkey=b"memtrain-tests")
+        self._folder = folder
+
+    def run(self, cmd: list[str], script: str, args: list[str], *, nproc: int, port: int, env: dict[str, str],
+            cwd: str, timeout: float):
+        """Run ``script args`` on ``nproc`` forked ranks; a :class:`subprocess.CompletedProcess`
+        whose ``returncode`` is torchrun's (0, or 1 when a rank failed; ``None`` when the run
+        outlived ``timeout`` s and was killed), stdout/stderr the ranks' in rank order, and
+        torchrun's failure summary appended to stderr."""
+        import subprocess
+
+        if self._conn is None:
+            self._connect()
+        base = os.path.join(self._folder, f"run{port}")
+        self._conn.send({"script": script, "args": list(args), "nproc": nproc, "port": port, "env": dict(env),
+                         "cwd": cwd, "stdout": base + ".out", "stderr": base + ".err"})
+        pids = self._conn.recv()
+        timed_out = not self._conn.poll(timeout)
+        if timed_out:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        results = self._conn.recv()
+        out, err = (_read_all(f"{base}.{kind}", nproc) for kind in ("out", "err"))
+        failed = {rank: code for rank, (code, first) in results.items() if code != 0 and first}
+        if failed:
+            err += "".join(f"[{rank}]:\n  rank      : {rank} (local_rank: {rank})\n  exitcode  : {code}\n"
+                           for rank, code in sorted(failed.items()))
+        returncode = None if timed_out else (1 if any(code for code, _ in results.values()) else 0)
+        return subprocess.CompletedProcess(cmd, returncode, out, err)
+
+
+def _read_all(base: str, nproc: int) -> str:
+    """The ranks' output files (``base.0``, ``base.1``, …) joined in rank order, then removed."""
+    parts = []
+    for rank in range(nproc):
+        path = f"{base}.{rank}"
+        with open(path, errors="replace") as fh:
+            parts.append(fh.read())
+        os.remove(path)
+    return "".join(parts)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
