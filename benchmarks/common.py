@@ -7,6 +7,7 @@ Every benchmark prints one JSON object per configuration to stdout, appends the 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -63,6 +64,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+FORK_SERVER_VAR = "MEMTRAIN_TEST_FORKSERVER"
+"""Set by the test suite (the socket of ``tests/forkserver.py``): the ``--quick`` plumbing runs
+its ranks as forks of a process that has imported torch and memtrain once, instead of torchrun.
+Unset (every measurement), :func:`run_memtrain` launches torchrun."""
+
+
+@functools.lru_cache(maxsize=None)
+def _fork_server():
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from forkserver import ForkServer
+
+    return ForkServer(address=os.environ[FORK_SERVER_VAR])
+
+
 class RunFailed(RuntimeError):
     """A memtrain run exited non-zero (``returncode`` and the tail of stderr attached)."""
 
@@ -80,13 +95,40 @@ def run_memtrain(args: list[str], output_dir: str, nproc: int, timeout: float = 
         RunFailed: non-zero exit (e.g. 3 = out of memory at micro-batch 1).
         subprocess.TimeoutExpired: the run took longer than ``timeout`` seconds.
     """
+    port = _free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(_free_port()), TRAIN, *args, "--output_dir", output_dir]
+           "--master_port", str(port), TRAIN, *args, "--output_dir", output_dir]
     full_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+    if os.environ.get(FORK_SERVER_VAR):
+        proc = _fork_server().run(cmd, TRAIN, [*args, "--output_dir", output_dir], nproc=nproc, port=port,
+                                  env=full_env, cwd=str(REPO), timeout=timeout)
+        if proc.returncode is None:
+            raise subprocess.TimeoutExpired(cmd, timeout, proc.stdout, proc.stderr)
+    else:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
     if proc.returncode != 0:
         raise RunFailed(proc.returncode, proc.stderr)
     return read_metrics(output_dir)
+
+
+def run_cli(args: list[str], timeout: float = 1800) -> str:
+    """Run ``memtrain ARGS`` in one process (``plan``, ``memory``, …) and return its stdout.
+
+    Raises:
+        RunFailed: non-zero exit (the tail of stderr attached).
+        subprocess.TimeoutExpired: it took longer than ``timeout`` seconds.
+    """
+    cmd = [sys.executable, TRAIN, *args]
+    if os.environ.get(FORK_SERVER_VAR):
+        proc = _fork_server().run(cmd, TRAIN, args, nproc=1, port=0, env=dict(os.environ), cwd=str(REPO),
+                                  timeout=timeout, torchrun=False)
+        if proc.returncode is None:
+            raise subprocess.TimeoutExpired(cmd, timeout, proc.stdout, proc.stderr)
+    else:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    if proc.returncode != 0:
+        raise RunFailed(proc.returncode, proc.stderr)
+    return proc.stdout
 
 
 def read_metrics(output_dir: str) -> list[dict]:

@@ -18,12 +18,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import threading
 import time
 
-from common import REPO, RunFailed, emit, run_memtrain, scratch_dir
+from common import REPO, RunFailed, emit, run_cli, run_memtrain, scratch_dir
 
 SHAPES = {  # hidden, intermediate, layers, heads (Llama-2 7B and 13B, and recipes/llama_10b.yaml between them)
     "tiny": (64, 172, 2, 4),
@@ -52,12 +51,9 @@ def shape_args(shape: str, device: str, steps: int) -> list[str]:
 
 def plan(shape: str, gpu_gib: float, host_gib: float) -> dict:
     """``memtrain plan --json`` of ``shape``: the placement rows."""
-    cmd = [sys.executable, "-c", "from memtrain.train import cli; cli()", "plan", *shape_args(shape, "cuda", 20),
-           "--backend.offload", "auto", "--gpu_memory_gib", str(gpu_gib), "--host_memory_gib", str(host_gib), "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=1800)
-    if proc.returncode != 0:
-        raise RunFailed(proc.returncode, proc.stderr)
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    out = run_cli(["plan", *shape_args(shape, "cuda", 20), "--backend.offload", "auto", "--gpu_memory_gib",
+                   str(gpu_gib), "--host_memory_gib", str(host_gib), "--json"])
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     return {"placements": [r for r in rows if r.get("placement")]}
 
 

@@ -17,21 +17,19 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import CPU_ARGS, REPO, TRAIN, emit, run_memtrain, scratch_dir, tokens_per_s  # noqa: E402
+from common import CPU_ARGS, REPO, emit, run_cli, run_memtrain, scratch_dir, tokens_per_s  # noqa: E402
 
 from memtrain.levers.optimizer_state import STATE_DTYPES  # noqa: E402
 
 
 def predicted_state_bytes(base: list[str], nproc: int) -> dict[str, int]:
     """``memtrain memory``'s optimizer state per rank for each dtype (its JSON report)."""
-    cmd = [sys.executable, TRAIN, "memory", *base, "--world_size", str(nproc)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO).stdout
+    out = run_cli(["memory", *base, "--world_size", str(nproc)])
     return json.loads(out[out.index("{"):])["optimizer_state_bytes"]
 
 

@@ -30,14 +30,13 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (CPU_ARGS, ENGINES, GPU_ARGS, REPO, TRAIN, RunFailed, bar_chart, emit,  # noqa: E402
-                    run_memtrain, scratch_dir, tokens_per_s)
+from common import (CPU_ARGS, ENGINES, GPU_ARGS, RunFailed, bar_chart, emit, run_cli, run_memtrain,  # noqa: E402
+                    scratch_dir, tokens_per_s)
 
 def scenario_args(device: str, nproc: int, cap_gib: float) -> tuple[list[str], int, list[str]]:
     """(base arguments, per-rank batch, OOM-making arguments) for the device: CUDA under the
@@ -53,8 +52,7 @@ def scenario_args(device: str, nproc: int, cap_gib: float) -> tuple[list[str], i
 
 def plan_table(base: list[str], nproc: int, extra: list[str]) -> list[dict]:
     """``memtrain plan --json`` for the run's config: one dict per candidate."""
-    cmd = [sys.executable, TRAIN, "plan", *base, *extra, "--world_size", str(nproc), "--json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO).stdout
+    out = run_cli(["plan", *base, *extra, "--world_size", str(nproc), "--json"])
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 

@@ -24,13 +24,12 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import CPU_ARGS, ENGINES, REPO, TRAIN, emit, run_memtrain, scratch_dir, tokens_per_s  # noqa: E402
+from common import CPU_ARGS, ENGINES, emit, run_cli, run_memtrain, scratch_dir, tokens_per_s  # noqa: E402
 
 MODES = {"off": ["--memory.levers", "off"], "auto": ["--memory.levers", "auto"]}
 RECOVERY = {"auto_from_whole_share": ["--memory.levers", "auto", "--training.micro_batch_size", "16"]}
@@ -47,9 +46,8 @@ def predicted(base: list[str], nproc: int) -> list[dict]:
     """``memtrain plan --json`` rows of every micro-batch and lever combination (``memory.levers
     auto``), as the simulated device counts them (a budget too large to bind: the planner then
     predicts what that device counts, model state and saved activations)."""
-    cmd = [sys.executable, TRAIN, "plan", *base, "--memory.levers", "auto", "--world_size", str(nproc), "--json",
-           "--faults.memory_budget_mib", "1000000"]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO).stdout
+    out = run_cli(["plan", *base, "--memory.levers", "auto", "--world_size", str(nproc), "--json",
+                   "--faults.memory_budget_mib", "1000000"])
     return [r for r in (json.loads(line) for line in out.splitlines() if line.startswith("{")) if not r.get("placement")]
 
 

@@ -60,6 +60,11 @@ RUN_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 _FORK_SERVER = ForkServer(env=RUN_ENV)
 
+def fork_server_address() -> str:
+    """The fork server's socket, for a process this one starts (see ``benchmarks/common.py``)."""
+    return _FORK_SERVER.address
+
+
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "{port}"]
 """The real launcher, for tests of what a user sees (its output, what a run imports): ``launch(…, launcher=TORCHRUN)``."""
 

@@ -14,9 +14,9 @@ What a fork cannot stand in for stays on the real launchers: elastic restarts, t
 nodes, ``accelerate launch`` / ``deepspeed``, signals sent to the launcher, and the launcher's own
 output — those tests pass ``launcher=`` to :func:`conftest.launch`.
 
-Run as ``python tests/forkserver.py ADDRESS`` (the client starts it); the protocol is one request
-(a dict) and two answers (the ranks' pids, then their exit codes) per run over a
-:mod:`multiprocessing.connection`.
+Run as ``python tests/forkserver.py ADDRESS`` (the client, :class:`ForkServer`, starts it); each
+client connection is served by a forked session, one request (a dict) and two answers (the ranks'
+pids, then their exit codes) per run, pickled over :class:`multiprocessing.connection.Connection`.
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ def _rank_main(req: dict, rank: int) -> None:
             os.close(f)
         os.environ.clear()
         os.environ.update(req["env"])
-        os.environ.update(_torchrun_env(rank, req["nproc"], req["port"]))
+        if req["torchrun"]:
+            os.environ.update(_torchrun_env(rank, req["nproc"], req["port"]))
         os.chdir(req["cwd"])
         extra = [p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
         sys.path[:] = [os.path.dirname(req["script"]), *extra, *sys.path[1:]]
@@ -129,78 +130,112 @@ def _wait_ranks(pids: dict[int, int]) -> dict[int, tuple[int, bool]]:
     return results
 
 
-def serve(address: str) -> None:
-    """Import the libraries every run needs, then answer run requests until the client closes."""
-    from multiprocessing.connection import Listener
+def _serve_session(conn) -> None:
+    """Answer one client's run requests until it closes the connection (a forked child of the server)."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # this process waits for its ranks itself
+    while True:
+        try:
+            req = conn.recv()
+        except EOFError:
+            return
+        pids = {}
+        for rank in range(req["nproc"]):
+            pid = os.fork()
+            if pid == 0:
+                conn.close()
+                _rank_main(req, rank)
+            pids[pid] = rank
+        conn.send(sorted(pids))
+        conn.send(_wait_ranks(pids))
 
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # what memtrain sets on a machine without CUDA
+
+def serve(address: str) -> None:
+    """Import the libraries every run needs, then serve each client that connects to ``address``
+    (a Unix socket) from a forked session, until the process that started the server exits."""
     import importlib
     import pkgutil
+    import select
+    import socket
+    from multiprocessing.connection import Connection
 
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # what memtrain sets on a machine without CUDA
     import memtrain
 
     for name in WARM_MODULES + [m.name for m in pkgutil.walk_packages(memtrain.__path__, "memtrain.")]:
         importlib.import_module(name)
-
-    with Listener(address, authkey=b"memtrain-tests") as listener:
+    parent = os.getppid()
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # finished sessions are reaped by the kernel
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(address)
+        listener.listen()
         print("ready", flush=True)
-        with listener.accept() as conn:
-            while True:
+        while os.getppid() == parent:
+            if not select.select([listener], [], [], 1.0)[0]:
+                continue
+            client, _ = listener.accept()
+            if os.fork() == 0:
+                listener.close()
                 try:
-                    req = conn.recv()
-                except EOFError:  # the client exited
-                    shutil.rmtree(os.path.dirname(address), ignore_errors=True)
-                    return
-                pids = {}
-                for rank in range(req["nproc"]):
-                    pid = os.fork()
-                    if pid == 0:
-                        conn.close()
-                        _rank_main(req, rank)
-                    pids[pid] = rank
-                conn.send(sorted(pids))
-                conn.send(_wait_ranks(pids))
+                    _serve_session(Connection(client.detach()))
+                finally:
+                    os._exit(0)
+            client.close()
+    shutil.rmtree(os.path.dirname(address), ignore_errors=True)
 
 
 class ForkServer:
-    """The client: starts the server on first use (its environment: this process's plus ``env``)
-    and runs one request at a time; the server exits when this process does."""
+    """The client. Connects to the server at ``address`` or, without one, starts a server on first
+    use (its environment: this process's plus ``env``; it exits when this process does). One run at
+    a time per client; a process started by this one reaches the same server through
+    :attr:`address` (``benchmarks/common.py`` reads it from ``MEMTRAIN_TEST_FORKSERVER``)."""
 
-    def __init__(self, env: dict[str, str]):
-        self._env = env
+    def __init__(self, env: dict[str, str] | None = None, address: str | None = None):
+        self._env = env or {}
         self._conn = None
-        self._server = None
+        self._address = address
 
-    def _connect(self):
+    @property
+    def address(self) -> str:
+        """The server's socket (the server is started if it is not running yet)."""
+        if self._address is None:
+            self._start()
+        return self._address
+
+    def _start(self) -> None:
         import subprocess
         import tempfile
-        from multiprocessing.connection import Client
 
         folder = tempfile.mkdtemp(prefix="memtrain-forkserver-")
         address = os.path.join(folder, "socket")
         log = os.path.join(folder, "server.log")  # its imports' notices (the runs' own output is the ranks')
         with open(log, "wb") as fh:
-            self._server = subprocess.Popen([sys.executable, os.path.abspath(__file__), address],
-                                            env={**os.environ, **self._env}, stdout=subprocess.PIPE, stderr=fh)
-        if self._server.stdout.readline().strip() != b"ready":
+            server = subprocess.Popen([sys.executable, os.path.abspath(__file__), address],
+                                      env={**os.environ, **self._env}, stdout=subprocess.PIPE, stderr=fh)
+        if server.stdout.readline().strip() != b"ready":
             with open(log, errors="replace") as fh:
-                raise RuntimeError(f"the fork server did not start (exit {self._server.wait()}):\n{fh.read()[-4000:]}")
-        self._conn = Client(address, authkey=b"memtrain-tests")
-        self._folder = folder
+                raise RuntimeError(f"the fork server did not start (exit {server.wait()}):\n{fh.read()[-4000:]}")
+        self._address = address
 
     def run(self, cmd: list[str], script: str, args: list[str], *, nproc: int, port: int, env: dict[str, str],
-            cwd: str, timeout: float):
-        """Run ``script args`` on ``nproc`` forked ranks; a :class:`subprocess.CompletedProcess`
-        whose ``returncode`` is torchrun's (0, or 1 when a rank failed; ``None`` when the run
-        outlived ``timeout`` s and was killed), stdout/stderr the ranks' in rank order, and
-        torchrun's failure summary appended to stderr."""
+            cwd: str, timeout: float, torchrun: bool = True):
+        """Run ``script args`` on ``nproc`` forked ranks with torchrun's environment (``torchrun``
+        false: one process as ``python script args`` runs it); a
+        :class:`subprocess.CompletedProcess` whose ``returncode`` is torchrun's (0, or 1 when a rank
+        failed; the process's own without torchrun; ``None`` when the run outlived ``timeout`` s and
+        was killed), stdout/stderr the ranks' in rank order, and torchrun's failure summary appended
+        to stderr."""
         import subprocess
+        from multiprocessing.connection import Connection
 
         if self._conn is None:
-            self._connect()
-        base = os.path.join(self._folder, f"run{port}")
+            import socket
+
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(self.address)
+            self._conn = Connection(sock.detach())
+        base = os.path.join(os.path.dirname(self.address), f"run{os.getpid()}-{port}")
         self._conn.send({"script": script, "args": list(args), "nproc": nproc, "port": port, "env": dict(env),
-                         "cwd": cwd, "stdout": base + ".out", "stderr": base + ".err"})
+                         "cwd": cwd, "stdout": base + ".out", "stderr": base + ".err", "torchrun": torchrun})
         pids = self._conn.recv()
         timed_out = not self._conn.poll(timeout)
         if timed_out:
@@ -211,6 +246,8 @@ class ForkServer:
                     pass
         results = self._conn.recv()
         out, err = (_read_all(f"{base}.{kind}", nproc) for kind in ("out", "err"))
+        if not torchrun:
+            return subprocess.CompletedProcess(cmd, None if timed_out else results[0][0], out, err)
         failed = {rank: code for rank, (code, first) in results.items() if code != 0 and first}
         if failed:
             err += "".join(f"[{rank}]:\n  rank      : {rank} (local_rank: {rank})\n  exitcode  : {code}\n"

@@ -4,12 +4,16 @@ plumbing (``benchmarks/gpu_suite.py --device cpu --quick``), which must write ne
 nor tables."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, fork_server_address
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from common import FORK_SERVER_VAR  # noqa: E402
 
 pytestmark = pytest.mark.slow
 RESULTS = REPO / "benchmarks" / "results"
@@ -21,7 +25,8 @@ def suite(cache_dir) -> dict:
     folder's files before and after it."""
     before = {p.name: p.stat().st_size for p in RESULTS.glob("*")}
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_suite.py"), "--device", "cpu", "--quick",
-                           "--data_cache_dir", cache_dir], capture_output=True, text=True, timeout=1500, cwd=REPO)
+                           "--data_cache_dir", cache_dir], capture_output=True, text=True, timeout=1500, cwd=REPO,
+                          env={**os.environ, FORK_SERVER_VAR: fork_server_address()})
     return {"returncode": proc.returncode, "stderr": proc.stderr, "before": before,
             "rows": [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")],
             "after": {p.name: p.stat().st_size for p in RESULTS.glob("*")}}
@@ -148,7 +153,8 @@ def test_solver_quick_chooses_without_running_out_of_memory(cache_dir):
     """``benchmarks/solver.py --quick``: at the tight budget both modes choose a plan before step 1
     and neither runs out of memory; the row carries both modes' tokens/s and their ratio."""
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "solver.py"), "--quick"],
-                          capture_output=True, text=True, timeout=600, cwd=REPO)
+                          capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env={**os.environ, FORK_SERVER_VAR: fork_server_address()})
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert row["budget"] == "tight" and (row["oom_events"]["off"], row["oom_events"]["auto"]) == (0, 0)
