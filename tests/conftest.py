@@ -97,6 +97,21 @@ def launch(args: list[str], nproc: int = 2, timeout: float = 300, env: dict | No
     return proc
 
 
+def run_cli(args: list[str], script: str = TRAIN, cwd=REPO, env: dict | None = None,
+            timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python script args`` (default: the ``memtrain`` command, ``memtrain/train.py``) as one
+    process forked by :mod:`forkserver` — no launcher's variables, its own exit code — in ``cwd``
+    with this environment plus ``env``. Fails the test when it runs past ``timeout`` s."""
+    pythonpath = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+    full_env = {**os.environ, **RUN_ENV, "PYTHONPATH": pythonpath, **(env or {})}
+    cmd = ["python", str(script), *args]
+    proc = _FORK_SERVER.run(cmd, str(script), [str(a) for a in args], nproc=1, port=0, env=full_env, cwd=str(cwd),
+                            timeout=timeout, torchrun=False)
+    if proc.returncode is None:
+        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
 def child_exit_codes(proc: subprocess.CompletedProcess) -> set[int]:
     """The exit codes torchrun reports for its failed ranks (``exitcode  : 3`` in its failure
     summary; torchrun itself exits 1 whatever they were)."""

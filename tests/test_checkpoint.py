@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import child_exit_codes, REPO, launch, read_metrics, tiny_args
+from conftest import REPO, child_exit_codes, launch, read_metrics, run_cli, tiny_args
 
 pytestmark = pytest.mark.slow
 STEPS = 16
@@ -373,9 +373,6 @@ def test_write_failure_on_one_rank_stops_every_rank_and_keeps_the_last_checkpoin
 def test_ctrl_c_saves_and_exits_130(tmp_path, cache_dir):
     """SIGINT (Ctrl-C) like SIGTERM: the step finishes and is saved; then exit 130, no traceback."""
     import signal
-    import subprocess
-
-    from conftest import REPO, TRAIN
 
     args = tiny_args(tmp_path, cache_dir, *CKPT, "--checkpoint.every_steps", "0")
     proc, out, err = _signal_after(args, tmp_path, 2, signal.SIGINT)
@@ -384,8 +381,7 @@ def test_ctrl_c_saves_and_exits_130(tmp_path, cache_dir):
     assert stopped < STEPS and checkpoint_steps(tmp_path) == [stopped]
     assert "SIGINT: saved step" in out and "Traceback" not in err
     # resuming that checkpoint with another global batch would skip samples: refused by name
-    proc = subprocess.run([sys.executable, TRAIN, *args, "--training.global_batch_size", "16"], env=_ENV, cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    proc = run_cli([*args, "--training.global_batch_size", "16"], timeout=120)
     assert proc.returncode == 2 and "training.global_batch_size" in proc.stderr and "Traceback" not in proc.stderr
     assert checkpoint_steps(tmp_path) == [stopped]
 

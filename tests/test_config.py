@@ -1,12 +1,8 @@
 """Bad input stops before any work, with an error naming the field; nothing is written."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-from conftest import REPO, TRAIN, TINY_ARGS
+from conftest import TINY_ARGS, run_cli
 from memtrain.config import ConfigError, parse_args
 
 BAD = [
@@ -29,9 +25,7 @@ BAD = [
 @pytest.mark.parametrize("extra,world_size,field,allowed", BAD, ids=[b[2] + "-" + b[3] for b in BAD])
 def test_bad_config_names_field_and_writes_nothing(tmp_path, extra, world_size, field, allowed):
     out = tmp_path / "out"
-    env = {**os.environ, "WORLD_SIZE": str(world_size)}
-    proc = subprocess.run([sys.executable, TRAIN, *TINY_ARGS, "--output_dir", str(out), *extra],
-                          capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
+    proc = run_cli([*TINY_ARGS, "--output_dir", str(out), *extra], env={"WORLD_SIZE": str(world_size)}, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert f"'{field}'" in proc.stderr and allowed in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -161,8 +155,7 @@ def test_the_config_is_read_only_after_validation(tmp_path):
 def test_help_lists_the_subcommands_and_plan_has_its_own():
     """``memtrain --help`` names every subcommand; ``memtrain plan --help`` gives the planner's own
     options (they were undiscoverable behind the trainer's help)."""
-    run = lambda *args: subprocess.run([sys.executable, "-c", "from memtrain.train import cli; cli()", *args],  # noqa: E731
-                                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    run = lambda *args: run_cli(list(args), timeout=120)  # noqa: E731
     top = run("--help")
     assert top.returncode == 0
     for command in ("train", "plan", "memory", "export", "plot"):
@@ -190,10 +183,10 @@ def test_print_config_prints_what_will_run_and_starts_nothing(tmp_path):
     import yaml
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-c", "from memtrain.train import cli; cli()", "train", *TINY_ARGS,
-           "--backend.name", "deepspeed", "--backend.zero_stage", "3", "--output_dir", str(out), "--print_config"]
-    env = {**os.environ, "WORLD_SIZE": "2"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    cmd = ["train", *TINY_ARGS, "--backend.name", "deepspeed", "--backend.zero_stage", "3", "--output_dir", str(out),
+           "--print_config"]
+    env = {"WORLD_SIZE": "2"}
+    proc = run_cli(cmd, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     shown = yaml.safe_load(proc.stdout)
     assert shown["engine"]["name"] == "deepspeed" and shown["engine"]["zero_stage"] == 3
@@ -204,6 +197,5 @@ def test_print_config_prints_what_will_run_and_starts_nothing(tmp_path):
         assert shown["plan"]["gradient_accumulation_steps"] * t["micro_batch_size"] * 2 == t["global_batch_size"]
     assert shown["tokens_per_step"] == t["global_batch_size"] * shown["config"]["data"]["seq_len"]
     assert not out.exists()  # nothing started, nothing written
-    bad = subprocess.run(cmd[:-1] + ["--training.max_step", "2", "--print_config"], capture_output=True, text=True,
-                         timeout=120, cwd=REPO, env=env)
+    bad = run_cli(cmd[:-1] + ["--training.max_step", "2", "--print_config"], env=env, timeout=120)
     assert bad.returncode == 2 and "training.max_steps" in bad.stderr and "Traceback" not in bad.stderr

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_cli
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
@@ -64,7 +64,7 @@ def test_the_python_page_runs_as_written(tmp_path):
     each exits 0; the program's and the examples' validation losses fall; the exported model
     the last command fine-tunes is the third command's."""
     import os
-    import subprocess
+    import shlex
     import sys
 
     page = (REPO / "docs" / "python.md").read_text()
@@ -75,11 +75,9 @@ def test_the_python_page_runs_as_written(tmp_path):
                                                                            os.environ["PATH"]])}
     script = tmp_path / "quickstart.py"
     script.write_text(program.replace("runs/", runs))
-    outputs = [subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=REPO,
-                              env=env)]
+    outputs = [run_cli([], script=script, timeout=240)]
     for line in commands.strip().splitlines():
-        outputs.append(subprocess.run(line.replace("runs/", runs), shell=True, capture_output=True, text=True,
-                                      timeout=300, cwd=REPO, env=env))
+        outputs.append(run_documented(shlex.split(line.replace("runs/", runs)), REPO, env, timeout=300))
         assert outputs[-1].returncode == 0, (line, outputs[-1].stderr[-4000:])
     assert outputs[0].returncode == 0, outputs[0].stderr[-4000:]
     for out in (outputs[0], outputs[1], outputs[2], outputs[4]):  # the program and the scripts print it
@@ -140,6 +138,25 @@ def _output_dir(argv: list[str]) -> str | None:
     return yaml.safe_load((REPO / argv[argv.index("--config") + 1]).read_text())["output_dir"]
 
 
+def run_documented(argv: list[str], cwd: Path, env: dict, timeout: float):
+    """Run a documented command in ``cwd``: ``python SCRIPT …`` and ``memtrain …`` (the console
+    script runs ``memtrain/train.py``'s ``cli``) as one process forked by the test's fork server
+    (the imports done once), the launchers' commands (torchrun, accelerate launch, deepspeed, an
+    environment variable first) through the shell as written."""
+    import shlex
+    import subprocess
+
+    if argv[0] == "python" and argv[1].endswith(".py"):
+        return run_cli(argv[2:], script=cwd / argv[1], cwd=cwd, env=env, timeout=timeout)
+    if argv[0] == "memtrain":
+        return run_cli(argv[1:], cwd=cwd, env=env, timeout=timeout)
+    try:
+        return subprocess.run(shlex.join(argv), shell=True, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                              env=env)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"timed out after {timeout}s: {shlex.join(argv)}\n{exc.stdout}\n{exc.stderr}")
+
+
 def test_no_two_documented_runs_share_a_folder():
     """A reader who runs the docs in order never resumes (or is refused by) another command's run:
     two training commands write one folder only when they are the same command (the second
@@ -157,11 +174,10 @@ def test_no_two_documented_runs_share_a_folder():
 def test_the_documented_commands_run_in_order(tmp_path):
     """Every command of the README and docs/ that this CPU machine can run, run in the docs' order
     in one folder as a reader would (``runs/`` shared; training shortened with
-    ``--training.max_steps 2``; ``my_corpus/`` and ``my_dataset_on_disk`` made): each exits 0,
+    ``--training.max_steps 2 --training.eval_samples 8``; ``my_corpus/`` and ``my_dataset_on_disk`` made): each exits 0,
     including the launchers' own commands (torchrun, accelerate launch, deepspeed)."""
     import os
     import shlex
-    import subprocess
     import sys
 
     import datasets
@@ -180,9 +196,8 @@ def test_the_documented_commands_run_in_order(tmp_path):
         if not _runs_here(argv):
             continue
         if _trains(argv):
-            argv = argv + ["--training.max_steps", "2"]
-        proc = subprocess.run(shlex.join(argv), shell=True, capture_output=True, text=True, timeout=420,
-                              cwd=tmp_path, env=env)
+            argv = argv + ["--training.max_steps", "2", "--training.eval_samples", "8"]
+        proc = run_documented(argv, tmp_path, env, timeout=420)
         assert proc.returncode == 0, (page, shlex.join(argv), proc.stdout[-3000:], proc.stderr[-5000:])
         ran.append(argv)
     assert (tmp_path / "runs" / "tiny_ckpt" / "model" / "model.safetensors").is_file()

@@ -2,12 +2,10 @@
 planned without a GPU; the partial-offload glue; a placement the host cannot hold is refused."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO, TRAIN, tiny_args
+from conftest import REPO, run_cli, tiny_args
 from memtrain.memory.accounting import ModelShape, device_state_bytes, model_state_bytes
 from memtrain.memory.machine import Machine
 from memtrain.memory.placement import RATIO_STEP, Placement, plan_placements, variants
@@ -106,11 +104,10 @@ def test_plan_prints_a_fitting_placement_for_a_10b_llama_on_80gb_and_128gb(cache
     """``memtrain plan`` without a GPU, from the model config alone: a ≥10B Llama shape fits one
     80 GB GPU and a 130 GiB host, keeping part of the optimizer on the GPU (a short sequence and a
     small vocabulary keep the test fast; at 128 GiB it misses by a fraction of a GiB)."""
-    proc = subprocess.run([sys.executable, "-c", "from memtrain.train import cli; cli()", "plan", "--config",
-                           str(REPO / "recipes" / "llama_10b.yaml"), "--gpu_memory_gib", "80", "--host_memory_gib",
-                           "130", "--json", "--data.max_bytes", "300000", "--data.vocab_size", "512", "--data.seq_len", "256",
-                           "--model.config.num_hidden_layers", "32", "--training.global_batch_size", "2",
-                           "--data.cache_dir", cache_dir], capture_output=True, text=True, timeout=300, cwd=REPO)
+    proc = run_cli(["plan", "--config", str(REPO / "recipes" / "llama_10b.yaml"), "--gpu_memory_gib", "80",
+                    "--host_memory_gib", "130", "--json", "--data.max_bytes", "300000", "--data.vocab_size", "512",
+                    "--data.seq_len", "256", "--model.config.num_hidden_layers", "32",
+                    "--training.global_batch_size", "2", "--data.cache_dir", cache_dir])
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     placements = [r for r in rows if r.get("placement")]
@@ -134,9 +131,8 @@ def test_plan_answers_for_the_target_machine(cache_dir):
     recipe_micro = TINY_ARGS[:i] + TINY_ARGS[i + 2:]  # the recipe's own micro-batch (16)
 
     def plan(*extra):
-        proc = subprocess.run([sys.executable, "-c", "from memtrain.train import cli; cli()", "plan", *recipe_micro,
-                               "--world_size", "8", "--gpu_memory_gib", "12", "--data.cache_dir", cache_dir, *extra],
-                              capture_output=True, text=True, timeout=300, cwd=REPO)
+        proc = run_cli(["plan", *recipe_micro, "--world_size", "8", "--gpu_memory_gib", "12", "--data.cache_dir",
+                        cache_dir, *extra])
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc
 
@@ -192,8 +188,7 @@ def test_the_plan_marked_is_the_plan_the_run_uses(tmp_path, cache_dir):
     from memtrain.train import main
 
     args = tiny_args(tmp_path, cache_dir, "--training.max_steps", "1")
-    proc = subprocess.run([sys.executable, "-c", "from memtrain.train import cli; cli()", "plan", "--json", *args],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    proc = run_cli(["plan", "--json", *args])
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     marked = [r for r in rows if not r.get("placement") and r["chosen"]]
@@ -206,10 +201,8 @@ def test_the_plan_marked_is_the_plan_the_run_uses(tmp_path, cache_dir):
 def test_an_offload_the_host_cannot_hold_is_refused_before_start(tmp_path, cache_dir):
     """Exit 2 with the numbers, before the model is built and before anything is written."""
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, TRAIN, *tiny_args(out, cache_dir, "--backend.name", "deepspeed",
-                                                              "--backend.offload", "optimizer",
-                                                              "--memory.host_memory_gib", "0.01")],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    proc = run_cli(tiny_args(out, cache_dir, "--backend.name", "deepspeed", "--backend.offload", "optimizer",
+                             "--memory.host_memory_gib", "0.01"))
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "memory.host_memory_gib" in proc.stderr and "GiB of host memory" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TRAIN, read_metrics, tiny_args
+import conftest
+from conftest import REPO, read_metrics, tiny_args
 
 BASE = ["--training.max_steps", "4", "--checkpoint.every_steps", "2", "--training.lr", "1e-3",
         "--training.warmup_steps", "2", "--training.min_lr_ratio", "0.1"]
@@ -25,11 +26,7 @@ BASE = ["--training.max_steps", "4", "--checkpoint.every_steps", "2", "--trainin
 
 def run_cli(args: list[str], timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
     """``python memtrain/train.py ARGS`` in one process (no launcher), output captured."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent), **(env or {})}
-    full_env.pop("RANK", None)
-    full_env.pop("WORLD_SIZE", None)
-    return subprocess.run([sys.executable, TRAIN, *args], capture_output=True, text=True, timeout=timeout,
-                          env=full_env, cwd=REPO)
+    return conftest.run_cli(args, env=env, timeout=timeout)
 
 
 def snapshot(folder) -> dict[str, str]:
