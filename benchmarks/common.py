@@ -71,7 +71,8 @@ Unset (every measurement), :func:`run_memtrain` launches torchrun."""
 
 
 @functools.lru_cache(maxsize=None)
-def _fork_server():
+def fork_server():
+    """The client of the tests' fork server (only when :data:`FORK_SERVER_VAR` is set)."""
     sys.path.insert(0, os.path.join(REPO, "tests"))
     from forkserver import ForkServer
 
@@ -100,7 +101,7 @@ def run_memtrain(args: list[str], output_dir: str, nproc: int, timeout: float = 
            "--master_port", str(port), TRAIN, *args, "--output_dir", output_dir]
     full_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
     if os.environ.get(FORK_SERVER_VAR):
-        proc = _fork_server().run(cmd, TRAIN, [*args, "--output_dir", output_dir], nproc=nproc, port=port,
+        proc = fork_server().run(cmd, TRAIN, [*args, "--output_dir", output_dir], nproc=nproc, port=port,
                                   env=full_env, cwd=str(REPO), timeout=timeout)
         if proc.returncode is None:
             raise subprocess.TimeoutExpired(cmd, timeout, proc.stdout, proc.stderr)
@@ -120,7 +121,7 @@ def run_cli(args: list[str], timeout: float = 1800) -> str:
     """
     cmd = [sys.executable, TRAIN, *args]
     if os.environ.get(FORK_SERVER_VAR):
-        proc = _fork_server().run(cmd, TRAIN, args, nproc=1, port=0, env=dict(os.environ), cwd=str(REPO),
+        proc = fork_server().run(cmd, TRAIN, args, nproc=1, port=0, env=dict(os.environ), cwd=str(REPO),
                                   timeout=timeout, torchrun=False)
         if proc.returncode is None:
             raise subprocess.TimeoutExpired(cmd, timeout, proc.stdout, proc.stderr)

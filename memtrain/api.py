@@ -56,12 +56,12 @@ def prepare_config(argv: Optional[list[str]] = None, python: Collection[str] = (
     Raises:
         ConfigError: any invalid field, or a launcher setting contradicting one (named in the message).
     """
-    from memtrain.distributed import quiet_library_notices
+    from memtrain.distributed import prepare_libraries
     from memtrain.launcher import apply_accelerate_settings
 
     import torch
 
-    quiet_library_notices(torch.cuda.is_available())  # validation builds the model: transformers imports
+    prepare_libraries(torch.cuda.is_available())  # validation builds the model: transformers imports
     cfg = parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     apply_accelerate_settings(cfg, world_size)
@@ -81,7 +81,7 @@ def run(cfg: Config, inputs=None, owns_process: bool = False):
     import torch
 
     from memtrain.build import build_trainer
-    from memtrain.distributed import ProcessState, quiet_library_notices
+    from memtrain.distributed import ProcessState, prepare_libraries
     from memtrain.folders import RunLock
     from memtrain.host_allocator import fix_thresholds
     from memtrain.watchdog import Watchdog, progress
@@ -92,7 +92,7 @@ def run(cfg: Config, inputs=None, owns_process: bool = False):
             closing.callback(RunLock(cfg.output_dir).acquire().release)
         thresholds = cfg.memory.host_allocator_thresholds
         fix_thresholds(owns_process if thresholds is None else thresholds)  # before the model and data allocate
-        quiet_library_notices(torch.cuda.is_available())
+        prepare_libraries(torch.cuda.is_available())
         process = ProcessState(cpu=not torch.cuda.is_available(), timeout_s=cfg.backend.timeout_s)
         process.cap_cuda_memory(cfg.memory.cuda_memory_cap_gib)
         closing.callback(process.close)  # the engine is closed first, the lock released last

@@ -146,9 +146,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("out", help="directory to write model.safetensors and config.json into")
     parser.add_argument("--max_shard_size", default="5GB", help="split larger models into shards (default 5GB)")
     args = parser.parse_args(argv)
-    from memtrain.distributed import quiet_library_notices
+    from memtrain.distributed import prepare_libraries
 
-    quiet_library_notices(torch.cuda.is_available())
+    prepare_libraries(torch.cuda.is_available())
     try:
         out = export_checkpoint(args.checkpoint, args.out, args.max_shard_size)
     except (CheckpointError, ConfigError) as exc:

@@ -32,6 +32,28 @@ TINY_BASE_ARGS = [
 ]
 TINY_ARGS = TINY_BASE_ARGS + TINY_MODEL_ARGS
 
+STEPS = 8
+"""Steps of the shared reference runs (and of most 2-rank tests): past the warmup (2 steps) into
+the cosine decay, so a wrong schedule or a skipped sample shows."""
+
+ENGINES = {
+    "ddp": ["--backend.name", "ddp"],
+    "ddp_reducer": ["--backend.name", "ddp", "--memory.oom_recovery", "false"],  # DDP's own bucket reducer
+    "fsdp": ["--backend.name", "fsdp"],
+    "fsdp_keep_gathered": ["--backend.name", "fsdp", "--backend.reshard_after_forward", "false"],
+    "zero1": ["--backend.name", "deepspeed", "--backend.zero_stage", "1"],
+    "zero2": ["--backend.name", "deepspeed", "--backend.zero_stage", "2"],  # memtrain's schedule, no offload
+    "zero3": ["--backend.name", "deepspeed", "--backend.zero_stage", "3"],
+    # ZeRO-2 as a transformers-docs DeepSpeed JSON: CPU optimizer offload, AdamW and WarmupDecayLR with "auto"
+    "zero2_offload_hf": ["--backend.name", "deepspeed", "--backend.deepspeed_config",
+                         str(REPO / "ds_configs" / "zero2_offload_hf.json")],
+    # a DeepSpeed JSON with CPU optimizer offload, half of the optimizer state kept on the device
+    # (partial offload: the device half stepped by torch's AdamW, the host half by CPU Adam)
+    "zero3_partial_offload": ["--backend.deepspeed_config", str(REPO / "ds_configs" / "zero3_offload.json"),
+                              "--backend.offload_optimizer_ratio", "0.5"],
+}
+"""Every engine setting the tests run, by name: the command-line arguments that choose it."""
+
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> str:
@@ -42,6 +64,25 @@ def cache_dir(tmp_path_factory) -> str:
 
     build_corpus(parse_args(TINY_ARGS + ["--data.cache_dir", str(path)]).data)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory, cache_dir):
+    """``reference(engine, steps=STEPS, nproc=2, extra=())``: the output folder of the tiny run of
+    ``ENGINES[engine]`` with those arguments, run once per session whichever test asks first
+    (tests compare their runs' losses, data and schedule with it; they must not write into it)."""
+    runs: dict[tuple, Path] = {}
+
+    def run(engine: str, steps: int = STEPS, nproc: int = 2, extra: tuple = ()) -> Path:
+        key = (engine, steps, nproc, tuple(extra))
+        if key not in runs:
+            out = tmp_path_factory.mktemp(f"reference_{engine}_{steps}_{nproc}")
+            launch(tiny_args(out, cache_dir, "--training.max_steps", str(steps), *ENGINES[engine], *extra),
+                   nproc=nproc)
+            runs[key] = out
+        return runs[key]
+
+    return run
 
 
 def tiny_args(output_dir, cache_dir, *extra: str, model: bool = True) -> list[str]:

@@ -8,29 +8,26 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import TINY_ARGS, TINY_BASE_ARGS, launch, read_metrics, tiny_args
+from conftest import ENGINES, STEPS, TINY_ARGS, TINY_BASE_ARGS, launch, read_metrics, tiny_args
 
-STEPS = ["--training.max_steps", "3"]
+RUN = ["--training.max_steps", str(STEPS)]
 MODELS = {
     # dropout on: the recompute must replay the same dropout masks
     "gpt2": ["--model.config.resid_pdrop", "0.1", "--model.config.attn_pdrop", "0.1"],
     "plain": ["--model.factory", "toy_models:make_stack", "--model.config", "{}"],
 }
 
-ENGINES = {"ddp": ["--backend.name", "ddp"], "fsdp": ["--backend.name", "fsdp"],
-           "zero3": ["--backend.name", "deepspeed", "--backend.zero_stage", "3"]}
-
 
 def run(out, cache_dir, engine, model, ac):
-    launch(tiny_args(out, cache_dir, *STEPS, *ENGINES[engine], *MODELS[model],
+    launch(tiny_args(out, cache_dir, *RUN, *ENGINES[engine], *MODELS[model],
                      "--memory.activation_checkpointing", ac, model=model == "gpt2"))
     weights = load_file(str(out / "model" / "model.safetensors"))
     return read_metrics(out), weights
 
 
 @pytest.mark.slow
-# the engines that communicate inside the recomputed blocks (DDP reduces after backward)
-@pytest.mark.parametrize("engine,model", [("fsdp", "gpt2"), ("fsdp", "plain"), ("zero3", "gpt2")])
+# DDP (which reduces after backward) and the engines that communicate inside the recomputed blocks
+@pytest.mark.parametrize("engine,model", [("ddp", "gpt2"), ("fsdp", "gpt2"), ("fsdp", "plain"), ("zero3", "gpt2")])
 def test_activation_checkpointing_keeps_losses_and_gradients(tmp_path, cache_dir, engine, model):
     """Full and selective checkpointing train like no checkpointing on 2 ranks, dropout on
     (ZeRO-3 refuses selective: test_levers)."""
@@ -41,7 +38,7 @@ def test_activation_checkpointing_keeps_losses_and_gradients(tmp_path, cache_dir
         for a, b in zip(off, on):
             assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
-        # three optimizer steps from the same start: equal weights mean equal gradients
+        # STEPS optimizer steps from the same start: equal weights mean equal gradients
         assert w_off.keys() == w_on.keys()
         for name in w_off:
             torch.testing.assert_close(w_on[name], w_off[name], rtol=1e-6, atol=1e-7)

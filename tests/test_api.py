@@ -9,12 +9,11 @@ import shutil
 import pytest
 import torch
 
-from conftest import REPO, TINY_ARGS, launch, read_metrics, tiny_args
+from conftest import ENGINES, REPO, STEPS, TINY_ARGS, launch, read_metrics, tiny_args
 
 EXAMPLE = str(REPO / "examples" / "train_module.py")
-SHORT = ["--training.max_steps", "8", "--checkpoint.every_steps", "2", "--checkpoint.keep_last", "3",
+SHORT = ["--training.max_steps", str(STEPS), "--checkpoint.every_steps", "2", "--checkpoint.keep_last", "3",
          "--training.eval_every", "0", "--training.log_every", "1"]
-ENGINES = {"ddp": ["--backend.name", "ddp"], "zero3": ["--backend.name", "deepspeed", "--backend.zero_stage", "3"]}
 EXACT = ("loss", "lr", "grad_norm", "batch_fingerprint")
 
 

@@ -6,29 +6,17 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, TORCHRUN, launch, read_metrics, tiny_args
+from conftest import ENGINES, REPO, STEPS, TORCHRUN, launch, read_metrics, tiny_args
 
 pytestmark = pytest.mark.slow
-STEPS = ["--training.max_steps", "8"]
-ENGINES = {
-    "fsdp": ["--backend.name", "fsdp"],
-    "fsdp_keep_gathered": ["--backend.name", "fsdp", "--backend.reshard_after_forward", "false"],
-    "zero1": ["--backend.name", "deepspeed", "--backend.zero_stage", "1"],
-    "zero2": ["--backend.name", "deepspeed", "--backend.zero_stage", "2"],
-    "zero3": ["--backend.name", "deepspeed", "--backend.zero_stage", "3"],
-    # a DeepSpeed JSON with CPU optimizer offload, half of the optimizer state kept on the device
-    # (partial offload: the device half stepped by torch's AdamW, the host half by CPU Adam)
-    "zero3_partial_offload": ["--backend.deepspeed_config", str(REPO / "ds_configs" / "zero3_offload.json"),
-                              "--backend.offload_optimizer_ratio", "0.5"],
-}
+RUN = ["--training.max_steps", str(STEPS)]
+MATCHED = ["fsdp", "fsdp_keep_gathered", "zero1", "zero2", "zero3", "zero3_partial_offload"]  # each against DDP
 
 
 @pytest.fixture(scope="module")
-def ddp_out(tmp_path_factory, cache_dir):
-    """The output folder of the 8-step 2-rank DDP reference run (metrics, summary, export)."""
-    out = tmp_path_factory.mktemp("ddp")
-    launch(tiny_args(out, cache_dir, *STEPS, "--backend.name", "ddp"))
-    return out
+def ddp_out(reference):
+    """The output folder of the shared 2-rank DDP reference run (metrics, summary, export)."""
+    return reference("ddp")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +25,7 @@ def ddp_run(ddp_out):
 
 
 def _assert_matches_ddp(records, ddp):
-    assert [r["step"] for r in records] == list(range(1, 9))
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert records[0]["loss"] == ddp[0]["loss"]  # same seed, same weights, same batch: identical
     for r, ref in zip(records, ddp):
         assert r["batch_fingerprint"] == ref["batch_fingerprint"] and r["lr"] == ref["lr"]
@@ -46,9 +34,9 @@ def _assert_matches_ddp(records, ddp):
         assert r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-3)
 
 
-@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("engine", MATCHED)
 def test_engine_matches_ddp(tmp_path, cache_dir, ddp_run, engine):
-    proc = launch(tiny_args(tmp_path, cache_dir, *STEPS, *ENGINES[engine]), launcher=TORCHRUN, timeout=420)
+    proc = launch(tiny_args(tmp_path, cache_dir, *RUN, *ENGINES[engine]), launcher=TORCHRUN, timeout=420)
     name = "fsdp" if engine.startswith("fsdp") else "deepspeed"
     assert f"memtrain: {name} × 2 rank(s)" in proc.stdout + proc.stderr
     for noise in ("is deprecated", "Setting accelerator to CPU", "[transformers] Model config"):  # nothing to act on
@@ -66,9 +54,9 @@ def test_engine_matches_ddp(tmp_path, cache_dir, ddp_run, engine):
 def test_chunked_cross_entropy_matches_ddp(tmp_path, cache_dir, ddp_run, engine):
     """memory.chunked_cross_entropy under the engines that gather the output layer's weight only
     around its call (tied to the embedding): the plain-loss DDP run's losses and data."""
-    launch(tiny_args(tmp_path, cache_dir, *STEPS, *ENGINES[engine], "--memory.chunked_cross_entropy", "true"), timeout=420)
+    launch(tiny_args(tmp_path, cache_dir, *RUN, *ENGINES[engine], "--memory.chunked_cross_entropy", "true"), timeout=420)
     records = read_metrics(tmp_path)
-    assert [r["step"] for r in records] == list(range(1, 9))
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for r, ref in zip(records, ddp_run):
         assert r["batch_fingerprint"] == ref["batch_fingerprint"]
         assert r["loss"] == pytest.approx(ref["loss"], rel=1e-4)
@@ -94,7 +82,7 @@ def test_fine_tuning_the_export_continues_at_its_loss_under_zero3(tmp_path, cach
 
 def test_deepspeed_launcher_with_zero2_json(tmp_path, cache_dir, ddp_run):
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", "{port}"]
-    proc = launch(tiny_args(tmp_path, cache_dir, *STEPS, "--deepspeed", str(REPO / "ds_configs" / "zero2.json")),
+    proc = launch(tiny_args(tmp_path, cache_dir, *RUN, "--deepspeed", str(REPO / "ds_configs" / "zero2.json")),
                   launcher=launcher, timeout=420)
     assert "memtrain: deepspeed × 2 rank(s)" in proc.stdout + proc.stderr
     _assert_matches_ddp(read_metrics(tmp_path), ddp_run)
@@ -104,7 +92,7 @@ def test_deepspeed_launcher_with_zero2_json(tmp_path, cache_dir, ddp_run):
 def test_accelerate_launch_with_engine_config(tmp_path, cache_dir, ddp_run, accelerate_config, engine):
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                 str(REPO / "recipes" / "accelerate" / accelerate_config), "--main_process_port", "{port}"]
-    proc = launch(tiny_args(tmp_path, cache_dir, *STEPS), launcher=launcher, env={"ACCELERATE_USE_CPU": "1"},
+    proc = launch(tiny_args(tmp_path, cache_dir, *RUN), launcher=launcher, env={"ACCELERATE_USE_CPU": "1"},
                   timeout=420)
     assert f"memtrain: {engine} × 2 rank(s)" in proc.stdout + proc.stderr
     _assert_matches_ddp(read_metrics(tmp_path), ddp_run)
@@ -165,7 +153,7 @@ def test_lossy_optimizer_state_trains_near_fp32_and_resumes_exactly(tmp_path, ca
 
     if dtype == "int8":
         pytest.importorskip("torchao.optim")
-    args = tiny_args(tmp_path, cache_dir, *STEPS, "--backend.name", engine, "--optimizer.state_dtype", dtype,
+    args = tiny_args(tmp_path, cache_dir, *RUN, "--backend.name", engine, "--optimizer.state_dtype", dtype,
                      "--checkpoint.every_steps", "4")
     launch(args + ["--faults.kill_at_step", "6"], check=False, timeout=420)
     killed = {r["step"]: r for r in read_metrics(tmp_path) if "loss" in r}

@@ -10,35 +10,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, child_exit_codes, launch, read_metrics, run_cli, tiny_args
+from conftest import ENGINES, STEPS, child_exit_codes, launch, read_metrics, run_cli, tiny_args
 
 pytestmark = pytest.mark.slow
-STEPS = 16
-CKPT = ["--training.max_steps", str(STEPS), "--checkpoint.every_steps", "3", "--checkpoint.keep_last", "2"]
-ENGINES = {
-    "ddp": ["--backend.name", "ddp"],
-    "fsdp": ["--backend.name", "fsdp"],
-    # ZeRO-2 as a transformers-docs DeepSpeed JSON: CPU optimizer offload, AdamW and WarmupDecayLR with "auto"
-    "zero2": ["--backend.name", "deepspeed", "--backend.deepspeed_config",
-              str(REPO / "ds_configs" / "zero2_offload_hf.json")],
-    "zero3": ["--backend.name", "deepspeed", "--backend.zero_stage", "3"],
-    "zero2_plain": ["--backend.name", "deepspeed", "--backend.zero_stage", "2"],  # memtrain's schedule, no offload
-}
+LONG_STEPS = 2 * STEPS  # a kill at step 7 between checkpoints 6 and 9, and a resume with steps left
+SAVES = ["--checkpoint.every_steps", "3", "--checkpoint.keep_last", "2"]
+CKPT = ["--training.max_steps", str(LONG_STEPS), *SAVES]
+CKPT_ENGINES = ["ddp", "fsdp", "zero2_offload_hf", "zero3", "zero2"]
 EXACT = ("step", "loss", "lr", "grad_norm", "batch_fingerprint")
-_continuous: dict = {}
 
 
-def continuous(engine, tmp_path_factory, cache_dir):
-    """The uninterrupted 16-step run of ``engine`` (one per session)."""
-    if engine not in _continuous:
-        out = tmp_path_factory.mktemp(f"continuous_{engine}")
-        launch(tiny_args(out, cache_dir, *CKPT, *ENGINES[engine]))
-        _continuous[engine] = out
-    return _continuous[engine]
+def continuous(reference, engine) -> Path:
+    """The output folder of the uninterrupted 16-step run of ``engine`` (one per session)."""
+    return reference(engine, LONG_STEPS, extra=tuple(SAVES))
 
 
 def assert_bitwise_from(records, base, first_step):
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # each step exactly once
+    assert [r["step"] for r in records] == list(range(1, LONG_STEPS + 1))  # each step exactly once
     for r, b in zip(records[first_step - 1:], base[first_step - 1:]):
         for key in EXACT:
             assert r[key] == b[key], (r["step"], key, r[key], b[key])
@@ -48,10 +36,10 @@ def checkpoint_steps(out):
     return sorted(int(n[5:]) for n in os.listdir(out / "checkpoints") if n.startswith("step_"))
 
 
-# DDP's kill and resume is the two-node test's; after_step kills (and ZeRO-3) are in the elastic test below
-@pytest.mark.parametrize("engine,where", [("zero2", "mid_step")])
-def test_killed_and_resumed_run_is_bitwise_identical(tmp_path, tmp_path_factory, cache_dir, engine, where):
-    base = read_metrics(continuous(engine, tmp_path_factory, cache_dir))
+# mid-step kills here; after-step kills (and ZeRO-3) are in the elastic and two-node tests below
+@pytest.mark.parametrize("engine,where", [("ddp", "mid_step"), ("fsdp", "mid_step"), ("zero2_offload_hf", "mid_step")])
+def test_killed_and_resumed_run_is_bitwise_identical(tmp_path, reference, cache_dir, engine, where):
+    base = read_metrics(continuous(reference, engine))
     kill = ["--faults.kill_at_step", "7"] + (["--faults.kill_mid_step", "true"] if where == "mid_step" else [])
     killed = launch(tiny_args(tmp_path, cache_dir, *CKPT, *ENGINES[engine], *kill), check=False)
     assert killed.returncode != 0
@@ -60,8 +48,8 @@ def test_killed_and_resumed_run_is_bitwise_identical(tmp_path, tmp_path_factory,
     launch(tiny_args(tmp_path, cache_dir, *CKPT, *ENGINES[engine], *kill))  # resume: auto; the kill fired already
     records = read_metrics(tmp_path)
     assert records[6]["event"].startswith("resume")  # step 7 is the first resumed step
-    if engine == "zero2":  # the JSON's schedule, once per optimizer step, through the resume
-        assert [r["lr"] for r in records] == deepspeed_warmup_decay_rates(lr=3e-3, warmup=2, total=STEPS)
+    if engine == "zero2_offload_hf":  # the JSON's schedule, once per optimizer step, through the resume
+        assert [r["lr"] for r in records] == deepspeed_warmup_decay_rates(lr=3e-3, warmup=2, total=LONG_STEPS)
         assert_cpu_adam_resume_from(records, base, 7)
     else:
         assert_bitwise_from(records, base, 7)
@@ -71,7 +59,7 @@ def assert_cpu_adam_resume_from(records, base, first_step):
     """Exact but for DeepSpeed's CPU Adam (optimizer offload): its C++ kernel keeps beta^t as a running
     product, which a resumed process starts again from pow(beta, step); that differs in the last
     float bits, so the same data and schedule give losses equal to ~1e-7 instead of bitwise."""
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in records] == list(range(1, LONG_STEPS + 1))
     for r, b in zip(records[first_step - 1:], base[first_step - 1:]):
         assert (r["lr"], r["batch_fingerprint"]) == (b["lr"], b["batch_fingerprint"])
         assert r["loss"] == pytest.approx(b["loss"], rel=1e-6) and r["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
@@ -100,14 +88,14 @@ HANG_TIMEOUT_S = 30  # backend.timeout_s of the hang tests: well above any wait 
 # ZeRO-3 (collectives inside compute): a kill inside a step, then a hang; a kill after a step under
 # DDP restarts the same way (the two-node test below kills a rank under DDP too)
 @pytest.mark.parametrize("engine,where,hang", [("zero3", "mid_step", True)])
-def test_elastic_restarts_survive_a_killed_and_a_hung_rank(tmp_path, tmp_path_factory, cache_dir, engine, where, hang):
+def test_elastic_restarts_survive_a_killed_and_a_hung_rank(tmp_path, reference, cache_dir, engine, where, hang):
     """Under ``torchrun --max-restarts 2``: rank 1 is killed in step 7 and (``hang``) later rank 0
     hangs inside step 11. Each time the other rank's collective fails (or the hung rank's watchdog
     fires) within backend.timeout_s, torchrun restarts both, they resume from the last checkpoint,
     and the finished run's every step equals the continuous run's bitwise."""
     import time
 
-    base = read_metrics(continuous(engine, tmp_path_factory, cache_dir))
+    base = read_metrics(continuous(reference, engine))
     faults = ["--faults.kill_at_step", "7", "--faults.kill_ranks", "[1]", "--backend.timeout_s", str(HANG_TIMEOUT_S)]
     faults += ["--faults.hang_at_step", "11", "--faults.hang_ranks", "[0]"] if hang else []
     faults += ["--faults.kill_mid_step", "true"] if where == "mid_step" else []
@@ -126,13 +114,12 @@ def test_elastic_restarts_survive_a_killed_and_a_hung_rank(tmp_path, tmp_path_fa
     assert sorted(os.listdir(tmp_path / "faults_fired")) == fired
 
 
-# ZeRO-2 saves through the same DeepSpeed path as ZeRO-3; FSDP2's save is in the async-save test
-@pytest.mark.parametrize("engine", ["ddp", "zero3"])
-def test_kill_during_save_then_corrupt_newest_falls_back(tmp_path, tmp_path_factory, cache_dir, engine):
+@pytest.mark.parametrize("engine", ["ddp", "fsdp", "zero2", "zero3"])
+def test_kill_during_save_then_corrupt_newest_falls_back(tmp_path, reference, cache_dir, engine):
     """A save killed half-way leaves no checkpoint (its temporary directory is removed on start);
     a corrupted file in the newest complete checkpoint is refused by name; resume: auto takes the
     one before, and the run still ends exactly like the continuous one."""
-    base = read_metrics(continuous(engine, tmp_path_factory, cache_dir))
+    base = read_metrics(continuous(reference, engine))
     killed = launch(tiny_args(tmp_path, cache_dir, *CKPT, *ENGINES[engine], "--faults.kill_during_save", "9"),
                     check=False)
     assert killed.returncode != 0
@@ -152,15 +139,15 @@ def test_kill_during_save_then_corrupt_newest_falls_back(tmp_path, tmp_path_fact
     assert_bitwise_from(records, base, 4)
 
 
-@pytest.mark.parametrize("engine", list(ENGINES))
-def test_export_round_trip(tmp_path, tmp_path_factory, cache_dir, engine):
+@pytest.mark.parametrize("engine", CKPT_ENGINES)
+def test_export_round_trip(tmp_path, reference, cache_dir, engine):
     """``memtrain export`` of the final checkpoint loads with transformers and gives the same
     logits as the model the run exported itself."""
     from transformers import AutoModelForCausalLM
 
     from memtrain.export import main as export_main
 
-    out = continuous(engine, tmp_path_factory, cache_dir)
+    out = continuous(reference, engine)
     assert checkpoint_steps(out) == [15, 16]  # keep_last 2; the last step is always saved
     assert export_main([str(out / "checkpoints"), str(tmp_path / "exported")]) == 0
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
@@ -170,23 +157,23 @@ def test_export_round_trip(tmp_path, tmp_path_factory, cache_dir, engine):
         torch.testing.assert_close(exported(ids).logits, trained(ids).logits, rtol=0, atol=0)
 
 
-def test_export_refuses_corrupt_checkpoint(tmp_path, tmp_path_factory, cache_dir):
+def test_export_refuses_corrupt_checkpoint(tmp_path, reference, cache_dir):
     from memtrain.export import main as export_main
 
     ckpt = tmp_path / "step"
-    shutil.copytree(continuous("ddp", tmp_path_factory, cache_dir) / "checkpoints" / "step_00000016", ckpt)
+    shutil.copytree(continuous(reference, "ddp") / "checkpoints" / "step_00000016", ckpt)
     (ckpt / "optimizer.pt").write_bytes(b"garbage")
     assert export_main([str(ckpt), str(tmp_path / "exported")]) == 2
     assert not (tmp_path / "exported").exists()
 
 
-@pytest.mark.parametrize("engine", ["ddp", "fsdp", "zero2", "zero3"])
-def test_resume_two_rank_checkpoint_on_one_rank(tmp_path, tmp_path_factory, cache_dir, engine):
+@pytest.mark.parametrize("engine", ["ddp", "fsdp", "zero2_offload_hf", "zero3"])
+def test_resume_two_rank_checkpoint_on_one_rank(tmp_path, reference, cache_dir, engine):
     """The cursor is world-size independent: a 2-rank checkpoint resumed by 1 rank (same global
     batch) continues with the same samples and the same losses (to float summation order);
     ZeRO partitions go through DeepSpeed's universal checkpoint, converted on resume."""
-    base = read_metrics(continuous(engine, tmp_path_factory, cache_dir))
-    shutil.copytree(continuous(engine, tmp_path_factory, cache_dir) / "checkpoints" / "step_00000015",
+    base = read_metrics(continuous(reference, engine))
+    shutil.copytree(continuous(reference, engine) / "checkpoints" / "step_00000015",
                     tmp_path / "from")
     launch(tiny_args(tmp_path / "run", cache_dir, *CKPT, *ENGINES[engine], "--resume", str(tmp_path / "from")), nproc=1)
     records = read_metrics(tmp_path / "run")
@@ -197,15 +184,15 @@ def test_resume_two_rank_checkpoint_on_one_rank(tmp_path, tmp_path_factory, cach
         from safetensors.torch import load_file
 
         ours = load_file(tmp_path / "run" / "model" / "model.safetensors")
-        theirs = load_file(continuous(engine, tmp_path_factory, cache_dir) / "model" / "model.safetensors")
+        theirs = load_file(continuous(reference, engine) / "model" / "model.safetensors")
         for name, tensor in theirs.items():
             torch.testing.assert_close(ours[name], tensor, rtol=1e-4, atol=1e-6)
         assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]  # the converted copy is gone
 
 
-@pytest.mark.parametrize("source,target,nproc", [("ddp", "fsdp", 2), ("fsdp", "ddp", 2), ("zero2_plain", "ddp", 2),
+@pytest.mark.parametrize("source,target,nproc", [("ddp", "fsdp", 2), ("fsdp", "ddp", 2), ("zero2", "ddp", 2),
                                                   ("ddp", "zero3", 2), ("fsdp", "zero3", 1)])
-def test_a_killed_run_resumes_under_another_engine(tmp_path, tmp_path_factory, cache_dir, source, target, nproc):
+def test_a_killed_run_resumes_under_another_engine(tmp_path, reference, cache_dir, source, target, nproc):
     """DDP ↔ FSDP2, ZeRO-2 → DDP, DDP → ZeRO-3 and FSDP2 → ZeRO-3 (on 1 rank: another world
     size too): a run
     killed after step 5 and rerun with the other engine resumes its step-3 checkpoint and trains
@@ -213,7 +200,7 @@ def test_a_killed_run_resumes_under_another_engine(tmp_path, tmp_path_factory, c
     never switched (within the 1e-4 at which the engines agree); Adam's moments and step counts
     came across, so the exported weights after 13 more updates match too. The switch is in the
     log and the resume event; a conversion folder beside the checkpoints is gone."""
-    base_dir = continuous(source, tmp_path_factory, cache_dir)
+    base_dir = continuous(reference, source)
     base = read_metrics(base_dir)
     kill = ["--faults.kill_at_step", "5"]
     assert launch(tiny_args(tmp_path, cache_dir, *CKPT, *ENGINES[source], *kill), check=False).returncode != 0
@@ -223,7 +210,7 @@ def test_a_killed_run_resumes_under_another_engine(tmp_path, tmp_path_factory, c
     engine = lambda name: "deepspeed" if name.startswith("zero") else name  # noqa: E731
     assert f"resuming a {engine(source)} checkpoint under {engine(target)}" in proc.stderr
     records = read_metrics(tmp_path)
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # each step once
+    assert [r["step"] for r in records] == list(range(1, LONG_STEPS + 1))  # each step once
     assert records[3]["event"] == "resume,engine_switch"
     assert records[3]["plan_changes"][0]["changed"]["backend.name"] == [engine(source), engine(target)]
     assert records[3]["plan_changes"][1] == {"event": "engine_switch", "step": 4, "from": engine(source),
@@ -255,9 +242,9 @@ def test_another_engines_checkpoint_is_refused_under_partial_offload_by_name(tmp
     assert os.listdir(tmp_path) == []
 
 
-def test_explicit_corrupt_checkpoint_is_refused_by_name(tmp_path, tmp_path_factory, cache_dir):
+def test_explicit_corrupt_checkpoint_is_refused_by_name(tmp_path, reference, cache_dir):
     ckpt = tmp_path / "step"
-    shutil.copytree(continuous("ddp", tmp_path_factory, cache_dir) / "checkpoints" / "step_00000015", ckpt)
+    shutil.copytree(continuous(reference, "ddp") / "checkpoints" / "step_00000015", ckpt)
     victim = ckpt / "model.safetensors"
     victim.write_bytes(victim.read_bytes()[:-7])
     proc = launch(tiny_args(tmp_path / "run", cache_dir, *CKPT, "--resume", str(ckpt)), launcher=[sys.executable],
@@ -267,8 +254,8 @@ def test_explicit_corrupt_checkpoint_is_refused_by_name(tmp_path, tmp_path_facto
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "run")
 
 
-def test_manifest_lists_every_file_with_checksum(tmp_path_factory, cache_dir):
-    ckpt = continuous("fsdp", tmp_path_factory, cache_dir) / "checkpoints" / "step_00000016"
+def test_manifest_lists_every_file_with_checksum(reference):
+    ckpt = continuous(reference, "fsdp") / "checkpoints" / "step_00000016"
     manifest = json.loads((ckpt / "manifest.json").read_text())
     on_disk = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file() and p.name != "manifest.json")
     assert sorted(manifest["files"]) == on_disk
@@ -306,31 +293,31 @@ def _signal_after(args: list[str], output_dir, steps: int, signum):
     return proc, out, err
 
 
-def test_sigterm_saves_and_resume_matches(tmp_path, tmp_path_factory, cache_dir):
+def test_sigterm_saves_and_resume_matches(tmp_path, reference, cache_dir):
     """SIGTERM (as SLURM/Kubernetes send) to the launcher: the ranks finish the step, save it and
     stop; rerunning the command continues exactly."""
     import signal
 
-    base = read_metrics(continuous("ddp", tmp_path_factory, cache_dir))
+    base = read_metrics(continuous(reference, "ddp"))
     args = tiny_args(tmp_path, cache_dir, *CKPT, *ENGINES["ddp"], "--checkpoint.every_steps", "0")
     proc, out, err = _signal_after(args, tmp_path, 3, signal.SIGTERM)
     assert proc.returncode == 0, err[-3000:]
     stopped = read_metrics(tmp_path)[-1]["step"]
-    assert stopped < STEPS and checkpoint_steps(tmp_path) == [stopped]
+    assert stopped < LONG_STEPS and checkpoint_steps(tmp_path) == [stopped]
     assert "SIGTERM: saved step" in out
     launch(tiny_args(tmp_path, cache_dir, *CKPT, *ENGINES["ddp"]), nproc=1)
     # one process here, two in the baseline: same samples, same losses to summation order
     records = read_metrics(tmp_path)
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in records] == list(range(1, LONG_STEPS + 1))
     assert [r["batch_fingerprint"] for r in records] == [b["batch_fingerprint"] for b in base]
     for r, b in zip(records, base):
         assert r["loss"] == pytest.approx(b["loss"], rel=1e-5)
 
 
-def test_fsdp_async_save_resumes_exactly(tmp_path, tmp_path_factory, cache_dir):
+def test_fsdp_async_save_resumes_exactly(tmp_path, reference, cache_dir):
     """checkpoint.async_save (FSDP2: torch.distributed.checkpoint.async_save in the background,
     committed once every rank's write finished) trains and resumes like synchronous saving."""
-    base = read_metrics(continuous("fsdp", tmp_path_factory, cache_dir))
+    base = read_metrics(continuous(reference, "fsdp"))
     args = [*CKPT, *ENGINES["fsdp"], "--checkpoint.async_save", "true"]
     killed = launch(tiny_args(tmp_path, cache_dir, *args, "--faults.kill_at_step", "8"), check=False)
     assert killed.returncode != 0
@@ -378,7 +365,7 @@ def test_ctrl_c_saves_and_exits_130(tmp_path, cache_dir):
     proc, out, err = _signal_after(args, tmp_path, 2, signal.SIGINT)
     assert proc.returncode == 130, err[-3000:]
     stopped = read_metrics(tmp_path)[-1]["step"]
-    assert stopped < STEPS and checkpoint_steps(tmp_path) == [stopped]
+    assert stopped < LONG_STEPS and checkpoint_steps(tmp_path) == [stopped]
     assert "SIGINT: saved step" in out and "Traceback" not in err
     # resuming that checkpoint with another global batch would skip samples: refused by name
     proc = run_cli([*args, "--training.global_batch_size", "16"], timeout=120)
@@ -403,7 +390,7 @@ def test_second_ctrl_c_stops_at_once():
         preemption.close()
 
 
-def test_two_torchrun_agents_as_two_nodes_match_one_node_and_survive_a_kill(tmp_path, tmp_path_factory, cache_dir):
+def test_two_torchrun_agents_as_two_nodes_match_one_node_and_survive_a_kill(tmp_path, reference, cache_dir):
     """Multi-node as two torchrun agents on localhost (``--nnodes 2 --nproc_per_node 1``, c10d
     rendezvous, ``--max-restarts 1``): rank 1 (the second "node") is killed after step 7, both
     agents restart their worker, it resumes, and every step equals the one-node 2-process run
@@ -412,7 +399,7 @@ def test_two_torchrun_agents_as_two_nodes_match_one_node_and_survive_a_kill(tmp_
 
     from conftest import REPO, TRAIN, _free_port
 
-    base = read_metrics(continuous("ddp", tmp_path_factory, cache_dir))
+    base = read_metrics(continuous(reference, "ddp"))
     port = _free_port()
     args = tiny_args(tmp_path, cache_dir, *CKPT, *ENGINES["ddp"], "--faults.kill_at_step", "7",
                      "--faults.kill_ranks", "[1]", "--backend.timeout_s", "60")

@@ -6,21 +6,19 @@ import sys
 
 import pytest
 
-from conftest import REPO, TRAIN, launch, read_metrics, tiny_args
+from conftest import REPO, STEPS, TORCHRUN, TRAIN, launch, read_metrics, tiny_args
 
 pytestmark = pytest.mark.slow
-STEPS = ["--training.max_steps", "5"]
+RUN = ["--training.max_steps", str(STEPS)]
 
 
 @pytest.fixture(scope="module")
-def single_rank(tmp_path_factory, cache_dir):
-    out = tmp_path_factory.mktemp("one")
-    launch(tiny_args(out, cache_dir, *STEPS), nproc=1)
-    return read_metrics(out)
+def single_rank(reference):
+    return read_metrics(reference("ddp", nproc=1))
 
 
 def _assert_same_run(records, reference, rel=1e-5):
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for r, ref in zip(records, reference):
         assert r["batch_fingerprint"] == ref["batch_fingerprint"]
         assert r["lr"] == ref["lr"] and r["samples_seen"] == ref["samples_seen"]
@@ -29,7 +27,7 @@ def _assert_same_run(records, reference, rel=1e-5):
 
 
 def test_two_ranks_torchrun_match_one_rank(tmp_path, cache_dir, single_rank):
-    launch(tiny_args(tmp_path, cache_dir, *STEPS), nproc=2)
+    launch(tiny_args(tmp_path, cache_dir, *RUN), launcher=TORCHRUN)
     records = read_metrics(tmp_path)
     assert records[0]["micro_batch_size"] == 2 and records[0]["gradient_accumulation_steps"] == 2
     _assert_same_run(records, single_rank)
@@ -39,7 +37,7 @@ def test_two_ranks_torchrun_match_one_rank(tmp_path, cache_dir, single_rank):
 def test_two_ranks_accelerate_launch_match_one_rank(tmp_path, cache_dir, single_rank):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
-           TRAIN, *tiny_args(tmp_path, cache_dir, *STEPS, "--training.micro_batch_size", "4")]
+           TRAIN, *tiny_args(tmp_path, cache_dir, *RUN, "--training.micro_batch_size", "4")]
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-6000:]

@@ -15,7 +15,7 @@ from memtrain.host_allocator import glibc_version, reason_to_leave
 # a step-like pattern in a fresh process, through the C allocator torch's CPU tensors use: 64
 # activations of 100 KiB (6.4 MB) are allocated, written and freed, 12 times (no torch import, whose
 # own allocations would move glibc's dynamic thresholds before the test begins)
-STEPS = r"""
+STEP_SCRIPT = r"""
 import ctypes, json, resource, sys
 from memtrain.host_allocator import fix_thresholds
 fixed = fix_thresholds(sys.argv[1] == "on", environ={})
@@ -38,7 +38,7 @@ print(json.dumps({"fixed": fixed, "faults": faults[2:], "page_bytes": resource.g
 def faults_per_step(setting: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("LD_PRELOAD",
                                                                                          "GLIBC_TUNABLES")}
-    out = subprocess.run([sys.executable, "-c", STEPS, setting], capture_output=True, text=True, env=env,
+    out = subprocess.run([sys.executable, "-c", STEP_SCRIPT, setting], capture_output=True, text=True, env=env,
                          timeout=120, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 

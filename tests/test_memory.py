@@ -5,16 +5,11 @@ import json
 
 import pytest
 
-from conftest import child_exit_codes, launch, read_metrics, tiny_args
+from conftest import ENGINES, STEPS, child_exit_codes, launch, read_metrics, tiny_args
 
 pytestmark = pytest.mark.slow
-STEPS = ["--training.max_steps", "5"]
-ENGINES = {
-    "ddp": ["--backend.name", "ddp"],
-    "fsdp": ["--backend.name", "fsdp"],
-    "zero2": ["--backend.name", "deepspeed", "--backend.zero_stage", "2"],
-    "zero3": ["--backend.name", "deepspeed", "--backend.zero_stage", "3"],
-}
+RUN = ["--training.max_steps", str(STEPS)]
+OOM_ENGINES = ["ddp", "fsdp", "zero2", "zero3"]
 # micro-batch 2 × 32 tokens = 64 > 32 runs out of memory; micro-batch 1 fits
 OOM = ["--faults.oom_above_tokens", "32"]
 INJECTIONS = {
@@ -22,15 +17,11 @@ INJECTIONS = {
     "backward_rank1": ["--faults.oom_in", "backward", "--faults.oom_ranks", "[1]"],
     "both_ranks": ["--faults.oom_in", "backward"],
 }
-_baselines: dict = {}
 
 
-def baseline(engine, tmp_path_factory, cache_dir):
-    if engine not in _baselines:
-        out = tmp_path_factory.mktemp(f"base_{engine}")
-        launch(tiny_args(out, cache_dir, *STEPS, *ENGINES[engine]))
-        _baselines[engine] = read_metrics(out)
-    return _baselines[engine]
+def baseline(reference, engine) -> list[dict]:
+    """The metrics of the shared reference run of ``engine`` (no fault injected)."""
+    return read_metrics(reference(engine))
 
 
 def assert_same_training(records, base, rel=1e-5):
@@ -44,11 +35,11 @@ def assert_same_training(records, base, rel=1e-5):
 # forward on one rank under every engine; backward (where ZeRO and FSDP2 communicate) under those;
 # both ranks at once under DDP and ZeRO-3
 @pytest.mark.parametrize("engine,injection", [
-    *[(e, "forward_rank1") for e in ENGINES], *[(e, "backward_rank1") for e in ("fsdp", "zero2", "zero3")],
+    *[(e, "forward_rank1") for e in OOM_ENGINES], *[(e, "backward_rank1") for e in ("fsdp", "zero2", "zero3")],
     ("ddp", "both_ranks"), ("zero3", "both_ranks")])
-def test_oom_shrinks_plan_and_training_is_unchanged(tmp_path, tmp_path_factory, cache_dir, engine, injection):
-    base = baseline(engine, tmp_path_factory, cache_dir)
-    proc = launch(tiny_args(tmp_path, cache_dir, *STEPS, *ENGINES[engine], *OOM, *INJECTIONS[injection]),
+def test_oom_shrinks_plan_and_training_is_unchanged(tmp_path, reference, cache_dir, engine, injection):
+    base = baseline(reference, engine)
+    proc = launch(tiny_args(tmp_path, cache_dir, *RUN, *ENGINES[engine], *OOM, *INJECTIONS[injection]),
                   timeout=300)
     records = read_metrics(tmp_path)
     first = records[0]
@@ -66,27 +57,27 @@ def test_oom_shrinks_plan_and_training_is_unchanged(tmp_path, tmp_path_factory, 
 
 
 @pytest.mark.parametrize("engine", ["ddp", "zero2"])
-def test_plan_grows_back_after_injection_stops(tmp_path, tmp_path_factory, cache_dir, engine):
-    base = baseline(engine, tmp_path_factory, cache_dir)
-    launch(tiny_args(tmp_path, cache_dir, *STEPS, *ENGINES[engine], *OOM, "--faults.oom_until_step", "2",
+def test_plan_grows_back_after_injection_stops(tmp_path, reference, cache_dir, engine):
+    base = baseline(reference, engine)
+    launch(tiny_args(tmp_path, cache_dir, *RUN, *ENGINES[engine], *OOM, "--faults.oom_until_step", "2",
                      "--memory.grow_back_window", "2"))
     records = read_metrics(tmp_path)
-    assert [r["micro_batch_size"] for r in records] == [1, 1, 2, 2, 2]
+    assert [r["micro_batch_size"] for r in records] == [1, 1] + [2] * (STEPS - 2)
     assert records[0]["event"] == "oom_shrink" and records[1]["event"] == "grow_back"
     assert_same_training(records, base)
 
 
 @pytest.mark.parametrize("engine", ["ddp", "fsdp"])
-def test_compiled_blocks_train_like_eager_across_shrink_and_grow_back(tmp_path, tmp_path_factory, cache_dir, engine):
+def test_compiled_blocks_train_like_eager_across_shrink_and_grow_back(tmp_path, reference, cache_dir, engine):
     """training.compile (inductor) on 2 ranks through an OOM shrink (2×2 → 1×4) and a grow-back
     (→ 2×2): the eager baseline's data and losses (within 1e-3), and a bounded number of graphs
     in the process, evaluation's included — at most two per block (3 here; 2 without the plan
     changes), where recompiling the blocks at every plan change would make more."""
-    base = baseline(engine, tmp_path_factory, cache_dir)
-    launch(tiny_args(tmp_path, cache_dir, *STEPS, *ENGINES[engine], *OOM, "--faults.oom_until_step", "2",
+    base = baseline(reference, engine)
+    launch(tiny_args(tmp_path, cache_dir, *RUN, *ENGINES[engine], *OOM, "--faults.oom_until_step", "2",
                      "--memory.grow_back_window", "2", "--training.compile", "true"), timeout=400)
     records = read_metrics(tmp_path)
-    assert [r["micro_batch_size"] for r in records] == [1, 1, 2, 2, 2]
+    assert [r["micro_batch_size"] for r in records] == [1, 1] + [2] * (STEPS - 2)
     assert_same_training(records, base, rel=1e-3)
     graphs = json.loads((tmp_path / "summary.json").read_text())["compiled_graphs"]
     assert 0 < graphs <= 2 * 2  # the tiny model's 2 blocks
@@ -102,10 +93,10 @@ def test_grow_back_that_fails_backs_off(tmp_path, cache_dir):
     assert all(r["micro_batch_size"] == 1 for r in records)
 
 
-def test_oom_at_micro_batch_1_turns_on_activation_checkpointing(tmp_path, tmp_path_factory, cache_dir):
-    base = baseline("ddp", tmp_path_factory, cache_dir)
+def test_oom_at_micro_batch_1_turns_on_activation_checkpointing(tmp_path, reference, cache_dir):
+    base = baseline(reference, "ddp")
     # 32 tokens per micro-batch of 1 exceed 20; with activation checkpointing 32 / 2 blocks fit
-    proc = launch(tiny_args(tmp_path, cache_dir, *STEPS, *ENGINES["ddp"], "--faults.oom_above_tokens", "20",
+    proc = launch(tiny_args(tmp_path, cache_dir, *RUN, *ENGINES["ddp"], "--faults.oom_above_tokens", "20",
                             "--memory.activation_checkpointing", "auto"))
     records = read_metrics(tmp_path)
     assert records[0]["event"] == "oom_shrink,activation_checkpointing_on"
@@ -114,7 +105,7 @@ def test_oom_at_micro_batch_1_turns_on_activation_checkpointing(tmp_path, tmp_pa
 
 
 def test_oom_at_floor_with_checkpointing_off_stops_with_report(tmp_path, cache_dir):
-    proc = launch(tiny_args(tmp_path, cache_dir, *STEPS, *ENGINES["ddp"], "--faults.oom_above_tokens", "20",
+    proc = launch(tiny_args(tmp_path, cache_dir, *RUN, *ENGINES["ddp"], "--faults.oom_above_tokens", "20",
                             "--memory.activation_checkpointing", "off"), check=False)
     assert proc.returncode != 0 and child_exit_codes(proc) == {3}  # the documented code of an OOM at the floor
     for word in ("micro-batch 1", "parameter_bytes", "optimizer_bytes", "zero_stage", "activation_checkpointing",
@@ -149,9 +140,9 @@ def test_the_floor_message_names_the_budget_and_suggests_only_what_is_off():
     assert "optimizer.state_dtype bf16" not in int8 and "backend.name fsdp in a new output_dir" in int8
 
 
-def test_eval_oom_has_its_own_plan(tmp_path, tmp_path_factory, cache_dir):
-    base = baseline("ddp", tmp_path_factory, cache_dir)
-    proc = launch(tiny_args(tmp_path, cache_dir, *STEPS, *ENGINES["ddp"], *OOM, "--faults.oom_in", "eval",
+def test_eval_oom_has_its_own_plan(tmp_path, reference, cache_dir):
+    base = baseline(reference, "ddp")
+    proc = launch(tiny_args(tmp_path, cache_dir, *RUN, *ENGINES["ddp"], *OOM, "--faults.oom_in", "eval",
                             "--faults.oom_ranks", "[1]"))
     records = read_metrics(tmp_path)
     assert "OOM in evaluation on rank(s) [1]; evaluation micro-batch 2 → 1" in proc.stderr
@@ -167,23 +158,23 @@ def test_retry_replays_dropout_like_a_run_started_at_the_smaller_plan(tmp_path, 
     """Random ops (dropout) in a retried step see the random stream the step started with, so a
     recovered run equals one that started at the plan recovery found."""
     dropout = ["--model.config.resid_pdrop", "0.1", "--model.config.attn_pdrop", "0.1"]
-    launch(tiny_args(tmp_path / "oom", cache_dir, *STEPS, *dropout, *OOM, "--faults.oom_in", "backward"))
-    launch(tiny_args(tmp_path / "small", cache_dir, *STEPS, *dropout, "--training.micro_batch_size", "1"))
+    launch(tiny_args(tmp_path / "oom", cache_dir, *RUN, *dropout, *OOM, "--faults.oom_in", "backward"))
+    launch(tiny_args(tmp_path / "small", cache_dir, *RUN, *dropout, "--training.micro_batch_size", "1"))
     recovered, small = read_metrics(tmp_path / "oom"), read_metrics(tmp_path / "small")
     assert recovered[0]["event"] == "oom_shrink"
     assert_same_training(recovered, small)
 
 
-def test_fingerprint_hashes_the_data_trained(tmp_path, tmp_path_factory, cache_dir):
+def test_fingerprint_hashes_the_data_trained(tmp_path, reference, cache_dir):
     """The fingerprint is of the token ids each rank fed through forward: one sample changed on
     rank 1 at step 3 changes step 3's fingerprint (and only that one), although the sampler's
     indices are the same."""
-    base = baseline("ddp", tmp_path_factory, cache_dir)
-    launch(tiny_args(tmp_path, cache_dir, *STEPS, *ENGINES["ddp"], "--faults.perturb_sample_at_step", "3",
+    base = baseline(reference, "ddp")
+    launch(tiny_args(tmp_path, cache_dir, *RUN, *ENGINES["ddp"], "--faults.perturb_sample_at_step", "3",
                      "--faults.perturb_rank", "1"))
     records = read_metrics(tmp_path)
     assert [r["batch_fingerprint"] == b["batch_fingerprint"] for r, b in zip(records, base)] == [
-        True, True, False, True, True]
+        step != 3 for step in range(1, STEPS + 1)]
 
 
 # A simulated device of 1 MiB per rank: with the tiny model, micro-batch 4 without activation
@@ -191,13 +182,13 @@ def test_fingerprint_hashes_the_data_trained(tmp_path, tmp_path_factory, cache_d
 BUDGET = ["--faults.memory_budget_mib", "1.0"]
 
 
-@pytest.mark.parametrize("engine", list(ENGINES))
-def test_recovery_under_simulated_memory_budget(tmp_path, tmp_path_factory, cache_dir, engine):
+@pytest.mark.parametrize("engine", OOM_ENGINES)
+def test_recovery_under_simulated_memory_budget(tmp_path, reference, cache_dir, engine):
     """Started at micro-batch 4 on a device too small for it: a real OOM from the saved-tensor
     count on both ranks, the planner's next plan fits (its predicted peak within 15% of the
     counted one), and training equals the unconstrained run at micro-batch 2."""
-    base = baseline(engine, tmp_path_factory, cache_dir)
-    launch(tiny_args(tmp_path, cache_dir, *STEPS, *ENGINES[engine], "--training.micro_batch_size", "4", *BUDGET))
+    base = baseline(reference, engine)
+    launch(tiny_args(tmp_path, cache_dir, *RUN, *ENGINES[engine], "--training.micro_batch_size", "4", *BUDGET))
     records = read_metrics(tmp_path)
     change = records[0]["plan_changes"][0]
     assert change["event"] in ("oom_shrink", "activation_checkpointing_on") and change["ranks"]
@@ -215,12 +206,12 @@ def test_recovery_under_simulated_memory_budget(tmp_path, tmp_path_factory, cach
 
 
 @pytest.mark.parametrize("engine", ["ddp", "fsdp", "zero3"])
-def test_auto_plan_fits_without_oom(tmp_path, tmp_path_factory, cache_dir, engine):
+def test_auto_plan_fits_without_oom(tmp_path, reference, cache_dir, engine):
     """training.micro_batch_size auto on the same device: the planner times the candidates
     predicted to fit and takes the fastest; no OOM at all, the counted peak stays under the
     budget, and training equals the fixed-plan run."""
-    base = baseline(engine, tmp_path_factory, cache_dir)
-    launch(tiny_args(tmp_path, cache_dir, *STEPS, *ENGINES[engine], "--training.micro_batch_size", "auto", *BUDGET))
+    base = baseline(reference, engine)
+    launch(tiny_args(tmp_path, cache_dir, *RUN, *ENGINES[engine], "--training.micro_batch_size", "auto", *BUDGET))
     records = read_metrics(tmp_path)
     assert records[0]["event"] == "plan_chosen" and not any("oom" in r.get("event", "") for r in records)
     table = json.loads((tmp_path / "plan.json").read_text())["candidates"]

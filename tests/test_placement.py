@@ -303,3 +303,32 @@ def test_plan_times_the_host_optimizer_at_the_target_rate(cache_dir):
         expected = slow["parameters"] * on_host * (1 / 1e5 - 1 / 1e9)  # one rank: its optimizer's parameters
         assert a["predicted_step_s"] - b["predicted_step_s"] - compute == pytest.approx(expected, rel=0.05, abs=1e-3), \
             a["name"]
+
+
+def test_cpu_info_is_asked_once_per_process(monkeypatch):
+    """py-cpuinfo starts a Python subprocess per call and DeepSpeed asks it in every CPU Adam
+    constructor: after memtrain prepares the libraries, the first answer is kept (each caller
+    gets its own copy) and a real DeepSpeedCPUAdam takes its vendor from it."""
+    import cpuinfo
+    import torch
+
+    from memtrain.distributed import cache_cpu_info
+
+    calls, real = [], cpuinfo.get_cpu_info()
+
+    def asked():
+        calls.append(1)
+        return dict(real)
+
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", asked)
+    cache_cpu_info()
+    cache_cpu_info()  # idempotent: not wrapped twice
+    first, second = cpuinfo.get_cpu_info(), cpuinfo.get_cpu_info()
+    assert first == second == asked() and first is not second and len(calls) == 2  # one cached + the direct call
+    from memtrain.memory.machine import cpu_adam_built
+
+    if cpu_adam_built():
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(4))])
+        assert len(calls) == 2  # DeepSpeed's own call got the kept answer

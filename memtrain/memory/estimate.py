@@ -415,14 +415,14 @@ def main(argv: Optional[list[str]] = None, command: str = "memory") -> int:
     the launcher's ``WORLD_SIZE``, else 1. Exit 2 on a config error."""
     from memtrain.config import ConfigError, parse_args
     from memtrain.launcher import apply_accelerate_settings
-    from memtrain.distributed import quiet_library_notices
+    from memtrain.distributed import prepare_libraries
     from memtrain.validation import validate
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
         print(PLAN_HELP.format(command=command))
         return 0
-    quiet_library_notices(torch.cuda.is_available())
+    prepare_libraries(torch.cuda.is_available())
     try:
         world_size = int(_pop_option(argv, "--world_size", os.environ.get("WORLD_SIZE", "1")))
         gib = _pop_option(argv, "--gpu_memory_gib")
