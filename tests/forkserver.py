@@ -6,9 +6,10 @@ libraries in the agent and in every rank; forking from a process that has import
 nothing) skips that, the way ``multiprocessing``'s ``forkserver`` start method does. Each rank gets
 the environment torchrun gives its workers (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``/``MASTER_PORT``, ``TORCHELASTIC_*``) and runs the script as ``__main__``; like
-torchrun's agent, the server stops the other ranks (SIGTERM, then SIGKILL after 30 s) when one
-exits non-zero, and the client reports torchrun's exit status (1 when a rank failed) and its
-failure summary (``exitcode  : N`` per failed rank).
+torchrun's agent, the server looks at the ranks every 0.1 s and stops the others (SIGTERM, then
+SIGKILL after 30 s) once one has exited non-zero, and the client reports torchrun's exit status
+(1 when a rank failed) and its failure summary (``exitcode  : N`` per rank that did not exit 0,
+the stopped ones' ``-15`` included).
 
 What a fork cannot stand in for stays on the real launchers: elastic restarts, two agents as two
 nodes, ``accelerate launch`` / ``deepspeed``, signals sent to the launcher, and the launcher's own
@@ -35,6 +36,9 @@ WARM_MODULES = [
 ]
 """Modules a run imports (at start or lazily; ``python -X importtime`` of DDP, FSDP2 and ZeRO-3
 runs), imported once by the server, with every ``memtrain`` module."""
+
+MONITOR_INTERVAL_S = 0.1
+"""How often the ranks are looked at (torchrun's ``--monitor-interval`` default)."""
 
 STOP_GRACE_S = 30.0
 """Seconds between SIGTERM and SIGKILL when the other ranks are stopped (torchrun's default)."""
@@ -102,31 +106,28 @@ def _rank_main(req: dict, rank: int) -> None:
             os._exit(code)
 
 
-def _wait_ranks(pids: dict[int, int]) -> dict[int, tuple[int, bool]]:
-    """Wait for every rank; when one fails, SIGTERM the rest (SIGKILL after :data:`STOP_GRACE_S`).
+def _wait_ranks(pids: dict[int, int]) -> dict[int, int]:
+    """Wait for every rank as torchrun's agent does: look every :data:`MONITOR_INTERVAL_S`; once a
+    rank has failed, SIGTERM the rest (SIGKILL after :data:`STOP_GRACE_S`).
 
-    Returns rank → (exit code, negative for a signal; whether it failed before the others were stopped).
+    Returns rank → exit code (negative: the signal that ended it).
     """
-    results: dict[int, tuple[int, bool]] = {}
+    results: dict[int, int] = {}
     stopping_since = None
     while len(results) < len(pids):
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid == 0:
-            if stopping_since is not None and time.monotonic() - stopping_since > STOP_GRACE_S:
-                for p, r in pids.items():
-                    if r not in results:
-                        os.kill(p, signal.SIGKILL)
-            time.sleep(0.02)
-            continue
-        if pid not in pids:
-            continue
-        code = os.waitstatus_to_exitcode(status)
-        results[pids[pid]] = (code, stopping_since is None)
-        if code != 0 and stopping_since is None:
+        time.sleep(MONITOR_INTERVAL_S)
+        while len(results) < len(pids):
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            if pid in pids:
+                results[pids[pid]] = os.waitstatus_to_exitcode(status)
+        running = [p for p, r in pids.items() if r not in results]
+        if stopping_since is None and any(results.values()):
             stopping_since = time.monotonic()
-            for p, r in pids.items():
-                if r not in results:
-                    os.kill(p, signal.SIGTERM)
+            _signal(running, signal.SIGTERM)
+        elif stopping_since is not None and time.monotonic() - stopping_since > STOP_GRACE_S:
+            _signal(running, signal.SIGKILL)
     return results
 
 
@@ -175,10 +176,16 @@ def serve(address: str) -> None:
             client, _ = listener.accept()
             if os.fork() == 0:
                 listener.close()
+                code = 0
                 try:
                     _serve_session(Connection(client.detach()))
+                except BaseException:  # into server.log: the client sees only a closed connection
+                    import traceback
+
+                    traceback.print_exc()
+                    code = 1
                 finally:
-                    os._exit(0)
+                    os._exit(code)
             client.close()
     shutil.rmtree(os.path.dirname(address), ignore_errors=True)
 
@@ -237,23 +244,31 @@ class ForkServer:
         self._conn.send({"script": script, "args": list(args), "nproc": nproc, "port": port, "env": dict(env),
                          "cwd": cwd, "stdout": base + ".out", "stderr": base + ".err", "torchrun": torchrun})
         pids = self._conn.recv()
-        timed_out = not self._conn.poll(timeout)
+        try:
+            timed_out = not self._conn.poll(timeout)
+        except BaseException:  # the test was interrupted (pytest-timeout, Ctrl-C): no run outlives it
+            _signal(pids)
+            self._conn.close()
+            self._conn = None  # the next run gets a new session, not this run's late answer
+            raise
         if timed_out:
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            _signal(pids)
         results = self._conn.recv()
         out, err = (_read_all(f"{base}.{kind}", nproc) for kind in ("out", "err"))
         if not torchrun:
-            return subprocess.CompletedProcess(cmd, None if timed_out else results[0][0], out, err)
-        failed = {rank: code for rank, (code, first) in results.items() if code != 0 and first}
-        if failed:
-            err += "".join(f"[{rank}]:\n  rank      : {rank} (local_rank: {rank})\n  exitcode  : {code}\n"
-                           for rank, code in sorted(failed.items()))
-        returncode = None if timed_out else (1 if any(code for code, _ in results.values()) else 0)
+            return subprocess.CompletedProcess(cmd, None if timed_out else results[0], out, err)
+        err += "".join(f"[{rank}]:\n  rank      : {rank} (local_rank: {rank})\n  exitcode  : {code}\n"
+                       for rank, code in sorted(results.items()) if code != 0)
+        returncode = None if timed_out else (1 if any(results.values()) else 0)
         return subprocess.CompletedProcess(cmd, returncode, out, err)
+
+
+def _signal(pids: list[int], signum: int = signal.SIGKILL) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
 
 
 def _read_all(base: str, nproc: int) -> str:
