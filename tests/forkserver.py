@@ -51,7 +51,8 @@ def _torchrun_env(rank: int, nproc: int, port: int) -> dict[str, str]:
         "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "ROLE_WORLD_SIZE": str(nproc),
         "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none",
-        "TORCHELASTIC_USE_AGENT_STORE": "False", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
     }
 
 
@@ -74,6 +75,7 @@ def _rank_main(req: dict, rank: int) -> None:
 
     code = 1
     try:
+        os.setsid()  # a session of its own, as torchrun starts its workers: signals reach its children too
         for fd, name in ((1, "stdout"), (2, "stderr")):
             f = os.open(f"{req[name]}.{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(f, fd)
@@ -82,6 +84,7 @@ def _rank_main(req: dict, rank: int) -> None:
         os.environ.update(req["env"])
         if req["torchrun"]:
             os.environ.update(_torchrun_env(rank, req["nproc"], req["port"]))
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # torchrun's default, the user's value kept
         os.chdir(req["cwd"])
         extra = [p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
         sys.path[:] = [os.path.dirname(req["script"]), *extra, *sys.path[1:]]
@@ -139,6 +142,7 @@ def _serve_session(conn) -> None:
             req = conn.recv()
         except EOFError:
             return
+        store = _start_agent_store(req["port"]) if req["torchrun"] else None
         pids = {}
         for rank in range(req["nproc"]):
             pid = os.fork()
@@ -147,7 +151,31 @@ def _serve_session(conn) -> None:
                 _rank_main(req, rank)
             pids[pid] = rank
         conn.send(sorted(pids))
-        conn.send(_wait_ranks(pids))
+        results = _wait_ranks(pids)
+        if store is not None:
+            _signal([store])
+            try:
+                os.waitpid(store, 0)
+            except ChildProcessError:  # reaped with the ranks
+                pass
+        conn.send(results)
+
+
+def _start_agent_store(port: int) -> int:
+    """Fork the process that holds the run's TCP store at ``port``, as torchrun's agent does (its
+    workers connect to it: ``TORCHELASTIC_USE_AGENT_STORE=True``; the store outlives any rank).
+    Its own process: a store's server thread must not be in a process that forks later."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            import torch.distributed as dist
+
+            store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+            while store is not None:
+                time.sleep(3600)
+        finally:
+            os._exit(0)
+    return pid
 
 
 def serve(address: str) -> None:
@@ -243,17 +271,18 @@ class ForkServer:
         base = os.path.join(os.path.dirname(self.address), f"run{os.getpid()}-{port}")
         self._conn.send({"script": script, "args": list(args), "nproc": nproc, "port": port, "env": dict(env),
                          "cwd": cwd, "stdout": base + ".out", "stderr": base + ".err", "torchrun": torchrun})
-        pids = self._conn.recv()
+        pids: list[int] = []
         try:
+            pids = self._conn.recv()
             timed_out = not self._conn.poll(timeout)
-        except BaseException:  # the test was interrupted (pytest-timeout, Ctrl-C): no run outlives it
-            _signal(pids)
+            if timed_out:
+                _signal(pids)
+            results = self._conn.recv()
+        except BaseException:  # interrupted (pytest-timeout, Ctrl-C) or the session died: no run outlives
+            _signal(pids)      # the test, and the next run gets a new session, not this run's late answer
             self._conn.close()
-            self._conn = None  # the next run gets a new session, not this run's late answer
+            self._conn = None
             raise
-        if timed_out:
-            _signal(pids)
-        results = self._conn.recv()
         out, err = (_read_all(f"{base}.{kind}", nproc) for kind in ("out", "err"))
         if not torchrun:
             return subprocess.CompletedProcess(cmd, None if timed_out else results[0], out, err)
@@ -264,9 +293,14 @@ class ForkServer:
 
 
 def _signal(pids: list[int], signum: int = signal.SIGKILL) -> None:
+    """Send ``signum`` to each process's group (a rank leads its own; the store's is the session's
+    own group, so the store alone gets it)."""
     for pid in pids:
         try:
-            os.kill(pid, signum)
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signum)
+            else:
+                os.kill(pid, signum)
         except ProcessLookupError:
             pass
 

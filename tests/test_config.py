@@ -155,8 +155,15 @@ def test_the_config_is_read_only_after_validation(tmp_path):
 def test_help_lists_the_subcommands_and_plan_has_its_own():
     """``memtrain --help`` names every subcommand; ``memtrain plan --help`` gives the planner's own
     options (they were undiscoverable behind the trainer's help)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
     run = lambda *args: run_cli(list(args), timeout=120)  # noqa: E731
-    top = run("--help")
+    # the installed console script itself (the other commands run its function, forked)
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])
+    top = subprocess.run(["memtrain", "--help"], capture_output=True, text=True, timeout=120, env={**os.environ, "PATH": path})
     assert top.returncode == 0
     for command in ("train", "plan", "memory", "export", "plot"):
         assert f"\n  {command} " in top.stdout, command

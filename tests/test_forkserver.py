@@ -9,19 +9,18 @@ from conftest import TORCHRUN, child_exit_codes, launch, run_cli
 SCRIPT = r"""
 import json, os, sys, time
 rank = int(os.environ["RANK"])
-keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-        "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"]
-print("ENV " + json.dumps({k: os.environ.get(k) for k in keys}), flush=True)
+print("ENV " + json.dumps(dict(os.environ)), flush=True)
 if sys.argv[1] == "fail" and rank == 1:
     sys.exit(3)
 if sys.argv[1] == "fail":
     time.sleep(60)  # stopped by the launcher when rank 1 fails
 """
+PER_LAUNCH = ("MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE")  # a port, a name, a path per launch
 
 
 def _envs(proc) -> list[dict]:
-    return sorted((json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ENV ")),
-                  key=lambda env: env["RANK"])
+    envs = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ENV ")]
+    return sorted(({k: v for k, v in env.items() if k not in PER_LAUNCH} for env in envs), key=lambda env: env["RANK"])
 
 
 def test_ranks_see_what_torchrun_gives_them_and_a_failure_ends_like_under_torchrun(tmp_path):
