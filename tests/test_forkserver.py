@@ -9,7 +9,8 @@ from conftest import TORCHRUN, child_exit_codes, launch, run_cli
 SCRIPT = r"""
 import json, os, sys, time
 rank = int(os.environ["RANK"])
-print("ENV " + json.dumps(dict(os.environ)), flush=True)
+with open(os.path.join(sys.argv[2], f"env{rank}.json"), "w") as fh:  # a file: lines of two ranks can mix on a pipe
+    json.dump(dict(os.environ), fh)
 if sys.argv[1] == "fail" and rank == 1:
     sys.exit(3)
 if sys.argv[1] == "fail":
@@ -18,21 +19,24 @@ if sys.argv[1] == "fail":
 PER_LAUNCH = ("MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE")  # a port, a name, a path per launch
 
 
-def _envs(proc) -> list[dict]:
-    envs = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ENV ")]
-    return sorted(({k: v for k, v in env.items() if k not in PER_LAUNCH} for env in envs), key=lambda env: env["RANK"])
+def _envs(folder) -> list[dict]:
+    envs = [json.loads(path.read_text()) for path in sorted(folder.glob("env*.json"))]
+    return [{k: v for k, v in env.items() if k not in PER_LAUNCH} for env in envs]
 
 
 def test_ranks_see_what_torchrun_gives_them_and_a_failure_ends_like_under_torchrun(tmp_path):
     script = tmp_path / "ranks.py"
     script.write_text(SCRIPT)
-    forked, real = launch(["ok"], script=str(script)), launch(["ok"], script=str(script), launcher=TORCHRUN)
+    (tmp_path / "forked").mkdir()
+    (tmp_path / "real").mkdir()
+    forked = launch(["ok", str(tmp_path / "forked")], script=str(script))
+    real = launch(["ok", str(tmp_path / "real")], script=str(script), launcher=TORCHRUN)
     assert forked.returncode == real.returncode == 0
-    assert _envs(forked) == _envs(real) and len(_envs(real)) == 2
+    assert _envs(tmp_path / "forked") == _envs(tmp_path / "real") and len(_envs(tmp_path / "real")) == 2
     start = time.perf_counter()
-    forked = launch(["fail"], script=str(script), check=False)
+    forked = launch(["fail", str(tmp_path)], script=str(script), check=False)
     assert time.perf_counter() - start < 30  # rank 0 was stopped, not waited for
-    real = launch(["fail"], script=str(script), launcher=TORCHRUN, check=False)
+    real = launch(["fail", str(tmp_path)], script=str(script), launcher=TORCHRUN, check=False)
     assert forked.returncode == real.returncode == 1
     assert child_exit_codes(forked) == child_exit_codes(real) == {3, -15}  # rank 0 stopped by SIGTERM
 
