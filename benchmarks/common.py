@@ -100,15 +100,7 @@ def run_memtrain(args: list[str], output_dir: str, nproc: int, timeout: float = 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_port", str(port), TRAIN, *args, "--output_dir", output_dir]
     full_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
-    if os.environ.get(FORK_SERVER_VAR):
-        proc = fork_server().run(cmd, TRAIN, [*args, "--output_dir", output_dir], nproc=nproc, port=port,
-                                  env=full_env, cwd=str(REPO), timeout=timeout)
-        if proc.returncode is None:
-            raise subprocess.TimeoutExpired(cmd, timeout, proc.stdout, proc.stderr)
-    else:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
-    if proc.returncode != 0:
-        raise RunFailed(proc.returncode, proc.stderr)
+    _run(cmd, [*args, "--output_dir", output_dir], full_env, timeout, nproc=nproc, port=port)
     return read_metrics(output_dir)
 
 
@@ -119,17 +111,29 @@ def run_cli(args: list[str], timeout: float = 1800) -> str:
         RunFailed: non-zero exit (the tail of stderr attached).
         subprocess.TimeoutExpired: it took longer than ``timeout`` seconds.
     """
-    cmd = [sys.executable, TRAIN, *args]
+    return _run([sys.executable, TRAIN, *args], args, dict(os.environ), timeout).stdout
+
+
+def _run(cmd: list[str], train_args: list[str], env: dict, timeout: float, nproc: Optional[int] = None,
+         port: int = 0) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (``memtrain/train.py`` with ``train_args``: under torchrun with ``nproc`` ranks,
+    or alone) from the repository root; with :data:`FORK_SERVER_VAR` set, the same run forked by
+    the tests' server (torchrun's environment when ``nproc`` is given).
+
+    Raises:
+        RunFailed: non-zero exit.
+        subprocess.TimeoutExpired: it took longer than ``timeout`` seconds.
+    """
     if os.environ.get(FORK_SERVER_VAR):
-        proc = fork_server().run(cmd, TRAIN, args, nproc=1, port=0, env=dict(os.environ), cwd=str(REPO),
-                                  timeout=timeout, torchrun=False)
+        proc = fork_server().run(cmd, TRAIN, train_args, nproc=nproc or 1, port=port, env=env, cwd=str(REPO),
+                                 timeout=timeout, torchrun=nproc is not None)
         if proc.returncode is None:
             raise subprocess.TimeoutExpired(cmd, timeout, proc.stdout, proc.stderr)
     else:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     if proc.returncode != 0:
         raise RunFailed(proc.returncode, proc.stderr)
-    return proc.stdout
+    return proc
 
 
 def read_metrics(output_dir: str) -> list[dict]:

@@ -101,6 +101,14 @@ RUN_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 _FORK_SERVER = ForkServer(env=RUN_ENV)
 
+
+def _run_env(env: dict | None) -> dict[str, str]:
+    """A run's environment: this process's, :data:`RUN_ENV`, ``tests/`` on ``PYTHONPATH`` (the
+    model factories of ``toy_models.py``), then ``env``."""
+    pythonpath = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, **RUN_ENV, "PYTHONPATH": pythonpath, **(env or {})}
+
+
 def fork_server_address() -> str:
     """The fork server's socket, for a process this one starts (see ``benchmarks/common.py``)."""
     return _FORK_SERVER.address
@@ -120,8 +128,7 @@ def launch(args: list[str], nproc: int = 2, timeout: float = 300, env: dict | No
     and, with ``check``, when it exits non-zero.
     """
     port = _free_port()
-    pythonpath = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
-    full_env = {**os.environ, **RUN_ENV, "PYTHONPATH": pythonpath, **(env or {})}
+    full_env = _run_env(env)
     if launcher is None:
         cmd = ["forkserver", "--nproc_per_node", str(nproc), script, *args]
         proc = _FORK_SERVER.run(cmd, script, args, nproc=nproc, port=port, env=full_env, cwd=str(REPO), timeout=timeout)
@@ -143,8 +150,7 @@ def run_cli(args: list[str], script: str = TRAIN, cwd=REPO, env: dict | None = N
     """``python script args`` (default: the ``memtrain`` command, ``memtrain/train.py``) as one
     process forked by :mod:`forkserver` — no launcher's variables, its own exit code — in ``cwd``
     with this environment plus ``env``. Fails the test when it runs past ``timeout`` s."""
-    pythonpath = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
-    full_env = {**os.environ, **RUN_ENV, "PYTHONPATH": pythonpath, **(env or {})}
+    full_env = _run_env(env)
     cmd = ["python", str(script), *args]
     proc = _FORK_SERVER.run(cmd, str(script), [str(a) for a in args], nproc=1, port=0, env=full_env, cwd=str(cwd),
                             timeout=timeout, torchrun=False)

@@ -303,7 +303,6 @@ def _optimizer_state_line(report: dict) -> str:
             "step (lossy), so only the config turns them on\n")
 
 
-
 def _setting_word(value) -> str:
     """A lever's setting in a table cell (``on``/``off`` for a bool)."""
     return ("on" if value else "off") if isinstance(value, bool) else "-" if value is None else str(value)
