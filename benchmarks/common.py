@@ -88,9 +88,9 @@ class RunFailed(RuntimeError):
 
 
 def run_memtrain(args: list[str], output_dir: str, nproc: int, timeout: float = 1800,
-                 env: Optional[dict] = None) -> list[dict]:
-    """Run ``memtrain/train.py`` with ``nproc`` ranks (torchrun; gloo on CPU) and return its
-    ``metrics.jsonl`` records.
+                 env: Optional[dict] = None, script: str = TRAIN) -> list[dict]:
+    """Run ``memtrain/train.py`` (or a benchmark's ``script`` that runs it) with ``nproc`` ranks
+    (torchrun; gloo on CPU) and return its ``metrics.jsonl`` records.
 
     Raises:
         RunFailed: non-zero exit (e.g. 3 = out of memory at micro-batch 1).
@@ -98,9 +98,9 @@ def run_memtrain(args: list[str], output_dir: str, nproc: int, timeout: float = 
     """
     port = _free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(port), TRAIN, *args, "--output_dir", output_dir]
+           "--master_port", str(port), script, *args, "--output_dir", output_dir]
     full_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
-    _run(cmd, [*args, "--output_dir", output_dir], full_env, timeout, nproc=nproc, port=port)
+    _run(cmd, [*args, "--output_dir", output_dir], full_env, timeout, nproc=nproc, port=port, script=script)
     return read_metrics(output_dir)
 
 
@@ -115,8 +115,8 @@ def run_cli(args: list[str], timeout: float = 1800) -> str:
 
 
 def _run(cmd: list[str], train_args: list[str], env: dict, timeout: float, nproc: Optional[int] = None,
-         port: int = 0) -> subprocess.CompletedProcess:
-    """Run ``cmd`` (``memtrain/train.py`` with ``train_args``: under torchrun with ``nproc`` ranks,
+         port: int = 0, script: str = TRAIN) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (``script`` with ``train_args``: under torchrun with ``nproc`` ranks,
     or alone) from the repository root; with :data:`FORK_SERVER_VAR` set, the same run forked by
     the tests' server (torchrun's environment when ``nproc`` is given).
 
@@ -125,7 +125,7 @@ def _run(cmd: list[str], train_args: list[str], env: dict, timeout: float, nproc
         subprocess.TimeoutExpired: it took longer than ``timeout`` seconds.
     """
     if os.environ.get(FORK_SERVER_VAR):
-        proc = fork_server().run(cmd, TRAIN, train_args, nproc=nproc or 1, port=port, env=env, cwd=str(REPO),
+        proc = fork_server().run(cmd, script, train_args, nproc=nproc or 1, port=port, env=env, cwd=str(REPO),
                                  timeout=timeout, torchrun=nproc is not None)
         if proc.returncode is None:
             raise subprocess.TimeoutExpired(cmd, timeout, proc.stdout, proc.stderr)

@@ -79,6 +79,7 @@ STEPS = (
     Step("chunked_loss", None, ("benchmarks/chunked_loss.py", "--quick"), 0),  # a CPU measurement: its plumbing only
     Step("lossy_levers", None, ("benchmarks/lossy_levers.py", "--quick"), 0),  # CPU measurements: their plumbing only
     Step("seq_len_reach", None, ("benchmarks/seq_len_reach.py", "--quick"), 0),
+    Step("placement_accuracy", None, ("benchmarks/placement_accuracy.py", "--quick"), 0),
 )
 assert sum(s.limit_s for s in STEPS) <= BUDGET_S
 

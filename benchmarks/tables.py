@@ -8,6 +8,7 @@ configuration), so the docs show what the code measured and nothing typed by han
     python benchmarks/tables.py solver                         # memory.levers auto vs off at three budgets
     python benchmarks/tables.py lossy_levers                   # optimizer.state_dtype: loss and bytes
     python benchmarks/tables.py seq_len_reach                  # the longest data.seq_len under one budget
+    python benchmarks/tables.py placement_accuracy             # the placement accounting vs DeepSpeed's tensors
 """
 
 from __future__ import annotations
@@ -215,17 +216,43 @@ def seq_len_reach(device: str) -> str:
     return "\n".join(out)
 
 
+def placement_accuracy(device: str) -> str:
+    """``benchmarks/placement_accuracy.py``: per model size and placement, each held component's
+    (predicted − measured) / measured, the measured total, and ZeRO-3's gathered parameters (the
+    most held after a fetch beside the accounting's bound; newest row per size, placement, component)."""
+    rows = newest_by("placement_accuracy", device, lambda row: (row.get("size"), row.get("placement"), row.get("component")))
+    components = ("parameters", "gradients", "optimizer_state", "buffers")
+    out = ["| model | placement | parameters | gradients | optimizer state | buffers | total: measured MiB | total "
+           "| ZeRO-3 gathered MiB: held / bound |", "|---|---|---|---|---|---|---|---|---|"]
+    runs = dict.fromkeys((size, placement) for size, placement, component in rows if component in ("total", "failed"))
+    for size, placement in runs:
+        if (size, placement, "total") not in rows:
+            failed = rows[size, placement, "failed"]
+            why = "a rank was killed (SIGKILL): past this machine's memory" if "SIGKILL" in failed["stderr_tail"] else ""
+            out.append(f"| {size} | {placement} | did not run (exit {failed['returncode']}{'; ' + why if why else ''}) "
+                       f"| | | | | | |")
+            continue
+        total = rows[size, placement, "total"]
+        cells = [fmt(rows[size, placement, c]["relative_error"], "+.1%") if (size, placement, c) in rows else "–"
+                 for c in components]
+        gathered = rows.get((size, placement, "gathered"))
+        held = f"{gathered['measured_bytes'] / 2**20:.0f} / {gathered['predicted_bytes'] / 2**20:.0f}" if gathered else "–"
+        out.append(f"| {size} ({total['parameters'] / 1e6:.1f}M) | {placement} | {' | '.join(cells)} "
+                   f"| {total['measured_bytes'] / 2**20:.1f} | {fmt(total['relative_error'], '+.1%')} | {held} |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("benchmark", choices=["oom_stress", "largest_model_plan", "overhead", "memory_accuracy", "solver",
-                                              "lossy_levers", "seq_len_reach"])
+                                              "lossy_levers", "seq_len_reach", "placement_accuracy"])
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     if args.benchmark == "largest_model_plan":
         print(largest_model_plan())
         return 0
     simple = {"overhead": overhead, "memory_accuracy": memory_accuracy, "solver": solver, "lossy_levers": lossy_levers,
-              "seq_len_reach": seq_len_reach}
+              "seq_len_reach": seq_len_reach, "placement_accuracy": placement_accuracy}
     if args.benchmark in simple:
         print(simple[args.benchmark](args.device))
         return 0

@@ -336,3 +336,72 @@ def test_the_solver_shortlist_times_fewer_plans_and_finds_the_fastest():
     assert len(calls) < probes_every
     assert {(c.micro_batch_size, c.plan.lever("activation_checkpointing")) for c in calls} >= {
         (2, "off"), (4, "selective"), (8, "on")}  # each setting's largest fitting micro-batch
+
+
+def test_a_deep_model_is_traced_at_a_few_depths_and_extrapolated_exactly(cache_dir, monkeypatch):
+    """The planner traces a 14-block GPT-2 at 1, 2 and 3 blocks (2, 4 and 6 under activation
+    checkpointing of every second block) and extrapolates: the bytes equal those of tracing all
+    14 blocks, for every AC setting; an AC pattern that does not divide the depth (every third
+    block) is traced whole."""
+    import memtrain.memory.planner as planner
+    import memtrain.memory.step_trace as step_trace
+    from memtrain.config import parse_args
+    from memtrain.data import build_corpus
+    from memtrain.models import ModelSource
+    from memtrain.objectives import make_objective
+
+    depths = []
+    trace = step_trace.step_peak_bytes
+
+    def spy(model, mode, objective, batch):
+        depths.append(len(model.transformer.h))
+        return trace(model, mode, objective, batch)
+
+    monkeypatch.setattr(step_trace, "step_peak_bytes", spy)
+    for every, settings, shortened in ((1, ("off", "selective", "on"), {1, 2, 3}), (2, ("on",), {2, 4, 6}),
+                                       (3, ("on",), set())):
+        cfg = parse_args(TINY_ARGS + ["--data.cache_dir", cache_dir, "--model.config.n_layer", "14",
+                                      "--memory.activation_checkpointing_every_n_blocks", str(every)])
+        corpus = build_corpus(cfg.data)
+        objective = make_objective(ModelSource.of(cfg, corpus).build_meta(), corpus)
+        fast = planner.activation_table(cfg, corpus, objective, "fp32", "cpu")
+        with monkeypatch.context() as whole:
+            whole.setattr(planner, "by_depth", lambda model, blocks, period, run: run())
+            slow = planner.activation_table(cfg, corpus, objective, "fp32", "cpu")
+            expected = {ac: slow(P(4, ac)) for ac in settings}
+        depths.clear()
+        assert {ac: fast(P(4, ac)) for ac in settings} == expected, every
+        assert set(depths) == (shortened or {14}), (every, depths)  # AC every third block: traced whole
+
+
+def test_depth_extrapolation_falls_back_to_the_whole_model():
+    """``by_depth`` with a stand-in trace (bytes as a function of the blocks present): a linear
+    growth is extrapolated from 1, 2 and 3 blocks; a growth that is not, blocks of different kinds
+    in the config (``layer_types``), and a model that fails shortened are traced whole, and the
+    block list is always restored."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from memtrain.memory.planner import by_depth
+
+    def model(kinds=None):
+        m = nn.Module()
+        m.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(8))
+        m.config = SimpleNamespace(layer_types=kinds)
+        return m
+
+    for m, bytes_of, whole_only in (
+            (model(), lambda d: 100 + 7 * d, False),
+            (model(), lambda d: d * d, True),                           # not linear: the whole model
+            (model(["full", "sliding"] * 4), lambda d: 100 + 7 * d, True),  # kinds differ
+            (model(), lambda d: 1 / (d // 8), True)):                  # fails shortened (ZeroDivisionError)
+        seen, full = [], m.layers
+        blocks = list(full)
+
+        def trace():
+            seen.append(len(m.layers))
+            return bytes_of(len(m.layers))
+
+        assert by_depth(m, blocks, 1, trace) == bytes_of(8)
+        assert m.layers is full and (seen[-1] == 8) == whole_only and (8 not in seen) == (not whole_only)

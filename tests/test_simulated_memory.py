@@ -27,13 +27,23 @@ def _forward(model, memory):
 
 
 def test_counts_saved_bytes_and_releases_them_after_backward():
-    model = _model()
-    memory = SimulatedMemory(2**40, 1000, model.parameters())
-    loss = _forward(model, memory)
+    """A chain whose saved tensors are known from autograd's rules: each ``tanh`` saves its
+    output, multiplying by a Python number saves nothing, and the weight is a parameter (model
+    state, not counted). The count equals that sum, and backward releases it."""
+    layers, rows, width = 6, 8, 64
+    weight = torch.nn.Parameter(torch.randn(width, width))
+    memory = SimulatedMemory(2**40, 1000, [weight])
+    x = torch.randn(rows, width)
+    with memory.context():
+        h = x @ weight  # saves x (an input, not a parameter: counted) and the weight (a parameter)
+        for _ in range(layers):
+            h = torch.tanh(h * 2.0)
+        loss = h.sum()
     saved = memory.saved_bytes
-    assert saved > 0 and memory.peak_bytes == 1000 + saved
+    assert saved == (1 + layers) * rows * width * 4  # x, then one [rows, width] fp32 output per tanh
+    assert memory.peak_bytes == 1000 + saved
     loss.backward()
-    del loss
+    del loss, h
     gc.collect()
     assert memory.saved_bytes == 0 and memory.peak_bytes == 1000 + saved
 

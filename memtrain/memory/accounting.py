@@ -192,8 +192,15 @@ def model_state_bytes(engine: str, n_params: int, precision: str, zero_stage: Op
         FSDP2's unsharded gradients), ``step_gradient_bytes`` on the device from the end of the
         last backward to the optimizer step, when the activations are freed (ZeRO-2/3's whole
         gradients: a peak is state + the larger of the activations and these),
-        ``cpu_offloaded_bytes`` in host memory and
-        ``nvme_offloaded_bytes`` in NVMe files (all per rank).
+        ``cpu_offloaded_bytes`` in host memory (``accumulation_host_bytes`` more in plans that
+        accumulate: ZeRO-1/2 offload) and
+        ``nvme_offloaded_bytes`` in NVMe files (all per rank); DeepSpeed's also the offloaded
+        bytes (host and NVMe together) by component: ``offloaded_parameter_bytes``,
+        ``offloaded_gradient_bytes``, ``offloaded_optimizer_bytes``, ``offloaded_buffer_bytes``
+        (their sum is the two above), ``step_whole_gradient_bytes``, the whole gradients of
+        ``step_gradient_bytes``, and ``gathered_parameter_bytes``, ZeRO-3's gathered parameters of
+        ``buffer_bytes`` (``benchmarks/placement_accuracy.py`` compares the components with the
+        tensors DeepSpeed holds; these two are peaks inside the step, which MemTracker checks).
 
     Raises:
         ValueError: an unknown engine.
@@ -206,13 +213,15 @@ def model_state_bytes(engine: str, n_params: int, precision: str, zero_stage: Op
             shape.numels, settings.get("stage3_param_persistence_threshold", ZERO3_PERSISTENCE_THRESHOLD))
         return {"accumulation_gradient_bytes": 0, **_zero(
             n_params, precision, zero_stage, offload, w, offload_optimizer_ratio, offload_device,
-            settings["reduce_bucket_size"], persistent, zero3_gathered_elements(shape, settings))}
+            settings["reduce_bucket_size"], persistent, zero3_gathered_elements(shape, settings),
+            max(shape.numels, default=0))}
     if engine == "fsdp":
         optim = optimizer_state_bytes("fsdp", state_dtype, shape, w)
-        return {"nvme_offloaded_bytes": 0, "step_gradient_bytes": 0, **_fsdp(n_params, precision, offload, w, shape, optim)}
+        return {"nvme_offloaded_bytes": 0, "step_gradient_bytes": 0, "accumulation_host_bytes": 0,
+                **_fsdp(n_params, precision, offload, w, shape, optim)}
     if engine != "ddp":
         raise ValueError(f"backend.name: '{engine}' is not one of ddp, fsdp, deepspeed")
-    return {"nvme_offloaded_bytes": 0, "accumulation_gradient_bytes": 0, "step_gradient_bytes": 0,
+    return {"nvme_offloaded_bytes": 0, "accumulation_gradient_bytes": 0, "step_gradient_bytes": 0, "accumulation_host_bytes": 0,
             **_ddp(n_params, w, optimizer_state_bytes("ddp", state_dtype, shape, w))}
 
 
@@ -258,23 +267,14 @@ def _fsdp(n_params: int, precision: str, offload: str, world_size: int, shape: M
 
 def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str, world_size: int,
           offload_optimizer_ratio: float, offload_device: str, reduce_bucket_elements: int,
-          persistent_elements: int, gathered_elements: int) -> dict[str, int]:
+          persistent_elements: int, gathered_elements: int, largest_parameter: int = 0) -> dict[str, int]:
     """ZeRO's accounting (Rajbhandari et al. 2020, §3.1 and §5), bytes per rank: 16-bit parameters
     and gradients in bf16/fp16 (fp32 otherwise) plus an fp32 master copy kept with AdamW's
     moments; stage 1 shards the optimizer state, 2 also the gradients, 3 also the parameters
     (default stage 2). ZeRO's optimizer keeps its fp32 master partition as a copy also when the
     model is fp32 (stages 1/2 clone it; stage 3 compares a ``torch.device`` with a device name,
     which never matches, so never aliases it); found by listing the optimizer's tensors after a
-    step (fp32, 2 CPU ranks).
-
-    Offload (ZeRO-Offload, Ren et al. 2021): the optimizer state leaves the device —
-    ``offload_optimizer_ratio`` of it under ZeRO-3's partial offload — and the gradients are
-    reduced into host buffers: fp32 partitions under stages 1/2 (stage 1 still holds its whole
-    16-bit gradients on the device until the accumulation boundary); under stage 3 a 16-bit
-    partition buffer plus the fp32 gradient DeepSpeed keeps beside every optimizer sub-group, on the
-    device for the sub-groups stepped there. ``optimizer_and_params`` moves the parameters too.
-    With ``offload_device`` ``nvme`` (stage 3) the offloaded optimizer state (with its fp32
-    gradients) and parameters are files (``nvme_offloaded_bytes``).
+    step (fp32, 2 CPU ranks). Offload: :func:`_zero_offload`.
 
     DeepSpeed's own buffers: the reduce bucket, allocated whole in the parameters' dtype on the
     device (also under offload); ZeRO-3's small parameters (``persistent_elements``), kept whole
@@ -289,26 +289,74 @@ def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str
     MemTracker's peak equals this prediction to the byte's 1e-5), ZeRO-3 the same beside its
     gathered parameters. ZeRO-2's gradient partition is counted in that term too: MemTracker does not
     find it at the forward peak (the tests' tiny model was over-predicted by 13% with it there).
-    Under offload, where the gradient partitions go to the host, this term is not counted (not
-    measured there)."""
+    DeepSpeed copies the partition's gradients into a buffer of the whole parameters it holds
+    (``grads_in_partition``), so a parameter across the partition's edge counts whole
+    (``largest_parameter`` elements at most, per edge). Under offload, where the gradient
+    partitions go to the host, this term is not counted (not measured there). The whole
+    gradients are not a tensor of their own in DeepSpeed: it copies each gradient into the reduce
+    bucket and keeps a view (``step_whole_gradient_bytes`` reports them apart; the tensor census
+    of ``benchmarks/placement_accuracy.py`` finds the bucket, and MemTracker's step peak holds the
+    same bytes again during the reduction)."""
     n, w = n_params, world_size
     stage = 2 if zero_stage is None else zero_stage
-    half = precision in ("bf16", "fp16")
-    p_bytes = 2 if half else 4
-    master = 4 if half or stage >= 1 else 0
+    p_bytes = 2 if precision in ("bf16", "fp16") else 4
+    master = 4 if p_bytes == 2 or stage >= 1 else 0
     params = p_bytes * n // (w if stage >= 3 else 1)
     grads = p_bytes * n // (w if stage >= 2 else 1)
     optim = (ADAM_STATE_BYTES + master) * n // (w if stage >= 1 else 1)
-    host = files = 0
+    off = _zero_offload(n, w, stage, p_bytes, offload, offload_optimizer_ratio, offload_device, largest_parameter,
+                        params, grads, optim)
+    params, grads, optim = off.pop("parameter_bytes"), off.pop("gradient_bytes"), off.pop("optimizer_bytes")
+    buffers = p_bytes * reduce_bucket_elements + off.pop("staging_bytes")
+    step = whole = p_bytes * n if stage >= 2 and offload in (None, "none") else 0
+    if stage == 2 and offload in (None, "none"):  # the partition lives from the first reduction to the step
+        # (a parameter across a partition's edge is held whole: one edge per rank on 2 ranks, two beyond)
+        step, grads = step + grads + p_bytes * largest_parameter * min(w - 1, 2), 0
+    gathered = p_bytes * gathered_elements if stage >= 3 else 0
+    if stage >= 3:  # whole persistent parameters beside their partitions; the gathered ones
+        params += p_bytes * persistent_elements
+        buffers += gathered
+    return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim,
+            "buffer_bytes": buffers, "step_gradient_bytes": step, "step_whole_gradient_bytes": whole,
+            "gathered_parameter_bytes": gathered, **off}
+
+
+def _zero_offload(n: int, w: int, stage: int, p_bytes: int, offload: str, ratio: float, offload_device: str,
+                  largest_parameter: int, params: int, grads: int, optim: int) -> dict[str, int]:
+    """What ZeRO-Offload (Ren et al. 2021) moves off the device, per rank: the device's
+    ``parameter_bytes``, ``gradient_bytes``, ``optimizer_bytes`` left of ``params``, ``grads``,
+    ``optim``; ``cpu_offloaded_bytes`` and ``nvme_offloaded_bytes``, the same by component
+    (``offloaded_*_bytes``), and ``staging_bytes`` more on the device.
+
+    The optimizer state leaves the device — ``ratio`` of it under ZeRO-3's partial offload — and
+    the gradients are reduced into host buffers: fp32 partitions under stages 1/2 (stage 1 still
+    holds its whole 16-bit gradients on the device until the accumulation boundary); under stage
+    3 a 16-bit partition buffer plus the fp32 gradient DeepSpeed keeps beside every optimizer
+    sub-group, on the device for the sub-groups stepped there. ``optimizer_and_params`` moves the
+    parameters too. With ``offload_device`` ``nvme`` (stage 3) the offloaded optimizer state (with
+    its fp32 gradients) and parameters are files. Stages 1/2 also stage through buffers DeepSpeed
+    sizes by the model (found in its tensors after ``initialize``): on the host a 16-bit copy of
+    the rank's parameter partition and a gradient buffer of the largest parameter
+    (``largest_parameter`` elements), pinned on a GPU machine; on the device the same gradient
+    buffer. While micro-batches accumulate, stages 1/2 keep each parameter of the partition whole
+    in a 16-bit host buffer (``accumulated_grads_in_cpu``): ``accumulation_host_bytes``, counted
+    for plans with gradient accumulation."""
+    host = files = staging = accumulating = 0
+    offloaded = {"parameter": 0, "gradient": 0, "optimizer": 0, "buffer": 0}  # host or NVMe, by component
     if offload in ("optimizer", "optimizer_and_params"):
-        r = offload_optimizer_ratio
-        moved = int(optim * r)
+        moved = offloaded["optimizer"] = int(optim * ratio)
         optim -= moved
         if stage >= 3:  # 16-bit partition buffer on the host; fp32 sub-group gradients where each steps
-            host, grads = p_bytes * n // w, int(4 * n / w * (1 - r))
-            moved += int(4 * n / w * r)
+            host, grads = p_bytes * n // w, int(4 * n / w * (1 - ratio))
+            moved += int(4 * n / w * ratio)
+            offloaded["gradient"] = host + int(4 * n / w * ratio)
         else:  # fp32 gradient partitions on the host; stage 1 keeps its full gradients until the boundary
             host, grads = 4 * n // w, grads if stage == 1 else 0
+            offloaded["gradient"] = host
+            offloaded["buffer"] = p_bytes * (n // w + largest_parameter)
+            host, staging = host + offloaded["buffer"], p_bytes * largest_parameter
+            # accumulating, each parameter of the partition is kept whole in a 16-bit host buffer
+            accumulating = p_bytes * (n // w + largest_parameter * min(w - 1, 2))
         if offload_device == "nvme":
             files += moved
         else:
@@ -318,17 +366,10 @@ def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str
             files += params
         else:
             host += params
-        params = 0
-    buffers = p_bytes * reduce_bucket_elements
-    step = p_bytes * n if stage >= 2 and offload in (None, "none") else 0
-    if stage == 2 and offload in (None, "none"):  # the partition lives from the first reduction to the step
-        step, grads = step + grads, 0
-    if stage >= 3:  # whole persistent parameters beside their partitions; the gathered ones
-        params += p_bytes * persistent_elements
-        buffers += p_bytes * gathered_elements
-    return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim,
-            "buffer_bytes": buffers, "step_gradient_bytes": step, "cpu_offloaded_bytes": host,
-            "nvme_offloaded_bytes": files}
+        offloaded["parameter"], params = params, 0
+    return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim, "cpu_offloaded_bytes": host,
+            "nvme_offloaded_bytes": files, "staging_bytes": staging, "accumulation_host_bytes": accumulating,
+            **{f"offloaded_{k}_bytes": v for k, v in offloaded.items()}}
 
 
 def divisors(n: int) -> list[int]:

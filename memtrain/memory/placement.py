@@ -137,6 +137,7 @@ def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_s
     optimizer_on_device = state["optimizer_bytes"]
     staging = min(optimizer_on_device, STAGING_LIMIT_BYTES) if p.engine == "deepspeed" else optimizer_on_device
     per_rank_host = machine.process_bytes + state["cpu_offloaded_bytes"] + staging
+    per_rank_host += state["accumulation_host_bytes"] if c.gradient_accumulation_steps > 1 else 0
     per_rank_host += NVME_SWAP_BUFFERS_BYTES if p.nvme else 0
     per_rank_host += device if machine.device_type == "cpu" else 0
     p.micro_batch_size, p.gradient_accumulation_steps = c.micro_batch_size, c.gradient_accumulation_steps

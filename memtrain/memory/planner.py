@@ -9,8 +9,9 @@ and on). For each the planner predicts the peak device memory and measures the s
   (``torch._subclasses.fake_tensor.FakeTensorMode``) and one micro-batch is traced while
   its forward and backward are counted (:mod:`memtrain.memory.step_trace`: saved activations and
   the transients beside them, e.g. the logits' gradient; under a simulated device only what
-  autograd saves, which is all it counts). Planning a 10B-parameter model takes seconds and no
-  memory. The prediction is model state (the engine's accounting, ``model_state_bytes``, its
+  autograd saves, which is all it counts). A model of many alike blocks is traced at a few depths
+  and extrapolated where the growth per block is exact (:func:`by_depth`).
+  Planning a 10B-parameter model takes seconds and no memory. The prediction is model state (the engine's accounting, ``model_state_bytes``, its
   buffers included) + that peak (+ on CUDA, a headroom for the allocator:
   :func:`memtrain.memory.accounting.with_allocator_headroom`); ``benchmarks/memory_accuracy.py``
   checks it against torch's ``MemTracker`` on real runs.
@@ -428,6 +429,69 @@ class Planner:
                     c.predicted_step_s = seconds
 
 
+def by_depth(model: nn.Module, blocks: list[nn.Module], period: int, trace: Callable[[], int]) -> int:
+    """``trace()``'s bytes for ``model``, traced at a few depths and extrapolated when that is exact.
+
+    A model of ``L`` alike blocks (same class, same parameter shapes, in one ``nn.ModuleList``, and
+    no per-layer kinds in its config: transformers' ``layer_types`` all one) is traced with only its
+    first ``period``, ``2·period`` and ``3·period`` blocks (``period``: the activation-checkpointing
+    pattern, which repeats every ``period`` blocks). When the three peaks grow by the same number
+    of bytes per ``period`` blocks, the peak of all ``L`` is the first plus that step
+    ``L / period − 1`` times: a 48-block model costs three traces of 6 blocks in all instead of
+    one of 48. Otherwise (fewer than ``7·period`` blocks, where the whole trace is as cheap; ``L``
+    not a multiple of ``period``; blocks that differ; a model that cannot run shortened; steps
+    that differ) the whole model is traced. The peak is the largest of the step's phases, each
+    growing linearly with depth; were a phase that grows faster to overtake the others only past
+    ``3·period`` blocks, the extrapolation would be low — in transformer blocks every phase
+    holds the same saved activations per block, and the results equal the whole trace on GPT-2
+    and Llama shapes with AC off, selective and on (tests/test_planner.py, ``memtrain plan``'s
+    10B Llama).
+
+    Args:
+        model: a fake model (:func:`fake_model`); its block list is restored before returning.
+        blocks: its repeated blocks (:func:`memtrain.backends.common.repeated_blocks`).
+        period: blocks per repetition of the levers' pattern (1 when every block is alike).
+        trace: traces ``model`` as it stands and returns bytes (e.g. :func:`step_trace.step_peak_bytes`).
+
+    Returns:
+        Bytes (``trace()`` of the whole model, or its extrapolation).
+    """
+    holder = _block_list(model, blocks)
+    depth = len(blocks)
+    if holder is None or depth % period or depth < 7 * period:
+        return trace()
+    parent, name, full = holder
+    peaks = []
+    try:
+        for k in (period, 2 * period, 3 * period):
+            setattr(parent, name, full[:k])
+            peaks.append(trace())
+    except Exception:  # noqa: BLE001 — a model that cannot run shortened is traced whole
+        peaks = []
+    finally:
+        setattr(parent, name, full)
+    if len(peaks) < 3 or peaks[2] - peaks[1] != peaks[1] - peaks[0]:
+        return trace()
+    return peaks[0] + (depth // period - 1) * (peaks[1] - peaks[0])
+
+
+def _block_list(model: nn.Module, blocks: list[nn.Module]) -> Optional[tuple[nn.Module, str, nn.ModuleList]]:
+    """``(parent, attribute, list)`` of the ``nn.ModuleList`` that is exactly ``blocks``, when they
+    are alike (one class, the same parameter shapes, one kind in ``config.layer_types``); else None."""
+    kinds = getattr(getattr(model, "config", None), "layer_types", None)
+    if not blocks or (kinds is not None and len(set(map(str, kinds))) > 1):
+        return None
+    shapes = [tuple(p.shape) for p in blocks[0].parameters()]
+    if any(type(b) is not type(blocks[0]) or [tuple(p.shape) for p in b.parameters()] != shapes for b in blocks):
+        return None
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if isinstance(child, nn.ModuleList) and len(child) == len(blocks) and all(
+                    a is b for a, b in zip(child, blocks)):
+                return parent, name, child
+    return None
+
+
 def trace_batch(corpus, micro_batch_size: int) -> dict[str, torch.Tensor]:
     """The micro-batch the planner traces: the first samples, or for corpora of varying length
     (speech) the longest ones, so the prediction holds for every step."""
@@ -476,7 +540,10 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
         key = (plan.micro_batch_size, tuple(settings.items()))
         if key not in cache:
             apply_levers(target, settings)
-            cache[key] = trace(model, mode, target.objective, trace_batch(corpus, plan.micro_batch_size))
+            batch = trace_batch(corpus, plan.micro_batch_size)
+            checkpointed = settings.get("activation_checkpointing", "off") not in ("off", False)
+            period = cfg.memory.activation_checkpointing_every_n_blocks if checkpointed else 1
+            cache[key] = by_depth(model, target.blocks, period, lambda: trace(model, mode, target.objective, batch))
         return cache[key]
 
     return activation_bytes
