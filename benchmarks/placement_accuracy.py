@@ -126,10 +126,11 @@ def _walk(obj, path: str, found: dict, seen: dict, depth: int = 0) -> None:
             _walk(v, f"{path}.{k}", found, seen, depth + 1)
 
 
-def census(engine) -> dict:
+def census(engine, reach: bool = False) -> dict:
     """Bytes DeepSpeed holds now, per component and per attribute path: the reduce buckets first
     (they count as buffers where gradients are views of them), then the model's parameters
-    (ZeRO-3's partitioned ones held whole count as ``gathered``), then the rest of the ZeRO optimizer."""
+    (ZeRO-3's partitioned ones held whole count as ``gathered``), then the rest of the ZeRO optimizer;
+    with ``reach``, also the live tensor bytes the walk did not reach (:func:`_not_reached`)."""
     found: dict = {}
     seen: dict = {}
     for bucket in (getattr(engine.optimizer, "ipg_buckets", None) or {}).values():
@@ -146,7 +147,7 @@ def census(engine) -> dict:
     for path, nbytes in found.values():
         counts[component(path)] += nbytes
         paths[path] = paths.get(path, 0) + nbytes
-    return {"bytes": counts, "paths": paths, "not_reached_bytes": _not_reached(found)}
+    return {"bytes": counts, "paths": paths, **({"not_reached_bytes": _not_reached(found)} if reach else {})}
 
 
 def _not_reached(found: dict) -> int:
@@ -175,10 +176,11 @@ class Counter:
     def __init__(self):
         self.largest = dict.fromkeys(NAMES, 0)
         self.points: dict[str, dict] = {}
-        self.gathered_bytes = 0
+        self.gathered_bytes = self.not_reached_bytes = 0
 
     def count(self, engine, point: str) -> None:
-        c = census(engine)
+        c = census(engine, reach=point == "after_step")
+        self.not_reached_bytes = c.pop("not_reached_bytes", self.not_reached_bytes)
         self.points[point] = c
         for k, v in c["bytes"].items():
             if k == "gathered":
@@ -247,16 +249,12 @@ def _write(out: str, backend, counter: Counter) -> None:
 
     from memtrain.memory.placement import Placement, state_bytes
 
-    offload = "none"
-    if backend.offload_optimizer:
-        offload = "optimizer_and_params" if backend.offload_params else "optimizer"
-    placement = Placement("deepspeed", backend.zero_stage, offload, backend.offload_ratio)
+    placement = Placement("deepspeed", backend.zero_stage, backend.offload, backend.offload_ratio)
     predicted = state_bytes(placement, backend.shape, backend.precision, backend.world_size)
     measured = {**counter.largest, "gathered": counter.gathered_bytes}
     record = {"parameters": backend.shape.parameters, "measured": measured, "predicted_state": predicted,
               "same_as_engine": predicted == backend.model_state_bytes(backend.shape.parameters),
-              "gathered_bytes": counter.gathered_bytes, "points": counter.points,
-              "not_reached_bytes": counter.points["after_step"]["not_reached_bytes"],
+              "points": counter.points, "not_reached_bytes": counter.not_reached_bytes,
               "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     with open(out, "w") as fh:
         json.dump(record, fh)
@@ -314,11 +312,7 @@ def run(size: str, placement: str, scratch: str, steps: int = STEPS) -> list[dic
             str(steps), "--memory.oom_recovery", "false", "--backend.name", "deepspeed", *PLACEMENTS[placement]]
     run_memtrain(["--worker", out, *args], os.path.join(scratch, "run"), nproc=2, script=__file__)
     with open(out) as fh:
-        record = json.load(fh)
-    if os.environ.get("PLACEMENT_ACCURACY_DUMP"):
-        with open(os.environ["PLACEMENT_ACCURACY_DUMP"], "a") as fh:
-            fh.write(json.dumps({"size": size, "placement": placement, **record}) + "\n")
-    return rows_for(size, placement, record)
+        return rows_for(size, placement, json.load(fh))
 
 
 def summary(rows: list[dict]) -> dict:

@@ -360,11 +360,15 @@ class DeepSpeedBackend:
     def manifest_fields(self) -> dict:
         return {"backend": self.name, "checkpoint_format": deepspeed_format.NAME, "zero_stage": self.zero_stage}
 
+    @property
+    def offload(self) -> str:
+        """What this engine keeps off the device: ``none``, ``optimizer`` or ``optimizer_and_params``."""
+        if not self.offload_optimizer:
+            return "none"
+        return "optimizer_and_params" if self.offload_params else "optimizer"
+
     def model_state_bytes(self, n_params: int) -> dict[str, int]:
-        offload = "none"
-        if self.offload_optimizer:
-            offload = "optimizer_and_params" if self.offload_params else "optimizer"
-        return model_state_bytes("deepspeed", n_params, self.precision, self.zero_stage, offload, self.world_size,
+        return model_state_bytes("deepspeed", n_params, self.precision, self.zero_stage, self.offload, self.world_size,
                                  self.offload_ratio, "nvme" if self.nvme else "cpu", self.shape, self.zero_settings)
 
     def close(self) -> None:

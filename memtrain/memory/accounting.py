@@ -310,8 +310,7 @@ def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str
     buffers = p_bytes * reduce_bucket_elements + off.pop("staging_bytes")
     step = whole = p_bytes * n if stage >= 2 and offload in (None, "none") else 0
     if stage == 2 and offload in (None, "none"):  # the partition lives from the first reduction to the step
-        # (a parameter across a partition's edge is held whole: one edge per rank on 2 ranks, two beyond)
-        step, grads = step + grads + p_bytes * largest_parameter * min(w - 1, 2), 0
+        step, grads = step + grads + _edge_bytes(p_bytes, largest_parameter, w), 0
     gathered = p_bytes * gathered_elements if stage >= 3 else 0
     if stage >= 3:  # whole persistent parameters beside their partitions; the gathered ones
         params += p_bytes * persistent_elements
@@ -347,16 +346,16 @@ def _zero_offload(n: int, w: int, stage: int, p_bytes: int, offload: str, ratio:
         moved = offloaded["optimizer"] = int(optim * ratio)
         optim -= moved
         if stage >= 3:  # 16-bit partition buffer on the host; fp32 sub-group gradients where each steps
-            host, grads = p_bytes * n // w, int(4 * n / w * (1 - ratio))
-            moved += int(4 * n / w * ratio)
-            offloaded["gradient"] = host + int(4 * n / w * ratio)
+            host, grads, host_fp32 = p_bytes * n // w, int(4 * n / w * (1 - ratio)), int(4 * n / w * ratio)
+            moved += host_fp32
+            offloaded["gradient"] = host + host_fp32
         else:  # fp32 gradient partitions on the host; stage 1 keeps its full gradients until the boundary
             host, grads = 4 * n // w, grads if stage == 1 else 0
             offloaded["gradient"] = host
             offloaded["buffer"] = p_bytes * (n // w + largest_parameter)
             host, staging = host + offloaded["buffer"], p_bytes * largest_parameter
             # accumulating, each parameter of the partition is kept whole in a 16-bit host buffer
-            accumulating = p_bytes * (n // w + largest_parameter * min(w - 1, 2))
+            accumulating = p_bytes * (n // w) + _edge_bytes(p_bytes, largest_parameter, w)
         if offload_device == "nvme":
             files += moved
         else:
@@ -370,6 +369,13 @@ def _zero_offload(n: int, w: int, stage: int, p_bytes: int, offload: str, ratio:
     return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim, "cpu_offloaded_bytes": host,
             "nvme_offloaded_bytes": files, "staging_bytes": staging, "accumulation_host_bytes": accumulating,
             **{f"offloaded_{k}_bytes": v for k, v in offloaded.items()}}
+
+
+def _edge_bytes(p_bytes: int, largest_parameter: int, world_size: int) -> int:
+    """Bytes of the parameters ZeRO-1/2 hold whole across a rank's partition edges (their
+    gradient buffers are per whole parameter): one largest parameter per edge, one edge per rank
+    on 2 ranks, two beyond."""
+    return p_bytes * largest_parameter * min(world_size - 1, 2)
 
 
 def divisors(n: int) -> list[int]:

@@ -10,11 +10,11 @@ and on). For each the planner predicts the peak device memory and measures the s
   its forward and backward are counted (:mod:`memtrain.memory.step_trace`: saved activations and
   the transients beside them, e.g. the logits' gradient; under a simulated device only what
   autograd saves, which is all it counts). A model of many alike blocks is traced at a few depths
-  and extrapolated where the growth per block is exact (:func:`by_depth`).
-  Planning a 10B-parameter model takes seconds and no memory. The prediction is model state (the engine's accounting, ``model_state_bytes``, its
-  buffers included) + that peak (+ on CUDA, a headroom for the allocator:
-  :func:`memtrain.memory.accounting.with_allocator_headroom`); ``benchmarks/memory_accuracy.py``
-  checks it against torch's ``MemTracker`` on real runs.
+  and extrapolated where the growth per block is exact (:func:`by_depth`). Planning a
+  10B-parameter model takes seconds and no memory. The prediction is model state (the engine's
+  accounting, ``model_state_bytes``, its buffers included) + that peak (+ on CUDA, a headroom
+  for the allocator: :func:`memtrain.memory.accounting.with_allocator_headroom`);
+  ``benchmarks/memory_accuracy.py`` checks it against torch's ``MemTracker`` on real runs.
 - **Step time, measured.** A run times the forward and backward of a whole rank batch (every
   micro-batch and the gradient reduction, no optimizer step) at each candidate predicted to
   fit, on the real engine and data; the seconds are averaged over ranks, so every rank holds
@@ -525,6 +525,7 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
     """
     from memtrain.backends.common import repeated_blocks
     from memtrain.levers import LeverTarget, apply_levers, lever
+    from memtrain.levers.activation_checkpointing import setting as ac_setting
     from memtrain.memory.step_trace import step_peak_bytes
     from memtrain.models import ModelSource
 
@@ -541,7 +542,7 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
         if key not in cache:
             apply_levers(target, settings)
             batch = trace_batch(corpus, plan.micro_batch_size)
-            checkpointed = settings.get("activation_checkpointing", "off") not in ("off", False)
+            checkpointed = ac_setting(settings.get("activation_checkpointing", "off")) != "off"
             period = cfg.memory.activation_checkpointing_every_n_blocks if checkpointed else 1
             cache[key] = by_depth(model, target.blocks, period, lambda: trace(model, mode, target.objective, batch))
         return cache[key]
