@@ -17,6 +17,9 @@ and a last ``summary`` row: min/median/max relative error per engine.
     python benchmarks/memory_accuracy.py                    # the CPU model of benchmarks/common.py, 4 engines × 4 plans
     python benchmarks/memory_accuracy.py --shape gpt2_small # GPT-2 small's blocks (86M parameters), 4 engines × 2 plans
     python benchmarks/memory_accuracy.py --quick            # the tests' tiny model, 4 engines × 1 plan (prints only)
+    python benchmarks/memory_accuracy.py --device cuda --shape gpt2_small --precision bf16
+                                                            # one GPU, 1 rank: also cuda_relative_error, the
+                                                            # prediction against torch.cuda.max_memory_allocated
     python benchmarks/memory_accuracy.py --results          # also append the rows to benchmarks/results/
 """
 
@@ -84,7 +87,9 @@ def rows(args: list[str], plans: list[tuple[int, str]], engines: list[str], worl
                    "micro_batch_size": micro, "activation_checkpointing": ac, **guess,
                    "measured_bytes": count["peak_bytes"], "measured_by_category": count["peak_by_category"],
                    "cuda_max_memory_allocated": count["cuda_max_memory_allocated"],
-                   "relative_error": (guess["predicted_bytes"] - count["peak_bytes"]) / count["peak_bytes"]}
+                   "relative_error": (guess["predicted_bytes"] - count["peak_bytes"]) / count["peak_bytes"],
+                   **({"cuda_relative_error": (guess["predicted_bytes"] - count["cuda_max_memory_allocated"])
+                       / count["cuda_max_memory_allocated"]} if count["cuda_max_memory_allocated"] else {})}
 
 
 def summary(results: list[dict], shape: str) -> dict:
@@ -99,6 +104,8 @@ def summary(results: list[dict], shape: str) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the tests' tiny model, one plan per engine")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu: 2 ranks (gloo); cuda: 1 rank on one GPU")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="the runs' precision")
     parser.add_argument("--shape", choices=[k for k in SHAPES if k != "quick"], default="cpu",
                         help="the model: the benchmarks' CPU model (0.27M parameters) or GPT-2 small's blocks (86M)")
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ",".join(ENGINES))
@@ -109,11 +116,14 @@ def main(argv=None) -> int:
     args, plans = list(SHAPES[shape][0]), SHAPES[shape][1]
     if opts.data_cache_dir:
         args += ["--data.cache_dir", opts.data_cache_dir]
+    args[args.index("--precision") + 1] = opts.precision
+    world_size = 2 if opts.device == "cpu" else 1
     results = []
-    for row in rows(args, plans, opts.engines.split(","), world_size=2, shape=shape):
+    for row in rows(args, plans, opts.engines.split(","), world_size=world_size, shape=shape):
+        row["precision"] = opts.precision
         results.append(row)
-        emit("memory_accuracy", "cpu", row, save=opts.results and not opts.quick)
-    emit("memory_accuracy", "cpu", summary(results, shape), save=opts.results and not opts.quick)
+        emit("memory_accuracy", opts.device, row, save=opts.results and not opts.quick)
+    emit("memory_accuracy", opts.device, summary(results, shape), save=opts.results and not opts.quick)
     return 0
 
 
