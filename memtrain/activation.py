@@ -38,10 +38,11 @@ attention kernels (most of a block's FLOPs, little of its activation bytes)."""
 
 def _selective_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     if func in SAVED_OPS:
-        if not ctx.is_recompute:
+        output = getattr(ctx, "op_output", None)  # torch 2.13's context has it; older ones do not
+        if output is not None and not ctx.is_recompute:
             from memtrain.memory.simulated import note_kept  # the simulated device counts what is kept
 
-            note_kept(ctx.op_output)
+            note_kept(output)
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
