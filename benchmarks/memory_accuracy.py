@@ -8,7 +8,9 @@ it), and ``memtrain.memory.estimate.plan_report`` predicts the same plan's peak 
 anything. One JSON row per (engine, plan, rank 0):
 
     engine, micro_batch_size, gradient_accumulation_steps, activation_checkpointing,
-    predicted_bytes, measured_bytes, relative_error = (predicted - measured) / measured,
+    predicted_bytes (the planned peak: on CUDA with the allocator's headroom), predicted_tensor_bytes
+    (without it), measured_bytes, relative_error = (predicted_tensor - measured) / measured,
+    cuda_max_memory_allocated and cuda_relative_error = (predicted - max_memory_allocated) / it (CUDA),
     measured_by_category (MemTracker's: Parameter, Gradient, Optstate, Activation, Temp, ...),
     predicted_state_bytes, predicted_activation_bytes
 
@@ -57,7 +59,12 @@ def predicted(args: list[str], micro: int, ac: str, world_size: int) -> dict:
     on = ac == "on"
     row = next(c for c in report["candidates"]
                if c["micro_batch_size"] == micro and (c.get("activation_checkpointing") in (True, "on")) == on)
-    return {"gradient_accumulation_steps": row["gradient_accumulation_steps"],
+    from memtrain.memory.accounting import CUDA_HEADROOM_FRACTION, CUDA_RESERVED_BYTES
+
+    tensors = row["predicted_peak_bytes"]
+    if report["machine"]["device_type"] == "cuda":  # the planned peak less the allocator's headroom
+        tensors = int((tensors - CUDA_RESERVED_BYTES) / (1 + CUDA_HEADROOM_FRACTION))
+    return {"gradient_accumulation_steps": row["gradient_accumulation_steps"], "predicted_tensor_bytes": tensors,
             "predicted_bytes": row["predicted_peak_bytes"], "predicted_activation_bytes": row["activation_bytes"],
             "predicted_state_bytes": row["predicted_peak_bytes"] - row["activation_bytes"]}
 
@@ -87,7 +94,7 @@ def rows(args: list[str], plans: list[tuple[int, str]], engines: list[str], worl
                    "micro_batch_size": micro, "activation_checkpointing": ac, **guess,
                    "measured_bytes": count["peak_bytes"], "measured_by_category": count["peak_by_category"],
                    "cuda_max_memory_allocated": count["cuda_max_memory_allocated"],
-                   "relative_error": (guess["predicted_bytes"] - count["peak_bytes"]) / count["peak_bytes"],
+                   "relative_error": (guess["predicted_tensor_bytes"] - count["peak_bytes"]) / count["peak_bytes"],
                    **({"cuda_relative_error": (guess["predicted_bytes"] - count["cuda_max_memory_allocated"])
                        / count["cuda_max_memory_allocated"]} if count["cuda_max_memory_allocated"] else {})}
 
@@ -106,6 +113,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="the tests' tiny model, one plan per engine")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu: 2 ranks (gloo); cuda: 1 rank on one GPU")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="the runs' precision")
+    parser.add_argument("--world_size", type=int, default=None, help="ranks (CPU default 2; CUDA: 1, one GPU)")
     parser.add_argument("--shape", choices=[k for k in SHAPES if k != "quick"], default="cpu",
                         help="the model: the benchmarks' CPU model (0.27M parameters) or GPT-2 small's blocks (86M)")
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ",".join(ENGINES))
@@ -117,7 +125,7 @@ def main(argv=None) -> int:
     if opts.data_cache_dir:
         args += ["--data.cache_dir", opts.data_cache_dir]
     args[args.index("--precision") + 1] = opts.precision
-    world_size = 2 if opts.device == "cpu" else 1
+    world_size = opts.world_size or (2 if opts.device == "cpu" else 1)
     results = []
     for row in rows(args, plans, opts.engines.split(","), world_size=world_size, shape=shape):
         row["precision"] = opts.precision

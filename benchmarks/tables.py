@@ -136,32 +136,41 @@ def overhead(device: str) -> str:
 
 
 def memory_accuracy(device: str) -> str:
-    """The planner's predicted peak against MemTracker's count: per model shape and engine, the
-    relative error's min / median / max over the plans (newest row per shape, engine and plan)."""
+    """The planner's predicted peak against MemTracker's count: per model shape, precision and
+    engine, the relative error's min / median / max over the plans (newest row per shape,
+    precision, engine and plan); on a GPU also against ``torch.cuda.max_memory_allocated``."""
     newest_rows: dict[tuple, dict] = {}
     with open(RESULTS / f"memory_accuracy-{device}.jsonl") as fh:
         for line in fh:
             row = json.loads(line)
             if "engine" in row:
-                key = (row.get("shape", "cpu"), row["engine"], row["micro_batch_size"], row["activation_checkpointing"])
+                key = (row.get("shape", "cpu"), row.get("precision", "fp32"), row.get("world_size", 2), row["engine"],
+                       row["micro_batch_size"], row["activation_checkpointing"])
                 newest_rows.pop(key, None)  # keep the row order of the newest run
                 newest_rows[key] = row
-    runs: dict[str, list[dict]] = {}
-    for (shape, *_), row in newest_rows.items():
-        runs.setdefault(shape, []).append(row)
-    out = ["| model | engine | plans (micro-batch × accumulation, AC) | relative error min / median / max |",
-           "|---|---|---|---|"]
+    runs: dict[tuple, list[dict]] = {}
+    for (shape, precision, world_size, *_), row in newest_rows.items():
+        runs.setdefault((shape, precision, world_size), []).append(row)
+    cuda = any("cuda_relative_error" in r for r in newest_rows.values())
+    out = ["| model | precision | ranks | engine | plans (micro-batch × accumulation, AC) | relative error min / median / max |"
+           + (" against max_memory_allocated |" if cuda else ""), "|---|---|---|---|---|---|" + ("---|" if cuda else "")]
     names = {"cpu": "GPT-2, 4 × 64 wide (0.27M)", "gpt2_small": "GPT-2 small's blocks, 12 × 768 (86M)"}
-    for shape, rows in runs.items():
+
+    def spread(errors: list[float]) -> str:
+        return f"{min(errors):+.1%} / {statistics.median(errors):+.1%} / {max(errors):+.1%}"
+
+    for (shape, precision, world_size), rows in runs.items():
         for engine in ENGINE_NAMES:
             mine = [r for r in rows if r["engine"] == engine]
             if not mine:
                 continue
-            errors = [r["relative_error"] for r in mine]
             plans = ", ".join(f"{r['micro_batch_size']} × {r.get('gradient_accumulation_steps', '?')} "
                               f"{r['activation_checkpointing']}" for r in mine)
-            out.append(f"| {names.get(shape, shape)} | {ENGINE_NAMES[engine]} | {plans} | "
-                       f"{min(errors):+.1%} / {statistics.median(errors):+.1%} / {max(errors):+.1%} |")
+            line = (f"| {names.get(shape, shape)} | {precision} | {world_size} | {ENGINE_NAMES[engine]} | {plans} | "
+                    f"{spread([r['relative_error'] for r in mine])} |")
+            if cuda:
+                line += f" {spread([r['cuda_relative_error'] for r in mine if 'cuda_relative_error' in r] or [float('nan')])} |"
+            out.append(line)
     return "\n".join(out)
 
 

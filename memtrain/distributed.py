@@ -180,9 +180,16 @@ class ProcessState:
     def close(self) -> None:
         """Tear the process group down. Left to interpreter exit, communicator threads can abort the
         process ('terminate called without an active exception'). No barrier: after an error on one
-        rank it would hang; the others' pending collectives fail instead."""
+        rank it would hang; the others' pending collectives fail instead. Accelerate's run-wide states
+        (``AcceleratorState``: mixed precision; ``GradientState``) go with it, so a later run in this
+        process (the Python API) sets its own: Accelerate refuses to change an initialized one's
+        mixed precision."""
+        from accelerate.state import AcceleratorState, GradientState
+
         if dist.is_initialized():
             dist.destroy_process_group()
+        AcceleratorState._reset_state()  # PartialState (device, launcher) stays: the next run's is the same
+        GradientState._reset_state()
 
 
 def prepare_libraries(cuda: bool) -> None:

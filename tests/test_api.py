@@ -89,6 +89,12 @@ def test_api_and_command_line_give_the_same_losses(tmp_path, cache_dir):
     api = memtrain.Trainer(model=gpt2, train_dataset=examples, args=base + ["--model.config", "{}"]).fit().records
     assert [r["batch_fingerprint"] for r in api] == [r["batch_fingerprint"] for r in cli]
     assert [r["loss"] for r in api] == [r["loss"] for r in cli]
+    # a third run in the same process at another precision: Accelerate's process-wide state is the
+    # run's own (it refuses to change an initialized one's mixed precision)
+    bf16 = [*base, "--model.config", "{}", "--output_dir", str(tmp_path / "bf16")]
+    bf16[bf16.index("--precision") + 1] = "bf16"
+    again = memtrain.Trainer(model=gpt2, train_dataset=examples, args=bf16).fit()
+    assert again.summary["precision"] == "bf16" and len(again.records) == 3
 
 
 def test_bad_python_inputs_are_refused_by_name(tmp_path):

@@ -285,6 +285,53 @@ def test_fake_trace_predicts_what_memtracker_counts_in_a_real_micro_step(cache_d
     assert simulated(P(4, False, 8)) < traced(P(4, False, 8))
 
 
+def test_a_bf16_trace_holds_what_autocast_holds(cache_dir):
+    """bf16 under Accelerate's autocast (DDP: fp32 parameters, each matrix cast on use and its copy
+    saved for backward, the outputs in fp32) against MemTracker on the real model run that way
+    (``torch.autocast`` around its forward, outputs made fp32 as ``accelerate.utils.convert_outputs_to_fp32``
+    does): within 10% with activation checkpointing off and on. The sharded engines, which compute
+    with parameters held in bf16, are traced without the cast copies: less."""
+    import types
+
+    import torch
+
+    from accelerate.utils import convert_outputs_to_fp32
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from memtrain.activation import enable_activation_checkpointing
+    from memtrain.backends.common import repeated_blocks
+    from memtrain.config import parse_args
+    from memtrain.data import build_corpus
+    from memtrain.models import build_model
+    from memtrain.objectives import make_objective
+    from memtrain.memory.planner import activation_table, trace_batch
+
+    cfg = parse_args(TINY_ARGS + ["--data.cache_dir", cache_dir, "--precision", "bf16"])
+    corpus = build_corpus(cfg.data)
+    traced = activation_table(cfg, corpus, make_objective(build_model(cfg.model, corpus.vocab_size, 0), corpus),
+                              "bf16", "cpu", engine="ddp")
+    sharded = activation_table(cfg, corpus, make_objective(build_model(cfg.model, corpus.vocab_size, 0), corpus),
+                               "bf16", "cpu", engine="fsdp")
+    for ac in ("off", "on"):
+        model = build_model(cfg.model, corpus.vocab_size, 0)
+        objective = make_objective(model, corpus)
+        if ac == "on":
+            enable_activation_checkpointing(model, repeated_blocks(model), mode="on")
+        model.forward = types.MethodType(convert_outputs_to_fp32(torch.autocast("cpu", torch.bfloat16)(
+            type(model).forward)), model)
+        state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # parameters + gradients
+        for micro in (4, 8):
+            batch = trace_batch(corpus, micro)
+            objective.loss_sum(model, batch).backward()  # the gradients exist, as in accumulation
+            tracker = MemTracker()
+            tracker.track_external(model)
+            with tracker:
+                objective.loss_sum(model, batch).backward()
+            real = max(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values()) - state
+            assert traced(P(micro, ac, 8)) == pytest.approx(real, rel=0.10), (micro, ac)
+            assert sharded(P(micro, ac, 8)) < traced(P(micro, ac, 8))
+
+
 def test_plan_cli_prints_the_candidates(cache_dir, capsys):
     """``memtrain plan --json``: one object per candidate, the chosen one (``auto``: the planner's) fits, then the
     placements; a world size that does not divide the global batch is exit 2 naming the field."""

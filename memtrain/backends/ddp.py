@@ -20,7 +20,7 @@ from memtrain.backends.common import whole_model_build_context as model_build_co
 from memtrain.backends.spec import EngineVariant
 from memtrain.checkpoint.formats import safetensors as safetensors_format
 from memtrain.distributed import ProcessState
-from memtrain.memory.accounting import ModelShape, model_shape, model_state_bytes
+from memtrain.memory.accounting import DEFERRED_REDUCE_BUCKET_BYTES, ModelShape, model_shape, model_state_bytes
 
 VARIANTS = (EngineVariant("ddp", "ddp"),)
 """DDP's one placement: everything replicated on the device."""
@@ -105,6 +105,10 @@ class DDPBackend:
         self.shape = model_shape(model)
         optimizer = make_optimizer(model)
         model, optimizer = self.accelerator.prepare(model, optimizer)
+        if self.world_size == 1 and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            # Accelerate wraps a lone CPU process under a launcher (its MULTI_CPU with one process):
+            # a reducer with nothing to reduce, holding a second copy of the gradients in its buckets
+            model = model.module
         return model, optimizer
 
     def compute_collectives(self, last_micro_batch: bool) -> ComputeCollectives:
@@ -118,8 +122,9 @@ class DDPBackend:
             return contextlib.nullcontext()
         return self.accelerator.no_sync(model)
 
-    def _all_reduce_gradients(self, model: nn.Module, bucket_bytes: int = 64 * 2**20) -> None:
-        """Average gradients over ranks in flat buckets of ~``bucket_bytes``. A gradient missing on
+    def _all_reduce_gradients(self, model: nn.Module, bucket_bytes: int = DEFERRED_REDUCE_BUCKET_BYTES) -> None:
+        """Average gradients over ranks in flat buckets of ~``bucket_bytes``, one alive at a time
+        (counted by :func:`memtrain.memory.accounting.model_state_bytes`). A gradient missing on
         some ranks counts as zeros there, as in DDP's unused-parameter mode; for a model that drops
         layers, a parameter without gradient on *every* rank keeps none, so the optimizer skips
         it, as DDP's reducer and FSDP2 do (a dropped layer is not updated)."""
@@ -145,6 +150,7 @@ class DDPBackend:
                 for g in bucket:
                     g.copy_(flat[offset:offset + g.numel()].view_as(g))
                     offset += g.numel()
+                del flat  # freed before the next bucket is made
                 bucket, size = [], 0
 
     def set_plan(self, plan) -> None:

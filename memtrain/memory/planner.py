@@ -42,6 +42,7 @@ from torch import nn
 
 from memtrain.memory.accounting import divisors, with_allocator_headroom
 from memtrain.memory.machine import device_budget_bytes
+from memtrain.memory.step_trace import compute_precision_model
 from memtrain.levers import restore_settings
 from memtrain.plan import Plan
 
@@ -108,66 +109,12 @@ def lever_combinations(choices: Mapping[str, tuple]) -> list[dict[str, Any]]:
     return [dict(zip(names, combo)) for combo in itertools.product(*(choices[n] for n in names))]
 
 
-def fake_model(build: Callable[[], nn.Module], dtype: Optional[torch.dtype] = None,
-               device: Optional[torch.device] = None):
-    """A model with fake parameters (no memory): built on the meta device, then every parameter and
-    buffer turned into a fake tensor on ``device`` so data-dependent checks in model code see a
-    tracer and operators pick the kernels they pick on that device.
-
-    The device matters: ``scaled_dot_product_attention`` on CPU and CUDA runs a fused kernel that
-    saves its output and a log-sum-exp, while on the meta device it falls back to the math path,
-    which saves the ``[B, heads, T, T]`` attention weights of every layer (the tiny recipe's model
-    at micro-batch 16: 4.2 MB, 10%, more than a real CPU run holds).
-
-    Args:
-        build: builds the model (called under ``torch.device("meta")``).
-        dtype: cast floating-point parameters to this dtype (a bf16/fp16 run's compute dtype).
-        device: the device the fakes claim (None: meta).
-
-    Returns:
-        (the model in train mode, the ``FakeTensorMode`` to trace it under).
-    """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with torch.device("meta"):
-        model = build()
-    made: dict[int, torch.Tensor] = {}  # by the meta tensor's id: tied parameters stay one parameter
-
-    def fake(t: torch.Tensor) -> torch.Tensor:
-        t = t.to(dtype) if dtype is not None and t.is_floating_point() else t
-        return (mode.fake_tensor_converter.from_meta_and_device(mode, t, device) if device is not None
-                else mode.from_tensor(t))
-
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None:
-                if id(p) not in made:
-                    made[id(p)] = nn.Parameter(fake(p.detach()), requires_grad=p.requires_grad)
-                module._parameters[name] = made[id(p)]
-        for name, b in list(module._buffers.items()):
-            if b is not None:
-                if id(b) not in made:
-                    made[id(b)] = fake(b)
-                module._buffers[name] = made[id(b)]
-    return model.train(), mode
-
-
-def trace_device(device_type: str) -> torch.device:
-    """The device a planner's fake tensors claim: the run's own when this machine has it (its
-    kernels are the run's), else meta (``scaled_dot_product_attention``'s math path: more than a
-    fused kernel saves, so a GPU planned from a machine without one is over-predicted, never under)."""
-    if device_type == "cpu" or (device_type == "cuda" and torch.cuda.is_available()):
-        return torch.device(device_type)
-    return torch.device("meta")
-
-
 def traced_activation_bytes(model: nn.Module, mode, objective, micro_batch: dict[str, torch.Tensor]) -> int:
     """Peak bytes autograd saves for backward in one training forward of ``micro_batch`` (counted
     by :class:`memtrain.memory.simulated.SimulatedMemory`, parameters excluded).
 
     Args:
-        model: a :func:`fake_model` (AC switched as wanted); mode: its ``FakeTensorMode``.
+        model: a :func:`memtrain.memory.step_trace.fake_model` (AC switched as wanted); mode: its ``FakeTensorMode``.
         objective: the run's objective (:mod:`memtrain.objectives`).
         micro_batch: tensors [B, …] on any device (made fakes on the model's device here).
     """
@@ -448,7 +395,7 @@ def by_depth(model: nn.Module, blocks: list[nn.Module], period: int, trace: Call
     10B Llama).
 
     Args:
-        model: a fake model (:func:`fake_model`); its block list is restored before returning.
+        model: a fake model (:func:`memtrain.memory.step_trace.fake_model`); its block list is restored before returning.
         blocks: its repeated blocks (:func:`memtrain.backends.common.repeated_blocks`).
         period: blocks per repetition of the levers' pattern (1 when every block is alike).
         trace: traces ``model`` as it stands and returns bytes (e.g. :func:`step_trace.step_peak_bytes`).
@@ -503,11 +450,8 @@ def trace_batch(corpus, micro_batch_size: int) -> dict[str, torch.Tensor]:
     return corpus.train.batch([int(i) for i in np.argsort(lengths, kind="stable")[-micro_batch_size:]])
 
 
-COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 def activation_table(cfg, corpus, objective, precision: str, device_type: str,
-                     source=None) -> Callable[[Plan], int]:
+                     source=None, engine: Optional[str] = None) -> Callable[[Plan], int]:
     """``plan -> traced activation bytes`` of one micro-batch for ``cfg``'s model (built fake here,
     the plan's model levers applied to it as to the real model: :mod:`memtrain.levers`; results
     cached per micro-batch and model-lever settings). ``objective`` is not changed (a copy is traced).
@@ -517,7 +461,8 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
     a simulated device (``faults.memory_budget_mib``), which counts what autograd saves and nothing
     else: there they are that count (:func:`traced_activation_bytes`), so the planner predicts
     what the simulated device will count. ``source``: the :class:`memtrain.models.ModelSource`
-    (None: ``cfg``'s model).
+    (None: ``cfg``'s model). ``engine``: whose mixed precision the trace follows (None: ``cfg``'s,
+    :func:`memtrain.backends.infer_backend_name`; see :data:`AUTOCAST_ENGINES`).
 
     Raises:
         RuntimeError, NotImplementedError: the model cannot be traced with fake tensors.
@@ -529,9 +474,11 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
     from memtrain.memory.step_trace import step_peak_bytes
     from memtrain.models import ModelSource
 
-    dtype = COMPUTE_DTYPES.get(precision) if device_type == "cuda" else None
+    from memtrain.backends import infer_backend_name
+
     source = source or ModelSource.of(cfg, corpus)
-    model, mode = fake_model(source.build_meta, dtype, trace_device(device_type))
+    engine = engine or infer_backend_name(cfg.backend.name, cfg.backend.deepspeed_config)
+    model, mode, extra = compute_precision_model(source.build_meta, precision, device_type, engine)
     target = LeverTarget(model, repeated_blocks(model), copy.copy(objective), cfg)
     trace = traced_activation_bytes if cfg.faults.memory_budget_mib > 0 else step_peak_bytes
     cache: dict[tuple, int] = {}
@@ -544,7 +491,8 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
             batch = trace_batch(corpus, plan.micro_batch_size)
             checkpointed = ac_setting(settings.get("activation_checkpointing", "off")) != "off"
             period = cfg.memory.activation_checkpointing_every_n_blocks if checkpointed else 1
-            cache[key] = by_depth(model, target.blocks, period, lambda: trace(model, mode, target.objective, batch))
+            cache[key] = extra + by_depth(model, target.blocks, period,
+                                          lambda: trace(model, mode, target.objective, batch))
         return cache[key]
 
     return activation_bytes

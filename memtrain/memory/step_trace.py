@@ -9,13 +9,16 @@ that counts every tensor storage an operator creates until it is freed, and retu
 A parameter's gradient is model state (counted by the accounting, whole, for the whole step)
 from the moment autograd hands it to the parameter's hooks.
 
-The count is checked against torch's ``MemTracker`` on real runs of every engine by
-``benchmarks/memory_accuracy.py``.
+The model traced is :func:`fake_model`'s, holding its parameters as the engine computes with them
+(:func:`compute_precision_model`: under Accelerate's autocast fp32 parameters and an autocast
+forward, under the sharded engines the compute dtype). The count is checked against torch's
+``MemTracker`` on real runs of every engine by ``benchmarks/memory_accuracy.py``.
 """
 
 from __future__ import annotations
 
 import weakref
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -78,7 +81,7 @@ def step_peak_bytes(model: nn.Module, mode, objective, micro_batch: dict[str, to
     """Peak bytes of one training forward and backward of ``micro_batch`` beyond model state.
 
     Args:
-        model: a fake model (:func:`memtrain.memory.planner.fake_model`, levers applied).
+        model: a fake model (:func:`fake_model`, levers applied).
         mode: its ``FakeTensorMode``.
         objective: the run's objective (:mod:`memtrain.objectives`); its ``loss_sum`` is traced.
         micro_batch: tensors [B, …] on any device (made fakes on the model's device here).
@@ -108,3 +111,95 @@ def step_peak_bytes(model: nn.Module, mode, objective, micro_batch: dict[str, to
         for p in params:
             p.grad = None
     return counter.peak_bytes
+
+
+def fake_model(build: Callable[[], nn.Module], dtype: Optional[torch.dtype] = None,
+               device: Optional[torch.device] = None):
+    """A model with fake parameters (no memory): built on the meta device, then every parameter and
+    buffer turned into a fake tensor on ``device`` so data-dependent checks in model code see a
+    tracer and operators pick the kernels they pick on that device.
+
+    The device matters: ``scaled_dot_product_attention`` on CPU and CUDA runs a fused kernel that
+    saves its output and a log-sum-exp, while on the meta device it falls back to the math path,
+    which saves the ``[B, heads, T, T]`` attention weights of every layer (the tiny recipe's model
+    at micro-batch 16: 4.2 MB, 10%, more than a real CPU run holds).
+
+    Args:
+        build: builds the model (called under ``torch.device("meta")``).
+        dtype: cast floating-point parameters to this dtype (a bf16/fp16 run's compute dtype).
+        device: the device the fakes claim (None: meta).
+
+    Returns:
+        (the model in train mode, the ``FakeTensorMode`` to trace it under).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with torch.device("meta"):
+        model = build()
+    made: dict[int, torch.Tensor] = {}  # by the meta tensor's id: tied parameters stay one parameter
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        t = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        return (mode.fake_tensor_converter.from_meta_and_device(mode, t, device) if device is not None
+                else mode.from_tensor(t))
+
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                if id(p) not in made:
+                    made[id(p)] = nn.Parameter(fake(p.detach()), requires_grad=p.requires_grad)
+                module._parameters[name] = made[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                if id(b) not in made:
+                    made[id(b)] = fake(b)
+                module._buffers[name] = made[id(b)]
+    return model.train(), mode
+
+
+def trace_device(device_type: str) -> torch.device:
+    """The device a planner's fake tensors claim: the run's own when this machine has it (its
+    kernels are the run's), else meta (``scaled_dot_product_attention``'s math path: more than a
+    fused kernel saves, so a GPU planned from a machine without one is over-predicted, never under)."""
+    if device_type == "cpu" or (device_type == "cuda" and torch.cuda.is_available()):
+        return torch.device(device_type)
+    return torch.device("meta")
+
+
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+AUTOCAST_ENGINES = ("ddp",)
+"""Engines whose mixed precision is Accelerate's autocast: fp32 parameters and a forward in the
+compute dtype, each matrix cast on use (the copy saved for backward) and norms, softmax and the
+outputs in fp32. The others (FSDP2's ``MixedPrecisionPolicy``, DeepSpeed's bf16/fp16) compute with
+parameters held in the compute dtype."""
+
+
+def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+    """Run ``model``'s forward as Accelerate's ``prepare`` does under mixed precision: inside
+    ``torch.autocast(device_type, dtype)``, floating-point outputs converted to fp32
+    (``accelerate.utils.convert_outputs_to_fp32``), so a trace holds what the run holds."""
+    import types
+
+    from accelerate.utils import convert_outputs_to_fp32
+
+    forward = type(model).forward
+    model.forward = types.MethodType(convert_outputs_to_fp32(torch.autocast(device_type, dtype)(forward)), model)
+
+
+def compute_precision_model(model_build, precision: str, device_type: str, engine: str):
+    """``(model, mode, extra_bytes)``: the fake model as the engine computes with it (see
+    :data:`AUTOCAST_ENGINES`), and bytes to add to each trace where autocast cannot be traced
+    (a GPU planned from a machine without one traces on meta: fp32 activations, about twice the
+    compute dtype's, plus each matrix's cast copy counted here)."""
+    dtype = COMPUTE_DTYPES.get(precision)
+    device = trace_device(device_type)
+    autocast = dtype is not None and engine in AUTOCAST_ENGINES
+    model, mode = fake_model(model_build, None if autocast else dtype, device)
+    if not autocast:
+        return model, mode, 0
+    if device.type != "meta":
+        autocast_forward(model, device.type, dtype)
+        return model, mode, 0
+    itemsize = torch.finfo(dtype).bits // 8
+    return model, mode, itemsize * sum(p.numel() for p in model.parameters() if p.dim() >= 2)
