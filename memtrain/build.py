@@ -66,10 +66,12 @@ def make_controller(cfg: Config, data_parallel_size: int, choices: dict[str, tup
 
 
 def planner_factory(cfg: Config, corpus, objective, precision: str, process: ProcessState,
-                    state_bytes: Callable[[], dict[str, int]], choices: dict[str, tuple], source=None):
+                    state_bytes: Callable[[], dict[str, int]], choices: dict[str, tuple], source=None,
+                    engine: Optional[str] = None):
     """What builds the run's planner on first use (:mod:`memtrain.memory.planner`), given the engine's
-    model-state accounting (``state_bytes()``, called then), the levers' ``choices`` and the
-    model's :class:`memtrain.models.ModelSource`; None under
+    model-state accounting (``state_bytes()``, called then), the levers' ``choices``, the
+    model's :class:`memtrain.models.ModelSource` and the engine (``ddp|fsdp|deepspeed``: the one the
+    placement chose, whose mixed precision the trace follows); None under
     ``faults.oom_above_tokens``, whose out-of-memory rule is not memory the planner could predict."""
     if cfg.faults.oom_above_tokens > 0:
         return None
@@ -84,7 +86,7 @@ def planner_factory(cfg: Config, corpus, objective, precision: str, process: Pro
         try:
             planner = build_planner(cfg, corpus, objective, precision, process.device,
                                     state_bytes(), cfg.training.global_batch_size // process.world_size,
-                                    choices, source)
+                                    choices, source, engine)
         except Exception as exc:  # noqa: BLE001 - a model fake tensors cannot trace must not end the run
             error = exc
         restore(streams)
@@ -209,7 +211,7 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
     # the planner is built on first use, after the engine below exists
     choices = offered_choices(cfg, spec, source, objective)
     make_planner = planner_factory(cfg, corpus, objective, precision, process, lambda: engine.model_state_bytes(n_params),
-                                   choices, source)
+                                   choices, source, spec.name)
     controller = make_controller(cfg, spec.data_parallel_size, choices, make_planner)
     engine = make_backend(cfg, spec, process, precision, controller.plan)
     closing.callback(engine.close)

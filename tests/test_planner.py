@@ -304,7 +304,7 @@ def test_a_bf16_trace_holds_what_autocast_holds(cache_dir):
     from memtrain.data import build_corpus
     from memtrain.models import build_model
     from memtrain.objectives import make_objective
-    from memtrain.memory.planner import activation_table, trace_batch
+    from memtrain.memory.planner import activation_table, activation_tables, trace_batch
 
     cfg = parse_args(TINY_ARGS + ["--data.cache_dir", cache_dir, "--precision", "bf16"])
     corpus = build_corpus(cfg.data)
@@ -330,6 +330,12 @@ def test_a_bf16_trace_holds_what_autocast_holds(cache_dir):
             real = max(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values()) - state
             assert traced(P(micro, ac, 8)) == pytest.approx(real, rel=0.10), (micro, ac)
             assert sharded(P(micro, ac, 8)) < traced(P(micro, ac, 8))
+    # the placement planner and `memtrain plan` price each engine with its own trace (one per way of computing)
+    tables = activation_tables(cfg, corpus, objective, "bf16", "cpu")
+    assert tables("fsdp") is tables("deepspeed") is not tables("ddp")
+    assert tables("ddp")(P(4, "off", 8)) == traced(P(4, "off", 8)) and tables("fsdp")(P(4, "off", 8)) == sharded(P(4, "off", 8))
+    fp32 = activation_tables(cfg, corpus, objective, "fp32", "cpu")
+    assert fp32("ddp") is fp32("fsdp")
 
 
 def test_plan_cli_prints_the_candidates(cache_dir, capsys):

@@ -251,7 +251,7 @@ class DDPBackend:
 
     def model_state_bytes(self, n_params: int) -> dict[str, int]:
         return model_state_bytes("ddp", n_params, self.precision, None, "none", self.world_size, shape=self.shape,
-                                 state_dtype=self.optimizer_state_dtype)
+                                 state_dtype=self.optimizer_state_dtype, deferred_reduction=self.defer_reduction)
 
     def close(self) -> None:
         """Nothing beyond the process group, which the process state closes."""

@@ -174,13 +174,15 @@ def zero3_gathered_elements(shape: ModelShape, settings: Mapping[str, int]) -> i
 def model_state_bytes(engine: str, n_params: int, precision: str, zero_stage: Optional[int] = None,
                       offload: str = "none", world_size: int = 1, offload_optimizer_ratio: float = 1.0,
                       offload_device: str = "cpu", shape: Optional[ModelShape] = None,
-                      zero_settings: Optional[Mapping[str, int]] = None, state_dtype: str = "fp32") -> dict[str, int]:
+                      zero_settings: Optional[Mapping[str, int]] = None, state_dtype: str = "fp32",
+                      deferred_reduction: bool = True) -> dict[str, int]:
     """Per-rank bytes of model state for AdamW training under ``engine`` (the formulas below;
     ``offload_optimizer_ratio`` and ``offload_device`` are DeepSpeed's).
 
     Args:
         shape: the model's element counts (None: ``ModelShape(n_params)``, no blocks, nothing small).
         state_dtype: ``optimizer.state_dtype`` (DDP and FSDP2; :func:`adam_state_bytes`).
+        deferred_reduction: DDP all-reduces after backward (``memory.oom_recovery`` on), not in it.
         zero_settings: DeepSpeed's ``zero_optimization`` buffer sizes in elements where the run's
             config sets them (the user's JSON); the rest are :func:`deepspeed_buffer_settings`.
 
@@ -224,7 +226,7 @@ def model_state_bytes(engine: str, n_params: int, precision: str, zero_stage: Op
         raise ValueError(f"backend.name: '{engine}' is not one of ddp, fsdp, deepspeed")
     return {"nvme_offloaded_bytes": 0, "accumulation_gradient_bytes": 0, "accumulation_host_bytes": 0,
             **_ddp(n_params, w, optimizer_state_bytes("ddp", state_dtype, shape, w),
-                   max(shape.numels, default=shape.largest_module))}
+                   max(shape.numels, default=shape.largest_module) if deferred_reduction else None)}
 
 
 def device_state_bytes(state_bytes: dict[str, int]) -> int:
@@ -237,16 +239,18 @@ DEFERRED_REDUCE_BUCKET_BYTES = 64 * 2**20
 this many bytes (``memtrain.backends.ddp``), one bucket alive at a time."""
 
 
-def _ddp(n_params: int, world_size: int, optim: int, largest_parameter: int) -> dict[str, int]:
+def _ddp(n_params: int, world_size: int, optim: int, largest_parameter: Optional[int]) -> dict[str, int]:
     """Every rank holds everything: Accelerate's autocast keeps fp32 parameters and gradients
     (cast for compute) and AdamW's two moments (``optim`` bytes). On more than one rank DDP's reducer also
     allocates its buckets, a second copy of the fp32 gradients (MemTracker: 1.08 MB for a
     0.27M-parameter model on 2 ranks), and the all-reduce after backward (with OOM recovery on)
     holds one flat bucket of :data:`DEFERRED_REDUCE_BUCKET_BYTES` plus at most one parameter's
     gradient, with the activations freed (``step_gradient_bytes``; MemTracker, GPT-2 small's
-    blocks, fp32, 2 ranks, AC on: 141.5 MB above the state while two buckets were alive at once)."""
+    blocks, fp32, 2 ranks, AC on: 141.5 MB above the state while two buckets were alive at once);
+    ``largest_parameter`` None: no such all-reduce (recovery off, DDP's reducer overlaps backward)."""
     n = n_params
-    bucket = min(4 * n, DEFERRED_REDUCE_BUCKET_BYTES + 4 * largest_parameter) if world_size > 1 else 0
+    deferred = world_size > 1 and largest_parameter is not None
+    bucket = min(4 * n, DEFERRED_REDUCE_BUCKET_BYTES + 4 * largest_parameter) if deferred else 0
     return {"parameter_bytes": 4 * n, "gradient_bytes": 4 * n, "optimizer_bytes": optim,
             "buffer_bytes": 4 * n if world_size > 1 else 0, "cpu_offloaded_bytes": 0, "step_gradient_bytes": bucket}
 
@@ -323,7 +327,9 @@ def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str
     params, grads, optim = off.pop("parameter_bytes"), off.pop("gradient_bytes"), off.pop("optimizer_bytes")
     buffers = p_bytes * reduce_bucket_elements + off.pop("staging_bytes")
     step = whole = p_bytes * n if stage >= 2 and offload in (None, "none") else 0
-    if step and p_bytes == 2:  # 16-bit: at the step the whole gradients are gone, an fp32 partition is there
+    if p_bytes == 2 and offload in (None, "none") and stage >= 1:
+        # 16-bit: at the step the whole gradients are gone and an fp32 copy of the partition is there
+        # (stage 1, which keeps its 16-bit gradients whole as state, makes it the same way)
         step = max(whole, 4 * n // w)
     if stage == 2 and offload in (None, "none"):  # the partition lives from the first reduction to the step
         step, grads = step + grads + _edge_bytes(p_bytes, largest_parameter, w), 0

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -98,13 +99,14 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
         (:class:`memtrain.memory.placement.Placement` dicts, the fastest fitting one ``chosen``) and the
         ``machine`` they were planned for.
     """
+    from memtrain.backends import engine_variants
     from memtrain.levers.optimizer_state import STATE_DTYPES
     from memtrain.memory.accounting import device_state_bytes, optimizer_state_bytes
     from memtrain.data import build_corpus
     from memtrain.levers import lever_choices, recompute_fraction
     from memtrain.memory.machine import DEFAULT_GPU_FLOPS, device_budget_bytes, device_flops_per_s
     from memtrain.memory.placement import model_facts, tokens_per_sample
-    from memtrain.memory.planner import Planner, activation_table, estimated_step_s, make_candidates
+    from memtrain.memory.planner import Planner, activation_tables, estimated_step_s, make_candidates
 
     device_type = "cuda" if torch.cuda.is_available() or gpu_memory_gib else "cpu"
     precision = _planned_precision(cfg.precision, device_type)
@@ -115,7 +117,8 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     engines, engine, state = _model_states(cfg, shape, precision, world_size)
     budget = (int(gpu_memory_gib * 2**30) if gpu_memory_gib else
               device_budget_bytes(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu")))
-    acts = activation_table(cfg, corpus, objective, precision, device_type)
+    tables = activation_tables(cfg, corpus, objective, precision, device_type)
+    acts = tables(engine)
     per_rank = cfg.training.global_batch_size // world_size
     state_on_device = device_state_bytes(state)
     planner = Planner(make_candidates(per_rank, choices, state_on_device, acts, device_type, budget,
@@ -126,11 +129,13 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
         c.predicted_step_s = estimated_step_s(c, n, tokens, flops, recompute_fraction(c.plan.settings(), cfg), 1e-3)
     chosen = run_plan(planner, cfg, choices)
     adam, adam_source = _cpu_adam_rate(cpu_adam_params_per_s, gpu_memory_gib is not None or host_memory_gib is not None)
-    machine, placements = _placements(cfg, shape, n, precision, world_size, device_type, budget, flops, acts, tokens,
+    machine, placements = _placements(cfg, shape, n, precision, world_size, device_type, budget, flops, tables, tokens,
                                       host_memory_gib, nvme_path, gpu_memory_gib is not None, adam, nodes)
     micro = chosen.micro_batch_size if chosen is not None else (
         cfg.training.micro_batch_size if cfg.training.micro_batch_size != "auto" else 1)
     ac_bytes = _activation_bytes_by_ac(acts, choices, micro, per_rank)
+    variant_engine = {v.name: v.engine for v in engine_variants()}
+    ac_of = functools.lru_cache(lambda e: _activation_bytes_by_ac(tables(e), choices, micro, per_rank))
     return {
         "parameters": n, "precision": precision, "world_size": world_size, "engine": engine,
         "micro_batch_given": cfg.training.micro_batch_size != "auto", "device": device_type, "budget_bytes": budget,
@@ -141,7 +146,8 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
         "placements": [p.as_dict() for p in placements],
         "machine": dataclasses.asdict(machine),
         "cpu_adam_source": adam_source, "placement_decides": cfg.backend.offload == "auto",
-        "per_rank_total_bytes": {name: {ac: device_state_bytes(e) + max(ac_bytes[ac], e["step_gradient_bytes"])
+        "per_rank_total_bytes": {name: {ac: device_state_bytes(e) + max(ac_of(variant_engine[name])[ac],
+                                                                         e["step_gradient_bytes"])
                                         for ac in ("off", "on")} for name, e in engines.items()},
         "optimizer_state_dtype": cfg.optimizer.state_dtype,
         "optimizer_state_bytes": {d: optimizer_state_bytes(engine, d, shape, world_size)
@@ -156,13 +162,14 @@ def _model_states(cfg, shape, precision: str, world_size: int) -> tuple[dict, st
     from memtrain.backends import engine_variants, infer_backend_name
     from memtrain.memory.accounting import model_state_bytes
 
-    n, dtype = shape.parameters, cfg.optimizer.state_dtype
+    n, dtype, deferred = shape.parameters, cfg.optimizer.state_dtype, cfg.memory.oom_recovery
     engines = {v.name: model_state_bytes(v.engine, n, precision, v.zero_stage, v.offload, world_size, shape=shape,
-                                         state_dtype=dtype if v.engine != "deepspeed" else "fp32")
+                                         state_dtype=dtype if v.engine != "deepspeed" else "fp32",
+                                         deferred_reduction=deferred)
                for v in engine_variants() if not v.tune_ratio and not v.nvme}
     b, engine = cfg.backend, infer_backend_name(cfg.backend.name, cfg.backend.deepspeed_config)
     state = model_state_bytes(engine, n, precision, b.zero_stage if engine == "deepspeed" else None, b.offload or "none",
-                              world_size, shape=shape, state_dtype=dtype)
+                              world_size, shape=shape, state_dtype=dtype, deferred_reduction=deferred)
     return engines, engine, state
 
 
@@ -216,7 +223,7 @@ def _activation_bytes_by_ac(acts, choices: dict, micro: int, per_rank: int) -> d
 
 
 def _placements(cfg, shape, n: int, precision: str, world_size: int, device_type: str, budget, flops: float,
-                acts, tokens: int, host_memory_gib: Optional[float], nvme_path: Optional[str], gpu_given: bool,
+                tables, tokens: int, host_memory_gib: Optional[float], nvme_path: Optional[str], gpu_given: bool,
                 cpu_adam: Optional[float] = None, nodes: int = 1):
     """The placement table (:mod:`memtrain.memory.placement`) of :func:`plan_report`: every placement of
     :func:`memtrain.memory.placement.planning_pool` (and the config's own, when it names one the
@@ -241,7 +248,7 @@ def _placements(cfg, shape, n: int, precision: str, world_size: int, device_type
     pool = planning_pool(cfg, nvme_usable(nvme_path))
     own = allowed_pool(cfg, nvme_usable(nvme_path))
     names = {p.name for p in pool}
-    table = plan_model(cfg, acts, shape, tokens, world_size, machine, precision,
+    table = plan_model(cfg, tables, shape, tokens, world_size, machine, precision,
                        pool + [p for p in own if p.name not in names])
     if cfg.backend.offload != "auto":  # the run takes the config's placement, whatever is faster
         for p in table:

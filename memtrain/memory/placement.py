@@ -175,13 +175,14 @@ def _ratios() -> list[float]:
     return [round(i * RATIO_STEP, 4) for i in range(1, steps + 1)]
 
 
-def plan_placements(candidates: list[Candidate], pool: list[Placement], shape: ModelShape,
+def plan_placements(candidates, pool: list[Placement], shape: ModelShape,
                     precision: str, world_size: int, machine: Machine) -> list[Placement]:
     """Size and time every placement of ``pool`` at its best micro-batch plan and choose.
 
     Args:
         candidates: the micro-batch plans of a rank's share with ``activation_bytes`` and
-            ``predicted_step_s`` set (:func:`micro_batch_candidates`).
+            ``predicted_step_s`` set (:func:`micro_batch_candidates`): a list, or
+            ``placement -> list`` (each engine's traced as it computes).
         pool: from :func:`variants`; a partial-offload entry takes the smallest fitting ratio.
         shape: the model's element counts (:func:`memtrain.memory.accounting.model_shape`).
         precision: ``bf16|fp16|fp32``; world_size: ranks; machine: the budgets and rates.
@@ -190,12 +191,13 @@ def plan_placements(candidates: list[Candidate], pool: list[Placement], shape: M
         ``pool``, each with its best plan (the fastest that fits, else the smallest); the fastest
         fitting one has ``chosen`` set.
     """
+    plans_of = candidates if callable(candidates) else lambda p: candidates
     for p in pool:
         best = None
         ratios = _ratios()[:-1] if p.tune_ratio else [p.offload_optimizer_ratio]
         for ratio in ratios:
             trial = dataclasses.replace(p, offload_optimizer_ratio=ratio)
-            for c in candidates:
+            for c in plans_of(p):
                 _size(trial, c, shape, precision, world_size, machine)
                 if best is None or _better(trial, best):
                     best = dataclasses.replace(trial)
@@ -269,22 +271,28 @@ def model_facts(cfg, corpus, source=None, objective=None) -> tuple[ModelShape, o
     return model_shape(meta), objective or make_objective(meta, corpus)
 
 
-def plan_model(cfg, activation_bytes, shape: ModelShape, tokens: int, world_size: int,
+def plan_model(cfg, activation_tables, shape: ModelShape, tokens: int, world_size: int,
                machine: Machine, precision: str, pool: list[Placement], choices: Optional[dict] = None) -> list[Placement]:
     """:func:`plan_placements` over the micro-batch plans of ``cfg`` (a numeric
     ``training.micro_batch_size`` is kept; ``auto`` lets each placement take its best).
 
     Args:
-        activation_bytes: ``plan -> bytes`` (:func:`memtrain.memory.planner.activation_table`).
+        activation_tables: ``engine -> plan -> bytes`` (:func:`memtrain.memory.planner.activation_tables`).
         shape: the model's element counts (:func:`memtrain.memory.accounting.model_shape`).
         tokens: tokens per sample (:func:`tokens_per_sample`).
         choices: the model levers' choices (None: :func:`memtrain.levers.lever_choices`).
     """
     t = cfg.training
-    candidates = micro_batch_candidates(cfg, t.global_batch_size // world_size, activation_bytes, shape.parameters, tokens,
-                                        machine.device_flops, choices)
-    if t.micro_batch_size != "auto":
-        candidates = [c for c in candidates if c.micro_batch_size == t.micro_batch_size]
+    by_table: dict[int, list[Candidate]] = {}
+
+    def candidates(p: Placement) -> list[Candidate]:
+        table = activation_tables(p.engine)
+        if id(table) not in by_table:
+            plans = micro_batch_candidates(cfg, t.global_batch_size // world_size, table, shape.parameters, tokens,
+                                           machine.device_flops, choices)
+            by_table[id(table)] = [c for c in plans if t.micro_batch_size in ("auto", c.micro_batch_size)]
+        return by_table[id(table)]
+
     return plan_placements(candidates, pool, shape, precision, world_size, machine)
 
 
@@ -297,12 +305,12 @@ def placement_table(cfg, corpus, world_size: int, machine: Machine, precision: s
         RuntimeError, NotImplementedError: the model cannot be traced with fake tensors.
     """
     from memtrain.levers import offered_choices
-    from memtrain.memory.planner import activation_table
+    from memtrain.memory.planner import activation_tables
 
     user_objective = objective
     shape, objective = model_facts(cfg, corpus, source, objective)
-    acts = activation_table(cfg, corpus, objective, precision, machine.device_type, source)
-    return plan_model(cfg, acts, shape, tokens_per_sample(cfg, corpus), world_size, machine, precision, pool,
+    tables = activation_tables(cfg, corpus, objective, precision, machine.device_type, source)
+    return plan_model(cfg, tables, shape, tokens_per_sample(cfg, corpus), world_size, machine, precision, pool,
                       offered_choices(cfg, None, source, user_objective))
 
 

@@ -498,14 +498,34 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
     return activation_bytes
 
 
+def activation_tables(cfg, corpus, objective, precision: str, device_type: str,
+                      source=None) -> Callable[[str], Callable[[Plan], int]]:
+    """``engine -> plan -> bytes``: :func:`activation_table` per engine, built on first use and shared
+    by engines that compute alike (one table in fp32; in bf16/fp16 one for the autocast engines,
+    :data:`memtrain.memory.step_trace.AUTOCAST_ENGINES`, one for the rest)."""
+    from memtrain.memory.step_trace import AUTOCAST_ENGINES
+
+    tables: dict[bool, Callable[[Plan], int]] = {}
+
+    def for_engine(engine: str) -> Callable[[Plan], int]:
+        autocast = precision in ("bf16", "fp16") and engine in AUTOCAST_ENGINES
+        if autocast not in tables:
+            tables[autocast] = activation_table(cfg, corpus, objective, precision, device_type, source, engine)
+        return tables[autocast]
+
+    return for_engine
+
+
 def build_planner(cfg, corpus, objective, precision: str, device: torch.device, state: Mapping[str, int],
-                  per_rank_batch: int, choices: Mapping[str, tuple], source=None) -> Planner:
+                  per_rank_batch: int, choices: Mapping[str, tuple], source=None,
+                  engine: Optional[str] = None) -> Planner:
     """The run's planner: candidates of ``per_rank_batch`` and the levers' ``choices``, with peaks
     predicted from a fake trace of ``cfg``'s model, against :func:`device_budget_bytes`.
 
     Args:
         state: the engine's model state on this rank (a ``model_state_bytes`` dict, bytes).
         source: the :class:`memtrain.models.ModelSource` (None: ``cfg``'s model).
+        engine: the run's engine (``ddp|fsdp|deepspeed``, its mixed precision traced; None: ``cfg``'s).
     """
     from memtrain.memory.accounting import device_state_bytes
 
@@ -513,7 +533,7 @@ def build_planner(cfg, corpus, objective, precision: str, device: torch.device, 
     # the state one constant: no accumulation term)
     simulated = cfg.faults.memory_budget_mib > 0
     device_type = "cpu" if simulated else device.type
-    acts = activation_table(cfg, corpus, objective, precision, device_type, source)
+    acts = activation_table(cfg, corpus, objective, precision, device_type, source, engine)
     budget = device_budget_bytes(cfg, device)
     extra = {} if simulated else {"accumulation_bytes": state.get("accumulation_gradient_bytes", 0),
                                   "step_bytes": state.get("step_gradient_bytes", 0)}

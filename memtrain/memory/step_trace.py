@@ -183,8 +183,12 @@ def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> 
 
     from accelerate.utils import convert_outputs_to_fp32
 
-    forward = type(model).forward
-    model.forward = types.MethodType(convert_outputs_to_fp32(torch.autocast(device_type, dtype)(forward)), model)
+    forward = model.forward
+    if hasattr(forward, "__func__"):  # a bound method (a user's instance-level function is wrapped as is)
+        forward = torch.autocast(device_type, dtype)(forward.__func__)
+        model.forward = types.MethodType(convert_outputs_to_fp32(forward), model)
+    else:
+        model.forward = convert_outputs_to_fp32(torch.autocast(device_type, dtype)(forward))
 
 
 def compute_precision_model(model_build, precision: str, device_type: str, engine: str):
