@@ -99,7 +99,6 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
         (:class:`memtrain.memory.placement.Placement` dicts, the fastest fitting one ``chosen``) and the
         ``machine`` they were planned for.
     """
-    from memtrain.backends import engine_variants
     from memtrain.levers.optimizer_state import STATE_DTYPES
     from memtrain.memory.accounting import device_state_bytes, optimizer_state_bytes
     from memtrain.data import build_corpus
@@ -134,8 +133,6 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     micro = chosen.micro_batch_size if chosen is not None else (
         cfg.training.micro_batch_size if cfg.training.micro_batch_size != "auto" else 1)
     ac_bytes = _activation_bytes_by_ac(acts, choices, micro, per_rank)
-    variant_engine = {v.name: v.engine for v in engine_variants()}
-    ac_of = functools.lru_cache(lambda e: _activation_bytes_by_ac(tables(e), choices, micro, per_rank))
     return {
         "parameters": n, "precision": precision, "world_size": world_size, "engine": engine,
         "micro_batch_given": cfg.training.micro_batch_size != "auto", "device": device_type, "budget_bytes": budget,
@@ -146,9 +143,7 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
         "placements": [p.as_dict() for p in placements],
         "machine": dataclasses.asdict(machine),
         "cpu_adam_source": adam_source, "placement_decides": cfg.backend.offload == "auto",
-        "per_rank_total_bytes": {name: {ac: device_state_bytes(e) + max(ac_of(variant_engine[name])[ac],
-                                                                         e["step_gradient_bytes"])
-                                        for ac in ("off", "on")} for name, e in engines.items()},
+        "per_rank_total_bytes": _per_rank_totals(engines, tables, choices, micro, per_rank),
         "optimizer_state_dtype": cfg.optimizer.state_dtype,
         "optimizer_state_bytes": {d: optimizer_state_bytes(engine, d, shape, world_size)
                                   for d in STATE_DTYPES} if engine != "deepspeed" else {},
@@ -209,6 +204,18 @@ def _planned_precision(precision: str, device_type: str) -> str:
         return resolve_precision(precision, device_type)
     except Exception:  # planning a GPU run on a machine without one
         return "bf16" if precision == "auto" else precision
+
+
+def _per_rank_totals(engines: dict, tables, choices: dict, micro: int, per_rank: int) -> dict[str, dict[str, int]]:
+    """``{variant: {"off"|"on": bytes}}``: each engine variant's device state plus the larger of its
+    engine's traced activations (AC off / on) and its step term."""
+    from memtrain.backends import engine_variants
+    from memtrain.memory.accounting import device_state_bytes
+
+    engine_of = {v.name: v.engine for v in engine_variants()}
+    acts = functools.lru_cache(lambda engine: _activation_bytes_by_ac(tables(engine), choices, micro, per_rank))
+    return {name: {ac: device_state_bytes(e) + max(acts(engine_of[name])[ac], e["step_gradient_bytes"])
+                   for ac in ("off", "on")} for name, e in engines.items()}
 
 
 def _activation_bytes_by_ac(acts, choices: dict, micro: int, per_rank: int) -> dict[str, int]:
