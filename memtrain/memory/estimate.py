@@ -120,8 +120,9 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     acts = tables(engine)
     per_rank = cfg.training.global_batch_size // world_size
     state_on_device = device_state_bytes(state)
-    planner = Planner(make_candidates(per_rank, choices, state_on_device, acts, device_type, budget,
-                                      state["accumulation_gradient_bytes"], state["step_gradient_bytes"]), budget)
+    steps = (0, 0) if cfg.faults.memory_budget_mib > 0 else (  # a simulated device: state + saved (build_planner)
+        state["accumulation_gradient_bytes"], state["step_gradient_bytes"])
+    planner = Planner(make_candidates(per_rank, choices, state_on_device, acts, device_type, budget, *steps), budget)
     flops = DEFAULT_GPU_FLOPS if device_type == "cuda" and not torch.cuda.is_available() else device_flops_per_s(device_type)
     tokens = tokens_per_sample(cfg, corpus)
     for c in planner.candidates:  # 1 ms per micro-batch (launches, reduction): ties go to fewer micro-batches
