@@ -125,6 +125,13 @@ def main(argv=None) -> int:
     if opts.data_cache_dir:
         args += ["--data.cache_dir", opts.data_cache_dir]
     args[args.index("--precision") + 1] = opts.precision
+    if opts.device == "cpu":  # on a GPU host too: the runs and the plan on the CPU (the rows say cpu)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA device here")
     world_size = opts.world_size or (2 if opts.device == "cpu" else 1)
     results = []
     for row in rows(args, plans, opts.engines.split(","), world_size=world_size, shape=shape):
