@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_suite.py                          # one GPU: the CUDA tests, every benchmark, the tables
     python benchmarks/gpu_suite.py --only oom_stress,overhead
-    python benchmarks/gpu_suite.py --budget_s 540           # a short lease: the first steps that fit
+    python benchmarks/gpu_suite.py --budget_s 540           # less GPU time: the first steps that fit
     python benchmarks/gpu_suite.py --device cpu --quick     # the plumbing on a CPU (the tests): each benchmark
                                                             # at its --quick size; writes no results and no tables
 
@@ -13,7 +13,7 @@ H100); a step that fails or runs out of time is reported and the suite goes on. 
 ``benchmarks/tables.py <name> --device <gpu name>`` prints each table generated from those rows, and
 the suite writes them to ``benchmarks/results/gpu_tables.md`` for the docs.
 
-Steps, in order, most telling per minute first (a lease shorter than the budget, ``--budget_s``,
+Steps, in order, most telling per minute first (less time than the budget, ``--budget_s``,
 gets the first ones; the CUDA tests first: they tell soonest whether the GPU-only paths work).
 Each launch of the 355M model costs about 30 s on an H200 (start-up, build, steps), which sizes
 the repeats:

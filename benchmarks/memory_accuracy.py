@@ -59,11 +59,9 @@ def predicted(args: list[str], micro: int, ac: str, world_size: int) -> dict:
     on = ac == "on"
     row = next(c for c in report["candidates"]
                if c["micro_batch_size"] == micro and (c.get("activation_checkpointing") in (True, "on")) == on)
-    from memtrain.memory.accounting import CUDA_HEADROOM_FRACTION, CUDA_RESERVED_BYTES
+    from memtrain.memory.accounting import without_allocator_headroom
 
-    tensors = row["predicted_peak_bytes"]
-    if report["machine"]["device_type"] == "cuda":  # the planned peak less the allocator's headroom
-        tensors = int((tensors - CUDA_RESERVED_BYTES) / (1 + CUDA_HEADROOM_FRACTION))
+    tensors = without_allocator_headroom(row["predicted_peak_bytes"], report["machine"]["device_type"])
     return {"gradient_accumulation_steps": row["gradient_accumulation_steps"], "predicted_tensor_bytes": tensors,
             "predicted_bytes": row["predicted_peak_bytes"], "predicted_activation_bytes": row["activation_bytes"],
             "predicted_state_bytes": row["predicted_peak_bytes"] - row["activation_bytes"]}

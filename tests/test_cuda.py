@@ -19,13 +19,13 @@ def test_a_real_cuda_oom_is_recovered_and_trains_like_the_plan_it_lands_on(tmp_p
     starting at 64 runs out of CUDA memory, every retry keeps the samples, and its losses equal
     (1e-5) a run started at the plan it ended on."""
     from memtrain.config import parse_args
-    from memtrain.memory.accounting import CUDA_HEADROOM_FRACTION, CUDA_RESERVED_BYTES
+    from memtrain.memory.accounting import without_allocator_headroom
     from memtrain.memory.estimate import plan_report
     from memtrain.train import main
 
     base = tiny_args(tmp_path / "x", cache_dir, "--training.max_steps", "4", *WIDE)
     report = plan_report(parse_args(base), 1)
-    peak = {c["micro_batch_size"]: (c["predicted_peak_bytes"] - CUDA_RESERVED_BYTES) / (1 + CUDA_HEADROOM_FRACTION)
+    peak = {c["micro_batch_size"]: without_allocator_headroom(c["predicted_peak_bytes"], "cuda")
             for c in report["candidates"] if c["activation_checkpointing"] == "off"}
     cap_gib = (peak[16] + peak[64]) / 2 / 2**30 + torch.cuda.memory_reserved() / 2**30
     recovered = main(tiny_args(tmp_path / "oom", cache_dir, "--training.max_steps", "4", *WIDE,

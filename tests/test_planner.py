@@ -244,14 +244,26 @@ def test_decisions_are_a_function_of_the_table():
     assert key(a.after_oom(a.initial().plan)) == key(b.after_oom(b.initial().plan))
 
 
+def memtracker_micro_step_bytes(model, objective, batch) -> int:
+    """MemTracker's peak of a real accumulation micro-step (forward and backward of ``batch`` with
+    the gradients already there) above the parameters and gradients, bytes."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # parameters + gradients
+    objective.loss_sum(model, batch).backward()  # the gradients exist, as in accumulation
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        objective.loss_sum(model, batch).backward()
+    return max(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values()) - state
+
+
 def test_fake_trace_predicts_what_memtracker_counts_in_a_real_micro_step(cache_dir):
     """The fake-tensor trace (no memory) against torch's MemTracker on a real forward and backward
     of the same model and micro-batch (an accumulation micro-step: gradients already exist and are
     model state): the bytes above parameters and gradients agree within 10%, with activation
     checkpointing off, selective and on; under a simulated device the trace is what autograd saves, which is
     all that device counts (less)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     from memtrain.activation import disable_activation_checkpointing, enable_activation_checkpointing
     from memtrain.backends.common import repeated_blocks
     from memtrain.config import parse_args
@@ -265,19 +277,13 @@ def test_fake_trace_predicts_what_memtracker_counts_in_a_real_micro_step(cache_d
     model = build_model(cfg.model, corpus.vocab_size, 0)
     objective = make_objective(model, corpus)
     traced = activation_table(cfg, corpus, objective, "fp32", "cpu")
-    state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # parameters + gradients
     for ac in ("off", "selective", "on"):
         if ac != "off":
             disable_activation_checkpointing(model, repeated_blocks(model))
             enable_activation_checkpointing(model, repeated_blocks(model), mode=ac)
         for micro in (4, 8):
             batch = trace_batch(corpus, micro)
-            objective.loss_sum(model, batch).backward()  # the gradients exist, as in accumulation
-            tracker = MemTracker()
-            tracker.track_external(model)
-            with tracker:
-                objective.loss_sum(model, batch).backward()
-            real = max(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values()) - state
+            real = memtracker_micro_step_bytes(model, objective, batch)
             assert traced(P(micro, ac, 8)) == pytest.approx(real, rel=0.10), (micro, ac)
     assert traced(P(4, "on", 8)) < traced(P(4, "selective", 8)) < traced(P(4, "off", 8))
     simulated = activation_table(parse_args(TINY_ARGS + ["--data.cache_dir", cache_dir, "--faults.memory_budget_mib",
@@ -296,7 +302,6 @@ def test_a_bf16_trace_holds_what_autocast_holds(cache_dir):
     import torch
 
     from accelerate.utils import convert_outputs_to_fp32
-    from torch.distributed._tools.mem_tracker import MemTracker
 
     from memtrain.activation import enable_activation_checkpointing
     from memtrain.backends.common import repeated_blocks
@@ -319,15 +324,9 @@ def test_a_bf16_trace_holds_what_autocast_holds(cache_dir):
             enable_activation_checkpointing(model, repeated_blocks(model), mode="on")
         model.forward = types.MethodType(convert_outputs_to_fp32(torch.autocast("cpu", torch.bfloat16)(
             type(model).forward)), model)
-        state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # parameters + gradients
         for micro in (4, 8):
             batch = trace_batch(corpus, micro)
-            objective.loss_sum(model, batch).backward()  # the gradients exist, as in accumulation
-            tracker = MemTracker()
-            tracker.track_external(model)
-            with tracker:
-                objective.loss_sum(model, batch).backward()
-            real = max(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values()) - state
+            real = memtracker_micro_step_bytes(model, objective, batch)
             assert traced(P(micro, ac, 8)) == pytest.approx(real, rel=0.10), (micro, ac)
             assert sharded(P(micro, ac, 8)) < traced(P(micro, ac, 8))
     # the placement planner and `memtrain plan` price each engine with its own trace (one per way of computing)

@@ -28,6 +28,13 @@ def with_allocator_headroom(device_bytes: int, device_type: str) -> int:
     return device_bytes
 
 
+def without_allocator_headroom(planned_bytes: int, device_type: str) -> int:
+    """The tensor bytes of a planned peak: :func:`with_allocator_headroom` undone (bytes)."""
+    if device_type == "cuda":
+        return int((planned_bytes - CUDA_RESERVED_BYTES) / (1 + CUDA_HEADROOM_FRACTION))
+    return planned_bytes
+
+
 DEVICE_STATE_KEYS = ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "buffer_bytes")
 """The keys of a ``model_state_bytes`` dict that are bytes on the device."""
 
