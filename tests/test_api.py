@@ -171,8 +171,14 @@ def test_a_resumed_run_with_other_examples_is_refused(tmp_path):
 def test_a_model_function_is_built_partitioned_under_zero3(monkeypatch):
     """Under ZeRO-3 a Python caller's model function runs inside ``deepspeed.zero.Init``: each
     parameter leaves the build as this rank's partition (DeepSpeed's ``ds_numel`` the whole
-    size, the tensor itself empty), never whole; under DDP it is built whole."""
+    size, the tensor itself empty), never whole; under DDP it is built whole. The process keeps
+    torch's own ``F.linear`` (DeepSpeed swaps in its own for the process and never puts it back),
+    and a ZeRO-3 engine's close puts it back after the engine swapped it."""
     import torch.distributed as dist
+    import torch.nn.functional as F
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
+
+    from memtrain.backends.deepspeed import restore_torch_linear
 
     from conftest import _free_port
     from memtrain.backends import model_build_context
@@ -190,6 +196,11 @@ def test_a_model_function_is_built_partitioned_under_zero3(monkeypatch):
             spec = resolve_engine(cfg.backend, 1, 0)
             with model_build_context(cfg, spec, "fp32", 1, python_function=True):
                 built[spec.name] = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+        assert F.linear is torch._C._nn.linear
+        InsertPostInitMethodToModuleSubClasses(mem_efficient_linear=True)._enable_mem_efficient_linear()  # as the engine does
+        assert F.linear is not torch._C._nn.linear
+        restore_torch_linear()
+        assert F.linear is torch._C._nn.linear
     finally:
         dist.destroy_process_group()
     partitioned, whole = built["deepspeed"], built["ddp"]

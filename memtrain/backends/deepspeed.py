@@ -372,9 +372,26 @@ class DeepSpeedBackend:
                                  self.offload_ratio, "nvme" if self.nvme else "cpu", self.shape, self.zero_settings)
 
     def close(self) -> None:
-        """Release the engine (the process group is the process state's)."""
+        """Release the engine (the process group is the process state's), and give the process
+        back torch's own ``torch.nn.functional.linear`` (see :func:`restore_torch_linear`)."""
         if self.engine is not None and hasattr(self.engine, "destroy"):
             self.engine.destroy()
+        restore_torch_linear()
+
+
+def restore_torch_linear() -> None:
+    """Put torch's ``torch.nn.functional.linear`` back where ZeRO-3 replaced it. DeepSpeed's
+    ``zero.Init`` (which its ZeRO-3 engine enters too) swaps in its memory-efficient linear
+    (``zero3_linear_wrap``, a custom autograd function) for the whole process and never restores
+    it (DeepSpeed 0.19, ``InsertPostInitMethodToModuleSubClasses.linear_bk`` keeps the original),
+    so a Python caller's later code — another engine's run, or their own — would run DeepSpeed's
+    linear. Nothing happens when DeepSpeed was never imported or left it alone."""
+    import sys
+
+    module = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    saved = getattr(getattr(module, "InsertPostInitMethodToModuleSubClasses", None), "linear_bk", None)
+    if saved is not None and torch.nn.functional.linear is not saved:
+        torch.nn.functional.linear = saved
 
 
 def _by_first_name(module: nn.Module, weights: dict[str, torch.Tensor], optimizer_state: dict) -> tuple[dict, dict]:
@@ -460,7 +477,8 @@ def model_build_context(cfg, spec, precision: str, world_size: int, python_funct
         yield
         return
     share = cfg.training.global_batch_size // max(1, world_size)
-    zero = {"stage": 3, **{k: v for k, v in (user.get("zero_optimization") or {}).items() if k == "offload_param"}}
+    zero = {"stage": 3, **{k: v for k, v in (user.get("zero_optimization") or {}).items() if k == "offload_param"},
+            "memory_efficient_linear": False}  # zero.Init's config overrides its mem_efficient_linear= argument
     settings = {"zero_optimization": zero, "bf16": {"enabled": precision == "bf16"},
                 "fp16": {"enabled": precision == "fp16"}, "train_micro_batch_size_per_gpu": share,
                 "train_batch_size": share * max(1, world_size)}
