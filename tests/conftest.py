@@ -101,6 +101,33 @@ RUN_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 _FORK_SERVER = ForkServer(env=RUN_ENV)
 
+_BUILD_OPS = """
+from deepspeed.ops.op_builder import CPUAdamBuilder
+from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+ShareMemCommBuilder().load()
+CPUAdamBuilder().load()
+"""
+
+
+def _build_deepspeed_ops() -> subprocess.Popen:
+    """Build DeepSpeed's JIT-compiled ops the suite loads — the shared-memory collectives (every
+    DeepSpeed run on CPU) and CPU Adam (the offload runs), ~70 s of 2 cores on a machine that
+    has not built them — in a process at the lowest CPU priority, started with the session: the
+    build takes what the tests leave idle instead of stalling the first test that needs each op.
+    torch's extension loader locks an op's build folder, so that test waits for this build
+    rather than starting its own; on a machine that has them this only loads them."""
+    return subprocess.Popen([sys.executable, "-c", _BUILD_OPS], env={**os.environ, **RUN_ENV, "OMP_NUM_THREADS": "2"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=lambda: os.nice(19))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def deepspeed_ops():
+    """The background build of :func:`_build_deepspeed_ops`, waited for at the end of the session
+    (stopped mid-build it would leave its lock behind, and later loads would wait on it)."""
+    proc = _build_deepspeed_ops()
+    yield proc
+    proc.wait()
+
 
 def _run_env(env: dict | None) -> dict[str, str]:
     """A run's environment: this process's, :data:`RUN_ENV`, ``tests/`` on ``PYTHONPATH`` (the
@@ -119,10 +146,11 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "
 
 
 def launch(args: list[str], nproc: int = 2, timeout: float = 300, env: dict | None = None,
-           launcher: list[str] | None = None, check: bool = True, script: str = TRAIN) -> subprocess.CompletedProcess:
+           launcher: list[str] | None = None, check: bool = True, script: str = TRAIN,
+           cwd=REPO) -> subprocess.CompletedProcess:
     """Run ``script`` (``memtrain/train.py``, or a script using :class:`memtrain.Trainer`) with
-    ``nproc`` CPU ranks (gloo): forked by :mod:`forkserver` with torchrun's environment, or under
-    ``launcher`` (the command before the script, ``{port}`` filled in) when given.
+    ``nproc`` CPU ranks (gloo) in ``cwd``: forked by :mod:`forkserver` with torchrun's environment,
+    or under ``launcher`` (the command before the script, ``{port}`` filled in) when given.
 
     Fails the test (instead of hanging CI) when the run does not finish within ``timeout`` s,
     and, with ``check``, when it exits non-zero.
@@ -131,11 +159,11 @@ def launch(args: list[str], nproc: int = 2, timeout: float = 300, env: dict | No
     full_env = _run_env(env)
     if launcher is None:
         cmd = ["forkserver", "--nproc_per_node", str(nproc), script, *args]
-        proc = _FORK_SERVER.run(cmd, script, args, nproc=nproc, port=port, env=full_env, cwd=str(REPO), timeout=timeout)
+        proc = _FORK_SERVER.run(cmd, script, args, nproc=nproc, port=port, env=full_env, cwd=str(cwd), timeout=timeout)
     else:
         cmd = [*[a.replace("{port}", str(port)) for a in launcher], script, *args]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
         except subprocess.TimeoutExpired as exc:
             proc = subprocess.CompletedProcess(cmd, None, exc.stdout, exc.stderr)
     if proc.returncode is None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import REPO, launch, run_cli
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
@@ -98,6 +98,10 @@ NOT_RUN_HERE = {
     "HOST0": "several machines",
     "--hostfile": "several machines",
     "examples/": "test_the_python_page_runs_as_written runs them and checks their losses",
+    "accelerate launch": "tests/test_ddp.py and tests/test_backends.py run accelerate launch as documented (without a "
+                         "config file, with fsdp2.yaml, with deepspeed_zero2.yaml) and compare the losses with DDP's",
+    "deepspeed --num_gpus": "tests/test_backends.py runs the DeepSpeed launcher with ds_configs/zero2.json and compares "
+                            "the losses with DDP's",
     "train.py --config recipes/code_lm_350m.yaml": "training 355M parameters needs a GPU (its `memtrain plan` runs)",
 }
 
@@ -141,11 +145,15 @@ def _output_dir(argv: list[str]) -> str | None:
 def run_documented(argv: list[str], cwd: Path, env: dict, timeout: float):
     """Run a documented command in ``cwd``: ``python SCRIPT …`` and ``memtrain …`` (the console
     script runs ``memtrain/train.py``'s ``cli``) as one process forked by the test's fork server
-    (the imports done once), the launchers' commands (torchrun, accelerate launch, deepspeed, an
-    environment variable first) through the shell as written."""
+    (the imports done once), ``torchrun --nproc_per_node N SCRIPT …`` as N ranks forked by it with
+    torchrun's environment (the suite's torchrun stand-in), other commands (an environment
+    variable first) through the shell as written."""
     import shlex
     import subprocess
 
+    if argv[0] == "torchrun" and argv[1] == "--nproc_per_node" and argv[3].endswith(".py"):
+        return launch(argv[4:], nproc=int(argv[2]), script=str(cwd / argv[3]), cwd=cwd, env=env, timeout=timeout,
+                      check=False)
     if argv[0] == "python" and argv[1].endswith(".py"):
         return run_cli(argv[2:], script=cwd / argv[1], cwd=cwd, env=env, timeout=timeout)
     if argv[0] == "memtrain":
