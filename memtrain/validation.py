@@ -12,6 +12,7 @@ import os
 from typing import Collection
 
 from memtrain.config import Config, ConfigError, freeze
+from memtrain.levers.optimizer_state import BF16_MAX_BETA2
 from memtrain.models import ctc_model_types
 
 
@@ -354,11 +355,6 @@ def _validate_placement(cfg: Config) -> None:
                           f"{cfg.memory.host_memory_gib}")
 
 
-BF16_MAX_BETA2 = 0.99
-"""The largest ``training.adam_beta2`` bf16 moments take: a decay 1 - beta2 must be well above half
-a bf16 step (2^-9 ≈ 0.002) for round-to-nearest to keep it."""
-
-
 def _validate_optimizer_state(cfg: Config, engine: str) -> None:
     """``optimizer.state_dtype``: bf16 and int8 on DDP and FSDP2 only; bf16 with ``adam_beta2`` at
     most :data:`BF16_MAX_BETA2`; int8 needs torchao."""
@@ -376,4 +372,8 @@ def _validate_optimizer_state(cfg: Config, engine: str) -> None:
     if cfg.optimizer.state_dtype == "int8" and importlib.util.find_spec("torchao") is None:
         raise ConfigError("optimizer.state_dtype", "int8 is torchao's 8-bit AdamW, which is not installed: pip "
                           "install 'memtrain[lowbit]', or choose fp32 or bf16")
+    if cfg.memory.allow_lossy_levers and cfg.memory.levers != "auto":
+        raise ConfigError("memory.allow_lossy_levers", "true lets the planner of memory.levers auto choose lossy "
+                          "levers, but memory.levers is off: set memory.levers auto, or choose "
+                          "optimizer.state_dtype yourself")
 

@@ -70,6 +70,7 @@ BAD_VALUES = [
     (["--training.gc_every_steps", "-1"], "training.gc_every_steps", "0 = Python's automatic"),
     (["--backend.name", "fsdp", "--backend.zero_stage", "2"], "backend.zero_stage", "DeepSpeed setting"),
     (["--backend.timeout_s", "0"], "backend.timeout_s", "must be > 0"),
+    (["--memory.allow_lossy_levers", "true"], "memory.allow_lossy_levers", "set memory.levers auto"),  # nothing chooses
 ]
 
 

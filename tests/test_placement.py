@@ -90,6 +90,33 @@ def test_planner_keeps_as_much_optimizer_state_on_the_device_as_fits():
     assert not one_step_less.fits_device
 
 
+def test_lossy_optimizer_states_are_planned_only_when_allowed():
+    """memory.allow_lossy_levers (with memory.levers auto): the user's DDP placement is planned with
+    fp32, bf16 and int8 moments, fp32 first; DeepSpeed's in fp32 only. A 1B model's fp32 DDP state
+    is 16 bytes per parameter (weights, gradients, two moments), 12 with bf16 moments: on a 14 GiB
+    device only the bf16 one fits and is chosen; on 80 GiB fp32 is as fast and is chosen."""
+    from memtrain.config import parse_args
+    from memtrain.memory.placement import allowed_pool, planning_pool
+
+    allow = ["--memory.levers", "auto", "--memory.allow_lossy_levers", "true"]
+    ddp = parse_args(["--backend.name", "ddp", *allow])
+    assert [p.state_dtype for p in allowed_pool(ddp, False)] == ["fp32", "bf16", "int8"]
+    assert [p.state_dtype for p in allowed_pool(parse_args(["--backend.name", "ddp", "--memory.levers", "auto"]),
+                                                False)] == ["fp32"]
+    zero3 = parse_args(["--backend.name", "deepspeed", "--backend.zero_stage", "3", *allow])
+    assert [p.state_dtype for p in allowed_pool(zero3, False)] == ["fp32"]
+    every = planning_pool(parse_args(["--backend.offload", "auto", *allow]), False)  # every engine and offload
+    order = ["fp32", "bf16", "int8"]
+    assert [p.state_dtype for p in every] == sorted((p.state_dtype for p in every), key=order.index)
+    assert {p.engine for p in every if p.state_dtype != "fp32"} == {"ddp", "fsdp"}
+    n = 10**9
+    shape = ModelShape(n, largest_block=n // 32, largest_module=n // 96)
+    for device_gib, dtype in ((14, "bf16"), (80, "fp32")):
+        table = plan_placements(candidates(0.05), allowed_pool(ddp, False), shape, "bf16", 1, machine(device_gib))
+        assert next(p for p in table if p.chosen).state_dtype == dtype
+        assert table[0].fits_device == (dtype == "fp32")  # fp32: 16 GB of state
+
+
 def test_host_memory_is_a_budget_and_nvme_is_planned_only_with_a_folder():
     table = plan_placements(candidates(), variants(("deepspeed",), (3,), False), SHAPE, "bf16", 1,
                             machine(device_gib=16, host_gib=32))
@@ -334,3 +361,35 @@ def test_cpu_info_is_asked_once_per_process(monkeypatch):
 
         DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(4))])
         assert len(calls) == 2  # DeepSpeed's own call got the kept answer
+
+
+def test_allowed_lossy_states_are_chosen_where_fp32_cannot_fit_and_kept_on_resume(tmp_path, cache_dir):
+    """DDP with memory.levers auto and memory.allow_lossy_levers on a 0.9 MiB simulated device, where
+    the tiny model's fp32 state does not fit beside its activations and its state with bf16 moments
+    does: the run takes bf16 moments (placement.json marks that row; the metrics, the checkpoint's
+    engine spec and its saved moments say bf16) and never runs out of memory. Resumed on a roomy
+    device, where a fresh run keeps fp32, it keeps bf16."""
+    from conftest import launch, read_metrics
+
+    def run(out, *extra):
+        return launch(tiny_args(out, cache_dir, "--backend.name", "ddp", "--memory.levers", "auto",
+                                "--memory.allow_lossy_levers", "true", "--training.micro_batch_size", "auto",
+                                "--checkpoint.every_steps", "2", *extra))
+
+    run(tmp_path, "--faults.memory_budget_mib", "0.9", "--training.max_steps", "2")
+    table = json.loads((tmp_path / "placement.json").read_text())["placements"]
+    assert [p["state_dtype"] for p in table if p["chosen"]] == ["bf16"]
+    assert not next(p for p in table if p["state_dtype"] == "fp32")["fits_device"]
+    records = read_metrics(tmp_path)
+    assert [r["optimizer_state_dtype"] for r in records] == ["bf16", "bf16"]
+    assert not any("oom" in (r.get("event") or "") for r in records)
+    saved = tmp_path / "checkpoints" / "step_00000002"
+    assert json.loads((saved / "manifest.json").read_text())["engine_spec"]["optimizer_state_dtype"] == "bf16"
+    import torch
+
+    moments = torch.load(saved / "optimizer.pt", weights_only=True)["optimizer"]["state"]
+    assert {s["exp_avg"].dtype for s in moments.values()} == {torch.bfloat16}
+    run(tmp_path, "--training.max_steps", "3")  # no budget now
+    assert [r["optimizer_state_dtype"] for r in read_metrics(tmp_path)[2:]] == ["bf16"]
+    run(tmp_path / "fresh", "--training.max_steps", "1")
+    assert read_metrics(tmp_path / "fresh")[0]["optimizer_state_dtype"] == "fp32"

@@ -31,6 +31,8 @@ class EngineSpec:
         world_size, rank: the process group's.
         data_parallel_size, data_parallel_rank: the ranks the global batch is split over (equal
             to ``world_size`` and ``rank`` until tensor parallelism exists).
+        optimizer_state_dtype: the AdamW moments' dtype the placement planner chose
+            (``memory.allow_lossy_levers``) or a resumed run kept; None = ``optimizer.state_dtype``.
     """
 
     name: str
@@ -45,6 +47,7 @@ class EngineSpec:
     rank: int = 0
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    optimizer_state_dtype: Optional[str] = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready fields (``summary.json``'s ``engine_spec``, checkpoint manifests)."""
@@ -87,7 +90,8 @@ def resolve_engine(backend_cfg, world_size: int, rank: int, placement: Optional[
         backend_cfg: the validated :class:`memtrain.config.BackendConfig` (not changed).
         world_size, rank: the process group's.
         placement: :data:`PLACEMENT_FIELDS` chosen by the placement planner or kept from the
-            checkpoint being resumed; None = the config's own.
+            checkpoint being resumed, and ``optimizer_state_dtype`` where the planner chose one
+            (``memory.allow_lossy_levers``); None = the config's own.
     """
     from memtrain.backends import infer_backend_name
 
@@ -101,7 +105,8 @@ def resolve_engine(backend_cfg, world_size: int, rank: int, placement: Optional[
         fields["zero_stage"] = None
     return EngineSpec(**fields, deepspeed_config=b.deepspeed_config, reshard_after_forward=b.reshard_after_forward,
                       find_unused_parameters=b.find_unused_parameters, world_size=world_size, rank=rank,
-                      data_parallel_size=world_size, data_parallel_rank=rank)
+                      data_parallel_size=world_size, data_parallel_rank=rank,
+                      optimizer_state_dtype=(placement or {}).get("optimizer_state_dtype"))
 
 
 def backend_view(backend_cfg, spec: EngineSpec):

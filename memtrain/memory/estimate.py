@@ -307,7 +307,8 @@ def format_table(report: dict) -> str:
 
 
 def _optimizer_state_line(report: dict) -> str:
-    """What each ``optimizer.state_dtype`` keeps per rank (lossy ones are set by the user, never chosen)."""
+    """What each ``optimizer.state_dtype`` keeps per rank (lossy ones are set by the user, or chosen by
+    the placement planner only under ``memory.allow_lossy_levers``)."""
     sizes = report.get("optimizer_state_bytes") or {}
     if not sizes:
         return ""
@@ -315,7 +316,7 @@ def _optimizer_state_line(report: dict) -> str:
     cells = ", ".join(f"{d} {size(b)}" + (" (this run)" if d == report["optimizer_state_dtype"] else "")
                       for d, b in sizes.items())
     return (f"optimizer state per rank (optimizer.state_dtype): {cells}; bf16 and int8 round the moments every "
-            "step (lossy), so only the config turns them on\n")
+            "step (lossy), so only the config, or memory.allow_lossy_levers, turns them on\n")
 
 
 def _setting_word(value) -> str:

@@ -85,6 +85,8 @@ class Placement:
     @property
     def name(self) -> str:
         engine = f"zero{self.zero_stage}" if self.engine == "deepspeed" else self.engine
+        if self.state_dtype != "fp32":
+            engine += f" {self.state_dtype} states"
         if self.offload == "none":
             return engine
         where = "nvme" if self.nvme else "host"
@@ -326,7 +328,7 @@ def planning_pool(cfg, nvme: bool) -> list[Placement]:
     from memtrain.backends import infer_backend_name
     from memtrain.backends.ds_config import get_path, offload_in_json, read_user_json
     from memtrain.config import ConfigError
-    from memtrain.levers.optimizer_state import LOSSY
+    from memtrain.levers.optimizer_state import LOSSY, planner_dtypes
 
     b = cfg.backend
     engine = infer_backend_name(b.name, b.deepspeed_config)
@@ -339,14 +341,20 @@ def planning_pool(cfg, nvme: bool) -> list[Placement]:
         engines = tuple(e for e in engines if e != "deepspeed")
     json_stage = get_path(user, "zero_optimization.stage")
     stage = b.zero_stage if b.zero_stage is not None else json_stage if json_stage in (1, 2, 3) else None
-    return variants(engines, (stage,) if stage else (1, 2, 3), nvme, dtype)
+    pool = []
+    for d in dict.fromkeys(d for e in engines for d in planner_dtypes(cfg, e)):  # the least lossy first: it wins ties
+        pool += variants(tuple(e for e in engines if d in planner_dtypes(cfg, e)), (stage,) if stage else (1, 2, 3),
+                         nvme, d)
+    return pool
 
 
 def allowed_pool(cfg, nvme: bool) -> list[Placement]:
     """The placements a run may take: under ``backend.offload auto`` :func:`planning_pool`,
-    otherwise the one placement the config (and its DeepSpeed JSON) names."""
+    otherwise the one placement the config (and its DeepSpeed JSON) names, in each optimizer
+    state dtype the planner may choose (:func:`memtrain.levers.optimizer_state.planner_dtypes`)."""
     from memtrain.backends import infer_backend_name
     from memtrain.backends.ds_config import read_user_json, resolve_zero_stage
+    from memtrain.levers.optimizer_state import planner_dtypes
 
     b = cfg.backend
     if b.offload == "auto":
@@ -354,7 +362,7 @@ def allowed_pool(cfg, nvme: bool) -> list[Placement]:
     engine = infer_backend_name(b.name, b.deepspeed_config)
     offload, ratio, on_nvme = configured_offload(cfg)
     stage = resolve_zero_stage(b.zero_stage, read_user_json(b.deepspeed_config)) if engine == "deepspeed" else None
-    return [Placement(engine, stage, offload, ratio, nvme=on_nvme, state_dtype=cfg.optimizer.state_dtype)]
+    return [Placement(engine, stage, offload, ratio, nvme=on_nvme, state_dtype=d) for d in planner_dtypes(cfg, engine)]
 
 
 def configured_offload(cfg) -> tuple[str, float, bool]:
@@ -405,16 +413,18 @@ def resolve(cfg, corpus, process, precision: str, source=None, objective=None):
     if kept is not None and process.is_main:
         log_placement(None, "kept from the checkpoint", spec)
     view = planned_view(cfg, spec) if kept is not None else cfg
-    if view.backend.offload != "auto" and configured_offload(view)[0] == "none":
+    saved = _resume_state_dtype(cfg) if kept is None else None  # a resumed run keeps its moments' dtype
+    choose_dtype = _chooses_state_dtype(cfg) and kept is None and saved is None
+    if saved is not None:
+        spec = dataclasses.replace(spec, optimizer_state_dtype=saved)
+    if view.backend.offload != "auto" and configured_offload(view)[0] == "none" and not choose_dtype:
         return spec
     answer = _plan_on_main(view, corpus, process, precision, source, objective)
     if answer is None:
         return spec
     answer, host_budget = answer["table"], answer["host_bytes"]
-    if view.backend.offload != "auto":  # the user's placement: only the host is checked (the device has OOM recovery)
-        if not answer[0].fits_host:
-            raise _host_error(cfg, answer[0], host_budget)
-        return spec
+    if view.backend.offload != "auto":  # the user's placement: the host is checked (the device has OOM recovery)
+        return _configured_placement(cfg, spec, answer, host_budget, choose_dtype, process.is_main)
     chosen = next((p for p in answer if p.chosen), None)
     if chosen is None:
         from memtrain.config import ConfigError
@@ -424,10 +434,39 @@ def resolve(cfg, corpus, process, precision: str, source=None, objective=None):
     spec = resolve_engine(cfg.backend, process.world_size, process.rank, {
         "name": chosen.engine, "zero_stage": chosen.zero_stage, "offload": chosen.offload,
         "offload_optimizer_ratio": chosen.offload_optimizer_ratio,
-        "nvme_path": cfg.backend.nvme_path if chosen.nvme else None})
+        "nvme_path": cfg.backend.nvme_path if chosen.nvme else None,
+        "optimizer_state_dtype": chosen.state_dtype if choose_dtype else None})
     if process.is_main:
         log_placement(chosen, "chosen", spec)
         write_table(cfg.output_dir, answer)
+    return spec
+
+
+def _chooses_state_dtype(cfg) -> bool:
+    """The placement planner chooses the optimizer state's dtype (``memory.allow_lossy_levers``)."""
+    from memtrain.levers.optimizer_state import planner_dtypes
+
+    return len(planner_dtypes(cfg, "ddp")) > 1
+
+
+def _configured_placement(cfg, spec, table: list[Placement], host_budget: int, choose_dtype: bool, is_main: bool):
+    """The user's placement (``table``: it in each dtype the planner may choose, fp32 first): with
+    ``choose_dtype``, ``spec`` with the chosen row's optimizer state dtype (the config's when none
+    fits: the OOM recovery has the device); the host checked to hold the row the run takes.
+
+    Raises:
+        memtrain.config.ConfigError: that row needs more host memory than ``host_budget``.
+    """
+    chosen = next((p for p in table if p.chosen), None) if choose_dtype else None
+    row = chosen or table[0]
+    if not row.fits_host:
+        raise _host_error(cfg, row, host_budget)
+    if choose_dtype:
+        spec = dataclasses.replace(spec, optimizer_state_dtype=row.state_dtype)
+        if is_main:
+            log_placement(row, "chosen (memory.allow_lossy_levers)" if chosen else
+                          "the config's: no optimizer state dtype is predicted to fit", spec)
+            write_table(cfg.output_dir, table)
     return spec
 
 
@@ -495,10 +534,9 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f}"
 
 
-def _resume_placement(cfg) -> Optional[dict]:
-    """A resumed ``offload: auto`` run takes the placement its checkpoint was written with
-    (another one could not load its optimizer state): its manifest's ``engine_spec`` (checkpoints
-    written before the spec existed: its config's ``backend`` section). None when there is none."""
+def _resumed_manifest(cfg) -> Optional[dict]:
+    """The manifest of the checkpoint the run will resume (``resume``: auto takes the newest
+    complete one); None when there is none or it cannot be read (the resume itself says why)."""
     from memtrain.checkpoint.layout import complete_checkpoints, latest_checkpoint, read_manifest
     from memtrain.errors import CheckpointError
 
@@ -507,13 +545,35 @@ def _resume_placement(cfg) -> Optional[dict]:
     root = os.path.join(os.path.expanduser(cfg.output_dir), "checkpoints")
     path = cfg.resume if cfg.resume != "auto" else latest_checkpoint(root) or (complete_checkpoints(root) or [None])[-1]
     try:
-        saved = read_manifest(path)["engine_spec"]
+        return read_manifest(path)
     except (CheckpointError, KeyError, TypeError):
         return None
-    if saved.get("offload") in (None, "auto"):
+
+
+def _resume_placement(cfg) -> Optional[dict]:
+    """A resumed ``offload: auto`` run takes the placement its checkpoint was written with
+    (another one could not load its optimizer state): its manifest's ``engine_spec`` (checkpoints
+    written before the spec existed: its config's ``backend`` section). None when there is none."""
+    saved = (_resumed_manifest(cfg) or {}).get("engine_spec")
+    if not saved or saved.get("offload") in (None, "auto"):
         return None
     return {"name": saved["name"], "zero_stage": saved.get("zero_stage"), "offload": saved["offload"],
-            "offload_optimizer_ratio": saved.get("offload_optimizer_ratio", 1.0), "nvme_path": saved.get("nvme_path")}
+            "offload_optimizer_ratio": saved.get("offload_optimizer_ratio", 1.0), "nvme_path": saved.get("nvme_path"),
+            "optimizer_state_dtype": saved.get("optimizer_state_dtype")}
+
+
+def _resume_state_dtype(cfg) -> Optional[str]:
+    """The optimizer state dtype a resumed run keeps where the placement planner chose it, in the
+    checkpoint's run or in this one (``memory.allow_lossy_levers``): the checkpoint's engine spec's
+    choice, else its config's. None when there is no checkpoint to resume, or neither run let the
+    planner choose (``optimizer.state_dtype`` is then the config's, and must match)."""
+    manifest = _resumed_manifest(cfg)
+    if manifest is None:
+        return None
+    chosen = (manifest.get("engine_spec") or {}).get("optimizer_state_dtype")
+    if chosen is None and not _chooses_state_dtype(cfg):
+        return None
+    return chosen or ((manifest.get("config") or {}).get("optimizer") or {}).get("state_dtype", "fp32")
 
 
 def log_placement(p: Optional[Placement], how: str, spec) -> None:
