@@ -16,6 +16,13 @@ ratio auto ÷ off taken per repeat (min/median/max), and the out-of-memory event
 share in one micro-batch (16, too large below the loose budget): its out-of-memory recovery,
 which asks the same planner, should land on the plan ``auto`` chose before step 1
 (``recovery_lands_on_auto_plan``; its tokens/s include the recovery).
+
+``--exhaustive`` times, instead, ``memory.levers auto`` against every lever setting (AC off,
+selective or on × chunked cross-entropy off or on) at the largest micro-batch ``memtrain plan``
+predicts to fit the budget, each run with that plan fixed (``memory.levers off``), all in
+alternating order ``--repeats`` times: the fastest by median tokens/s among those that ran
+without an out-of-memory event is the best found, and ``ratio_auto_to_best`` (per repeat,
+min/median/max) says how close the solver's own choice came (goal: within 5%).
 """
 
 from __future__ import annotations
@@ -76,6 +83,24 @@ def final_plan(records: list[dict]) -> str:
             + (" + chunked CE" if r.get("chunked_cross_entropy") else ""))
 
 
+def alternate(args: list[str], runs: dict[str, list[str]], nproc: int, repeats: int,
+              label: str) -> tuple[dict[str, list[float]], dict[str, int], dict[str, list[dict]]]:
+    """Each of ``runs`` (name → its extra arguments) ``repeats`` times in alternating order, so
+    the machine's drift hits each alike: tokens/s after step 2 per repeat, the out-of-memory
+    events summed over the repeats, and each run's records of its last repeat."""
+    tps: dict[str, list[float]] = {m: [] for m in runs}
+    ooms, last = {m: 0 for m in runs}, {}
+    for _ in range(repeats):
+        for run, extra in runs.items():
+            out = scratch_dir(f"{label}_")
+            records = run_memtrain(args + extra, out, nproc)
+            shutil.rmtree(out, ignore_errors=True)
+            tps[run].append(tokens_per_s(records[2:]))
+            ooms[run] += sum(e["event"] in OOM_EVENTS for r in records for e in r.get("plan_changes", []))
+            last[run] = records
+    return tps, ooms, last
+
+
 def measure(engine: str, nproc: int, steps: int, repeats: int, names: list[str]) -> list[dict]:
     per_rank = 16
     base = CPU_ARGS + ENGINES[engine] + ["--training.global_batch_size", str(per_rank * nproc),
@@ -84,23 +109,53 @@ def measure(engine: str, nproc: int, steps: int, repeats: int, names: list[str])
     results = []
     for name in names:
         args = base + ["--faults.memory_budget_mib", repr(limits[name])]
-        modes = {**MODES, **RECOVERY}
-        tps: dict[str, list[float]] = {m: [] for m in modes}
-        ooms, plans = {m: 0 for m in modes}, {}
-        for _ in range(repeats):
-            for mode, extra in modes.items():  # alternating: the machine's drift hits each alike
-                out = scratch_dir(f"solver_{engine}_{name}_{mode}_")
-                records = run_memtrain(args + extra, out, nproc)
-                shutil.rmtree(out, ignore_errors=True)
-                tps[mode].append(tokens_per_s(records[2:]))
-                ooms[mode] += sum(e["event"] in OOM_EVENTS for r in records for e in r.get("plan_changes", []))
-                plans[mode] = final_plan(records) if mode in RECOVERY else chosen(records)
+        tps, ooms, last = alternate(args, {**MODES, **RECOVERY}, nproc, repeats, f"solver_{engine}_{name}")
+        plans = {mode: final_plan(records) if mode in RECOVERY else chosen(records) for mode, records in last.items()}
         results.append({
             "benchmark": "solver", "engine": engine, "world_size": nproc, "steps": steps, "repeats": repeats,
             "budget": name, "budget_mib": limits[name], "plan": plans, "oom_events": ooms,
             "tokens_per_s": {m: spread(v) for m, v in tps.items()},
             "ratio_auto_to_off": spread([a / b for a, b in zip(tps["auto"], tps["off"])]),
             "recovery_lands_on_auto_plan": plans["auto_from_whole_share"] == plans["auto"],
+        })
+    return results
+
+
+def fitting_settings(rows: list[dict], budget_bytes: float) -> dict[str, list[str]]:
+    """Each lever setting at its largest micro-batch predicted to fit ``budget_bytes``, as a name
+    (``micro×accum AC x [+ chunked CE]``) and the arguments that fix that plan."""
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["activation_checkpointing"], bool(r.get("chunked_cross_entropy")))
+        if r["predicted_peak_bytes"] <= budget_bytes and r["micro_batch_size"] > best.get(key, {}).get("micro_batch_size", 0):
+            best[key] = r
+    return {f"{r['micro_batch_size']}×{r['gradient_accumulation_steps']} AC {ac}" + (" + chunked CE" if ce else ""):
+            ["--memory.levers", "off", "--training.micro_batch_size", str(r["micro_batch_size"]),
+             "--memory.activation_checkpointing", ac, "--memory.chunked_cross_entropy", str(ce).lower()]
+            for (ac, ce), r in sorted(best.items())}
+
+
+def measure_exhaustive(engine: str, nproc: int, steps: int, repeats: int, names: list[str]) -> list[dict]:
+    """``memory.levers auto`` against every fitting lever setting, per budget (the module docstring)."""
+    per_rank = 16
+    base = CPU_ARGS + ENGINES[engine] + ["--training.global_batch_size", str(per_rank * nproc),
+                                         "--training.max_steps", str(steps)]
+    rows = predicted(base + ["--training.micro_batch_size", "auto"], nproc)
+    limits = budgets(rows, per_rank)
+    results = []
+    for name in names:
+        args = base + ["--faults.memory_budget_mib", repr(limits[name])]
+        runs = {"auto": ["--memory.levers", "auto", "--training.micro_batch_size", "auto"],
+                **fitting_settings(rows, limits[name] * 2**20)}
+        tps, ooms, last = alternate(args, runs, nproc, repeats, f"solver_all_{engine}_{name}")
+        auto_plan = chosen(last["auto"])
+        fitted = [m for m in runs if m != "auto" and ooms[m] == 0] or [m for m in runs if m != "auto"]
+        best = max(fitted, key=lambda m: statistics.median(tps[m]))  # every one ran out of memory: the fastest
+        results.append({
+            "benchmark": "solver_exhaustive", "engine": engine, "world_size": nproc, "steps": steps,
+            "repeats": repeats, "budget": name, "budget_mib": limits[name], "auto_plan": auto_plan,
+            "best_setting": best, "oom_events": ooms, "tokens_per_s": {m: spread(v) for m, v in tps.items()},
+            "ratio_auto_to_best": spread([a / b for a, b in zip(tps["auto"], tps[best])]),
         })
     return results
 
@@ -113,15 +168,18 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="one engine, the tight budget, 6 steps, 1 repeat")
-    ap.add_argument("--results", action="store_true", help="append to benchmarks/results/solver-cpu.jsonl")
+    ap.add_argument("--results", action="store_true",
+                    help="append to benchmarks/results/solver-cpu.jsonl (--exhaustive: solver_exhaustive-cpu.jsonl)")
+    ap.add_argument("--exhaustive", action="store_true",
+                    help="time auto against every lever setting at its largest fitting micro-batch")
     args = ap.parse_args(argv)
     engines, names = args.engines.split(","), args.budgets.split(",")
     steps, repeats = args.steps, args.repeats
     if args.quick:
         engines, names, steps, repeats = engines[:1], ["tight"], 6, 1
     for engine in engines:
-        for result in measure(engine, 2, steps, repeats, names):
-            emit("solver", args.device, result, args.results)
+        for result in (measure_exhaustive if args.exhaustive else measure)(engine, 2, steps, repeats, names):
+            emit(result["benchmark"], args.device, result, args.results)  # solver, solver_exhaustive
     return 0
 
 

@@ -6,6 +6,7 @@ configuration), so the docs show what the code measured and nothing typed by han
     python benchmarks/tables.py overhead [--device cpu]        # memtrain vs each engine's plain loop
     python benchmarks/tables.py memory_accuracy [--device cpu] # predicted peak vs MemTracker, per engine and shape
     python benchmarks/tables.py solver                         # memory.levers auto vs off at three budgets
+    python benchmarks/tables.py solver_exhaustive              # auto vs every fitting lever setting, timed
     python benchmarks/tables.py lossy_levers                   # optimizer.state_dtype: loss and bytes
     python benchmarks/tables.py seq_len_reach                  # the longest data.seq_len under one budget
     python benchmarks/tables.py placement_accuracy             # the placement accounting vs DeepSpeed's tensors
@@ -190,6 +191,22 @@ def solver(device: str) -> str:
     return "\n".join(out)
 
 
+def solver_exhaustive(device: str) -> str:
+    """``benchmarks/solver.py --exhaustive``: the newest row per (engine, budget)."""
+    rows = newest_by("solver_exhaustive", device, lambda row: (row["engine"], row["budget"]))
+    out = ["| engine | budget (MiB per rank) | levers auto chose | fastest setting timed | settings timed "
+           "| tokens/s auto (min / median / max) | tokens/s fastest (min / median / max) "
+           "| auto ÷ fastest (min / median / max) |", "|---|---|---|---|---|---|---|---|"]
+    for (engine, budget), r in sorted(rows.items(), key=lambda kv: (list(ENGINE_NAMES).index(kv[0][0]),
+                                                                      ["tight", "medium", "loose"].index(kv[0][1]))):
+        t, settings = r["tokens_per_s"], [m for m in r["tokens_per_s"] if m != "auto"]
+        out.append(f"| {ENGINE_NAMES[engine]} | {budget} ({r['budget_mib']:.1f}) | {r['auto_plan']} | {r['best_setting']} "
+                   f"| {len(settings)} ({sum(r['oom_events'][m] > 0 for m in settings)} ran out of memory) "
+                   f"| {spread(t['auto'], '{:,.0f}')} | {spread(t[r['best_setting']], '{:,.0f}')} "
+                   f"| {spread(r['ratio_auto_to_best'])} |")
+    return "\n".join(out)
+
+
 def recovery(row: dict) -> str:
     """The solver row's recovery cell: OOM events, then the plan it landed on (= auto's or not)."""
     if "auto_from_whole_share" not in row["plan"]:
@@ -254,14 +271,15 @@ def placement_accuracy(device: str) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("benchmark", choices=["oom_stress", "largest_model_plan", "overhead", "memory_accuracy", "solver",
-                                              "lossy_levers", "seq_len_reach", "placement_accuracy"])
+                                              "solver_exhaustive", "lossy_levers", "seq_len_reach", "placement_accuracy"])
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     if args.benchmark == "largest_model_plan":
         print(largest_model_plan())
         return 0
     simple = {"overhead": overhead, "memory_accuracy": memory_accuracy, "solver": solver, "lossy_levers": lossy_levers,
-              "seq_len_reach": seq_len_reach, "placement_accuracy": placement_accuracy}
+              "seq_len_reach": seq_len_reach, "placement_accuracy": placement_accuracy,
+              "solver_exhaustive": solver_exhaustive}
     if args.benchmark in simple:
         print(simple[args.benchmark](args.device))
         return 0

@@ -180,3 +180,22 @@ def test_solver_quick_chooses_without_running_out_of_memory(cache_dir):
     assert row["budget"] == "tight" and (row["oom_events"]["off"], row["oom_events"]["auto"]) == (0, 0)
     assert "?" not in row["plan"].values() and row["ratio_auto_to_off"]["median"] > 0
     assert row["oom_events"]["auto_from_whole_share"] >= 1  # 16 × 1 does not fit the tight budget: recovered
+
+
+def test_the_exhaustive_solver_times_each_setting_at_its_largest_fitting_micro_batch():
+    """``solver.py --exhaustive``'s runs: each lever setting once, at the largest micro-batch whose
+    predicted peak is within the budget, fixed by its arguments; a setting with none fitting is left out."""
+    from solver import fitting_settings
+
+    per_sample = {"off": 10, "selective": 6, "on": 3}  # bytes per sample; chunked CE saves one more
+    rows = [{"micro_batch_size": m, "gradient_accumulation_steps": 16 // m, "activation_checkpointing": ac,
+             "chunked_cross_entropy": ce, "predicted_peak_bytes": m * (cost - ce)}
+            for m in (1, 2, 4, 8, 16) for ac, cost in per_sample.items() for ce in (False, True)]
+    assert list(fitting_settings(rows, 40)) == [
+        "4×4 AC off", "4×4 AC off + chunked CE", "8×2 AC on", "16×1 AC on + chunked CE", "4×4 AC selective",
+        "8×2 AC selective + chunked CE"]
+    tight = fitting_settings(rows, 5)
+    assert list(tight) == ["1×16 AC on", "2×8 AC on + chunked CE", "1×16 AC selective + chunked CE"]
+    assert tight["2×8 AC on + chunked CE"] == ["--memory.levers", "off", "--training.micro_batch_size", "2",
+                                               "--memory.activation_checkpointing", "on",
+                                               "--memory.chunked_cross_entropy", "true"]

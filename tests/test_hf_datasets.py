@@ -66,12 +66,16 @@ def test_a_glob_over_the_folder_reads_the_dataset_once_and_max_bytes_is_refused(
         select_files([str(tmp_path / "data" / "ds")], 1000, 0.25)
 
 
-@pytest.mark.parametrize("fraction", [0.01, 0.99])
-def test_a_small_dataset_keeps_a_row_on_each_side(tmp_path, fraction):
-    """Three rows split at 1% (or 99%) by hash would, at most paths, leave the validation (or
-    training) side empty — a run that then stops because its split has no tokens; one row moves
-    there instead, as a file does in the file split, and every row is still read once."""
+
+def test_a_split_that_leaves_a_side_empty_is_named(tmp_path):
+    """Three rows split at 1% by hash leave the validation side empty at most paths: the run stops
+    naming data.validation_fraction and what to do, not with a sample-length error."""
     for n in range(8):  # several folders: the hash depends on the path
         datasets.Dataset.from_dict({"content": DOCS[:3]}).save_to_disk(str(tmp_path / f"ds{n}"))
-        train, val = _documents(tmp_path / f"ds{n}", fraction)
-        assert train and val and sorted(train + val) == sorted(DOCS[:3])
+        cfg = DataConfig(files=[str(tmp_path / f"ds{n}")], text_field="content", vocab_size=300, seq_len=16,
+                         validation_fraction=0.01, cache_dir=str(tmp_path / "cache"))
+        if not _documents(tmp_path / f"ds{n}", 0.01)[1]:
+            with pytest.raises(ConfigError, match="'data.validation_fraction'.*no document on the validation side"):
+                build_corpus(cfg)
+            return
+    pytest.fail("no folder path hashed all three rows to training")  # (0.99^3 per path: not reached)

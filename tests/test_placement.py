@@ -117,6 +117,29 @@ def test_lossy_optimizer_states_are_planned_only_when_allowed():
         assert table[0].fits_device == (dtype == "fp32")  # fp32: 16 GB of state
 
 
+def test_a_lossier_state_dtype_must_be_clearly_faster_and_bf16_keeps_its_beta2_limit():
+    """Where both fit, bf16 moments are taken over fp32 only when predicted more than 5% faster
+    (int8 over bf16 likewise); a resumed run whose moments are bf16 is refused an adam_beta2 bf16
+    cannot keep, naming the field."""
+    from memtrain.config import ConfigError, parse_args
+    from memtrain.memory.placement import _with_state_dtype, choose
+
+    def row(dtype, step_s, fits=True):
+        return Placement("ddp", None, "none", state_dtype=dtype, predicted_step_s=step_s, fits_device=fits,
+                         fits_host=True)
+
+    assert choose([row("fp32", 1.04), row("bf16", 1.0), row("int8", 0.9)]).state_dtype == "int8"
+    assert choose([row("fp32", 1.04), row("bf16", 1.0)]).state_dtype == "fp32"
+    assert choose([row("fp32", 1.2), row("bf16", 1.0), row("int8", 0.97)]).state_dtype == "bf16"
+    assert choose([row("fp32", 1.0, fits=False), row("bf16", 1.0)]).state_dtype == "bf16"
+    assert choose([row("fp32", 1.0, fits=False)]) is None
+    cfg = parse_args(["--memory.levers", "auto", "--memory.allow_lossy_levers", "true", "--training.adam_beta2", "0.999"])
+    with pytest.raises(ConfigError, match="'training.adam_beta2'.*bf16"):
+        _with_state_dtype(cfg, "bf16")
+    view = _with_state_dtype(cfg, "int8")
+    assert view.optimizer.state_dtype == "int8" and not view.memory.allow_lossy_levers and cfg.memory.allow_lossy_levers
+
+
 def test_host_memory_is_a_budget_and_nvme_is_planned_only_with_a_folder():
     table = plan_placements(candidates(), variants(("deepspeed",), (3,), False), SHAPE, "bf16", 1,
                             machine(device_gib=16, host_gib=32))

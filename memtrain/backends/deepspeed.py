@@ -390,8 +390,8 @@ def restore_torch_linear() -> None:
 
     module = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
     saved = getattr(getattr(module, "InsertPostInitMethodToModuleSubClasses", None), "linear_bk", None)
-    if saved is not None and torch.nn.functional.linear is not saved:
-        torch.nn.functional.linear = saved
+    if saved is not None and torch.nn.functional.linear is getattr(module, "zero3_linear_wrap", None):
+        torch.nn.functional.linear = saved  # only DeepSpeed's own swap: a caller's later one stays
 
 
 def _by_first_name(module: nn.Module, weights: dict[str, torch.Tensor], optimizer_state: dict) -> tuple[dict, dict]:

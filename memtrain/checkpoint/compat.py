@@ -50,6 +50,7 @@ PLACEMENT_KEYS = ("backend.offload", "backend.offload_optimizer_ratio", "backend
 taken (:mod:`memtrain.memory.placement`), whatever its config recorded."""
 
 TAKES_EFFECT = {
+    "memory.allow_lossy_levers": "the checkpoint's optimizer state dtype is kept (memtrain/memory/resumed.py)",
     "training.max_steps": "the cosine decay is recomputed to end at the new max_steps",
     "training.lr": "the schedule is this run's, at the resumed step",
     "training.min_lr_ratio": "the schedule is this run's, at the resumed step",

@@ -135,5 +135,13 @@ def build_corpus(data_cfg, pretrained_tokenizer=None):
         logging.getLogger("memtrain").warning(
             "memtrain: data.vocab_size %d: the tokenizer has %d tokens (%s); the model's vocabulary is %d",
             data_cfg.vocab_size, tok.vocab_size, reason, tok.vocab_size)
+    for side, stream in (("validation", tok.validation), ("training", tok.train)):
+        if len(stream) == 0:  # a datasets source's rows are split by hash: a small one can leave a side empty
+            from memtrain.config import ConfigError
+
+            raise ConfigError("data.validation_fraction", f"{data_cfg.validation_fraction} left no document on the "
+                              f"{side} side (a datasets source's rows go to validation by a hash of its path and "
+                              "row index); choose another fraction, give more rows, or a dataset dict with its own "
+                              "validation split")
     return Corpus(PackedDataset(tok.train, data_cfg.seq_len), PackedDataset(tok.validation, data_cfg.seq_len), tok,
                   seq_len=data_cfg.seq_len)

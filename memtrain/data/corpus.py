@@ -258,9 +258,9 @@ def fingerprint(files: list[SourceFile], *extra) -> str:
     for f in files:
         h.update(f.name.encode() + b"\0")
         if f.part is not None:  # a datasets source: its files, and how its rows are split
-            from memtrain.data.hf_datasets import ROW_SPLIT, digest
+            from memtrain.data.hf_datasets import digest
 
-            h.update(digest(f.path) + f"{f.validation_fraction!r}{ROW_SPLIT}".encode())
+            h.update(digest(f.path) + f"{f.validation_fraction!r}".encode())
             continue
         with open(f.path, "rb") as fh:
             h.update(hashlib.sha256(fh.read()).digest())

@@ -9,9 +9,7 @@ tokenizer, the packed-token cache, the split) works on it as on files:
 * a ``DatasetDict`` with a ``validation`` (else ``test``) split: that split is validation, ``train``
   is training;
 * otherwise every row is assigned by a hash of (source path, row index): validation when it falls
-  below ``data.validation_fraction`` — deterministic on every machine and rank, like the file split;
-  when that leaves a small source's validation (or training) side empty, its lowest- (highest-)
-  hashed row moves there, as a file does in the file split.
+  below ``data.validation_fraction`` — deterministic on every machine and rank, like the file split.
 """
 
 from __future__ import annotations
@@ -26,10 +24,6 @@ DATASET_SUFFIXES = (".parquet", ".arrow")
 
 TRAIN, VALIDATION = "train", "validation"
 
-ROW_SPLIT = ":moved-row"
-"""The row split's version, part of the corpus cache key (caches of the split without the moved
-row of :func:`_moved_row` are not reused)."""
-
 
 def is_dataset_source(path: str) -> bool:
     """Whether ``path`` is a ``save_to_disk`` folder or a parquet/arrow file."""
@@ -38,31 +32,9 @@ def is_dataset_source(path: str) -> bool:
     return path.endswith(DATASET_SUFFIXES)
 
 
-def _row_hash(name: str, index: int) -> float:
-    """Row ``index`` of source ``name``'s place in [0, 1) (sha1)."""
-    return int(hashlib.sha1(f"split:{name}:{index}".encode()).hexdigest(), 16) / 2**160
-
-
 def _row_is_validation(name: str, index: int, validation_fraction: float) -> bool:
-    return _row_hash(name, index) < validation_fraction
-
-
-def _moved_row(name: str, n_rows: int, validation_fraction: float) -> tuple[int | None, bool]:
-    """When the hash leaves one side of a source of ``n_rows`` (≥ 2) rows empty, the row that
-    moves there, as :func:`memtrain.data.corpus.split_files` does for files: ``(row, True)`` for the
-    lowest-hashed row moved to validation, ``(row, False)`` for the highest-hashed moved to
-    training; ``(None, False)`` when both sides have rows. Only a source where an empty side is
-    possible (fewer than 64 rows expected on one side; otherwise the odds are below e^-64) is
-    hashed in full."""
-    expected = min(n_rows * validation_fraction, n_rows * (1 - validation_fraction))
-    if n_rows < 2 or expected >= 64:
-        return None, False
-    hashes = [_row_hash(name, i) for i in range(n_rows)]
-    if not any(h < validation_fraction for h in hashes):
-        return min(range(n_rows), key=hashes.__getitem__), True
-    if all(h < validation_fraction for h in hashes):
-        return max(range(n_rows), key=hashes.__getitem__), False
-    return None, False
+    key = hashlib.sha1(f"split:{name}:{index}".encode()).hexdigest()
+    return int(key, 16) / 2**160 < validation_fraction
 
 
 def _load(path: str):
@@ -124,12 +96,11 @@ def iter_rows(path: str, name: str, part: str, text_field: str, validation_fract
         raise ConfigError("data.text_field", f"'{path}' has no column '{text_field}'; its columns: "
                           f"{', '.join(data.column_names)}")
     by_hash = not (train_split and val_split)
-    moved, to_validation = _moved_row(name, len(data), validation_fraction) if by_hash else (None, False)
     index = 0
     for batch in data.select_columns([text_field]).iter(batch_size=1024):  # memory-mapped, a batch at a time
         for text in batch[text_field]:
-            is_validation = to_validation if index == moved else _row_is_validation(name, index, validation_fraction)
-            if text is not None and (not by_hash or is_validation == (part == VALIDATION)):  # a null row is no document
+            if text is not None and (not by_hash or _row_is_validation(name, index, validation_fraction)
+                                     == (part == VALIDATION)):  # a null row is no document
                 yield str(text)
             index += 1
 

@@ -113,24 +113,23 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     shape, objective = model_facts(cfg, corpus)  # on the meta device: nothing allocated
     n = shape.parameters
     choices = lever_choices(cfg, None)  # the model levers; the engine's are in its state bytes
-    engines, engine, state = _model_states(cfg, shape, precision, world_size)
     budget = (int(gpu_memory_gib * 2**30) if gpu_memory_gib else
               device_budget_bytes(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu")))
     tables = activation_tables(cfg, corpus, objective, precision, device_type)
-    acts = tables(engine)
-    per_rank = cfg.training.global_batch_size // world_size
-    state_on_device = device_state_bytes(state)
-    steps = (0, 0) if cfg.faults.memory_budget_mib > 0 else (  # a simulated device: state + saved (build_planner)
-        state["accumulation_gradient_bytes"], state["step_gradient_bytes"])
-    planner = Planner(make_candidates(per_rank, choices, state_on_device, acts, device_type, budget, *steps), budget)
     flops = DEFAULT_GPU_FLOPS if device_type == "cuda" and not torch.cuda.is_available() else device_flops_per_s(device_type)
     tokens = tokens_per_sample(cfg, corpus)
-    for c in planner.candidates:  # 1 ms per micro-batch (launches, reduction): ties go to fewer micro-batches
-        c.predicted_step_s = estimated_step_s(c, n, tokens, flops, recompute_fraction(c.plan.settings(), cfg), 1e-3)
-    chosen = run_plan(planner, cfg, choices)
     adam, adam_source = _cpu_adam_rate(cpu_adam_params_per_s, gpu_memory_gib is not None or host_memory_gib is not None)
     machine, placements = _placements(cfg, shape, n, precision, world_size, device_type, budget, flops, tables, tokens,
                                       host_memory_gib, nvme_path, gpu_memory_gib is not None, adam, nodes)
+    cfg = _with_run_state_dtype(cfg, placements)
+    engines, engine, state = _model_states(cfg, shape, precision, world_size)
+    acts, per_rank, state_on_device = tables(engine), cfg.training.global_batch_size // world_size, device_state_bytes(state)
+    steps = (0, 0) if cfg.faults.memory_budget_mib > 0 else (  # a simulated device: state + saved (build_planner)
+        state["accumulation_gradient_bytes"], state["step_gradient_bytes"])
+    planner = Planner(make_candidates(per_rank, choices, state_on_device, acts, device_type, budget, *steps), budget)
+    for c in planner.candidates:  # 1 ms per micro-batch (launches, reduction): ties go to fewer micro-batches
+        c.predicted_step_s = estimated_step_s(c, n, tokens, flops, recompute_fraction(c.plan.settings(), cfg), 1e-3)
+    chosen = run_plan(planner, cfg, choices)
     micro = chosen.micro_batch_size if chosen is not None else (
         cfg.training.micro_batch_size if cfg.training.micro_batch_size != "auto" else 1)
     ac_bytes = _activation_bytes_by_ac(acts, choices, micro, per_rank)
@@ -150,6 +149,15 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
                                   for d in STATE_DTYPES} if engine != "deepspeed" else {},
         "note": NOTE,
     }
+
+
+def _with_run_state_dtype(cfg, placements: list) -> object:
+    """``cfg`` with the optimizer state dtype of the placement the run takes, where
+    ``memory.allow_lossy_levers`` let the planner choose it (``cfg`` itself is not changed)."""
+    run = next((p for p in placements if p.chosen), None)
+    if run is None or run.state_dtype == cfg.optimizer.state_dtype:
+        return cfg
+    return dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, state_dtype=run.state_dtype))
 
 
 def _model_states(cfg, shape, precision: str, world_size: int) -> tuple[dict, str, dict]:
@@ -242,7 +250,7 @@ def _placements(cfg, shape, n: int, precision: str, world_size: int, device_type
     measured here); ``nodes``: machines sharing the ranks."""
     from memtrain.memory.machine import (PLAN_PROCESS_BYTES, Machine, cpu_adam_params_per_s, host_budget_bytes,
                                          process_bytes)
-    from memtrain.memory.placement import allowed_pool, nvme_usable, plan_model, planning_pool
+    from memtrain.memory.placement import allowed_pool, choose, nvme_usable, plan_model, planning_pool
 
     gpu_here = torch.cuda.is_available()
     if host_memory_gib:
@@ -258,9 +266,11 @@ def _placements(cfg, shape, n: int, precision: str, world_size: int, device_type
     names = {p.name for p in pool}
     table = plan_model(cfg, tables, shape, tokens, world_size, machine, precision,
                        pool + [p for p in own if p.name not in names])
-    if cfg.backend.offload != "auto":  # the run takes the config's placement, whatever is faster
+    if cfg.backend.offload != "auto":  # the run takes the config's placement (the dtype it chooses), whatever is faster
+        own_names = {p.name for p in own}
+        run = choose([p for p in table if p.name in own_names]) or next(p for p in table if p.name == own[0].name)
         for p in table:
-            p.chosen = p.name == own[0].name
+            p.chosen = p is run
     return machine, table
 
 

@@ -205,10 +205,34 @@ def plan_placements(candidates, pool: list[Placement], shape: ModelShape,
                     best = dataclasses.replace(trial)
         for field in dataclasses.fields(Placement):
             setattr(p, field.name, getattr(best, field.name))
-    fitting = [p for p in pool if p.fits]
-    if fitting:
-        min(fitting, key=lambda p: p.predicted_step_s).chosen = True  # min keeps the first of equals
+    best = choose(pool)
+    if best is not None:
+        best.chosen = True
     return pool
+
+
+LOSSY_MARGIN = 0.05
+"""A lossier optimizer state dtype is chosen only when predicted this much faster (a fraction of
+the step) than the fastest fitting placement with less lossy moments: a larger micro-batch it lets
+fit saves little, and the prediction does not count int8's slower, compiled step."""
+
+
+def choose(table: list[Placement]) -> Optional[Placement]:
+    """The placement a run takes from ``table`` (sized by :func:`plan_placements`): the fastest
+    that fits (the first of equals), where rows with less lossy optimizer moments (fp32, then bf16,
+    then int8) win unless a lossier one is more than :data:`LOSSY_MARGIN` faster; None when
+    nothing fits."""
+    from memtrain.levers.optimizer_state import STATE_DTYPES
+
+    fitting = [p for p in table if p.fits]
+    if not fitting:
+        return None
+    fastest = min(fitting, key=lambda p: p.predicted_step_s)  # min keeps the first of equals
+    for dtype in STATE_DTYPES[:STATE_DTYPES.index(fastest.state_dtype)]:
+        rows = [p for p in fitting if p.state_dtype == dtype]
+        if rows and min(p.predicted_step_s for p in rows) <= fastest.predicted_step_s * (1 + LOSSY_MARGIN):
+            return min(rows, key=lambda p: p.predicted_step_s)
+    return fastest
 
 
 def _better(a: Placement, b: Placement) -> bool:
@@ -407,16 +431,19 @@ def resolve(cfg, corpus, process, precision: str, source=None, objective=None):
             holds the numbers.
     """
     from memtrain.backends.spec import resolve_engine
+    from memtrain.memory.resumed import resume_placement, resume_state_dtype
 
-    kept = _resume_placement(cfg) if cfg.backend.offload == "auto" else None
+    kept = resume_placement(cfg) if cfg.backend.offload == "auto" else None
     spec = resolve_engine(cfg.backend, process.world_size, process.rank, kept)
     if kept is not None and process.is_main:
         log_placement(None, "kept from the checkpoint", spec)
     view = planned_view(cfg, spec) if kept is not None else cfg
-    saved = _resume_state_dtype(cfg) if kept is None else None  # a resumed run keeps its moments' dtype
-    choose_dtype = _chooses_state_dtype(cfg) and kept is None and saved is None
+    saved = resume_state_dtype(cfg, _chooses_state_dtype(cfg, spec.name)) if kept is None else None  # a resumed run keeps its moments' dtype
+    choose_dtype = _chooses_state_dtype(cfg, spec.name) and kept is None and saved is None
     if saved is not None:
         spec = dataclasses.replace(spec, optimizer_state_dtype=saved)
+    if not choose_dtype:  # plan (and check the host for) the dtype the run will build
+        view = _with_state_dtype(view, spec.optimizer_state_dtype or cfg.optimizer.state_dtype)
     if view.backend.offload != "auto" and configured_offload(view)[0] == "none" and not choose_dtype:
         return spec
     answer = _plan_on_main(view, corpus, process, precision, source, objective)
@@ -442,11 +469,33 @@ def resolve(cfg, corpus, process, precision: str, source=None, objective=None):
     return spec
 
 
-def _chooses_state_dtype(cfg) -> bool:
-    """The placement planner chooses the optimizer state's dtype (``memory.allow_lossy_levers``)."""
+def _chooses_state_dtype(cfg, engine: str) -> bool:
+    """The placement planner chooses the optimizer state's dtype (``memory.allow_lossy_levers``) for
+    a run on ``engine`` (under ``backend.offload auto``, for whichever engine it places on)."""
     from memtrain.levers.optimizer_state import planner_dtypes
 
-    return len(planner_dtypes(cfg, "ddp")) > 1
+    return len(planner_dtypes(cfg, "ddp" if cfg.backend.offload == "auto" else engine)) > 1
+
+
+def _with_state_dtype(cfg, dtype: str):
+    """A copy of ``cfg`` planning only optimizer moments in ``dtype`` (a resumed run's, or the
+    config's); ``cfg`` itself is not changed.
+
+    Raises:
+        memtrain.config.ConfigError: bf16 moments with ``training.adam_beta2`` above what they keep
+            (a resumed run whose planner chose bf16, given a larger beta2 now).
+    """
+    from memtrain.config import ConfigError
+    from memtrain.levers.optimizer_state import BF16_MAX_BETA2
+
+    if dtype == "bf16" and cfg.training.adam_beta2 > BF16_MAX_BETA2:
+        raise ConfigError("training.adam_beta2", f"{cfg.training.adam_beta2}, but the checkpoint's optimizer moments "
+                          f"are bf16 (chosen under memory.allow_lossy_levers), which lose a decay above "
+                          f"{BF16_MAX_BETA2}: keep adam_beta2 <= {BF16_MAX_BETA2}, or start a new output_dir")
+    if dtype == cfg.optimizer.state_dtype and not cfg.memory.allow_lossy_levers:
+        return cfg
+    return dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, state_dtype=dtype),
+                               memory=dataclasses.replace(cfg.memory, allow_lossy_levers=False))
 
 
 def _configured_placement(cfg, spec, table: list[Placement], host_budget: int, choose_dtype: bool, is_main: bool):
@@ -457,7 +506,7 @@ def _configured_placement(cfg, spec, table: list[Placement], host_budget: int, c
     Raises:
         memtrain.config.ConfigError: that row needs more host memory than ``host_budget``.
     """
-    chosen = next((p for p in table if p.chosen), None) if choose_dtype else None
+    chosen = choose(table) if choose_dtype else None
     row = chosen or table[0]
     if not row.fits_host:
         raise _host_error(cfg, row, host_budget)
@@ -534,52 +583,11 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f}"
 
 
-def _resumed_manifest(cfg) -> Optional[dict]:
-    """The manifest of the checkpoint the run will resume (``resume``: auto takes the newest
-    complete one); None when there is none or it cannot be read (the resume itself says why)."""
-    from memtrain.checkpoint.layout import complete_checkpoints, latest_checkpoint, read_manifest
-    from memtrain.errors import CheckpointError
-
-    if cfg.resume == "never":
-        return None
-    root = os.path.join(os.path.expanduser(cfg.output_dir), "checkpoints")
-    path = cfg.resume if cfg.resume != "auto" else latest_checkpoint(root) or (complete_checkpoints(root) or [None])[-1]
-    try:
-        return read_manifest(path)
-    except (CheckpointError, KeyError, TypeError):
-        return None
-
-
-def _resume_placement(cfg) -> Optional[dict]:
-    """A resumed ``offload: auto`` run takes the placement its checkpoint was written with
-    (another one could not load its optimizer state): its manifest's ``engine_spec`` (checkpoints
-    written before the spec existed: its config's ``backend`` section). None when there is none."""
-    saved = (_resumed_manifest(cfg) or {}).get("engine_spec")
-    if not saved or saved.get("offload") in (None, "auto"):
-        return None
-    return {"name": saved["name"], "zero_stage": saved.get("zero_stage"), "offload": saved["offload"],
-            "offload_optimizer_ratio": saved.get("offload_optimizer_ratio", 1.0), "nvme_path": saved.get("nvme_path"),
-            "optimizer_state_dtype": saved.get("optimizer_state_dtype")}
-
-
-def _resume_state_dtype(cfg) -> Optional[str]:
-    """The optimizer state dtype a resumed run keeps where the placement planner chose it, in the
-    checkpoint's run or in this one (``memory.allow_lossy_levers``): the checkpoint's engine spec's
-    choice, else its config's. None when there is no checkpoint to resume, or neither run let the
-    planner choose (``optimizer.state_dtype`` is then the config's, and must match)."""
-    manifest = _resumed_manifest(cfg)
-    if manifest is None:
-        return None
-    chosen = (manifest.get("engine_spec") or {}).get("optimizer_state_dtype")
-    if chosen is None and not _chooses_state_dtype(cfg):
-        return None
-    return chosen or ((manifest.get("config") or {}).get("optimizer") or {}).get("state_dtype", "fp32")
-
-
 def log_placement(p: Optional[Placement], how: str, spec) -> None:
     """One line on the placement a run trains with."""
     what = p.name if p is not None else Placement(spec.name, spec.zero_stage, spec.offload or "none",
-                                                   spec.offload_optimizer_ratio, bool(spec.nvme_path)).name
+                                                   spec.offload_optimizer_ratio, bool(spec.nvme_path),
+                                                   state_dtype=spec.optimizer_state_dtype or "fp32").name
     detail = (f" (predicted: device {_gib(p.device_bytes)} GiB per rank, host {_gib(p.host_bytes)} GiB, "
               f"{p.predicted_step_s:.3g} s per step)") if p is not None else ""
     logging.getLogger("memtrain").warning("memtrain: placement %s, %s%s", what, how, detail)

@@ -1,0 +1,52 @@
+"""What a resumed run keeps of the placement its checkpoint was written with (the engine, ZeRO
+stage, offload and the optimizer state dtype the placement planner chose): read from the
+manifest of the checkpoint the run will resume, before the model is built
+(:func:`memtrain.memory.placement.resolve`)."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+
+def resumed_manifest(cfg) -> Optional[dict]:
+    """The manifest of the checkpoint the run will resume (``resume``: auto takes the newest
+    complete one); None when there is none or it cannot be read (the resume itself says why)."""
+    from memtrain.checkpoint.layout import complete_checkpoints, latest_checkpoint, read_manifest
+    from memtrain.errors import CheckpointError
+
+    if cfg.resume == "never":
+        return None
+    root = os.path.join(os.path.expanduser(cfg.output_dir), "checkpoints")
+    path = cfg.resume if cfg.resume != "auto" else latest_checkpoint(root) or (complete_checkpoints(root) or [None])[-1]
+    try:
+        return read_manifest(path)
+    except (CheckpointError, KeyError, TypeError):
+        return None
+
+
+def resume_placement(cfg) -> Optional[dict]:
+    """A resumed ``offload: auto`` run takes the placement its checkpoint was written with
+    (another one could not load its optimizer state): its manifest's ``engine_spec`` (checkpoints
+    written before the spec existed: its config's ``backend`` section). None when there is none."""
+    saved = (resumed_manifest(cfg) or {}).get("engine_spec")
+    if not saved or saved.get("offload") in (None, "auto"):
+        return None
+    return {"name": saved["name"], "zero_stage": saved.get("zero_stage"), "offload": saved["offload"],
+            "offload_optimizer_ratio": saved.get("offload_optimizer_ratio", 1.0), "nvme_path": saved.get("nvme_path"),
+            "optimizer_state_dtype": saved.get("optimizer_state_dtype")}
+
+
+def resume_state_dtype(cfg, chooses: bool) -> Optional[str]:
+    """The optimizer state dtype a resumed run keeps where the placement planner chose it, in the
+    checkpoint's run or in this one (``chooses``: ``memory.allow_lossy_levers`` applies): the
+    checkpoint's engine spec's choice, else its config's. None when there is no checkpoint to
+    resume, or neither run let the planner choose (``optimizer.state_dtype`` is then the config's,
+    and must match)."""
+    manifest = resumed_manifest(cfg)
+    if manifest is None:
+        return None
+    chosen = (manifest.get("engine_spec") or {}).get("optimizer_state_dtype")
+    if chosen is None and not chooses:
+        return None
+    return chosen or ((manifest.get("config") or {}).get("optimizer") or {}).get("state_dtype", "fp32")
