@@ -226,9 +226,10 @@ class MemoryConfig:
     allow_lossy_levers: bool = False
     """With memory.levers auto and optimizer.state_dtype fp32: the placement planner may also keep
     AdamW's moments in bf16 or int8 (DDP and FSDP2; int8 needs torchao) where that lets a faster
-    plan fit — chosen before the model is built (fp32 wherever it is predicted as fast), kept on
-    resume, recorded in plan.json, placement.json and the checkpoint's engine spec. Lossy: the
-    moments are rounded every step. ``memtrain plan`` shows each dtype's bytes either way."""
+    plan fit — chosen before the model is built (a lossier dtype only where predicted more than 5%
+    faster than a less lossy one that fits), kept on resume, recorded in plan.json, placement.json
+    and the checkpoint's engine spec. Lossy: the moments are rounded every step. ``memtrain plan``
+    shows each dtype's bytes either way."""
     activation_checkpointing: Literal["off", "on", "selective", "auto"] = "auto"
     """Recompute block activations in backward: on = all of each block's; selective = keep the
     matmul and attention outputs, recompute pointwise ops and norms (same losses as off, less than

@@ -196,7 +196,7 @@ def test_the_documented_commands_run_in_order(tmp_path):
     (tmp_path / "my_corpus").mkdir()
     for i, text in enumerate(texts):
         (tmp_path / "my_corpus" / f"{i}.txt").write_text(text)
-    rows = [text[i:i + 2000] for text in texts for i in range(0, len(text), 2000)]  # ~550: rows on both sides of the hash split
+    rows = [text[i:i + 2000] for text in texts for i in range(0, len(text), 2000)]  # ~575: rows on both sides of the hash split
     datasets.Dataset.from_dict({"content": rows}).save_to_disk(str(tmp_path / "my_dataset_on_disk"))
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])}

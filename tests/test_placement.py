@@ -122,7 +122,7 @@ def test_a_lossier_state_dtype_must_be_clearly_faster_and_bf16_keeps_its_beta2_l
     (int8 over bf16 likewise); a resumed run whose moments are bf16 is refused an adam_beta2 bf16
     cannot keep, naming the field."""
     from memtrain.config import ConfigError, parse_args
-    from memtrain.memory.placement import _with_state_dtype, choose
+    from memtrain.memory.placement import choose, with_state_dtype
 
     def row(dtype, step_s, fits=True):
         return Placement("ddp", None, "none", state_dtype=dtype, predicted_step_s=step_s, fits_device=fits,
@@ -135,8 +135,8 @@ def test_a_lossier_state_dtype_must_be_clearly_faster_and_bf16_keeps_its_beta2_l
     assert choose([row("fp32", 1.0, fits=False)]) is None
     cfg = parse_args(["--memory.levers", "auto", "--memory.allow_lossy_levers", "true", "--training.adam_beta2", "0.999"])
     with pytest.raises(ConfigError, match="'training.adam_beta2'.*bf16"):
-        _with_state_dtype(cfg, "bf16")
-    view = _with_state_dtype(cfg, "int8")
+        with_state_dtype(cfg, "bf16")
+    view = with_state_dtype(cfg, "int8")
     assert view.optimizer.state_dtype == "int8" and not view.memory.allow_lossy_levers and cfg.memory.allow_lossy_levers
 
 

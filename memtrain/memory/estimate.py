@@ -104,7 +104,7 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     from memtrain.data import build_corpus
     from memtrain.levers import lever_choices, recompute_fraction
     from memtrain.memory.machine import DEFAULT_GPU_FLOPS, device_budget_bytes, device_flops_per_s
-    from memtrain.memory.placement import model_facts, tokens_per_sample
+    from memtrain.memory.placement import model_facts, tokens_per_sample, with_state_dtype
     from memtrain.memory.planner import Planner, activation_tables, estimated_step_s, make_candidates
 
     device_type = "cuda" if torch.cuda.is_available() or gpu_memory_gib else "cpu"
@@ -121,7 +121,8 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     adam, adam_source = _cpu_adam_rate(cpu_adam_params_per_s, gpu_memory_gib is not None or host_memory_gib is not None)
     machine, placements = _placements(cfg, shape, n, precision, world_size, device_type, budget, flops, tables, tokens,
                                       host_memory_gib, nvme_path, gpu_memory_gib is not None, adam, nodes)
-    cfg = _with_run_state_dtype(cfg, placements)
+    run = next((p for p in placements if p.chosen), None)  # its optimizer state dtype, where the planner chose it
+    cfg = with_state_dtype(cfg, run.state_dtype) if run is not None and run.state_dtype != cfg.optimizer.state_dtype else cfg
     engines, engine, state = _model_states(cfg, shape, precision, world_size)
     acts, per_rank, state_on_device = tables(engine), cfg.training.global_batch_size // world_size, device_state_bytes(state)
     steps = (0, 0) if cfg.faults.memory_budget_mib > 0 else (  # a simulated device: state + saved (build_planner)
@@ -149,15 +150,6 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
                                   for d in STATE_DTYPES} if engine != "deepspeed" else {},
         "note": NOTE,
     }
-
-
-def _with_run_state_dtype(cfg, placements: list) -> object:
-    """``cfg`` with the optimizer state dtype of the placement the run takes, where
-    ``memory.allow_lossy_levers`` let the planner choose it (``cfg`` itself is not changed)."""
-    run = next((p for p in placements if p.chosen), None)
-    if run is None or run.state_dtype == cfg.optimizer.state_dtype:
-        return cfg
-    return dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, state_dtype=run.state_dtype))
 
 
 def _model_states(cfg, shape, precision: str, world_size: int) -> tuple[dict, str, dict]:

@@ -438,12 +438,13 @@ def resolve(cfg, corpus, process, precision: str, source=None, objective=None):
     if kept is not None and process.is_main:
         log_placement(None, "kept from the checkpoint", spec)
     view = planned_view(cfg, spec) if kept is not None else cfg
-    saved = resume_state_dtype(cfg, _chooses_state_dtype(cfg, spec.name)) if kept is None else None  # a resumed run keeps its moments' dtype
-    choose_dtype = _chooses_state_dtype(cfg, spec.name) and kept is None and saved is None
+    chooses = _chooses_state_dtype(cfg, spec.name)
+    saved = resume_state_dtype(cfg, chooses) if kept is None else None  # a resumed run keeps its moments' dtype
+    choose_dtype = chooses and kept is None and saved is None
     if saved is not None:
         spec = dataclasses.replace(spec, optimizer_state_dtype=saved)
     if not choose_dtype:  # plan (and check the host for) the dtype the run will build
-        view = _with_state_dtype(view, spec.optimizer_state_dtype or cfg.optimizer.state_dtype)
+        view = with_state_dtype(view, spec.optimizer_state_dtype or cfg.optimizer.state_dtype)
     if view.backend.offload != "auto" and configured_offload(view)[0] == "none" and not choose_dtype:
         return spec
     answer = _plan_on_main(view, corpus, process, precision, source, objective)
@@ -477,9 +478,9 @@ def _chooses_state_dtype(cfg, engine: str) -> bool:
     return len(planner_dtypes(cfg, "ddp" if cfg.backend.offload == "auto" else engine)) > 1
 
 
-def _with_state_dtype(cfg, dtype: str):
-    """A copy of ``cfg`` planning only optimizer moments in ``dtype`` (a resumed run's, or the
-    config's); ``cfg`` itself is not changed.
+def with_state_dtype(cfg, dtype: str):
+    """A copy of ``cfg`` planning only optimizer moments in ``dtype`` (a resumed run's, the
+    config's, or the one the placement planner chose); ``cfg`` itself is not changed.
 
     Raises:
         memtrain.config.ConfigError: bf16 moments with ``training.adam_beta2`` above what they keep
@@ -506,7 +507,7 @@ def _configured_placement(cfg, spec, table: list[Placement], host_budget: int, c
     Raises:
         memtrain.config.ConfigError: that row needs more host memory than ``host_budget``.
     """
-    chosen = choose(table) if choose_dtype else None
+    chosen = next((p for p in table if p.chosen), None) if choose_dtype else None  # plan_placements' choice
     row = chosen or table[0]
     if not row.fits_host:
         raise _host_error(cfg, row, host_budget)
