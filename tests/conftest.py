@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -55,32 +56,63 @@ ENGINES = {
 """Every engine setting the tests run, by name: the command-line arguments that choose it."""
 
 
+def shared_dir(tmp_path_factory) -> Path:
+    """This session's temporary root, which every pytest-xdist worker of the session sees (a
+    worker's own ``basetemp`` is ``<root>/popen-gwN``; without xdist, the ``basetemp``)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextlib.contextmanager
+def made_once(path: Path):
+    """``with made_once(path) as make:`` -- ``make`` is True in the one process of the session
+    (of its xdist workers) that must make the folder ``path``, which is empty then; the others wait
+    (an exclusive ``flock`` on ``path.lock``) and get False once it is made. A maker that raises
+    leaves it unmade: the next one starts again from an empty folder."""
+    import fcntl
+    import shutil
+
+    done = path.with_name(path.name + ".done")
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if done.exists():
+            yield False
+            return
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+        yield True
+        done.touch()
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> str:
-    """One corpus cache for the whole session (tokenizer trained once)."""
-    path = tmp_path_factory.mktemp("cache")
-    from memtrain.config import parse_args
-    from memtrain.data import build_corpus
+    """One corpus cache for the whole session, its xdist workers included (tokenizer trained once)."""
+    path = shared_dir(tmp_path_factory) / "cache"
+    with made_once(path) as make:
+        if make:
+            from memtrain.config import parse_args
+            from memtrain.data import build_corpus
 
-    build_corpus(parse_args(TINY_ARGS + ["--data.cache_dir", str(path)]).data)
+            build_corpus(parse_args(TINY_ARGS + ["--data.cache_dir", str(path)]).data)
     return str(path)
 
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory, cache_dir):
     """``reference(engine, steps=STEPS, nproc=2, extra=())``: the output folder of the tiny run of
-    ``ENGINES[engine]`` with those arguments, run once per session whichever test asks first
-    (tests compare their runs' losses, data and schedule with it; they must not write into it)."""
-    runs: dict[tuple, Path] = {}
+    ``ENGINES[engine]`` with those arguments, run once per session (by whichever test of whichever
+    xdist worker asks first; the others wait for it). Tests compare their runs' losses, data and
+    schedule with it; they must not write into it."""
+    import hashlib
 
     def run(engine: str, steps: int = STEPS, nproc: int = 2, extra: tuple = ()) -> Path:
-        key = (engine, steps, nproc, tuple(extra))
-        if key not in runs:
-            out = tmp_path_factory.mktemp(f"reference_{engine}_{steps}_{nproc}")
-            launch(tiny_args(out, cache_dir, "--training.max_steps", str(steps), *ENGINES[engine], *extra),
-                   nproc=nproc)
-            runs[key] = out
-        return runs[key]
+        digest = hashlib.sha1(json.dumps([engine, steps, nproc, list(extra)]).encode()).hexdigest()[:10]
+        out = shared_dir(tmp_path_factory) / f"reference_{engine}_{steps}_{nproc}_{digest}"
+        with made_once(out) as make:
+            if make:
+                launch(tiny_args(out, cache_dir, "--training.max_steps", str(steps), *ENGINES[engine], *extra),
+                       nproc=nproc)
+        return out
 
     return run
 
@@ -120,10 +152,20 @@ def _build_deepspeed_ops() -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=lambda: os.nice(19))
 
 
+def pytest_collection_modifyitems(config, items):
+    """The tests marked ``heavy`` (half a minute or more alone) first, the others in file order:
+    the workers of ``-n 2`` start the long ones at once and finish together, instead of one
+    worker running a long test alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def deepspeed_ops():
     """The background build of :func:`_build_deepspeed_ops`, waited for at the end of the session
     (stopped mid-build it would leave its lock behind, and later loads would wait on it)."""
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":  # one build per session: the first worker's
+        yield None
+        return
     proc = _build_deepspeed_ops()
     yield proc
     proc.wait()

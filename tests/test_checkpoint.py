@@ -87,6 +87,7 @@ HANG_TIMEOUT_S = 30  # backend.timeout_s of the hang tests: well above any wait 
 
 # ZeRO-3 (collectives inside compute): a kill inside a step, then a hang; a kill after a step under
 # DDP restarts the same way (the two-node test below kills a rank under DDP too)
+@pytest.mark.heavy
 @pytest.mark.parametrize("engine,where,hang", [("zero3", "mid_step", True)])
 def test_elastic_restarts_survive_a_killed_and_a_hung_rank(tmp_path, reference, cache_dir, engine, where, hang):
     """Under ``torchrun --max-restarts 2``: rank 1 is killed in step 7 and (``hang``) later rank 0

@@ -59,6 +59,7 @@ def test_every_link_resolves(page):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_the_python_page_runs_as_written(tmp_path):
     """docs/python.md's program and commands, as written but for ``runs/`` (a temporary folder):
     each exits 0; the program's and the examples' validation losses fall; the exported model
@@ -179,6 +180,7 @@ def test_no_two_documented_runs_share_a_folder():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_the_documented_commands_run_in_order(tmp_path):
     """Every command of the README and docs/ that this CPU machine can run, run in the docs' order
     in one folder as a reader would (``runs/`` shared; training shortened with

@@ -12,6 +12,8 @@ import torch
 
 from conftest import ENGINES, REPO, STEPS, launch, read_metrics
 
+pytestmark = pytest.mark.xdist_group("speech")  # one xdist worker: the corpus and the 4 engines' runs are made once
+
 SPEECH_ARGS = [
     "--config", str(REPO / "recipes" / "asr_ctc_wavlm_tiny.yaml"), "--precision", "fp32",
     "--data.speech.train_utterances", "64", "--data.speech.test_utterances", "8", "--data.speech.max_words", "5",

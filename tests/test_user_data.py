@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import conftest
-from conftest import REPO, read_metrics, tiny_args
+from conftest import REPO, made_once, read_metrics, shared_dir, tiny_args
 
 BASE = ["--training.max_steps", "4", "--checkpoint.every_steps", "2", "--training.lr", "1e-3",
         "--training.warmup_steps", "2", "--training.min_lr_ratio", "0.1"]
@@ -44,11 +44,13 @@ def snapshot(folder) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, cache_dir):
-    """The shared finished run's folder (do not modify: copy it)."""
-    out = tmp_path_factory.mktemp("finished") / "run"
-    proc = run_cli(tiny_args(out, cache_dir, *BASE))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out
+    """The shared finished run's folder, run once per session (do not modify: copy it)."""
+    folder = shared_dir(tmp_path_factory) / "finished"
+    with made_once(folder) as make:
+        if make:
+            proc = run_cli(tiny_args(folder / "run", cache_dir, *BASE))
+            assert proc.returncode == 0, proc.stderr[-4000:]
+    return folder / "run"
 
 
 def copy_run(finished_run, tmp_path) -> Path:
