@@ -60,7 +60,7 @@ def shared_dir(tmp_path_factory) -> Path:
     """This session's temporary root, which every pytest-xdist worker of the session sees (a
     worker's own ``basetemp`` is ``<root>/popen-gwN``; without xdist, the ``basetemp``)."""
     base = tmp_path_factory.getbasetemp()
-    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    return base.parent if base.name.startswith("popen-gw") else base
 
 
 @contextlib.contextmanager
@@ -141,32 +141,39 @@ CPUAdamBuilder().load()
 """
 
 
-def _build_deepspeed_ops() -> subprocess.Popen:
+def _build_deepspeed_ops(niceness: int) -> subprocess.Popen:
     """Build DeepSpeed's JIT-compiled ops the suite loads — the shared-memory collectives (every
-    DeepSpeed run on CPU) and CPU Adam (the offload runs), ~70 s of 2 cores on a machine that
-    has not built them — in a process at the lowest CPU priority, started with the session: the
-    build takes what the tests leave idle instead of stalling the first test that needs each op.
-    torch's extension loader locks an op's build folder, so that test waits for this build
-    rather than starting its own; on a machine that has them this only loads them."""
+    DeepSpeed run on CPU) and CPU Adam (the offload runs), ~120 s of CPU on a machine that has
+    not built them — in a process started with the session, beside the first tests instead of
+    stalling the first test that needs each op. torch's extension loader locks an op's build
+    folder, so that test waits for this build rather than starting its own; on a machine that
+    has them this only loads them. ``niceness``: 19 in one process (the build takes what the
+    tests leave idle); 0 under xdist, whose two workers leave nothing idle (at 19 the build would
+    starve while DeepSpeed tests wait for it)."""
     return subprocess.Popen([sys.executable, "-c", _BUILD_OPS], env={**os.environ, **RUN_ENV, "OMP_NUM_THREADS": "2"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=lambda: os.nice(19))
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=lambda: os.nice(niceness))
 
 
 def pytest_collection_modifyitems(config, items):
-    """The tests marked ``heavy`` (half a minute or more alone) first, the others in file order:
-    the workers of ``-n 2`` start the long ones at once and finish together, instead of one
-    worker running a long test alone at the end."""
-    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
+    """Under xdist, the tests marked ``heavy`` (half a minute or more alone) before the other
+    ungrouped tests (xdist hands out the ``xdist_group`` groups first, largest first): the
+    workers of ``-n 2`` start the long ones early and finish together, instead of one worker
+    running a long test alone at the end. In one process the order stays the files' (a module
+    fixture would otherwise be set up twice)."""
+    if hasattr(config, "workerinput"):
+        items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def deepspeed_ops():
     """The background build of :func:`_build_deepspeed_ops`, waited for at the end of the session
     (stopped mid-build it would leave its lock behind, and later loads would wait on it)."""
-    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":  # one build per session: the first worker's
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker not in (None, "gw0"):  # one build per session: the first worker's
         yield None
         return
-    proc = _build_deepspeed_ops()
+    proc = _build_deepspeed_ops(19 if worker is None else 0)
     yield proc
     proc.wait()
 

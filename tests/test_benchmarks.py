@@ -16,8 +16,14 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from common import FORK_SERVER_VAR  # noqa: E402
 
 pytestmark = pytest.mark.slow
-ON_SUITE = pytest.mark.xdist_group("gpu_suite")
-"""The tests of the suite's rows: one xdist worker, so the module fixture runs once."""
+
+
+def on_suite(test):
+    """A test of the suite's rows: all on one xdist worker, so the module fixture runs once, and
+    given the suite's own time limit (pytest-timeout counts the fixture in the first test's time)."""
+    return pytest.mark.xdist_group("gpu_suite")(pytest.mark.timeout(1500)(test))
+
+
 RESULTS = REPO / "benchmarks" / "results"
 
 
@@ -41,8 +47,7 @@ def run_quick(suite: dict, name: str) -> list[dict]:
     return step["rows"]
 
 
-@ON_SUITE
-@pytest.mark.heavy
+@on_suite
 def test_gpu_suite_plumbing_runs_every_step_and_writes_nothing(suite):
     """Every step ran (the CUDA tests have nothing to run on a CPU), none failed, no result row or
     table was written; on a GPU every benchmark step appends its rows (``--results``) and the
@@ -62,7 +67,7 @@ def test_gpu_suite_plumbing_runs_every_step_and_writes_nothing(suite):
         assert cmd is None or "cpu" not in cmd, s.name  # the GPU commands measure the GPU
 
 
-@ON_SUITE
+@on_suite
 def test_oom_stress_quick_recovers_without_losing_samples(suite):
     """On the simulated device: recovery lands on a plan that fits and trains the same data with
     the same losses as that plan run by hand; auto never runs out of memory."""
@@ -78,7 +83,7 @@ def test_oom_stress_quick_recovers_without_losing_samples(suite):
         assert row[key]["median"] == pytest.approx(tps[run]["median"] / tps[best]["median"]), key
 
 
-@ON_SUITE
+@on_suite
 def test_overhead_quick_reports_ratio(suite):
     (row,) = run_quick(suite, "overhead")
     assert len(row["ratios"]) == len(row["mean_ratios"]) == row["repeats"] == 1
@@ -92,7 +97,7 @@ def test_overhead_quick_reports_ratio(suite):
     assert row["tuning_gains"] == [pytest.approx(row["plain_default_step_s_median"] / row["memtrain_step_s_median"])]
 
 
-@ON_SUITE
+@on_suite
 def test_checkpoint_io_quick_reports_each_format(suite):
     rows = run_quick(suite, "checkpoint_io")
     assert [r["config"] for r in rows] == ["fsdp_async"]
@@ -101,7 +106,7 @@ def test_checkpoint_io_quick_reports_each_format(suite):
         assert 0 < row["blocked_s_median"] <= row["save_s_median"] + 1e-6
 
 
-@ON_SUITE
+@on_suite
 def test_chunked_loss_quick_reports_saved_bytes_and_time(suite):
     (row,) = run_quick(suite, "chunked_loss")
     assert row["loss_saved_bytes"]["plain_over_chunked"] >= row["goal_loss_saved_bytes_ratio"]
@@ -113,7 +118,7 @@ def test_chunked_loss_quick_reports_saved_bytes_and_time(suite):
     assert (r["min"], r["max"]) == (pytest.approx(min(ratios)), pytest.approx(max(ratios)))
 
 
-@ON_SUITE
+@on_suite
 def test_compile_quick_reports_ratio_and_equal_losses(suite):
     """training.compile end to end (inductor, cold cache): it trains the same losses as eager."""
     (row,) = run_quick(suite, "compile")
@@ -121,7 +126,7 @@ def test_compile_quick_reports_ratio_and_equal_losses(suite):
     assert row["compile_s"] > 0 and 0 < row["ratio_compiled_to_eager"]["median"]
 
 
-@ON_SUITE
+@on_suite
 def test_memory_accuracy_quick_is_checked_against_memtracker(suite):
     """The planner's predicted peak against torch's MemTracker count of a real 2-rank step, on
     every engine: within 10% either way (under: an OOM the planner said would not happen; over:
@@ -136,7 +141,7 @@ def test_memory_accuracy_quick_is_checked_against_memtracker(suite):
     assert set(rows[-1]["summary"]) == {"ddp", "fsdp", "zero2", "zero3"}
 
 
-@ON_SUITE
+@on_suite
 def test_placement_accounting_matches_the_tensors_deepspeed_holds(suite):
     """The placement planner's bytes per component against a census of the tensors a real
     DeepSpeed engine holds (2 CPU ranks, gradient accumulation 2; ZeRO-2 with the optimizer on the
@@ -157,7 +162,7 @@ def test_placement_accounting_matches_the_tensors_deepspeed_holds(suite):
             assert r["measured_bytes"] <= 1024, r
 
 
-@ON_SUITE
+@on_suite
 def test_lossy_levers_quick_reports_each_dtype(suite):
     """``optimizer.state_dtype`` fp32, bf16 and int8 each train (a finite validation loss within
     2% of fp32's after 4 steps) and report the optimizer state memtrain memory predicts for them."""
@@ -171,7 +176,7 @@ def test_lossy_levers_quick_reports_each_dtype(suite):
         assert math.isfinite(r["val_loss"]) and r["val_loss"] == pytest.approx(rows[0]["val_loss"], rel=0.02)
 
 
-@ON_SUITE
+@on_suite
 def test_seq_len_reach_quick_finds_the_planners_limit(suite):
     """Under a budget sized to the smallest plan at the base length, the planner without levers
     trains the base length and not twice it (its prediction is right at the limit), with levers
