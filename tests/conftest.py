@@ -155,6 +155,15 @@ def _build_deepspeed_ops(niceness: int) -> subprocess.Popen:
                             preexec_fn=lambda: os.nice(niceness))
 
 
+def pytest_configure(config):
+    """In an xdist worker, torch computes on one thread (as every rank does, :data:`RUN_ENV`): two
+    workers with two threads each on 2 cores would spin for each other's cores."""
+    if hasattr(config, "workerinput"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     """Under xdist, the tests marked ``heavy`` (half a minute or more alone) before the other
     ungrouped tests (xdist hands out the ``xdist_group`` groups first, largest first): the
