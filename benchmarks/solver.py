@@ -7,7 +7,7 @@ cross-entropy beside the micro-batch and full AC) buys over the planner without 
 Per engine (2 CPU ranks, gloo, fp32, a 0.4M-parameter GPT-2), on a simulated device
 (``faults.memory_budget_mib``) at three budgets taken from ``memtrain plan``'s predictions —
 *tight* (full AC fits at a quarter of a rank's share), *medium* (selective AC fits at half of
-it), *loose* (the whole share fits without AC) — two runs with ``training.micro_batch_size auto``
+it; full AC under ZeRO-3, which has no selective AC), *loose* (the whole share fits without AC) — two runs with ``training.micro_batch_size auto``
 in alternating order, ``--repeats`` times: ``memory.levers off`` (the micro-batch and AC off/on)
 and ``memory.levers auto``. Reported per budget: each mode's chosen plan (the ``plan_chosen``
 event of the last repeat), tokens/s after the planning step (min/median/max over repeats), the
@@ -59,11 +59,13 @@ def predicted(base: list[str], nproc: int) -> list[dict]:
 
 
 def budgets(rows: list[dict], per_rank: int) -> dict[str, float]:
-    """MiB per rank of the three budgets (each the predicted peak of its plan + 1 KiB)."""
+    """MiB per rank of the three budgets (each the predicted peak of its plan + 1 KiB; *medium* is
+    full AC at half the share where the engine has no selective AC: ZeRO-3)."""
     def peak(micro: int, ac: str) -> int:
         return next(r["predicted_peak_bytes"] for r in rows if r["micro_batch_size"] == micro
                     and r["activation_checkpointing"] == ac and not r.get("chunked_cross_entropy"))
-    plans = {"tight": (per_rank // 4, "on"), "medium": (per_rank // 2, "selective"), "loose": (per_rank, "off")}
+    medium = "selective" if any(r["activation_checkpointing"] == "selective" for r in rows) else "on"
+    plans = {"tight": (per_rank // 4, "on"), "medium": (per_rank // 2, medium), "loose": (per_rank, "off")}
     return {name: (peak(*plan) + 1024) / 2**20 for name, plan in plans.items()}
 
 

@@ -127,3 +127,6 @@ def test_zero3_refuses_selective_checkpointing_and_the_solver_leaves_it_out():
         ac.choices(cfg("selective"), zero3)
     assert ac.choices(solver, zero3) == ("off", "on")
     assert ac.choices(solver, SimpleNamespace(name="fsdp")) == ("off", "selective", "on")
+    # memtrain plan offers the model levers as the configured engine takes them
+    assert lever_choices(solver, zero3, model_only=True)["activation_checkpointing"] == ("off", "on")
+    assert "optimizer_state_dtype" not in lever_choices(solver, zero3, model_only=True)

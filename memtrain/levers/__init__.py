@@ -35,15 +35,16 @@ def lever(name: str) -> Lever:
     raise KeyError(f"no memory lever '{name}' (levers: {', '.join(x.name for x in LEVERS)})")
 
 
-def lever_choices(cfg, spec) -> dict[str, tuple]:
+def lever_choices(cfg, spec, model_only: bool = False) -> dict[str, tuple]:
     """``{lever name: its choices}`` for the levers the run of ``cfg`` on engine ``spec`` has
-    (``spec`` None: model levers only, e.g. ``memtrain plan`` before an engine is chosen).
+    (``spec`` None: model levers only, e.g. ``memtrain plan`` before an engine is chosen;
+    ``model_only``: model levers only, as the engine ``spec`` allows them).
 
     Raises:
         memtrain.errors.ConfigError: a lever's config field asks for what the run cannot do.
     """
     return {x.name: x.choices(cfg, spec) for x in LEVERS
-            if (spec is not None or x.model_lever) and x.applies(cfg, spec)}
+            if (x.model_lever or (spec is not None and not model_only)) and x.applies(cfg, spec)}
 
 
 def offered_choices(cfg, spec, source=None, objective=None) -> dict[str, tuple]:

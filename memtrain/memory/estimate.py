@@ -99,6 +99,7 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
         (:class:`memtrain.memory.placement.Placement` dicts, the fastest fitting one ``chosen``) and the
         ``machine`` they were planned for.
     """
+    from memtrain.backends.spec import resolve_engine
     from memtrain.levers.optimizer_state import STATE_DTYPES
     from memtrain.memory.accounting import device_state_bytes, optimizer_state_bytes
     from memtrain.data import build_corpus
@@ -112,7 +113,8 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     corpus = build_corpus(cfg.data)
     shape, objective = model_facts(cfg, corpus)  # on the meta device: nothing allocated
     n = shape.parameters
-    choices = lever_choices(cfg, None)  # the model levers; the engine's are in its state bytes
+    # the model levers as the configured engine takes them (ZeRO-3: no selective AC); the engine's are in its state bytes
+    choices = lever_choices(cfg, resolve_engine(cfg.backend, world_size, 0), model_only=True)
     budget = (int(gpu_memory_gib * 2**30) if gpu_memory_gib else
               device_budget_bytes(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu")))
     tables = activation_tables(cfg, corpus, objective, precision, device_type)
