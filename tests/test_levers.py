@@ -128,5 +128,6 @@ def test_zero3_refuses_selective_checkpointing_and_the_solver_leaves_it_out():
     assert ac.choices(solver, zero3) == ("off", "on")
     assert ac.choices(solver, SimpleNamespace(name="fsdp")) == ("off", "selective", "on")
     # memtrain plan offers the model levers as the configured engine takes them
+    solver.model = SimpleNamespace(kind="gpt2")
     assert lever_choices(solver, zero3, model_only=True)["activation_checkpointing"] == ("off", "on")
     assert "optimizer_state_dtype" not in lever_choices(solver, zero3, model_only=True)
