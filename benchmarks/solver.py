@@ -1,5 +1,7 @@
 """The memory solver: what ``memory.levers auto`` (selective activation checkpointing and chunked
-cross-entropy beside the micro-batch and full AC) buys over the planner without it.
+cross-entropy beside the micro-batch and full AC) buys over the planner without it. The
+activation-offload lever is left out (``memory.activation_offload off``): on a CPU host and device
+are one memory and its copies are charged, not timed.
 
     python benchmarks/solver.py --device cpu --quick                   # the plumbing (< 2 min)
     python benchmarks/solver.py --engines ddp,fsdp --repeats 3 --results
@@ -38,8 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import CPU_ARGS, ENGINES, emit, run_cli, run_memtrain, scratch_dir, tokens_per_s  # noqa: E402
 
-MODES = {"off": ["--memory.levers", "off"], "auto": ["--memory.levers", "auto"]}
-RECOVERY = {"auto_from_whole_share": ["--memory.levers", "auto", "--training.micro_batch_size", "16"]}
+NO_OFFLOAD = ["--memory.activation_offload", "off"]
+"""The solver's goals are measured without the activation-offload lever: on a CPU its copies are
+charged at a stated bandwidth, not timed (memtrain/activation_offload.py)."""
+MODES = {"off": ["--memory.levers", "off"], "auto": ["--memory.levers", "auto", *NO_OFFLOAD]}
+OFFLOAD_MODE = {"auto_offload": ["--memory.levers", "auto", "--memory.activation_offload", "auto"]}
+"""``memory.levers auto`` that may also offload activations (reported beside, not in the goals)."""
+RECOVERY = {"auto_from_whole_share": ["--memory.levers", "auto", *NO_OFFLOAD, "--training.micro_batch_size", "16"]}
 """Out-of-memory recovery under ``memory.levers auto``: the whole share in one micro-batch, too
 large at the tight and medium budgets; where the recovery lands is compared with ``auto``'s plan."""
 OOM_EVENTS = ("oom_shrink", "oom_replan", "activation_checkpointing_on", "grow_back_failed")
@@ -51,9 +58,9 @@ def spread(values: list[float]) -> dict:
 
 def predicted(base: list[str], nproc: int) -> list[dict]:
     """``memtrain plan --json`` rows of every micro-batch and lever combination (``memory.levers
-    auto``), as the simulated device counts them (a budget too large to bind: the planner then
+    auto``, no activation offload), as the simulated device counts them (a budget too large to bind: the planner then
     predicts what that device counts, model state and saved activations)."""
-    out = run_cli(["plan", *base, "--memory.levers", "auto", "--world_size", str(nproc), "--json",
+    out = run_cli(["plan", *base, "--memory.levers", "auto", *NO_OFFLOAD, "--world_size", str(nproc), "--json",
                    "--faults.memory_budget_mib", "1000000"])
     return [r for r in (json.loads(line) for line in out.splitlines() if line.startswith("{")) if not r.get("placement")]
 
@@ -75,7 +82,8 @@ def chosen(records: list[dict]) -> str:
     if event is None:
         return "?"
     return f"{event['new']} AC {event['activation_checkpointing']}" + (
-        " + chunked CE" if event.get("chunked_cross_entropy") else "")
+        " + chunked CE" if event.get("chunked_cross_entropy") else "") + (
+        " + activation offload" if event.get("activation_offload") == "on" else "")
 
 
 def final_plan(records: list[dict]) -> str:
@@ -147,7 +155,7 @@ def measure_exhaustive(engine: str, nproc: int, steps: int, repeats: int, names:
     results = []
     for name in names:
         args = base + ["--faults.memory_budget_mib", repr(limits[name])]
-        runs = {"auto": ["--memory.levers", "auto", "--training.micro_batch_size", "auto"],
+        runs = {"auto": ["--memory.levers", "auto", *NO_OFFLOAD, "--training.micro_batch_size", "auto"],
                 **fitting_settings(rows, limits[name] * 2**20)}
         tps, ooms, last = alternate(args, runs, nproc, repeats, f"solver_all_{engine}_{name}")
         auto_plan = chosen(last["auto"])

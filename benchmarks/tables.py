@@ -232,13 +232,17 @@ def seq_len_reach(device: str) -> str:
     """``benchmarks/seq_len_reach.py``: the newest row per engine."""
     rows = newest_by("seq_len_reach", device, lambda row: row["engine"])
     out = ["| engine | budget (MiB per rank) | longest seq_len: levers off | plan there | longest seq_len: levers auto "
-           "| plan there | auto ÷ off | OOM events (off / auto) |", "|---|---|---|---|---|---|---|---|"]
+           "| plan there | auto ÷ off | OOM events (off / auto) | with activation offload: longest seq_len | plan there |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for engine, r in sorted(rows.items(), key=lambda kv: list(ENGINE_NAMES).index(kv[0])):
-        off, auto = r["off"], r["auto"]
-        out.append(f"| {ENGINE_NAMES[engine]} | {r['budget_mib']:.1f} | {off['longest_seq_len']} "
-                   f"| {off['plans'].get(str(off['longest_seq_len']), '–')} | {auto['longest_seq_len']} "
-                   f"| {auto['plans'].get(str(auto['longest_seq_len']), '–')} | {r['ratio_auto_to_off']:.0f}× "
-                   f"| {off['oom_events']} / {auto['oom_events']} |")
+        off, auto, offload = r["off"], r["auto"], r.get("auto_offload")
+        where = lambda mode: mode["plans"].get(str(mode["longest_seq_len"]), "–")  # noqa: E731
+        reach = (f"{offload['longest_seq_len']}" + (" (the longest tried)" if offload["longest_seq_len"] ==
+                                                   r["lengths_tried"][-1] else "") + f" | {where(offload)}"
+                 if offload else "not measured | –")
+        out.append(f"| {ENGINE_NAMES[engine]} | {r['budget_mib']:.1f} | {off['longest_seq_len']} | {where(off)} "
+                   f"| {auto['longest_seq_len']} | {where(auto)} | {r['ratio_auto_to_off']:.0f}× "
+                   f"| {off['oom_events']} / {auto['oom_events']} | {reach} |")
     return "\n".join(out)
 
 

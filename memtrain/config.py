@@ -220,8 +220,9 @@ class MemoryConfig:
     levers: Literal["off", "auto"] = "off"
     """auto = the planner (training.micro_batch_size auto) and out-of-memory recovery also choose
     among the lossless levers left at their defaults: activation checkpointing off, selective or on
-    (when memory.activation_checkpointing is auto) and chunked cross-entropy (a config's language
-    model, when memory.chunked_cross_entropy is false); off = only the micro-batch and activation
+    (when memory.activation_checkpointing is auto), activation offload (when
+    memory.activation_offload is auto) and chunked cross-entropy (a config's language model, when
+    memory.chunked_cross_entropy is false); off = only the micro-batch and activation
     checkpointing off/on, as configured."""
     allow_lossy_levers: bool = False
     """With memory.levers auto and optimizer.state_dtype fp32: the placement planner may also keep
@@ -251,6 +252,14 @@ class MemoryConfig:
     recomputing each chunk's logits in backward, so the [tokens, vocab] logits are never held
     (memtrain/chunked_loss.py; gpt2, llama, mistral, qwen2, qwen3). Saves vocab × 4 bytes per
     token of activations for one more output-layer matmul per token."""
+    activation_offload: Literal["off", "on", "auto"] = "auto"
+    """Saved activations wait for backward in host memory. Lossless (memtrain/activation_offload.py:
+    on CUDA copied to pinned memory on a side stream, overlapping compute). auto = off, unless
+    memory.levers auto chooses it."""
+    activation_offload_bandwidth_gb_s: float = 25.0
+    """Copy rate (GB/s) charged for offloaded activations. The planner charges the copies at this
+    rate (10^9 bytes/s) where it cannot time them: a CPU run (host and device are one memory) and
+    memtrain plan. Default: PCIe 4.0 x16 (31.5 GB/s raw; ~25 GB/s for pinned copies)."""
     grow_back_window: int = 50
     """After this many OOM-free optimizer steps, try the previous (2×) micro-batch again; the
     window doubles after each failed try. 0 = never grow back."""

@@ -377,6 +377,8 @@ class TrainingLoop:
             record["loss_scale"] = self.engine.loss_scale()
         if self.faults.memory is not None:
             record["simulated_peak_bytes"] = self.faults.memory.peak_bytes
+            if self.faults.memory.host_peak_bytes:
+                record["simulated_host_peak_bytes"] = self.faults.memory.host_peak_bytes
             self.faults.memory.reset_peak()
         budget = self._budget_bytes()
         if budget:

@@ -276,7 +276,7 @@ def oom_stop_message(exc: OOMStop, step: int, rank: int, report: dict[str, int],
             device's peak allocation on CUDA, the process's peak resident size on the CPU).
         context: ``engine``, ``zero_stage``, ``offload``, ``activation_checkpointing`` (``off``,
             ``selective`` or ``on``),
-            ``chunked_cross_entropy`` (bool), ``optimizer_state_dtype``, ``device_type``, and, where known, ``budget_bytes`` (the
+            ``chunked_cross_entropy`` (bool), ``activation_offload`` (``off``/``on``), ``optimizer_state_dtype``, ``device_type``, and, where known, ``budget_bytes`` (the
             simulated device's or the CUDA cap) and ``simulated_peak_bytes``.
     """
     mib = lambda v: f"{v / 2**20:.1f} MiB"  # noqa: E731
@@ -291,6 +291,7 @@ def oom_stop_message(exc: OOMStop, step: int, rank: int, report: dict[str, int],
     on += [f"{'selective ' if ac == 'selective' else ''}activation checkpointing"] if ac != "off" else []
     on += [f"offload {context['offload']}"] if context.get("offload") not in (None, "none") else []
     on += ["chunked cross-entropy"] if context.get("chunked_cross_entropy") else []
+    on += ["activation offload"] if context.get("activation_offload") == "on" else []
     dtype = context.get("optimizer_state_dtype", "fp32")
     on += [f"{dtype} optimizer state"] if dtype != "fp32" else []
     left = []
@@ -313,6 +314,8 @@ def oom_stop_message(exc: OOMStop, step: int, rank: int, report: dict[str, int],
                     "memory.activation_checkpointing selective (or on)")
     if not context.get("chunked_cross_entropy"):
         left.append("memory.chunked_cross_entropy true")
+    if context.get("activation_offload", "off") != "on":
+        left.append("memory.activation_offload on")
     if dtype == "fp32" and context["engine"] != "deepspeed":
         left.append("optimizer.state_dtype bf16 or int8 in a new output_dir (half or a quarter of the optimizer "
                     "state; lossy; it must match on resume)")

@@ -4,7 +4,8 @@ The record contract: ``step``, ``epoch``, ``loss``, ``lr``, ``grad_norm``, ``mic
 ``gradient_accumulation_steps``, ``global_batch_size``, ``samples_seen``, ``<unit>_seen``,
 ``<unit>_per_s``, ``peak_memory_bytes``, ``elapsed_s``, ``batch_fingerprint``; ``val_<metric>``
 on evaluation steps; ``mfu`` (model FLOPs utilisation, :mod:`memtrain.flops`) for a language
-model in bf16/fp16 on a GPU of known peak; ``simulated_peak_bytes`` under ``faults.memory_budget_mib``;
+model in bf16/fp16 on a GPU of known peak; ``simulated_peak_bytes`` under ``faults.memory_budget_mib`` (and
+``simulated_host_peak_bytes``: the activations offloaded to host memory, where any were);
 ``memory_budget_bytes`` under a budget (the simulated device's, or ``memory.cuda_memory_cap_gib``);
 ``initial_val_loss`` (before step 1) in step 1's record; ``event`` and ``plan_changes`` when something happened. ``<unit>`` is the
 objective's: ``tokens`` for a language model, ``characters`` (transcript characters) for CTC.

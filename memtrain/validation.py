@@ -261,6 +261,9 @@ def validate(cfg: Config, world_size: int, python: Collection[str] = ()) -> None
     every = cfg.memory.activation_checkpointing_every_n_blocks
     if every < 1:
         raise ConfigError("memory.activation_checkpointing_every_n_blocks", f"must be >= 1 (1 = every block), got {every}")
+    if cfg.memory.activation_offload_bandwidth_gb_s <= 0:
+        raise ConfigError("memory.activation_offload_bandwidth_gb_s", "must be > 0 (GB/s of host<->device copies), "
+                          f"got {cfg.memory.activation_offload_bandwidth_gb_s}")
     if t.gc_every_steps < 0:
         raise ConfigError("training.gc_every_steps", f"must be >= 0 (0 = Python's automatic garbage collector), "
                           f"got {t.gc_every_steps}")

@@ -49,7 +49,7 @@ def test_a_new_lever_is_planned_recovered_and_logged_without_other_changes(with_
     events carry its setting."""
     choices = lever_choices(cfg("off"), None)
     assert choices == {"activation_checkpointing": ("off",), "chunked_cross_entropy": (False,),
-                       "halve_activations": (False, True)}
+                       "activation_offload": ("off",), "halve_activations": (False, True)}
 
     def acts(plan: Plan) -> int:
         return plan.micro_batch_size * MiB // (2 if plan.lever("halve_activations") else 1)

@@ -128,6 +128,10 @@ def test_the_floor_message_names_the_budget_and_suggests_only_what_is_off():
     assert "The budget is 40.0 MiB per rank (simulated device peak 39.0 MiB)" in message
     assert "Already on: engine ddp, activation checkpointing." in message
     assert "memory.activation_checkpointing on" not in message and "memory.chunked_cross_entropy true" in message
+    assert "memory.activation_offload on" in message
+    offloaded = oom_stop_message(OOMStop("out of memory in forward at micro-batch 1"), 3, 1, report,
+                                 {**context, "activation_offload": "on"})
+    assert "activation checkpointing, activation offload." in offloaded and "memory.activation_offload on" not in offloaded
     assert "process peak resident size = 1024.0 MiB" in message and "backend.name fsdp" in message
     selective = oom_stop_message(OOMStop("out of memory in forward at micro-batch 1"), 3, 1, report,
                                  {**context, "activation_checkpointing": "selective"})

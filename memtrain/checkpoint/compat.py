@@ -62,6 +62,7 @@ TAKES_EFFECT = {
     "training.micro_batch_size": "the plan restarts at it",
     "memory.activation_checkpointing": "the plan restarts with it",
     "memory.levers": "the plan restarts with it",
+    "memory.activation_offload": "the plan restarts with it",
 }
 """Settings whose change on resume needs a rule (the rule, as logged). Every other key that is
 not in :data:`MUST_MATCH` is read from this run's config when the run is built, so its change

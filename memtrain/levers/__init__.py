@@ -10,13 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from memtrain.levers.activation_checkpointing import ActivationCheckpointing
+from memtrain.levers.activation_offload import ActivationOffload
 from memtrain.levers.base import Lever, LeverTarget
 from memtrain.levers.chunked_cross_entropy import ChunkedCrossEntropy
 from memtrain.levers.engine_settings import OffloadOptimizerRatio, ReshardAfterForward
 from memtrain.levers.optimizer_state import OptimizerStateDtype
 
-LEVERS: tuple[Lever, ...] = (ActivationCheckpointing(), ChunkedCrossEntropy(), ReshardAfterForward(),
-                             OffloadOptimizerRatio(), OptimizerStateDtype())
+LEVERS: tuple[Lever, ...] = (ActivationCheckpointing(), ChunkedCrossEntropy(), ActivationOffload(),
+                             ReshardAfterForward(), OffloadOptimizerRatio(), OptimizerStateDtype())
 """Every lever memtrain has, in the order the OOM recovery escalates them."""
 
 __all__ = ["LEVERS", "Lever", "LeverTarget", "lever", "lever_choices", "apply_levers", "recompute_fraction",

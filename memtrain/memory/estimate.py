@@ -31,6 +31,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from memtrain.backends.spec import resolve_engine
+
 
 def activation_bytes(model: nn.Module, micro_batch: dict[str, torch.Tensor], activation_checkpointing="off",
                      every_n_blocks: int = 1, objective=None) -> int:
@@ -99,22 +101,20 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
         (:class:`memtrain.memory.placement.Placement` dicts, the fastest fitting one ``chosen``) and the
         ``machine`` they were planned for.
     """
-    from memtrain.backends.spec import resolve_engine
     from memtrain.levers.optimizer_state import STATE_DTYPES
     from memtrain.memory.accounting import device_state_bytes, optimizer_state_bytes
     from memtrain.data import build_corpus
-    from memtrain.levers import lever_choices, recompute_fraction
+    from memtrain.levers import lever_choices
     from memtrain.memory.machine import DEFAULT_GPU_FLOPS, device_budget_bytes, device_flops_per_s
     from memtrain.memory.placement import model_facts, tokens_per_sample, with_state_dtype
-    from memtrain.memory.planner import Planner, activation_tables, estimated_step_s, make_candidates
+    from memtrain.memory.planner import Planner, activation_tables, estimated_plan_s, make_candidates
 
     device_type = "cuda" if torch.cuda.is_available() or gpu_memory_gib else "cpu"
     precision = _planned_precision(cfg.precision, device_type)
     corpus = build_corpus(cfg.data)
     shape, objective = model_facts(cfg, corpus)  # on the meta device: nothing allocated
     n = shape.parameters
-    # the model levers as the configured engine takes them (ZeRO-3: no selective AC); the engine's are in its state bytes
-    choices = lever_choices(cfg, resolve_engine(cfg.backend, world_size, 0), model_only=True)
+    choices = lever_choices(cfg, resolve_engine(cfg.backend, world_size, 0), model_only=True)  # engine's: state bytes
     budget = (int(gpu_memory_gib * 2**30) if gpu_memory_gib else
               device_budget_bytes(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu")))
     tables = activation_tables(cfg, corpus, objective, precision, device_type)
@@ -130,8 +130,8 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     steps = (0, 0) if cfg.faults.memory_budget_mib > 0 else (  # a simulated device: state + saved (build_planner)
         state["accumulation_gradient_bytes"], state["step_gradient_bytes"])
     planner = Planner(make_candidates(per_rank, choices, state_on_device, acts, device_type, budget, *steps), budget)
-    for c in planner.candidates:  # 1 ms per micro-batch (launches, reduction): ties go to fewer micro-batches
-        c.predicted_step_s = estimated_step_s(c, n, tokens, flops, recompute_fraction(c.plan.settings(), cfg), 1e-3)
+    for c in planner.candidates:
+        c.predicted_step_s = estimated_plan_s(c, cfg, n, tokens, flops)
     chosen = run_plan(planner, cfg, choices)
     micro = chosen.micro_batch_size if chosen is not None else (
         cfg.training.micro_batch_size if cfg.training.micro_batch_size != "auto" else 1)

@@ -40,7 +40,7 @@ import torch
 
 from memtrain.memory.accounting import ModelShape, with_allocator_headroom
 from memtrain.memory.machine import Machine
-from memtrain.memory.planner import Candidate, estimated_step_s, make_candidates
+from memtrain.memory.planner import Candidate, estimated_plan_s, make_candidates
 
 RATIO_STEP = 0.01
 """Granularity of the partial-offload fraction the planner tries."""
@@ -270,13 +270,12 @@ def micro_batch_candidates(cfg, per_rank_batch: int, activation_bytes, n_params:
     """The plans (micro-batch and model-lever settings: ``choices``, None =
     :func:`memtrain.levers.lever_choices`) of a rank's share with their traced activation bytes and
     FLOP-estimated seconds (1 ms per micro-batch for launches and reduction)."""
-    from memtrain.levers import lever_choices, recompute_fraction
+    from memtrain.levers import lever_choices
 
     choices = lever_choices(cfg, None) if choices is None else choices
     candidates = make_candidates(per_rank_batch, choices, 0, activation_bytes, "cpu", None)
     for c in candidates:
-        c.predicted_step_s = estimated_step_s(c, n_params, tokens_per_sample, device_flops,
-                                              recompute_fraction(c.plan.settings(), cfg), 1e-3)
+        c.predicted_step_s = estimated_plan_s(c, cfg, n_params, tokens_per_sample, device_flops)
     return candidates
 
 

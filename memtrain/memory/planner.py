@@ -64,9 +64,12 @@ class Candidate:
         predicted_peak_bytes: model state + activation bytes (+ CUDA headroom), bytes per rank.
         activation_bytes: the peak bytes one micro-batch's forward and backward hold beyond model
             state (traced: :func:`activation_table`).
+        offloaded_bytes: bytes of saved activations one micro-batch moves to host memory and back
+            (activation offload; traced), each way.
         predicted_step_s: seconds of an optimizer step's forward and backward estimated from its
-            FLOPs (``memtrain plan``); None = not estimated.
-        measured_step_s: the same, measured: the fastest timed probe on the run's engine; None =
+            FLOPs and its host copies (``memtrain plan``); None = not estimated.
+        measured_step_s: the same, measured: the fastest timed probe on the run's engine (on a CPU
+            run, plus the charged host copies: :class:`Planner`'s ``copy_bytes_per_s``); None =
             not timed.
         fits: predicted to fit the budget and not refuted by an out-of-memory error.
         chosen: the plan taken.
@@ -75,6 +78,7 @@ class Candidate:
     plan: Plan
     predicted_peak_bytes: int
     activation_bytes: int
+    offloaded_bytes: int = 0
     predicted_step_s: Optional[float] = None
     measured_step_s: Optional[float] = None
     fits: bool = True
@@ -162,22 +166,43 @@ def make_candidates(per_rank_batch: int, choices: Mapping[str, tuple], state_byt
         for settings in lever_combinations(choices):
             plan = Plan(micro, per_rank_batch // micro, tuple(settings.items()))
             acts = activation_bytes(plan)
+            moved = activation_bytes.offloaded_bytes(plan) if hasattr(activation_bytes, "offloaded_bytes") else 0
             state = state_bytes + (accumulation_bytes if plan.gradient_accumulation_steps > 1 else 0)
             peak = predicted_peak_bytes(state, max(acts, step_bytes), device_type)
-            out.append(Candidate(plan, peak, acts, fits=budget_bytes is None or peak <= budget_bytes))
+            out.append(Candidate(plan, peak, acts, moved, fits=budget_bytes is None or peak <= budget_bytes))
     return out
 
 
 def estimated_step_s(candidate: Candidate, n_params: int, tokens_per_sample: int, flops_per_s: float,
-                     recompute: float, micro_batch_overhead_s: float) -> float:
+                     recompute: float, micro_batch_overhead_s: float, copy_bytes_per_s: float = 25e9) -> float:
     """A step time without running: ``6 × parameters × tokens`` FLOPs for forward and backward
     (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", §2.1), plus the forwards the
     levers recompute (``2 × parameters × tokens × recompute``: activation checkpointing's
     checkpointed fraction of blocks; :func:`memtrain.levers.recompute_fraction`), plus a fixed
-    cost per micro-batch (launch and gradient reduction)."""
+    cost per micro-batch (launch and gradient reduction), plus the host copies of offloaded
+    activations (:func:`copy_s`, as if none overlapped compute)."""
     tokens = candidate.micro_batch_size * tokens_per_sample
     flops = (6 + 2 * recompute) * n_params * tokens
-    return candidate.gradient_accumulation_steps * (flops / flops_per_s + micro_batch_overhead_s)
+    return (candidate.gradient_accumulation_steps * (flops / flops_per_s + micro_batch_overhead_s)
+            + copy_s(candidate, copy_bytes_per_s))
+
+
+def estimated_plan_s(candidate: Candidate, cfg, n_params: int, tokens_per_sample: int, flops_per_s: float) -> float:
+    """:func:`estimated_step_s` of ``candidate`` under ``cfg``: its levers' recompute, 1 ms per
+    micro-batch (launches and reduction: ties go to fewer micro-batches) and its host copies at
+    ``memory.activation_offload_bandwidth_gb_s`` (``memtrain plan`` and the placement table)."""
+    from memtrain.levers import recompute_fraction
+
+    return estimated_step_s(candidate, n_params, tokens_per_sample, flops_per_s,
+                            recompute_fraction(candidate.plan.settings(), cfg), 1e-3,
+                            cfg.memory.activation_offload_bandwidth_gb_s * 1e9)
+
+
+def copy_s(candidate: Candidate, copy_bytes_per_s: float) -> float:
+    """Seconds an optimizer step of ``candidate`` spends copying offloaded activations to the host
+    and back (``2 × offloaded_bytes`` per micro-batch) at ``copy_bytes_per_s`` (bytes/s:
+    ``memory.activation_offload_bandwidth_gb_s × 10^9``)."""
+    return candidate.gradient_accumulation_steps * 2 * candidate.offloaded_bytes / copy_bytes_per_s
 
 
 class Planner:
@@ -195,6 +220,9 @@ class Planner:
         shortlist: time fewer candidates (``memory.levers auto``, whose lever combinations
             multiply them): the largest fitting micro-batch of each combination, then the other
             micro-batches of the fastest combination only (:meth:`measure_shortlist`).
+        copy_bytes_per_s: charge each probe the host copies of offloaded activations at this
+            rate (:func:`copy_s`; bytes/s), where the probe cannot show them (a CPU run, whose
+            host is its device); None = the probe's time as measured (a GPU run's copies are in it).
 
     Attributes:
         bound_bytes: the budget as learned: after an out-of-memory error, at most the predicted
@@ -202,8 +230,10 @@ class Planner:
     """
 
     def __init__(self, candidates: list[Candidate], budget_bytes: Optional[int],
-                 prober: Optional[Callable[[Candidate], Optional[float]]] = None, shortlist: bool = False):
+                 prober: Optional[Callable[[Candidate], Optional[float]]] = None, shortlist: bool = False,
+                 copy_bytes_per_s: Optional[float] = None):
         self.candidates = candidates
+        self.copy_bytes_per_s = copy_bytes_per_s
         self.budget_bytes = budget_bytes
         self.bound_bytes = budget_bytes
         self.prober = prober
@@ -270,6 +300,8 @@ class Planner:
         if seconds is None:
             self.refute(c)
             return False
+        if self.copy_bytes_per_s is not None:
+            seconds += copy_s(c, self.copy_bytes_per_s)
         c.measured_step_s = seconds if c.measured_step_s is None else min(seconds, c.measured_step_s)
         return True
 
@@ -398,10 +430,11 @@ def by_depth(model: nn.Module, blocks: list[nn.Module], period: int, trace: Call
         model: a fake model (:func:`memtrain.memory.step_trace.fake_model`); its block list is restored before returning.
         blocks: its repeated blocks (:func:`memtrain.backends.common.repeated_blocks`).
         period: blocks per repetition of the levers' pattern (1 when every block is alike).
-        trace: traces ``model`` as it stands and returns bytes (e.g. :func:`step_trace.step_peak_bytes`).
+        trace: traces ``model`` as it stands and returns bytes (e.g. :func:`step_trace.step_peak_bytes`),
+            or a tuple of byte counts (each extrapolated; all must grow alike per ``period`` blocks).
 
     Returns:
-        Bytes (``trace()`` of the whole model, or its extrapolation).
+        Bytes, or the tuple (``trace()`` of the whole model, or its extrapolation).
     """
     holder = _block_list(model, blocks)
     depth = len(blocks)
@@ -417,9 +450,12 @@ def by_depth(model: nn.Module, blocks: list[nn.Module], period: int, trace: Call
         peaks = []
     finally:
         setattr(parent, name, full)
-    if len(peaks) < 3 or peaks[2] - peaks[1] != peaks[1] - peaks[0]:
+    counts = [p if isinstance(p, tuple) else (p,) for p in peaks]
+    steps = [tuple(b - a for a, b in zip(x, y)) for x, y in zip(counts, counts[1:])]
+    if len(peaks) < 3 or steps[0] != steps[1]:
         return trace()
-    return peaks[0] + (depth // period - 1) * (peaks[1] - peaks[0])
+    whole = tuple(a + (depth // period - 1) * d for a, d in zip(counts[0], steps[0]))
+    return whole if isinstance(peaks[0], tuple) else whole[0]
 
 
 def _block_list(model: nn.Module, blocks: list[nn.Module]) -> Optional[tuple[nn.Module, str, nn.ModuleList]]:
@@ -455,6 +491,8 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
     """``plan -> traced activation bytes`` of one micro-batch for ``cfg``'s model (built fake here,
     the plan's model levers applied to it as to the real model: :mod:`memtrain.levers`; results
     cached per micro-batch and model-lever settings). ``objective`` is not changed (a copy is traced).
+    Its attribute ``offloaded_bytes`` is ``plan -> bytes`` the plan's activation offload moves to
+    the host in that micro-batch (each way; 0 without offload), traced alike.
 
     The bytes are the peak of the micro-step's forward and backward beyond model state (saved
     activations and transients: :func:`memtrain.memory.step_trace.step_peak_bytes`), except under
@@ -469,6 +507,7 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
         memtrain.errors.ConfigError: a lever the model cannot take (chunked cross-entropy).
     """
     from memtrain.backends.common import repeated_blocks
+    from memtrain.activation_offload import moved_bytes
     from memtrain.levers import LeverTarget, apply_levers, lever
     from memtrain.levers.activation_checkpointing import setting as ac_setting
     from memtrain.memory.step_trace import step_peak_bytes
@@ -481,9 +520,9 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
     model, mode, extra = compute_precision_model(source.build_meta, precision, device_type, engine)
     target = LeverTarget(model, repeated_blocks(model), copy.copy(objective), cfg)
     trace = traced_activation_bytes if cfg.faults.memory_budget_mib > 0 else step_peak_bytes
-    cache: dict[tuple, int] = {}
+    cache: dict[tuple, tuple[int, int]] = {}
 
-    def activation_bytes(plan: Plan) -> int:
+    def traced(plan: Plan) -> tuple[int, int]:
         settings = {name: setting for name, setting in plan.levers if lever(name).model_lever}
         key = (plan.micro_batch_size, tuple(settings.items()))
         if key not in cache:
@@ -491,10 +530,16 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
             batch = trace_batch(corpus, plan.micro_batch_size)
             checkpointed = ac_setting(settings.get("activation_checkpointing", "off")) != "off"
             period = cfg.memory.activation_checkpointing_every_n_blocks if checkpointed else 1
-            cache[key] = extra + by_depth(model, target.blocks, period,
-                                          lambda: trace(model, mode, target.objective, batch))
+            moved_bytes(model)  # from 0
+            peak, moved = by_depth(model, target.blocks, period,
+                                   lambda: (trace(model, mode, target.objective, batch), moved_bytes(model)))
+            cache[key] = (extra + peak, moved)
         return cache[key]
 
+    def activation_bytes(plan: Plan) -> int:
+        return traced(plan)[0]
+
+    activation_bytes.offloaded_bytes = lambda plan: traced(plan)[1]
     return activation_bytes
 
 
@@ -538,4 +583,5 @@ def build_planner(cfg, corpus, objective, precision: str, device: torch.device, 
     extra = {} if simulated else {"accumulation_bytes": state.get("accumulation_gradient_bytes", 0),
                                   "step_bytes": state.get("step_gradient_bytes", 0)}
     return Planner(make_candidates(per_rank_batch, choices, device_state_bytes(state), acts, device_type, budget,
-                                   **extra), budget, shortlist=cfg.memory.levers == "auto")
+                                   **extra), budget, shortlist=cfg.memory.levers == "auto",
+                   copy_bytes_per_s=cfg.memory.activation_offload_bandwidth_gb_s * 1e9 if device.type == "cpu" else None)

@@ -9,7 +9,9 @@ them. A save that would take the count past the budget raises a real ``torch.Out
 which takes the same path as a CUDA one. Activation checkpointing lowers the count because inside
 a checkpointed region torch keeps nothing for backward; under selective checkpointing the outputs
 the policy keeps (:mod:`memtrain.activation`) are counted from the moment they are kept until
-their storage is freed. Not counted: transient tensors that are
+their storage is freed. Activations the offload lever moves to host memory
+(:mod:`memtrain.activation_offload`) are counted as host bytes instead (:attr:`SimulatedMemory.host_bytes`),
+from the save until autograd frees them. Not counted: transient tensors that are
 never saved for backward (a block's intermediate results between two saves, the recompute inside
 a checkpointed block during backward, communication buffers).
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from contextlib import AbstractContextManager
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -40,6 +42,16 @@ def note_kept(out) -> None:
                 _COUNTING[-1].keep(t)
 
 
+def counting() -> Optional["SimulatedMemory"]:
+    """The simulated memory counting now (the innermost open :meth:`SimulatedMemory.context`), or None."""
+    return _COUNTING[-1] if _COUNTING else None
+
+
+def unpack(packed):
+    """A saved tensor back from what :meth:`SimulatedMemory.pack` (or no counter) handed autograd."""
+    return packed.tensor if isinstance(packed, _Saved) else packed
+
+
 def storage_key(t: torch.Tensor) -> int:
     """An identity for the storage behind ``t`` (also for meta and fake tensors, whose data
     pointers are all 0)."""
@@ -49,13 +61,13 @@ def storage_key(t: torch.Tensor) -> int:
 class _Saved:
     """What the pack hook hands autograd: the tensor, and a release of its bytes when freed."""
 
-    __slots__ = ("tensor", "memory", "key")
+    __slots__ = ("tensor", "memory", "key", "host")
 
-    def __init__(self, tensor: torch.Tensor, memory: "SimulatedMemory", key: int):
-        self.tensor, self.memory, self.key = tensor, memory, key
+    def __init__(self, tensor: Optional[torch.Tensor], memory: "SimulatedMemory", key: int, host: bool = False):
+        self.tensor, self.memory, self.key, self.host = tensor, memory, key, host
 
     def __del__(self):
-        self.memory._release(self.key)
+        self.memory._release(self.key, self.host)
 
 
 class SimulatedMemory:
@@ -70,6 +82,8 @@ class SimulatedMemory:
     Attributes:
         saved_bytes: bytes saved for backward and not yet freed.
         peak_bytes: the largest ``state_bytes + saved_bytes`` since :meth:`reset_peak`.
+        host_bytes, host_peak_bytes: bytes of saved activations offloaded to host memory
+            (:meth:`host`) and not yet freed; their largest since :meth:`reset_peak`.
     """
 
     def __init__(self, budget_bytes: int, state_bytes: int, parameters: Iterable[torch.Tensor], rank: int = 0):
@@ -78,12 +92,14 @@ class SimulatedMemory:
         self._parameter_keys: set[int] = set()
         self._parameter_storages: list[torch.UntypedStorage] = []
         self._live: dict[int, list[int]] = {}  # storage key → [references held by autograd, bytes]
-        self.saved_bytes = 0
+        self._host: dict[int, list[int]] = {}  # the same for offloaded activations
+        self.saved_bytes = self.host_bytes = self.host_peak_bytes = 0
         self.peak_bytes = state_bytes
 
     def reset_peak(self) -> None:
         """Start a new peak measurement (the loop calls it at every step)."""
         self.peak_bytes = self.state_bytes + self.saved_bytes
+        self.host_peak_bytes = self.host_bytes
 
     def context(self) -> AbstractContextManager:
         """Count what autograd saves inside the ``with`` block (a training forward)."""
@@ -98,7 +114,7 @@ class SimulatedMemory:
     def _counting(self):
         _COUNTING.append(self)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, unpack):
                 yield
         finally:
             _COUNTING.remove(self)
@@ -109,7 +125,25 @@ class SimulatedMemory:
         if key is not None:
             weakref.finalize(t.untyped_storage(), self._release, key)
 
-    def _pack(self, t: torch.Tensor):
+    def host(self, t: torch.Tensor) -> "_Saved":
+        """Count ``t``'s storage as host memory (an activation the offload lever moved) until the
+        returned handle is freed."""
+        key = storage_key(t)
+        entry = self._host.get(key)
+        if entry is None:
+            entry = self._host[key] = [0, t.untyped_storage().nbytes()]
+            self.host_bytes += entry[1]
+            self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
+        entry[0] += 1
+        return _Saved(None, self, key, host=True)
+
+    def pack(self, t: torch.Tensor):
+        """The pack hook: count ``t`` (unless it is model state) and hand autograd a handle that
+        releases its bytes when freed.
+
+        Raises:
+            torch.OutOfMemoryError: its bytes pass the budget.
+        """
         key = self._count(t)
         # detached: a saved output holding its own grad_fn would make a cycle autograd never frees
         return t if key is None else _Saved(t.detach(), self, key)
@@ -138,15 +172,15 @@ class SimulatedMemory:
         entry[0] += 1
         return key
 
-    @staticmethod
-    def _unpack(packed):
-        return packed.tensor if isinstance(packed, _Saved) else packed
-
-    def _release(self, key: int) -> None:
-        entry = self._live.get(key)
+    def _release(self, key: int, host: bool = False) -> None:
+        live = self._host if host else self._live
+        entry = live.get(key)
         if entry is None:
             return
         entry[0] -= 1
         if entry[0] == 0:
-            self.saved_bytes -= entry[1]
-            del self._live[key]
+            if host:
+                self.host_bytes -= entry[1]
+            else:
+                self.saved_bytes -= entry[1]
+            del live[key]

@@ -1,0 +1,50 @@
+"""Activation offloading as a lever (``memory.activation_offload off|on|auto``): the activations a
+training forward saves for backward are kept in host memory until backward
+(:mod:`memtrain.activation_offload`). Lossless; its cost is the copies, measured by the planner's
+probes on a GPU and charged at ``memory.activation_offload_bandwidth_gb_s`` on a CPU run, whose
+host is its device. Switchable between steps: the planner, the OOM recovery and grow-back move it.
+"""
+
+from __future__ import annotations
+
+from memtrain.activation_offload import disable_activation_offload, enable_activation_offload
+from memtrain.levers.base import Lever, LeverTarget
+
+CHOICES = {"off": ("off",), "on": ("on",), "auto": ("off",)}
+"""The settings a plan may take for each ``memory.activation_offload``, fastest first (``auto``
+without the solver: off)."""
+SOLVER_CHOICES = ("off", "on")
+"""``auto`` under ``memory.levers auto``."""
+
+
+class ActivationOffload(Lever):
+    """Settings: ``off`` or ``on``."""
+
+    name = "activation_offload"
+    column = "offload act"
+    config_key = "memory.activation_offload"
+    escalate_event = "activation_offload_on"
+
+    def choices(self, cfg, spec) -> tuple:
+        value = getattr(cfg.memory, "activation_offload", "off")
+        if value == "auto" and getattr(cfg.memory, "levers", "off") == "auto":
+            return SOLVER_CHOICES
+        return CHOICES[value]
+
+    def apply(self, target: LeverTarget, setting) -> None:
+        if setting == "on":
+            enable_activation_offload(target.model)
+        else:
+            disable_activation_offload(target.model)
+
+    def event_for(self, setting) -> str:
+        return f"activation_offload_{setting}"
+
+    def events(self) -> tuple[str, ...]:
+        return tuple(f"activation_offload_{value}" for value in SOLVER_CHOICES)
+
+    def describe(self, setting) -> str:
+        return "+ activation offload" if setting == "on" else ""
+
+    def floor_note(self, setting, choices: tuple) -> str:
+        return "" if setting == "on" else "(memory.activation_offload is off)"
