@@ -2,7 +2,8 @@
 losses and gradients as without it; what it moves leaves the simulated device for host memory;
 the planner predicts the device bytes the simulated device counts and the bytes moved, charges
 the copies at the stated bandwidth on a CPU run, and the solver turns it on only under
-``memory.levers auto``."""
+``memory.levers auto``. Under FSDP2 and ZeRO-3 on 2 ranks: test_backends (with chunked
+cross-entropy, against the DDP run)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import TINY_ARGS, launch, read_metrics, tiny_args
+from conftest import TINY_ARGS
 
 MiB = 2**20
 
@@ -168,16 +169,3 @@ def test_the_solver_turns_it_on_only_when_asked():
     assert offload.choices(cfg("on"), None) == ("on",) and offload.choices(cfg("off", "auto"), None) == ("off",)
     with pytest.raises(ConfigError, match="memory.activation_offload_bandwidth_gb_s"):
         validate(parse_args(TINY_ARGS + ["--memory.activation_offload_bandwidth_gb_s", "0"]), 1)
-
-
-@pytest.mark.slow
-def test_an_fsdp2_run_with_offload_trains_like_the_reference(tmp_path, cache_dir, reference):
-    """2 CPU ranks under FSDP2 (its own forward hooks gather the parameters): ``memory.activation_offload
-    on`` trains the shared reference's losses exactly, every step's record names the setting, and
-    the simulated device counted the moved activations as host memory."""
-    launch(tiny_args(tmp_path, cache_dir, "--training.max_steps", "8", "--backend.name", "fsdp",
-                     "--memory.activation_offload", "on", "--faults.memory_budget_mib", "1000"))
-    ours, theirs = read_metrics(tmp_path), read_metrics(reference("fsdp"))
-    assert [r["loss"] for r in ours] == [r["loss"] for r in theirs]
-    assert [r["grad_norm"] for r in ours] == [r["grad_norm"] for r in theirs]
-    assert all(r["activation_offload"] == "on" and r["simulated_host_peak_bytes"] > 0 for r in ours)

@@ -51,16 +51,21 @@ def test_engine_matches_ddp(tmp_path, cache_dir, ddp_run, engine):
 
 
 @pytest.mark.parametrize("engine", ["fsdp", "zero3"])
-def test_chunked_cross_entropy_matches_ddp(tmp_path, cache_dir, ddp_run, engine):
-    """memory.chunked_cross_entropy under the engines that gather the output layer's weight only
-    around its call (tied to the embedding): the plain-loss DDP run's losses and data."""
-    launch(tiny_args(tmp_path, cache_dir, *RUN, *ENGINES[engine], "--memory.chunked_cross_entropy", "true"), timeout=420)
+def test_chunked_cross_entropy_and_activation_offload_match_ddp(tmp_path, cache_dir, ddp_run, engine):
+    """memory.chunked_cross_entropy and memory.activation_offload together, under the engines that
+    gather parameters only around their use (FSDP2's and ZeRO-3's hooks; the output layer's weight
+    tied to the embedding): the plain DDP run's losses and data, and the simulated device counted
+    the offloaded activations as host memory (the offload alone keeps losses bitwise:
+    test_activation_offload)."""
+    launch(tiny_args(tmp_path, cache_dir, *RUN, *ENGINES[engine], "--memory.chunked_cross_entropy", "true",
+                     "--memory.activation_offload", "on", "--faults.memory_budget_mib", "1000"), timeout=420)
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for r, ref in zip(records, ddp_run):
         assert r["batch_fingerprint"] == ref["batch_fingerprint"]
         assert r["loss"] == pytest.approx(ref["loss"], rel=1e-4)
         assert r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-3)
+        assert r["chunked_cross_entropy"] and r["activation_offload"] == "on" and r["simulated_host_peak_bytes"] > 0
 
 
 def test_fine_tuning_the_export_continues_at_its_loss_under_zero3(tmp_path, cache_dir, ddp_out):
