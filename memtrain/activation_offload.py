@@ -2,11 +2,14 @@
 kept in host memory until the backward needs it (``torch.autograd.graph.saved_tensors_hooks``).
 
 Which tensors move: a saved activation of at least :data:`MIN_BYTES` that is not model state (a
-parameter, or a view of one: ZeRO-3's and FSDP2's gathered weights are parameters too). The
+parameter, a view of one — ZeRO-3's and FSDP2's gathered weights are parameters too — or
+autocast's cast copy of one). A tensor saved by several operators moves once per forward. The
 hooks cover the model's forward (entered by a forward pre-hook on the model, left by a forward
-hook that runs also when the forward raises); the loss computed outside the model keeps its few
+hook that runs also when the forward raises); a loss computed outside the model (memtrain's
+cross-entropy over the logits, whose log-probabilities chunked cross-entropy removes) keeps its
 tensors on the device. Inside a checkpointed block torch's own hooks come first, so with
-activation checkpointing on only the checkpoint's inputs move.
+activation checkpointing on only the checkpoint's inputs move. An in-place change of a tensor
+after it was saved is not detected (autograd's version check does not see packed tensors).
 
 - **CUDA**: the tensor is copied into a pinned host buffer on a side stream that waits for the
   forward's stream, so the copy overlaps the next operators (the caching allocator is told the
@@ -27,7 +30,7 @@ Values are copied exactly, so losses and gradients equal those without offloadin
 
 from __future__ import annotations
 
-from typing import Optional
+import weakref
 
 import torch
 from torch import nn
@@ -37,10 +40,22 @@ MIN_BYTES = 1024
 ``OffloadActivations`` uses the same floor)."""
 
 
-def _is_fake(t: torch.Tensor) -> bool:
+def _fake_type() -> type:
     from torch._subclasses.fake_tensor import FakeTensor
 
-    return isinstance(t, FakeTensor) or t.device.type == "meta"
+    return FakeTensor
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    return isinstance(t, _fake_type()) or t.device.type == "meta"
+
+
+def _is_parameter_copy(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a dtype cast of a parameter, or a view of one (autocast's copy of a weight,
+    transposed for a matmul: model state)."""
+    fn = (t._base if t._base is not None else t).grad_fn
+    return (fn is not None and fn.name().startswith("ToCopyBackward")
+            and any(isinstance(getattr(f, "variable", None), nn.Parameter) for f, _ in fn.next_functions))
 
 
 class _Moved:
@@ -63,37 +78,50 @@ class ActivationOffload:
 
     def __init__(self):
         self.moved_bytes = 0
-        self._stream: Optional[torch.cuda.Stream] = None
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._contexts: list = []
+        # this forward's moves by tensor (each moves once), with a weak reference to its storage:
+        # a key whose storage was freed may name a new tensor at the same address
+        self._moved: dict[tuple, tuple[weakref.ref, _Moved]] = {}
 
     def wants(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` (a tensor autograd saves) moves: an activation of at least :data:`MIN_BYTES`."""
-        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or t.layout != torch.strided:
+        """Whether ``t`` (a tensor autograd saves) moves: an activation of at least :data:`MIN_BYTES`,
+        not a parameter, a view of one or autocast's cast copy of one."""
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or type(t) not in (torch.Tensor, _fake_type()):
+            return False
+        if t.layout != torch.strided or _is_parameter_copy(t):
             return False
         return t.numel() * t.element_size() >= MIN_BYTES
 
     def pack(self, t: torch.Tensor):
-        from memtrain.memory.simulated import counting
+        from memtrain.memory.simulated import counting, storage_key
 
         simulated = counting()
         if not self.wants(t):  # kept on the device, counted as autograd's own saves are
             return simulated.pack(t) if simulated is not None else t
-        self.moved_bytes += t.numel() * t.element_size()
-        if _is_fake(t):
-            return _Moved((t.size(), t.dtype), t.device)
-        if t.device.type == "cuda":
-            return self._copy_to_host(t)
-        return _Moved(t.detach(), t.device, host_count=simulated.host(t) if simulated is not None else None)
+        key = (storage_key(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
+        alive, moved = self._moved.get(key, (None, None))
+        if alive is None or alive() is None:  # not moved yet, or a freed storage's address reused
+            self.moved_bytes += t.numel() * t.element_size()
+            if _is_fake(t):
+                moved = _Moved((t.size(), t.dtype), t.device)
+            elif t.device.type == "cuda":
+                moved = self._copy_to_host(t)
+            else:
+                moved = _Moved(t.detach(), t.device, host_count=simulated.host(t) if simulated is not None else None)
+            self._moved[key] = (weakref.ref(t.untyped_storage()), moved)
+        return moved
 
     def _copy_to_host(self, t: torch.Tensor) -> _Moved:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(t.device)
+        stream = self._streams.get(t.device)
+        if stream is None:
+            stream = self._streams[t.device] = torch.cuda.Stream(t.device)
         host = torch.empty(t.size(), dtype=t.dtype, pin_memory=True)
-        self._stream.wait_stream(torch.cuda.current_stream(t.device))
-        with torch.cuda.stream(self._stream):
+        stream.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(stream):
             host.copy_(t, non_blocking=True)
-        t.record_stream(self._stream)
-        return _Moved(host, t.device, event=self._stream.record_event())
+        t.record_stream(stream)
+        return _Moved(host, t.device, event=stream.record_event())
 
     @staticmethod
     def unpack(packed):
@@ -119,10 +147,12 @@ class ActivationOffload:
         context = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         context.__enter__()
         self._contexts.append(context)
+        self._moved.clear()
 
     def _exit(self, module, args, output) -> None:
         if self._contexts:
             self._contexts.pop().__exit__(None, None, None)
+        self._moved.clear()  # autograd holds what backward needs
 
 
 def enable_activation_offload(model: nn.Module) -> ActivationOffload:

@@ -27,20 +27,21 @@ def gpt2():
 
 
 def saved_activation_bytes(net, ids) -> int:
-    """This test's own count of what the offload should move: bytes of every tensor autograd saves
-    in ``net``'s forward that is 1 KiB or more and neither a parameter nor a view of one."""
-    seen = []
+    """This test's own count of what the offload should move: bytes of every distinct tensor (the
+    same elements of the same memory, saved by several operators, once) autograd saves in
+    ``net``'s forward that is 1 KiB or more and neither a parameter nor a view of one."""
+    seen = {}
 
     def pack(t):
         param = isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
-        if not param and t.numel() * t.element_size() >= 1024:
-            seen.append(t.numel() * t.element_size())
+        if not param and t.numel() * t.element_size() >= 1024:  # held here: no address is reused
+            seen[(t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)] = t
         return t
 
     net = copy.deepcopy(net).train()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         net(input_ids=ids, labels=ids)
-    return sum(seen)
+    return sum(t.numel() * t.element_size() for t in seen.values())
 
 
 def test_offload_keeps_losses_and_gradients_bitwise_and_moves_activations_to_host():
@@ -82,6 +83,29 @@ def test_offload_keeps_losses_and_gradients_bitwise_and_moves_activations_to_hos
             assert on[4] == expected
         else:
             assert 0 < on[4] < expected / 2
+
+
+def test_model_state_stays_and_a_tensor_saved_twice_moves_once():
+    """Under autocast (DDP's bf16) the weight's cast copy is model state and stays on the device;
+    an activation that two operators save (one input of two layers) moves once."""
+    from memtrain.activation_offload import enable_activation_offload, moved_bytes
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)
+
+        def forward(self, x):
+            return self.a(x) + self.b(x)
+
+    net = Two()
+    enable_activation_offload(net)
+    x = torch.randn(8, 256, requires_grad=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        net(x).float().sum().backward()
+    assert moved_bytes(net) == 8 * 256 * 2  # x's bf16 copy, once; neither weight's
+    net(x).sum().backward()  # fp32: x itself, saved by both layers
+    assert moved_bytes(net) == 8 * 256 * 4
 
 
 def test_the_planner_predicts_what_the_simulated_device_counts_and_what_moves(cache_dir):

@@ -142,6 +142,7 @@ def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_s
     per_rank_host += state["accumulation_host_bytes"] if c.gradient_accumulation_steps > 1 else 0
     per_rank_host += NVME_SWAP_BUFFERS_BYTES if p.nvme else 0
     per_rank_host += device if machine.device_type == "cpu" else 0
+    per_rank_host += c.offloaded_bytes  # one micro-batch's offloaded activations wait on the host
     p.micro_batch_size, p.gradient_accumulation_steps = c.micro_batch_size, c.gradient_accumulation_steps
     p.activation_checkpointing = c.plan.lever("activation_checkpointing")
     p.device_bytes, p.host_bytes = device, per_rank_host * machine.ranks_per_host

@@ -530,9 +530,11 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
             batch = trace_batch(corpus, plan.micro_batch_size)
             checkpointed = ac_setting(settings.get("activation_checkpointing", "off")) != "off"
             period = cfg.memory.activation_checkpointing_every_n_blocks if checkpointed else 1
-            moved_bytes(model)  # from 0
-            peak, moved = by_depth(model, target.blocks, period,
-                                   lambda: (trace(model, mode, target.objective, batch), moved_bytes(model)))
+            def traced_once() -> tuple[int, int]:
+                moved_bytes(model)  # from 0 (a shortened trace that raised may have counted)
+                return trace(model, mode, target.objective, batch), moved_bytes(model)
+
+            peak, moved = by_depth(model, target.blocks, period, traced_once)
             cache[key] = (extra + peak, moved)
         return cache[key]
 
