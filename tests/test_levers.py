@@ -131,3 +131,10 @@ def test_zero3_refuses_selective_checkpointing_and_the_solver_leaves_it_out():
     solver.model = SimpleNamespace(kind="gpt2")
     assert lever_choices(solver, zero3, model_only=True)["activation_checkpointing"] == ("off", "on")
     assert "optimizer_state_dtype" not in lever_choices(solver, zero3, model_only=True)
+    # a ZeRO-3 placement of another engine's config (the placement table) drops selective too
+    fsdp_choices = lever_choices(solver, SimpleNamespace(name="fsdp"), model_only=True)
+    assert levers.allowed_by(fsdp_choices, solver, zero3) == {**fsdp_choices, "activation_checkpointing": ("off", "on")}
+    asked = cfg("selective")
+    asked.model = solver.model
+    assert levers.allowed_by({"activation_checkpointing": ("selective",)}, asked, zero3) == {
+        "activation_checkpointing": ("selective",)}  # the config's own ask: its run names the field

@@ -20,7 +20,7 @@ LEVERS: tuple[Lever, ...] = (ActivationCheckpointing(), ChunkedCrossEntropy(), A
                              ReshardAfterForward(), OffloadOptimizerRatio(), OptimizerStateDtype())
 """Every lever memtrain has, in the order the OOM recovery escalates them."""
 
-__all__ = ["LEVERS", "Lever", "LeverTarget", "lever", "lever_choices", "apply_levers", "recompute_fraction",
+__all__ = ["LEVERS", "Lever", "LeverTarget", "lever", "lever_choices", "allowed_by", "apply_levers", "recompute_fraction",
            "describe", "lever_events", "first_settings", "restore_settings", "offered_choices"]
 
 
@@ -46,6 +46,20 @@ def lever_choices(cfg, spec, model_only: bool = False) -> dict[str, tuple]:
     """
     return {x.name: x.choices(cfg, spec) for x in LEVERS
             if (x.model_lever or (spec is not None and not model_only)) and x.applies(cfg, spec)}
+
+
+def allowed_by(choices: dict[str, tuple], cfg, spec) -> dict[str, tuple]:
+    """``choices`` less the model-lever settings engine ``spec`` refuses (ZeRO-3: selective AC),
+    e.g. for a placement of another engine than the config's. A config that asks for what the
+    engine refuses keeps its choices here (its run names the field)."""
+    from memtrain.errors import ConfigError
+
+    try:
+        allowed = lever_choices(cfg, spec, model_only=True)
+    except ConfigError:
+        return choices
+    return {name: tuple(v for v in options if v in allowed.get(name, options)) or options
+            for name, options in choices.items()}
 
 
 def offered_choices(cfg, spec, source=None, objective=None) -> dict[str, tuple]:

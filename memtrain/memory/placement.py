@@ -308,18 +308,24 @@ def plan_model(cfg, activation_tables, shape: ModelShape, tokens: int, world_siz
         tokens: tokens per sample (:func:`tokens_per_sample`).
         choices: the model levers' choices (None: :func:`memtrain.levers.lever_choices`).
     """
-    t = cfg.training
-    by_table: dict[int, list[Candidate]] = {}
+    from memtrain.backends.spec import resolve_engine
+    from memtrain.levers import allowed_by, lever_choices
 
-    def candidates(p: Placement) -> list[Candidate]:
-        table = activation_tables(p.engine)
-        if id(table) not in by_table:
+    t, choices = cfg.training, lever_choices(cfg, None) if choices is None else choices
+    by_table: dict[tuple, list[Candidate]] = {}
+
+    def candidates(p: Placement) -> list[Candidate]:  # the model levers as its engine takes them
+        spec = resolve_engine(cfg.backend, world_size, 0, placement={"name": p.engine, "zero_stage": p.zero_stage})
+        table, options = activation_tables(p.engine), allowed_by(choices, cfg, spec)
+        key = (id(table), tuple(options.items()))
+        if key not in by_table:
             plans = micro_batch_candidates(cfg, t.global_batch_size // world_size, table, shape.parameters, tokens,
-                                           machine.device_flops, choices)
-            by_table[id(table)] = [c for c in plans if t.micro_batch_size in ("auto", c.micro_batch_size)]
-        return by_table[id(table)]
+                                           machine.device_flops, options)
+            by_table[key] = [c for c in plans if t.micro_batch_size in ("auto", c.micro_batch_size)]
+        return by_table[key]
 
     return plan_placements(candidates, pool, shape, precision, world_size, machine)
+
 
 
 def placement_table(cfg, corpus, world_size: int, machine: Machine, precision: str,
