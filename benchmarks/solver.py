@@ -46,9 +46,10 @@ charged at a stated bandwidth, not timed (memtrain/activation_offload.py)."""
 MODES = {"off": ["--memory.levers", "off"], "auto": ["--memory.levers", "auto", *NO_OFFLOAD]}
 OFFLOAD_MODE = {"auto_offload": ["--memory.levers", "auto", "--memory.activation_offload", "auto"]}
 """``memory.levers auto`` that may also offload activations (reported beside, not in the goals)."""
-RECOVERY = {"auto_from_whole_share": ["--memory.levers", "auto", *NO_OFFLOAD, "--training.micro_batch_size", "16"]}
-"""Out-of-memory recovery under ``memory.levers auto``: the whole share in one micro-batch, too
-large at the tight and medium budgets; where the recovery lands is compared with ``auto``'s plan."""
+def recovery(per_rank: int) -> dict[str, list[str]]:
+    """Out-of-memory recovery under ``memory.levers auto``: the whole share in one micro-batch, too
+    large at the tight and medium budgets; where the recovery lands is compared with ``auto``'s plan."""
+    return {"auto_from_whole_share": ["--memory.levers", "auto", *NO_OFFLOAD, "--training.micro_batch_size", str(per_rank)]}
 OOM_EVENTS = ("oom_shrink", "oom_replan", "activation_checkpointing_on", "grow_back_failed")
 
 
@@ -111,16 +112,16 @@ def alternate(args: list[str], runs: dict[str, list[str]], nproc: int, repeats: 
     return tps, ooms, last
 
 
-def measure(engine: str, nproc: int, steps: int, repeats: int, names: list[str]) -> list[dict]:
-    per_rank = 16
+def measure(engine: str, nproc: int, steps: int, repeats: int, names: list[str], per_rank: int = 16) -> list[dict]:
     base = CPU_ARGS + ENGINES[engine] + ["--training.global_batch_size", str(per_rank * nproc),
                                          "--training.micro_batch_size", "auto", "--training.max_steps", str(steps)]
     limits = budgets(predicted(base, nproc), per_rank)
     results = []
     for name in names:
         args = base + ["--faults.memory_budget_mib", repr(limits[name])]
-        tps, ooms, last = alternate(args, {**MODES, **RECOVERY}, nproc, repeats, f"solver_{engine}_{name}")
-        plans = {mode: final_plan(records) if mode in RECOVERY else chosen(records) for mode, records in last.items()}
+        tps, ooms, last = alternate(args, {**MODES, **recovery(per_rank)}, nproc, repeats, f"solver_{engine}_{name}")
+        plans = {mode: final_plan(records) if mode.startswith("auto_from") else chosen(records)
+                 for mode, records in last.items()}
         results.append({
             "benchmark": "solver", "engine": engine, "world_size": nproc, "steps": steps, "repeats": repeats,
             "budget": name, "budget_mib": limits[name], "plan": plans, "oom_events": ooms,
@@ -177,7 +178,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", default="tight,medium,loose")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="one engine, the tight budget, 6 steps, 1 repeat")
+    ap.add_argument("--quick", action="store_true",
+                    help="one engine, the tight budget, 6 steps, 1 repeat, 8 samples per rank (not 16)")
     ap.add_argument("--results", action="store_true",
                     help="append to benchmarks/results/solver-cpu.jsonl (--exhaustive: solver_exhaustive-cpu.jsonl)")
     ap.add_argument("--exhaustive", action="store_true",
@@ -188,7 +190,9 @@ def main(argv=None) -> int:
     if args.quick:
         engines, names, steps, repeats = engines[:1], ["tight"], 6, 1
     for engine in engines:
-        for result in (measure_exhaustive if args.exhaustive else measure)(engine, 2, steps, repeats, names):
+        rows = (measure_exhaustive(engine, 2, steps, repeats, names) if args.exhaustive else
+                measure(engine, 2, steps, repeats, names, 8 if args.quick else 16))
+        for result in rows:
             emit(result["benchmark"], args.device, result, args.results)  # solver, solver_exhaustive
     return 0
 

@@ -186,7 +186,9 @@ def test_the_documented_commands_run_in_order(tmp_path):
     in one folder as a reader would (``runs/`` shared; training shortened with
     ``--training.max_steps 2 --training.eval_samples 8``, the speech recipe's synthetic corpus to 128
     training utterances -- 4,000 take 70 s of CPU -- ; ``my_corpus/`` and ``my_dataset_on_disk`` made): each exits 0,
-    including the launchers' own commands (torchrun, accelerate launch, deepspeed)."""
+    including the launchers' own commands (torchrun, accelerate launch, deepspeed). A training
+    command that, so shortened, differs from one already run only by its new ``--output_dir``
+    trains nothing new and is not run again (the README's tiny run is documented three times)."""
     import os
     import shlex
     import sys
@@ -203,10 +205,16 @@ def test_the_documented_commands_run_in_order(tmp_path):
     datasets.Dataset.from_dict({"content": rows}).save_to_disk(str(tmp_path / "my_dataset_on_disk"))
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])}
-    ran = []
+    ran, seen = [], set()
     for page, argv in documented_commands():
         if not _runs_here(argv):
             continue
+        if _trains(argv) and "--resume" not in argv and not (tmp_path / _output_dir(argv)).exists():
+            key = tuple(a for i, a in enumerate(argv) if not ({a, argv[i - 1]} & {"--output_dir", "--training.max_steps"}))
+            if key in seen:
+                ran.append(argv)
+                continue
+            seen.add(key)
         if _trains(argv):
             argv = argv + ["--training.max_steps", "2", "--training.eval_samples", "8"]
             if "recipes/asr_ctc_wavlm_tiny.yaml" in argv:  # 2 steps read 64 utterances: synthesise 128, not 4,000
