@@ -327,7 +327,6 @@ def plan_model(cfg, activation_tables, shape: ModelShape, tokens: int, world_siz
     return plan_placements(candidates, pool, shape, precision, world_size, machine)
 
 
-
 def placement_table(cfg, corpus, world_size: int, machine: Machine, precision: str,
                     pool: list[Placement], source=None, objective=None) -> list[Placement]:
     """Plan ``pool`` for ``cfg``'s model (or ``source``'s, with ``objective``: :func:`model_facts`;

@@ -174,17 +174,18 @@ def make_candidates(per_rank_batch: int, choices: Mapping[str, tuple], state_byt
 
 
 def estimated_step_s(candidate: Candidate, n_params: int, tokens_per_sample: int, flops_per_s: float,
-                     recompute: float, micro_batch_overhead_s: float, copy_bytes_per_s: float = 25e9) -> float:
+                     recompute: float, micro_batch_overhead_s: float, copy_bytes_per_s: Optional[float] = None) -> float:
     """A step time without running: ``6 × parameters × tokens`` FLOPs for forward and backward
     (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", §2.1), plus the forwards the
     levers recompute (``2 × parameters × tokens × recompute``: activation checkpointing's
     checkpointed fraction of blocks; :func:`memtrain.levers.recompute_fraction`), plus a fixed
     cost per micro-batch (launch and gradient reduction), plus the host copies of offloaded
-    activations (:func:`copy_s`, as if none overlapped compute)."""
+    activations at ``copy_bytes_per_s`` (:func:`copy_s`, as if none overlapped compute; None: not
+    counted)."""
     tokens = candidate.micro_batch_size * tokens_per_sample
     flops = (6 + 2 * recompute) * n_params * tokens
-    return (candidate.gradient_accumulation_steps * (flops / flops_per_s + micro_batch_overhead_s)
-            + copy_s(candidate, copy_bytes_per_s))
+    copies = copy_s(candidate, copy_bytes_per_s) if copy_bytes_per_s else 0.0
+    return candidate.gradient_accumulation_steps * (flops / flops_per_s + micro_batch_overhead_s) + copies
 
 
 def estimated_plan_s(candidate: Candidate, cfg, n_params: int, tokens_per_sample: int, flops_per_s: float) -> float:
