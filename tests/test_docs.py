@@ -99,6 +99,8 @@ NOT_RUN_HERE = {
     "HOST0": "several machines",
     "--hostfile": "several machines",
     "examples/": "test_the_python_page_runs_as_written runs them and checks their losses",
+    "--output_dir runs/code_lm_small": "docs/python.md's run for its fine-tuning example: "
+                                       "test_the_python_page_runs_as_written runs it as written",
     "accelerate launch": "tests/test_ddp.py and tests/test_backends.py run accelerate launch as documented (without a "
                          "config file, with fsdp2.yaml, with deepspeed_zero2.yaml) and compare the losses with DDP's",
     "deepspeed --num_gpus": "tests/test_backends.py runs the DeepSpeed launcher with ds_configs/zero2.json and compares "
