@@ -119,9 +119,9 @@ def measure(engine: str, nproc: int, steps: int, repeats: int, names: list[str],
     results = []
     for name in names:
         args = base + ["--faults.memory_budget_mib", repr(limits[name])]
-        tps, ooms, last = alternate(args, {**MODES, **recovery(per_rank)}, nproc, repeats, f"solver_{engine}_{name}")
-        plans = {mode: final_plan(records) if mode.startswith("auto_from") else chosen(records)
-                 for mode, records in last.items()}
+        recovering = recovery(per_rank)
+        tps, ooms, last = alternate(args, {**MODES, **recovering}, nproc, repeats, f"solver_{engine}_{name}")
+        plans = {mode: final_plan(records) if mode in recovering else chosen(records) for mode, records in last.items()}
         results.append({
             "benchmark": "solver", "engine": engine, "world_size": nproc, "steps": steps, "repeats": repeats,
             "budget": name, "budget_mib": limits[name], "plan": plans, "oom_events": ooms,

@@ -23,25 +23,30 @@ after it was saved is not detected (autograd's version check does not see packed
   make, at ``memory.activation_offload_bandwidth_gb_s``.
 - **Fake tensors** (the planner's trace): the saved tensor is dropped and an empty one of its
   shape is made in backward, so the trace counts the device bytes a GPU run holds (the reload
-  while its operator's backward runs) and :attr:`ActivationOffload.moved_bytes` the copies.
+  while its operator's backward runs) and :attr:`OffloadHooks.moved_bytes` the copies.
 
 Values are copied exactly, so losses and gradients equal those without offloading.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
 from torch import nn
+
+from memtrain.memory.simulated import counting, storage_key
+from memtrain.memory.simulated import unpack as unpack_counted
 
 MIN_BYTES = 1024
 """Smaller saved tensors stay on the device (a copy's fixed cost outweighs its bytes; torchtune's
 ``OffloadActivations`` uses the same floor)."""
 
 
+@functools.cache
 def _fake_type() -> type:
-    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.fake_tensor import FakeTensor  # imported when first offloading, not with memtrain
 
     return FakeTensor
 
@@ -68,7 +73,7 @@ class _Moved:
         self.tensor, self.device, self.event, self.host_count = tensor, device, event, host_count
 
 
-class ActivationOffload:
+class OffloadHooks:
     """The pack and unpack hooks of one model, and the bytes they moved.
 
     Attributes:
@@ -87,15 +92,17 @@ class ActivationOffload:
     def wants(self, t: torch.Tensor) -> bool:
         """Whether ``t`` (a tensor autograd saves) moves: an activation of at least :data:`MIN_BYTES`,
         not a parameter, a view of one or autocast's cast copy of one."""
-        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or type(t) not in (torch.Tensor, _fake_type()):
+        # a fake parameter is a FakeTensor that isinstance() calls a Parameter; a subclass (DTensor, a
+        # quantised tensor) is left alone
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+            return False
+        if type(t) not in (torch.Tensor, _fake_type()):
             return False
         if t.layout != torch.strided or _is_parameter_copy(t):
             return False
         return t.numel() * t.element_size() >= MIN_BYTES
 
     def pack(self, t: torch.Tensor):
-        from memtrain.memory.simulated import counting, storage_key
-
         simulated = counting()
         if not self.wants(t):  # kept on the device, counted as autograd's own saves are
             return simulated.pack(t) if simulated is not None else t
@@ -125,10 +132,8 @@ class ActivationOffload:
 
     @staticmethod
     def unpack(packed):
-        from memtrain.memory.simulated import unpack
-
         if not isinstance(packed, _Moved):
-            return unpack(packed)
+            return unpack_counted(packed)
         if isinstance(packed.tensor, tuple):  # fake: the reload a GPU run makes
             size, dtype = packed.tensor
             return torch.empty(size, dtype=dtype, device=packed.device)
@@ -155,18 +160,18 @@ class ActivationOffload:
         self._moved.clear()  # autograd holds what backward needs
 
 
-def enable_activation_offload(model: nn.Module) -> ActivationOffload:
+def enable_activation_offload(model: nn.Module) -> OffloadHooks:
     """Offload ``model``'s saved activations in every forward from now on (idempotent).
 
     Args:
         model: the unwrapped model (an engine's wrapping calls it, so its hooks run).
 
     Returns:
-        The model's :class:`ActivationOffload`.
+        The model's :class:`OffloadHooks`.
     """
     offload = getattr(model, "_memtrain_activation_offload", None)
     if offload is None:
-        offload = ActivationOffload()
+        offload = OffloadHooks()
         model._memtrain_activation_offload = offload
         model._memtrain_activation_offload_hooks = (
             model.register_forward_pre_hook(offload._enter),
