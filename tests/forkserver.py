@@ -178,6 +178,22 @@ def _start_agent_store(port: int) -> int:
     return pid
 
 
+def _answer_cpu_info_once() -> None:
+    """Ask py-cpuinfo once here, through memtrain's per-process cache of its answer
+    (:func:`memtrain.distributed.cache_cpu_info`), so every forked run inherits the answer: each
+    question starts a Python subprocess (~1.1 s), which the suite's runs asked ~40 times (every
+    ``memtrain plan`` measures DeepSpeed's CPU Adam, whose constructor asks; so does each
+    ZeRO-offload run). The CPU is the same for every run of the session."""
+    from memtrain.distributed import cache_cpu_info
+
+    cache_cpu_info()
+    try:
+        import cpuinfo
+    except ImportError:  # no DeepSpeed: nothing asks
+        return
+    cpuinfo.get_cpu_info()
+
+
 def serve(address: str) -> None:
     """Import the libraries every run needs, then serve each client that connects to ``address``
     (a Unix socket) from a forked session, until the process that started the server exits."""
@@ -192,6 +208,7 @@ def serve(address: str) -> None:
 
     for name in WARM_MODULES + [m.name for m in pkgutil.walk_packages(memtrain.__path__, "memtrain.")]:
         importlib.import_module(name)
+    _answer_cpu_info_once()
     parent = os.getppid()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # finished sessions are reaped by the kernel
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
