@@ -194,9 +194,28 @@ def _answer_cpu_info_once() -> None:
     cpuinfo.get_cpu_info()
 
 
+def _build_transformers_caches() -> None:
+    """Build transformers' table of checkpoint weight renamings (a module-level cache of ~1,100
+    compiled patterns, 0.18 s) here, once: every run's export (``save_pretrained``) and every
+    ``from_pretrained`` reads it, and each forked run would otherwise build its own."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+        get_checkpoint_conversion_mapping("gpt2")
+    except Exception:  # noqa: BLE001 - another transformers version: each run builds what it needs
+        pass
+
+
 def serve(address: str) -> None:
     """Import the libraries every run needs, then serve each client that connects to ``address``
-    (a Unix socket) from a forked session, until the process that started the server exits."""
+    (a Unix socket) from a forked session, until the process that started the server exits.
+
+    The imported objects are frozen out of the garbage collector before any fork (``gc.freeze``,
+    as Python's documentation advises for a process that forks without exec): otherwise a run's
+    first full collection writes to every inherited object's header, and the kernel copies each
+    page it touches — 36,000 page faults and 0.3 s per rank, measured, which made a tiny 8-step
+    DDP run take 0.85 s instead of 0.57 s."""
+    import gc
     import importlib
     import pkgutil
     import select
@@ -209,6 +228,9 @@ def serve(address: str) -> None:
     for name in WARM_MODULES + [m.name for m in pkgutil.walk_packages(memtrain.__path__, "memtrain.")]:
         importlib.import_module(name)
     _answer_cpu_info_once()
+    _build_transformers_caches()
+    gc.collect()
+    gc.freeze()  # the imported objects out of the children's collections (below)
     parent = os.getppid()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # finished sessions are reaped by the kernel
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
