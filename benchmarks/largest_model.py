@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import threading
@@ -89,7 +90,16 @@ class HostPeak:
 
 
 def train_once(shape: str, config: str, device: str, steps: int, extra: list[str]) -> dict:
+    """One run of ``config`` at ``shape``: tokens/s, device and host peaks, memtrain's placement.
+    Its folder (the run's export included: ~20 GB for the 10B shape in bf16) is removed after."""
     out = scratch_dir(f"largest-{shape}-{config}")
+    try:
+        return _train_in(out, shape, config, device, steps, extra)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def _train_in(out: str, shape: str, config: str, device: str, steps: int, extra: list[str]) -> dict:
     with HostPeak() as host:
         try:
             records = run_memtrain([*shape_args(shape, device, steps), *CONFIGS[config], *extra], out, nproc=1)

@@ -7,6 +7,8 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -32,12 +34,16 @@ def suite(cache_dir) -> dict:
     """``gpu_suite.py --device cpu --quick``'s rows (run once for the module), and the results
     folder's files before and after it."""
     before = {p.name: p.stat().st_size for p in RESULTS.glob("*")}
+    scratch = set(Path(tempfile.gettempdir()).glob("memtrain-bench-*"))
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_suite.py"), "--device", "cpu", "--quick",
                            "--data_cache_dir", cache_dir], capture_output=True, text=True, timeout=1500, cwd=REPO,
                           env={**os.environ, FORK_SERVER_VAR: fork_server_address()})
     return {"returncode": proc.returncode, "stderr": proc.stderr, "before": before,
             "rows": [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")],
-            "after": {p.name: p.stat().st_size for p in RESULTS.glob("*")}}
+            "after": {p.name: p.stat().st_size for p in RESULTS.glob("*")},
+            # the benchmarks' scratch folders left behind (solver.py --quick's may be in use beside)
+            "scratch_left": {p.name for p in set(Path(tempfile.gettempdir()).glob("memtrain-bench-*")) - scratch
+                             if not p.name.startswith("memtrain-bench-solver")}}
 
 
 def run_quick(suite: dict, name: str) -> list[dict]:
@@ -50,7 +56,7 @@ def run_quick(suite: dict, name: str) -> list[dict]:
 @on_suite
 def test_gpu_suite_plumbing_runs_every_step_and_writes_nothing(suite):
     """Every step ran (the CUDA tests have nothing to run on a CPU), none failed, no result row or
-    table was written; on a GPU every benchmark step appends its rows (``--results``) and the
+    table was written, no scratch folder was left in the temporary directory; on a GPU every benchmark step appends its rows (``--results``) and the
     steps' limits fit the 25-minute budget."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     from gpu_suite import BUDGET_S, STEPS, command
@@ -60,6 +66,7 @@ def test_gpu_suite_plumbing_runs_every_step_and_writes_nothing(suite):
     assert ran == [s.name for s in STEPS if s.quick is not None] and "cuda_tests" not in ran
     assert suite["rows"][-1]["summary"]["failed"] == []
     assert suite["after"] == suite["before"]  # no rows appended, no gpu_tables.md
+    assert suite["scratch_left"] == set()  # each run's folder removed (a 10B run's export is ~20 GB)
     assert sum(s.limit_s for s in STEPS) <= BUDGET_S == 25 * 60
     for s in STEPS:
         cmd = command(s, quick=False, data_cache_dir=None)
