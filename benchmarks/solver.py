@@ -46,11 +46,13 @@ charged at a stated bandwidth, not timed (memtrain/activation_offload.py)."""
 MODES = {"off": ["--memory.levers", "off"], "auto": ["--memory.levers", "auto", *NO_OFFLOAD]}
 OFFLOAD_MODE = {"auto_offload": ["--memory.levers", "auto", "--memory.activation_offload", "auto"]}
 """``memory.levers auto`` that may also offload activations (reported beside, not in the goals)."""
+OOM_EVENTS = ("oom_shrink", "oom_replan", "activation_checkpointing_on", "grow_back_failed")
+
+
 def recovery(per_rank: int) -> dict[str, list[str]]:
     """Out-of-memory recovery under ``memory.levers auto``: the whole share in one micro-batch, too
     large at the tight and medium budgets; where the recovery lands is compared with ``auto``'s plan."""
     return {"auto_from_whole_share": ["--memory.levers", "auto", *NO_OFFLOAD, "--training.micro_batch_size", str(per_rank)]}
-OOM_EVENTS = ("oom_shrink", "oom_replan", "activation_checkpointing_on", "grow_back_failed")
 
 
 def spread(values: list[float]) -> dict:
@@ -116,10 +118,10 @@ def measure(engine: str, nproc: int, steps: int, repeats: int, names: list[str],
     base = CPU_ARGS + ENGINES[engine] + ["--training.global_batch_size", str(per_rank * nproc),
                                          "--training.micro_batch_size", "auto", "--training.max_steps", str(steps)]
     limits = budgets(predicted(base, nproc), per_rank)
+    recovering = recovery(per_rank)
     results = []
     for name in names:
         args = base + ["--faults.memory_budget_mib", repr(limits[name])]
-        recovering = recovery(per_rank)
         tps, ooms, last = alternate(args, {**MODES, **recovering}, nproc, repeats, f"solver_{engine}_{name}")
         plans = {mode: final_plan(records) if mode in recovering else chosen(records) for mode, records in last.items()}
         results.append({

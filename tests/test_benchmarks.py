@@ -56,8 +56,8 @@ def run_quick(suite: dict, name: str) -> list[dict]:
 @on_suite
 def test_gpu_suite_plumbing_runs_every_step_and_writes_nothing(suite):
     """Every step ran (the CUDA tests have nothing to run on a CPU), none failed, no result row or
-    table was written, no scratch folder was left in the temporary directory; on a GPU every benchmark step appends its rows (``--results``) and the
-    steps' limits fit the 25-minute budget."""
+    table was written, no scratch folder was left in the temporary directory; on a GPU every
+    benchmark step appends its rows (``--results``) and the steps' limits fit the 25-minute budget."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     from gpu_suite import BUDGET_S, STEPS, command
 
