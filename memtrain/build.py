@@ -90,15 +90,16 @@ def planner_factory(cfg: Config, corpus, objective, precision: str, process: Pro
         except Exception as exc:  # noqa: BLE001 - a model fake tensors cannot trace must not end the run
             error = exc
         restore(streams)
-        # every rank plans with the smallest budget, and either every rank has a planner or none
-        gathered = process.all_gather_object((error is None, planner.budget_bytes if planner else None))
-        if not all(ok for ok, _ in gathered):
+        # every rank plans with the smallest budgets (device, host), and either every rank has a planner or none
+        gathered = process.all_gather_object((error is None, planner.budget_bytes if planner else None,
+                                              planner.host_room_bytes if planner else None))
+        if not all(ok for ok, _, _ in gathered):
             if process.is_main:
                 log.warning("memtrain: the planner cannot trace this model (%s); out-of-memory recovery halves "
                             "the micro-batch instead", error or "on another rank")
             return None
-        budgets = [b for _, b in gathered if b is not None]
-        planner.restrict_budget(min(budgets) if budgets else None)
+        budgets, rooms = ([g[i] for g in gathered if g[i] is not None] for i in (1, 2))
+        planner.restrict_budget(min(budgets) if budgets else None, min(rooms) if rooms else None)
         return planner
 
     return make

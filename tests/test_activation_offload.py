@@ -177,6 +177,38 @@ def test_the_planner_charges_the_copies_a_cpu_run_cannot_time():
     assert estimated_step_s(moving, 1000, 32, 1e12, 0.0, 1e-3, 2e9) == pytest.approx(no_copies + 2 * 2 * 100 * MiB / 2e9)
 
 
+def test_on_cuda_offloaded_activations_must_fit_the_hosts_room(monkeypatch):
+    """A GPU run's offloaded activations wait in pinned host memory, which torch rounds up to a power
+    of two per block: a plan moving more than half a rank's host room does not fit (every rank
+    plans with the smallest room); the room is the available host memory shared by the
+    machine's ranks, at most memory.host_memory_gib less their processes; the simulated device
+    and a CPU run (one memory, counted by the device budget) have no separate room."""
+    import psutil
+    import torch
+
+    from memtrain.config import parse_args
+    from memtrain.memory.machine import offload_host_room_bytes
+    from memtrain.memory.planner import Candidate, Planner
+    from memtrain.plan import Plan
+
+    small = Candidate(Plan(2, 4, (("activation_offload", "on"),)), 3 * MiB, 1 * MiB, offloaded_bytes=50 * MiB)
+    large = Candidate(Plan(4, 2, (("activation_offload", "on"),)), 5 * MiB, 2 * MiB, offloaded_bytes=100 * MiB)
+    planner = Planner([large, small], 8 * MiB)
+    planner.restrict_budget(8 * MiB, 150 * MiB)
+    assert planner.fitting() == [small] and planner.host_room_bytes == 150 * MiB
+    planner.restrict_budget(8 * MiB, None)
+    assert planner.fitting() == [large, small]
+
+    cuda, cfg = torch.device("cuda"), parse_args([])
+    assert offload_host_room_bytes(cfg, torch.device("cpu")) is None
+    assert offload_host_room_bytes(parse_args(["--faults.memory_budget_mib", "64"]), cuda) is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert 0 < offload_host_room_bytes(cfg, cuda) <= psutil.virtual_memory().available // 2 + 256 * MiB
+    rss = psutil.Process().memory_info().rss
+    capped = offload_host_room_bytes(parse_args(["--memory.host_memory_gib", str((2 * rss + 64 * MiB) / 2**30)]), cuda)
+    assert capped == pytest.approx(32 * MiB, abs=16 * MiB)  # (the cap - 2 processes) / 2 ranks
+
+
 def test_the_solver_turns_it_on_only_when_asked():
     """``memory.activation_offload``: on and off are what they say; auto is off, unless
     ``memory.levers auto`` lets the solver choose. A bandwidth that is not positive is refused,

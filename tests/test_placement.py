@@ -140,6 +140,54 @@ def test_a_lossier_state_dtype_must_be_clearly_faster_and_bf16_keeps_its_beta2_l
     assert view.optimizer.state_dtype == "int8" and not view.memory.allow_lossy_levers and cfg.memory.allow_lossy_levers
 
 
+def test_a_lossier_state_dtype_is_charged_its_measured_optimizer_step_before_it_may_win():
+    """A row with lossier moments is charged its optimizer step's measured cost beyond fp32 moments'
+    (parameters a rank steps × (1 / its rate − 1 / fp32's rate)) before it may be chosen, and only
+    the rates of dtypes that would be chosen are measured: int8 rows predicted 10% faster lose to
+    fp32 once int8's rate (10⁷ parameters/s against 10⁹) adds 0.099 s per step; at fp32's rate they
+    win. Ranks using every core share them. On this CPU bf16 moments' step is measured slower than
+    fp32's fused kernel."""
+    import dataclasses
+    import os
+
+    import torch
+
+    from memtrain.levers.optimizer_state import choose_charging_steps, step_seconds_over_fp32
+    from memtrain.memory.machine import optimizer_params_per_s
+    from memtrain.memory.placement import choose
+
+    def row(dtype, step_s, engine="ddp"):
+        return Placement(engine, None, "none", state_dtype=dtype, predicted_step_s=step_s, fits_device=True,
+                         fits_host=True)
+
+    def rates(int8):
+        asked = []
+
+        def rate(dtype, device):
+            asked.append((dtype, device))
+            return {"fp32": 1e9, "bf16": 5e8, "int8": int8}[dtype]
+        return rate, asked
+
+    n = 10**6
+    for int8_rate, chosen, charged in ((1e7, "fp32", n * (1e-7 - 1e-9)), (1e9, "int8", 0.0)):
+        rate, asked = rates(int8_rate)
+        table = [row("fp32", 1.0), row("bf16", 0.98), row("int8", 0.9)]
+        assert choose(table).state_dtype == "int8"  # uncharged: int8 is the fastest by 10%
+        best = choose_charging_steps(table, choose, n, 1, dataclasses.replace(machine(), optimizer_params_per_s=rate))
+        assert best.state_dtype == chosen
+        assert table[2].state_dtype_s == pytest.approx(charged) and table[2].predicted_step_s == pytest.approx(0.9 + charged)
+        assert table[1].state_dtype_s is None and sorted(set(asked)) == [("fp32", "cuda"), ("int8", "cuda")]
+    cpu = dataclasses.replace(machine(ranks=2), device_type="cpu", optimizer_params_per_s=rates(1e7)[0])
+    threads = torch.get_num_threads()
+    try:  # FSDP2 on 2 ranks steps half the parameters on each; 2 ranks using every core each share them
+        torch.set_num_threads(os.cpu_count())
+        assert step_seconds_over_fp32(row("int8", 1.0, "fsdp"), n, 2, cpu) == pytest.approx(n / 2 * 2 * (1e-7 - 1e-9))
+    finally:
+        torch.set_num_threads(threads)
+    assert choose_charging_steps([row("int8", 0.9)], choose, n, 1, machine()).state_dtype_s is None  # no rates
+    assert optimizer_params_per_s("bf16", "cpu") < optimizer_params_per_s("fp32", "cpu")
+
+
 def test_host_memory_is_a_budget_and_nvme_is_planned_only_with_a_folder():
     table = plan_placements(candidates(), variants(("deepspeed",), (3,), False), SHAPE, "bf16", 1,
                             machine(device_gib=16, host_gib=32))
@@ -389,9 +437,9 @@ def test_cpu_info_is_asked_once_per_process(monkeypatch):
 def test_allowed_lossy_states_are_chosen_where_fp32_cannot_fit_and_kept_on_resume(tmp_path, cache_dir):
     """DDP with memory.levers auto and memory.allow_lossy_levers on a 0.9 MiB simulated device, where
     the tiny model's fp32 state does not fit beside its activations and its state with bf16 moments
-    does: the run takes bf16 moments (placement.json marks that row; the metrics, the checkpoint's
-    engine spec and its saved moments say bf16) and never runs out of memory. Resumed on a roomy
-    device, where a fresh run keeps fp32, it keeps bf16."""
+    does: the run takes bf16 moments (placement.json marks that row, charged bf16's measured slower
+    optimizer step; the metrics, the checkpoint's engine spec and its saved moments say bf16) and
+    never runs out of memory. Resumed on a roomy device, where a fresh run keeps fp32, it keeps bf16."""
     from conftest import launch, read_metrics
 
     def run(out, *extra):
@@ -404,6 +452,7 @@ def test_allowed_lossy_states_are_chosen_where_fp32_cannot_fit_and_kept_on_resum
     run(tmp_path, "--faults.memory_budget_mib", "0.9", "--training.max_steps", "2")
     table = json.loads((tmp_path / "placement.json").read_text())["placements"]
     assert [p["state_dtype"] for p in table if p["chosen"]] == ["bf16"]
+    assert next(p for p in table if p["chosen"])["state_dtype_s"] > 0  # its step measured slower than fp32's, charged
     assert not next(p for p in table if p["state_dtype"] == "fp32")["fits_device"]
     records = read_metrics(tmp_path)
     assert [r["optimizer_state_dtype"] for r in records] == ["bf16", "bf16"]

@@ -4,7 +4,9 @@ moments in fp32 (8 bytes per parameter), bf16 (4) or torchao's block-wise int8 (
 (:func:`memtrain.memory.accounting.adam_state_bytes`) counts its bytes. Lossy below fp32: a
 plan never moves it once the engine is built; the config sets it, or, with
 ``memory.allow_lossy_levers``, the placement planner before the build (:func:`planner_dtypes`;
-``memtrain plan`` shows what each setting would save)."""
+``memtrain plan`` shows what each setting would save), which charges a lossier dtype's optimizer
+step at the rate measured on the run's machine (:func:`choose_charging_steps`: on a CPU, bf16
+moments step ~9× and torchao's int8 ~75× slower per parameter than fp32's fused kernel)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,42 @@ def planner_dtypes(cfg, engine: str) -> tuple[str, ...]:
         return (dtype,)
     lossy = (("bf16",) if cfg.training.adam_beta2 <= BF16_MAX_BETA2 else ())
     return (dtype,) + lossy + (("int8",) if importlib.util.find_spec("torchao") is not None else ())
+
+
+def step_seconds_over_fp32(p, n_params: int, world_size: int, machine) -> float:
+    """Seconds per optimizer step placement ``p``'s AdamW takes beyond the same step with fp32
+    moments (negative where faster), at ``machine``'s measured rates
+    (:func:`memtrain.memory.machine.optimizer_params_per_s`): a rank steps every parameter under
+    DDP, its 1/``world_size`` shard under FSDP2; on the device, or on the host under CPU offload,
+    where the machine's ranks, each with this process's threads, share its cores."""
+    import os
+
+    import torch
+
+    device = machine.device_type if p.offload == "none" else "cpu"
+    stepped = n_params / (world_size if p.engine == "fsdp" else 1)
+    if device == "cpu":
+        stepped *= max(1.0, machine.ranks_per_host * torch.get_num_threads() / (os.cpu_count() or 1))
+    rate = machine.optimizer_params_per_s
+    return stepped * (1 / rate(p.state_dtype, device) - 1 / rate("fp32", device))
+
+
+def choose_charging_steps(table: list, choose, n_params: int, world_size: int, machine):
+    """``choose(table)`` (the placement planner's choice) with the measured step of each lossier
+    state dtype charged before a row of it may win: while the choice has bf16 or int8 moments not
+    yet charged, :func:`step_seconds_over_fp32` is added to the predicted step of every row with
+    those moments (and kept in its ``state_dtype_s``) and the choice made again. A dtype is
+    measured only where it would otherwise be chosen (int8's first step compiles); without rates
+    (``machine.optimizer_params_per_s`` None: another machine's plan) this is ``choose(table)``."""
+    while True:
+        best = choose(table)
+        if (best is None or best.state_dtype not in LOSSY or best.state_dtype_s is not None
+                or machine.optimizer_params_per_s is None):
+            return best
+        for p in table:
+            if p.state_dtype == best.state_dtype:
+                p.state_dtype_s = step_seconds_over_fp32(p, n_params, world_size, machine)
+                p.predicted_step_s += p.state_dtype_s
 
 
 class OptimizerStateDtype(EngineSetting):

@@ -21,7 +21,6 @@ lives after backward, when the activations are gone.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import json
 import os
@@ -144,7 +143,7 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
         "activation_bytes": ac_bytes,
         "model_state_bytes": engines,
         "placements": [p.as_dict() for p in placements],
-        "machine": dataclasses.asdict(machine),
+        "machine": machine.as_dict(),
         "cpu_adam_source": adam_source, "placement_decides": cfg.backend.offload == "auto",
         "per_rank_total_bytes": _per_rank_totals(engines, tables, choices, micro, per_rank),
         "optimizer_state_dtype": cfg.optimizer.state_dtype,
@@ -242,8 +241,9 @@ def _placements(cfg, shape, n: int, precision: str, world_size: int, device_type
     (``gpu_given``, no ``host_memory_gib`` here or in the config) plans an unbounded host: each
     placement shows the host memory it needs. ``cpu_adam``: the target's CPU Adam rate (None:
     measured here); ``nodes``: machines sharing the ranks."""
+    from memtrain.levers.optimizer_state import choose_charging_steps
     from memtrain.memory.machine import (PLAN_PROCESS_BYTES, Machine, cpu_adam_params_per_s, host_budget_bytes,
-                                         process_bytes)
+                                         optimizer_params_per_s, process_bytes)
     from memtrain.memory.placement import allowed_pool, choose, nvme_usable, plan_model, planning_pool
 
     gpu_here = torch.cuda.is_available()
@@ -253,8 +253,10 @@ def _placements(cfg, shape, n: int, precision: str, world_size: int, device_type
         host = None  # another machine's GPU, its host not given: show what each placement needs
     else:
         host = host_budget_bytes(cfg.memory.host_memory_gib)
+    here = device_type == "cpu" or gpu_here  # the planned device is this machine's: its rates are measured
     machine = Machine(budget, host, world_size // nodes, device_type, flops, cpu_adam or cpu_adam_params_per_s(),
-                      process_bytes(device_type) if device_type == "cpu" or gpu_here else PLAN_PROCESS_BYTES, nvme_path)
+                      process_bytes(device_type) if here else PLAN_PROCESS_BYTES, nvme_path,
+                      optimizer_params_per_s if here else None)
     pool = planning_pool(cfg, nvme_usable(nvme_path))
     own = allowed_pool(cfg, nvme_usable(nvme_path))
     names = {p.name for p in pool}
@@ -262,7 +264,8 @@ def _placements(cfg, shape, n: int, precision: str, world_size: int, device_type
                        pool + [p for p in own if p.name not in names])
     if cfg.backend.offload != "auto":  # the run takes the config's placement (the dtype it chooses), whatever is faster
         own_names = {p.name for p in own}
-        run = choose([p for p in table if p.name in own_names]) or next(p for p in table if p.name == own[0].name)
+        run = (choose_charging_steps([p for p in table if p.name in own_names], choose, shape.parameters, world_size,
+                                     machine) or next(p for p in table if p.name == own[0].name))
         for p in table:
             p.chosen = p is run
     return machine, table

@@ -1,13 +1,15 @@
 """Facts of the machine a run plans for: the device and host budgets, the device's achieved
-matmul rate, CPU Adam's rate, a process's own resident bytes. Measured here when a run plans for
+matmul rate, CPU Adam's rate, the optimizer's rate per state dtype, a process's own resident
+bytes, the host room of offloaded activations. Measured here when a run plans for
 this machine; ``memtrain plan`` may describe another machine instead (its options).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -38,6 +40,10 @@ class Machine:
         cpu_adam_params_per_s: parameters per second CPU Adam steps on this host (all cores).
         process_bytes: host bytes each rank's process uses besides offloaded state.
         nvme_path: a folder for NVMe offload, or None.
+        optimizer_params_per_s: ``(state_dtype, device_type) -> parameters per second`` the run's
+            AdamW steps with its moments in ``state_dtype`` (:func:`optimizer_params_per_s`, measured
+            on first use); None when the machine is not this one (``memtrain plan`` for another):
+            a lossier dtype's slower step is then not counted.
     """
 
     device_bytes: Optional[int]
@@ -48,6 +54,12 @@ class Machine:
     cpu_adam_params_per_s: float
     process_bytes: int
     nvme_path: Optional[str] = None
+    optimizer_params_per_s: Optional[Callable[[str, str], float]] = None
+
+    def as_dict(self) -> dict:
+        """The fields as JSON values (the optimizer's rate function as whether there is one)."""
+        out = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        return {**out, "optimizer_params_per_s": "measured" if self.optimizer_params_per_s else None}
 
 
 def device_budget_bytes(cfg, device: torch.device) -> Optional[int]:
@@ -110,12 +122,62 @@ def cpu_adam_params_per_s(n: int = 2**22) -> float:
     return n / best
 
 
+@functools.cache
+def optimizer_params_per_s(state_dtype: str, device_type: str, n: int = 2**20) -> float:
+    """Parameters per second memtrain's AdamW (:func:`memtrain.optim.make_optimizer`) steps on this
+    machine's ``device_type`` (``cpu|cuda``) with its moments in ``state_dtype`` (``fp32|bf16|int8``):
+    the fastest of the steps of one ``n``-element fp32 matrix timed over at least 0.25 s (3 at least,
+    after 2 untimed: int8's first step compiles torchao's kernel, seconds once per process). An fp32
+    step takes under a millisecond, and a container's CPU quota can stall a process for the rest of
+    a 0.1 s period: the window spans several. Measured once per process and arguments.
+
+    Raises:
+        memtrain.errors.ConfigError: ``int8`` without torchao installed.
+    """
+    from memtrain.config import TrainingConfig
+    from memtrain.optim import make_optimizer
+
+    layer = torch.nn.Linear(1024, n // 1024, bias=False, device=device_type)
+    layer.weight.grad = torch.full_like(layer.weight, 1e-3)
+    opt = make_optimizer(layer, TrainingConfig(), state_dtype)
+    best, timed, spent = float("inf"), -2, 0.0
+    while timed < 3 or spent < 0.25:
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        opt.step()
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        seconds, timed = time.perf_counter() - start, timed + 1
+        if timed > 0:
+            best, spent = min(best, seconds), spent + seconds
+    return n / best
+
+
 def process_bytes(device_type: str) -> int:
     """Host bytes this process uses now (its resident set), plus a CUDA context not yet created."""
     import psutil
 
     pending = device_type == "cuda" and not torch.cuda.is_initialized()
     return psutil.Process().memory_info().rss + (CUDA_CONTEXT_HOST_BYTES if pending else 0)
+
+
+def offload_host_room_bytes(cfg, device: torch.device) -> Optional[int]:
+    """Host bytes one rank's offloaded activations may take (``memory.activation_offload``): on
+    CUDA, the host memory available now — at most ``memory.host_memory_gib`` less what the
+    machine's ranks' processes hold — shared by its ranks (``LOCAL_WORLD_SIZE``); None on the
+    simulated device or a CPU (one memory: the device budget counts them)."""
+    import os
+
+    import psutil
+
+    if cfg.faults.memory_budget_mib > 0 or device.type != "cuda":
+        return None
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    room = psutil.virtual_memory().available
+    if cfg.memory.host_memory_gib > 0:
+        room = min(room, int(cfg.memory.host_memory_gib * 2**30) - ranks * psutil.Process().memory_info().rss)
+    return max(0, room // ranks)
 
 
 def host_budget_bytes(host_memory_gib: float, ranks_per_host: int = 1) -> int:

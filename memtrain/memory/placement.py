@@ -62,7 +62,8 @@ class Placement:
     ``offload_optimizer_ratio`` is the fraction of the optimizer state on the host (``tune_ratio``:
     the planner chooses it); ``nvme``: the offloaded state is in files. ``device_bytes`` is per
     rank, ``host_bytes`` for all ranks of a machine, ``nvme_bytes`` per rank; ``state_dtype`` is
-    ``optimizer.state_dtype`` (DDP and FSDP2 take bf16 and int8)."""
+    ``optimizer.state_dtype`` (DDP and FSDP2 take bf16 and int8); ``state_dtype_s``, in
+    ``predicted_step_s``, its measured step beyond fp32 moments' (None: not measured)."""
 
     engine: str
     zero_stage: Optional[int]
@@ -81,6 +82,7 @@ class Placement:
     fits_host: bool = False
     chosen: bool = False
     state_dtype: str = "fp32"
+    state_dtype_s: Optional[float] = None
 
     @property
     def name(self) -> str:
@@ -173,11 +175,6 @@ def _offload_seconds(p: Placement, n_params: int, p_bytes: int, world_size: int,
     return seconds
 
 
-def _ratios() -> list[float]:
-    steps = round(1 / RATIO_STEP)
-    return [round(i * RATIO_STEP, 4) for i in range(1, steps + 1)]
-
-
 def plan_placements(candidates, pool: list[Placement], shape: ModelShape,
                     precision: str, world_size: int, machine: Machine) -> list[Placement]:
     """Size and time every placement of ``pool`` at its best micro-batch plan and choose.
@@ -191,13 +188,16 @@ def plan_placements(candidates, pool: list[Placement], shape: ModelShape,
         precision: ``bf16|fp16|fp32``; world_size: ranks; machine: the budgets and rates.
 
     Returns:
-        ``pool``, each with its best plan (the fastest that fits, else the smallest); the fastest
-        fitting one has ``chosen`` set.
+        ``pool``, each with its best plan (the fastest that fits, else the smallest); the one
+        :func:`choose` takes (lossier moments charged their measured step) has ``chosen`` set.
     """
+    from memtrain.levers.optimizer_state import choose_charging_steps
+
     plans_of = candidates if callable(candidates) else lambda p: candidates
     for p in pool:
         best = None
-        ratios = _ratios()[:-1] if p.tune_ratio else [p.offload_optimizer_ratio]
+        ratios = [round(i * RATIO_STEP, 4) for i in range(1, round(1 / RATIO_STEP))] if p.tune_ratio \
+            else [p.offload_optimizer_ratio]  # a partial offload: every fraction below 1
         for ratio in ratios:
             trial = dataclasses.replace(p, offload_optimizer_ratio=ratio)
             for c in plans_of(p):
@@ -206,7 +206,7 @@ def plan_placements(candidates, pool: list[Placement], shape: ModelShape,
                     best = dataclasses.replace(trial)
         for field in dataclasses.fields(Placement):
             setattr(p, field.name, getattr(best, field.name))
-    best = choose(pool)
+    best = choose_charging_steps(pool, choose, shape.parameters, world_size, machine)
     if best is not None:
         best.chosen = True
     return pool
@@ -214,8 +214,9 @@ def plan_placements(candidates, pool: list[Placement], shape: ModelShape,
 
 LOSSY_MARGIN = 0.05
 """A lossier optimizer state dtype is chosen only when predicted this much faster (a fraction of
-the step) than the fastest fitting placement with less lossy moments: a larger micro-batch it lets
-fit saves little, and the prediction does not count int8's slower, compiled step."""
+the step, its measured slower optimizer step counted:
+:func:`memtrain.levers.optimizer_state.choose_charging_steps`) than the fastest fitting placement
+with less lossy moments: a larger micro-batch it lets fit saves little."""
 
 
 def choose(table: list[Placement]) -> Optional[Placement]:
@@ -412,15 +413,15 @@ def configured_offload(cfg) -> tuple[str, float, bool]:
 def run_machine(cfg, device: torch.device, world_size: int) -> Machine:
     """The machine a run plans for: the device budget of :func:`memtrain.memory.machine.device_budget_bytes`,
     ``memory.host_memory_gib`` (else the available memory), this process's resident bytes, the
-    device's matmul rate and CPU Adam's rate, both measured here."""
+    device's matmul rate, CPU Adam's rate and the optimizer's per state dtype, measured here."""
     from memtrain.memory.machine import (cpu_adam_params_per_s, device_budget_bytes, device_flops_per_s,
-                                         host_budget_bytes, process_bytes)
+                                         host_budget_bytes, optimizer_params_per_s, process_bytes)
 
     device_type = "cpu" if cfg.faults.memory_budget_mib > 0 else device.type
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     return Machine(device_budget_bytes(cfg, device), host_budget_bytes(cfg.memory.host_memory_gib, ranks), ranks,
                    device_type, device_flops_per_s(device.type), cpu_adam_params_per_s(), process_bytes(device.type),
-                   cfg.backend.nvme_path)
+                   cfg.backend.nvme_path, optimizer_params_per_s)
 
 
 def resolve(cfg, corpus, process, precision: str, source=None, objective=None):

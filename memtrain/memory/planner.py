@@ -10,11 +10,13 @@ and on). For each the planner predicts the peak device memory and measures the s
   its forward and backward are counted (:mod:`memtrain.memory.step_trace`: saved activations and
   the transients beside them, e.g. the logits' gradient; under a simulated device only what
   autograd saves, which is all it counts). A model of many alike blocks is traced at a few depths
-  and extrapolated where the growth per block is exact (:func:`by_depth`). Planning a
-  10B-parameter model takes seconds and no memory. The prediction is model state (the engine's
-  accounting, ``model_state_bytes``, its buffers included) + that peak (+ on CUDA, a headroom
-  for the allocator: :func:`memtrain.memory.accounting.with_allocator_headroom`);
-  ``benchmarks/memory_accuracy.py`` checks it against torch's ``MemTracker`` on real runs.
+  and extrapolated where the growth per block is exact (:func:`memtrain.memory.depth.by_depth`).
+  Planning a 10B-parameter model takes seconds and no memory. The prediction is model state (the
+  engine's accounting, ``model_state_bytes``, its buffers included) + that peak (+ on CUDA, a
+  headroom for the allocator: :func:`memtrain.memory.accounting.with_allocator_headroom`);
+  ``benchmarks/memory_accuracy.py`` checks it against torch's ``MemTracker`` on real runs. On
+  CUDA a candidate whose offloaded activations need more pinned host memory than a rank has
+  (:func:`memtrain.memory.machine.offload_host_room_bytes`) does not fit either.
 - **Step time, measured.** A run times the forward and backward of a whole rank batch (every
   micro-batch and the gradient reduction, no optimizer step) at each candidate predicted to
   fit, on the real engine and data; the seconds are averaged over ranks, so every rank holds
@@ -41,7 +43,8 @@ import torch
 from torch import nn
 
 from memtrain.memory.accounting import divisors, with_allocator_headroom
-from memtrain.memory.machine import device_budget_bytes
+from memtrain.memory.depth import by_depth
+from memtrain.memory.machine import device_budget_bytes, offload_host_room_bytes
 from memtrain.memory.step_trace import compute_precision_model
 from memtrain.levers import restore_settings
 from memtrain.plan import Plan
@@ -53,6 +56,11 @@ step time varies by tens of percent on a busy host, so one probe cannot rule it 
 CLOSE_RATIO = 1.25
 """Candidates whose best of two probes is within this × the fastest are timed a third time (a
 plan still slowed by the warm-up after an OOM was measured 1.2–1.6× its settled time)."""
+
+
+PINNED_ROUNDING = 2
+"""Host bytes per offloaded byte at most: torch's caching host allocator rounds each pinned block up
+to a power of two (and keeps it cached for reuse)."""
 
 
 @dataclass
@@ -228,6 +236,7 @@ class Planner:
     Attributes:
         bound_bytes: the budget as learned: after an out-of-memory error, at most the predicted
             peak of the plan that failed, minus one byte.
+        host_room_bytes: host bytes a rank's offloaded activations may take (None = unbounded).
     """
 
     def __init__(self, candidates: list[Candidate], budget_bytes: Optional[int],
@@ -235,18 +244,22 @@ class Planner:
                  copy_bytes_per_s: Optional[float] = None):
         self.candidates = candidates
         self.copy_bytes_per_s = copy_bytes_per_s
-        self.budget_bytes = budget_bytes
-        self.bound_bytes = budget_bytes
+        self.budget_bytes = self.bound_bytes = budget_bytes
+        self.host_room_bytes: Optional[int] = None
         self.prober = prober
         self.shortlist = shortlist
         self._warmed_up = False  # the process's first probe runs twice (cold start)
 
-    def restrict_budget(self, budget_bytes: Optional[int]) -> None:
-        """Plan for ``budget_bytes`` (e.g. the smallest of all ranks' budgets): candidates above
-        it no longer fit."""
+    def restrict_budget(self, budget_bytes: Optional[int], host_room_bytes: Optional[int] = None) -> None:
+        """Plan for ``budget_bytes`` (e.g. the smallest of all ranks' budgets) and ``host_room_bytes``
+        (host bytes a rank's offloaded activations may take, None = unbounded:
+        :func:`memtrain.memory.machine.offload_host_room_bytes`): candidates above either no
+        longer fit. Pinned host copies count :data:`PINNED_ROUNDING` × the offloaded bytes."""
         self.budget_bytes = self.bound_bytes = budget_bytes
+        self.host_room_bytes = host_room_bytes
         for c in self.candidates:
-            c.fits = budget_bytes is None or c.predicted_peak_bytes <= budget_bytes
+            c.fits = ((budget_bytes is None or c.predicted_peak_bytes <= budget_bytes)
+                      and (host_room_bytes is None or c.offloaded_bytes * PINNED_ROUNDING <= host_room_bytes))
 
     def get(self, plan: Plan) -> Optional[Candidate]:
         """The candidate of ``plan``, or None."""
@@ -409,73 +422,6 @@ class Planner:
                     c.predicted_step_s = seconds
 
 
-def by_depth(model: nn.Module, blocks: list[nn.Module], period: int, trace: Callable[[], int]) -> int:
-    """``trace()``'s bytes for ``model``, traced at a few depths and extrapolated when that is exact.
-
-    A model of ``L`` alike blocks (same class, same parameter shapes, in one ``nn.ModuleList``, and
-    no per-layer kinds in its config: transformers' ``layer_types`` all one) is traced with only its
-    first ``period``, ``2·period`` and ``3·period`` blocks (``period``: the activation-checkpointing
-    pattern, which repeats every ``period`` blocks). When the three peaks grow by the same number
-    of bytes per ``period`` blocks, the peak of all ``L`` is the first plus that step
-    ``L / period − 1`` times: a 48-block model costs three traces of 6 blocks in all instead of
-    one of 48. Otherwise (fewer than ``7·period`` blocks, where the whole trace is as cheap; ``L``
-    not a multiple of ``period``; blocks that differ; a model that cannot run shortened; steps
-    that differ) the whole model is traced. The peak is the largest of the step's phases, each
-    growing linearly with depth; were a phase that grows faster to overtake the others only past
-    ``3·period`` blocks, the extrapolation would be low — in transformer blocks every phase
-    holds the same saved activations per block, and the results equal the whole trace on GPT-2
-    and Llama shapes with AC off, selective and on (tests/test_planner.py, ``memtrain plan``'s
-    10B Llama).
-
-    Args:
-        model: a fake model (:func:`memtrain.memory.step_trace.fake_model`); its block list is restored before returning.
-        blocks: its repeated blocks (:func:`memtrain.backends.common.repeated_blocks`).
-        period: blocks per repetition of the levers' pattern (1 when every block is alike).
-        trace: traces ``model`` as it stands and returns bytes (e.g. :func:`step_trace.step_peak_bytes`),
-            or a tuple of byte counts (each extrapolated; all must grow alike per ``period`` blocks).
-
-    Returns:
-        Bytes, or the tuple (``trace()`` of the whole model, or its extrapolation).
-    """
-    holder = _block_list(model, blocks)
-    depth = len(blocks)
-    if holder is None or depth % period or depth < 7 * period:
-        return trace()
-    parent, name, full = holder
-    peaks = []
-    try:
-        for k in (period, 2 * period, 3 * period):
-            setattr(parent, name, full[:k])
-            peaks.append(trace())
-    except Exception:  # noqa: BLE001 — a model that cannot run shortened is traced whole
-        peaks = []
-    finally:
-        setattr(parent, name, full)
-    counts = [p if isinstance(p, tuple) else (p,) for p in peaks]
-    steps = [tuple(b - a for a, b in zip(x, y)) for x, y in zip(counts, counts[1:])]
-    if len(peaks) < 3 or steps[0] != steps[1]:
-        return trace()
-    whole = tuple(a + (depth // period - 1) * d for a, d in zip(counts[0], steps[0]))
-    return whole if isinstance(peaks[0], tuple) else whole[0]
-
-
-def _block_list(model: nn.Module, blocks: list[nn.Module]) -> Optional[tuple[nn.Module, str, nn.ModuleList]]:
-    """``(parent, attribute, list)`` of the ``nn.ModuleList`` that is exactly ``blocks``, when they
-    are alike (one class, the same parameter shapes, one kind in ``config.layer_types``); else None."""
-    kinds = getattr(getattr(model, "config", None), "layer_types", None)
-    if not blocks or (kinds is not None and len(set(map(str, kinds))) > 1):
-        return None
-    shapes = [tuple(p.shape) for p in blocks[0].parameters()]
-    if any(type(b) is not type(blocks[0]) or [tuple(p.shape) for p in b.parameters()] != shapes for b in blocks):
-        return None
-    for parent in model.modules():
-        for name, child in parent.named_children():
-            if isinstance(child, nn.ModuleList) and len(child) == len(blocks) and all(
-                    a is b for a, b in zip(child, blocks)):
-                return parent, name, child
-    return None
-
-
 def trace_batch(corpus, micro_batch_size: int) -> dict[str, torch.Tensor]:
     """The micro-batch the planner traces: the first samples, or for corpora of varying length
     (speech) the longest ones, so the prediction holds for every step."""
@@ -585,6 +531,8 @@ def build_planner(cfg, corpus, objective, precision: str, device: torch.device, 
     budget = device_budget_bytes(cfg, device)
     extra = {} if simulated else {"accumulation_bytes": state.get("accumulation_gradient_bytes", 0),
                                   "step_bytes": state.get("step_gradient_bytes", 0)}
-    return Planner(make_candidates(per_rank_batch, choices, device_state_bytes(state), acts, device_type, budget,
-                                   **extra), budget, shortlist=cfg.memory.levers == "auto",
-                   copy_bytes_per_s=cfg.memory.activation_offload_bandwidth_gb_s * 1e9 if device.type == "cpu" else None)
+    planner = Planner(make_candidates(per_rank_batch, choices, device_state_bytes(state), acts, device_type, budget,
+                                      **extra), budget, shortlist=cfg.memory.levers == "auto",
+                      copy_bytes_per_s=cfg.memory.activation_offload_bandwidth_gb_s * 1e9 if device.type == "cpu" else None)
+    planner.restrict_budget(budget, offload_host_room_bytes(cfg, device))  # build.py: every rank's smallest rules
+    return planner
