@@ -8,6 +8,7 @@ configuration), so the docs show what the code measured and nothing typed by han
     python benchmarks/tables.py solver                         # memory.levers auto vs off at three budgets
     python benchmarks/tables.py solver_exhaustive              # auto vs every fitting lever setting, timed
     python benchmarks/tables.py lossy_levers                   # optimizer.state_dtype: loss and bytes
+    python benchmarks/tables.py lossy_step_cost                # the planner's charge for a lossier step vs timed
     python benchmarks/tables.py seq_len_reach                  # the longest data.seq_len under one budget
     python benchmarks/tables.py placement_accuracy             # the placement accounting vs DeepSpeed's tensors
 """
@@ -228,6 +229,20 @@ def lossy_levers(device: str) -> str:
     return "\n".join(out)
 
 
+def lossy_step_cost(device: str) -> str:
+    """``benchmarks/lossy_levers.py --step_cost``: the newest row per lossier dtype."""
+    rows = newest_by("lossy_step_cost", device, lambda row: row["optimizer_state_dtype"])
+    out = ["| optimizer.state_dtype | charged by the planner (ms per step) | measured: step − fp32's step (ms; min / "
+           "median / max) | step ms (median) | fp32 step ms (median) | repeats |", "|---|---|---|---|---|---|"]
+    for dtype in STATE_DTYPES:
+        if dtype in rows:
+            r = rows[dtype]
+            extra = " / ".join(f"{r['measured_extra_s'][k] * 1e3:.1f}" for k in ("min", "median", "max"))
+            out.append(f"| {dtype} | {r['charged_s'] * 1e3:.1f} | {extra} | {statistics.median(r['step_s']) * 1e3:.0f} "
+                       f"| {statistics.median(r['fp32_step_s']) * 1e3:.0f} | {r['repeats']} |")
+    return "\n".join(out)
+
+
 def seq_len_reach(device: str) -> str:
     """``benchmarks/seq_len_reach.py``: the newest row per engine."""
     rows = newest_by("seq_len_reach", device, lambda row: row["engine"])
@@ -275,7 +290,8 @@ def placement_accuracy(device: str) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("benchmark", choices=["oom_stress", "largest_model_plan", "overhead", "memory_accuracy", "solver",
-                                              "solver_exhaustive", "lossy_levers", "seq_len_reach", "placement_accuracy"])
+                                              "solver_exhaustive", "lossy_levers", "lossy_step_cost", "seq_len_reach",
+                                              "placement_accuracy"])
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     if args.benchmark == "largest_model_plan":
@@ -283,7 +299,7 @@ def main(argv=None) -> int:
         return 0
     simple = {"overhead": overhead, "memory_accuracy": memory_accuracy, "solver": solver, "lossy_levers": lossy_levers,
               "seq_len_reach": seq_len_reach, "placement_accuracy": placement_accuracy,
-              "solver_exhaustive": solver_exhaustive}
+              "solver_exhaustive": solver_exhaustive, "lossy_step_cost": lossy_step_cost}
     if args.benchmark in simple:
         print(simple[args.benchmark](args.device))
         return 0

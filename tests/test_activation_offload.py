@@ -155,8 +155,9 @@ def test_the_planner_predicts_what_the_simulated_device_counts_and_what_moves(ca
 
 def test_the_planner_charges_the_copies_a_cpu_run_cannot_time():
     """On a CPU run (host and device one memory) a probe of an offloading plan is charged its copies
-    (2 × bytes moved per micro-batch at the stated rate), so the solver weighs them; a GPU run's
-    probes are taken as measured; ``memtrain plan``'s estimate adds them too."""
+    (2 × bytes moved per micro-batch at the stated rate), so the solver weighs them — a resumed
+    run at its own rate; a GPU run's probes are taken as measured; ``memtrain plan``'s estimate
+    adds them too."""
     from memtrain.memory.planner import Candidate, Planner, estimated_step_s
     from memtrain.plan import Plan
 
@@ -175,6 +176,11 @@ def test_the_planner_charges_the_copies_a_cpu_run_cannot_time():
     assert moving.measured_step_s == 1.0
     no_copies = estimated_step_s(plain, 1000, 32, 1e12, 0.0, 1e-3)
     assert estimated_step_s(moving, 1000, 32, 1e12, 0.0, 1e-3, 2e9) == pytest.approx(no_copies + 2 * 2 * 100 * MiB / 2e9)
+    plain, moving, planner = table(1e9)  # a resumed run with another bandwidth charges the copies at its own
+    resumed = table(4e9)[2]
+    resumed.load_state_dict(planner.state_dict())
+    assert resumed.get(moving.plan).measured_step_s == pytest.approx(1.0 + 2 * 2 * 100 * MiB / 4e9)
+    assert resumed.get(plain.plan).measured_step_s == 1.0
 
 
 def test_on_cuda_offloaded_activations_must_fit_the_hosts_room(monkeypatch):

@@ -392,10 +392,16 @@ class Planner:
             self.bound_bytes = candidate.predicted_peak_bytes
 
     def state_dict(self) -> dict:
-        """What was learned (the bound, measured times, refuted candidates), for checkpoints."""
-        return {"bound_bytes": self.bound_bytes, "per_rank_batch": self._per_rank_batch(),
-                "candidates": [[c.micro_batch_size, c.plan.settings(), c.step_s,
-                                c.measured_step_s is not None, c.fits] for c in self.candidates]}
+        """What was learned (the bound, measured times without the charged copies, refuted
+        candidates), for checkpoints."""
+        return {"bound_bytes": self.bound_bytes, "per_rank_batch": self._per_rank_batch(), "copies_apart": True,
+                "candidates": [[c.micro_batch_size, c.plan.settings(), None if c.step_s is None else
+                                c.step_s - self._charged(c), c.measured_step_s is not None, c.fits]
+                               for c in self.candidates]}
+
+    def _charged(self, c: Candidate) -> float:
+        """The copies charged to ``c``'s measured time at this planner's rate (0 when not measured)."""
+        return copy_s(c, self.copy_bytes_per_s) if self.copy_bytes_per_s and c.measured_step_s is not None else 0.0
 
     def _per_rank_batch(self) -> int:
         return self.candidates[0].micro_batch_size * self.candidates[0].gradient_accumulation_steps if self.candidates else 0
@@ -403,8 +409,9 @@ class Planner:
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` on top of this device's predictions: the bound is the smaller
         of the saved one and this device's budget, a candidate fits if it did then and is predicted
-        to now. A saved table of another per-rank batch (another world size) is ignored. Tables
-        written before levers existed name activation checkpointing by a bool."""
+        to now, a measured time is charged its copies at this run's rate. A saved table of another
+        per-rank batch (another world size) is ignored. Tables written before levers existed name
+        activation checkpointing by a bool."""
         if state.get("per_rank_batch") != self._per_rank_batch():
             return
         saved = state.get("bound_bytes")
@@ -418,6 +425,7 @@ class Planner:
                 c.fits = fits and c.fits
                 if measured:
                     c.measured_step_s = seconds
+                    c.measured_step_s += self._charged(c) if state.get("copies_apart") else 0.0  # at today's rate
                 else:
                     c.predicted_step_s = seconds
 
