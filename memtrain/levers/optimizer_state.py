@@ -5,8 +5,8 @@ moments in fp32 (8 bytes per parameter), bf16 (4) or torchao's block-wise int8 (
 plan never moves it once the engine is built; the config sets it, or, with
 ``memory.allow_lossy_levers``, the placement planner before the build (:func:`planner_dtypes`;
 ``memtrain plan`` shows what each setting would save), which charges a lossier dtype's optimizer
-step at the rate measured on the run's machine (:func:`choose_charging_steps`: on a CPU, bf16
-moments step ~9× and torchao's int8 ~75× slower per parameter than fp32's fused kernel)."""
+step at the rate measured on the run's machine (:func:`choose_charging_steps`; on 2 CPU ranks
+the tiny recipe's int8 step is charged 74 ms against the 91 ms measured: docs/benchmarks.md)."""
 
 from __future__ import annotations
 
