@@ -24,6 +24,8 @@ automatic collector off and a young-generation pass every 50 steps). ``tuning_ga
 loop with none of them (a user's defaults) over memtrain: what a user gains by moving to
 memtrain (its settings and its overhead together); ``settings_gain_*`` is the same default loop
 over the plain loop with the settings: what the settings alone are worth.
+``--without_recovery`` adds memtrain with ``memory.oom_recovery false`` to the rotation
+(``without_recovery_ratio_*``, over the same plain runs): the loop without the OOM protocol.
 memtrain's extra work per step: the OOM agreements (shared memory between ranks of one host),
 the global token count, the data fingerprint, and — with OOM recovery on — a DDP gradient
 all-reduce after backward instead of one overlapped with it.
@@ -237,6 +239,8 @@ def main(argv=None) -> int:
     parser.add_argument("--nproc", type=int, default=None, help="ranks (CPU default 2, CUDA default 1)")
     parser.add_argument("--quick", action="store_true", help="CI size: 8 steps, 1 repeat")
     parser.add_argument("--results", action="store_true", help="append to benchmarks/results/overhead-<device>.jsonl")
+    parser.add_argument("--without_recovery", action="store_true",
+                        help="also time memtrain with memory.oom_recovery false (the loop without the OOM agreements)")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.repeats = 8, 1
@@ -261,17 +265,20 @@ def measure(engine: str, args_: list[str], nproc: int, args) -> None:
     counts the slow steps: a garbage-collector pause, a scheduling hiccup). Each ratio
     memtrain ÷ plain is taken within a repeat; min / median / max over repeats."""
     runs: dict[str, list[list[float]]] = {"plain": [], "memtrain": [], "plain_default": []}
+    if args.without_recovery:
+        runs["memtrain_without_recovery"] = []
 
-    def memtrain_times() -> list[float]:
+    def memtrain_times(extra: list[str]) -> list[float]:
         out = scratch_dir("memtrain")
-        times = step_times(run_memtrain(args_, out, nproc))[args.warmup - 1:]
+        times = step_times(run_memtrain(args_ + extra, out, nproc))[args.warmup - 1:]
         shutil.rmtree(out, ignore_errors=True)
         return times
 
     for repeat in range(args.repeats):  # alternate, so drift in machine load hits every variant alike
-        order = ["plain", "memtrain", "plain_default"][::1 if repeat % 2 == 0 else -1]
+        order = list(runs)[::1 if repeat % 2 == 0 else -1]
         for which in order:
-            runs[which].append(memtrain_times() if which == "memtrain" else
+            runs[which].append(memtrain_times([]) if which == "memtrain" else
+                               memtrain_times(["--memory.oom_recovery", "false"]) if which.endswith("recovery") else
                                run_plain(args_, nproc, engine, same=which == "plain")[args.warmup:])
     row = {"benchmark": "overhead", "device": args.device, "world_size": nproc, "engine": engine, "steps": args.steps,
            "repeats": args.repeats, "goal": 1.02, "plain_settings": "same"}
@@ -286,6 +293,10 @@ def measure(engine: str, args_: list[str], nproc: int, args) -> None:
         default = [f(t) for t in runs["plain_default"]]
         gains = [d / m for d, m in zip(default, mem)]  # > 1: memtrain's settings make it faster than a default loop
         alone = [d / p for d, p in zip(default, plain)]  # the settings without memtrain
+        if args.without_recovery:  # memtrain's loop without the OOM protocol's agreements
+            bare = [m / p for m, p in zip([f(t) for t in runs["memtrain_without_recovery"]], plain)]
+            row.update({f"{prefix}without_recovery_ratio_{k}": g(bare) for k, g in
+                        (("min", min), ("median", statistics.median), ("max", max))})
         row.update({f"plain_default_step_s_{stat}": statistics.median(default),
                     f"{prefix}tuning_gain_min": min(gains), f"{prefix}tuning_gain_median": statistics.median(gains),
                     f"{prefix}tuning_gain_max": max(gains), f"{prefix}tuning_gains": gains,

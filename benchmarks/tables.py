@@ -116,8 +116,9 @@ def overhead(device: str) -> str:
                 rows[row["engine"]] = row
     out = ["| engine | plain loop | ms per step, median step: plain / memtrain | overhead (min / median / max) "
            "| ms per step, mean step: plain / memtrain | overhead (min / median / max) "
-           "| tuning gain (min / median / max) | repeats × steps |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| tuning gain (min / median / max) | without OOM recovery: overhead, median step (min / median / max) "
+           "| repeats × steps |",
+           "|---|---|---|---|---|---|---|---|---|"]
     plain = {"ddp": "Accelerate (`accumulate`, `backward`)", "fsdp": "`fully_shard` per block + root",
              "zero2": "`deepspeed.initialize`, `engine.backward`/`step`"}
     for engine in ENGINE_NAMES:
@@ -132,7 +133,9 @@ def overhead(device: str) -> str:
             cells += [f"{r[f'plain_step_s_{stat}'] * 1e3:.1f} / {r[f'memtrain_step_s_{stat}'] * 1e3:.1f}",
                       f"{r[prefix + 'ratio_min']:.2f} / {r[prefix + 'ratio_median']:.2f} / {r[prefix + 'ratio_max']:.2f}"]
         gain = f"{r['tuning_gain_min']:.2f} / {r['tuning_gain_median']:.2f} / {r['tuning_gain_max']:.2f}"
-        out.append(f"| {ENGINE_NAMES[engine]} | {plain.get(engine, '')} | {' | '.join(cells)} | {gain} | "
+        bare = (" / ".join(f"{r[f'without_recovery_ratio_{k}']:.2f}" for k in ("min", "median", "max"))
+                if "without_recovery_ratio_median" in r else "not measured")
+        out.append(f"| {ENGINE_NAMES[engine]} | {plain.get(engine, '')} | {' | '.join(cells)} | {gain} | {bare} | "
                    f"{r['repeats']} × {r['steps']} |")
     return "\n".join(out)
 
