@@ -145,8 +145,8 @@ def test_a_lossier_state_dtype_is_charged_its_measured_optimizer_step_before_it_
     (parameters a rank steps × (1 / its rate − 1 / fp32's rate)) before it may be chosen, and only
     the rates of dtypes that would be chosen are measured: int8 rows predicted 10% faster lose to
     fp32 once int8's rate (10⁷ parameters/s against 10⁹) adds 0.099 s per step; at fp32's rate they
-    win. Ranks using every core share them. On this CPU bf16 moments' step is measured slower than
-    fp32's fused kernel."""
+    win. Ranks using every core share them; a dtype whose step cannot run here is never chosen. On
+    this CPU bf16 moments' step is measured slower than fp32's fused kernel."""
     import dataclasses
     import os
 
@@ -185,6 +185,13 @@ def test_a_lossier_state_dtype_is_charged_its_measured_optimizer_step_before_it_
     finally:
         torch.set_num_threads(threads)
     assert choose_charging_steps([row("int8", 0.9)], choose, n, 1, machine()).state_dtype_s is None  # no rates
+    def broken(dtype, device):  # int8's step cannot compile here
+        if dtype == "int8":
+            raise RuntimeError("no C++ compiler")
+        return 1e9
+    table = [row("fp32", 1.0), row("int8", 0.5)]
+    assert choose_charging_steps(table, choose, n, 1, dataclasses.replace(machine(), optimizer_params_per_s=broken)) \
+        is table[0]
     assert optimizer_params_per_s("bf16", "cpu") < optimizer_params_per_s("fp32", "cpu")
 
 

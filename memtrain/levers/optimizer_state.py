@@ -10,6 +10,8 @@ the tiny recipe's int8 step is charged 74 ms against the 91 ms measured: docs/be
 
 from __future__ import annotations
 
+import math
+
 from memtrain.errors import ConfigError
 from memtrain.levers.engine_settings import EngineSetting
 
@@ -59,7 +61,8 @@ def choose_charging_steps(table: list, choose, n_params: int, world_size: int, m
     state dtype charged before a row of it may win: while the choice has bf16 or int8 moments not
     yet charged, :func:`step_seconds_over_fp32` is added to the predicted step of every row with
     those moments (and kept in its ``state_dtype_s``) and the choice made again. A dtype is
-    measured only where it would otherwise be chosen (int8's first step compiles); without rates
+    measured only where it would otherwise be chosen (int8's first step compiles); one that cannot
+    step here (its measurement raised) is charged infinity. Without rates
     (``machine.optimizer_params_per_s`` None: another machine's plan) this is ``choose(table)``."""
     while True:
         best = choose(table)
@@ -68,7 +71,10 @@ def choose_charging_steps(table: list, choose, n_params: int, world_size: int, m
             return best
         for p in table:
             if p.state_dtype == best.state_dtype:
-                p.state_dtype_s = step_seconds_over_fp32(p, n_params, world_size, machine)
+                try:
+                    p.state_dtype_s = step_seconds_over_fp32(p, n_params, world_size, machine)
+                except Exception:  # noqa: BLE001 - it cannot step here (int8 without a C++ compiler): never chosen
+                    p.state_dtype_s = math.inf
                 p.predicted_step_s += p.state_dtype_s
 
 
