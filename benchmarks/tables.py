@@ -9,6 +9,7 @@ configuration), so the docs show what the code measured and nothing typed by han
     python benchmarks/tables.py solver_exhaustive              # auto vs every fitting lever setting, timed
     python benchmarks/tables.py lossy_levers                   # optimizer.state_dtype: loss and bytes
     python benchmarks/tables.py lossy_step_cost                # the planner's charge for a lossier step vs timed
+    python benchmarks/tables.py memory_accuracy_levers         # each lever's saving, predicted vs MemTracker
     python benchmarks/tables.py seq_len_reach                  # the longest data.seq_len under one budget
     python benchmarks/tables.py placement_accuracy             # the placement accounting vs DeepSpeed's tensors
 """
@@ -148,7 +149,7 @@ def memory_accuracy(device: str) -> str:
     with open(RESULTS / f"memory_accuracy-{device}.jsonl") as fh:
         for line in fh:
             row = json.loads(line)
-            if "engine" in row:
+            if "engine" in row and row["benchmark"] == "memory_accuracy":
                 key = (row.get("shape", "cpu"), row.get("precision", "fp32"), row.get("world_size", 2), row["engine"],
                        row["micro_batch_size"], row["activation_checkpointing"])
                 newest_rows.pop(key, None)  # keep the row order of the newest run
@@ -176,6 +177,21 @@ def memory_accuracy(device: str) -> str:
             if cuda:
                 line += f" {spread([r['cuda_relative_error'] for r in mine if 'cuda_relative_error' in r] or [float('nan')])} |"
             out.append(line)
+    return "\n".join(out)
+
+
+def memory_accuracy_levers(device: str) -> str:
+    """``benchmarks/memory_accuracy.py --levers``: each lever's saving, predicted and counted by
+    MemTracker, newest row per (engine, lever)."""
+    rows = newest_by("memory_accuracy", device, lambda row: (row.get("benchmark"), row.get("engine"), row.get("lever")))
+    out = ["| engine | lever | peak without it (MiB, counted) | saving: predicted (MiB) | saving: counted (MiB) "
+           "| error of the predicted saving |", "|---|---|---|---|---|---|"]
+    for (kind, engine, lever), r in rows.items():
+        if kind != "memory_accuracy_levers":
+            continue
+        error = "–" if r["saving_error"] is None else f"{r['saving_error']:+.1%}"
+        out.append(f"| {ENGINE_NAMES[engine]} | {lever} | {r['measured_bytes_without'] / 2**20:.2f} "
+                   f"| {r['predicted_saving_bytes'] / 2**20:.2f} | {r['measured_saving_bytes'] / 2**20:.2f} | {error} |")
     return "\n".join(out)
 
 
@@ -294,6 +310,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("benchmark", choices=["oom_stress", "largest_model_plan", "overhead", "memory_accuracy", "solver",
                                               "solver_exhaustive", "lossy_levers", "lossy_step_cost", "seq_len_reach",
+                                              "memory_accuracy_levers",
                                               "placement_accuracy"])
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
@@ -302,7 +319,8 @@ def main(argv=None) -> int:
         return 0
     simple = {"overhead": overhead, "memory_accuracy": memory_accuracy, "solver": solver, "lossy_levers": lossy_levers,
               "seq_len_reach": seq_len_reach, "placement_accuracy": placement_accuracy,
-              "solver_exhaustive": solver_exhaustive, "lossy_step_cost": lossy_step_cost}
+              "solver_exhaustive": solver_exhaustive, "lossy_step_cost": lossy_step_cost,
+              "memory_accuracy_levers": memory_accuracy_levers}
     if args.benchmark in simple:
         print(simple[args.benchmark](args.device))
         return 0
