@@ -360,7 +360,7 @@ def _validate_placement(cfg: Config) -> None:
 
 def _validate_optimizer_state(cfg: Config, engine: str) -> None:
     """``optimizer.state_dtype``: bf16 and int8 on DDP and FSDP2 only; bf16 with ``adam_beta2`` at
-    most :data:`BF16_MAX_BETA2`; int8 needs torchao."""
+    most :data:`BF16_MAX_BETA2`; int8 needs torchao and is not counted by MemTracker."""
     import importlib.util
     from types import SimpleNamespace
 
@@ -375,6 +375,10 @@ def _validate_optimizer_state(cfg: Config, engine: str) -> None:
     if cfg.optimizer.state_dtype == "int8" and importlib.util.find_spec("torchao") is None:
         raise ConfigError("optimizer.state_dtype", "int8 is torchao's 8-bit AdamW, which is not installed: pip "
                           "install 'memtrain[lowbit]', or choose fp32 or bf16")
+    if cfg.optimizer.state_dtype == "int8" and cfg.logging.memory_breakdown_step > 0:
+        raise ConfigError("logging.memory_breakdown_step", "cannot count a run with optimizer.state_dtype int8: "
+                          "torchao's 8-bit AdamW compiles its step, and torch.compile refuses to run under "
+                          "MemTracker's dispatch mode; set it to 0, or count the step with fp32 or bf16 moments")
     if cfg.memory.allow_lossy_levers and cfg.memory.levers != "auto":
         raise ConfigError("memory.allow_lossy_levers", "true lets the planner of memory.levers auto choose lossy "
                           "levers, but memory.levers is off: set memory.levers auto, or choose "

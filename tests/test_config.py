@@ -71,6 +71,9 @@ BAD_VALUES = [
     (["--backend.name", "fsdp", "--backend.zero_stage", "2"], "backend.zero_stage", "DeepSpeed setting"),
     (["--backend.timeout_s", "0"], "backend.timeout_s", "must be > 0"),
     (["--memory.allow_lossy_levers", "true"], "memory.allow_lossy_levers", "set memory.levers auto"),  # nothing chooses
+    # torch.compile (torchao's int8 step) refuses MemTracker's dispatch mode: the run would fail at step 1
+    (["--optimizer.state_dtype", "int8", "--logging.memory_breakdown_step", "1"], "logging.memory_breakdown_step",
+     "torch.compile refuses"),
 ]
 
 

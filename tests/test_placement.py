@@ -101,6 +101,8 @@ def test_lossy_optimizer_states_are_planned_only_when_allowed():
     allow = ["--memory.levers", "auto", "--memory.allow_lossy_levers", "true"]
     ddp = parse_args(["--backend.name", "ddp", *allow])
     assert [p.state_dtype for p in allowed_pool(ddp, False)] == ["fp32", "bf16", "int8"]
+    counted = parse_args(["--backend.name", "ddp", *allow, "--logging.memory_breakdown_step", "2"])
+    assert [p.state_dtype for p in allowed_pool(counted, False)] == ["fp32", "bf16"]  # MemTracker: no int8
     assert [p.state_dtype for p in allowed_pool(parse_args(["--backend.name", "ddp", "--memory.levers", "auto"]),
                                                 False)] == ["fp32"]
     zero3 = parse_args(["--backend.name", "deepspeed", "--backend.zero_stage", "3", *allow])

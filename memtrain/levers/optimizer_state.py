@@ -28,14 +28,16 @@ def planner_dtypes(cfg, engine: str) -> tuple[str, ...]:
     """The ``optimizer.state_dtype`` settings the placement planner may give ``engine``'s runs, least
     lossy first: the config's, and with ``memory.allow_lossy_levers`` (``memory.levers auto``,
     ``state_dtype`` fp32) also bf16 (``adam_beta2`` at most 0.99, as validation asks) and int8
-    (torchao installed), outside DeepSpeed (which keeps fp32 partitions)."""
+    (torchao installed; not under ``logging.memory_breakdown_step``, whose MemTracker torch.compile
+    refuses), outside DeepSpeed (which keeps fp32 partitions)."""
     import importlib.util
 
     dtype, m = cfg.optimizer.state_dtype, cfg.memory
     if not (m.allow_lossy_levers and m.levers == "auto" and dtype == "fp32") or engine == "deepspeed":
         return (dtype,)
     lossy = (("bf16",) if cfg.training.adam_beta2 <= BF16_MAX_BETA2 else ())
-    return (dtype,) + lossy + (("int8",) if importlib.util.find_spec("torchao") is not None else ())
+    int8 = importlib.util.find_spec("torchao") is not None and cfg.logging.memory_breakdown_step == 0
+    return (dtype,) + lossy + (("int8",) if int8 else ())
 
 
 def step_seconds_over_fp32(p, n_params: int, world_size: int, machine) -> float:
