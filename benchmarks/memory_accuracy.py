@@ -26,7 +26,8 @@ and a last ``summary`` row: min/median/max relative error per engine.
     python benchmarks/memory_accuracy.py --results          # also append the rows to benchmarks/results/
 
 ``--levers``: per engine, each lever (selective AC, chunked cross-entropy, bf16 optimizer state
-where the engine takes it) at micro-batch 16 with AC otherwise off, against the same plan
+where the engine takes it) at micro-batch 16 with AC otherwise off, and chunked cross-entropy
+again with logits large enough for two chunks (:data:`LARGE_LOGITS`), against the same plan
 without it: the bytes it saves, predicted and counted by MemTracker (rows
 ``memory_accuracy_levers``, ``saving_error`` = (predicted − counted) / counted; goal within 10%).
 """
@@ -114,15 +115,21 @@ a GPU measurement) and int8 optimizer state (torchao's compiled step cannot run 
 tests/test_optimizer_state.py counts its bytes against the optimizer's own tensors)."""
 
 
-def lever_rows(args: list[str], micro: int, engines: list[str], world_size: int, shape: str):
-    """Per engine, each lever of :data:`LEVERS` it takes: the peak it saves at plan ``micro`` (AC
-    off), predicted (``memtrain plan``) and counted (MemTracker, the run without the lever less
-    the run with it), and ``saving_error`` = (predicted − counted) / counted."""
+LARGE_LOGITS = (["--training.global_batch_size", "128", "--data.vocab_size", "8192"], 64,
+                (("chunked cross-entropy, logits of two chunks", "off", ("--memory.chunked_cross_entropy", "true")),))
+"""Chunked cross-entropy where it saves: a chunk holds 64 MiB of fp32 logits, all of the CPU model's
+at micro-batch 16 (4 MiB); with an 8192-token vocabulary at micro-batch 64 they are 128 MiB."""
+
+
+def lever_rows(args: list[str], micro: int, engines: list[str], world_size: int, shape: str, levers=LEVERS):
+    """Per engine, each of ``levers`` it takes: the peak it saves at plan ``micro`` (AC off),
+    predicted (``memtrain plan``) and counted (MemTracker, the run without the lever less the run
+    with it), and ``saving_error`` = (predicted − counted) / counted."""
     for engine in engines:
         engine_args = args + ENGINES[engine]
         base = measured(args, engine, micro, "off", world_size)["peak_bytes"]
         base_guess = predicted(engine_args, micro, "off", world_size)["predicted_tensor_bytes"]
-        for name, ac, flags in LEVERS:
+        for name, ac, flags in levers:
             if (engine == "zero3" and ac == "selective") or (engine in ("zero2", "zero3") and "--optimizer.state_dtype"
                                                                  in flags):
                 continue  # refused there by name (ZeRO-3 has no selective AC; ZeRO keeps fp32 moments)
@@ -173,8 +180,11 @@ def main(argv=None) -> int:
             parser.error("--device cuda: no CUDA device here")
     world_size = opts.world_size or (2 if opts.device == "cpu" else 1)
     if opts.levers:
-        for row in lever_rows(args, 2 if opts.quick else 16, opts.engines.split(","), world_size, shape):
-            emit("memory_accuracy", opts.device, {**row, "precision": opts.precision}, save=opts.results and not opts.quick)
+        cases = [([], 2 if opts.quick else 16, LEVERS)] + ([] if opts.quick else [LARGE_LOGITS])
+        for extra, micro, levers in cases:
+            for row in lever_rows(args + extra, micro, opts.engines.split(","), world_size, shape, levers):
+                emit("memory_accuracy", opts.device, {**row, "precision": opts.precision, "extra_args": extra},
+                     save=opts.results and not opts.quick)
         return 0
     results = []
     for row in rows(args, plans, opts.engines.split(","), world_size=world_size, shape=shape):

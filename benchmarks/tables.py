@@ -189,7 +189,8 @@ def memory_accuracy_levers(device: str) -> str:
     for (kind, engine, lever), r in rows.items():
         if kind != "memory_accuracy_levers":
             continue
-        error = "–" if r["saving_error"] is None else f"{r['saving_error']:+.1%}"
+        small = max(abs(r["measured_saving_bytes"]), abs(r["predicted_saving_bytes"])) < 0.01 * r["measured_bytes_without"]
+        error = "– (both under 1% of the peak)" if small or r["saving_error"] is None else f"{r['saving_error']:+.1%}"
         out.append(f"| {ENGINE_NAMES[engine]} | {lever} | {r['measured_bytes_without'] / 2**20:.2f} "
                    f"| {r['predicted_saving_bytes'] / 2**20:.2f} | {r['measured_saving_bytes'] / 2**20:.2f} | {error} |")
     return "\n".join(out)

@@ -359,7 +359,8 @@ class LoggingConfig:
     """Count this optimizer step's tensor memory with torch's MemTracker, entered before the model
     is built (every tensor: model state, engine buffers, activations, temporaries), and write its
     peak per rank and category to ``output_dir/memory_breakdown/rank_XXXXX.json``
-    (memtrain/memory/breakdown.py); 0 = off. Slows the steps up to it."""
+    (memtrain/memory/breakdown.py); 0 = off. Slows the steps up to it. Not with
+    optimizer.state_dtype int8 (torch.compile, which its step uses, refuses MemTracker)."""
 
 
 @dataclass
