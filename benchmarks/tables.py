@@ -27,6 +27,8 @@ from memtrain.levers.optimizer_state import STATE_DTYPES
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ENGINE_NAMES = {"ddp": "DDP", "fsdp": "FSDP2", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
+SHAPE_NAMES = {"cpu": "GPT-2, 4 × 64 wide (0.27M)", "gpt2_small": "GPT-2 small's blocks, 12 × 768 (86M)"}
+"""The models of benchmarks/memory_accuracy.py's ``--shape``."""
 
 
 def newest(name: str, device: str, scenario: str) -> list[dict]:
@@ -160,7 +162,6 @@ def memory_accuracy(device: str) -> str:
     cuda = any("cuda_relative_error" in r for r in newest_rows.values())
     out = ["| model | precision | ranks | engine | plans (micro-batch × accumulation, AC) | relative error min / median / max |"
            + (" against max_memory_allocated |" if cuda else ""), "|---|---|---|---|---|---|" + ("---|" if cuda else "")]
-    names = {"cpu": "GPT-2, 4 × 64 wide (0.27M)", "gpt2_small": "GPT-2 small's blocks, 12 × 768 (86M)"}
 
     def spread(errors: list[float]) -> str:
         return f"{min(errors):+.1%} / {statistics.median(errors):+.1%} / {max(errors):+.1%}"
@@ -172,7 +173,7 @@ def memory_accuracy(device: str) -> str:
                 continue
             plans = ", ".join(f"{r['micro_batch_size']} × {r.get('gradient_accumulation_steps', '?')} "
                               f"{r['activation_checkpointing']}" for r in mine)
-            line = (f"| {names.get(shape, shape)} | {precision} | {world_size} | {ENGINE_NAMES[engine]} | {plans} | "
+            line = (f"| {SHAPE_NAMES.get(shape, shape)} | {precision} | {world_size} | {ENGINE_NAMES[engine]} | {plans} | "
                     f"{spread([r['relative_error'] for r in mine])} |")
             if cuda:
                 line += f" {spread([r['cuda_relative_error'] for r in mine if 'cuda_relative_error' in r] or [float('nan')])} |"
@@ -183,15 +184,16 @@ def memory_accuracy(device: str) -> str:
 def memory_accuracy_levers(device: str) -> str:
     """``benchmarks/memory_accuracy.py --levers``: each lever's saving, predicted and counted by
     MemTracker, newest row per (engine, lever)."""
-    rows = newest_by("memory_accuracy", device, lambda row: (row.get("benchmark"), row.get("engine"), row.get("lever")))
-    out = ["| engine | lever | peak without it (MiB, counted) | saving: predicted (MiB) | saving: counted (MiB) "
-           "| error of the predicted saving |", "|---|---|---|---|---|---|"]
-    for (kind, engine, lever), r in rows.items():
+    rows = newest_by("memory_accuracy", device, lambda row: (row.get("benchmark"), row.get("shape"),
+                                                            row.get("precision"), row.get("engine"), row.get("lever")))
+    out = ["| model | engine | lever | peak without it (MiB, counted) | saving: predicted (MiB) | saving: counted (MiB) "
+           "| error of the predicted saving |", "|---|---|---|---|---|---|---|"]
+    for (kind, shape, precision, engine, lever), r in rows.items():
         if kind != "memory_accuracy_levers":
             continue
         small = max(abs(r["measured_saving_bytes"]), abs(r["predicted_saving_bytes"])) < 0.01 * r["measured_bytes_without"]
         error = "– (both under 1% of the peak)" if small or r["saving_error"] is None else f"{r['saving_error']:+.1%}"
-        out.append(f"| {ENGINE_NAMES[engine]} | {lever} | {r['measured_bytes_without'] / 2**20:.2f} "
+        out.append(f"| {SHAPE_NAMES.get(shape, shape)}, {precision} | {ENGINE_NAMES[engine]} | {lever} | {r['measured_bytes_without'] / 2**20:.2f} "
                    f"| {r['predicted_saving_bytes'] / 2**20:.2f} | {r['measured_saving_bytes'] / 2**20:.2f} | {error} |")
     return "\n".join(out)
 

@@ -181,6 +181,13 @@ def test_the_planner_charges_the_copies_a_cpu_run_cannot_time():
     resumed.load_state_dict(planner.state_dict())
     assert resumed.get(moving.plan).measured_step_s == pytest.approx(1.0 + 2 * 2 * 100 * MiB / 4e9)
     assert resumed.get(plain.plan).measured_step_s == 1.0
+    older = planner.state_dict()  # a checkpoint from before: its times hold the charge, taken as they are
+    del older["copies_apart"]
+    older["candidates"] = [[*c[:2], moving.measured_step_s if c[0] == 4 and c[1]["activation_offload"] == "on"
+                            else c[2], *c[3:]] for c in older["candidates"]]
+    resumed = table(4e9)[2]
+    resumed.load_state_dict(older)
+    assert resumed.get(moving.plan).measured_step_s == pytest.approx(moving.measured_step_s)
 
 
 def test_on_cuda_offloaded_activations_must_fit_the_hosts_room(monkeypatch):

@@ -435,7 +435,7 @@ def test_depth_extrapolation_falls_back_to_the_whole_model():
 
     from torch import nn
 
-    from memtrain.memory.planner import by_depth
+    from memtrain.memory.depth import by_depth
 
     def model(kinds=None):
         m = nn.Module()

@@ -60,24 +60,34 @@ def step_seconds_over_fp32(p, n_params: int, world_size: int, machine) -> float:
 
 def choose_charging_steps(table: list, choose, n_params: int, world_size: int, machine):
     """``choose(table)`` (the placement planner's choice) with the measured step of each lossier
-    state dtype charged before a row of it may win: while the choice has bf16 or int8 moments not
-    yet charged, :func:`step_seconds_over_fp32` is added to the predicted step of every row with
-    those moments (and kept in its ``state_dtype_s``) and the choice made again. A dtype is
-    measured only where it would otherwise be chosen (int8's first step compiles); one that cannot
-    step here (its measurement raised) is charged infinity. Without rates
-    (``machine.optimizer_params_per_s`` None: another machine's plan) this is ``choose(table)``."""
+    state dtype charged before a row of it may decide the choice: while the chosen row or the
+    fastest fitting one (the reference of :data:`memtrain.memory.placement.LOSSY_MARGIN`) has bf16
+    or int8 moments not yet charged, :func:`step_seconds_over_fp32` is added to the predicted step
+    of every row with those moments (and kept in its ``state_dtype_s``) and the choice made again.
+    A dtype is measured only where it would otherwise decide (int8's first step compiles); one
+    that cannot step here (its measurement raised once) is charged infinity, which ``choose``
+    never takes. Without rates (``machine.optimizer_params_per_s`` None: another machine's plan)
+    this is ``choose(table)``."""
+    if machine.optimizer_params_per_s is None:
+        return choose(table)
     while True:
         best = choose(table)
-        if (best is None or best.state_dtype not in LOSSY or best.state_dtype_s is not None
-                or machine.optimizer_params_per_s is None):
+        fitting = [p for p in table if p.fits and p.predicted_step_s < math.inf]
+        fastest = min(fitting, key=lambda p: p.predicted_step_s, default=None)
+        pending = {p.state_dtype for p in (best, fastest) if p is not None and p.state_dtype in LOSSY
+                   and p.state_dtype_s is None}
+        if not pending:
             return best
-        for p in table:
-            if p.state_dtype == best.state_dtype:
-                try:
-                    p.state_dtype_s = step_seconds_over_fp32(p, n_params, world_size, machine)
-                except Exception:  # noqa: BLE001 - it cannot step here (int8 without a C++ compiler): never chosen
-                    p.state_dtype_s = math.inf
-                p.predicted_step_s += p.state_dtype_s
+        for dtype in pending:
+            try:
+                seconds = {id(p): step_seconds_over_fp32(p, n_params, world_size, machine)
+                           for p in table if p.state_dtype == dtype}
+            except Exception:  # noqa: BLE001 - it cannot step here (int8 without a C++ compiler): never chosen
+                seconds = {id(p): math.inf for p in table if p.state_dtype == dtype}
+            for p in table:
+                if p.state_dtype == dtype:
+                    p.state_dtype_s = seconds[id(p)]
+                    p.predicted_step_s += p.state_dtype_s
 
 
 class OptimizerStateDtype(EngineSetting):

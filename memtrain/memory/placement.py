@@ -100,8 +100,9 @@ class Placement:
     def fits(self) -> bool:
         return self.fits_device and self.fits_host
 
-    def as_dict(self) -> dict:
-        return {"name": self.name, **dataclasses.asdict(self), "fits": self.fits}
+    def as_dict(self) -> dict:  # a JSON row: an infinite time (moments that cannot step here) as null
+        fields = {k: None if v == float("inf") else v for k, v in dataclasses.asdict(self).items()}
+        return {"name": self.name, **fields, "fits": self.fits}
 
 
 def variants(engines: tuple[str, ...], zero_stages: tuple[int, ...], nvme: bool,
@@ -199,7 +200,7 @@ def plan_placements(candidates, pool: list[Placement], shape: ModelShape,
         ratios = [round(i * RATIO_STEP, 4) for i in range(1, round(1 / RATIO_STEP))] if p.tune_ratio \
             else [p.offload_optimizer_ratio]  # a partial offload: every fraction below 1
         for ratio in ratios:
-            trial = dataclasses.replace(p, offload_optimizer_ratio=ratio)
+            trial = dataclasses.replace(p, offload_optimizer_ratio=ratio, state_dtype_s=None)
             for c in plans_of(p):
                 _size(trial, c, shape, precision, world_size, machine)
                 if best is None or _better(trial, best):
@@ -226,7 +227,7 @@ def choose(table: list[Placement]) -> Optional[Placement]:
     nothing fits."""
     from memtrain.levers.optimizer_state import STATE_DTYPES
 
-    fitting = [p for p in table if p.fits]
+    fitting = [p for p in table if p.fits and p.predicted_step_s < float("inf")]  # inf: its optimizer cannot run
     if not fitting:
         return None
     fastest = min(fitting, key=lambda p: p.predicted_step_s)  # min keeps the first of equals
@@ -570,10 +571,13 @@ def write_table(output_dir: str, table: list[Placement]) -> None:
     """``OUTPUT_DIR/placement.json``: every placement considered, the chosen one marked."""
     import json
 
-    out = os.path.expanduser(output_dir)
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "placement.json"), "w") as fh:
+    os.makedirs(os.path.expanduser(output_dir), exist_ok=True)
+    with open(os.path.join(os.path.expanduser(output_dir), "placement.json"), "w") as fh:
         json.dump({"placements": [p.as_dict() for p in table]}, fh, indent=1)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f}"
 
 
 def _host_error(cfg, p: Placement, budget: int):
@@ -584,10 +588,6 @@ def _host_error(cfg, p: Placement, budget: int):
                        f"processes, offloaded state, buffers), more than the {_gib(budget)} GiB "
                        f"{'allowed' if cap else 'available'}; offload less, set backend.offload auto, or use "
                        "backend.nvme_path")
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f}"
 
 
 def log_placement(p: Optional[Placement], how: str, spec) -> None:

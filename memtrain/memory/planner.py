@@ -409,7 +409,8 @@ class Planner:
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` on top of this device's predictions: the bound is the smaller
         of the saved one and this device's budget, a candidate fits if it did then and is predicted
-        to now, a measured time is charged its copies at this run's rate. A saved table of another
+        to now, a measured time is charged its copies at this run's rate (a table saved before
+        the charge was kept apart keeps its times as saved). A saved table of another
         per-rank batch (another world size) is ignored. Tables written before levers existed name
         activation checkpointing by a bool."""
         if state.get("per_rank_batch") != self._per_rank_batch():

@@ -42,11 +42,23 @@ def resume_state_dtype(cfg, chooses: bool) -> Optional[str]:
     checkpoint's run or in this one (``chooses``: ``memory.allow_lossy_levers`` applies): the
     checkpoint's engine spec's choice, else its config's. None when there is no checkpoint to
     resume, or neither run let the planner choose (``optimizer.state_dtype`` is then the config's,
-    and must match)."""
+    and must match).
+
+    Raises:
+        memtrain.errors.ConfigError: kept int8 moments with ``logging.memory_breakdown_step`` (MemTracker
+            cannot count their compiled step).
+    """
     manifest = resumed_manifest(cfg)
     if manifest is None:
         return None
     chosen = (manifest.get("engine_spec") or {}).get("optimizer_state_dtype")
     if chosen is None and not chooses:
         return None
-    return chosen or ((manifest.get("config") or {}).get("optimizer") or {}).get("state_dtype", "fp32")
+    dtype = chosen or ((manifest.get("config") or {}).get("optimizer") or {}).get("state_dtype", "fp32")
+    if dtype == "int8" and cfg.logging.memory_breakdown_step > 0:
+        from memtrain.errors import ConfigError
+
+        raise ConfigError("logging.memory_breakdown_step", "cannot count this run: the checkpoint it resumes has "
+                          "int8 optimizer moments (chosen under memory.allow_lossy_levers), whose compiled step "
+                          "torch.compile refuses to run under MemTracker; set it to 0")
+    return dtype
