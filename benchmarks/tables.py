@@ -259,7 +259,7 @@ def lossy_step_cost(device: str) -> str:
     for dtype in STATE_DTYPES:
         if dtype in rows:
             r = rows[dtype]
-            extra = " / ".join(f"{r['measured_extra_s'][k] * 1e3:.1f}" for k in ("min", "median", "max"))
+            extra = spread({k: v * 1e3 for k, v in r["measured_extra_s"].items()}, "{:.1f}")
             out.append(f"| {dtype} | {r['charged_s'] * 1e3:.1f} | {extra} | {statistics.median(r['step_s']) * 1e3:.0f} "
                        f"| {statistics.median(r['fp32_step_s']) * 1e3:.0f} | {r['repeats']} |")
     return "\n".join(out)

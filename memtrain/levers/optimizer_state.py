@@ -79,15 +79,14 @@ def choose_charging_steps(table: list, choose, n_params: int, world_size: int, m
         if not pending:
             return best
         for dtype in pending:
+            rows = [p for p in table if p.state_dtype == dtype]
             try:
-                seconds = {id(p): step_seconds_over_fp32(p, n_params, world_size, machine)
-                           for p in table if p.state_dtype == dtype}
+                seconds = [step_seconds_over_fp32(p, n_params, world_size, machine) for p in rows]
             except Exception:  # noqa: BLE001 - it cannot step here (int8 without a C++ compiler): never chosen
-                seconds = {id(p): math.inf for p in table if p.state_dtype == dtype}
-            for p in table:
-                if p.state_dtype == dtype:
-                    p.state_dtype_s = seconds[id(p)]
-                    p.predicted_step_s += p.state_dtype_s
+                seconds = [math.inf] * len(rows)
+            for p, charge in zip(rows, seconds):
+                p.state_dtype_s = charge
+                p.predicted_step_s += charge
 
 
 class OptimizerStateDtype(EngineSetting):

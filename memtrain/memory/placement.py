@@ -214,10 +214,9 @@ def plan_placements(candidates, pool: list[Placement], shape: ModelShape,
 
 
 LOSSY_MARGIN = 0.05
-"""A lossier optimizer state dtype is chosen only when predicted this much faster (a fraction of
-the step, its measured slower optimizer step counted:
-:func:`memtrain.levers.optimizer_state.choose_charging_steps`) than the fastest fitting placement
-with less lossy moments: a larger micro-batch it lets fit saves little."""
+"""A lossier optimizer state dtype is chosen only when predicted this much faster (a fraction of the
+step, its measured slower optimizer step counted: :func:`memtrain.levers.optimizer_state.choose_charging_steps`)
+than the fastest fitting placement with less lossy moments: a larger micro-batch it lets fit saves little."""
 
 
 def choose(table: list[Placement]) -> Optional[Placement]:
@@ -571,13 +570,10 @@ def write_table(output_dir: str, table: list[Placement]) -> None:
     """``OUTPUT_DIR/placement.json``: every placement considered, the chosen one marked."""
     import json
 
-    os.makedirs(os.path.expanduser(output_dir), exist_ok=True)
-    with open(os.path.join(os.path.expanduser(output_dir), "placement.json"), "w") as fh:
+    out = os.path.expanduser(output_dir)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "placement.json"), "w") as fh:
         json.dump({"placements": [p.as_dict() for p in table]}, fh, indent=1)
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f}"
 
 
 def _host_error(cfg, p: Placement, budget: int):
@@ -588,6 +584,10 @@ def _host_error(cfg, p: Placement, budget: int):
                        f"processes, offloaded state, buffers), more than the {_gib(budget)} GiB "
                        f"{'allowed' if cap else 'available'}; offload less, set backend.offload auto, or use "
                        "backend.nvme_path")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f}"
 
 
 def log_placement(p: Optional[Placement], how: str, spec) -> None:
