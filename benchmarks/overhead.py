@@ -1,7 +1,7 @@
 """Loop overhead: what memtrain costs when nothing goes wrong.
 
     python benchmarks/overhead.py --quick                      # CPU, 2 ranks, CI size (< 60 s)
-    python benchmarks/overhead.py --engines ddp,fsdp,zero2 --steps 60 --repeats 9 --results
+    python benchmarks/overhead.py --engines ddp,fsdp,zero2 --steps 60 --repeats 7 --armed --results
     python benchmarks/overhead.py --device cuda                # recipes/code_lm_350m.yaml on one GPU
 
 The same model, data, global batch, micro-batch and precision are trained by memtrain and by a
@@ -26,9 +26,13 @@ memtrain (its settings and its overhead together); ``settings_gain_*`` is the sa
 over the plain loop with the settings: what the settings alone are worth.
 ``--without_recovery`` adds memtrain with ``memory.oom_recovery false`` to the rotation
 (``without_recovery_ratio_*``, over the same plain runs): the loop without the OOM protocol.
-memtrain's extra work per step: the OOM agreements (shared memory between ranks of one host),
-the global token count, the data fingerprint, and — with OOM recovery on — a DDP gradient
-all-reduce after backward instead of one overlapped with it.
+``--armed`` adds memtrain with ``faults.arm_oom_agreements true`` (``armed_ratio_*``): the OOM
+agreements inside compute (before each FSDP2 block, between ZeRO-2 micro-batches), which a GPU
+run makes and a CPU run makes only where injected faults can raise an OOM; ``oom_agreements``
+counts each variant's agreements over its run. memtrain's extra work per step: the OOM
+agreements (shared memory between ranks of one host), the global token count, the data
+fingerprint, and — with OOM recovery on — a DDP gradient all-reduce after backward instead of
+one overlapped with it.
 """
 
 from __future__ import annotations
@@ -241,6 +245,9 @@ def main(argv=None) -> int:
     parser.add_argument("--results", action="store_true", help="append to benchmarks/results/overhead-<device>.jsonl")
     parser.add_argument("--without_recovery", action="store_true",
                         help="also time memtrain with memory.oom_recovery false (the loop without the OOM agreements)")
+    parser.add_argument("--armed", action="store_true",
+                        help="also time memtrain with faults.arm_oom_agreements true (the OOM agreements inside "
+                             "compute, made on a GPU and on a CPU run only with injected faults)")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.repeats = 8, 1
@@ -264,21 +271,22 @@ def measure(engine: str, args_: list[str], nproc: int, args) -> None:
     slow step) and the mean step (the run's wall time per step, i.e. its throughput, which also
     counts the slow steps: a garbage-collector pause, a scheduling hiccup). Each ratio
     memtrain ÷ plain is taken within a repeat; min / median / max over repeats."""
-    runs: dict[str, list[list[float]]] = {"plain": [], "memtrain": [], "plain_default": []}
-    if args.without_recovery:
-        runs["memtrain_without_recovery"] = []
+    variants = {"memtrain": [], **({"memtrain_armed": ["--faults.arm_oom_agreements", "true"]} if args.armed else {}),
+                **({"memtrain_without_recovery": ["--memory.oom_recovery", "false"]} if args.without_recovery else {})}
+    runs: dict[str, list[list[float]]] = {"plain": [], "plain_default": [], **{v: [] for v in variants}}
+    points: dict[str, int] = {}  # a memtrain variant's OOM agreements over its run (summary.json)
 
-    def memtrain_times(extra: list[str]) -> list[float]:
+    def memtrain_times(which: str) -> list[float]:
         out = scratch_dir("memtrain")
-        times = step_times(run_memtrain(args_ + extra, out, nproc))[args.warmup - 1:]
+        times = step_times(run_memtrain(args_ + variants[which], out, nproc))[args.warmup - 1:]
+        points[which] = json.loads((Path(out) / "summary.json").read_text())["oom_agreements"]["points"]
         shutil.rmtree(out, ignore_errors=True)
         return times
 
     for repeat in range(args.repeats):  # alternate, so drift in machine load hits every variant alike
         order = list(runs)[::1 if repeat % 2 == 0 else -1]
         for which in order:
-            runs[which].append(memtrain_times([]) if which == "memtrain" else
-                               memtrain_times(["--memory.oom_recovery", "false"]) if which.endswith("recovery") else
+            runs[which].append(memtrain_times(which) if which in variants else
                                run_plain(args_, nproc, engine, same=which == "plain")[args.warmup:])
     row = {"benchmark": "overhead", "device": args.device, "world_size": nproc, "engine": engine, "steps": args.steps,
            "repeats": args.repeats, "goal": 1.02, "plain_settings": "same"}
@@ -293,14 +301,15 @@ def measure(engine: str, args_: list[str], nproc: int, args) -> None:
         default = [f(t) for t in runs["plain_default"]]
         gains = [d / m for d, m in zip(default, mem)]  # > 1: memtrain's settings make it faster than a default loop
         alone = [d / p for d, p in zip(default, plain)]  # the settings without memtrain
-        if args.without_recovery:  # memtrain's loop without the OOM protocol's agreements
-            bare = [m / p for m, p in zip([f(t) for t in runs["memtrain_without_recovery"]], plain)]
-            row.update({f"{prefix}without_recovery_ratio_{k}": g(bare) for k, g in
+        for which in list(variants)[1:]:  # armed: the agreements inside compute, as on a GPU; without the protocol
+            other = [m / p for m, p in zip([f(t) for t in runs[which]], plain)]
+            row.update({f"{prefix}{which[len('memtrain_'):]}_ratio_{k}": g(other) for k, g in
                         (("min", min), ("median", statistics.median), ("max", max))})
         row.update({f"plain_default_step_s_{stat}": statistics.median(default),
                     f"{prefix}tuning_gain_min": min(gains), f"{prefix}tuning_gain_median": statistics.median(gains),
                     f"{prefix}tuning_gain_max": max(gains), f"{prefix}tuning_gains": gains,
                     f"{prefix}settings_gain_median": statistics.median(alone), f"{prefix}settings_gains": alone})
+    row["oom_agreements"] = points
     emit("overhead", args.device, row, args.results)
 
 

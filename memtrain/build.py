@@ -216,10 +216,12 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
     controller = make_controller(cfg, spec.data_parallel_size, choices, make_planner)
     engine = make_backend(cfg, spec, process, precision, controller.plan)
     closing.callback(engine.close)
-    sync = OOMSync(process.world_size, process.rank, enabled=cfg.memory.oom_recovery, device=process.device,
-                   timeout_s=process.timeout_s)
-    closing.callback(sync.close)
     faults = FaultInjector(cfg.faults, process.rank, cfg.output_dir)
+    # a CPU allocator's failure is no out-of-memory error: on the CPU only injected faults raise one
+    inside_compute = process.device.type != "cpu" or faults.raises_oom or cfg.faults.arm_oom_agreements
+    sync = OOMSync(process.world_size, process.rank, enabled=cfg.memory.oom_recovery, device=process.device,
+                   timeout_s=process.timeout_s, inside_compute=inside_compute)
+    closing.callback(sync.close)
     transforms = ModelTransforms(LeverTarget(model, repeated_blocks(model), objective, cfg, faults), t.compile)
     state_dtype = controller.plan.settings().get("optimizer_state_dtype", "fp32")
     model, optimizer = transforms.apply(model, engine, lambda m: make_optimizer(m, t, state_dtype), sync, controller.plan)

@@ -327,6 +327,12 @@ class FaultsConfig:
     kill_during_save: int = 0
     """End the process half-way through writing this step's checkpoint (engine state written,
     no manifest yet); 0 = off."""
+    arm_oom_agreements: bool = False
+    """Make the OOM protocol's agreement points inside compute (before each block of a sharded
+    engine, between micro-batches, after each evaluation batch) on a CPU run too. On the CPU only
+    ``memory_budget_mib`` and ``oom_above_tokens`` can raise an out-of-memory error there (a failed
+    host allocation is another error), so without them each step agrees only at its close; true
+    = as on a GPU, to measure what the points cost (benchmarks/overhead.py --armed)."""
 
 
 @dataclass

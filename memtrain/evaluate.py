@@ -90,5 +90,5 @@ class Evaluator:
             progress(f"evaluation of validation samples {i + 1}-{i + len(ids)} of {len(self.mine)}")
             batch = {k: v.to(device) for k, v in self.corpus.validation.batch(ids).items()}
             totals += torch.tensor(self.objective.eval_sums(model, batch), dtype=torch.float64, device=device)
-            self.sync.agreement_point()
+            self.sync.compute_point()
         return totals

@@ -105,11 +105,18 @@ class OOMSync:
     memory is a host-side event, raised where the host allocates. On a CUDA run the all-reduces
     have a gloo group of their own beside NCCL.
 
+    The points inside compute (block hooks, between micro-batches, after each evaluation batch)
+    guard only against an OOM raised there; where none can be (``inside_compute`` False: a CPU run,
+    whose allocator failures are not out-of-memory errors, without injected faults) they are not
+    made, and each step agrees once, at its close. On 2 CPU ranks under FSDP2 they cost 5–8% of
+    the step time (docs/benchmarks.md, loop overhead).
+
     Args:
         world_size: number of ranks; rank: this rank.
         enabled: False = no agreement (``memory.oom_recovery`` off).
         device: the run's device (CUDA: a gloo group is made for the agreements).
         timeout_s: that group's collective timeout (``backend.timeout_s``), seconds.
+        inside_compute: whether the points inside compute are made (see above).
     """
 
     PAYLOAD_SLOTS = 4
@@ -117,9 +124,9 @@ class OOMSync:
     fingerprint (:func:`memtrain.step.close_step`) and the stop flag."""
 
     def __init__(self, world_size: int, rank: int, enabled: bool = True, device: Optional[torch.device] = None,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, inside_compute: bool = True):
         self.world_size, self.rank = world_size, rank
-        self.enabled = enabled
+        self.enabled, self.inside_compute = enabled, inside_compute
         self.stop_source: Callable[[], bool] = lambda: False
         self.stop_agreed = False  # some rank's stop_source was set at the last closing agreement
         self._expect = None  # the coming micro-batch's ComputeCollectives; None = the hooks do not agree
@@ -187,6 +194,15 @@ class OOMSync:
             raise AgreedOOM(ranks)
         return summed
 
+    def compute_point(self) -> None:
+        """An agreement point inside compute (between micro-batches, after an evaluation batch):
+        :meth:`agreement_point` where ``inside_compute``, else nothing.
+
+        Raises:
+            AgreedOOM: as :meth:`agreement_point`."""
+        if self.inside_compute:
+            self.agreement_point()
+
     def closing_point(self, payload: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """The step's last agreement point; it also carries this rank's stop flag
         (:attr:`stop_source`: a stop signal arrived) and sets :attr:`stop_agreed` from every rank's.
@@ -214,11 +230,11 @@ class OOMSync:
     def install(self, blocks: list[nn.Module], collectives) -> None:
         """Agreement hooks before every block's training forward and backward, when the engine
         communicates inside compute on some micro-batch (``collectives``, the union over
-        micro-batches, ``.any``; else nothing is registered: a plain DDP run pays for no Python
-        hook); each agrees only where :meth:`expect` says the current micro-batch communicates.
+        micro-batches, ``.any``, and points inside compute are made; else nothing is registered:
+        a plain DDP run pays for no Python hook); each agrees only where :meth:`expect` says the current micro-batch communicates.
         Install after the engine wrapped the model, so these run before its hooks. Evaluation
         forwards agree once per micro-batch instead (in the evaluator)."""
-        if not (self.active and collectives.any):
+        if not (self.active and self.inside_compute and collectives.any):
             return
 
         def forward(index, hidden, args, kwargs):

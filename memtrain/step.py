@@ -167,7 +167,7 @@ def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.T
             # ran out of memory must not strand the others in its collectives); micro-batches
             # without collectives (DDP with deferred reduction, ZeRO-1 before the boundary) run on.
             if sync is not None and i < last and collectives[i + 1].before_first_block:
-                sync.agreement_point()
+                sync.compute_point()
     finally:
         if global_count is None:
             counted()  # every rank started it: it completes even when this attempt failed

@@ -139,3 +139,15 @@ def test_recovery_off_makes_no_agreement(monkeypatch):
     other = OtherRank()
     _step("fsdp_or_zero3", other, monkeypatch, sync=OOMSync(WORLD, 0, enabled=False))
     assert other.calls == 0  # the count and the sums go through the process's own all-reduce
+
+
+@pytest.mark.parametrize("pattern", ["zero2", "fsdp_or_zero3"])
+def test_without_points_inside_compute_a_step_agrees_once_and_still_hears_an_oom(pattern, monkeypatch):
+    """``inside_compute`` off (a CPU run without injected faults): no block hook and no point
+    between micro-batches agrees, only the closing one, where another rank's OOM still arrives."""
+    other = OtherRank()
+    _step(pattern, other, monkeypatch, sync=OOMSync(WORLD, 0, inside_compute=False))
+    assert other.calls == 1
+    with pytest.raises(AgreedOOM) as caught:
+        _step(pattern, OtherRank(oom_at=1), monkeypatch, sync=OOMSync(WORLD, 0, inside_compute=False))
+    assert caught.value.ranks == [1]
