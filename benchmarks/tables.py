@@ -109,8 +109,9 @@ def largest_model_plan() -> str:
 def overhead(device: str) -> str:
     """memtrain's step time against each engine's plain loop with the same process settings,
     newest such row per engine: the median step and the mean step (wall time per step) of each
-    run, their ratios over repeats, and the tuning gain (a plain loop with its defaults over
-    memtrain, median step)."""
+    run, their ratios over repeats, the tuning gain (a plain loop with its defaults over
+    memtrain, median step) and, where measured, memtrain with the OOM agreements inside compute
+    made as on a GPU (``--armed``) with each variant's agreements over its run."""
     rows: dict[str, dict] = {}
     with open(RESULTS / f"overhead-{device}.jsonl") as fh:
         for line in fh:
@@ -119,9 +120,9 @@ def overhead(device: str) -> str:
                 rows[row["engine"]] = row
     out = ["| engine | plain loop | ms per step, median step: plain / memtrain | overhead (min / median / max) "
            "| ms per step, mean step: plain / memtrain | overhead (min / median / max) "
-           "| tuning gain (min / median / max) | without OOM recovery: overhead, median step (min / median / max) "
-           "| repeats × steps |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| tuning gain (min / median / max) | agreements inside compute made (as on a GPU): overhead, median step "
+           "(min / median / max) | OOM agreements per run: memtrain / made inside compute | repeats × steps |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     plain = {"ddp": "Accelerate (`accumulate`, `backward`)", "fsdp": "`fully_shard` per block + root",
              "zero2": "`deepspeed.initialize`, `engine.backward`/`step`"}
     for engine in ENGINE_NAMES:
@@ -136,10 +137,12 @@ def overhead(device: str) -> str:
             cells += [f"{r[f'plain_step_s_{stat}'] * 1e3:.1f} / {r[f'memtrain_step_s_{stat}'] * 1e3:.1f}",
                       f"{r[prefix + 'ratio_min']:.2f} / {r[prefix + 'ratio_median']:.2f} / {r[prefix + 'ratio_max']:.2f}"]
         gain = f"{r['tuning_gain_min']:.2f} / {r['tuning_gain_median']:.2f} / {r['tuning_gain_max']:.2f}"
-        bare = (" / ".join(f"{r[f'without_recovery_ratio_{k}']:.2f}" for k in ("min", "median", "max"))
-                if "without_recovery_ratio_median" in r else "not measured")
-        out.append(f"| {ENGINE_NAMES[engine]} | {plain.get(engine, '')} | {' | '.join(cells)} | {gain} | {bare} | "
-                   f"{r['repeats']} × {r['steps']} |")
+        armed = (" / ".join(f"{r[f'armed_ratio_{k}']:.2f}" for k in ("min", "median", "max"))
+                 if "armed_ratio_median" in r else "not measured")
+        points = r.get("oom_agreements", {})
+        counts = f"{points['memtrain']} / {points['memtrain_armed']}" if "memtrain_armed" in points else "–"
+        out.append(f"| {ENGINE_NAMES[engine]} | {plain.get(engine, '')} | {' | '.join(cells)} | {gain} | {armed} | "
+                   f"{counts} | {r['repeats']} × {r['steps']} |")
     return "\n".join(out)
 
 

@@ -230,8 +230,9 @@ class OOMSync:
     def install(self, blocks: list[nn.Module], collectives) -> None:
         """Agreement hooks before every block's training forward and backward, when the engine
         communicates inside compute on some micro-batch (``collectives``, the union over
-        micro-batches, ``.any``, and points inside compute are made; else nothing is registered:
-        a plain DDP run pays for no Python hook); each agrees only where :meth:`expect` says the current micro-batch communicates.
+        micro-batches, ``.any``) and points inside compute are made; else nothing is registered
+        (a plain DDP run pays for no Python hook). Each agrees only where :meth:`expect` says the
+        current micro-batch communicates.
         Install after the engine wrapped the model, so these run before its hooks. Evaluation
         forwards agree once per micro-batch instead (in the evaluator)."""
         if not (self.active and self.inside_compute and collectives.any):
