@@ -31,7 +31,7 @@ from memtrain.loop import TrainingLoop
 from memtrain.models import ModelSource, count_parameters
 from memtrain.flops import flops_per_token, peak_bf16_flops
 from memtrain.objectives import make_objective
-from memtrain.oom import OOMSync
+from memtrain.oom import OOMSync, agrees_inside_compute
 from memtrain.optim import make_optimizer, make_scheduler
 from memtrain.memory.placement import resolve as resolve_placement
 from memtrain.plan import Plan, PlanController
@@ -217,10 +217,8 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
     engine = make_backend(cfg, spec, process, precision, controller.plan)
     closing.callback(engine.close)
     faults = FaultInjector(cfg.faults, process.rank, cfg.output_dir)
-    # a CPU allocator's failure is no out-of-memory error: on the CPU only injected faults raise one
-    inside_compute = process.device.type != "cpu" or faults.raises_oom or cfg.faults.arm_oom_agreements
     sync = OOMSync(process.world_size, process.rank, enabled=cfg.memory.oom_recovery, device=process.device,
-                   timeout_s=process.timeout_s, inside_compute=inside_compute)
+                   timeout_s=process.timeout_s, inside_compute=agrees_inside_compute(process.device.type, cfg.faults))
     closing.callback(sync.close)
     transforms = ModelTransforms(LeverTarget(model, repeated_blocks(model), objective, cfg, faults), t.compile)
     state_dtype = controller.plan.settings().get("optimizer_state_dtype", "fp32")

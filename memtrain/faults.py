@@ -68,12 +68,6 @@ class FaultInjector:
         self.num_blocks = 1
         self.memory: Optional[SimulatedMemory] = None
 
-    @property
-    def raises_oom(self) -> bool:
-        """Whether an out-of-memory error may be raised inside compute (``faults.memory_budget_mib``
-        or ``faults.oom_above_tokens``)."""
-        return self.faults.memory_budget_mib > 0 or self.faults.oom_above_tokens > 0
-
     def simulate_memory(self, state_bytes: int, parameters: Iterable[torch.Tensor]) -> None:
         """``faults.memory_budget_mib``: count this rank's simulated device memory from now on
         (``state_bytes``: the engine's model state on this rank)."""

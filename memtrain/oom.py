@@ -86,6 +86,17 @@ def register_block_hooks(blocks: list[nn.Module], forward: Callable, backward: C
         block.register_forward_hook(post, prepend=True)
 
 
+def agrees_inside_compute(device_type: str, faults) -> bool:
+    """Whether a run's OOM agreement points inside compute are made (:class:`OOMSync`'s
+    ``inside_compute``): on an accelerator (``device_type`` not ``cpu``), where its allocator raises
+    out-of-memory errors, and on the CPU only where ``faults`` (:class:`memtrain.config.FaultsConfig`)
+    can raise one (``memory_budget_mib``, ``oom_above_tokens``) or ``arm_oom_agreements`` asks. A
+    failed CPU allocation is a plain ``RuntimeError`` (not :func:`is_oom`), and the kernel's OOM
+    killer usually ends the process first."""
+    return (device_type != "cpu" or faults.memory_budget_mib > 0 or faults.oom_above_tokens > 0
+            or faults.arm_oom_agreements)
+
+
 class OOMSync:
     """Agreement points of the OOM protocol.
 
@@ -108,7 +119,7 @@ class OOMSync:
     The points inside compute (block hooks, between micro-batches, after each evaluation batch)
     guard only against an OOM raised there; where none can be (``inside_compute`` False: a CPU run,
     whose allocator failures are not out-of-memory errors, without injected faults) they are not
-    made, and each step agrees once, at its close. On 2 CPU ranks under FSDP2 they cost 5–8% of
+    made, and each step agrees once, at its close. On 2 CPU ranks under FSDP2 they cost 4–9% of
     the step time (docs/benchmarks.md, loop overhead).
 
     Args:

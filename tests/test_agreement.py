@@ -12,7 +12,8 @@ from torch import nn
 
 from memtrain.backends.base import ComputeCollectives
 from memtrain.objectives import CausalLM
-from memtrain.oom import AgreedOOM, OOMSync
+from memtrain.config import FaultsConfig
+from memtrain.oom import AgreedOOM, OOMSync, agrees_inside_compute, is_oom
 from memtrain.plan import Plan
 from memtrain.step import train_step
 
@@ -151,3 +152,16 @@ def test_without_points_inside_compute_a_step_agrees_once_and_still_hears_an_oom
     with pytest.raises(AgreedOOM) as caught:
         _step(pattern, OtherRank(oom_at=1), monkeypatch, sync=OOMSync(WORLD, 0, inside_compute=False))
     assert caught.value.ranks == [1]
+
+
+def test_points_inside_compute_are_made_where_an_oom_can_be_raised_there():
+    """A GPU raises out-of-memory errors; on the CPU a failed allocation is a plain RuntimeError
+    (checked here, not assumed), so only injected faults, or the benchmark's request, make them."""
+    with pytest.raises(RuntimeError) as failed:
+        torch.empty(2**62, dtype=torch.uint8)  # beyond any address space: fails whatever the overcommit mode
+    assert not is_oom(failed.value)
+    assert agrees_inside_compute("cuda", FaultsConfig())
+    assert not agrees_inside_compute("cpu", FaultsConfig())
+    for faults in (FaultsConfig(oom_above_tokens=32), FaultsConfig(memory_budget_mib=64.0),
+                   FaultsConfig(arm_oom_agreements=True)):
+        assert agrees_inside_compute("cpu", faults)
