@@ -27,9 +27,10 @@ over the plain loop with the settings: what the settings alone are worth.
 ``--without_recovery`` adds memtrain with ``memory.oom_recovery false`` to the rotation
 (``without_recovery_ratio_*``, over the same plain runs): the loop without the OOM protocol.
 ``--armed`` adds memtrain with ``faults.arm_oom_agreements true`` (``armed_ratio_*``): the OOM
-agreements inside compute (before each FSDP2 block, between ZeRO-2 micro-batches), which a GPU
-run makes and a CPU run makes only where injected faults can raise an OOM; ``oom_agreements``
-counts each variant's agreements over its run. memtrain's extra work per step: the OOM
+agreements inside compute (before each FSDP2 block's forward and backward; ZeRO-2's before block
+0's backward in each micro-batch, its reduction in one bucket here), which a GPU run makes and a
+CPU run makes only where injected faults can raise an OOM; ``oom_agreements`` counts each
+variant's agreements over its run (the evaluation before step 1 included). memtrain's extra work per step: the OOM
 agreements (shared memory between ranks of one host), the global token count, the data
 fingerprint, and — with OOM recovery on — a DDP gradient all-reduce after backward instead of
 one overlapped with it.
@@ -303,8 +304,10 @@ def measure(engine: str, args_: list[str], nproc: int, args) -> None:
         alone = [d / p for d, p in zip(default, plain)]  # the settings without memtrain
         for which in list(variants)[1:]:  # armed: the agreements inside compute, as on a GPU; without the protocol
             other = [m / p for m, p in zip([f(t) for t in runs[which]], plain)]
-            row.update({f"{prefix}{which[len('memtrain_'):]}_ratio_{k}": g(other) for k, g in
+            name = which[len("memtrain_"):]
+            row.update({f"{prefix}{name}_ratio_{k}": g(other) for k, g in
                         (("min", min), ("median", statistics.median), ("max", max))})
+            row[f"{prefix}{name}_ratios"] = other  # per repeat, beside ``ratios``: paired comparisons
         row.update({f"plain_default_step_s_{stat}": statistics.median(default),
                     f"{prefix}tuning_gain_min": min(gains), f"{prefix}tuning_gain_median": statistics.median(gains),
                     f"{prefix}tuning_gain_max": max(gains), f"{prefix}tuning_gains": gains,

@@ -4,7 +4,8 @@ step, inside a step or half-way through a checkpoint write, and failing checkpoi
 failures walk the same code paths as real ones; production code only offers the hook points
 (:meth:`FaultInjector.forward_context`, :meth:`FaultInjector.after_micro_batch`,
 :meth:`FaultInjector.perturb`, :meth:`FaultInjector.after_step`,
-:meth:`FaultInjector.after_checkpoint_write`) and never reads ``faults.*`` itself. With
+:meth:`FaultInjector.after_checkpoint_write`) and reads ``faults.*`` itself only where a fault
+changes what it must guard against (``docs/design.md``, the module table). With
 ``faults.memory_budget_mib`` the OOMs come from a simulated device memory instead
 (:mod:`memtrain.memory.simulated`).
 """

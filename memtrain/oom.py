@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import nn
 
 from memtrain.host_flags import host_flags
+
+if TYPE_CHECKING:
+    from memtrain.config import FaultsConfig
 
 _OOM_MESSAGES = ("out of memory", "CUDNN_STATUS_ALLOC_FAILED", "CUBLAS_STATUS_ALLOC_FAILED",
                  "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE")
@@ -86,7 +89,7 @@ def register_block_hooks(blocks: list[nn.Module], forward: Callable, backward: C
         block.register_forward_hook(post, prepend=True)
 
 
-def agrees_inside_compute(device_type: str, faults) -> bool:
+def agrees_inside_compute(device_type: str, faults: "FaultsConfig") -> bool:
     """Whether a run's OOM agreement points inside compute are made (:class:`OOMSync`'s
     ``inside_compute``): on an accelerator (``device_type`` not ``cpu``), where its allocator raises
     out-of-memory errors, and on the CPU only where ``faults`` (:class:`memtrain.config.FaultsConfig`)
@@ -119,7 +122,7 @@ class OOMSync:
     The points inside compute (block hooks, between micro-batches, after each evaluation batch)
     guard only against an OOM raised there; where none can be (``inside_compute`` False: a CPU run,
     whose allocator failures are not out-of-memory errors, without injected faults) they are not
-    made, and each step agrees once, at its close. On 2 CPU ranks under FSDP2 they cost 4–9% of
+    made, and each step agrees once, at its close. On 2 CPU ranks under FSDP2 they cost 3–5% of
     the step time (docs/benchmarks.md, loop overhead).
 
     Args:
@@ -245,7 +248,7 @@ class OOMSync:
         (a plain DDP run pays for no Python hook). Each agrees only where :meth:`expect` says the
         current micro-batch communicates.
         Install after the engine wrapped the model, so these run before its hooks. Evaluation
-        forwards agree once per micro-batch instead (in the evaluator)."""
+        forwards agree once per micro-batch instead (in the evaluator, :meth:`compute_point`)."""
         if not (self.active and self.inside_compute and collectives.any):
             return
 
