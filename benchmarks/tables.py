@@ -3,7 +3,7 @@ configuration), so the docs show what the code measured and nothing typed by han
 
     python benchmarks/tables.py oom_stress [--device cpu]     # markdown on stdout
     python benchmarks/tables.py largest_model_plan             # memtrain plan's placements per Llama shape
-    python benchmarks/tables.py overhead [--device cpu]        # memtrain vs each engine's plain loop
+    python benchmarks/tables.py overhead [--device cpu]        # memtrain vs each engine's plain loop, and pooled
     python benchmarks/tables.py memory_accuracy [--device cpu] # predicted peak vs MemTracker, per engine and shape
     python benchmarks/tables.py solver                         # memory.levers auto vs off at three budgets
     python benchmarks/tables.py solver_exhaustive              # auto vs every fitting lever setting, timed
@@ -143,6 +143,51 @@ def overhead(device: str) -> str:
         counts = f"{points['memtrain']} / {points['memtrain_armed']}" if "memtrain_armed" in points else "–"
         out.append(f"| {ENGINE_NAMES[engine]} | {plain.get(engine, '')} | {' | '.join(cells)} | {gain} | {armed} | "
                    f"{counts} | {r['repeats']} × {r['steps']} |")
+    return "\n".join(out)
+
+
+def median_interval(values: list[float], coverage: float = 0.95) -> tuple[float, float, float]:
+    """The narrowest order-statistic interval ``(low, high, its coverage)`` that holds the true
+    median of the values' distribution with at least ``coverage`` probability, whatever that
+    distribution (the k-th smallest and k-th largest values; binomial(n, ½) tails; e.g. Conover,
+    *Practical Nonparametric Statistics*, §3.2). Needs n ≥ 6 for 95%; fewer give min and max."""
+    from math import comb
+
+    ordered, n = sorted(values), len(values)
+    cover = lambda k: 1 - 2 * sum(comb(n, i) for i in range(k)) / 2**n  # noqa: E731 (k-th from each end)
+    k = 1
+    while k + 1 <= n // 2 and cover(k + 1) >= coverage:
+        k += 1
+    return ordered[k - 1], ordered[n - k], cover(k)
+
+
+def overhead_pooled(device: str) -> str:
+    """memtrain ÷ plain (median step) per engine over every repeat of the rows that timed the
+    ``--armed`` variant (the code that makes the OOM points inside compute only where an OOM can
+    be raised there): the ratios' count, median and its order-statistic 95% interval
+    (:func:`median_interval`), and the same for the armed variant where rows keep its ratios."""
+    pooled: dict[str, dict[str, list[float]]] = {}
+    with open(RESULTS / f"overhead-{device}.jsonl") as fh:
+        for line in fh:
+            row = json.loads(line)
+            if row.get("plain_settings") == "same" and "armed_ratio_median" in row:
+                into = pooled.setdefault(row["engine"], {"ratios": [], "armed": [], "rows": []})
+                into["ratios"] += row["ratios"]
+                into["armed"] += row.get("armed_ratios", [])
+                into["rows"].append(f"{row['repeats']}")
+    out = ["| engine | runs (repeats each) | overhead: ratios, median (95% interval of the median) "
+           "| agreements inside compute made: ratios, median (95% interval) |", "|---|---|---|---|"]
+
+    def cell(values: list[float]) -> str:
+        if len(values) < 6:
+            return "–"
+        low, high, cover = median_interval(values)
+        return f"{len(values)}, {statistics.median(values):.3f} ({low:.3f}–{high:.3f}, {cover:.1%})"
+
+    for engine in ENGINE_NAMES:
+        if engine in pooled:
+            p = pooled[engine]
+            out.append(f"| {ENGINE_NAMES[engine]} | {' + '.join(p['rows'])} | {cell(p['ratios'])} | {cell(p['armed'])} |")
     return "\n".join(out)
 
 
@@ -329,6 +374,8 @@ def main(argv=None) -> int:
               "memory_accuracy_levers": memory_accuracy_levers}
     if args.benchmark in simple:
         print(simple[args.benchmark](args.device))
+        if args.benchmark == "overhead" and overhead_pooled(args.device).count("\n") > 1:
+            print("\nPooled over the runs with the armed variant:\n\n" + overhead_pooled(args.device))
         return 0
     print("Steady:\n\n" + oom_stress_steady(args.device))
     if newest("oom_stress", args.device, "spike"):

@@ -122,7 +122,7 @@ class OOMSync:
     The points inside compute (block hooks, between micro-batches, after each evaluation batch)
     guard only against an OOM raised there; where none can be (``inside_compute`` False: a CPU run,
     whose allocator failures are not out-of-memory errors, without injected faults) they are not
-    made, and each step agrees once, at its close. On 2 CPU ranks under FSDP2 they cost 3–5% of
+    made, and each step agrees once, at its close. On 2 CPU ranks under FSDP2 they cost 3–7% of
     the step time (docs/benchmarks.md, loop overhead).
 
     Args:
