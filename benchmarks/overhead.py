@@ -30,10 +30,10 @@ over the plain loop with the settings: what the settings alone are worth.
 agreements inside compute (before each FSDP2 block's forward and backward; ZeRO-2's before block
 0's backward in each micro-batch, its reduction in one bucket here), which a GPU run makes and a
 CPU run makes only where injected faults can raise an OOM; ``oom_agreements`` counts each
-variant's agreements over its run (the evaluation before step 1 included). memtrain's extra work per step: the OOM
-agreements (shared memory between ranks of one host), the global token count, the data
-fingerprint, and — with OOM recovery on — a DDP gradient all-reduce after backward instead of
-one overlapped with it.
+variant's agreements over its run (the evaluation before step 1 included). memtrain's extra
+work per step: the OOM agreements (shared memory between ranks of one host), the global token
+count, the data fingerprint, and — with OOM recovery on — a DDP gradient all-reduce after
+backward instead of one overlapped with it.
 """
 
 from __future__ import annotations

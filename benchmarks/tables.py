@@ -374,8 +374,9 @@ def main(argv=None) -> int:
               "memory_accuracy_levers": memory_accuracy_levers}
     if args.benchmark in simple:
         print(simple[args.benchmark](args.device))
-        if args.benchmark == "overhead" and overhead_pooled(args.device).count("\n") > 1:
-            print("\nPooled over the runs with the armed variant:\n\n" + overhead_pooled(args.device))
+        pooled = overhead_pooled(args.device) if args.benchmark == "overhead" else ""
+        if pooled.count("\n") > 1:  # a row under the header
+            print("\nPooled over the runs with the armed variant:\n\n" + pooled)
         return 0
     print("Steady:\n\n" + oom_stress_steady(args.device))
     if newest("oom_stress", args.device, "spike"):

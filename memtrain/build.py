@@ -216,10 +216,10 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
     controller = make_controller(cfg, spec.data_parallel_size, choices, make_planner)
     engine = make_backend(cfg, spec, process, precision, controller.plan)
     closing.callback(engine.close)
-    faults = FaultInjector(cfg.faults, process.rank, cfg.output_dir)
     sync = OOMSync(process.world_size, process.rank, enabled=cfg.memory.oom_recovery, device=process.device,
                    timeout_s=process.timeout_s, inside_compute=agrees_inside_compute(process.device.type, cfg.faults))
     closing.callback(sync.close)
+    faults = FaultInjector(cfg.faults, process.rank, cfg.output_dir)
     transforms = ModelTransforms(LeverTarget(model, repeated_blocks(model), objective, cfg, faults), t.compile)
     state_dtype = controller.plan.settings().get("optimizer_state_dtype", "fp32")
     model, optimizer = transforms.apply(model, engine, lambda m: make_optimizer(m, t, state_dtype), sync, controller.plan)

@@ -22,9 +22,9 @@ class Evaluator:
 
     The samples are cut to a multiple of ``world_size`` and dealt round-robin, so every rank runs
     the same number of forwards (the engines' collectives stay matched). Evaluation has its own
-    micro-batch size: an OOM here halves it (all ranks agree after every micro-batch, where
-    :func:`memtrain.oom.agrees_inside_compute`) and never
-    touches the training plan. The micro-batch size is saved in checkpoints (``state_dict``).
+    micro-batch size: an OOM here halves it (all ranks agree after every micro-batch where
+    :func:`memtrain.oom.agrees_inside_compute` says so) and never touches the training plan. The
+    micro-batch size is saved in checkpoints (``state_dict``).
 
     Args:
         process: the process state; corpus: the data (its ``validation`` split); objective: the loss.

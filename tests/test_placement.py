@@ -147,8 +147,9 @@ def test_a_lossier_state_dtype_is_charged_its_measured_optimizer_step_before_it_
     (parameters a rank steps × (1 / its rate − 1 / fp32's rate)) before it may decide the choice
     (as the row chosen or as the fastest, the 5% margin's reference), and only those dtypes' rates
     are measured: int8 rows predicted 10% faster lose to fp32 once int8's rate (10⁷ parameters/s
-    against 10⁹) adds 0.099 s per step; at fp32's rate they win. Ranks using every core share them; a dtype whose step cannot run here is never chosen. On
-    this CPU bf16 moments' step is measured slower than fp32's fused kernel."""
+    against 10⁹) adds 0.099 s per step; at fp32's rate they win. Ranks using every core share
+    them; a dtype whose step cannot run here is never chosen. On this CPU bf16 moments' step is
+    measured slower than fp32's fused kernel."""
     import dataclasses
     import os
 

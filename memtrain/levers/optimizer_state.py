@@ -68,12 +68,12 @@ def choose_charging_steps(table: list, choose, n_params: int, world_size: int, m
     that cannot step here (its measurement raised once) is charged infinity, which ``choose``
     never takes. Without rates (``machine.optimizer_params_per_s`` None: another machine's plan)
     this is ``choose(table)``."""
+    from memtrain.memory.placement import fastest_fitting
+
     if machine.optimizer_params_per_s is None:
         return choose(table)
     while True:
-        best = choose(table)
-        fitting = [p for p in table if p.fits and p.predicted_step_s < math.inf]
-        fastest = min(fitting, key=lambda p: p.predicted_step_s, default=None)
+        best, fastest = choose(table), fastest_fitting(table)
         pending = {p.state_dtype for p in (best, fastest) if p is not None and p.state_dtype in LOSSY
                    and p.state_dtype_s is None}
         if not pending:

@@ -219,6 +219,13 @@ step, its measured slower optimizer step counted: :func:`memtrain.levers.optimiz
 than the fastest fitting placement with less lossy moments: a larger micro-batch it lets fit saves little."""
 
 
+def fastest_fitting(table: list[Placement]) -> Optional[Placement]:
+    """The fastest row of ``table`` that fits and whose optimizer can step here (a finite
+    ``predicted_step_s``), the first of equals; None when there is none."""
+    return min((p for p in table if p.fits and p.predicted_step_s < float("inf")), key=lambda p: p.predicted_step_s,
+               default=None)
+
+
 def choose(table: list[Placement]) -> Optional[Placement]:
     """The placement a run takes from ``table`` (sized by :func:`plan_placements`): the fastest
     that fits (the first of equals), where rows with less lossy optimizer moments (fp32, then bf16,
@@ -226,12 +233,11 @@ def choose(table: list[Placement]) -> Optional[Placement]:
     nothing fits."""
     from memtrain.levers.optimizer_state import STATE_DTYPES
 
-    fitting = [p for p in table if p.fits and p.predicted_step_s < float("inf")]  # inf: its optimizer cannot run
-    if not fitting:
+    fastest = fastest_fitting(table)
+    if fastest is None:
         return None
-    fastest = min(fitting, key=lambda p: p.predicted_step_s)  # min keeps the first of equals
     for dtype in STATE_DTYPES[:STATE_DTYPES.index(fastest.state_dtype)]:
-        rows = [p for p in fitting if p.state_dtype == dtype]
+        rows = [p for p in table if p.fits and p.state_dtype == dtype]  # an infinite time never passes the test
         if rows and min(p.predicted_step_s for p in rows) <= fastest.predicted_step_s * (1 + LOSSY_MARGIN):
             return min(rows, key=lambda p: p.predicted_step_s)
     return fastest
