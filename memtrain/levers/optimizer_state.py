@@ -58,6 +58,14 @@ def step_seconds_over_fp32(p, n_params: int, world_size: int, machine) -> float:
     return stepped * (1 / rate(p.state_dtype, device) - 1 / rate("fp32", device))
 
 
+def fastest_fitting(table: list):
+    """The fastest placement row of ``table`` (:class:`memtrain.memory.placement.Placement`) that
+    fits and whose optimizer can step here (a finite ``predicted_step_s``), the first of equals;
+    None when there is none: the reference of the planner's lossy margin."""
+    return min((p for p in table if p.fits and p.predicted_step_s < math.inf), key=lambda p: p.predicted_step_s,
+               default=None)
+
+
 def choose_charging_steps(table: list, choose, n_params: int, world_size: int, machine):
     """``choose(table)`` (the placement planner's choice) with the measured step of each lossier
     state dtype charged before a row of it may decide the choice: while the chosen row or the
@@ -68,8 +76,6 @@ def choose_charging_steps(table: list, choose, n_params: int, world_size: int, m
     that cannot step here (its measurement raised once) is charged infinity, which ``choose``
     never takes. Without rates (``machine.optimizer_params_per_s`` None: another machine's plan)
     this is ``choose(table)``."""
-    from memtrain.memory.placement import fastest_fitting
-
     if machine.optimizer_params_per_s is None:
         return choose(table)
     while True:

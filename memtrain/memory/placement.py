@@ -219,19 +219,12 @@ step, its measured slower optimizer step counted: :func:`memtrain.levers.optimiz
 than the fastest fitting placement with less lossy moments: a larger micro-batch it lets fit saves little."""
 
 
-def fastest_fitting(table: list[Placement]) -> Optional[Placement]:
-    """The fastest row of ``table`` that fits and whose optimizer can step here (a finite
-    ``predicted_step_s``), the first of equals; None when there is none."""
-    return min((p for p in table if p.fits and p.predicted_step_s < float("inf")), key=lambda p: p.predicted_step_s,
-               default=None)
-
-
 def choose(table: list[Placement]) -> Optional[Placement]:
     """The placement a run takes from ``table`` (sized by :func:`plan_placements`): the fastest
     that fits (the first of equals), where rows with less lossy optimizer moments (fp32, then bf16,
     then int8) win unless a lossier one is more than :data:`LOSSY_MARGIN` faster; None when
     nothing fits."""
-    from memtrain.levers.optimizer_state import STATE_DTYPES
+    from memtrain.levers.optimizer_state import STATE_DTYPES, fastest_fitting
 
     fastest = fastest_fitting(table)
     if fastest is None:
