@@ -155,9 +155,28 @@ def scratch_dir(prefix: str) -> str:
     return tempfile.mkdtemp(prefix=f"memtrain-bench-{prefix}-")
 
 
+@functools.lru_cache(maxsize=1)
+def provenance() -> dict:
+    """The code a result measured, as every emitted row records it: ``commit`` (this checkout's git
+    HEAD, 40 hex digits) and ``worktree_clean`` (no uncommitted change under memtrain/ or
+    benchmarks/, the results aside); both None outside a git checkout."""
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+
+    try:
+        head = git("rev-parse", "HEAD")
+        status = git("status", "--porcelain", "--", "memtrain", "benchmarks", ":(exclude)benchmarks/results")
+    except (OSError, subprocess.TimeoutExpired):  # no git
+        return {"commit": None, "worktree_clean": None}
+    if head.returncode != 0 or status.returncode != 0:  # not a checkout
+        return {"commit": None, "worktree_clean": None}
+    return {"commit": head.stdout.strip(), "worktree_clean": not status.stdout.strip()}
+
+
 def emit(name: str, device: str, result: dict, save: bool) -> None:
-    """Print one result as a JSON line; with ``save`` also append it to benchmarks/results/."""
-    line = json.dumps(result)
+    """Print one result as a JSON line, with the code it measured (:func:`provenance`); with
+    ``save`` also append it to benchmarks/results/."""
+    line = json.dumps({**result, **provenance()})
     print(line, flush=True)
     if save:
         RESULTS.mkdir(parents=True, exist_ok=True)

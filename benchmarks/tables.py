@@ -12,6 +12,10 @@ configuration), so the docs show what the code measured and nothing typed by han
     python benchmarks/tables.py memory_accuracy_levers         # each lever's saving, predicted vs MemTracker
     python benchmarks/tables.py seq_len_reach                  # the longest data.seq_len under one budget
     python benchmarks/tables.py placement_accuracy             # the placement accounting vs DeepSpeed's tensors
+    python benchmarks/tables.py stale                          # which results measured code that changed since
+
+Every row records the commit it measured (``commit``, ``worktree_clean``: benchmarks/common.py's
+``provenance``); rows from before that was recorded have neither.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +31,8 @@ from memtrain.levers.activation_checkpointing import setting  # results of older
 from memtrain.levers.optimizer_state import STATE_DTYPES
 
 RESULTS = Path(__file__).resolve().parent / "results"
+MEASURED_BY = {"lossy_step_cost": "lossy_levers", "largest_model_plan": "largest_model", "solver_exhaustive": "solver"}
+"""A results name written by another benchmark's script (the rest: ``benchmarks/<name>.py``)."""
 ENGINE_NAMES = {"ddp": "DDP", "fsdp": "FSDP2", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
 SHAPE_NAMES = {"cpu": "GPT-2, 4 × 64 wide (0.27M)", "gpt2_small": "GPT-2 small's blocks, 12 × 768 (86M)"}
 """The models of benchmarks/memory_accuracy.py's ``--shape``."""
@@ -357,14 +364,46 @@ def placement_accuracy(device: str) -> str:
     return "\n".join(out)
 
 
+def staleness(results: Path = RESULTS) -> list[dict]:
+    """Per results file (``<name>-<device>.jsonl``): its rows, how many record the commit they
+    measured, the newest such commit, and whether the code it measured — ``memtrain/``,
+    ``benchmarks/common.py`` and the benchmark's script — differs between that commit and the
+    checkout's HEAD (``code_changed_since``; None where no row records a commit or git cannot
+    tell). A changed file is not a changed number: it says which tables to measure again.
+
+    Raises:
+        FileNotFoundError: ``results`` does not exist.
+    """
+    repo = results.parents[1]
+    report = []
+    for path in sorted(results.glob("*.jsonl")):
+        name = path.stem.split("-")[0]
+        with open(path) as fh:
+            rows = [json.loads(line) for line in fh if line.strip()]
+        commits = [r["commit"] for r in rows if r.get("commit")]
+        changed = None
+        if commits:
+            script = f"benchmarks/{MEASURED_BY.get(name, name)}.py"
+            diff = subprocess.run(["git", "diff", "--quiet", commits[-1], "HEAD", "--", "memtrain", "benchmarks/common.py",
+                                   script], cwd=repo, capture_output=True, timeout=60)
+            changed = {0: False, 1: True}.get(diff.returncode)  # any other code: git could not tell
+        report.append({"results": path.name, "rows": len(rows), "rows_with_commit": len(commits),
+                       "newest_commit": commits[-1] if commits else None, "code_changed_since": changed})
+    return report
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("benchmark", choices=["oom_stress", "largest_model_plan", "overhead", "memory_accuracy", "solver",
                                               "solver_exhaustive", "lossy_levers", "lossy_step_cost", "seq_len_reach",
                                               "memory_accuracy_levers",
-                                              "placement_accuracy"])
+                                              "placement_accuracy", "stale"])
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
+    if args.benchmark == "stale":  # JSON lines, one per results file
+        for entry in staleness():
+            print(json.dumps(entry))
+        return 0
     if args.benchmark == "largest_model_plan":
         print(largest_model_plan())
         return 0

@@ -1,6 +1,10 @@
 """benchmarks/tables.py's statistics: the median's order-statistic interval (its coverage from the
-binomial(n, ½) distribution, written out here by hand)."""
+binomial(n, ½) distribution, written out here by hand); the commit each result row records and
+the report of results whose measured code changed since (against git itself)."""
 
+import json
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -8,7 +12,10 @@ import pytest
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-from tables import median_interval  # noqa: E402
+from common import emit  # noqa: E402
+from tables import median_interval, staleness  # noqa: E402
+
+needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 
 
 def test_the_median_interval_is_the_narrowest_with_95_percent_coverage():
@@ -21,3 +28,52 @@ def test_the_median_interval_is_the_narrowest_with_95_percent_coverage():
     assert median_interval(values[:7]) == (1.0, 7.0, pytest.approx(1 - 2 / 2**7))
     low, high, cover = median_interval(values[:5])
     assert (low, high) == (1.0, 5.0) and cover == pytest.approx(1 - 2 / 2**5) and cover < 0.95
+
+
+def _git(repo, *args) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+@needs_git
+def test_a_results_file_is_stale_when_the_code_it_measured_changed(tmp_path):
+    """``tables.py stale``: a results file whose newest commit predates a change to memtrain/, to
+    benchmarks/common.py or to its own script is named; one whose code is unchanged is not; one
+    whose rows record no commit cannot be judged."""
+    for path in ("memtrain/loop.py", "benchmarks/common.py", "benchmarks/overhead.py", "benchmarks/solver.py"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("x = 1\n")
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-qm", "measured")
+    measured = _git(tmp_path, "rev-parse", "HEAD")
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir()
+    rows = {"overhead-cpu": [{"commit": measured}], "solver_exhaustive-cpu": [{}, {"commit": measured}],
+            "compile-cpu": [{"x": 1}]}
+    for name, content in rows.items():
+        (results / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in content))
+
+    def changed() -> dict:
+        return {e["results"]: e["code_changed_since"] for e in staleness(results)}
+
+    assert changed() == {"compile-cpu.jsonl": None, "overhead-cpu.jsonl": False, "solver_exhaustive-cpu.jsonl": False}
+    (tmp_path / "benchmarks" / "overhead.py").write_text("x = 2\n")
+    _git(tmp_path, "commit", "-qam", "the overhead script changes")
+    assert changed() == {"compile-cpu.jsonl": None, "overhead-cpu.jsonl": True, "solver_exhaustive-cpu.jsonl": False}
+    (tmp_path / "memtrain" / "loop.py").write_text("x = 2\n")
+    _git(tmp_path, "commit", "-qam", "memtrain changes")
+    assert changed()["solver_exhaustive-cpu.jsonl"] is True  # measured by benchmarks/solver.py
+    report = {e["results"]: e for e in staleness(results)}["solver_exhaustive-cpu.jsonl"]
+    assert (report["rows"], report["rows_with_commit"], report["newest_commit"]) == (2, 1, measured)
+
+
+@needs_git
+def test_an_emitted_row_records_the_commit_it_measured(capsys):
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+    emit("overhead", "cpu", {"benchmark": "overhead", "ratio_median": 1.0}, save=False)
+    row = json.loads(capsys.readouterr().out)
+    assert row["commit"] == head.stdout.strip() and row["ratio_median"] == 1.0
+    assert isinstance(row["worktree_clean"], bool)
