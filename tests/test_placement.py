@@ -264,8 +264,9 @@ def test_plan_answers_for_the_target_machine(cache_dir):
     micro-batch is replaced by the planner's (and said so: here it cannot divide a rank's share;
     with a share it divides, because another machine is planned); with its host not given, no
     placement is refused for this machine's host; the marked placement is the one the run uses
-    (``backend.name auto`` without offload: DDP), and the verdict names the host memory it needs
-    for the ranks of one machine (``--nodes 2``: half of them)."""
+    (``backend.name auto`` without offload: DDP), with its plan's levers besides AC (chunked
+    cross-entropy, asked for here), and the verdict names the host memory it needs for the ranks of
+    one machine (``--nodes 2``: half of them)."""
     from conftest import TINY_ARGS
 
     i = TINY_ARGS.index("--training.micro_batch_size")
@@ -277,12 +278,13 @@ def test_plan_answers_for_the_target_machine(cache_dir):
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc
 
-    proc = plan("--training.global_batch_size", "16")
+    proc = plan("--training.global_batch_size", "16", "--memory.chunked_cross_entropy", "true")
     assert "does not divide a rank's share" in proc.stderr
     table = proc.stdout.split("placements (", 1)[1]
     assert "host memory not given" in table and "no (host)" not in table
-    marked = [line.split()[0] for line in table.splitlines() if line.rstrip().endswith("*")]
-    assert marked == ["ddp"]
+    marked = [line for line in table.splitlines() if "*" in line.split()]
+    assert [line.split()[0] for line in marked] == ["ddp"]
+    assert marked[0].rstrip().endswith("+ chunked CE")  # the plan's levers besides AC, last
     verdict = next(line for line in proc.stdout.splitlines() if line.startswith("verdict:"))
     assert "model state ddp:" in verdict and "GiB host for the 8 rank(s) of a machine" in verdict
     assert "the smallest host that runs it" in verdict

@@ -33,11 +33,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from memtrain.levers import describe
 from memtrain.memory.accounting import ModelShape, with_allocator_headroom
 from memtrain.memory.machine import Machine
 from memtrain.memory.planner import Candidate, estimated_plan_s, make_candidates
@@ -55,7 +55,7 @@ STAGING_LIMIT_BYTES = 4 * 10**9
 """The largest flat partition DeepSpeed serialises at once (its default sub-group of 1e9 fp32 elements)."""
 
 
-@dataclass
+@dataclasses.dataclass
 class Placement:
     """One placement with its best micro-batch plan and predictions (bytes; seconds per optimizer step).
 
@@ -83,6 +83,7 @@ class Placement:
     chosen: bool = False
     state_dtype: str = "fp32"
     state_dtype_s: Optional[float] = None
+    levers: dict = dataclasses.field(default_factory=dict)  # the plan's other model levers: {name: setting}
 
     @property
     def name(self) -> str:
@@ -148,6 +149,7 @@ def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_s
     per_rank_host += c.offloaded_bytes  # one micro-batch's offloaded activations wait on the host
     p.micro_batch_size, p.gradient_accumulation_steps = c.micro_batch_size, c.gradient_accumulation_steps
     p.activation_checkpointing = c.plan.lever("activation_checkpointing")
+    p.levers = {name: value for name, value in c.plan.levers if name != "activation_checkpointing"}
     p.device_bytes, p.host_bytes = device, per_rank_host * machine.ranks_per_host
     p.nvme_bytes = state["nvme_offloaded_bytes"]
     p.fits_device = machine.device_bytes is None or device <= machine.device_bytes
@@ -247,13 +249,14 @@ def _better(a: Placement, b: Placement) -> bool:
 
 
 def format_placements(table: list[Placement]) -> str:
-    """``table`` as text, one row per placement (GiB; seconds per optimizer step)."""
-    rows = [f"{'placement':<30} {'micro':>5} {'AC':>9} {'device GiB':>10} {'host GiB':>9} {'step s':>9} fits  chosen"]
+    """``table`` as text, one row per placement (GiB; seconds per step; the plan's levers besides AC last)."""
+    header = f"{'placement':<30} {'micro':>5} {'AC':>9} {'device GiB':>10} {'host GiB':>9} {'step s':>9}"
+    rows = [header + " fits  chosen other levers"]
     for p in table:
         fits = "yes" if p.fits else "no (device)" if not p.fits_device else "no (host)"
         rows.append(f"{p.name:<30} {p.micro_batch_size:>5} {p.activation_checkpointing or '-':>9} "
                     f"{p.device_bytes / 2**30:>10.1f} {p.host_bytes / 2**30:>9.1f} {p.predicted_step_s:>9.3f} "
-                    f"{fits:<5} {'*' if p.chosen else ''}")
+                    f"{fits:<5} {'*' if p.chosen else ' ':<6} {describe(p.levers).strip() or '-'}")
     return "\n".join(rows)
 
 
