@@ -21,7 +21,7 @@ from memtrain.memory.breakdown import MemoryBreakdown
 from memtrain.checkpoint.stateful import EngineState, RNGState, SchedulerState, TokenizerFiles
 from memtrain.config import Config, ConfigError, to_dict
 from memtrain.checkpoint.compat import data_identity
-from memtrain.checkpoint.layout import move_previous_run
+from memtrain.checkpoint.layout import finished_without_checkpoint, move_previous_run
 from memtrain.data import GlobalBatchSampler, build_corpus
 from memtrain.distributed import ProcessState
 from memtrain.evaluate import Evaluator
@@ -151,7 +151,19 @@ class UserInputs:
 def make_corpus(cfg: Config, process: ProcessState, inputs: UserInputs):
     """The run's data (the caller's examples, or ``data.*`` built and cached by rank 0 first);
     then, with ``resume never``, the previous run's outputs moved aside (after the data: a bad
-    data file leaves the folder as it was)."""
+    data file leaves the folder as it was).
+
+    Raises:
+        ConfigError: ``output_dir`` holds a finished run without a checkpoint and ``resume`` is
+            ``auto`` (training again would replace its outputs; nothing is changed).
+    """
+    if cfg.resume == "auto":  # rank 0's folder decides, on every rank
+        steps = process.broadcast_object(finished_without_checkpoint(cfg.output_dir) if process.is_main else None)
+        if steps is not None:
+            raise ConfigError("output_dir", f"{cfg.output_dir} holds a finished run ({steps} steps, summary.json) "
+                              "and no checkpoint to resume from (checkpoint.every_steps 0 saves none); nothing was "
+                              "changed. Train it again with --resume never (its outputs are moved into a "
+                              "previous_run_ folder inside it), or choose another --output_dir")
     with process.main_process_first():
         corpus = (inputs.corpus() if inputs.train_dataset is not None
                   else build_corpus(cfg.data, pretrained_tokenizer(cfg, process.is_main)))

@@ -255,6 +255,9 @@ class TrainingLoop:
         if self.layerdrop is not None:
             self.layerdrop.set_step(1)
         self.probe_batch = self._rank_batch(self.sampler.cursor(0))
+        if self.process.is_main:  # the timing takes a while (a minute on the tiny recipe on 2 CPU cores)
+            log.warning("memtrain: training.micro_batch_size auto: timing plans predicted to fit (%d of %d "
+                        "candidates) on step 1's data before training", len(planner.fitting()), len(planner.candidates))
         chosen = planner.initial()
         if chosen is None:
             budget = planner.budget_bytes / 2**20 if planner.budget_bytes else float("nan")

@@ -94,8 +94,13 @@ def _validate_values(cfg: Config) -> None:
         raise ConfigError("backend.timeout_s", f"must be > 0 (seconds a collective or one operation may take), "
                           f"got {cfg.backend.timeout_s}")
     _validate_placement(cfg)
-    if cfg.backend.zero_stage is not None and cfg.backend.name in ("ddp", "fsdp"):
-        raise ConfigError("backend.zero_stage", f"is a DeepSpeed setting, but backend.name is '{cfg.backend.name}'; "
+    from memtrain.backends import infer_backend_name
+
+    b = cfg.backend
+    engine = infer_backend_name(b.name, b.deepspeed_config, b.zero_stage)  # auto with a zero_stage: DeepSpeed
+    if b.zero_stage is not None and engine in ("ddp", "fsdp"):
+        launcher = "" if b.name != "auto" else " (backend.name auto, launched with an FSDP config)"
+        raise ConfigError("backend.zero_stage", f"is a DeepSpeed setting, but the engine is '{engine}'{launcher}; "
                           "use backend.name deepspeed (or auto), or drop backend.zero_stage")
     out = os.path.expanduser(cfg.output_dir)
     if os.path.exists(out) and not os.path.isdir(out):
@@ -332,7 +337,7 @@ def _validate_placement(cfg: Config) -> None:
     from memtrain.backends import infer_backend_name
 
     b = cfg.backend
-    engine = infer_backend_name(b.name, b.deepspeed_config)  # auto: the launcher's, else DDP
+    engine = infer_backend_name(b.name, b.deepspeed_config, b.zero_stage)  # auto: the launcher's, else DDP
     if engine == "ddp" and b.offload not in (None, "none", "auto"):
         raise ConfigError("backend.offload", f"'{b.offload}' needs backend.name fsdp or deepspeed (DDP keeps all "
                           "state on the device)")

@@ -29,6 +29,26 @@ def test_auto_follows_the_launcher(monkeypatch, env, ds, expected):
     assert infer_backend_name("ddp", ds) == "ddp"  # an explicit choice wins
 
 
+def test_a_zero_stage_under_auto_is_deepspeed_and_refused_under_an_fsdp_launcher(monkeypatch):
+    """``--backend.zero_stage 3`` with ``backend.name auto`` (the default) runs DeepSpeed ZeRO-3,
+    where the stage used to be dropped silently and the run trained DDP; under ``accelerate
+    launch`` with an FSDP config it is refused (exit 2), naming the field and the engine."""
+    from memtrain.backends.spec import resolve_engine
+    from memtrain.config import parse_args
+    from memtrain.validation import _validate_values
+
+    for k in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
+        monkeypatch.delenv(k, raising=False)
+    cfg = parse_args(["--config", str(REPO / "recipes" / "code_lm_tiny.yaml"), "--backend.zero_stage", "3",
+                      "--backend.offload", "optimizer"])  # offload: refused for DDP, as it was here before
+    _validate_values(cfg)
+    spec = resolve_engine(cfg.backend, world_size=1, rank=0)
+    assert (spec.name, spec.zero_stage, spec.offload) == ("deepspeed", 3, "optimizer")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ConfigError, match=r"'backend.zero_stage'.*engine is 'fsdp' \(backend.name auto, launched"):
+        _validate_values(cfg)
+
+
 def test_auto_values_are_filled_from_memtrain():
     with open("ds_configs/zero3_offload.json") as fh:
         user = json.load(fh)

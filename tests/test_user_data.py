@@ -321,6 +321,22 @@ def test_text_that_is_not_utf8_is_counted_named_and_refused(tmp_path, caplog):
         assert len(warnings) == 1 and "b.py" in warnings[0] and "1 of" in warnings[0], warnings
 
 
+def test_rerunning_a_finished_run_without_checkpoints_is_refused_not_trained_over(finished_run, tmp_path, cache_dir):
+    """A finished run that saved no checkpoint (``checkpoint.every_steps 0``) cannot be resumed:
+    rerunning it with ``resume auto`` is refused (exit 2, ``output_dir`` and the way out named)
+    and changes nothing, where it used to train again over its metrics, summary and model;
+    ``resume never`` then trains again with the earlier outputs moved aside, byte for byte."""
+    run = copy_run(finished_run, tmp_path)
+    shutil.rmtree(run / "checkpoints")  # what every_steps 0 leaves
+    before = snapshot(run)
+    code, message = exit_of(tiny_args(run, cache_dir, *BASE))
+    assert code == 2 and "'output_dir'" in message and "--resume never" in message, message
+    assert snapshot(run) == before
+    assert exit_of(tiny_args(run, cache_dir, *BASE, "--resume", "never")) == (0, "")
+    moved = [p for p in run.iterdir() if p.name.startswith("previous_run_")]
+    assert len(moved) == 1 and snapshot(moved[0]) == before
+
+
 def test_resume_never_with_bad_data_leaves_the_previous_run_in_place(finished_run, tmp_path, cache_dir):
     """The previous run is moved aside only once the new run's data is good: a refused data file
     (exit 2) leaves the folder exactly as it was."""

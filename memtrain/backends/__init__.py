@@ -23,15 +23,16 @@ def env_true(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true", "yes")
 
 
-def infer_backend_name(requested: str, deepspeed_config: Optional[str] = None) -> str:
+def infer_backend_name(requested: str, deepspeed_config: Optional[str] = None, zero_stage: Optional[int] = None) -> str:
     """Resolve ``backend.name``. ``auto`` follows the launcher: ``accelerate launch`` with an FSDP
     config (``ACCELERATE_USE_FSDP``) → fsdp; with a DeepSpeed config (``ACCELERATE_USE_DEEPSPEED``)
-    or the DeepSpeed launcher's ``--deepspeed FILE`` → deepspeed; otherwise ddp."""
+    or the DeepSpeed launcher's ``--deepspeed FILE`` → deepspeed; otherwise DeepSpeed when the
+    config names a ``backend.zero_stage`` (a DeepSpeed setting), else ddp."""
     if requested != "auto":
         return requested
     if env_true("ACCELERATE_USE_FSDP"):
         return "fsdp"
-    if deepspeed_config or env_true("ACCELERATE_USE_DEEPSPEED"):
+    if deepspeed_config or zero_stage is not None or env_true("ACCELERATE_USE_DEEPSPEED"):
         return "deepspeed"
     return "ddp"
 

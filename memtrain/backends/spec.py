@@ -96,7 +96,7 @@ def resolve_engine(backend_cfg, world_size: int, rank: int, placement: Optional[
     from memtrain.backends import infer_backend_name
 
     b = backend_cfg
-    fields = {"name": infer_backend_name(b.name, b.deepspeed_config), "zero_stage": b.zero_stage,
+    fields = {"name": infer_backend_name(b.name, b.deepspeed_config, b.zero_stage), "zero_stage": b.zero_stage,
               "offload": None if b.offload == "auto" else b.offload, "offload_optimizer_ratio": b.offload_optimizer_ratio,
               "nvme_path": b.nvme_path}
     if placement is not None:

@@ -332,6 +332,21 @@ def move_previous_run(output_dir: str) -> Optional[str]:
     return target
 
 
+def finished_without_checkpoint(output_dir: str) -> Optional[int]:
+    """The steps of a finished run in ``output_dir`` (its ``summary.json`` written) that left no
+    complete checkpoint to resume from (``checkpoint.every_steps 0``): ``resume auto`` there would
+    train it again over its outputs. None when the folder holds no such run (a run that stopped
+    before writing its summary, e.g. one its launcher restarts, is not one)."""
+    summary = os.path.join(output_dir, "summary.json")
+    if not os.path.isfile(summary) or complete_checkpoints(os.path.join(output_dir, "checkpoints")):
+        return None
+    try:
+        with open(summary) as fh:
+            return int(json.load(fh).get("steps", 0))
+    except (OSError, ValueError, TypeError, AttributeError):  # unreadable: still a finished run's file
+        return 0
+
+
 def nearest_existing(path: str) -> str:
     """``path`` or its nearest ancestor that exists ("." for a relative path none of whose
     ancestors exist; "" stays ""): where a folder about to be created would live."""

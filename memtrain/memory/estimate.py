@@ -164,7 +164,8 @@ def _model_states(cfg, shape, precision: str, world_size: int) -> tuple[dict, st
                                          state_dtype=dtype if v.engine != "deepspeed" else "fp32",
                                          deferred_reduction=deferred)
                for v in engine_variants() if not v.tune_ratio and not v.nvme}
-    b, engine = cfg.backend, infer_backend_name(cfg.backend.name, cfg.backend.deepspeed_config)
+    b = cfg.backend
+    engine = infer_backend_name(b.name, b.deepspeed_config, b.zero_stage)
     state = model_state_bytes(engine, n, precision, b.zero_stage if engine == "deepspeed" else None, b.offload or "none",
                               world_size, shape=shape, state_dtype=dtype, deferred_reduction=deferred)
     return engines, engine, state

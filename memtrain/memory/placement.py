@@ -363,7 +363,7 @@ def planning_pool(cfg, nvme: bool) -> list[Placement]:
     from memtrain.levers.optimizer_state import LOSSY, planner_dtypes
 
     b = cfg.backend
-    engine = infer_backend_name(b.name, b.deepspeed_config)
+    engine = infer_backend_name(b.name, b.deepspeed_config, b.zero_stage)
     user = read_user_json(b.deepspeed_config) if engine == "deepspeed" else {}
     if b.offload == "auto" and offload_in_json(user)[0] != "none":
         raise ConfigError("backend.offload", f"auto, but {b.deepspeed_config} sets an offload of its own: drop one")
@@ -391,7 +391,7 @@ def allowed_pool(cfg, nvme: bool) -> list[Placement]:
     b = cfg.backend
     if b.offload == "auto":
         return planning_pool(cfg, nvme)
-    engine = infer_backend_name(b.name, b.deepspeed_config)
+    engine = infer_backend_name(b.name, b.deepspeed_config, b.zero_stage)
     offload, ratio, on_nvme = configured_offload(cfg)
     stage = resolve_zero_stage(b.zero_stage, read_user_json(b.deepspeed_config)) if engine == "deepspeed" else None
     return [Placement(engine, stage, offload, ratio, nvme=on_nvme, state_dtype=d) for d in planner_dtypes(cfg, engine)]
@@ -405,7 +405,7 @@ def configured_offload(cfg) -> tuple[str, float, bool]:
 
     b = cfg.backend
     json_offload, json_ratio, json_nvme = ("none", 1.0, False)
-    if infer_backend_name(b.name, b.deepspeed_config) == "deepspeed":
+    if infer_backend_name(b.name, b.deepspeed_config, b.zero_stage) == "deepspeed":
         json_offload, json_ratio, json_nvme = offload_in_json(read_user_json(b.deepspeed_config))
     offload = b.offload if b.offload is not None else json_offload
     ratio = b.offload_optimizer_ratio if b.offload_optimizer_ratio != 1.0 else json_ratio

@@ -472,7 +472,8 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
     from memtrain.backends import infer_backend_name
 
     source = source or ModelSource.of(cfg, corpus)
-    engine = engine or infer_backend_name(cfg.backend.name, cfg.backend.deepspeed_config)
+    engine = engine or infer_backend_name(cfg.backend.name, cfg.backend.deepspeed_config,
+                                           cfg.backend.zero_stage)
     model, mode, extra = compute_precision_model(source.build_meta, precision, device_type, engine)
     target = LeverTarget(model, repeated_blocks(model), copy.copy(objective), cfg)
     trace = traced_activation_bytes if cfg.faults.memory_budget_mib > 0 else step_peak_bytes
