@@ -37,14 +37,25 @@ def one_line(doc: str) -> str:
     """The first sentence of ``doc`` on one line (reST markup dropped), at most :data:`WIDTH` characters."""
     text = re.sub(r"\s+", " ", doc.replace("``", "")).strip()
     first = re.split(r"(?<=\.)\s", text, maxsplit=1)[0]
-    return first if len(first) <= WIDTH else first[:WIDTH - 1].rstrip() + "…"
+    if len(first) <= WIDTH:
+        return first
+    return first[:WIDTH].rsplit(" ", 1)[0].rstrip(",;:(") + " …"  # at a word's end
 
 
 def describe(parser, config_cls, show_all: bool) -> None:
     """Give each option of ``parser`` (built from ``config_cls``) its field's one-line docstring;
     hide the :data:`HIDDEN_SECTIONS` unless ``show_all``."""
     docs = field_docs(config_cls)
+    for group in parser._action_groups:  # "<class 'memtrain.config.DataConfig'>" → "data"
+        dests = [a.dest for a in group._group_actions]
+        if group.title and group.title.startswith("<class ") and dests:
+            section = len(dests) > 1 and dests[1].startswith(dests[0] + ".")  # the section's own option first
+            group.title = dests[0] if section else "run" if all("." not in d for d in dests) \
+                else dests[0].rsplit(".", 1)[0]
+    sections = {d.rsplit(".", 1)[0] for d in docs if "." in d}
     for action in parser._actions:
+        if getattr(action, "dest", "") in sections:  # jsonargparse's per-section "Path to a configuration file."
+            action.help = f"a YAML file holding the {action.dest} section's keys"
         dest = getattr(action, "dest", "")
         if not show_all and dest.split(".")[0] in HIDDEN_SECTIONS:
             action.help = argparse.SUPPRESS

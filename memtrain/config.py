@@ -21,7 +21,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from memtrain.errors import ConfigError  # raised here; the rest of memtrain imports it from here too
-from memtrain.recipe import check_recipe, closest_key, yaml_problem
+from memtrain.recipe import check_recipe, explain_parse_error
 
 
 class FrozenConfigError(AttributeError):
@@ -502,16 +502,7 @@ def parse_args(argv: Optional[list[str]] = None) -> Config:
     try:
         ns = parser.parse_args(["--help" if arg == "--help_all" else arg for arg in rest])
     except argparse.ArgumentError as exc:  # jsonargparse names the key in its message
-        msg = str(exc)
-        key = "config"
-        if 'Parser key "' in msg:
-            key = msg.split('Parser key "', 1)[1].split('"', 1)[0]
-        elif "unrecognized arguments:" in msg:
-            key = msg.split("unrecognized arguments:", 1)[1].split()[0].lstrip("-").split("=", 1)[0]
-            msg = f"unknown key '{key}'{closest_key(parser, key)}. " + msg
-        elif "Problems parsing config" in msg:  # name the YAML file, not "<unicode string>"
-            msg = yaml_problem([rest[i + 1] for i, a in enumerate(rest[:-1]) if a == "--config"]) or msg
-        raise ConfigError(key, msg.replace("\n", " ")) from None
+        raise ConfigError(*explain_parse_error(parser, Config, rest, str(exc))) from None
     d = ns.as_dict()
     d.pop("config", None)
     d.pop("__path__", None)

@@ -5,7 +5,10 @@ user probably meant (names from HF Trainer, Accelerate and DeepSpeed first, then
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+import re
+import typing
+from typing import Literal, Optional, Union
 
 import yaml
 
@@ -86,3 +89,51 @@ def closest_key(parser, key: str) -> str:
         return f" (did you mean '{alias}'?{' ' + note if note else ''})"
     close = [k for k in known if k.startswith(key)] or difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def explain_parse_error(parser, config_cls, args: list[str], msg: str) -> tuple[str, str]:
+    """``(the field, the message)`` for jsonargparse's error ``msg`` on command line ``args``: an
+    unknown key (on the command line or in a recipe) with the key probably meant; a value of the
+    wrong type or outside the choices in words (``'fp8' is not one of auto, bf16, fp16, fp32``,
+    from ``config_cls``'s type hints); a recipe that is not valid YAML named with its line."""
+    key = "config"
+    if 'Parser key "' in msg:
+        key = msg.split('Parser key "', 1)[1].split('"', 1)[0]
+        got = re.search(r"Given value: (.*?)\s*$", msg) or re.search(r"Got value: (.*?)\s*$", msg)
+        expected = _expected(_field_type(config_cls, key))
+        if got and expected:
+            msg = f"'{got[1]}' is not {expected}"
+    elif (group := re.search(r"Group '([\w.]+)' does not accept option '([\w.]+)'", msg)):  # a recipe's key
+        key = f"{group[1]}.{group[2]}"
+        msg = f"unknown key '{key}' in the recipe{closest_key(parser, key)}"
+    elif "unrecognized arguments:" in msg:
+        key = msg.split("unrecognized arguments:", 1)[1].split()[0].lstrip("-").split("=", 1)[0]
+        msg = f"unknown key '{key}'{closest_key(parser, key)}. " + msg
+    elif "Problems parsing config" in msg:  # name the YAML file, not "<unicode string>"
+        msg = yaml_problem([args[i + 1] for i, a in enumerate(args[:-1]) if a == "--config"]) or msg
+    return key, msg.replace("\n", " ")
+
+
+def _field_type(cls, dotted: str):
+    """The type hint of field ``dotted`` (``training.max_steps``) of dataclass ``cls``; None if unknown."""
+    head, _, rest = dotted.partition(".")
+    hint = typing.get_type_hints(cls).get(head) if dataclasses.is_dataclass(cls) else None
+    return _field_type(hint, rest) if rest and hint is not None else hint
+
+
+def _expected(hint) -> str:
+    """What a field of type ``hint`` takes, in words ('' for a type not described here)."""
+    members = typing.get_args(hint) if typing.get_origin(hint) is Union else (hint,)
+    words = [_one(m) for m in members if m is not type(None)]
+    if not all(words):
+        return ""
+    return " or ".join(words) + (" (or null)" if type(None) in members else "")
+
+
+def _one(hint) -> str:
+    if typing.get_origin(hint) is Literal:
+        choices = [str(c) for c in typing.get_args(hint)]
+        return f"one of {', '.join(choices)}" if len(choices) > 1 else choices[0]
+    if typing.get_origin(hint) is list:
+        return "a list such as [0, 1]"
+    return {int: "an integer", float: "a number", bool: "true or false"}.get(hint, "")

@@ -8,8 +8,9 @@ from memtrain.config import ConfigError, parse_args
 BAD = [
     # (extra args, env world size, field named in the error, a phrase of the allowed values)
     (["--training.foo", "1"], 1, "training.foo", "unknown key"),
-    (["--training.max_steps", "abc"], 1, "training.max_steps", "int"),
-    (["--precision", "fp8"], 1, "precision", "bf16"),
+    (["--training.max_steps", "abc"], 1, "training.max_steps", "'abc' is not an integer"),
+    (["--precision", "fp8"], 1, "precision", "'fp8' is not one of auto, bf16, fp16, fp32"),
+    (["--backend.zero_stage", "4"], 1, "backend.zero_stage", "'4' is not one of 1, 2, 3"),
     (["--backend.name", "horovod"], 1, "backend.name", "ddp"),
     (["--training.global_batch_size", "10", "--training.micro_batch_size", "4"], 1,
      "training.global_batch_size", "multiple of 4"),
@@ -35,8 +36,10 @@ def test_bad_config_names_field_and_writes_nothing(tmp_path, extra, world_size, 
 def test_unknown_key_in_yaml_recipe(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("training:\n  max_step: 3\n")
-    with pytest.raises(ConfigError, match="max_step"):
+    with pytest.raises(ConfigError, match="unknown key 'training.max_step' in the recipe .did you mean "
+                                         "'training.max_steps'") as err:
         parse_args(["--config", str(recipe)])
+    assert err.value.field == "training.max_step"
 
 
 def test_overrides_reach_every_section():
@@ -183,6 +186,14 @@ def test_help_lists_the_subcommands_and_plan_has_its_own():
     assert "Samples per forward/backward on one rank." in text  # training.micro_batch_size's docstring
     assert one_line(field_docs(Config)["backend.offload"])[:40] in text
     assert "--faults.kill_at_step" not in train.stdout and len(train.stdout.splitlines()) < 300
+    # sections by their names, not jsonargparse's class names; a long docstring cut at a word's end
+    assert not any(line.startswith("<class ") for line in train.stdout.splitlines())
+    assert "\ntraining:\n" in train.stdout and "\ndata.speech:\n" in train.stdout
+    assert "a YAML file holding the training section's keys" in text
+    cut = [one_line(doc) for key, doc in field_docs(Config).items()
+           if one_line(doc).endswith("…") and not key.startswith("faults.")]
+    unwrapped = text.replace("- ", "-")  # argparse also wraps at a hyphen
+    assert cut and all(c.endswith(" …") and c[:-2].replace("- ", "-") in unwrapped for c in cut)
     everything = run("train", "--help_all")
     assert everything.returncode == 0 and "--faults.kill_at_step" in everything.stdout
 
