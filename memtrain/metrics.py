@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 from tqdm.auto import tqdm
 
 from memtrain.config import ConfigError
+from memtrain.records import duration_words
 
 NOT_SCALARS = frozenset({"step", "batch_fingerprint"})
 """Numeric-looking record fields not sent to trackers: the step is the x axis, the fingerprint a hash."""
@@ -173,7 +174,8 @@ class MetricsLogger:
             validation = ("val_loss {initial_val_loss:.4f} → {final_val_loss:.4f}, "
                           if summary.get("initial_val_loss") is not None and summary.get("final_val_loss") is not None
                           else "")  # no validation examples: no val_loss
-            line = ("memtrain: done — {steps} steps in {minutes:.2f} min, loss {first_loss:.4f} → {last_loss:.4f}, "
+            line = ("memtrain: done — {steps} steps in {took}, loss {first_loss:.4f} → {last_loss:.4f}, "
                     + validation + "{rate:.0f} {unit}/s, model in {model_dir}").format(
-                        **summary, rate=summary[f"{self.unit}_per_s"], unit=self.unit)
+                        **summary, took=duration_words(summary["minutes"]), rate=summary[f"{self.unit}_per_s"],
+                        unit=self.unit)
         print(line, flush=True)

@@ -18,7 +18,7 @@ import sys
 from typing import Any, Optional
 
 from memtrain.levers import LEVERS, describe, lever_events, restore_settings
-from memtrain.records import training_minutes
+from memtrain.records import duration_words, training_minutes
 
 GIB = 2 ** 30
 
@@ -206,8 +206,7 @@ def title_line(title: str, summary: Optional[dict[str, Any]], records: Optional[
     steps = records[-1]["step"] if records else (summary or {}).get("steps")
     minutes = training_minutes(records) if records else (summary or {}).get("minutes")
     if isinstance(steps, int) and isinstance(minutes, (int, float)):
-        took = f"{minutes:.1f} min" if minutes >= 1 else f"{minutes * 60:.0f} s"
-        parts.append(f"{steps} steps in {took}")
+        parts.append(f"{steps} steps in {duration_words(minutes)}")
     if summary:
         if summary.get("backend"):
             parts.append(f"{summary['backend']} × {summary.get('world_size', '?')}")
@@ -220,7 +219,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     """``memtrain plot RUN_DIR [--out FILE.png]``: writes the PNG, prints its path; returns the exit
     status (0, or 2 with one ``memtrain plot: …`` line on stderr when the run cannot be read or
     the PNG cannot be written)."""
-    parser = argparse.ArgumentParser(prog="memtrain plot", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="memtrain plot", description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("run_dir", help="a run's output_dir (holding metrics.jsonl)")
     parser.add_argument("--out", help="PNG to write (default RUN_DIR/run.png)")
     args = parser.parse_args(argv)

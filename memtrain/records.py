@@ -89,6 +89,17 @@ def training_minutes(records: list[dict]) -> float:
     return (total + last) / 60
 
 
+def duration_words(minutes: float) -> str:
+    """``minutes`` as a person reads them: ``0.4 s``, ``8 s`` under a minute, else ``2.5 min``."""
+    seconds = minutes * 60
+    return f"{minutes:.1f} min" if minutes >= 1 else f"{seconds:.0f} s" if seconds >= 1 else f"{seconds:.1f} s"
+
+
+def parameter_words(n: int) -> str:
+    """A parameter count as the field writes it: ``0.27M``, or the number itself under 100,000."""
+    return f"{n / 1e6:.2f}M" if n >= 100_000 else f"{n:,}"
+
+
 def run_summary(state: TrainState, *, records: list[dict], unit: str, session_targets: int, elapsed_s: float,
                 resumed_from: Optional[str], preempted: Optional[str], model_dir: Optional[str],
                 about: dict[str, Any], earlier: Optional[list[dict]] = None) -> dict[str, Any]:

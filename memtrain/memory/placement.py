@@ -251,12 +251,12 @@ def _better(a: Placement, b: Placement) -> bool:
 def format_placements(table: list[Placement]) -> str:
     """``table`` as text, one row per placement (GiB; seconds per step; the plan's levers besides AC last)."""
     header = f"{'placement':<30} {'micro':>5} {'AC':>9} {'device GiB':>10} {'host GiB':>9} {'step s':>9}"
-    rows = [header + " fits  chosen other levers"]
+    rows = [header + f" {'fits':<11} chosen other levers"]
     for p in table:
         fits = "yes" if p.fits else "no (device)" if not p.fits_device else "no (host)"
         rows.append(f"{p.name:<30} {p.micro_batch_size:>5} {p.activation_checkpointing or '-':>9} "
                     f"{p.device_bytes / 2**30:>10.1f} {p.host_bytes / 2**30:>9.1f} {p.predicted_step_s:>9.3f} "
-                    f"{fits:<5} {'*' if p.chosen else ' ':<6} {describe(p.levers).strip() or '-'}")
+                    f"{fits:<11} {'*' if p.chosen else ' ':<6} {describe(p.levers).strip() or '-'}")
     return "\n".join(rows)
 
 
