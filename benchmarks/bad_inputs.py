@@ -3,7 +3,7 @@ exit code, what memtrain says, and whether any file of the user's or of the run 
 
     python benchmarks/bad_inputs.py            # JSON rows on stdout
     python benchmarks/bad_inputs.py --write    # and regenerate docs/bad_inputs.md
-    python benchmarks/bad_inputs.py --quick    # three cases (the tests)
+    python benchmarks/bad_inputs.py --quick    # four cases (QUICK)
 
 Every case starts from a copy of one finished 4-step run of the tiny model (checkpoints at steps 2
 and 4), in a scratch folder; the table in docs/bad_inputs.md is this script's output.
@@ -43,6 +43,13 @@ def write(path: Path, text: str, encoding: str = "utf-8") -> Path:
     return path
 
 
+QUICK = ("export a run into its own folder", "rerun a finished run", "rerun a finished run that saved no checkpoint",
+         "a recipe giving the training section twice")
+"""The cases of ``--quick``."""
+DROP_CHECKPOINTS = "_drop_checkpoints"
+"""A case's environment key: its copy of the run has no checkpoints (``checkpoint.every_steps 0``)."""
+
+
 def cases(tmp: Path, run: Path) -> list[tuple[str, list[str], dict]]:
     """(what the user did, the command after ``memtrain``, extra environment)."""
     notes = tmp / "notes"
@@ -57,6 +64,7 @@ def cases(tmp: Path, run: Path) -> list[tuple[str, list[str], dict]]:
     write(tmp / "trailing.json", '{\n  "zero_optimization": {"stage": 2},\n}\n')
     write(tmp / "fp16.json", '{"fp16": {"enabled": true}, "zero_optimization": {"stage": 2}}\n')
     write(tmp / "a_file", "x")
+    write(tmp / "typo.yaml", "training:\n  max_stepz: 3\n")
     r, train = str(run), [TRAIN, *TINY, "--output_dir", str(run)]
     return [
         ("export into a folder holding the user's notes", ["export", r, str(notes)], {}),
@@ -66,6 +74,10 @@ def cases(tmp: Path, run: Path) -> list[tuple[str, list[str], dict]]:
         ("resume with a changed training.seed", [*train, "--training.max_steps", "5", "--training.seed", "7"], {}),
         ("rerun a finished run", train, {}),
         ("rerun a finished run with a lower max_steps", [*train, "--training.max_steps", "2"], {}),
+        ("rerun a finished run that saved no checkpoint", train, {DROP_CHECKPOINTS: "1"}),
+        ("a mistyped subcommand", [TRAIN, "trian", *train[1:]], {}),
+        ("a recipe with a mistyped key", [*train, "--config", str(tmp / "typo.yaml")], {}),
+        ("precision fp8", [*train, "--precision", "fp8"], {}),
         ("a recipe giving the training section twice", [*train, "--config", str(tmp / "twice.yaml")], {}),
         ("a latin-1 data file read as utf-8", [*train, "--resume", "never", "--data.files", f"[{tmp}/*.py]",
                                                 "--data.max_bytes", "0"], {}),
@@ -104,7 +116,7 @@ def base_run(folder: Path, cache: str) -> Path:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="three cases only (the tests)")
+    parser.add_argument("--quick", action="store_true", help="four cases only (QUICK)")
     parser.add_argument("--write", action="store_true", help="regenerate docs/bad_inputs.md")
     args = parser.parse_args(argv)
     scratch = Path(tempfile.mkdtemp(prefix="memtrain-bad-inputs-"))
@@ -112,12 +124,15 @@ def main(argv=None) -> int:
     try:
         cache = str(scratch / "cache")
         base = base_run(scratch, cache)
-        for i, (what, command, env) in enumerate(cases(scratch, scratch / "run_template")):
-            if args.quick and i not in (1, 5, 7):
+        for what, command, env in cases(scratch, scratch / "run_template"):
+            if args.quick and what not in QUICK:
                 continue
             run = scratch / "run_template"
             shutil.rmtree(run, ignore_errors=True)
             shutil.copytree(base, run)
+            env = dict(env)
+            if env.pop(DROP_CHECKPOINTS, None):
+                shutil.rmtree(run / "checkpoints")
             watched = [run, scratch / "notes"]
             before = [snapshot(w) for w in watched]
             cmd = [sys.executable, "-m", "memtrain.export", *command[1:]] if command[0] == "export" else [

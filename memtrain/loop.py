@@ -198,9 +198,9 @@ class TrainingLoop:
                 or any(lever(name).config_key in changed for name in self.controller.choices)):
             self.controller.restart()
         if changed and self.process.is_main:
+            rule = {**TAKES_EFFECT, "backend.name": "converted on load"}  # other keys: as in a new run
             log.warning("memtrain: resuming %s with changed settings: %s", path, "; ".join(
-                f"{key} {old!r} → {new!r} ({TAKES_EFFECT.get(key, 'converted on load')})"
-                for key, (old, new) in changed.items()))
+                f"{key} {old!r} → {new!r} ({rule.get(key, 'takes effect')})" for key, (old, new) in changed.items()))
         self._apply_plan()  # the checkpoint's (AC may have been switched on by an OOM before it)
         return path, time.perf_counter() - start, changed
 

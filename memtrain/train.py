@@ -52,6 +52,7 @@ steps, 6 collective failure or timeout, 130 Ctrl-C, 1 memtrain's own error (docs
 
 INTERRUPTED = 130
 """Exit code after Ctrl-C (128 + SIGINT, the shell's convention)."""
+COMMANDS = ("train", "plan", "memory", "export", "plot")
 
 
 def cli() -> None:
@@ -68,7 +69,15 @@ def cli() -> None:
     if sys.argv[1:2] in (["--help"], ["-h"], ["help"]) or sys.argv[1:] == []:
         print(USAGE)
         sys.exit(0)
-    if sys.argv[1:2] == ["train"]:  # memtrain train --config ... is memtrain --config ...
+    first = sys.argv[1]
+    if not first.startswith("-") and first not in COMMANDS:  # a mistyped subcommand, not a config key
+        import difflib
+
+        close = difflib.get_close_matches(first, COMMANDS, n=1)
+        print(f"memtrain: unknown command '{first}'{f' (did you mean {close[0]!r}?)' if close else ''}; the commands "
+              f"are {', '.join(COMMANDS)} (memtrain --help)", file=sys.stderr)
+        sys.exit(2)
+    if first == "train":  # memtrain train --config ... is memtrain --config ...
         del sys.argv[1]
     if sys.argv[1:2] == ["export"]:  # memtrain export CKPT OUT
         from memtrain.export import main as export_main

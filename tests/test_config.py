@@ -174,6 +174,8 @@ def test_help_lists_the_subcommands_and_plan_has_its_own():
     assert top.returncode == 0
     for command in ("train", "plan", "memory", "export", "plot"):
         assert f"\n  {command} " in top.stdout, command
+    typo = run("trian", "--config", "x.yaml")  # a mistyped subcommand is named as one, not as a config key
+    assert typo.returncode == 2 and "unknown command 'trian' (did you mean 'train'?)" in typo.stderr
     plan = run("plan", "--help")
     assert plan.returncode == 0 and "--gpu_memory_gib" in plan.stdout and "--world_size" in plan.stdout
     train = run("train", "--help")
