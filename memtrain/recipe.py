@@ -1,6 +1,7 @@
 """Reading a recipe file and naming a mistyped key: the checks :func:`memtrain.config.parse_args`
 runs besides jsonargparse's — a recipe that is not valid YAML or gives a key twice, and the key a
-user probably meant (names from HF Trainer, Accelerate and DeepSpeed first, then by spelling).
+user probably meant (names from HF Trainer, Accelerate and DeepSpeed first, then by spelling) —
+and jsonargparse's own errors put in words (:func:`explain_parse_error`).
 """
 
 from __future__ import annotations
@@ -131,6 +132,7 @@ def _expected(hint) -> str:
 
 
 def _one(hint) -> str:
+    """One member of a field's type in words ('' when not described here)."""
     if typing.get_origin(hint) is Literal:
         choices = [str(c) for c in typing.get_args(hint)]
         return f"one of {', '.join(choices)}" if len(choices) > 1 else choices[0]
