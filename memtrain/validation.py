@@ -102,6 +102,9 @@ def _validate_values(cfg: Config) -> None:
         launcher = "" if b.name != "auto" else " (backend.name auto, launched with an FSDP config)"
         raise ConfigError("backend.zero_stage", f"is a DeepSpeed setting, but the engine is '{engine}'{launcher}; "
                           "use backend.name deepspeed (or auto), or drop backend.zero_stage")
+    if not b.reshard_after_forward and b.name in ("ddp", "deepspeed"):  # auto may still plan FSDP2
+        raise ConfigError("backend.reshard_after_forward", f"false is an FSDP2 setting, but backend.name is "
+                          f"'{b.name}'; use backend.name fsdp (or auto), or drop it")
     out = os.path.expanduser(cfg.output_dir)
     if os.path.exists(out) and not os.path.isdir(out):
         raise ConfigError("output_dir", f"'{cfg.output_dir}' exists and is not a folder")

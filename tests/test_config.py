@@ -11,6 +11,8 @@ BAD = [
     (["--training.max_steps", "abc"], 1, "training.max_steps", "'abc' is not an integer"),
     (["--precision", "fp8"], 1, "precision", "'fp8' is not one of auto, bf16, fp16, fp32"),
     (["--backend.zero_stage", "4"], 1, "backend.zero_stage", "'4' is not one of 1, 2, 3"),
+    (["--backend.name", "ddp", "--backend.reshard_after_forward", "false"], 1, "backend.reshard_after_forward",
+     "an FSDP2 setting"),
     (["--backend.name", "horovod"], 1, "backend.name", "ddp"),
     (["--training.global_batch_size", "10", "--training.micro_batch_size", "4"], 1,
      "training.global_batch_size", "multiple of 4"),
