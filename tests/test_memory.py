@@ -221,10 +221,12 @@ def test_recovery_under_simulated_memory_budget(tmp_path, reference, cache_dir, 
 @pytest.mark.parametrize("engine", ["ddp", "fsdp", "zero3"])
 def test_auto_plan_fits_without_oom(tmp_path, reference, cache_dir, engine):
     """training.micro_batch_size auto on the same device: the planner times the candidates
-    predicted to fit and takes the fastest; no OOM at all, the counted peak stays under the
-    budget, and training equals the fixed-plan run."""
+    predicted to fit and takes the fastest (saying so before it starts timing); no OOM at all, the
+    counted peak stays under the budget, and training equals the fixed-plan run."""
     base = baseline(reference, engine)
-    launch(tiny_args(tmp_path, cache_dir, *RUN, *ENGINES[engine], "--training.micro_batch_size", "auto", *BUDGET))
+    proc = launch(tiny_args(tmp_path, cache_dir, *RUN, *ENGINES[engine], "--training.micro_batch_size", "auto",
+                            *BUDGET))
+    assert "auto: timing plans predicted to fit" in proc.stderr
     records = read_metrics(tmp_path)
     assert records[0]["event"] == "plan_chosen" and not any("oom" in r.get("event", "") for r in records)
     table = json.loads((tmp_path / "plan.json").read_text())["candidates"]
