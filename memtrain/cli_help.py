@@ -54,11 +54,11 @@ def describe(parser, config_cls, show_all: bool) -> None:
                 else dests[0].rsplit(".", 1)[0]
     sections = {d.rsplit(".", 1)[0] for d in docs if "." in d}
     for action in parser._actions:
-        if getattr(action, "dest", "") == "print_config":  # memtrain's own (memtrain/show.py), not jsonargparse's
-            action.help = "print what this command line would run (engine, plan, levers, config) as YAML and exit"
-        if getattr(action, "dest", "") in sections:  # jsonargparse's per-section "Path to a configuration file."
-            action.help = f"a YAML file holding the {action.dest} section's keys"
         dest = getattr(action, "dest", "")
+        if dest == "print_config":  # memtrain's own (memtrain/show.py), not jsonargparse's
+            action.help = "print what this command line would run (engine, plan, levers, config) as YAML and exit"
+        if dest in sections:  # jsonargparse's per-section "Path to a configuration file."
+            action.help = f"a YAML file holding the {dest} section's keys"
         if not show_all and dest.split(".")[0] in HIDDEN_SECTIONS:
             action.help = argparse.SUPPRESS
         elif dest in docs:

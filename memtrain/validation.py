@@ -94,17 +94,6 @@ def _validate_values(cfg: Config) -> None:
         raise ConfigError("backend.timeout_s", f"must be > 0 (seconds a collective or one operation may take), "
                           f"got {cfg.backend.timeout_s}")
     _validate_placement(cfg)
-    from memtrain.backends import infer_backend_name
-
-    b = cfg.backend
-    engine = infer_backend_name(b.name, b.deepspeed_config, b.zero_stage)  # auto with a zero_stage: DeepSpeed
-    if b.zero_stage is not None and engine in ("ddp", "fsdp"):
-        launcher = "" if b.name != "auto" else " (backend.name auto, launched with an FSDP config)"
-        raise ConfigError("backend.zero_stage", f"is a DeepSpeed setting, but the engine is '{engine}'{launcher}; "
-                          "use backend.name deepspeed (or auto), or drop backend.zero_stage")
-    if not b.reshard_after_forward and b.name in ("ddp", "deepspeed"):  # auto may still plan FSDP2
-        raise ConfigError("backend.reshard_after_forward", f"false is an FSDP2 setting, but backend.name is "
-                          f"'{b.name}'; use backend.name fsdp (or auto), or drop it")
     out = os.path.expanduser(cfg.output_dir)
     if os.path.exists(out) and not os.path.isdir(out):
         raise ConfigError("output_dir", f"'{cfg.output_dir}' exists and is not a folder")
@@ -336,11 +325,12 @@ def _validate_files_and_sizes(cfg: Config) -> None:
 
 
 def _validate_placement(cfg: Config) -> None:
-    """``backend.offload``, ``offload_optimizer_ratio``, ``nvme_path`` and ``memory.host_memory_gib``."""
-    from memtrain.backends import infer_backend_name
+    """``backend.offload``, ``offload_optimizer_ratio``, ``nvme_path``, ``memory.host_memory_gib``,
+    and the settings of one engine given for another (``zero_stage``, ``reshard_after_forward``)."""
+    from memtrain.backends import engine_name
 
     b = cfg.backend
-    engine = infer_backend_name(b.name, b.deepspeed_config, b.zero_stage)  # auto: the launcher's, else DDP
+    engine = engine_name(b)  # auto: the launcher's, DeepSpeed with a zero_stage, else DDP
     if engine == "ddp" and b.offload not in (None, "none", "auto"):
         raise ConfigError("backend.offload", f"'{b.offload}' needs backend.name fsdp or deepspeed (DDP keeps all "
                           "state on the device)")
@@ -364,6 +354,13 @@ def _validate_placement(cfg: Config) -> None:
     if cfg.memory.host_memory_gib < 0:
         raise ConfigError("memory.host_memory_gib", f"must be >= 0 (GiB of host memory; 0 = what is available), got "
                           f"{cfg.memory.host_memory_gib}")
+    if b.zero_stage is not None and engine in ("ddp", "fsdp"):
+        launcher = "" if b.name != "auto" else " (backend.name auto, launched with an FSDP config)"
+        raise ConfigError("backend.zero_stage", f"is a DeepSpeed setting, but the engine is '{engine}'{launcher}; "
+                          "use backend.name deepspeed (or auto), or drop backend.zero_stage")
+    if not b.reshard_after_forward and b.name in ("ddp", "deepspeed"):  # auto may still plan FSDP2
+        raise ConfigError("backend.reshard_after_forward", f"false is an FSDP2 setting, but backend.name is "
+                          f"'{b.name}'; use backend.name fsdp (or auto), or drop it")
 
 
 def _validate_optimizer_state(cfg: Config, engine: str) -> None:

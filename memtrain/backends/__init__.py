@@ -37,6 +37,12 @@ def infer_backend_name(requested: str, deepspeed_config: Optional[str] = None, z
     return "ddp"
 
 
+def engine_name(backend) -> str:
+    """The engine a ``backend`` section (:class:`memtrain.config.BackendConfig`) runs:
+    :func:`infer_backend_name` over every field that decides it."""
+    return infer_backend_name(backend.name, backend.deepspeed_config, backend.zero_stage)
+
+
 def engine_module(name: str) -> ModuleType:
     """The module of engine ``name`` (imported on first use; DeepSpeed itself is imported only
     when a DeepSpeed engine is built or read).

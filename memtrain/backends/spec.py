@@ -93,10 +93,10 @@ def resolve_engine(backend_cfg, world_size: int, rank: int, placement: Optional[
             checkpoint being resumed, and ``optimizer_state_dtype`` where the planner chose one
             (``memory.allow_lossy_levers``); None = the config's own.
     """
-    from memtrain.backends import infer_backend_name
+    from memtrain.backends import engine_name
 
     b = backend_cfg
-    fields = {"name": infer_backend_name(b.name, b.deepspeed_config, b.zero_stage), "zero_stage": b.zero_stage,
+    fields = {"name": engine_name(b), "zero_stage": b.zero_stage,
               "offload": None if b.offload == "auto" else b.offload, "offload_optimizer_ratio": b.offload_optimizer_ratio,
               "nvme_path": b.nvme_path}
     if placement is not None:

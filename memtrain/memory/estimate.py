@@ -156,7 +156,7 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
 def _model_states(cfg, shape, precision: str, world_size: int) -> tuple[dict, str, dict]:
     """``(model state bytes per engine variant, the run's engine, its model state bytes)`` with the
     config's ``optimizer.state_dtype`` (DeepSpeed's variants keep fp32)."""
-    from memtrain.backends import engine_variants, infer_backend_name
+    from memtrain.backends import engine_name, engine_variants
     from memtrain.memory.accounting import model_state_bytes
 
     n, dtype, deferred = shape.parameters, cfg.optimizer.state_dtype, cfg.memory.oom_recovery
@@ -165,7 +165,7 @@ def _model_states(cfg, shape, precision: str, world_size: int) -> tuple[dict, st
                                          deferred_reduction=deferred)
                for v in engine_variants() if not v.tune_ratio and not v.nvme}
     b = cfg.backend
-    engine = infer_backend_name(b.name, b.deepspeed_config, b.zero_stage)
+    engine = engine_name(b)
     state = model_state_bytes(engine, n, precision, b.zero_stage if engine == "deepspeed" else None, b.offload or "none",
                               world_size, shape=shape, state_dtype=dtype, deferred_reduction=deferred)
     return engines, engine, state

@@ -357,13 +357,13 @@ def planning_pool(cfg, nvme: bool) -> list[Placement]:
         memtrain.config.ConfigError: ``backend.offload auto`` with a DeepSpeed JSON that sets an
             offload of its own (two answers to one question).
     """
-    from memtrain.backends import infer_backend_name
+    from memtrain.backends import engine_name
     from memtrain.backends.ds_config import get_path, offload_in_json, read_user_json
     from memtrain.config import ConfigError
     from memtrain.levers.optimizer_state import LOSSY, planner_dtypes
 
     b = cfg.backend
-    engine = infer_backend_name(b.name, b.deepspeed_config, b.zero_stage)
+    engine = engine_name(b)
     user = read_user_json(b.deepspeed_config) if engine == "deepspeed" else {}
     if b.offload == "auto" and offload_in_json(user)[0] != "none":
         raise ConfigError("backend.offload", f"auto, but {b.deepspeed_config} sets an offload of its own: drop one")
@@ -384,14 +384,14 @@ def allowed_pool(cfg, nvme: bool) -> list[Placement]:
     """The placements a run may take: under ``backend.offload auto`` :func:`planning_pool`,
     otherwise the one placement the config (and its DeepSpeed JSON) names, in each optimizer
     state dtype the planner may choose (:func:`memtrain.levers.optimizer_state.planner_dtypes`)."""
-    from memtrain.backends import infer_backend_name
+    from memtrain.backends import engine_name
     from memtrain.backends.ds_config import read_user_json, resolve_zero_stage
     from memtrain.levers.optimizer_state import planner_dtypes
 
     b = cfg.backend
     if b.offload == "auto":
         return planning_pool(cfg, nvme)
-    engine = infer_backend_name(b.name, b.deepspeed_config, b.zero_stage)
+    engine = engine_name(b)
     offload, ratio, on_nvme = configured_offload(cfg)
     stage = resolve_zero_stage(b.zero_stage, read_user_json(b.deepspeed_config)) if engine == "deepspeed" else None
     return [Placement(engine, stage, offload, ratio, nvme=on_nvme, state_dtype=d) for d in planner_dtypes(cfg, engine)]
@@ -400,12 +400,12 @@ def allowed_pool(cfg, nvme: bool) -> list[Placement]:
 def configured_offload(cfg) -> tuple[str, float, bool]:
     """``(offload, optimizer fraction on the host, NVMe)`` a run will use: ``backend.*``, else its
     DeepSpeed JSON's (:func:`memtrain.backends.ds_config.offload_in_json`)."""
-    from memtrain.backends import infer_backend_name
+    from memtrain.backends import engine_name
     from memtrain.backends.ds_config import offload_in_json, read_user_json
 
     b = cfg.backend
     json_offload, json_ratio, json_nvme = ("none", 1.0, False)
-    if infer_backend_name(b.name, b.deepspeed_config, b.zero_stage) == "deepspeed":
+    if engine_name(b) == "deepspeed":
         json_offload, json_ratio, json_nvme = offload_in_json(read_user_json(b.deepspeed_config))
     offload = b.offload if b.offload is not None else json_offload
     ratio = b.offload_optimizer_ratio if b.offload_optimizer_ratio != 1.0 else json_ratio

@@ -456,7 +456,7 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
     else: there they are that count (:func:`traced_activation_bytes`), so the planner predicts
     what the simulated device will count. ``source``: the :class:`memtrain.models.ModelSource`
     (None: ``cfg``'s model). ``engine``: whose mixed precision the trace follows (None: ``cfg``'s,
-    :func:`memtrain.backends.infer_backend_name`; see :data:`AUTOCAST_ENGINES`).
+    :func:`memtrain.backends.engine_name`; see :data:`AUTOCAST_ENGINES`).
 
     Raises:
         RuntimeError, NotImplementedError: the model cannot be traced with fake tensors.
@@ -469,11 +469,10 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
     from memtrain.memory.step_trace import step_peak_bytes
     from memtrain.models import ModelSource
 
-    from memtrain.backends import infer_backend_name
+    from memtrain.backends import engine_name
 
     source = source or ModelSource.of(cfg, corpus)
-    engine = engine or infer_backend_name(cfg.backend.name, cfg.backend.deepspeed_config,
-                                           cfg.backend.zero_stage)
+    engine = engine or engine_name(cfg.backend)
     model, mode, extra = compute_precision_model(source.build_meta, precision, device_type, engine)
     target = LeverTarget(model, repeated_blocks(model), copy.copy(objective), cfg)
     trace = traced_activation_bytes if cfg.faults.memory_budget_mib > 0 else step_peak_bytes
