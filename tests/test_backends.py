@@ -113,7 +113,9 @@ def test_layerdrop_model_trains_under_ddp(tmp_path, cache_dir):
     proc = launch(tiny_args(tmp_path, cache_dir, "--training.max_steps", "6", "--backend.name", "ddp",
                             "--model.factory", "toy_models:make_layerdrop", "--model.config", "{layerdrop: 0.5}",
                             model=False), launcher=TORCHRUN)
-    assert "find_unused_parameters=True" in proc.stderr
+    # OOM recovery's deferred reduction fills missing gradients itself: no DDP reducer to search
+    # (DDP's own reducer turns its search on: test_speech's ddp_reducer)
+    assert "find_unused_parameters=True" not in proc.stderr
     assert "Setting accelerator to CPU" not in proc.stderr  # a DDP run says nothing of DeepSpeed
     assert len(read_metrics(tmp_path)) == 6
     assert int(load_file(tmp_path / "model" / "model.safetensors")["drops"]) > 0  # layers were really skipped

@@ -136,7 +136,7 @@ def test_compile_quick_reports_ratio_and_equal_losses(suite):
 @on_suite
 def test_memory_accuracy_quick_is_checked_against_memtracker(suite):
     """The planner's predicted peak against torch's MemTracker count of a real 2-rank step, on
-    every engine: within 10% either way (under: an OOM the planner said would not happen; over:
+    every engine: within 10% either way (DDP 3%) (under: an OOM the planner said would not happen; over:
     memory left idle). ZeRO's reduce bucket is sized to the model: with DeepSpeed's default of
     5e8 elements the count is ~2 GB per rank, far above DDP's. Rows are printed, not saved."""
     rows = run_quick(suite, "memory_accuracy")
@@ -145,6 +145,9 @@ def test_memory_accuracy_quick_is_checked_against_memtracker(suite):
     for r in engines:
         assert -0.10 <= r["relative_error"] <= 0.10, r
         assert r["measured_bytes"] < 3 * engines[0]["measured_bytes"], r  # no 2 GB bucket
+    # DDP with OOM recovery holds no reducer: its second copy of the gradients would be 11% of this
+    # peak, and DDP's replicated state is counted exactly, so the error stays within 3%
+    assert abs(engines[0]["relative_error"]) <= 0.03, engines[0]
     assert set(rows[-1]["summary"]) == {"ddp", "fsdp", "zero2", "zero3"}
 
 

@@ -45,7 +45,11 @@ def skips_layers(model: nn.Module) -> bool:
 
 class DDPBackend:
     """Data parallel: every rank holds the whole model; gradients are averaged by all-reduce
-    on the last micro-batch of each step (``no_sync`` on the others).
+    on the last micro-batch of each step (``no_sync`` on the others), or, with the deferred
+    reduction, after the step's last backward by memtrain's own bucketed all-reduce: then the
+    model is not wrapped in ``DistributedDataParallel`` at all (Accelerate's autocast is kept), so
+    no reducer holds a second copy of the gradients in buckets this path never fills (rank 0's
+    parameters and buffers reach every rank before, as under every engine).
 
     Parameters that receive no gradient on some steps (LayerDrop in wav2vec2/WavLM, conditional
     branches) break DDP's default reducer ("Expected to have finished reduction in the prior
@@ -96,7 +100,8 @@ class DDPBackend:
 
     def prepare(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]):
         self._skips_layers = skips_layers(model)
-        if self.find_unused_parameters == "auto" and self.world_size > 1 and skips_layers(model):
+        if self.find_unused_parameters == "auto" and self.world_size > 1 and self._skips_layers \
+                and not self.defer_reduction:
             self._ddp_kwargs.find_unused_parameters = True
             self._checked_unused = True
             log.warning("memtrain: the model skips layers at random (layerdrop > 0): DDP's unused-parameter "
@@ -104,12 +109,13 @@ class DDPBackend:
         model = model.to(self.device)
         self.shape = model_shape(model)
         optimizer = make_optimizer(model)
-        model, optimizer = self.accelerator.prepare(model, optimizer)
-        if self.world_size == 1 and isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            # Accelerate wraps a lone CPU process under a launcher (its MULTI_CPU with one process):
-            # a reducer with nothing to reduce, holding a second copy of the gradients in its buckets
-            model = model.module
-        return model, optimizer
+        if self.defer_reduction or self.world_size == 1:
+            # autocast and the fp16 scaler from Accelerate, no DDP wrapper (Accelerate would wrap a
+            # lone CPU process under a launcher too: a reducer with nothing to reduce)
+            model = self.accelerator.prepare_model(model, evaluation_mode=True)
+            # (rank 0's parameters and buffers are on every rank already: transforms.sync_replicated_state)
+            return model, self.accelerator.prepare_optimizer(optimizer)
+        return self.accelerator.prepare(model, optimizer)
 
     def compute_collectives(self, last_micro_batch: bool) -> ComputeCollectives:
         """Deferred: none (the all-reduce follows the step's agreement); else the last
@@ -118,8 +124,8 @@ class DDPBackend:
         return ComputeCollectives(False, overlapped)
 
     def reduction_context(self, model: nn.Module, reduce_gradients: bool):
-        if reduce_gradients and not self.defer_reduction:
-            return contextlib.nullcontext()
+        if reduce_gradients or not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return contextlib.nullcontext()  # unwrapped (deferred reduction, one rank): nothing to hold back
         return self.accelerator.no_sync(model)
 
     def _all_reduce_gradients(self, model: nn.Module, bucket_bytes: int = DEFERRED_REDUCE_BUCKET_BYTES) -> None:

@@ -248,18 +248,20 @@ this many bytes (``memtrain.backends.ddp``), one bucket alive at a time."""
 
 def _ddp(n_params: int, world_size: int, optim: int, largest_parameter: Optional[int]) -> dict[str, int]:
     """Every rank holds everything: Accelerate's autocast keeps fp32 parameters and gradients
-    (cast for compute) and AdamW's two moments (``optim`` bytes). On more than one rank DDP's reducer also
-    allocates its buckets, a second copy of the fp32 gradients (MemTracker: 1.08 MB for a
-    0.27M-parameter model on 2 ranks), and the all-reduce after backward (with OOM recovery on)
+    (cast for compute) and AdamW's two moments (``optim`` bytes). With OOM recovery on
+    (``largest_parameter`` given) the model is not wrapped in DDP: the all-reduce after backward
     holds one flat bucket of :data:`DEFERRED_REDUCE_BUCKET_BYTES` plus at most one parameter's
     gradient, with the activations freed (``step_gradient_bytes``; MemTracker, GPT-2 small's
-    blocks, fp32, 2 ranks, AC on: 141.5 MB above the state while two buckets were alive at once);
-    ``largest_parameter`` None: no such all-reduce (recovery off, DDP's reducer overlaps backward)."""
+    blocks, fp32, 2 ranks, AC on: 141.5 MB above the state while two buckets were alive at once).
+    With recovery off (``largest_parameter`` None) on more than one rank, DDP's reducer overlaps
+    backward and allocates its buckets, a second copy of the fp32 gradients (``buffer_bytes``;
+    MemTracker: 1.08 MB for a 0.27M-parameter model on 2 ranks)."""
     n = n_params
     deferred = world_size > 1 and largest_parameter is not None
+    reducer = world_size > 1 and largest_parameter is None
     bucket = min(4 * n, DEFERRED_REDUCE_BUCKET_BYTES + 4 * largest_parameter) if deferred else 0
     return {"parameter_bytes": 4 * n, "gradient_bytes": 4 * n, "optimizer_bytes": optim,
-            "buffer_bytes": 4 * n if world_size > 1 else 0, "cpu_offloaded_bytes": 0, "step_gradient_bytes": bucket}
+            "buffer_bytes": 4 * n if reducer else 0, "cpu_offloaded_bytes": 0, "step_gradient_bytes": bucket}
 
 
 def _fsdp(n_params: int, precision: str, offload: str, world_size: int, shape: ModelShape,
