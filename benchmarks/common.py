@@ -104,24 +104,27 @@ def run_memtrain(args: list[str], output_dir: str, nproc: int, timeout: float = 
     return read_metrics(output_dir)
 
 
-def run_cli(args: list[str], timeout: float = 1800) -> str:
+def run_cli(args: list[str], timeout: float = 1800, ok_codes: tuple[int, ...] = (0,)) -> str:
     """Run ``memtrain ARGS`` in one process (``plan``, ``memory``, …) and return its stdout.
 
+    Args:
+        ok_codes: exit codes that are answers, not failures (``plan``'s 3: nothing fits).
+
     Raises:
-        RunFailed: non-zero exit (the tail of stderr attached).
+        RunFailed: an exit code not in ``ok_codes`` (the tail of stderr attached).
         subprocess.TimeoutExpired: it took longer than ``timeout`` seconds.
     """
-    return _run([sys.executable, TRAIN, *args], args, dict(os.environ), timeout).stdout
+    return _run([sys.executable, TRAIN, *args], args, dict(os.environ), timeout, ok_codes=ok_codes).stdout
 
 
 def _run(cmd: list[str], train_args: list[str], env: dict, timeout: float, nproc: Optional[int] = None,
-         port: int = 0, script: str = TRAIN) -> subprocess.CompletedProcess:
+         port: int = 0, script: str = TRAIN, ok_codes: tuple[int, ...] = (0,)) -> subprocess.CompletedProcess:
     """Run ``cmd`` (``script`` with ``train_args``: under torchrun with ``nproc`` ranks,
     or alone) from the repository root; with :data:`FORK_SERVER_VAR` set, the same run forked by
     the tests' server (torchrun's environment when ``nproc`` is given).
 
     Raises:
-        RunFailed: non-zero exit.
+        RunFailed: an exit code not in ``ok_codes``.
         subprocess.TimeoutExpired: it took longer than ``timeout`` seconds.
     """
     if os.environ.get(FORK_SERVER_VAR):
@@ -131,7 +134,7 @@ def _run(cmd: list[str], train_args: list[str], env: dict, timeout: float, nproc
             raise subprocess.TimeoutExpired(cmd, timeout, proc.stdout, proc.stderr)
     else:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-    if proc.returncode != 0:
+    if proc.returncode not in ok_codes:
         raise RunFailed(proc.returncode, proc.stderr)
     return proc
 

@@ -52,7 +52,7 @@ def scenario_args(device: str, nproc: int, cap_gib: float) -> tuple[list[str], i
 
 def plan_table(base: list[str], nproc: int, extra: list[str]) -> list[dict]:
     """``memtrain plan --json`` for the run's config: one dict per candidate."""
-    out = run_cli(["plan", *base, *extra, "--world_size", str(nproc), "--json"])
+    out = run_cli(["plan", *base, *extra, "--world_size", str(nproc), "--json"], ok_codes=(0, 3))  # 3: none fits
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 

@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 from memtrain.levers.activation_checkpointing import setting  # results of older versions hold a bool
 from memtrain.levers.optimizer_state import STATE_DTYPES
@@ -168,15 +169,35 @@ def median_interval(values: list[float], coverage: float = 0.95) -> tuple[float,
     return ordered[k - 1], ordered[n - k], cover(k)
 
 
-def overhead_pooled(device: str) -> str:
+POOLED_SINCE = {"ddp": "49fa197"}
+"""Per engine, the commit that last changed the code its timed steps run: only rows measured at
+or after it are pooled (DDP trains unwrapped, with no ``no_sync`` per micro-batch, under OOM
+recovery from 49fa197)."""
+
+
+def measured_since(row: dict, commit: str, repo: Path = RESULTS.parents[1]) -> bool:
+    """Whether ``row`` records a commit that has ``commit`` in its history (False for a row
+    without one, or where git cannot tell)."""
+    if not row.get("commit"):
+        return False
+    check = subprocess.run(["git", "merge-base", "--is-ancestor", commit, row["commit"]], cwd=repo,
+                           capture_output=True, timeout=60)
+    return check.returncode == 0
+
+
+def overhead_pooled(device: str, results: Path = RESULTS, since: Optional[dict] = None) -> str:
     """memtrain ÷ plain (median step) per engine over every repeat of the rows that timed the
     ``--armed`` variant (the code that makes the OOM points inside compute only where an OOM can
-    be raised there): the ratios' count, median and its order-statistic 95% interval
+    be raised there) and, for an engine in ``since`` (default :data:`POOLED_SINCE`), were measured
+    at or after its commit: the ratios' count, median and its order-statistic 95% interval
     (:func:`median_interval`), and the same for the armed variant where rows keep its ratios."""
+    since = POOLED_SINCE if since is None else since
     pooled: dict[str, dict[str, list[float]]] = {}
-    with open(RESULTS / f"overhead-{device}.jsonl") as fh:
+    with open(results / f"overhead-{device}.jsonl") as fh:
         for line in fh:
             row = json.loads(line)
+            if row.get("engine") in since and not measured_since(row, since[row["engine"]], results.parents[1]):
+                continue
             if row.get("plain_settings") == "same" and "armed_ratio_median" in row:
                 into = pooled.setdefault(row["engine"], {"ratios": [], "armed": [], "rows": []})
                 into["ratios"] += row["ratios"]
@@ -415,7 +436,8 @@ def main(argv=None) -> int:
         print(simple[args.benchmark](args.device))
         pooled = overhead_pooled(args.device) if args.benchmark == "overhead" else ""
         if pooled.count("\n") > 1:  # a row under the header
-            print("\nPooled over the runs with the armed variant:\n\n" + pooled)
+            print("\nPooled over the runs with the armed variant (DDP: since its step code last changed, "
+                  f"commit {POOLED_SINCE['ddp']}):\n\n" + pooled)
         return 0
     print("Steady:\n\n" + oom_stress_steady(args.device))
     if newest("oom_stress", args.device, "spike"):

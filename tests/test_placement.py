@@ -323,6 +323,25 @@ def test_the_verdict_says_what_the_run_will_use():
     assert "model state ddp:" in words and "fsdp is predicted faster" in words
 
 
+def test_plan_exits_3_when_nothing_fits(cache_dir):
+    """``memtrain plan`` prints its report and exits 3 (a run's code for out of memory at the plan
+    floor) when the run would have nothing to start from; a micro-batch the config fixes counts as
+    a start even where it is predicted not to fit (the run recovers from there)."""
+    from conftest import TINY_ARGS
+    from memtrain.memory.estimate import something_fits
+
+    i = TINY_ARGS.index("--training.micro_batch_size")
+    proc = run_cli(["plan", *TINY_ARGS[:i], "--training.micro_batch_size", "auto", *TINY_ARGS[i + 2:],
+                    "--gpu_memory_gib", "0.0001", "--data.cache_dir", cache_dir])
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "verdict: no micro-batch plan fits" in proc.stdout
+    fits, too_big = {"chosen": True, "fits": True}, {"chosen": True, "fits": False}
+    assert something_fits({"placement_decides": True, "candidates": [], "placements": [fits]})
+    assert not something_fits({"placement_decides": True, "candidates": [fits], "placements": [too_big]})
+    assert something_fits({"candidates": [too_big], "placements": []})
+    assert not something_fits({"candidates": [{"chosen": False, "fits": False}], "placements": [fits]})
+
+
 def test_the_plan_marked_is_the_plan_the_run_uses(tmp_path, cache_dir):
     """With a fixed micro-batch (2 of a rank's 8 samples) the row ``memtrain plan`` marks is the
     plan a run of the same config trains its first step with (its metrics), not the planner's

@@ -13,7 +13,7 @@ from conftest import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from common import emit  # noqa: E402
-from tables import median_interval, staleness  # noqa: E402
+from tables import median_interval, overhead_pooled, staleness  # noqa: E402
 
 needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 
@@ -66,6 +66,36 @@ def test_a_results_file_is_stale_when_the_code_it_measured_changed(tmp_path):
     assert changed()["solver_exhaustive-cpu.jsonl"] is True  # measured by benchmarks/solver.py
     report = {e["results"]: e for e in staleness(results)}["solver_exhaustive-cpu.jsonl"]
     assert (report["rows"], report["rows_with_commit"], report["newest_commit"]) == (2, 1, measured)
+
+
+@needs_git
+def test_the_pooled_overhead_leaves_out_rows_measured_before_the_engines_code_changed(tmp_path):
+    """``tables.py overhead`` pools an engine's repeats only from rows measured at or after the
+    commit that changed its step code; rows without a commit cannot show that and are left out."""
+    (tmp_path / "f").write_text("1")
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-qm", "before")
+    before = _git(tmp_path, "rev-parse", "HEAD")
+    _git(tmp_path, "commit", "-q", "--allow-empty", "-m", "the engine's step changes")
+    change = _git(tmp_path, "rev-parse", "HEAD")
+    _git(tmp_path, "commit", "-q", "--allow-empty", "-m", "later")
+    later = _git(tmp_path, "rev-parse", "HEAD")
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+
+    def row(engine, commit, ratio):
+        return {"engine": engine, "plain_settings": "same", "armed_ratio_median": 1.0, "repeats": 6,
+                "ratios": [ratio] * 6, **({"commit": commit} if commit else {})}
+
+    rows = [row("ddp", None, 3.0), row("ddp", before, 2.0), row("ddp", change, 1.0), row("ddp", later, 1.0),
+            row("fsdp", None, 1.5)]
+    (results / "overhead-cpu.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = overhead_pooled("cpu", results, since={"ddp": change})
+    ddp, fsdp = (line for line in table.splitlines() if line.startswith(("| DDP", "| FSDP2")))
+    assert "| 6 + 6 | 12, 1.000" in ddp
+    assert "| 6 | 6, 1.500" in fsdp  # no change named for FSDP2: every row pools
+    assert "| 6 + 6 + 6 + 6 | 24," in overhead_pooled("cpu", results, since={})
 
 
 @needs_git

@@ -403,7 +403,9 @@ options:
                         (times the optimizer of offloading placements; default: a reference rate of
                         3.3e9 when --gpu_memory_gib or --host_memory_gib describe another machine,
                         else measured on this machine)
-  --json                one JSON object per plan, then one per placement (plan only)"""
+  --json                one JSON object per plan, then one per placement (plan only)
+
+exit code: 0 a plan fits, 3 nothing fits (the report says what to change), 2 a bad input"""
 
 
 def _plan_micro_batch_for_target(cfg, world_size: int, given: bool, command: str, target: bool = False) -> None:
@@ -435,7 +437,8 @@ def main(argv: Optional[list[str]] = None, command: str = "memory") -> int:
     candidate and placement tables (with ``--json`` one JSON object per micro-batch candidate, then
     one per placement with ``"placement": true`` and the model's ``parameters``), ``memory`` the
     whole report as one JSON object. N defaults to
-    the launcher's ``WORLD_SIZE``, else 1. Exit 2 on a config error."""
+    the launcher's ``WORLD_SIZE``, else 1. Exit 2 on a config error, :data:`NOTHING_FITS` (3)
+    when nothing fits (:func:`something_fits`; the report is printed first), else 0."""
     from memtrain.config import ConfigError, parse_args
     from memtrain.launcher import apply_accelerate_settings
     from memtrain.distributed import prepare_libraries
@@ -492,7 +495,21 @@ def main(argv: Optional[list[str]] = None, command: str = "memory") -> int:
             print(json.dumps({"placement": True, "parameters": report["parameters"], **p}))
     else:
         print(format_table(report))
-    return 0
+    return 0 if something_fits(report) else NOTHING_FITS
+
+
+NOTHING_FITS = 3
+"""``memtrain plan|memory``'s exit code when the run would have nothing to start from: the code a
+run exits with when it is out of memory at the plan floor."""
+
+
+def something_fits(report: dict) -> bool:
+    """Whether the run of :func:`plan_report`'s ``report`` has a plan to start at: under
+    ``backend.offload auto`` a placement that fits; otherwise a chosen micro-batch plan (one the
+    config fixes counts even where it is predicted not to fit: the run recovers from there)."""
+    if report.get("placement_decides"):
+        return any(p["fits"] for p in report.get("placements", []) if p.get("chosen"))
+    return any(c["chosen"] for c in report["candidates"])
 
 
 if __name__ == "__main__":
