@@ -115,7 +115,7 @@ def test_layerdrop_model_trains_under_ddp(tmp_path, cache_dir):
                             model=False), launcher=TORCHRUN)
     # OOM recovery's deferred reduction fills missing gradients itself: no DDP reducer to search
     # (DDP's own reducer turns its search on: test_speech's ddp_reducer)
-    assert "find_unused_parameters=True" not in proc.stderr
+    assert "find_unused_parameters=True" not in proc.stderr and "received no gradient" not in proc.stderr
     assert "Setting accelerator to CPU" not in proc.stderr  # a DDP run says nothing of DeepSpeed
     assert len(read_metrics(tmp_path)) == 6
     assert int(load_file(tmp_path / "model" / "model.safetensors")["drops"]) > 0  # layers were really skipped

@@ -90,6 +90,29 @@ def test_planner_keeps_as_much_optimizer_state_on_the_device_as_fits():
     assert not one_step_less.fits_device
 
 
+def test_a_ddp_placement_counts_the_reducer_buckets_only_without_oom_recovery():
+    """DDP's reducer (OOM recovery off) holds a second fp32 copy of the gradients on more than one
+    rank; with recovery on memtrain trains the model unwrapped. The copy is 4 bytes per parameter
+    of the real model (torch's count; MemTracker counted it at 4 × 0.27M on 2 ranks)."""
+    from torch import nn
+
+    from memtrain.config import parse_args
+    from memtrain.memory.accounting import model_shape
+    from memtrain.memory.placement import allowed_pool, planning_pool, state_bytes
+
+    model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 8))
+    n = sum(p.numel() for p in model.parameters())
+    shape = model_shape(model)
+
+    def ddp_buffers(*args):
+        cfg = parse_args(["--backend.name", "ddp", *args])
+        pools = allowed_pool(cfg, False) + [p for p in planning_pool(cfg, False) if p.engine == "ddp"]
+        return {state_bytes(p, shape, "fp32", 2)["buffer_bytes"] for p in pools}
+
+    assert ddp_buffers("--memory.oom_recovery", "false") == {4 * n}
+    assert ddp_buffers() == {0}
+
+
 def test_lossy_optimizer_states_are_planned_only_when_allowed():
     """memory.allow_lossy_levers (with memory.levers auto): the user's DDP placement is planned with
     fp32, bf16 and int8 moments, fp32 first; DeepSpeed's in fp32 only. A 1B model's fp32 DDP state
@@ -339,6 +362,7 @@ def test_plan_exits_3_when_nothing_fits(cache_dir):
     assert something_fits({"placement_decides": True, "candidates": [], "placements": [fits]})
     assert not something_fits({"placement_decides": True, "candidates": [fits], "placements": [too_big]})
     assert something_fits({"candidates": [too_big], "placements": []})
+    assert not something_fits({"candidates": [fits], "placements": [{**fits, "fits_host": False}]})
     assert not something_fits({"candidates": [{"chosen": False, "fits": False}], "placements": [fits]})
 
 

@@ -100,12 +100,12 @@ class DDPBackend:
 
     def prepare(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]):
         self._skips_layers = skips_layers(model)
-        if self.find_unused_parameters == "auto" and self.world_size > 1 and self._skips_layers \
-                and not self.defer_reduction:
-            self._ddp_kwargs.find_unused_parameters = True
-            self._checked_unused = True
-            log.warning("memtrain: the model skips layers at random (layerdrop > 0): DDP's unused-parameter "
-                        "search is on (find_unused_parameters=True)")
+        if self.find_unused_parameters == "auto" and self.world_size > 1 and self._skips_layers:
+            self._checked_unused = True  # dropped layers are expected to leave parameters without gradient
+            if not self.defer_reduction:  # DDP's reducer must search for them
+                self._ddp_kwargs.find_unused_parameters = True
+                log.warning("memtrain: the model skips layers at random (layerdrop > 0): DDP's unused-parameter "
+                            "search is on (find_unused_parameters=True)")
         model = model.to(self.device)
         self.shape = model_shape(model)
         optimizer = make_optimizer(model)

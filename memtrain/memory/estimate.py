@@ -405,7 +405,8 @@ options:
                         else measured on this machine)
   --json                one JSON object per plan, then one per placement (plan only)
 
-exit code: 0 a plan fits, 3 nothing fits (the report says what to change), 2 a bad input"""
+exit code: 0 the run has a plan to start at, 3 nothing fits (the report says what to change),
+2 a bad input"""
 
 
 def _plan_micro_batch_for_target(cfg, world_size: int, given: bool, command: str, target: bool = False) -> None:
@@ -506,10 +507,12 @@ run exits with when it is out of memory at the plan floor."""
 def something_fits(report: dict) -> bool:
     """Whether the run of :func:`plan_report`'s ``report`` has a plan to start at: under
     ``backend.offload auto`` a placement that fits; otherwise a chosen micro-batch plan (one the
-    config fixes counts even where it is predicted not to fit: the run recovers from there)."""
+    config fixes counts even where it is predicted not to fit: the run recovers from there) on a
+    placement whose host memory suffices (a run refuses one that does not)."""
+    placed = next((p for p in report.get("placements", []) if p.get("chosen")), None)
     if report.get("placement_decides"):
-        return any(p["fits"] for p in report.get("placements", []) if p.get("chosen"))
-    return any(c["chosen"] for c in report["candidates"])
+        return placed is not None and placed["fits"]
+    return any(c["chosen"] for c in report["candidates"]) and (placed is None or placed.get("fits_host", True))
 
 
 if __name__ == "__main__":

@@ -63,7 +63,8 @@ class Placement:
     the planner chooses it); ``nvme``: the offloaded state is in files. ``device_bytes`` is per
     rank, ``host_bytes`` for all ranks of a machine, ``nvme_bytes`` per rank; ``state_dtype`` is
     ``optimizer.state_dtype`` (DDP and FSDP2 take bf16 and int8); ``state_dtype_s``, in
-    ``predicted_step_s``, its measured step beyond fp32 moments' (None: not measured)."""
+    ``predicted_step_s``, its measured step beyond fp32 moments' (None: not measured);
+    ``deferred_reduction``: ``memory.oom_recovery`` (DDP then holds no reducer buckets)."""
 
     engine: str
     zero_stage: Optional[int]
@@ -84,6 +85,7 @@ class Placement:
     state_dtype: str = "fp32"
     state_dtype_s: Optional[float] = None
     levers: dict = dataclasses.field(default_factory=dict)  # the plan's other model levers: {name: setting}
+    deferred_reduction: bool = True
 
     @property
     def name(self) -> str:
@@ -107,14 +109,14 @@ class Placement:
 
 
 def variants(engines: tuple[str, ...], zero_stages: tuple[int, ...], nvme: bool,
-             state_dtype: str = "fp32") -> list[Placement]:
+             state_dtype: str = "fp32", deferred_reduction: bool = True) -> list[Placement]:
     """Every placement of ``engines`` (ZeRO stages restricted to ``zero_stages``; NVMe ones only
     with ``nvme``), least offload first: the engines' own variants
     (:func:`memtrain.backends.engine_variants`), with optimizer states in ``state_dtype``."""
     from memtrain.backends import engine_variants
 
     return [Placement(v.engine, v.zero_stage, v.offload, v.offload_optimizer_ratio, v.nvme, v.tune_ratio,
-                      state_dtype=state_dtype)
+                      state_dtype=state_dtype, deferred_reduction=deferred_reduction)
             for v in engine_variants(engines)
             if (v.zero_stage is None or v.zero_stage in zero_stages) and (nvme or not v.nvme)]
 
@@ -125,7 +127,8 @@ def state_bytes(p: Placement, shape: ModelShape, precision: str, world_size: int
     from memtrain.memory.accounting import model_state_bytes
 
     return model_state_bytes(p.engine, shape.parameters, precision, p.zero_stage, p.offload, world_size,
-                             p.offload_optimizer_ratio, "nvme" if p.nvme else "cpu", shape, state_dtype=p.state_dtype)
+                             p.offload_optimizer_ratio, "nvme" if p.nvme else "cpu", shape, state_dtype=p.state_dtype,
+                             deferred_reduction=p.deferred_reduction)
 
 
 def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_size: int,
@@ -376,7 +379,7 @@ def planning_pool(cfg, nvme: bool) -> list[Placement]:
     pool = []
     for d in dict.fromkeys(d for e in engines for d in planner_dtypes(cfg, e)):  # the least lossy first: it wins ties
         pool += variants(tuple(e for e in engines if d in planner_dtypes(cfg, e)), (stage,) if stage else (1, 2, 3),
-                         nvme, d)
+                         nvme, d, cfg.memory.oom_recovery)
     return pool
 
 
@@ -394,7 +397,8 @@ def allowed_pool(cfg, nvme: bool) -> list[Placement]:
     engine = engine_name(b)
     offload, ratio, on_nvme = configured_offload(cfg)
     stage = resolve_zero_stage(b.zero_stage, read_user_json(b.deepspeed_config)) if engine == "deepspeed" else None
-    return [Placement(engine, stage, offload, ratio, nvme=on_nvme, state_dtype=d) for d in planner_dtypes(cfg, engine)]
+    return [Placement(engine, stage, offload, ratio, nvme=on_nvme, state_dtype=d, deferred_reduction=cfg.memory.oom_recovery)
+            for d in planner_dtypes(cfg, engine)]
 
 
 def configured_offload(cfg) -> tuple[str, float, bool]:
