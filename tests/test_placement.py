@@ -521,7 +521,7 @@ def test_cpu_info_is_asked_once_per_process(monkeypatch):
 
 
 def test_allowed_lossy_states_are_chosen_where_fp32_cannot_fit_and_kept_on_resume(tmp_path, cache_dir):
-    """DDP with memory.levers auto and memory.allow_lossy_levers on a 0.9 MiB simulated device, where
+    """DDP with memory.levers auto and memory.allow_lossy_levers on a 0.75 MiB simulated device, where
     the tiny model's fp32 state does not fit beside its activations and its state with bf16 moments
     does: the run takes bf16 moments (placement.json marks that row, charged its measured optimizer
     step; the metrics, the checkpoint's engine spec and its saved moments say bf16) and
@@ -535,7 +535,7 @@ def test_allowed_lossy_states_are_chosen_where_fp32_cannot_fit_and_kept_on_resum
                                 "--memory.allow_lossy_levers", "true", "--training.micro_batch_size", "auto",
                                 "--checkpoint.every_steps", "2", *extra))
 
-    run(tmp_path, "--faults.memory_budget_mib", "0.9", "--training.max_steps", "2")
+    run(tmp_path, "--faults.memory_budget_mib", "0.75", "--training.max_steps", "2")  # bf16 moments fit 0.65-0.82
     table = json.loads((tmp_path / "placement.json").read_text())["placements"]
     assert [p["state_dtype"] for p in table if p["chosen"]] == ["bf16"]
     assert next(p for p in table if p["chosen"])["state_dtype_s"] is not None  # its measured step cost charged
