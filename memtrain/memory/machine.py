@@ -1,6 +1,7 @@
 """Facts of the machine a run plans for: the device and host budgets, the device's achieved
 matmul rate, CPU Adam's rate, the optimizer's rate per state dtype, a process's own resident
-bytes, the host room of offloaded activations. Measured here when a run plans for
+bytes, the host room of offloaded activations, and the seconds an offloading placement's step
+spends on CPU Adam and copies at those rates. Measured here when a run plans for
 this machine; ``memtrain plan`` may describe another machine instead (its options).
 """
 
@@ -25,6 +26,12 @@ its rate is not given (``--cpu_adam_params_per_s``): 100 GB/s of host memory ban
 server socket's STREAM triad) over the ~30 bytes CPU Adam moves per parameter (fp32 weight and
 both moments read and written, the gradient read, the 16-bit weight written). An assumption, not
 a measurement: the step times of offloading placements scale with it."""
+
+HOST_DEVICE_BYTES_PER_S = 20e9
+"""Host↔device copy rate per rank (pinned memory over PCIe 4/5 x16: 25–50 GB/s peak, ~20 GB/s
+sustained by DeepSpeed's transfers)."""
+NVME_BYTES_PER_S = 3e9
+"""NVMe read/write rate (one PCIe 4 drive, sequential)."""
 
 
 @dataclass
@@ -204,3 +211,27 @@ def device_flops_per_s(device_type: str) -> float:
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - start)
     return 2 * 1024**3 / best
+
+
+def offload_seconds(p, n_params: int, p_bytes: int, world_size: int, machine: Machine) -> float:
+    """Seconds a step of placement ``p`` (a :class:`memtrain.memory.placement.Placement`, its plan set;
+    not imported: placement.py imports this module)
+    spends on CPU Adam, host↔device copies and NVMe (none overlapped), at this machine's rates;
+    ``p_bytes``: bytes per element of the 16-bit (or fp32) parameters and gradients copied."""
+    if p.offload == "none" or p.engine != "deepspeed":
+        if p.offload == "none":
+            return 0.0
+        host_params = n_params / world_size  # FSDP2 CPU offload: torch's AdamW on the host, everything copied
+        return (host_params * machine.ranks_per_host / machine.cpu_adam_params_per_s
+                + 3 * p_bytes * host_params * p.gradient_accumulation_steps / HOST_DEVICE_BYTES_PER_S)
+    partition = n_params / world_size
+    host_params = partition * p.offload_optimizer_ratio
+    seconds = host_params * machine.ranks_per_host / machine.cpu_adam_params_per_s
+    seconds += (p_bytes * partition + p_bytes * host_params) / HOST_DEVICE_BYTES_PER_S  # gradients out, weights back
+    if p.offload == "optimizer_and_params":  # each micro-batch fetches the partition in forward and in backward
+        seconds += 2 * p_bytes * partition * p.gradient_accumulation_steps / HOST_DEVICE_BYTES_PER_S
+    if p.nvme:
+        seconds += 2 * 12 * host_params / NVME_BYTES_PER_S  # fp32 master + moments read and written
+        if p.offload == "optimizer_and_params":
+            seconds += 2 * p_bytes * partition * p.gradient_accumulation_steps / NVME_BYTES_PER_S
+    return seconds

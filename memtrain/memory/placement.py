@@ -21,7 +21,8 @@ placement an engine offers is sized and timed before anything is allocated:
   the host-side parameters at the rate measured on this machine (:func:`memtrain.memory.machine.cpu_adam_params_per_s`;
   the host's cores are shared by its ranks), the host↔device copies (16-bit gradients out and
   16-bit parameters back per step; offloaded parameters in twice per micro-batch) at
-  :data:`HOST_DEVICE_BYTES_PER_S`, and NVMe reads and writes at :data:`NVME_BYTES_PER_S`.
+  :data:`memtrain.memory.machine.HOST_DEVICE_BYTES_PER_S`, and NVMe reads and writes at
+  :data:`memtrain.memory.machine.NVME_BYTES_PER_S` (:func:`memtrain.memory.machine.offload_seconds`).
 
 The fastest placement that fits both budgets is chosen; ties go to the one that offloads less.
 The byte accounting follows ZeRO (Rajbhandari et al. 2020) and ZeRO-Offload (Ren et al. 2021);
@@ -39,16 +40,11 @@ import torch
 
 from memtrain.levers import describe
 from memtrain.memory.accounting import ModelShape, with_allocator_headroom
-from memtrain.memory.machine import Machine
+from memtrain.memory.machine import Machine, offload_seconds
 from memtrain.memory.planner import Candidate, estimated_plan_s, make_candidates
 
 RATIO_STEP = 0.01
 """Granularity of the partial-offload fraction the planner tries."""
-HOST_DEVICE_BYTES_PER_S = 20e9
-"""Host↔device copy rate per rank (pinned memory over PCIe 4/5 x16: 25–50 GB/s peak, ~20 GB/s
-sustained by DeepSpeed's transfers)."""
-NVME_BYTES_PER_S = 3e9
-"""NVMe read/write rate (one PCIe 4 drive, sequential)."""
 NVME_SWAP_BUFFERS_BYTES = 4 * 10**8 * 4 + 5 * 10**8 * 2
 """DeepSpeed's pinned NVMe swap buffers (optimizer: 4 × 1e8 fp32 elements; parameters: 5 × 1e8 16-bit)."""
 STAGING_LIMIT_BYTES = 4 * 10**9
@@ -157,28 +153,7 @@ def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_s
     p.nvme_bytes = state["nvme_offloaded_bytes"]
     p.fits_device = machine.device_bytes is None or device <= machine.device_bytes
     p.fits_host = machine.host_bytes is None or p.host_bytes <= machine.host_bytes
-    p.predicted_step_s = c.predicted_step_s + _offload_seconds(p, n_params, p_bytes, world_size, machine)
-
-
-def _offload_seconds(p: Placement, n_params: int, p_bytes: int, world_size: int, machine: Machine) -> float:
-    """Seconds a step spends on CPU Adam, host↔device copies and NVMe (none overlapped)."""
-    if p.offload == "none" or p.engine != "deepspeed":
-        if p.offload == "none":
-            return 0.0
-        host_params = n_params / world_size  # FSDP2 CPU offload: torch's AdamW on the host, everything copied
-        return (host_params * machine.ranks_per_host / machine.cpu_adam_params_per_s
-                + 3 * p_bytes * host_params * p.gradient_accumulation_steps / HOST_DEVICE_BYTES_PER_S)
-    partition = n_params / world_size
-    host_params = partition * p.offload_optimizer_ratio
-    seconds = host_params * machine.ranks_per_host / machine.cpu_adam_params_per_s
-    seconds += (p_bytes * partition + p_bytes * host_params) / HOST_DEVICE_BYTES_PER_S  # gradients out, weights back
-    if p.offload == "optimizer_and_params":  # each micro-batch fetches the partition in forward and in backward
-        seconds += 2 * p_bytes * partition * p.gradient_accumulation_steps / HOST_DEVICE_BYTES_PER_S
-    if p.nvme:
-        seconds += 2 * 12 * host_params / NVME_BYTES_PER_S  # fp32 master + moments read and written
-        if p.offload == "optimizer_and_params":
-            seconds += 2 * p_bytes * partition * p.gradient_accumulation_steps / NVME_BYTES_PER_S
-    return seconds
+    p.predicted_step_s = c.predicted_step_s + offload_seconds(p, n_params, p_bytes, world_size, machine)
 
 
 def plan_placements(candidates, pool: list[Placement], shape: ModelShape,
