@@ -17,6 +17,7 @@ import os
 import sys
 from typing import Any, Optional
 
+from memtrain.checkpoint.layout import read_summary
 from memtrain.levers import LEVERS, describe, lever_events, restore_settings
 from memtrain.records import duration_words, training_minutes
 
@@ -61,16 +62,6 @@ def read_records(run_dir: str) -> list[dict[str, Any]]:
     if not records:
         raise PlotError(f"{path}: no step records")
     return sorted(records, key=lambda r: r["step"])
-
-
-def read_summary(run_dir: str) -> Optional[dict[str, Any]]:
-    """``RUN_DIR/summary.json``, or None when it is missing or unreadable (a run still going)."""
-    try:
-        with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as fh:
-            summary = json.load(fh)
-    except (OSError, ValueError):
-        return None
-    return summary if isinstance(summary, dict) else None
 
 
 def event_kind(name: str) -> str:

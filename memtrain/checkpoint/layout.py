@@ -332,19 +332,26 @@ def move_previous_run(output_dir: str) -> Optional[str]:
     return target
 
 
+def read_summary(run_dir: str) -> Optional[dict[str, Any]]:
+    """``RUN_DIR/summary.json``, or None when it is missing or unreadable (a run still going)."""
+    try:
+        with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as fh:
+            summary = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
 def finished_without_checkpoint(output_dir: str) -> Optional[int]:
     """The steps of a finished run in ``output_dir`` (its ``summary.json`` written) that left no
     complete checkpoint to resume from (``checkpoint.every_steps 0``): ``resume auto`` there would
     train it again over its outputs. None when the folder holds no such run (a run that stopped
     before writing its summary, e.g. one its launcher restarts, is not one)."""
-    summary = os.path.join(output_dir, "summary.json")
-    if not os.path.isfile(summary) or complete_checkpoints(os.path.join(output_dir, "checkpoints")):
+    if not os.path.isfile(os.path.join(output_dir, "summary.json")) \
+            or complete_checkpoints(os.path.join(output_dir, "checkpoints")):
         return None
-    try:
-        with open(summary) as fh:
-            return int(json.load(fh).get("steps", 0))
-    except (OSError, ValueError, TypeError, AttributeError):  # unreadable: still a finished run's file
-        return 0
+    steps = (read_summary(output_dir) or {}).get("steps")  # unreadable: still a finished run's file
+    return steps if isinstance(steps, int) else 0
 
 
 def nearest_existing(path: str) -> str:
