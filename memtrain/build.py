@@ -36,6 +36,7 @@ from memtrain.optim import make_optimizer, make_scheduler
 from memtrain.memory.placement import resolve as resolve_placement
 from memtrain.plan import Plan, PlanController
 from memtrain.precision import NonFiniteGuard, resolve_precision
+from memtrain.records import RecordTail
 from memtrain.state import TrainState
 from memtrain.transforms import ModelTransforms
 
@@ -250,7 +251,7 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
         "model_and_optimizer": EngineState(engine, model, optimizer, cfg.checkpoint.max_shard_size),
         "scheduler": SchedulerState(scheduler, optimizer), "plan": controller, "train": state,
         "evaluator": evaluator, "nonfinite": guard, "rng": RNGState(process.rank, process.world_size),
-        "tokenizer": TokenizerFiles(corpus.hf_tokenizer(), process.is_main),
+        "tokenizer": TokenizerFiles(corpus.hf_tokenizer(), process.is_main), "records": RecordTail(),
     }
     return TrainingLoop(cfg, process, engine, model, optimizer, scheduler, corpus, objective, sampler, controller, sync,
                    faults, transforms, evaluator, guard, checkpointer, checkpoint_states, state, n_params, spec,

@@ -24,14 +24,16 @@ from typing import Optional
 import torch
 from torch import nn
 
-from memtrain.folders import check_export_target, new_export_folder, replace_export
+from memtrain.checkpoint.layout import write_error
+from memtrain.errors import ExportError
+from memtrain.folders import check_export_target, check_max_shard_size, new_export_folder, replace_export
 from memtrain.weights import load_into, save_weights
 
 log = logging.getLogger("memtrain")
 
 
 def export_model(model: nn.Module, state_dict: dict[str, torch.Tensor], directory: str, tokenizer=None,
-                 max_shard_size: str = "5GB") -> None:
+                 max_shard_size: str = "5GB", about: Optional[dict] = None) -> str:
     """Write ``directory/model.safetensors`` (+ ``config.json`` and the tokenizer for transformers
     models), via a temporary folder of its own renamed into place, so a failed export never
     leaves a half-written model (:func:`memtrain.folders.replace_export`). Call on one process only.
@@ -39,18 +41,30 @@ def export_model(model: nn.Module, state_dict: dict[str, torch.Tensor], director
     Args:
         model: the unwrapped module (for its class and transformers config).
         state_dict: the full (gathered) weights, on CPU.
-        directory: target folder: new, empty, or an earlier export (replaced); anything else is refused.
+        directory: target folder: new, empty, or an earlier export (replaced); anything else is
+            refused. A symbolic link is followed.
         tokenizer: a ``transformers`` tokenizer saved beside the model, or None.
         max_shard_size: larger models are split into shards plus an index JSON.
+        about: what the export came from (``step``, ``checkpoint``), kept in its marker.
+
+    Returns:
+        The folder written (``directory`` with its links resolved).
 
     Raises:
-        memtrain.config.ConfigError: ``directory`` holds files no export wrote (nothing is written).
+        memtrain.config.ConfigError: ``directory`` holds files no export wrote, or cannot be
+            written (nothing is written).
+        memtrain.errors.ExportError: writing failed (a full disk: the folder and its free bytes
+            named); the temporary folder is removed, an earlier export is untouched.
     """
     check_export_target(directory, [])
     tmp = new_export_folder(directory)
     try:
         _write_export(model, state_dict, tmp, tokenizer, max_shard_size)
-        replace_export(tmp, directory)
+        return replace_export(tmp, directory, about)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportError(f"exporting the model to {directory} failed: {write_error(exc, directory)}; nothing was "
+                          "written there (an earlier export is untouched)") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -91,13 +105,14 @@ def export_checkpoint(path: str, out: str, max_shard_size: str = "5GB") -> str:
     directory, meaning its ``latest``) to ``out``.
 
     Returns:
-        ``out``.
+        The folder written (``out`` with its links resolved).
 
     Raises:
         memtrain.errors.CheckpointError: the checkpoint is incomplete or corrupt (named file).
+        memtrain.errors.ExportError: writing the export failed (:func:`export_model`).
         memtrain.config.ConfigError: ``out`` is, or lies inside, the checkpoint's run folder, or
             holds files no export wrote (:func:`memtrain.folders.check_export_target`); checked
-            before anything is read or written.
+            before anything is read or written; so is ``max_shard_size`` (field ``--max_shard_size``).
     """
     from memtrain.checkpoint.formats import read_full_weights
     from memtrain.checkpoint.layout import latest_checkpoint, verify
@@ -110,6 +125,7 @@ def export_checkpoint(path: str, out: str, max_shard_size: str = "5GB") -> str:
             path = named
             break
     check_export_target(out, _run_folders(path))
+    check_max_shard_size(max_shard_size, "--max_shard_size")
     manifest = verify(path)
     cfg = _to_dataclass(Config, manifest["config"])
     state = read_full_weights(path, manifest)  # by the format the manifest names
@@ -123,8 +139,8 @@ def export_checkpoint(path: str, out: str, max_shard_size: str = "5GB") -> str:
     load_into(model, state)
     if not hasattr(model, "save_pretrained"):
         tokenizer = None
-    export_model(model, model.state_dict(), out, tokenizer, max_shard_size)
-    return out
+    return export_model(model, model.state_dict(), out, tokenizer, max_shard_size,
+                        {"step": manifest.get("step"), "checkpoint": os.path.abspath(path)})
 
 
 def _run_folders(path: str) -> list[str]:
@@ -136,7 +152,8 @@ def _run_folders(path: str) -> list[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """``memtrain export CKPT OUT``; returns the exit status (2 for a refused checkpoint or target)."""
+    """``memtrain export CKPT OUT``; returns the exit status: 2 for a refused checkpoint, target
+    or ``--max_shard_size``, 4 when writing the export failed (a full disk)."""
     from memtrain.config import ConfigError
     from memtrain.errors import CheckpointError
 
@@ -151,6 +168,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     prepare_libraries(torch.cuda.is_available())
     try:
         out = export_checkpoint(args.checkpoint, args.out, args.max_shard_size)
+    except ExportError as exc:
+        print(f"memtrain export: {exc}", file=sys.stderr)
+        return 4
     except (CheckpointError, ConfigError) as exc:
         print(f"memtrain export: {exc}", file=sys.stderr)
         return 2

@@ -6,10 +6,14 @@
   into the first one's checkpoints and metrics. The kernel drops the lock when its holder dies
   (a crash, ``kill -9``, a node reboot), so a lock left by a dead run is taken over, and the log
   names the run that left it. Other ranks and other nodes of the same run do not lock.
+* **The run folder's files** (:func:`memtrain.checkpoint.layout.check_run_folder`): a run writes its outputs into a folder
+  that is new, empty, a memtrain run's, or holds none of the names it writes.
 * **Export folders** (:func:`check_export_target`, :func:`replace_export`): an export writes a
   folder of its own, and replaces only a folder that is itself an earlier export (it holds
   :data:`EXPORT_MARKER` and nothing that marker does not list), never one holding other files, the
-  run's folder or the checkpoint's.
+  run's folder or the checkpoint's; a link to a folder is followed, never replaced.
+* **Whole files** (:func:`write_atomic`): every JSON file a run writes beside its checkpoints is
+  written whole or not at all.
 
 No torch here: validation and ``memtrain export`` use it before anything heavy is imported.
 """
@@ -35,10 +39,6 @@ LOCK_FILE = ".memtrain.lock"
 """The run folder's lock file (kept after the run: its content names the last holder)."""
 EXPORT_MARKER = "memtrain_export.json"
 """Written into every export folder: the files the export wrote (a later export may replace exactly those)."""
-_LEGACY_EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
-                        "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                        "merges.txt", "chat_template.jinja")
-"""What an export written before :data:`EXPORT_MARKER` existed holds (besides ``model-*.safetensors`` shards)."""
 
 
 def _describe_holder(text: str) -> str:
@@ -133,6 +133,39 @@ class RunLock:
         self._fd = None
 
 
+def write_atomic(path: str, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` whole or not at all: into ``path.tmp``, fsynced, renamed
+    over ``path``, the folder fsynced. A kill at any point leaves the old file or the new one. The
+    file gets the user's umask, as any file ``open`` creates."""
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
+def check_max_shard_size(size: str, field: str = "checkpoint.max_shard_size") -> None:
+    """``size`` parsed as a save parses it (``5GB``, ``500MB``, ``2GiB``), before anything is written.
+
+    Raises:
+        ConfigError: ``field``: not a size.
+    """
+    try:
+        from huggingface_hub.serialization._base import parse_size_to_int
+    except ImportError:  # a huggingface_hub without it: the first save checks
+        return
+    try:
+        parse_size_to_int(size)
+    except (ValueError, TypeError):
+        raise ConfigError(field, f"{size!r} is not a size; give bytes with a unit, e.g. 5GB, 500MB or 2GiB") from None
+
+
 def _real(path: str) -> str:
     return os.path.realpath(os.path.expanduser(path))
 
@@ -142,22 +175,23 @@ def _inside(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
+def export_marker(folder: str) -> Optional[dict]:
+    """The :data:`EXPORT_MARKER` of ``folder`` (``files``, ``exported_unix_s``, and what the export
+    came from: ``step``, ``checkpoint``), or None when it has none or it cannot be read."""
+    try:
+        with open(os.path.join(folder, EXPORT_MARKER), encoding="utf-8") as fh:
+            marker = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) and isinstance(marker.get("files"), list) else None
+
+
 def is_previous_export(folder: str) -> bool:
-    """``folder`` holds an export and nothing else: its :data:`EXPORT_MARKER` lists every file
-    in it, or (an export written before the marker existed) it holds only model, config and
-    tokenizer files."""
-    names = set(os.listdir(folder))
-    marker = os.path.join(folder, EXPORT_MARKER)
-    if os.path.isfile(marker):
-        try:
-            with open(marker, encoding="utf-8") as fh:
-                written = set(json.load(fh)["files"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return False
-        return names - {EXPORT_MARKER} <= written
-    return bool(names) and all(os.path.isfile(os.path.join(folder, n)) and
-                               (n in _LEGACY_EXPORT_FILES or (n.startswith("model-") and n.endswith(".safetensors")))
-                               for n in names)
+    """``folder`` holds a memtrain export and nothing else: its :data:`EXPORT_MARKER` lists every
+    file in it. A folder without the marker is never taken for one, whatever its files look like
+    (a transformers model of the user's holds the same names)."""
+    marker = export_marker(folder)
+    return marker is not None and set(os.listdir(folder)) - {EXPORT_MARKER} <= set(marker["files"])
 
 
 def check_export_target(out: str, protected: list[str], field: str = "out",
@@ -189,39 +223,67 @@ def check_export_target(out: str, protected: list[str], field: str = "out",
     if os.path.isdir(target) and os.listdir(target) and not is_previous_export(target):
         held = sorted(os.listdir(target))
         raise ConfigError(field, f"'{out}' is not empty and is not an earlier memtrain export (it holds "
-                          f"{', '.join(held[:5])}{' …' if len(held) > 5 else ''}); {hint}")
+                          f"{', '.join(held[:5])}{' …' if len(held) > 5 else ''}; an export holds "
+                          f"{EXPORT_MARKER}); {hint}")
+    parent = os.path.dirname(target)
+    while parent and not os.path.isdir(parent):
+        parent = os.path.dirname(parent)
+    if not os.access(parent or ".", os.W_OK):
+        raise ConfigError(field, f"'{out}' cannot be written: the export is written beside it and renamed into place, "
+                          f"and '{parent}' is not writable; {hint}")
 
 
-def replace_export(tmp: str, out: str) -> None:
-    """Move the finished export ``tmp`` (a folder beside ``out``) to ``out``: written
-    :data:`EXPORT_MARKER`, then, when ``out`` is an earlier export, that export is renamed aside and
-    removed only after the new one is in place (a crash between the two renames leaves the
-    earlier export whole in a ``.replaced-`` folder beside it).
+def replace_export(tmp: str, out: str, about: Optional[dict] = None) -> str:
+    """Move the finished export ``tmp`` (a folder beside ``out``, :func:`new_export_folder`) to
+    ``out``: written :data:`EXPORT_MARKER` (the files, and ``about``: what the export came from),
+    then, when ``out`` is an earlier export, that export is renamed aside and removed only after
+    the new one is in place (a crash between the two renames leaves the earlier export whole in a
+    ``.replaced-`` folder beside it). A symbolic link is followed: the export lands where it
+    points, and the link stays. Every file and folder gets the permissions the user's umask gives.
+
+    Returns:
+        The folder written (``out`` with its links resolved).
 
     Raises:
         ConfigError: ``out`` became something else than an earlier export meanwhile.
     """
+    mask = _umask()
+    for base, folders, names in os.walk(tmp):  # a library may write 0600 (a temporary file renamed)
+        for name in names:
+            os.chmod(os.path.join(base, name), 0o666 & ~mask)
+        for name in folders:
+            os.chmod(os.path.join(base, name), 0o777 & ~mask)
     files = sorted(os.path.relpath(os.path.join(base, n), tmp) for base, _, names in os.walk(tmp) for n in names)
-    with open(os.path.join(tmp, EXPORT_MARKER), "w", encoding="utf-8") as fh:
-        json.dump({"files": files, "exported_unix_s": time.time()}, fh, indent=1)
-    out = out.rstrip(os.sep)
+    write_atomic(os.path.join(tmp, EXPORT_MARKER),
+                 json.dumps({"files": files, "exported_unix_s": time.time(), **(about or {})}, indent=1))
+    out = _real(out)
     if os.path.isdir(out) and os.listdir(out):
         if not is_previous_export(out):
             raise ConfigError("out", f"'{out}' is not empty and is not an earlier memtrain export; nothing was replaced")
-        aside = tempfile.mkdtemp(prefix=f".replaced-{os.path.basename(out)}-", dir=os.path.dirname(os.path.abspath(out)))
+        aside = tempfile.mkdtemp(prefix=f".replaced-{os.path.basename(out)}-", dir=os.path.dirname(out))
         os.rmdir(aside)
         os.replace(out, aside)
         os.replace(tmp, out)
         shutil.rmtree(aside, ignore_errors=True)
-        return
+        return out
     if os.path.isdir(out):
         os.rmdir(out)  # empty: nothing of anyone's is lost
     os.replace(tmp, out)
+    return out
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def new_export_folder(out: str) -> str:
-    """A new, empty temporary folder beside ``out`` for an export to be written into (its own
-    name: never a folder someone else owns)."""
-    parent = os.path.dirname(os.path.abspath(out.rstrip(os.sep)))
+    """A new, empty temporary folder beside ``out`` (its links resolved) for an export to be
+    written into (its own name: never a folder someone else owns), with the permissions the
+    user's umask gives a new folder (not ``mkdtemp``'s 0700)."""
+    parent = os.path.dirname(_real(out))
     os.makedirs(parent, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(out.rstrip(os.sep))}-", dir=parent)
+    tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(_real(out))}-", dir=parent)
+    os.chmod(tmp, 0o777 & ~_umask())
+    return tmp

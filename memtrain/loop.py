@@ -24,15 +24,17 @@ from torch import nn
 
 from memtrain.backends.base import Backend
 from memtrain.checkpoint import Checkpointer
-from memtrain.checkpoint.layout import read_manifest
+from memtrain.checkpoint.layout import read_manifest, read_summary
 from memtrain.checkpoint.compat import TAKES_EFFECT, changed_settings, check_resumable, data_identity
 from memtrain.collector import StepCollector
 from memtrain.config import Config, to_dict
 from memtrain.data import GlobalBatchSampler
 from memtrain.distributed import ProcessState
 from memtrain.evaluate import Evaluator
+from memtrain.errors import ExportError
 from memtrain.export import export_model
 from memtrain.faults import FaultInjector
+from memtrain.folders import export_marker, write_atomic
 from memtrain.fingerprint import hex_of
 from memtrain.flops import mfu
 from memtrain.metrics import MetricsLogger
@@ -148,8 +150,11 @@ class TrainingLoop:
                 record = self._record(outcome, run_start)
                 if step == t.max_steps or (t.eval_every and step % t.eval_every == 0):
                     self._evaluate(record)
+                events = self._drain_events(step, outcome.events, resumed if step == first_step else None)
+                attach_events(record, events)
+                self.checkpoint_states["records"].add(record)  # carried by the next checkpoint
                 stopped_by = self._save_if_due(step, preemption)  # all ranks agree on stopping and saving
-                attach_events(record, self._drain_events(step, outcome.events, resumed if step == first_step else None))
+                attach_events(record, events + self._drain_checkpoint_events(step))
                 records.append(record)
                 metrics.log_step(record, show=step % t.log_every == 0 or "val_loss" in record)
                 self.faults.after_step()
@@ -206,8 +211,17 @@ class TrainingLoop:
 
     def _already_finished(self, path: str) -> RunResult:
         """A resumed run with nothing left to train (its checkpoint is at or past
-        ``training.max_steps``): say so and change nothing (no metrics, summary or export written)."""
+        ``training.max_steps``): say so and change nothing, except that a finished run whose
+        export or summary is missing or belongs to another step (a kill or a full disk at the end)
+        gets them made from the checkpoint."""
         t, step = self.cfg.training, self.state.step
+        summary = read_summary(self.cfg.output_dir)
+        marker = export_marker(os.path.join(self.cfg.output_dir, "model"))
+        missing = [what for what, made in (("export", marker is not None and marker.get("step") == step),
+                                           ("summary.json", summary is not None and summary.get("steps") == step))
+                   if not made]
+        if step == t.max_steps and missing:
+            return self._finish_outputs(path, missing)
         if self.process.is_main:
             if step == t.max_steps:
                 log.warning("memtrain: %s already finished at step %d (training.max_steps %d): nothing to train, "
@@ -217,11 +231,21 @@ class TrainingLoop:
                 log.warning("memtrain: checkpoint %s is at step %d, past training.max_steps %d: nothing to train, "
                             "nothing changed. Raise --training.max_steps above %d to train further, or start a new "
                             "run (--resume never, or another --output_dir)", path, step, t.max_steps, step)
-        summary_path = os.path.join(self.cfg.output_dir, "summary.json")
-        summary = {}
-        if os.path.isfile(summary_path):
-            with open(summary_path) as fh:
-                summary = json.load(fh)
+        return RunResult(self.engine.unwrap(self.model), [], summary or {})
+
+    def _finish_outputs(self, path: str, missing: list[str]) -> RunResult:
+        """The export and the summary of a run that finished training (its last checkpoint
+        ``path``) but not its outputs: made as the run's end would have made them."""
+        if self.process.is_main:
+            log.warning("memtrain: %s finished training at step %d, but its %s %s missing or from another step: "
+                        "making %s from %s", self.cfg.output_dir, self.state.step, " and ".join(missing),
+                        "is" if len(missing) == 1 else "are", "it" if len(missing) == 1 else "them", path)
+        metrics = self._open_metrics((path, 0.0, {}), quiet=True)
+        model_dir = self._export(path) if "export" in missing else os.path.join(self.cfg.output_dir, "model")
+        summary = run_summary(self.state, records=[], unit=self.objective.unit, session_targets=0, elapsed_s=0.0,
+                              resumed_from=path, preempted=None, model_dir=model_dir, about=self._about(),
+                              earlier=metrics.earlier)
+        metrics.finish(summary)
         return RunResult(self.engine.unwrap(self.model), [], summary)
 
     def _shrink_after_escaped_oom(self) -> None:
@@ -272,9 +296,8 @@ class TrainingLoop:
         self.pending_events.append({**change.as_dict(), "ranks": []})
         if self.process.is_main:
             os.makedirs(self.cfg.output_dir, exist_ok=True)
-            with open(os.path.join(self.cfg.output_dir, "plan.json"), "w") as fh:
-                json.dump({"budget_bytes": planner.budget_bytes, "candidates": [c.as_dict() for c in planner.candidates]},
-                          fh, indent=1)
+            write_atomic(os.path.join(self.cfg.output_dir, "plan.json"), json.dumps(
+                {"budget_bytes": planner.budget_bytes, "candidates": [c.as_dict() for c in planner.candidates]}, indent=1))
 
     def _probe(self, candidate) -> Optional[float]:
         """The planner's prober: the current rank batch's forward and backward at ``candidate``, timed."""
@@ -284,11 +307,22 @@ class TrainingLoop:
     def _rank_batch(self, cursor) -> dict:
         return {k: v.to(self.process.device) for k, v in self.corpus.train.batch(self.sampler.rank_batch(cursor)).items()}
 
-    def _open_metrics(self, resumed: Optional[tuple[str, float]]) -> MetricsLogger:
+    def _open_metrics(self, resumed: Optional[tuple[str, float, dict]], quiet: bool = False) -> MetricsLogger:
+        """The metrics writer (``metrics.jsonl`` reconciled with the resumed checkpoint's records)
+        and, unless ``quiet``, the lines that say what the run resumed from and will do."""
+        saved_event = None
+        if resumed is not None:  # its record, if the kill came between its commit and the record
+            files = read_manifest(resumed[0]).get("files", {})
+            saved_event = {"event": "checkpoint_saved", "step": self.state.step, "path": resumed[0],
+                           "bytes": sum(f.get("bytes", 0) for f in files.values())}
         metrics = MetricsLogger(self.cfg.output_dir, self.process.is_main, self.cfg.training.max_steps,
                                 initial_step=self.state.step, keep_until_step=self.state.step if resumed else None,
-                                unit=self.objective.unit, log_with=self.cfg.logging.log_with)
+                                unit=self.objective.unit, log_with=self.cfg.logging.log_with,
+                                carried=self.checkpoint_states["records"].loaded, saved_event=saved_event)
         self.checkpointer.report = metrics.message
+        self.checkpointer.before_commit = metrics.sync  # every record before a commit is on disk
+        if quiet:
+            return metrics
         if resumed is not None:
             metrics.message(f"memtrain: resumed from {resumed[0]} at step {self.state.step} (loaded in "
                             f"{resumed[1]:.2f} s), plan {self.controller.plan}")
@@ -448,33 +482,51 @@ class TrainingLoop:
         every = self.cfg.checkpoint.every_steps
         if stop or (every and (step % every == 0 or last)):
             self.checkpointer.save(step, self.checkpoint_states)
+            self.checkpoint_states["records"].saved()
         if stop or last:
             self.checkpointer.finish()  # nothing left to overlap a background write with
         return (preemption.signal_name or "a stop signal on another rank") if stop else None
 
     def _drain_events(self, step: int, events: list[dict], resumed: Optional[tuple[str, float]]) -> list[dict]:
-        """The step's events: the resume (first resumed step), plan changes, then evaluation and
-        checkpoint events (including the evaluation before step 1)."""
+        """The step's events before its save: the resume (first resumed step), plan changes, then
+        evaluation events (including the evaluation before step 1)."""
         if resumed is not None:
             events.insert(0, {"event": "resume", "step": step, "from": resumed[0], "load_s": resumed[1],
                               **({"changed": resumed[2]} if resumed[2] else {})})
             if "backend.name" in resumed[2]:  # the checkpoint was written by another engine
                 old, new = resumed[2]["backend.name"]
                 events.insert(1, {"event": "engine_switch", "step": step, "from": old, "to": new})
-        for source in (self.evaluator.events, self.checkpointer.events):
-            events += [{**e, "step": step} for e in source]
-            source.clear()
+        events += [{**e, "step": step} for e in self.evaluator.events]
+        self.evaluator.events.clear()
         return events
 
-    def _export(self) -> str:
-        """Write the consolidated model to ``output_dir/model`` (a collective for sharded engines)."""
+    def _drain_checkpoint_events(self, step: int) -> list[dict]:
+        """The checkpoint commits of the step (a step's own save, or an earlier asynchronous one)."""
+        events = [{**e, "step": step} for e in self.checkpointer.events]
+        self.checkpointer.events.clear()
+        return events
+
+    def _export(self, checkpoint: Optional[str] = None) -> str:
+        """Write the consolidated model to ``output_dir/model`` (a collective for sharded engines);
+        its marker names the step (and ``checkpoint``, the one it was made from on a rerun).
+
+        Raises:
+            memtrain.errors.ExportError: rank 0 could not write it (on every rank; a full disk named).
+        """
         model_dir = os.path.join(self.cfg.output_dir, "model")
         progress("export", timed=False, context="")
         state_dict = self.engine.full_state_dict(self.model)
+        error = None
         if self.process.is_main:
-            export_model(self.engine.unwrap(self.model), state_dict, model_dir, self.corpus.hf_tokenizer(),
-                         self.cfg.checkpoint.max_shard_size)
-        self.process.wait_for_main()  # rank 0 writes the files: however long that takes
+            try:
+                export_model(self.engine.unwrap(self.model), state_dict, model_dir, self.corpus.hf_tokenizer(),
+                             self.cfg.checkpoint.max_shard_size,
+                             {"step": self.state.step, **({"checkpoint": checkpoint} if checkpoint else {})})
+            except ExportError as exc:
+                error = str(exc)
+        error = self.process.broadcast_object(error, patient=True)  # rank 0 writes the files: however long that takes
+        if error is not None:
+            raise ExportError(error)
         return model_dir
 
     def _about(self) -> dict[str, Any]:

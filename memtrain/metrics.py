@@ -1,7 +1,8 @@
 """Run output on rank 0: the tqdm progress bar, ``metrics.jsonl`` and the run summary.
 
 ``metrics.jsonl`` holds one JSON object per optimizer step (the fields are listed in
-:mod:`memtrain.records` and ``docs/design.md``); after a resume each step appears once. With
+:mod:`memtrain.records` and ``docs/design.md``); after any kill and resume each step of the final
+trajectory appears once (:class:`MetricsLogger`). With
 ``logging.log_with``, the same per-step scalars also go to Accelerate's trackers (TensorBoard,
 W&B, MLflow, …) under ``output_dir/trackers``.
 """
@@ -9,13 +10,17 @@ W&B, MLflow, …) under ``output_dir/trackers``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any, Optional, Sequence
 
 from tqdm.auto import tqdm
 
 from memtrain.config import ConfigError
+from memtrain.folders import write_atomic
 from memtrain.records import duration_words
+
+log = logging.getLogger("memtrain")
 
 NOT_SCALARS = frozenset({"step", "batch_fingerprint"})
 """Numeric-looking record fields not sent to trackers: the step is the x axis, the fingerprint a hash."""
@@ -44,9 +49,10 @@ def check_tracker_names(log_with: Sequence[str]) -> list[str]:
     return names
 
 
-def open_trackers(log_with: Sequence[str], logging_dir: str, run_name: str) -> list:
+def open_trackers(log_with: Sequence[str], logging_dir: str, run_name: str, purge_step: Optional[int] = None) -> list:
     """Accelerate trackers (``accelerate.tracking.GeneralTracker``) for ``log_with``, constructed
-    but not started (nothing written yet).
+    but not started (nothing written yet); TensorBoard's writer gets ``purge_step`` (its points
+    at and after that step in earlier event files are hidden).
 
     ``all`` means every tracker whose package is installed (at least one must be). Raises
     ConfigError("logging.log_with") for an unknown name or a tracker whose package is missing.
@@ -66,28 +72,110 @@ def open_trackers(log_with: Sequence[str], logging_dir: str, run_name: str) -> l
     trackers = []
     for name in available:
         cls = LOGGER_TYPE_TO_CLASS[name]
-        tracker = cls(run_name, logging_dir) if cls.requires_logging_directory else cls(run_name)
+        kwargs = {"purge_step": purge_step} if name == "tensorboard" and purge_step is not None else {}
+        tracker = cls(run_name, logging_dir, **kwargs) if cls.requires_logging_directory else cls(run_name)
         tracker.main_process_only = False  # MetricsLogger already runs only on rank 0
         trackers.append(tracker)
     return trackers
 
 
+def read_records(path: str) -> list[tuple[str, dict[str, Any]]]:
+    """The records of a ``metrics.jsonl`` as ``(line, record)`` pairs, in file order (each line
+    ending in a newline): every line that is a JSON object with an integer ``step``; a line cut
+    short by a kill, or anything else, is skipped. A missing file has none."""
+    out = []
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for line in fh:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(record, dict) and isinstance(record.get("step"), int):
+                    out.append((line if line.endswith("\n") else line + "\n", record))
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def reconcile(found: list[tuple[str, dict]], step: int, carried: Sequence[dict],
+              saved_event: Optional[dict] = None) -> tuple[list[tuple[str, dict]], list[int]]:
+    """The records of the trajectory that a run resumed from the checkpoint of ``step`` continues.
+
+    Args:
+        found: ``metrics.jsonl``'s records (:func:`read_records`).
+        step: the checkpoint's step.
+        carried: the records the checkpoint carries (:class:`memtrain.records.RecordTail`: the
+            steps since the save before it, up to ``step``).
+        saved_event: the ``checkpoint_saved`` event of ``step``, added to its record when that
+            record comes from ``carried`` (the file lacked it: the run was killed between the
+            commit and the record).
+
+    Returns:
+        ``(records, missing)``: one ``(line, record)`` per step, in step order — a step recorded
+        more than once keeps its last line; records of steps after ``step`` are dropped (the
+        resumed run trains those steps again: the same way every time); a step the file lacks
+        is taken from ``carried`` — and the steps in ``1..step`` that neither holds (a
+        ``metrics.jsonl`` removed or cut outside memtrain).
+    """
+    by_step: dict[int, tuple[str, dict]] = {}
+    for line, record in found:
+        if record["step"] <= step:
+            by_step[record["step"]] = (line, record)
+    for record in carried:
+        if record.get("step") not in by_step and isinstance(record.get("step"), int) and record["step"] <= step:
+            if record["step"] == step and saved_event is not None:
+                events = [*record.get("plan_changes", []), saved_event]
+                record = {**record, "event": ",".join(e["event"] for e in events), "plan_changes": events}
+            by_step[record["step"]] = (json.dumps(record) + "\n", record)
+    missing = [s for s in range(1, step + 1) if s not in by_step]
+    return [by_step[s] for s in sorted(by_step)], missing
+
+
+def step_ranges(steps: Sequence[int]) -> str:
+    """``[1, 2, 3, 7]`` as ``1-3, 7``."""
+    parts: list[str] = []
+    for s in steps:
+        if parts and int(parts[-1].rsplit("-", 1)[-1]) == s - 1:
+            parts[-1] = f"{parts[-1].split('-')[0]}-{s}"
+        else:
+            parts.append(str(s))
+    return ", ".join(parts)
+
+
 class MetricsLogger:
     """Writes metrics on the main process; a no-op elsewhere.
+
+    What ``metrics.jsonl`` promises after any kill and resume: exactly one record per step of the
+    final trajectory, no gap, no duplicate. A step's record is appended after the step (and after
+    its checkpoint's commit, when it saves); :meth:`sync` makes every earlier line durable before
+    each commit; a checkpoint carries the records since the save before it
+    (:class:`memtrain.records.RecordTail`); a resumed run rewrites the file atomically as
+    :func:`reconcile` says, so the records of steps the resumed checkpoint does not contain (the
+    stretch a resume replaces) are dropped, and a record the kill kept from the file is put back.
 
     Args:
         output_dir: run directory (``metrics.jsonl`` and ``summary.json`` go there).
         enabled: True on rank 0.
         total_steps: progress-bar length (optimizer steps).
         initial_step: steps already done (progress bar start).
-        keep_until_step: on resume, the checkpoint's step: lines of later steps (written by the
-            interrupted run after its last checkpoint) are dropped, so each step appears once.
-            None = a fresh run: ``metrics.jsonl`` starts empty.
+        keep_until_step: on resume, the checkpoint's step (:func:`reconcile`). None = a fresh
+            run: ``metrics.jsonl`` starts empty.
         unit: what the throughput counts (``tokens``, or ``characters`` for CTC): records carry
             ``<unit>_per_s``.
         log_with: Accelerate tracker names (``logging.log_with``) that also get each record's
             scalars (:func:`tracker_scalars`) at its step, logged under ``output_dir/trackers`` as
-            the run named after ``output_dir``. After a resume a tracker gets the later steps again.
+            the run named after ``output_dir``. TensorBoard starts with ``purge_step`` at the first
+            step this logger writes (TensorBoard hides the points at and after it that earlier
+            event files hold), and a resumed run logs every kept record again, so a run's scalars
+            hold each step once whatever was flushed before a kill; W&B, MLflow and the others
+            start a new run at each start, which holds the whole trajectory so far.
+        carried: on resume, the records the checkpoint carries (:class:`memtrain.records.RecordTail`).
+        saved_event: on resume, the resumed checkpoint's ``checkpoint_saved`` event (:func:`reconcile`).
+
+    Attributes:
+        earlier: the kept records of the segments before this one (rank 0).
+        missing: the steps up to ``keep_until_step`` that neither the file nor the checkpoint held.
 
     Raises:
         ConfigError: ``logging.log_with`` names an unknown tracker or one whose package is
@@ -95,38 +183,54 @@ class MetricsLogger:
     """
 
     def __init__(self, output_dir: str, enabled: bool, total_steps: int, initial_step: int = 0,
-                 keep_until_step: Optional[int] = None, unit: str = "tokens", log_with: Sequence[str] = ()):
+                 keep_until_step: Optional[int] = None, unit: str = "tokens", log_with: Sequence[str] = (),
+                 carried: Sequence[dict] = (), saved_event: Optional[dict] = None):
         self.enabled = enabled
         self.unit = unit
         self.output_dir = output_dir
         self._file = None
-        self.earlier: list[dict[str, Any]] = []  # the kept records of the segments before this one (rank 0)
+        self.earlier: list[dict[str, Any]] = []
+        self.missing: list[int] = []
         self._bar: Optional[tqdm] = None
         self._trackers: list = []
-        if log_with:
-            run_name = os.path.basename(os.path.normpath(os.path.abspath(output_dir)))
-            trackers = open_trackers(log_with, os.path.join(output_dir, "trackers"), run_name)
-            self._trackers = trackers if enabled else []
-        if enabled:
-            os.makedirs(output_dir, exist_ok=True)
-            path = os.path.join(output_dir, "metrics.jsonl")
-            kept = []
-            if keep_until_step is not None and os.path.exists(path):
-                with open(path, encoding="utf-8") as fh:
-                    for line in fh:
-                        try:
-                            if json.loads(line)["step"] <= keep_until_step:
-                                kept.append(line if line.endswith("\n") else line + "\n")
-                        except (ValueError, KeyError):
-                            pass  # a line cut short by the kill
-            self.earlier = [json.loads(line) for line in kept]
-            with open(path + ".tmp", "w", encoding="utf-8") as fh:
-                fh.writelines(kept)
-            os.replace(path + ".tmp", path)
-            self._file = open(path, "a", encoding="utf-8")
-            self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step", dynamic_ncols=True)
-            for tracker in self._trackers:
-                tracker.start()
+        run_name = os.path.basename(os.path.normpath(os.path.abspath(output_dir)))
+        logging_dir = os.path.join(output_dir, "trackers")
+        if not enabled:
+            if log_with:  # the same checks as rank 0's, so every rank stops on a bad tracker
+                open_trackers(log_with, logging_dir, run_name)
+            return
+        path = os.path.join(output_dir, "metrics.jsonl")
+        kept: list[tuple[str, dict]] = []
+        if keep_until_step is not None:
+            kept, self.missing = reconcile(read_records(path), keep_until_step, carried, saved_event)
+        self.earlier = [record for _, record in kept]
+        if log_with:  # before anything is written
+            first = self.earlier[0]["step"] if self.earlier else initial_step + 1
+            self._trackers = open_trackers(log_with, logging_dir, run_name, purge_step=first)
+        if self.missing:
+            log.warning("memtrain: %s holds no record of step(s) %s, nor does the checkpoint of step %d (the file was "
+                        "removed or cut outside memtrain): the run goes on without them", path,
+                        step_ranges(self.missing), keep_until_step)
+        os.makedirs(output_dir, exist_ok=True)
+        write_atomic(path, "".join(line for line, _ in kept))
+        self._file = open(path, "a", encoding="utf-8")
+        self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step", dynamic_ncols=True)
+        for tracker in self._trackers:
+            tracker.start()
+        for record in self.earlier:  # again: whatever an earlier start's trackers held or lost
+            self._log_trackers(record)
+
+    def sync(self) -> None:
+        """Make every record written so far durable (flush and fsync ``metrics.jsonl``): called
+        right before a checkpoint is committed."""
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
+    def _log_trackers(self, record: dict[str, Any]) -> None:
+        scalars = tracker_scalars(record)
+        for tracker in self._trackers:
+            tracker.log(scalars, step=record["step"])
 
     def log_step(self, record: dict[str, Any], show: bool = True) -> None:
         """Append one step's record and update the progress bar."""
@@ -134,10 +238,7 @@ class MetricsLogger:
             return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._trackers:
-            scalars = tracker_scalars(record)
-            for tracker in self._trackers:
-                tracker.log(scalars, step=record["step"])
+        self._log_trackers(record)
         self._bar.update(1)
         if show:
             postfix = {
@@ -164,10 +265,7 @@ class MetricsLogger:
         self._file.close()
         for tracker in self._trackers:
             tracker.finish()
-        path = os.path.join(self.output_dir, "summary.json")
-        with open(path + ".tmp", "w", encoding="utf-8") as fh:
-            json.dump(summary, fh, indent=2)
-        os.replace(path + ".tmp", path)
+        write_atomic(os.path.join(self.output_dir, "summary.json"), json.dumps(summary, indent=2))
         if summary.get("preempted"):
             line = f"memtrain: stopped by {summary['preempted']} after step {summary['steps']}; checkpoint saved"
         else:

@@ -65,6 +65,43 @@ def attach_events(record: dict[str, Any], events: list[dict]) -> None:
         record["plan_changes"] = events
 
 
+class RecordTail:
+    """The step records a checkpoint carries: those of the steps since the previous save, up to
+    and including the saved step (a :class:`~memtrain.checkpoint.stateful.Stateful` entry).
+
+    A step's record reaches ``metrics.jsonl`` after its checkpoint is committed (the commit's
+    ``checkpoint_saved`` event is part of it), and every earlier line is made durable before
+    that commit (:meth:`memtrain.metrics.MetricsLogger.sync`). So a kill between the commit and
+    the record loses no record: a run resumed from the checkpoint takes the missing ones from
+    here (:func:`memtrain.metrics.reconcile`). The saved step's record is carried as it was
+    before its save (without its own ``checkpoint_saved`` event).
+
+    Attributes:
+        records: the records since the last save (the loop adds each step's, the save clears them).
+        loaded: the records of the checkpoint a run resumed from.
+    """
+
+    optional = True  # a checkpoint written before records were carried loads without them
+
+    def __init__(self):
+        self.records: list[dict[str, Any]] = []
+        self.loaded: list[dict[str, Any]] = []
+
+    def add(self, record: dict[str, Any]) -> None:
+        """A completed step's record (its events so far attached)."""
+        self.records.append(record)
+
+    def saved(self) -> None:
+        """A save holding :attr:`records` was written (its commit may follow later)."""
+        self.records = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"records": self.records}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loaded, self.records = list(state.get("records", [])), []
+
+
 NOT_PLAN_CHANGES = ("checkpoint_saved", "resume", "engine_switch", "nonfinite_skip")
 """Events that change no plan (every other event — a shrink, a grow-back, a lever switched — does)."""
 
@@ -128,7 +165,7 @@ def run_summary(state: TrainState, *, records: list[dict], unit: str, session_ta
         "steps": state.step, "minutes": minutes, "session_minutes": elapsed_s / 60,
         "samples_seen": state.samples_seen, f"{unit}_seen": state.targets_seen,
         f"{unit}_per_s": state.targets_seen / (minutes * 60) if minutes > 0 else 0.0,
-        f"session_{unit}_per_s": session_targets / elapsed_s,
+        f"session_{unit}_per_s": session_targets / elapsed_s if elapsed_s > 0 else 0.0,
         "first_loss": state.first_loss, "last_loss": state.last_loss,
         "resumed_from": resumed_from, "preempted": preempted, "initial_val_loss": state.initial_val_loss,
         "final_val_loss": state.val_loss, "events": events,

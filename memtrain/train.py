@@ -46,7 +46,7 @@ subcommands (each has its own --help):
 memtrain train ... --print_config prints what the command will run (engine, plan, levers, config)
 and exits without starting anything.
 
-exit codes: 0 done, 2 bad input, 3 out of memory at the smallest plan, 4 checkpoint, 5 non-finite
+exit codes: 0 done, 2 bad input, 3 out of memory at the smallest plan, 4 checkpoint or export, 5 non-finite
 steps, 6 collective failure or timeout, 130 Ctrl-C, 1 memtrain's own error (docs/operations.md, "Exit codes")."""
 
 
@@ -59,7 +59,8 @@ def cli() -> None:
     """Console entry point (``memtrain export …`` goes to :mod:`memtrain.export`, ``memtrain plot
     …`` to :mod:`memtrain.plot`, ``memtrain plan|memory …`` to :mod:`memtrain.memory.estimate`): exit 2 with
     the message on a config error, 3 when out of memory at the plan floor (the message holds the
-    memory report), 4 when a checkpoint cannot be saved or resumed, 5 after too many consecutive
+    memory report), 4 when a checkpoint cannot be saved or resumed or the model cannot be exported
+    (a full disk: the path and its free bytes named), 5 after too many consecutive
     non-finite steps, 6 when a collective failed or timed out or the watchdog ended a rank that
     stopped making progress (``backend.timeout_s``), 130 after Ctrl-C (the first finishes the step
     and saves it, a second stops at once), 1 on any other error. Every error is one message on
@@ -141,13 +142,13 @@ def print_run(argv: list[str]) -> int:
 
 def error_report(exc: Exception, cfg: Optional[Config]) -> tuple[int, str]:
     """The exit code and one-line message of an error that ended a run (see :func:`cli`)."""
-    from memtrain.errors import CheckpointError
+    from memtrain.errors import CheckpointError, ExportError
     from memtrain.oom import OOMStop, escaped_oom_path, is_oom
     from memtrain.precision import NonFiniteStop
     from memtrain.watchdog import COLLECTIVE_FAILED, collective_failure_message, is_collective_failure, operation
 
-    for kind, code, prefix in ((ConfigError, 2, ""), (OOMStop, 3, ""), (CheckpointError, 4, "checkpoint: "),
-                               (NonFiniteStop, 5, "")):
+    for kind, code, prefix in ((ConfigError, 2, ""), (OOMStop, 3, ""), (ExportError, 4, "export: "),
+                               (CheckpointError, 4, "checkpoint: "), (NonFiniteStop, 5, "")):
         if isinstance(exc, kind):
             return code, f"{prefix}{exc}"
     rank = int(os.environ.get("RANK", "0"))

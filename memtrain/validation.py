@@ -97,11 +97,12 @@ def _validate_values(cfg: Config) -> None:
     out = os.path.expanduser(cfg.output_dir)
     if os.path.exists(out) and not os.path.isdir(out):
         raise ConfigError("output_dir", f"'{cfg.output_dir}' exists and is not a folder")
-    from memtrain.checkpoint.layout import nearest_existing
+    from memtrain.checkpoint.layout import check_run_folder, nearest_existing
 
     parent = nearest_existing(out)
     if parent and not os.access(parent, os.W_OK):
         raise ConfigError("output_dir", f"'{cfg.output_dir}' cannot be written ('{parent}' is not writable)")
+    check_run_folder(out)  # never over the user's own files of the names a run writes
 
 
 def _pretrained_config(cfg: Config) -> dict:
@@ -292,17 +293,9 @@ def _validate_files_and_sizes(cfg: Config) -> None:
     """``checkpoint.max_shard_size`` (parsed as the first save would), ``data.encoding`` (a codec
     Python knows), the data cache folder (``data.cache_dir`` or ``$MEMTRAIN_CACHE``) writable, and
     ``output_dir/model`` absent or an earlier export (the final export replaces only that)."""
-    size = cfg.checkpoint.max_shard_size
-    try:
-        from huggingface_hub.serialization._base import parse_size_to_int
-    except ImportError:  # a huggingface_hub without it: the first save checks
-        parse_size_to_int = None
-    if parse_size_to_int is not None:
-        try:
-            parse_size_to_int(size)
-        except (ValueError, TypeError):
-            raise ConfigError("checkpoint.max_shard_size", f"{size!r} is not a size; give bytes with a unit, e.g. 5GB, "
-                              "500MB or 2GiB") from None
+    from memtrain.folders import check_export_target, check_max_shard_size
+
+    check_max_shard_size(cfg.checkpoint.max_shard_size)
     import codecs
 
     try:
@@ -318,8 +311,6 @@ def _validate_files_and_sizes(cfg: Config) -> None:
     if parent and not (os.path.isdir(parent) and os.access(parent, os.W_OK)):
         raise ConfigError(cache_setting(cache), f"the data cache '{cache}' cannot be written ('{parent}' is not a "
                           "writable folder); point MEMTRAIN_CACHE or data.cache_dir at a writable folder")
-    from memtrain.folders import check_export_target
-
     check_export_target(os.path.join(os.path.expanduser(cfg.output_dir), "model"), [], "output_dir",
                         "the run exports its model there at the end. Move them, or give another output_dir")
 

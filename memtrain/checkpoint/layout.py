@@ -299,8 +299,40 @@ def retain(root: str, newest: str, keep_last: int) -> list[str]:
     return doomed
 
 
-RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "plan.json", "checkpoints", "model", "faults_fired")
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "plan.json", "placement.json", "checkpoints", "model", "trackers",
+               "memory_breakdown", "faults_fired")
 """What a run writes into its output folder (moved aside together by :func:`move_previous_run`)."""
+
+
+def is_run_folder(output_dir: str) -> bool:
+    """``output_dir`` is a memtrain run's: it holds the run lock's file (every run creates it
+    first) or a checkpoint (``checkpoints/latest`` or a ``step_`` folder with a manifest: a run
+    copied without its hidden files)."""
+    from memtrain.folders import LOCK_FILE
+
+    root = os.path.join(output_dir, "checkpoints")
+    return (os.path.exists(os.path.join(output_dir, LOCK_FILE)) or os.path.isfile(os.path.join(root, LATEST))
+            or bool(complete_checkpoints(root)))
+
+
+def check_run_folder(output_dir: str) -> None:
+    """Refuse an existing ``output_dir`` that is no memtrain run's and holds a file or folder of
+    the names a run writes (:data:`RUN_OUTPUTS`; ``model`` is checked as an export target): the
+    run would overwrite the user's files. Other files of the user's may stay beside a run's.
+
+    Raises:
+        memtrain.config.ConfigError: field ``output_dir``, naming what it holds.
+    """
+    from memtrain.config import ConfigError
+    from memtrain.folders import LOCK_FILE
+
+    if not os.path.isdir(output_dir) or is_run_folder(output_dir):
+        return
+    held = [n for n in RUN_OUTPUTS if n != "model" and os.path.lexists(os.path.join(output_dir, n))]
+    if held:
+        raise ConfigError("output_dir", f"'{output_dir}' holds {', '.join(held)}, which no memtrain run wrote there (it "
+                          f"has no {LOCK_FILE} and no checkpoint); a run writes files of those names and would "
+                          "overwrite them. Nothing was written: give another output_dir, or move them")
 
 
 def move_previous_run(output_dir: str) -> Optional[str]:

@@ -63,6 +63,8 @@ class Checkpointer:
         after_write: called on every rank with ``(step, tmp directory)`` once the files are
             written (fault injection); an exception there fails the save.
         report: where "saved …" lines go.
+        before_commit: called on rank 0 right before a save is committed (the step records written
+            so far are made durable there: :meth:`memtrain.metrics.MetricsLogger.sync`).
 
     Attributes:
         events: ``checkpoint_saved`` events not yet written to metrics (the loop drains them).
@@ -75,6 +77,7 @@ class Checkpointer:
     manifest_extras: dict[str, Any] = field(default_factory=dict)
     after_write: Optional[Callable[[int, str], None]] = None
     report: Callable[[str], None] = log.info
+    before_commit: Optional[Callable[[], None]] = None
     events: list[dict] = field(default_factory=list, init=False)
     _pending: Optional[PendingSave] = field(default=None, init=False, repr=False)
 
@@ -110,7 +113,8 @@ class Checkpointer:
         """Restore every entry of ``states`` from the verified checkpoint ``path``, in dict order.
 
         Raises:
-            CheckpointError: an entry that does not fit this run, or a state the checkpoint lacks.
+            CheckpointError: an entry that does not fit this run, or a state the checkpoint lacks
+            (an entry whose ``optional`` attribute is true may be absent).
         """
         manifest = layout.read_manifest(path)
         with open(os.path.join(path, layout.TRAINER_STATE)) as fh:
@@ -122,7 +126,7 @@ class Checkpointer:
                 obj.load_files(path, manifest)
             elif name in saved:
                 obj.load_state_dict(saved[name])
-            else:
+            elif not getattr(obj, "optional", False):  # an optional entry is absent from older checkpoints
                 raise CheckpointError(f"{path}: {layout.TRAINER_STATE} has no '{name}' state")
 
     # -- save --------------------------------------------------------------------------------
@@ -210,7 +214,9 @@ class Checkpointer:
                     f"(training blocked {blocked:.2f} s)")
 
     def _commit(self, pending: PendingSave) -> tuple[str, int]:
-        """Rank 0 only, no collectives: manifest, commit, retention."""
+        """Rank 0 only, no collectives: the records made durable, manifest, commit, retention."""
+        if self.before_commit is not None:
+            self.before_commit()
         manifest = {"format": FORMAT, "memtrain_version": memtrain.__version__, "torch_version": torch.__version__,
                     "step": pending.step, "world_size": self.process.world_size, "created_unix_s": time.time(),
                     **pending.manifest, **self.manifest_extras}

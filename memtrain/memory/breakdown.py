@@ -22,6 +22,8 @@ from typing import Optional
 
 import torch
 
+from memtrain.folders import write_atomic
+
 _TOTAL = "Total"
 
 
@@ -79,8 +81,7 @@ class MemoryBreakdown:
                   "cuda_max_memory_allocated": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None}
         folder = os.path.join(self.output_dir, "memory_breakdown")
         os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, f"rank_{self.rank:05d}.json"), "w") as fh:
-            json.dump(record, fh, indent=1)
+        write_atomic(os.path.join(folder, f"rank_{self.rank:05d}.json"), json.dumps(record, indent=1))
         return record
 
     def close(self) -> None:

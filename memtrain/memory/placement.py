@@ -38,6 +38,7 @@ from typing import Optional
 
 import torch
 
+from memtrain.folders import write_atomic
 from memtrain.levers import describe
 from memtrain.memory.accounting import ModelShape, with_allocator_headroom
 from memtrain.memory.machine import Machine, offload_seconds
@@ -553,8 +554,7 @@ def write_table(output_dir: str, table: list[Placement]) -> None:
 
     out = os.path.expanduser(output_dir)
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "placement.json"), "w") as fh:
-        json.dump({"placements": [p.as_dict() for p in table]}, fh, indent=1)
+    write_atomic(os.path.join(out, "placement.json"), json.dumps({"placements": [p.as_dict() for p in table]}, indent=1))
 
 
 def _host_error(cfg, p: Placement, budget: int):
