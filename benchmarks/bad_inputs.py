@@ -48,10 +48,54 @@ QUICK = ("export a run into its own folder", "rerun a finished run", "rerun a fi
 """The cases of ``--quick``."""
 DROP_CHECKPOINTS = "_drop_checkpoints"
 """A case's environment key: its copy of the run has no checkpoints (``checkpoint.every_steps 0``)."""
+DROP_OUTPUTS = "_drop_outputs"
+"""A case's environment key: its copy of the run has no ``model/`` and no ``summary.json`` (what a
+final export that failed leaves)."""
+FROM_OUTSIDE = str(REPO / "tests" / "from_outside.py")
+"""``memtrain`` with a failure from outside (a full disk in the export or the data cache)."""
+NONE_MODEL = """import sys, torch, memtrain
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(512, 8)
+    def forward(self, input_ids):
+        self.emb(input_ids)  # no return
+torch.manual_seed(0)
+memtrain.Trainer(model=Model(), args=sys.argv[1:]).fit()
+"""
+
+
+def without_model(args: list[str]) -> list[str]:
+    """``--key value`` pairs without the ``--model.config.*`` ones (a Python model replaces them)."""
+    pairs = zip(args[::2], args[1::2])
+    return [a for key, value in pairs if not key.startswith("--model.config.") for a in (key, value)]
+
+
+def user_files(tmp: Path, base: Path) -> None:
+    """The user's own folders and files the cases of issue "nothing of the user's overwritten" use."""
+    hf = tmp / "my_hf_model"  # a transformers model of the user's: an export's files, no marker
+    shutil.copytree(base / "model", hf)
+    (hf / "memtrain_export.json").unlink()
+    (tmp / "my_config").mkdir()
+    write(tmp / "my_config" / "config.json", '{"model_type": "mine"}\n')
+    (tmp / "my_results").mkdir()
+    write(tmp / "my_results" / "metrics.jsonl", '{"step": 1, "accuracy": 0.93}\n')
+    shutil.copytree(base / "model", tmp / "earlier_export")  # an export, and a link to it
+    os.symlink(tmp / "earlier_export", tmp / "export_link")
+    (tmp / "empty_target").mkdir()
+    os.symlink(tmp / "empty_target", tmp / "empty_link")
+    line = "def f(x):\n    return x + 1  # a line of code\n"
+    write(tmp / "big.txt", line * (8_000_000 // len(line)))
+    write(tmp / "small.txt", line * (20_000 // len(line)))
+    write(tmp / "nulls.jsonl", '{"text": "def f(): pass"}\n{"text": null}\n' * 50)
+    write(tmp / "more.jsonl", '{"text": "def g(): return 1"}\n' * 100)
+    write(tmp / "none_model.py", NONE_MODEL)
+
 
 
 def cases(tmp: Path, run: Path) -> list[tuple[str, list[str], dict]]:
-    """(what the user did, the command after ``memtrain``, extra environment)."""
+    """(what the user did, the command after ``memtrain`` — or a script and its arguments —,
+    extra environment); the user's folders and files of :func:`user_files` exist."""
     notes = tmp / "notes"
     notes.mkdir()
     write(notes / "ideas.txt", "mine")
@@ -95,15 +139,53 @@ def cases(tmp: Path, run: Path) -> list[tuple[str, list[str], dict]]:
          {"MEMTRAIN_CACHE": str(tmp / "a_file" / "cache")}),
         ("--training.learning_rate (HF Trainer's name)", [*train, "--training.learning_rate", "1e-4"], {}),
         ("--bf16 true (HF Trainer's flag)", [*train, "--bf16", "true"], {}),
+        ("export into a folder holding the user's transformers model (no memtrain marker)",
+         ["export", r, str(tmp / "my_hf_model")], {}),
+        ("export into a folder holding only the user's config.json", ["export", r, str(tmp / "my_config")], {}),
+        ("export into a link to an earlier export", ["export", r, str(tmp / "export_link")], {}),
+        ("export into a link to an empty folder", ["export", r, str(tmp / "empty_link")], {}),
+        ("export with --max_shard_size abc", ["export", r, str(tmp / "new_export"), "--max_shard_size", "abc"], {}),
+        ("output_dir holding the user's own metrics.jsonl", [*train, "--output_dir", str(tmp / "my_results")], {}),
+        ("an 8 MB and a 20 KB data file", [*train, "--output_dir", str(tmp / "two_files"), "--data.files",
+                                           f"[{tmp / 'big.txt'},{tmp / 'small.txt'}]", "--data.max_bytes", "0",
+                                           "--training.max_steps", "1"], {}),
+        ('JSONL rows with "text": null', [*train, "--output_dir", str(tmp / "nulls_run"), "--data.files",
+                                          f"[{tmp / 'nulls.jsonl'},{tmp / 'more.jsonl'}]", "--data.max_bytes", "0"], {}),
+        ("the disk fills during the final export (ENOSPC injected)",
+         [FROM_OUTSIDE, *train[1:], "--output_dir", str(tmp / "export_fails")], {"MEMTRAIN_DISK_FULL_IN": "export"}),
+        ("rerun a run whose final export failed", train, {DROP_OUTPUTS: "1"}),
+        ("the data cache's disk fills (ENOSPC injected)", [FROM_OUTSIDE, *train[1:], "--output_dir", str(tmp / "cache_run")],
+         {"MEMTRAIN_DISK_FULL_IN": "cache", "MEMTRAIN_CACHE": str(tmp / "full_cache")}),
+        ("memory.host_memory_gib 0.001 with micro_batch_size auto",
+         [*train, "--output_dir", str(tmp / "tiny_host"), "--training.micro_batch_size", "auto",
+          "--memory.host_memory_gib", "0.001"], {}),
+        ("a Python model whose forward returns None",
+         [str(tmp / "none_model.py"), *without_model(TINY), "--model.config", "{}", "--output_dir",
+          str(tmp / "none_run")], {}),
     ]
+
+
+WATCHED = ("notes", "my_hf_model", "my_config", "my_results", "earlier_export", "empty_target")
+"""The user's folders whose files a case must not change (besides the run's copy); an export into
+a link changes the folder it points at, as asked."""
+
+
+def restore_user_files(tmp: Path, base: Path) -> None:
+    """The link targets as they were before a case exported into them."""
+    for target in ("earlier_export", "empty_target"):
+        shutil.rmtree(tmp / target, ignore_errors=True)
+    shutil.copytree(base / "model", tmp / "earlier_export")
+    (tmp / "empty_target").mkdir()
 
 
 def message_of(proc: subprocess.CompletedProcess) -> str:
     """The line memtrain said most about the case (its error, else its last warning)."""
     lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip().startswith("memtrain")]
-    errors = [ln for ln in lines if ln.startswith(("memtrain: config error", "memtrain export:", "memtrain: checkpoint"))]
-    chosen = (errors or [ln for ln in lines if "changed settings" in ln or "already" in ln or "past" in ln] or
-              lines or ["(nothing)"])[-1]
+    errors = [ln for ln in lines if ln.startswith(("memtrain: config error", "memtrain export:", "memtrain: checkpoint",
+                                                   "memtrain: export:", "memtrain.errors."))]
+    said = [ln for ln in lines if any(w in ln for w in ("changed settings", "already", "past", "finished training",
+                                                         "held out for validation", "predicted to fit"))]
+    chosen = (errors or said[-1:] or lines or ["(nothing)"])[-1]
     return chosen if len(chosen) <= 400 else chosen[:397] + "…"
 
 
@@ -118,14 +200,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="four cases only (QUICK)")
     parser.add_argument("--write", action="store_true", help="regenerate docs/bad_inputs.md")
+    parser.add_argument("--only", help="the cases whose description holds this text (no --write)")
     args = parser.parse_args(argv)
     scratch = Path(tempfile.mkdtemp(prefix="memtrain-bad-inputs-"))
     rows = []
     try:
         cache = str(scratch / "cache")
         base = base_run(scratch, cache)
+        user_files(scratch, base)
         for what, command, env in cases(scratch, scratch / "run_template"):
-            if args.quick and what not in QUICK:
+            if (args.quick and what not in QUICK) or (args.only and args.only not in what):
                 continue
             run = scratch / "run_template"
             shutil.rmtree(run, ignore_errors=True)
@@ -133,7 +217,10 @@ def main(argv=None) -> int:
             env = dict(env)
             if env.pop(DROP_CHECKPOINTS, None):
                 shutil.rmtree(run / "checkpoints")
-            watched = [run, scratch / "notes"]
+            if env.pop(DROP_OUTPUTS, None):
+                shutil.rmtree(run / "model")
+                (run / "summary.json").unlink()
+            watched = [run, *[scratch / n for n in WATCHED]]
             before = [snapshot(w) for w in watched]
             cmd = [sys.executable, "-m", "memtrain.export", *command[1:]] if command[0] == "export" else [
                 sys.executable, *command, "--data.cache_dir", cache]
@@ -143,13 +230,14 @@ def main(argv=None) -> int:
                                   env={**os.environ, "OMP_NUM_THREADS": "1", **env})
             changed = [{"run_template": "the run"}.get(w.name, w.name) for w, b in zip(watched, before)
                        if snapshot(w) != b]
+            restore_user_files(scratch, base)
             rows.append({"case": what, "exit_code": proc.returncode,
                          "message": message_of(proc).replace(str(scratch) + "/", "").replace("run_template", "RUN"),
                          "files_changed": changed})
             print(json.dumps(rows[-1]), flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    if args.write and not args.quick:
+    if args.write and not args.quick and not args.only:
         (REPO / "docs" / "bad_inputs.md").write_text(table(rows))
     return 0
 

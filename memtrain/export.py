@@ -24,16 +24,16 @@ from typing import Optional
 import torch
 from torch import nn
 
-from memtrain.checkpoint.layout import write_error
 from memtrain.errors import ExportError
-from memtrain.folders import check_export_target, check_max_shard_size, new_export_folder, replace_export
+from memtrain.folders import (check_export_target, check_max_shard_size, new_export_folder, replace_export,
+                              write_error)
 from memtrain.weights import load_into, save_weights
 
 log = logging.getLogger("memtrain")
 
 
 def export_model(model: nn.Module, state_dict: dict[str, torch.Tensor], directory: str, tokenizer=None,
-                 max_shard_size: str = "5GB", about: Optional[dict] = None) -> str:
+                 max_shard_size: str = "5GB", about: Optional[dict] = None, setting: str = "OUT") -> str:
     """Write ``directory/model.safetensors`` (+ ``config.json`` and the tokenizer for transformers
     models), via a temporary folder of its own renamed into place, so a failed export never
     leaves a half-written model (:func:`memtrain.folders.replace_export`). Call on one process only.
@@ -46,6 +46,7 @@ def export_model(model: nn.Module, state_dict: dict[str, torch.Tensor], director
         tokenizer: a ``transformers`` tokenizer saved beside the model, or None.
         max_shard_size: larger models are split into shards plus an index JSON.
         about: what the export came from (``step``, ``checkpoint``), kept in its marker.
+        setting: what a full disk's message says to point elsewhere (``OUT``, or a run's ``output_dir``).
 
     Returns:
         The folder written (``directory`` with its links resolved).
@@ -63,7 +64,7 @@ def export_model(model: nn.Module, state_dict: dict[str, torch.Tensor], director
         return replace_export(tmp, directory, about)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise ExportError(f"exporting the model to {directory} failed: {write_error(exc, directory)}; nothing was "
+        raise ExportError(f"exporting the model to {directory} failed: {write_error(exc, directory, setting)}; nothing was "
                           "written there (an earlier export is untouched)") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -174,6 +175,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (CheckpointError, ConfigError) as exc:
         print(f"memtrain export: {exc}", file=sys.stderr)
         return 2
+    link = f" (where the link {args.out} points)" if os.path.realpath(args.out) != os.path.abspath(args.out) else ""
+    print(f"memtrain export: wrote {len(os.listdir(out))} files to {out}{link}", file=sys.stderr)
     print(json.dumps({"exported": out, "files": sorted(os.listdir(out))}))
     return 0
 

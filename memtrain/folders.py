@@ -287,3 +287,34 @@ def new_export_folder(out: str) -> str:
     tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(_real(out))}-", dir=parent)
     os.chmod(tmp, 0o777 & ~_umask())
     return tmp
+
+
+def nearest_existing(path: str) -> str:
+    """``path`` or its nearest ancestor that exists ("." for a relative path none of whose
+    ancestors exist; "" stays ""): where a folder about to be created would live."""
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path.rstrip(os.sep)) or "."
+    return path
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` is a write that found no room: ``ENOSPC``/``EDQUOT``, or the words of
+    libraries that report a short write without an errno (torch's zip writer: "unexpected pos";
+    NumPy: "N requested and M written"; Rust libraries: "No space left on device")."""
+    import errno
+
+    text = str(exc)
+    return ((isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) or "unexpected pos" in text
+            or "No space left" in text or (" requested and " in text and text.rstrip().endswith(" written")))
+
+
+def write_error(exc: BaseException, directory: str, setting: str = "output_dir") -> str:
+    """A failed write (a checkpoint, an export, the data cache), described: a full disk
+    (:func:`is_disk_full`) is named as such, with the path, the free bytes of its file system and
+    ``setting``, the one to point elsewhere; any other error as its type and message."""
+    text = f"{type(exc).__name__}: {exc}"
+    if not is_disk_full(exc):
+        return text
+    free = shutil.disk_usage(nearest_existing(directory) or ".").free
+    return (f"the disk is full (or over quota) writing {directory}: {free:,} bytes free on that file system; free "
+            f"space or point {setting} elsewhere ({text})")

@@ -120,61 +120,73 @@ class TrainingLoop:
         preemption = Preemption()  # a stop signal from here on ends the run after a saved step
         self.sync.stop_source = lambda: preemption.requested  # agreed in each step's closing agreement
         collector = StepCollector(t.gc_every_steps)  # no automatic collection inside steps and probes
+        metrics = None
         try:
-            collector.start()
-            self.controller.prober = self._probe
-            resumed = self._resume()
-            if resumed is not None and self.state.step >= t.max_steps:
-                return self._already_finished(resumed[0])
-            if t.micro_batch_size == "auto" and (resumed is None or "training.micro_batch_size" in resumed[2]):
-                self._choose_plan()
-            self._shrink_after_escaped_oom()
-            metrics = self._open_metrics(resumed)
-            if resumed is None and self.evaluator.active:
-                self.state.initial_val_loss = self.state.val_loss = self.evaluator(self.model)["loss"]
-            first_step, session_start_targets = self.state.step + 1, self.state.targets_seen
-            records: list[dict] = []
-            stopped_by = None
-            run_start = time.perf_counter()
-            for step in range(first_step, t.max_steps + 1):
-                try:
-                    if self.breakdown is not None:
-                        self.breakdown.before_step(step)
-                    outcome = self._optimizer_step(step, run_start)
-                    if self.breakdown is not None:
-                        self.breakdown.after_step(step)
-                except BaseException as exc:  # an OOM the agreement did not catch: leave a note for a restart
-                    if is_oom(exc) and not isinstance(exc, OOMStop):
-                        record_escaped_oom(self.cfg.output_dir, self.process.rank, step, str(self.controller.plan))
-                    raise
-                record = self._record(outcome, run_start)
-                if step == t.max_steps or (t.eval_every and step % t.eval_every == 0):
-                    self._evaluate(record)
-                events = self._drain_events(step, outcome.events, resumed if step == first_step else None)
-                attach_events(record, events)
-                self.checkpoint_states["records"].add(record)  # carried by the next checkpoint
-                stopped_by = self._save_if_due(step, preemption)  # all ranks agree on stopping and saving
-                attach_events(record, events + self._drain_checkpoint_events(step))
-                records.append(record)
-                metrics.log_step(record, show=step % t.log_every == 0 or "val_loss" in record)
-                self.faults.after_step()
-                collector.after_step(step)
-                if stopped_by:
-                    metrics.message(f"memtrain: {stopped_by}: saved step {step} and stopping; rerun the same command "
-                                    "to resume")
-                    break
-        finally:
-            collector.stop()
-            preemption.close()
-        self.checkpointer.finish()
-        elapsed = time.perf_counter() - run_start
-        model_dir = None if stopped_by else self._export()
-        summary = run_summary(self.state, records=records, unit=self.objective.unit,
-                              session_targets=self.state.targets_seen - session_start_targets, elapsed_s=elapsed,
-                              resumed_from=resumed[0] if resumed else None, preempted=stopped_by,
-                              model_dir=model_dir, about=self._about(), earlier=metrics.earlier)
-        metrics.finish(summary)
+            try:
+                collector.start()
+                self.controller.prober = self._probe
+                resumed = self._resume()
+                if resumed is not None and self.state.step >= t.max_steps:
+                    return self._already_finished(resumed[0])
+                if t.micro_batch_size == "auto" and (resumed is None or "training.micro_batch_size" in resumed[2]):
+                    self._choose_plan()
+                self._shrink_after_escaped_oom()
+                metrics = self._open_metrics(resumed)
+                if resumed is None and self.evaluator.active:
+                    self.state.initial_val_loss = self.state.val_loss = self.evaluator(self.model)["loss"]
+                session_start_targets, run_start = self.state.targets_seen, time.perf_counter()
+                records, stopped_by = self._train(metrics, resumed, preemption, collector, run_start)
+            finally:
+                collector.stop()
+                preemption.close()
+            self.checkpointer.finish()
+            elapsed = time.perf_counter() - run_start
+            model_dir = None if stopped_by else self._export()
+            summary = run_summary(self.state, records=records, unit=self.objective.unit,
+                                  session_targets=self.state.targets_seen - session_start_targets, elapsed_s=elapsed,
+                                  resumed_from=resumed[0] if resumed else None, preempted=stopped_by,
+                                  model_dir=model_dir, about=self._about(), earlier=metrics.earlier)
+            metrics.finish(summary)
+        except BaseException:
+            if metrics is not None:
+                metrics.close()  # the progress bar ends its line before the error is said
+            raise
         return RunResult(self.engine.unwrap(self.model), records, summary)
+
+    def _train(self, metrics: MetricsLogger, resumed, preemption: Preemption, collector: StepCollector,
+               run_start: float) -> tuple[list[dict], Optional[str]]:
+        """The steps from the one after the state's to ``training.max_steps``, or to the step a
+        stop signal ended; returns (this session's records, the signal's name or None)."""
+        t = self.cfg.training
+        first_step, records, stopped_by = self.state.step + 1, [], None
+        for step in range(first_step, t.max_steps + 1):
+            try:
+                if self.breakdown is not None:
+                    self.breakdown.before_step(step)
+                outcome = self._optimizer_step(step, run_start)
+                if self.breakdown is not None:
+                    self.breakdown.after_step(step)
+            except BaseException as exc:  # an OOM the agreement did not catch: leave a note for a restart
+                if is_oom(exc) and not isinstance(exc, OOMStop):
+                    record_escaped_oom(self.cfg.output_dir, self.process.rank, step, str(self.controller.plan))
+                raise
+            record = self._record(outcome, run_start)
+            if step == t.max_steps or (t.eval_every and step % t.eval_every == 0):
+                self._evaluate(record)
+            events = self._drain_events(step, outcome.events, resumed if step == first_step else None)
+            attach_events(record, events)
+            self.checkpoint_states["records"].add(record)  # carried by the next checkpoint
+            stopped_by = self._save_if_due(step, preemption)  # all ranks agree on stopping and saving
+            attach_events(record, events + self._drain_checkpoint_events(step))
+            records.append(record)
+            metrics.log_step(record, show=step % t.log_every == 0 or "val_loss" in record)
+            self.faults.after_step()
+            collector.after_step(step)
+            if stopped_by:
+                metrics.message(f"memtrain: {stopped_by}: saved step {step} and stopping; rerun the same command "
+                                "to resume")
+                break
+        return records, stopped_by
 
     # -- the steps of run(), in order ----------------------------------------------------------
     def _resume(self) -> Optional[tuple[str, float, dict]]:
@@ -240,8 +252,8 @@ class TrainingLoop:
             log.warning("memtrain: %s finished training at step %d, but its %s %s missing or from another step: "
                         "making %s from %s", self.cfg.output_dir, self.state.step, " and ".join(missing),
                         "is" if len(missing) == 1 else "are", "it" if len(missing) == 1 else "them", path)
-        metrics = self._open_metrics((path, 0.0, {}), quiet=True)
         model_dir = self._export(path) if "export" in missing else os.path.join(self.cfg.output_dir, "model")
+        metrics = self._open_metrics((path, 0.0, {}), quiet=True)
         summary = run_summary(self.state, records=[], unit=self.objective.unit, session_targets=0, elapsed_s=0.0,
                               resumed_from=path, preempted=None, model_dir=model_dir, about=self._about(),
                               earlier=metrics.earlier)
@@ -284,8 +296,11 @@ class TrainingLoop:
                         "candidates) on step 1's data before training", len(planner.fitting()), len(planner.candidates))
         chosen = planner.initial()
         if chosen is None:
-            budget = planner.budget_bytes / 2**20 if planner.budget_bytes else float("nan")
-            raise OOMStop(f"no plan is predicted to fit the device ({budget:.1f} MiB); the smallest needs "
+            budget = planner.budget_bytes / 2**20 if planner.budget_bytes is not None else float("nan")
+            host = self.process.device.type == "cpu" and not self.cfg.faults.memory_budget_mib
+            where = (f"this rank's share of memory.host_memory_gib {self.cfg.memory.host_memory_gib:g} less what its "
+                     "process holds" if host else "the device")
+            raise OOMStop(f"no plan is predicted to fit {where} ({budget:.1f} MiB); the smallest needs "
                           f"{min(c.predicted_peak_bytes for c in planner.candidates) / 2**20:.1f} MiB")
         decisions = self.process.all_gather_object(str(chosen))
         if len(set(decisions)) != 1:
@@ -521,7 +536,8 @@ class TrainingLoop:
             try:
                 export_model(self.engine.unwrap(self.model), state_dict, model_dir, self.corpus.hf_tokenizer(),
                              self.cfg.checkpoint.max_shard_size,
-                             {"step": self.state.step, **({"checkpoint": checkpoint} if checkpoint else {})})
+                             {"step": self.state.step, **({"checkpoint": checkpoint} if checkpoint else {})},
+                             "output_dir")
             except ExportError as exc:
                 error = str(exc)
         error = self.process.broadcast_object(error, patient=True)  # rank 0 writes the files: however long that takes

@@ -257,14 +257,24 @@ class MetricsLogger:
         if self.enabled:
             (self._bar.write if self._bar is not None else print)(text)
 
+    def close(self) -> None:
+        """Close the progress bar (its line ended), ``metrics.jsonl`` and the trackers; idempotent
+        (also after an error, before it is said)."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        trackers, self._trackers = self._trackers, []
+        for tracker in trackers:
+            tracker.finish()
+
     def finish(self, summary: dict[str, Any]) -> None:
         """Close the bar and the trackers, write ``summary.json`` and print the one-line summary."""
         if not self.enabled:
             return
-        self._bar.close()
-        self._file.close()
-        for tracker in self._trackers:
-            tracker.finish()
+        self.close()
         write_atomic(os.path.join(self.output_dir, "summary.json"), json.dumps(summary, indent=2))
         if summary.get("preempted"):
             line = f"memtrain: stopped by {summary['preempted']} after step {summary['steps']}; checkpoint saved"

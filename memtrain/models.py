@@ -166,8 +166,20 @@ def _from_pretrained(model_cfg: ModelConfig, vocab_size: int, seed: int) -> nn.M
 
 
 def logits_of(output) -> torch.Tensor:
-    """The logits tensor [B, T, V] of a model's output (tensor, or object with ``.logits``)."""
-    return output if isinstance(output, torch.Tensor) else output.logits
+    """The logits tensor [B, T, V] of a model's output (tensor, or object with ``.logits``).
+
+    Raises:
+        ConfigError: field ``model``: the forward returned neither (``None``, a tuple, …).
+    """
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if not isinstance(logits, torch.Tensor):
+        raise ConfigError("model", f"its forward returned {type(output).__name__}"
+                          f"{' (does it end without return?)' if output is None else ''}; the objective reads its "
+                          "logits: return a tensor [batch, positions, vocabulary] or an object with .logits, or "
+                          "give the Trainer an objective that reads what it returns")
+    return logits
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -97,7 +97,8 @@ def _validate_values(cfg: Config) -> None:
     out = os.path.expanduser(cfg.output_dir)
     if os.path.exists(out) and not os.path.isdir(out):
         raise ConfigError("output_dir", f"'{cfg.output_dir}' exists and is not a folder")
-    from memtrain.checkpoint.layout import check_run_folder, nearest_existing
+    from memtrain.checkpoint.layout import check_run_folder
+    from memtrain.folders import nearest_existing
 
     parent = nearest_existing(out)
     if parent and not os.access(parent, os.W_OK):
@@ -303,7 +304,7 @@ def _validate_files_and_sizes(cfg: Config) -> None:
     except LookupError:
         raise ConfigError("data.encoding", f"'{cfg.data.encoding}' is not an encoding Python knows; e.g. utf-8, "
                           "latin-1, cp1252, utf-16") from None
-    from memtrain.checkpoint.layout import nearest_existing
+    from memtrain.folders import nearest_existing
     from memtrain.data.tokens import cache_setting, default_cache_dir
 
     cache = os.path.expanduser(cfg.data.cache_dir or default_cache_dir())

@@ -331,7 +331,7 @@ def test_resume_never_moves_the_previous_run_aside(tmp_path):
 def test_a_full_disk_is_named_with_free_bytes_and_path(tmp_path):
     import errno
 
-    from memtrain.checkpoint.layout import write_error
+    from memtrain.folders import write_error
 
     for exc in (OSError(errno.ENOSPC, "No space left on device"),
                 RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4416 vs 4304")):

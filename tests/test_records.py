@@ -1,5 +1,5 @@
 """Every trained step recorded exactly once across kills from outside: one worker of a 2-rank run
-is SIGKILLed at each boundary of a step in turn (``tests/kill_at.py``), the run is rerun after
+is SIGKILLed at each boundary of a step in turn (``tests/from_outside.py``), the run is rerun after
 each kill, and the finished run's ``metrics.jsonl``, ``summary.json`` and TensorBoard scalars
 hold one record per step, equal to those of a run that was never killed."""
 
@@ -14,7 +14,7 @@ from conftest import ENGINES, STEPS, launch, read_metrics, tiny_args
 
 pytestmark = pytest.mark.slow
 
-KILL_AT = str(Path(__file__).parent / "kill_at.py")
+FROM_OUTSIDE = str(Path(__file__).parent / "from_outside.py")
 ARGS = ("--training.max_steps", str(STEPS), "--checkpoint.every_steps", "1", "--checkpoint.keep_last", "2",
         "--training.eval_every", "2", "--logging.log_with", "[tensorboard]")
 KILLS = [("after_optimizer_step", 2, 1), ("save_before_rename", 3, 0), ("save_after_rename", 4, 0),
@@ -45,7 +45,7 @@ def test_each_step_is_recorded_once_across_kills_at_every_boundary(tmp_path, ref
     base = read_metrics(base_dir)
     args = tiny_args(tmp_path, cache_dir, *ENGINES[engine], *ARGS)
     for where, step, rank in KILLS:
-        killed = launch(args, script=KILL_AT, env={"MEMTRAIN_KILL_AT": f"{where}:{step}:{rank}"}, check=False)
+        killed = launch(args, script=FROM_OUTSIDE, env={"MEMTRAIN_KILL_AT": f"{where}:{step}:{rank}"}, check=False)
         assert killed.returncode != 0, (where, killed.stderr[-2000:])
         lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
         if where == "commit_to_record":  # the case that lost a record: committed, not recorded

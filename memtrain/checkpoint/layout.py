@@ -384,27 +384,3 @@ def finished_without_checkpoint(output_dir: str) -> Optional[int]:
         return None
     steps = (read_summary(output_dir) or {}).get("steps")  # unreadable: still a finished run's file
     return steps if isinstance(steps, int) else 0
-
-
-def nearest_existing(path: str) -> str:
-    """``path`` or its nearest ancestor that exists ("." for a relative path none of whose
-    ancestors exist; "" stays ""): where a folder about to be created would live."""
-    while path and not os.path.exists(path):
-        path = os.path.dirname(path.rstrip(os.sep)) or "."
-    return path
-
-
-def write_error(exc: BaseException, directory: str) -> str:
-    """A failed checkpoint write, described: a full disk (``ENOSPC``/``EDQUOT``, or torch's
-    "unexpected pos", which is how its zip writer reports a short write) is named as such, with
-    the free bytes of the file system and the path."""
-    import errno
-    import shutil
-
-    text = f"{type(exc).__name__}: {exc}"
-    full = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
-    if not (full or "unexpected pos" in str(exc) or "No space left" in str(exc)):
-        return text
-    free = shutil.disk_usage(nearest_existing(directory) or ".").free
-    return (f"the disk is full (or over quota) writing {directory}: {free:,} bytes free on that file system; free "
-            f"space or point output_dir elsewhere ({text})")

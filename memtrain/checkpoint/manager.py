@@ -27,6 +27,7 @@ import memtrain
 import memtrain.checkpoint.layout as layout
 from memtrain.checkpoint.stateful import FileStateful
 from memtrain.distributed import ProcessState
+from memtrain.folders import write_error
 from memtrain.errors import CheckpointError
 
 log = logging.getLogger("memtrain")
@@ -176,7 +177,7 @@ class Checkpointer:
                     json.dump({name: obj.state_dict() for name, obj in states.items()
                                if not isinstance(obj, FileStateful)}, fh, indent=1)
         except Exception as exc:  # noqa: BLE001 — reported to every rank in finish(), never left hanging
-            pending.error = f"rank {self.process.rank}: {layout.write_error(exc, tmp)}"
+            pending.error = f"rank {self.process.rank}: {write_error(exc, tmp)}"
         pending.blocked_s = time.perf_counter() - pending.start
         self._pending = pending
         if not pending.futures:
@@ -198,7 +199,7 @@ class Checkpointer:
                 try:
                     future.result()
                 except Exception as exc:  # noqa: BLE001
-                    error = f"rank {self.process.rank}: background write failed: {layout.write_error(exc, pending.tmp)}"
+                    error = f"rank {self.process.rank}: background write failed: {write_error(exc, pending.tmp)}"
         errors = [e for e in self.process.all_gather_object(error) if e]  # every rank learns of any failure
         if errors:
             if self.process.is_main:  # give the space back; the next start would remove it anyway

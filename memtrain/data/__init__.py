@@ -91,7 +91,7 @@ class Corpus:
 
     def describe(self) -> str:
         """One line for the start-of-run message."""
-        return f"{len(self.train)} training samples of {self.seq_len} tokens"
+        return f"{len(self.train)} training samples of {self.seq_len} tokens ({len(self.validation)} held out for validation)"
 
 
 def build_corpus(data_cfg, pretrained_tokenizer=None):

@@ -1,8 +1,9 @@
 """Text corpora: the embedded default (the Python standard library) or the user's files.
 
-Documents are split into train and validation *by file*, deterministically: a file goes to
-validation when a hash of its path (relative to the corpus root) falls below
-``validation_fraction``. The same files give the same split on every machine and every rank.
+Documents are split into train and validation *by file*, deterministically and by bytes: in the
+order of a hash of their paths (relative to the corpus root), files go to validation while it
+holds at most ``validation_fraction`` of the bytes (:func:`split_files`). The same files give the
+same split on every machine and every rank.
 """
 
 from __future__ import annotations
@@ -137,10 +138,15 @@ def select_files(files: Optional[list[str]], max_bytes: int = 0, validation_frac
 
 
 def split_files(files: list[SourceFile], validation_fraction: float) -> tuple[list[SourceFile], list[SourceFile]]:
-    """Deterministic train/validation split by file.
+    """Deterministic train/validation split by file, sized by bytes.
 
-    A file is validation when ``sha1(name) / 2**160 < validation_fraction``. If that leaves
-    either side empty (tiny corpora), the last file by hash order moves across.
+    Files are taken in the order of a hash of their names (``sha1("split:" + name)``, the same on
+    every machine and rank), and a file goes to validation while the validation side stays within
+    ``validation_fraction`` of all the files' bytes; so one large file never becomes the whole
+    validation set, whatever its name hashes to. When no file is small enough (a corpus of a few
+    large files), the smallest goes to validation (at most half the bytes: the training side
+    always keeps most of the data), with a warning when it is more than twice the fraction asked.
+    A ``datasets`` source's rows are on their side already.
 
     Returns:
         (train_files, validation_files), each sorted by name.
@@ -150,13 +156,26 @@ def split_files(files: list[SourceFile], validation_fraction: float) -> tuple[li
         return _unit_hash("split:" + f.name)
 
     parts = [f for f in files if f.part is not None]  # a datasets source's rows: their side is set
-    files = [f for f in files if f.part is None]
-    val = [f for f in files if h(f) < validation_fraction]
-    train = [f for f in files if h(f) >= validation_fraction]
-    if len(files) >= 2 and (not val or not train) and not parts:
-        ordered = sorted(files, key=h)
-        val, train = ordered[:1], ordered[1:]
-    train += [f for f in parts if f.part == "train"]
+    files = sorted((f for f in files if f.part is None), key=h)
+    total = sum(f.size for f in files)
+    val, held = [], 0
+    for f in files:
+        if held + f.size <= validation_fraction * total:
+            val.append(f)
+            held += f.size
+    if not val and validation_fraction > 0 and len(files) >= 2 and not parts:
+        smallest = min(files, key=lambda f: (f.size, h(f)))
+        val = [smallest]
+        if smallest.size > 2 * validation_fraction * total:
+            import logging
+
+            logging.getLogger("memtrain").warning(
+                "memtrain: data.validation_fraction %s: whole files are held out for validation and the smallest, "
+                "%s, is %.1f%% of the %d files' bytes: validation holds that much (give more, smaller files, or "
+                "JSONL with one document per line across several files)", validation_fraction, smallest.name,
+                100 * smallest.size / max(1, total), len(files))
+    held_out = {f.name for f in val}
+    train = [f for f in files if f.name not in held_out] + [f for f in parts if f.part == "train"]
     val += [f for f in parts if f.part == "validation"]
     return sorted(train, key=lambda f: f.name), sorted(val, key=lambda f: f.name)
 
@@ -217,8 +236,9 @@ def iter_documents(files: list[SourceFile], text_field: str = "text", encoding: 
         undecodable: filled with file path → bytes that did not decode, for each file read.
 
     Raises:
-        ConfigError: a JSONL line that is not a JSON object (field ``data.files``) or has no
-            ``text_field`` (field ``data.text_field``); the message names file and line.
+        ConfigError: a JSONL line that is not a JSON object (field ``data.files``), has no
+            ``text_field`` or a value there that is not a string (field ``data.text_field``); the
+            message names file and line.
     """
     from memtrain.config import ConfigError
 
@@ -240,7 +260,11 @@ def iter_documents(files: list[SourceFile], text_field: str = "text", encoding: 
                                           f"{exc.colno}); a JSONL file holds one JSON object per line") from None
                     if not isinstance(obj, dict) or text_field not in obj:
                         raise ConfigError("data.text_field", f"{f.path}:{lineno}: no field '{text_field}' in this line")
-                    yield str(obj[text_field])
+                    if not isinstance(obj[text_field], str):
+                        raise ConfigError("data.text_field", f"{f.path}:{lineno}: field '{text_field}' is "
+                                          f"{json.dumps(obj[text_field])[:40]}, not a string; give the document's "
+                                          "text, or drop the line")
+                    yield obj[text_field]
             if undecodable is not None:
                 undecodable[f.path] = _undecodable[0]
         else:

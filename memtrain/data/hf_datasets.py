@@ -84,7 +84,8 @@ def iter_rows(path: str, name: str, part: str, text_field: str, validation_fract
         validation_fraction: the row split of a source without a validation split.
 
     Raises:
-        ConfigError: no such column (field ``data.text_field``, names the columns).
+        ConfigError: no such column (field ``data.text_field``, names the columns), or a row whose
+            value there is not text (names the row).
     """
     from memtrain.config import ConfigError
 
@@ -99,9 +100,12 @@ def iter_rows(path: str, name: str, part: str, text_field: str, validation_fract
     index = 0
     for batch in data.select_columns([text_field]).iter(batch_size=1024):  # memory-mapped, a batch at a time
         for text in batch[text_field]:
+            if text is not None and not isinstance(text, str):
+                raise ConfigError("data.text_field", f"'{path}' row {index}: column '{text_field}' holds "
+                                  f"{type(text).__name__} {str(text)[:40]!r}, not text; choose a text column")
             if text is not None and (not by_hash or _row_is_validation(name, index, validation_fraction)
                                      == (part == VALIDATION)):  # a null row is no document
-                yield str(text)
+                yield text
             index += 1
 
 

@@ -92,6 +92,10 @@ def building(directory: str) -> Iterator[str]:
 
     Several processes may build the same directory at once: the first rename wins and the
     others' copies are discarded, so a reader never sees a half-written cache.
+
+    Raises:
+        ConfigError: the folder cannot be created or written (a full disk named with its free
+            bytes), naming ``MEMTRAIN_CACHE`` or ``data.cache_dir``: exit 2, the setting to change.
     """
     parent = os.path.dirname(directory)
     try:
@@ -108,6 +112,18 @@ def building(directory: str) -> Iterator[str]:
             os.rename(tmp, directory)
         except OSError:  # another process finished the same build first
             shutil.rmtree(tmp, ignore_errors=True)
+    except Exception as exc:
+        import errno
+
+        from memtrain.folders import is_disk_full, write_error
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (is_disk_full(exc) or isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EACCES)):
+            raise
+        from memtrain.config import ConfigError  # a full disk, a quota: the folder, its free bytes, the setting
+
+        setting = cache_setting(parent)
+        raise ConfigError(setting, f"building the data cache failed: {write_error(exc, parent, setting)}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

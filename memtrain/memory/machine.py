@@ -187,6 +187,15 @@ def offload_host_room_bytes(cfg, device: torch.device) -> Optional[int]:
     return max(0, room // ranks)
 
 
+def host_share_bytes(host_memory_gib: float) -> int:
+    """What one rank of a CPU run may use of ``memory.host_memory_gib`` (the machine's ranks share
+    it, ``LOCAL_WORLD_SIZE``), less what its process holds already (the libraries, the data)."""
+    import os
+
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(0, int(host_memory_gib * 2**30) // ranks - process_bytes("cpu"))
+
+
 def host_budget_bytes(host_memory_gib: float, ranks_per_host: int = 1) -> int:
     """Host bytes a run's ranks on this machine may use together: ``memory.host_memory_gib``, else
     what is available now plus what the ranks' processes already hold (each taken to hold what

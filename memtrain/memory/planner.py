@@ -44,7 +44,7 @@ from torch import nn
 
 from memtrain.memory.accounting import divisors, with_allocator_headroom
 from memtrain.memory.depth import by_depth
-from memtrain.memory.machine import device_budget_bytes, offload_host_room_bytes
+from memtrain.memory.machine import device_budget_bytes, host_share_bytes, offload_host_room_bytes
 from memtrain.memory.step_trace import compute_precision_model
 from memtrain.levers import restore_settings
 from memtrain.plan import Plan
@@ -523,7 +523,8 @@ def build_planner(cfg, corpus, objective, precision: str, device: torch.device, 
                   per_rank_batch: int, choices: Mapping[str, tuple], source=None,
                   engine: Optional[str] = None) -> Planner:
     """The run's planner: candidates of ``per_rank_batch`` and the levers' ``choices``, with peaks
-    predicted from a fake trace of ``cfg``'s model, against :func:`device_budget_bytes`.
+    predicted from a fake trace of ``cfg``'s model, against :func:`device_budget_bytes` (a CPU
+    run's device is the host: its budget is a rank's share of ``memory.host_memory_gib`` when set).
 
     Args:
         state: the engine's model state on this rank (a ``model_state_bytes`` dict, bytes).
@@ -538,6 +539,8 @@ def build_planner(cfg, corpus, objective, precision: str, device: torch.device, 
     device_type = "cpu" if simulated else device.type
     acts = activation_table(cfg, corpus, objective, precision, device_type, source, engine)
     budget = device_budget_bytes(cfg, device)
+    if budget is None and device.type == "cpu" and cfg.memory.host_memory_gib > 0:  # the host is the device
+        budget = host_share_bytes(cfg.memory.host_memory_gib)
     extra = {} if simulated else {"accumulation_bytes": state.get("accumulation_gradient_bytes", 0),
                                   "step_bytes": state.get("step_gradient_bytes", 0)}
     planner = Planner(make_candidates(per_rank_batch, choices, device_state_bytes(state), acts, device_type, budget,

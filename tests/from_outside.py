@@ -1,11 +1,17 @@
-"""``memtrain`` with one rank SIGKILLed at a chosen boundary of a chosen step, from outside the
-trainer: the script patches memtrain's functions from here (memtrain itself offers no hook for
-this), and the process sends itself SIGKILL there, which ends it at once, as an operator's
-``kill -9`` or a preempted node does (no cleanup, no ``finally``, no flush of Python's buffers).
+"""``memtrain`` with a failure that comes from outside the trainer: the script patches
+memtrain's functions from here (memtrain itself offers no hook for these).
 
-    MEMTRAIN_KILL_AT=WHERE:STEP[:RANK] python tests/kill_at.py --config ...
+* ``MEMTRAIN_KILL_AT=WHERE:STEP[:RANK]``: the rank (default 0) sends itself SIGKILL at boundary
+  WHERE (one of :data:`BOUNDARIES`) of optimizer step STEP, which ends it at once, as an
+  operator's ``kill -9`` or a preempted node does (no cleanup, no ``finally``, no flush of
+  Python's buffers).
+* ``MEMTRAIN_DISK_FULL_IN=export`` (or ``cache``): the model export's (the data cache's) writes
+  fail as on a full disk (``OSError`` ENOSPC, as ``write(2)`` reports it), once it has begun
+  writing.
 
-WHERE is one of :data:`BOUNDARIES`; RANK defaults to 0. Without the variable this is ``memtrain``.
+    MEMTRAIN_KILL_AT=commit_to_record:5 python tests/from_outside.py --config ...
+
+Without the variables this is ``memtrain``.
 """
 
 from __future__ import annotations
@@ -99,8 +105,39 @@ def install(where: str, step: int) -> None:
     MetricsLogger.log_step = log_step
 
 
+def fill_disk_in(what: str) -> None:
+    """The export's (``what`` = ``export``) or the data cache's (``cache``) writes fail with ENOSPC
+    (what ``write(2)`` returns on a full disk), after a part is written."""
+    import errno
+
+    def no_room(path: str):
+        with open(path, "wb") as fh:
+            fh.write(b"\0" * 4096)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    if what == "export":
+        import memtrain.export as export
+
+        export._write_export = lambda model, state_dict, tmp, *args: no_room(os.path.join(tmp, "model.safetensors"))
+    elif what == "cache":
+        import memtrain.data.tokens as tokens
+
+        class NumPy:  # the cache module's numpy, whose save finds the disk full
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            @staticmethod
+            def save(path, arr):
+                no_room(path)
+        real, tokens.np = tokens.np, NumPy()
+    else:
+        raise AssertionError(f"MEMTRAIN_DISK_FULL_IN: {what!r} is not export or cache")
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if os.environ.get("MEMTRAIN_DISK_FULL_IN"):
+        fill_disk_in(os.environ["MEMTRAIN_DISK_FULL_IN"])
     spec = os.environ.get("MEMTRAIN_KILL_AT")
     if spec:
         where, step, *rank = spec.split(":")
