@@ -77,7 +77,10 @@ class DataConfig:
     max_bytes: int = 0
     """Use at most this many bytes of source text (files in sorted order); 0 = all."""
     validation_fraction: float = 0.05
-    """Fraction of files (chosen by a hash of their path, deterministic) held out for validation."""
+    """Fraction of the text files' bytes held out for validation, as whole files: in the order of a
+    hash of their paths (deterministic), a file is held out while the held-out bytes stay within
+    the fraction (a few large files: the smallest, with a warning when it is more); rows of a
+    ``datasets`` source without a validation split, by a hash of their index."""
     vocab_size: int = 8192
     """Size of the byte-level BPE vocabulary trained on the training split. The model's vocabulary
     is the tokenizer's real size, which differs (with a warning) when the corpus gives fewer merges,

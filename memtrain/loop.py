@@ -325,15 +325,17 @@ class TrainingLoop:
     def _open_metrics(self, resumed: Optional[tuple[str, float, dict]], quiet: bool = False) -> MetricsLogger:
         """The metrics writer (``metrics.jsonl`` reconciled with the resumed checkpoint's records)
         and, unless ``quiet``, the lines that say what the run resumed from and will do."""
-        saved_event = None
-        if resumed is not None:  # its record, if the kill came between its commit and the record
+        saved_event, carried = None, None
+        if resumed is not None and os.path.dirname(os.path.realpath(resumed[0])) == os.path.realpath(
+                self.checkpointer.root):  # this run's: its records since the save before, and the step's event
             files = read_manifest(resumed[0]).get("files", {})
             saved_event = {"event": "checkpoint_saved", "step": self.state.step, "path": resumed[0],
                            "bytes": sum(f.get("bytes", 0) for f in files.values())}
+            carried = self.checkpoint_states["records"].loaded
         metrics = MetricsLogger(self.cfg.output_dir, self.process.is_main, self.cfg.training.max_steps,
                                 initial_step=self.state.step, keep_until_step=self.state.step if resumed else None,
                                 unit=self.objective.unit, log_with=self.cfg.logging.log_with,
-                                carried=self.checkpoint_states["records"].loaded, saved_event=saved_event)
+                                carried=carried, saved_event=saved_event)
         self.checkpointer.report = metrics.message
         self.checkpointer.before_commit = metrics.sync  # every record before a commit is on disk
         if quiet:

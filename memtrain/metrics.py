@@ -170,7 +170,9 @@ class MetricsLogger:
             event files hold), and a resumed run logs every kept record again, so a run's scalars
             hold each step once whatever was flushed before a kill; W&B, MLflow and the others
             start a new run at each start, which holds the whole trajectory so far.
-        carried: on resume, the records the checkpoint carries (:class:`memtrain.records.RecordTail`).
+        carried: on resume, the records the checkpoint carries (:class:`memtrain.records.RecordTail`);
+            None when the checkpoint is another run folder's (``resume: PATH``): the file keeps its
+            own records up to the step, and the steps before are no gap of this run's.
         saved_event: on resume, the resumed checkpoint's ``checkpoint_saved`` event (:func:`reconcile`).
 
     Attributes:
@@ -184,7 +186,7 @@ class MetricsLogger:
 
     def __init__(self, output_dir: str, enabled: bool, total_steps: int, initial_step: int = 0,
                  keep_until_step: Optional[int] = None, unit: str = "tokens", log_with: Sequence[str] = (),
-                 carried: Sequence[dict] = (), saved_event: Optional[dict] = None):
+                 carried: Optional[Sequence[dict]] = (), saved_event: Optional[dict] = None):
         self.enabled = enabled
         self.unit = unit
         self.output_dir = output_dir
@@ -202,7 +204,8 @@ class MetricsLogger:
         path = os.path.join(output_dir, "metrics.jsonl")
         kept: list[tuple[str, dict]] = []
         if keep_until_step is not None:
-            kept, self.missing = reconcile(read_records(path), keep_until_step, carried, saved_event)
+            kept, missing = reconcile(read_records(path), keep_until_step, carried or (), saved_event)
+            self.missing = missing if carried is not None else []
         self.earlier = [record for _, record in kept]
         if log_with:  # before anything is written
             first = self.earlier[0]["step"] if self.earlier else initial_step + 1

@@ -12,13 +12,13 @@ with matplotlib's Agg canvas (no display).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any, Optional
 
 from memtrain.checkpoint.layout import read_summary
 from memtrain.levers import LEVERS, describe, lever_events, restore_settings
+from memtrain.metrics import read_records as metrics_records
 from memtrain.records import duration_words, training_minutes
 
 GIB = 2 ** 30
@@ -50,15 +50,7 @@ def read_records(run_dir: str) -> list[dict[str, Any]]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise PlotError(f"{run_dir}: no metrics.jsonl (not a memtrain run directory?)")
-    records = []
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and isinstance(record.get("step"), int):
-                records.append(record)
+    records = [record for _, record in metrics_records(path)]
     if not records:
         raise PlotError(f"{path}: no step records")
     return sorted(records, key=lambda r: r["step"])
@@ -218,7 +210,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         records = read_records(args.run_dir)
         fig = figure(records, read_summary(args.run_dir), title=os.path.basename(os.path.normpath(args.run_dir)))
-        fig.savefig(out, dpi=100)
+        fig.savefig(out + ".tmp", dpi=100, format="png")  # whole or not at all
+        os.replace(out + ".tmp", out)
     except PlotError as exc:
         print(f"memtrain plot: {exc}", file=sys.stderr)
         return 2

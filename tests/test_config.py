@@ -1,6 +1,9 @@
 """Bad input stops before any work, with an error naming the field; nothing is written."""
 
+import os
+
 import pytest
+import torch
 
 from conftest import TINY_ARGS, run_cli
 from memtrain.config import ConfigError, parse_args
@@ -111,22 +114,79 @@ def test_paths_that_cannot_be_what_they_name(tmp_path):
 
 
 def test_bad_data_files_are_named_with_file_and_line(tmp_path):
-    """An empty file, a binary file, a malformed JSONL line, a line without the text field."""
+    """An empty file, a binary file, a malformed JSONL line, a line without the text field, a
+    text field that is null or a number (never trained as the text "None" or "42")."""
     from memtrain.data.corpus import iter_documents, select_files
 
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "blob.txt").write_bytes(b"\x00\x01binary")
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": "cut\n')
     (tmp_path / "other.jsonl").write_text('{"text": "ok"}\n\n{"body": "x"}\n')
+    (tmp_path / "null.jsonl").write_text('{"text": "ok"}\n{"text": null}\n')
+    (tmp_path / "number.jsonl").write_text('{"text": 42}\n')
     for name, field, phrase in [("empty.txt", "data.files", "is empty"), ("blob.txt", "data.files", "looks binary")]:
         with pytest.raises(ConfigError) as info:
             select_files([str(tmp_path / name)])
         assert info.value.field == field and phrase in str(info.value) and name in str(info.value)
     for name, field, phrase in [("bad.jsonl", "data.files", "bad.jsonl:2: not valid JSON"),
-                                ("other.jsonl", "data.text_field", "other.jsonl:3: no field 'text'")]:
+                                ("other.jsonl", "data.text_field", "other.jsonl:3: no field 'text'"),
+                                ("null.jsonl", "data.text_field", "null.jsonl:2: field 'text' is null, not a string"),
+                                ("number.jsonl", "data.text_field", "number.jsonl:1: field 'text' is 42")]:
         with pytest.raises(ConfigError) as info:
             list(iter_documents(select_files([str(tmp_path / name)])))
         assert info.value.field == field and phrase in str(info.value)
+
+
+def test_the_validation_split_holds_whole_files_within_the_fraction_of_bytes(tmp_path, caplog):
+    """An 8 MB and a 20 KB file at 0.05: the 20 KB file is held out, whatever the names hash to;
+    80 files of mixed sizes: the held-out bytes stay within the fraction, the same split twice.
+    Two files of one size: one is held out (never most of the data), with a warning."""
+    from memtrain.data.corpus import SourceFile, split_files
+
+    for big, small in [("a.txt", "b.txt"), ("b.txt", "a.txt"), ("corpus/main.txt", "corpus/x.txt")]:
+        train, val = split_files([SourceFile(big, big, 8_000_000), SourceFile(small, small, 20_000)], 0.05)
+        assert [f.name for f in val] == [small] and [f.name for f in train] == [big]
+    files = [SourceFile(f"f{i}.py", f"f{i}.py", 1000 + 997 * i % 50_000) for i in range(80)]
+    total = sum(f.size for f in files)
+    train, val = split_files(files, 0.05)
+    held = sum(f.size for f in val)
+    assert 0 < held <= 0.05 * total and len(train) + len(val) == 80
+    assert split_files(list(reversed(files)), 0.05) == (train, val)
+    train, val = split_files([SourceFile("a", "a", 5000), SourceFile("b", "b", 5000)], 0.05)
+    assert len(train) == len(val) == 1 and "is 50.0% of the 2 files' bytes" in caplog.text
+
+
+def test_a_full_cache_disk_is_a_config_error_naming_the_folder(tmp_path, monkeypatch):
+    """The data cache's disk fills while it is built: exit 2's error naming the cache setting, the
+    folder and its free bytes; nothing half-built is left."""
+    import errno
+
+    import memtrain.data.tokens as tokens
+    from memtrain.data import build_corpus
+
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text("def add(a, b):\n    return a + b\n" * 40)
+
+    def no_room(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(tokens.np, "save", no_room)
+    cfg = parse_args(TINY_ARGS + ["--data.files", f"['{tmp_path}/*.txt']", "--data.cache_dir", str(tmp_path / "cache"),
+                                  "--data.max_bytes", "0"])
+    with pytest.raises(ConfigError) as info:
+        build_corpus(cfg.data)
+    assert info.value.field == "data.cache_dir" and "the disk is full" in str(info.value)
+    assert str(tmp_path / "cache") in str(info.value) and "bytes free" in str(info.value)
+    assert os.listdir(tmp_path / "cache") == []
+
+
+def test_a_model_output_without_logits_is_named():
+    """A forward that returns None (or a tuple): a ConfigError naming the model, not an AttributeError."""
+    from memtrain.models import logits_of
+
+    for output in (None, (torch.zeros(1),)):
+        with pytest.raises(ConfigError) as info:
+            logits_of(output)
+        assert info.value.field == "model" and "its forward returned" in str(info.value)
 
 
 def test_a_vocab_size_the_tokenizer_cannot_reach_is_said(tmp_path, caplog):

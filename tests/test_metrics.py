@@ -87,6 +87,38 @@ def test_resume_kept_line_without_newline_is_not_joined(tmp_path):
     assert read_steps(path) == [1, 2, 3]
 
 
+def test_resume_puts_back_the_checkpoints_records_the_file_lacks(tmp_path, caplog):
+    """Killed between the commit of step 5 and its record: the checkpoint's records (4, 5) fill the
+    file's gap; step 5's gets its checkpoint_saved event; a later step (6) is dropped, a step
+    written twice keeps its last line, the file's own lines are kept as they were."""
+    path = tmp_path / "metrics.jsonl"
+    lines = old_lines(range(1, 5))
+    write_lines(path, lines + [json.dumps(record(4, source="again")) + "\n", json.dumps(record(6)) + "\n"])
+    carried = [record(4, source="checkpoint"), record(5, source="checkpoint", event="resume",
+                                                         plan_changes=[{"event": "resume", "step": 5}])]
+    saved = {"event": "checkpoint_saved", "step": 5, "path": "ck/step_00000005", "bytes": 10}
+    logger = MetricsLogger(str(tmp_path), True, total_steps=6, initial_step=5, keep_until_step=5, carried=carried,
+                           saved_event=saved)
+    text = path.read_text(encoding="utf-8")
+    assert text.startswith("".join(lines[:3]))
+    records = [json.loads(line) for line in text.splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert records[3]["source"] == "again" and records[4]["source"] == "checkpoint"
+    assert records[4]["event"] == "resume,checkpoint_saved" and records[4]["plan_changes"][-1] == saved
+    assert logger.earlier == records and logger.missing == []
+    logger.finish(summary())
+
+
+def test_steps_neither_the_file_nor_the_checkpoint_hold_are_named(tmp_path, caplog):
+    """metrics.jsonl removed outside memtrain: the checkpoint's records are kept and the steps
+    before them are named in a warning."""
+    logger = MetricsLogger(str(tmp_path), True, total_steps=6, initial_step=5, keep_until_step=5,
+                           carried=[record(4), record(5)])
+    assert logger.missing == [1, 2, 3] and "step(s) 1-3" in caplog.text
+    assert read_steps(tmp_path / "metrics.jsonl") == [4, 5]
+    logger.finish(summary())
+
+
 def test_disabled_logger_writes_nothing(tmp_path, capsys):
     """enabled=False (a non-zero rank) neither creates, truncates nor appends files, nor prints."""
     existing = tmp_path / "shared"

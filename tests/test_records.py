@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ENGINES, STEPS, launch, read_metrics, tiny_args
+from conftest import ENGINES, STEPS, child_exit_codes, launch, read_metrics, tiny_args
 
 pytestmark = pytest.mark.slow
 
@@ -71,3 +71,30 @@ def test_each_step_is_recorded_once_across_kills_at_every_boundary(tmp_path, ref
         shown = tensorboard_scalars(tmp_path, tag)
         assert [s for s, _ in shown] == list(range(1, STEPS + 1)), (tag, shown)
         assert [v for _, v in shown] == [pytest.approx(b[tag], rel=1e-6) for b in base], tag
+
+
+def test_a_finished_run_whose_export_failed_makes_it_and_its_summary_on_rerun(tmp_path, reference, cache_dir):
+    """The disk fills during the final export (ENOSPC from outside): exit 4 naming the folder and
+    its free bytes, no model/ and no summary.json; the rerun makes both from the last checkpoint
+    (the export's marker names step 8; the summary's totals are the uninterrupted run's); a second
+    rerun changes nothing."""
+    base_dir = reference("ddp", extra=ARGS)
+    args = tiny_args(tmp_path, cache_dir, *ENGINES["ddp"], *ARGS)
+    failed = launch(args, script=FROM_OUTSIDE, env={"MEMTRAIN_DISK_FULL_IN": "export"}, check=False)
+    assert child_exit_codes(failed) >= {4}, failed.stderr[-3000:]
+    rank0 = failed.stderr
+    assert "export: exporting the model to" in rank0 and "bytes free" in rank0 and "output_dir" in rank0
+    assert not (tmp_path / "model").exists() and not (tmp_path / "summary.json").exists()
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
+    rerun = launch(args)
+    assert "finished training at step 8, but its export and summary.json are missing" in rerun.stderr
+    marker = json.loads((tmp_path / "model" / "memtrain_export.json").read_text())
+    assert marker["step"] == STEPS and marker["checkpoint"].endswith(f"step_{STEPS:08d}")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    expected = json.loads((base_dir / "summary.json").read_text())
+    assert {k: summary[k] for k in TOTALS} == {k: expected[k] for k in TOTALS}
+    assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, STEPS + 1))
+    before = {n: (tmp_path / n).stat().st_mtime_ns for n in ("summary.json", "metrics.jsonl")}
+    again = launch(args)
+    assert "already finished" in again.stderr
+    assert {n: (tmp_path / n).stat().st_mtime_ns for n in before} == before

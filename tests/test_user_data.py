@@ -98,6 +98,59 @@ def test_export_never_removes_what_it_did_not_write(finished_run, tmp_path, caps
     assert (exported / "my_eval.json").exists() and snapshot(run) == before
 
 
+def test_export_takes_only_its_marker_for_an_export_and_follows_links(finished_run, tmp_path, capsys):
+    """A transformers model of the user's (an export's files, no marker) and a folder holding only
+    the user's config.json: refused, unchanged. A link to an earlier export: the export lands where
+    it points and the link stays. A bad --max_shard_size: refused before anything is written.
+    Files and folders get the user's umask (not mkdtemp's 0700 nor a library's 0600)."""
+    from memtrain.export import main as export_main
+
+    run = copy_run(finished_run, tmp_path)
+    hf = tmp_path / "my_hf_model"
+    shutil.copytree(run / "model", hf)
+    (hf / "memtrain_export.json").unlink()
+    mine = tmp_path / "my_config"
+    mine.mkdir()
+    (mine / "config.json").write_text('{"model_type": "mine"}')
+    for out in (hf, mine):
+        before = snapshot(out)
+        assert export_main([str(run), str(out)]) == 2
+        assert "is not an earlier memtrain export" in capsys.readouterr().err
+        assert snapshot(out) == before
+    assert export_main([str(run), str(tmp_path / "new"), "--max_shard_size", "abc"]) == 2
+    assert "--max_shard_size" in capsys.readouterr().err and not (tmp_path / "new").exists()
+    earlier = tmp_path / "earlier"
+    old_mask = os.umask(0o027)
+    try:
+        assert export_main([str(run / "checkpoints" / "step_00000002"), str(earlier)]) == 0
+        os.symlink(earlier, tmp_path / "link")
+        first = snapshot(earlier)
+        assert export_main([str(run), str(tmp_path / "link")]) == 0
+    finally:
+        os.umask(old_mask)
+    assert os.path.islink(tmp_path / "link") and os.path.realpath(tmp_path / "link") == str(earlier)
+    assert snapshot(earlier)["model.safetensors"] != first["model.safetensors"]  # step 4's weights, in place
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no scratch or replaced folder left
+    assert oct(os.stat(earlier).st_mode & 0o777) == oct(0o750)
+    assert {oct(os.stat(earlier / n).st_mode & 0o777) for n in os.listdir(earlier)} == {oct(0o640)}
+
+
+def test_a_run_refuses_a_folder_holding_the_users_files_of_its_names(finished_run, tmp_path):
+    """output_dir holding the user's own metrics.jsonl (no lock file, no checkpoint): exit 2
+    naming it, nothing written; a copy of a run without its hidden lock file is still a run's."""
+    mine = tmp_path / "my_results"
+    mine.mkdir()
+    (mine / "metrics.jsonl").write_text('{"step": 1, "accuracy": 0.93}\n')
+    proc = run_cli(tiny_args(mine, "unused", *BASE))
+    assert proc.returncode == 2 and "metrics.jsonl" in proc.stderr and "'output_dir'" in proc.stderr, proc.stderr
+    assert os.listdir(mine) == ["metrics.jsonl"]
+    from memtrain.checkpoint.layout import check_run_folder
+
+    run = copy_run(finished_run, tmp_path)
+    (run / ".memtrain.lock").unlink()
+    check_run_folder(str(run))  # its checkpoints say whose it is
+
+
 def test_a_run_does_not_export_over_files_it_did_not_write(finished_run, tmp_path):
     """output_dir/model holding the user's file: refused before anything is written (exit 2)."""
     run = copy_run(finished_run, tmp_path)
