@@ -184,8 +184,9 @@ def message_of(proc: subprocess.CompletedProcess) -> str:
     errors = [ln for ln in lines if ln.startswith(("memtrain: config error", "memtrain export:", "memtrain: checkpoint",
                                                    "memtrain: export:", "memtrain.errors."))]
     said = [ln for ln in lines if any(w in ln for w in ("changed settings", "already", "past", "finished training",
-                                                         "held out for validation", "predicted to fit"))]
-    chosen = (errors or said[-1:] or lines or ["(nothing)"])[-1]
+                                                         "predicted to fit"))]
+    started = [ln for ln in lines if "held out for validation" in ln]  # the start line: how the data was split
+    chosen = (errors or said or started or lines or ["(nothing)"])[-1]
     return chosen if len(chosen) <= 400 else chosen[:397] + "…"
 
 

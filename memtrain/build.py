@@ -23,6 +23,7 @@ from memtrain.config import Config, ConfigError, to_dict
 from memtrain.checkpoint.compat import data_identity
 from memtrain.checkpoint.layout import finished_without_checkpoint, move_previous_run
 from memtrain.data import GlobalBatchSampler, build_corpus
+from memtrain.data.corpus import SPLIT_RULE
 from memtrain.distributed import ProcessState
 from memtrain.evaluate import Evaluator
 from memtrain.faults import FaultInjector
@@ -245,7 +246,8 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
                     engine.name)
     checkpointer = Checkpointer(process, os.path.join(cfg.output_dir, "checkpoints"), cfg.checkpoint.keep_last,
                                 cfg.checkpoint.async_save, {"vocab_size": corpus.vocab_size, "config": to_dict(cfg),
-                                 "data_identity": data_identity(corpus), "engine_spec": spec.as_dict()},
+                                 "data_identity": data_identity(corpus), "data_split": SPLIT_RULE,
+                                 "engine_spec": spec.as_dict()},
                                 after_write=faults.after_checkpoint_write)
     checkpoint_states = {
         "model_and_optimizer": EngineState(engine, model, optimizer, cfg.checkpoint.max_shard_size),

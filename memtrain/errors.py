@@ -2,7 +2,7 @@
 so that an engine can raise a checkpoint error without importing the checkpointer.
 
 Exit codes of the ``memtrain`` command (:func:`memtrain.train.cli`): :class:`ConfigError` (also importable
-from :mod:`memtrain.config`) 2, :class:`memtrain.oom.OOMStop` 3, :class:`CheckpointError` (and :class:`ExportError`) 4,
+from :mod:`memtrain.config`) 2, :class:`memtrain.oom.OOMStop` 3, :class:`CheckpointError` (and :class:`OutputError`) 4,
 :class:`memtrain.precision.NonFiniteStop` 5.
 """
 
@@ -22,6 +22,7 @@ class CheckpointError(RuntimeError):
     (the message names the file or the field)."""
 
 
-class ExportError(CheckpointError):
-    """The consolidated model cannot be written (a full disk, a failed write); the message names
-    the folder and, for a full disk, its free bytes. Nothing half-written is left behind."""
+class OutputError(CheckpointError):
+    """A file a run writes beside its checkpoints cannot be written — the exported model,
+    ``summary.json``, ``metrics.jsonl`` — (a full disk, a failed write); the message names the
+    path and, for a full disk, its free bytes. Nothing half-written is left behind."""

@@ -24,9 +24,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from memtrain.errors import ExportError
-from memtrain.folders import (check_export_target, check_max_shard_size, new_export_folder, replace_export,
-                              write_error)
+from memtrain.errors import OutputError
+from memtrain.folders import (check_export_target, check_max_shard_size, is_disk_full, new_export_folder,
+                              replace_export, write_error)
 from memtrain.weights import load_into, save_weights
 
 log = logging.getLogger("memtrain")
@@ -54,7 +54,7 @@ def export_model(model: nn.Module, state_dict: dict[str, torch.Tensor], director
     Raises:
         memtrain.config.ConfigError: ``directory`` holds files no export wrote, or cannot be
             written (nothing is written).
-        memtrain.errors.ExportError: writing failed (a full disk: the folder and its free bytes
+        memtrain.errors.OutputError: writing failed (a full disk: the folder and its free bytes
             named); the temporary folder is removed, an earlier export is untouched.
     """
     check_export_target(directory, [])
@@ -62,9 +62,11 @@ def export_model(model: nn.Module, state_dict: dict[str, torch.Tensor], director
     try:
         _write_export(model, state_dict, tmp, tokenizer, max_shard_size)
         return replace_export(tmp, directory, about)
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001 — safetensors reports a full disk as its own error type
         shutil.rmtree(tmp, ignore_errors=True)
-        raise ExportError(f"exporting the model to {directory} failed: {write_error(exc, directory, setting)}; nothing was "
+        if not isinstance(exc, OSError) and not is_disk_full(exc):
+            raise
+        raise OutputError(f"exporting the model to {directory} failed: {write_error(exc, directory, setting)}; nothing was "
                           "written there (an earlier export is untouched)") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -110,7 +112,7 @@ def export_checkpoint(path: str, out: str, max_shard_size: str = "5GB") -> str:
 
     Raises:
         memtrain.errors.CheckpointError: the checkpoint is incomplete or corrupt (named file).
-        memtrain.errors.ExportError: writing the export failed (:func:`export_model`).
+        memtrain.errors.OutputError: writing the export failed (:func:`export_model`).
         memtrain.config.ConfigError: ``out`` is, or lies inside, the checkpoint's run folder, or
             holds files no export wrote (:func:`memtrain.folders.check_export_target`); checked
             before anything is read or written; so is ``max_shard_size`` (field ``--max_shard_size``).
@@ -147,7 +149,7 @@ def export_checkpoint(path: str, out: str, max_shard_size: str = "5GB") -> str:
 def _run_folders(path: str) -> list[str]:
     """The folders an export of checkpoint ``path`` must stay out of: the checkpoint, and the run
     folder holding its ``checkpoints/`` (when it is one)."""
-    path = os.path.abspath(path.rstrip(os.sep))
+    path = os.path.realpath(path.rstrip(os.sep))  # a link to a checkpoint protects the run it lies in
     parent = os.path.dirname(path)
     return [path] + ([os.path.dirname(parent)] if os.path.basename(parent) == "checkpoints" else [])
 
@@ -169,7 +171,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     prepare_libraries(torch.cuda.is_available())
     try:
         out = export_checkpoint(args.checkpoint, args.out, args.max_shard_size)
-    except ExportError as exc:
+    except OutputError as exc:
         print(f"memtrain export: {exc}", file=sys.stderr)
         return 4
     except (CheckpointError, ConfigError) as exc:

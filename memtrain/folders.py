@@ -135,14 +135,20 @@ class RunLock:
 
 def write_atomic(path: str, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` whole or not at all: into ``path.tmp``, fsynced, renamed
-    over ``path``, the folder fsynced. A kill at any point leaves the old file or the new one. The
-    file gets the user's umask, as any file ``open`` creates."""
+    over ``path``, the folder fsynced. A kill at any point leaves the old file or the new one; a
+    failed write (a full disk) removes the temporary file and raises. The file gets the user's
+    umask, as any file ``open`` creates."""
     tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
     folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
         os.fsync(folder)

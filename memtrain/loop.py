@@ -24,22 +24,21 @@ from torch import nn
 
 from memtrain.backends.base import Backend
 from memtrain.checkpoint import Checkpointer
-from memtrain.checkpoint.layout import read_manifest, read_summary
+from memtrain.checkpoint.layout import read_manifest
 from memtrain.checkpoint.compat import TAKES_EFFECT, changed_settings, check_resumable, data_identity
 from memtrain.collector import StepCollector
 from memtrain.config import Config, to_dict
 from memtrain.data import GlobalBatchSampler
 from memtrain.distributed import ProcessState
 from memtrain.evaluate import Evaluator
-from memtrain.errors import ExportError
-from memtrain.export import export_model
 from memtrain.faults import FaultInjector
-from memtrain.folders import export_marker, write_atomic
+from memtrain.folders import write_atomic
 from memtrain.fingerprint import hex_of
 from memtrain.flops import mfu
 from memtrain.metrics import MetricsLogger
 from memtrain.objectives import Objective
 from memtrain.optim import apply_hyperparameters
+from memtrain.outputs import RunOutputs
 from memtrain.oom import (OOMStop, OOMSync, is_oom, memory_report, oom_stop_message, peak_memory_bytes,
                           record_escaped_oom, take_escaped_ooms)
 from memtrain.levers import lever
@@ -71,7 +70,7 @@ class RunResult:
 
 
 @dataclass
-class TrainingLoop:
+class TrainingLoop(RunOutputs):
     """Everything a run is made of, built by :func:`memtrain.build.build_trainer`, and the loop.
 
     ``checkpoint_states`` is what checkpoints hold (:mod:`memtrain.checkpoint.stateful`): the engine's model
@@ -141,7 +140,7 @@ class TrainingLoop:
                 preemption.close()
             self.checkpointer.finish()
             elapsed = time.perf_counter() - run_start
-            model_dir = None if stopped_by else self._export()
+            model_dir = None if stopped_by else self._export_or_save()
             summary = run_summary(self.state, records=records, unit=self.objective.unit,
                                   session_targets=self.state.targets_seen - session_start_targets, elapsed_s=elapsed,
                                   resumed_from=resumed[0] if resumed else None, preempted=stopped_by,
@@ -227,11 +226,7 @@ class TrainingLoop:
         export or summary is missing or belongs to another step (a kill or a full disk at the end)
         gets them made from the checkpoint."""
         t, step = self.cfg.training, self.state.step
-        summary = read_summary(self.cfg.output_dir)
-        marker = export_marker(os.path.join(self.cfg.output_dir, "model"))
-        missing = [what for what, made in (("export", marker is not None and marker.get("step") == step),
-                                           ("summary.json", summary is not None and summary.get("steps") == step))
-                   if not made]
+        summary, missing = self.process.broadcast_object(self._unfinished_outputs() if self.process.is_main else None)
         if step == t.max_steps and missing:
             return self._finish_outputs(path, missing)
         if self.process.is_main:
@@ -522,30 +517,6 @@ class TrainingLoop:
         events = [{**e, "step": step} for e in self.checkpointer.events]
         self.checkpointer.events.clear()
         return events
-
-    def _export(self, checkpoint: Optional[str] = None) -> str:
-        """Write the consolidated model to ``output_dir/model`` (a collective for sharded engines);
-        its marker names the step (and ``checkpoint``, the one it was made from on a rerun).
-
-        Raises:
-            memtrain.errors.ExportError: rank 0 could not write it (on every rank; a full disk named).
-        """
-        model_dir = os.path.join(self.cfg.output_dir, "model")
-        progress("export", timed=False, context="")
-        state_dict = self.engine.full_state_dict(self.model)
-        error = None
-        if self.process.is_main:
-            try:
-                export_model(self.engine.unwrap(self.model), state_dict, model_dir, self.corpus.hf_tokenizer(),
-                             self.cfg.checkpoint.max_shard_size,
-                             {"step": self.state.step, **({"checkpoint": checkpoint} if checkpoint else {})},
-                             "output_dir")
-            except ExportError as exc:
-                error = str(exc)
-        error = self.process.broadcast_object(error, patient=True)  # rank 0 writes the files: however long that takes
-        if error is not None:
-            raise ExportError(error)
-        return model_dir
 
     def _about(self) -> dict[str, Any]:
         return {"parameters": self.n_params, "backend": self.engine.name, "world_size": self.process.world_size,

@@ -9,6 +9,7 @@ W&B, MLflow, …) under ``output_dir/trackers``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -17,7 +18,8 @@ from typing import Any, Optional, Sequence
 from tqdm.auto import tqdm
 
 from memtrain.config import ConfigError
-from memtrain.folders import write_atomic
+from memtrain.errors import OutputError
+from memtrain.folders import write_atomic, write_error
 from memtrain.records import duration_words
 
 log = logging.getLogger("memtrain")
@@ -77,6 +79,16 @@ def open_trackers(log_with: Sequence[str], logging_dir: str, run_name: str, purg
         tracker.main_process_only = False  # MetricsLogger already runs only on rank 0
         trackers.append(tracker)
     return trackers
+
+
+@contextlib.contextmanager
+def output_error(path: str, doing: str):
+    """An ``OSError`` in the block (a full disk, a read-only folder) as
+    :class:`memtrain.errors.OutputError` naming ``path`` (and a full disk's free bytes): exit 4."""
+    try:
+        yield
+    except OSError as exc:
+        raise OutputError(f"{doing} {path} failed: {write_error(exc, os.path.dirname(path) or '.')}") from None
 
 
 def read_records(path: str) -> list[tuple[str, dict[str, Any]]]:
@@ -171,8 +183,8 @@ class MetricsLogger:
             hold each step once whatever was flushed before a kill; W&B, MLflow and the others
             start a new run at each start, which holds the whole trajectory so far.
         carried: on resume, the records the checkpoint carries (:class:`memtrain.records.RecordTail`);
-            None when the checkpoint is another run folder's (``resume: PATH``): the file keeps its
-            own records up to the step, and the steps before are no gap of this run's.
+            None when the checkpoint is another run folder's (``resume: PATH``): the file starts
+            empty (its records were of another trajectory), and the steps before are no gap.
         saved_event: on resume, the resumed checkpoint's ``checkpoint_saved`` event (:func:`reconcile`).
 
     Attributes:
@@ -203,9 +215,8 @@ class MetricsLogger:
             return
         path = os.path.join(output_dir, "metrics.jsonl")
         kept: list[tuple[str, dict]] = []
-        if keep_until_step is not None:
-            kept, missing = reconcile(read_records(path), keep_until_step, carried or (), saved_event)
-            self.missing = missing if carried is not None else []
+        if keep_until_step is not None and carried is not None:
+            kept, self.missing = reconcile(read_records(path), keep_until_step, carried, saved_event)
         self.earlier = [record for _, record in kept]
         if log_with:  # before anything is written
             first = self.earlier[0]["step"] if self.earlier else initial_step + 1
@@ -214,9 +225,10 @@ class MetricsLogger:
             log.warning("memtrain: %s holds no record of step(s) %s, nor does the checkpoint of step %d (the file was "
                         "removed or cut outside memtrain): the run goes on without them", path,
                         step_ranges(self.missing), keep_until_step)
-        os.makedirs(output_dir, exist_ok=True)
-        write_atomic(path, "".join(line for line, _ in kept))
-        self._file = open(path, "a", encoding="utf-8")
+        with output_error(path, "rewriting"):
+            os.makedirs(output_dir, exist_ok=True)
+            write_atomic(path, "".join(line for line, _ in kept))
+            self._file = open(path, "a", encoding="utf-8")
         self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step", dynamic_ncols=True)
         for tracker in self._trackers:
             tracker.start()
@@ -227,8 +239,9 @@ class MetricsLogger:
         """Make every record written so far durable (flush and fsync ``metrics.jsonl``): called
         right before a checkpoint is committed."""
         if self._file is not None:
-            self._file.flush()
-            os.fsync(self._file.fileno())
+            with output_error(self._file.name, "making durable before the commit"):
+                self._file.flush()
+                os.fsync(self._file.fileno())
 
     def _log_trackers(self, record: dict[str, Any]) -> None:
         scalars = tracker_scalars(record)
@@ -278,7 +291,9 @@ class MetricsLogger:
         if not self.enabled:
             return
         self.close()
-        write_atomic(os.path.join(self.output_dir, "summary.json"), json.dumps(summary, indent=2))
+        path = os.path.join(self.output_dir, "summary.json")
+        with output_error(path, "writing"):
+            write_atomic(path, json.dumps(summary, indent=2))
         if summary.get("preempted"):
             line = f"memtrain: stopped by {summary['preempted']} after step {summary['steps']}; checkpoint saved"
         else:

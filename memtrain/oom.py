@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 from torch import nn
 
+from memtrain.folders import write_atomic
 from memtrain.host_flags import host_flags
 
 if TYPE_CHECKING:
@@ -370,8 +371,7 @@ def record_escaped_oom(output_dir: str, rank: int, step: int, plan: str) -> None
     step) at ``step`` with ``plan``, before the process exits, so that a restarted run
     (``torchrun --max-restarts``) starts at a smaller plan (:func:`take_escaped_ooms`)."""
     os.makedirs(output_dir, exist_ok=True)
-    with open(escaped_oom_path(output_dir, rank), "w") as fh:
-        json.dump({"rank": rank, "step": step, "plan": plan}, fh)
+    write_atomic(escaped_oom_path(output_dir, rank), json.dumps({"rank": rank, "step": step, "plan": plan}))
 
 
 def take_escaped_ooms(output_dir: str) -> list[dict]:

@@ -142,12 +142,12 @@ def print_run(argv: list[str]) -> int:
 
 def error_report(exc: Exception, cfg: Optional[Config]) -> tuple[int, str]:
     """The exit code and one-line message of an error that ended a run (see :func:`cli`)."""
-    from memtrain.errors import CheckpointError, ExportError
+    from memtrain.errors import CheckpointError, OutputError
     from memtrain.oom import OOMStop, escaped_oom_path, is_oom
     from memtrain.precision import NonFiniteStop
     from memtrain.watchdog import COLLECTIVE_FAILED, collective_failure_message, is_collective_failure, operation
 
-    for kind, code, prefix in ((ConfigError, 2, ""), (OOMStop, 3, ""), (ExportError, 4, "export: "),
+    for kind, code, prefix in ((ConfigError, 2, ""), (OOMStop, 3, ""), (OutputError, 4, ""),
                                (CheckpointError, 4, "checkpoint: "), (NonFiniteStop, 5, "")):
         if isinstance(exc, kind):
             return code, f"{prefix}{exc}"

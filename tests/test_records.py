@@ -73,17 +73,19 @@ def test_each_step_is_recorded_once_across_kills_at_every_boundary(tmp_path, ref
         assert [v for _, v in shown] == [pytest.approx(b[tag], rel=1e-6) for b in base], tag
 
 
-def test_a_finished_run_whose_export_failed_makes_it_and_its_summary_on_rerun(tmp_path, reference, cache_dir):
+@pytest.mark.parametrize("every", ["1", "0"])
+def test_a_finished_run_whose_export_failed_makes_it_and_its_summary_on_rerun(tmp_path, reference, cache_dir, every):
     """The disk fills during the final export (ENOSPC from outside): exit 4 naming the folder and
-    its free bytes, no model/ and no summary.json; the rerun makes both from the last checkpoint
-    (the export's marker names step 8; the summary's totals are the uninterrupted run's); a second
-    rerun changes nothing."""
+    its free bytes, no model/ and no summary.json (a run that saves no checkpoints saves its last
+    step instead, and says so); the rerun makes both from the last checkpoint (the export's marker
+    names step 8; the summary's totals are the uninterrupted run's); a second rerun changes nothing."""
     base_dir = reference("ddp", extra=ARGS)
-    args = tiny_args(tmp_path, cache_dir, *ENGINES["ddp"], *ARGS)
+    args = tiny_args(tmp_path, cache_dir, *ENGINES["ddp"], *ARGS, "--checkpoint.every_steps", every)
     failed = launch(args, script=FROM_OUTSIDE, env={"MEMTRAIN_DISK_FULL_IN": "export"}, check=False)
     assert child_exit_codes(failed) >= {4}, failed.stderr[-3000:]
     rank0 = failed.stderr
-    assert "export: exporting the model to" in rank0 and "bytes free" in rank0 and "output_dir" in rank0
+    assert "exporting the model to" in rank0 and "bytes free" in rank0 and "output_dir" in rank0
+    assert ("was saved as a checkpoint instead" in rank0) == (every == "0")
     assert not (tmp_path / "model").exists() and not (tmp_path / "summary.json").exists()
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
     rerun = launch(args)

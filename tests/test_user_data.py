@@ -401,3 +401,26 @@ def test_resume_never_with_bad_data_leaves_the_previous_run_in_place(finished_ru
                                       "--data.files", f"[{tmp_path}/*.py]"))
     assert code == 2 and "'data.encoding'" in message and "b.py" in message, message
     assert snapshot(run) == before
+
+
+def test_a_full_disk_in_the_export_is_named_whatever_the_library_raises(tmp_path, monkeypatch):
+    """safetensors reports a full disk as its own SafetensorError, not an OSError: still an
+    OutputError (exit 4) naming the folder and its free bytes; nothing is left beside it. Another
+    error stays what it is."""
+    import torch
+    from safetensors import SafetensorError
+
+    import memtrain.export as export
+    from memtrain.errors import OutputError
+
+    def full(*args):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No "
+                              "space left on device\" })")
+    monkeypatch.setattr(export, "_write_export", full)
+    with pytest.raises(OutputError, match="the disk is full .* bytes free"):
+        export.export_model(torch.nn.Linear(2, 2), {}, str(tmp_path / "out"))
+    assert os.listdir(tmp_path) == []
+    monkeypatch.setattr(export, "_write_export", lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        export.export_model(torch.nn.Linear(2, 2), {}, str(tmp_path / "out"))
+    assert os.listdir(tmp_path) == []

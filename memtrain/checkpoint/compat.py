@@ -155,7 +155,10 @@ def check_resumable(path: str, manifest: dict, config: dict, identity: Optional[
     if known and saved_identity != identity:
         examples = str(identity).startswith("examples-") or str(saved_identity).startswith("examples-")
         what = ("train_dataset", "the examples' number or content changed, or data from the config took their place"
-                ) if examples else ("data.files", "a file's contents or the tokenizer changed")
+                ) if examples else ("data.files", "a file's contents or the tokenizer changed" if "data_split" in manifest
+                                    else "a file's contents or the tokenizer changed, or the checkpoint was saved by an "
+                                    "older memtrain, which held out other files for validation (by a hash of their "
+                                    "names alone; today's split is by bytes): resume it with that version")
         raise ConfigError(what[0], f"the data differs from what checkpoint {path} was trained on (corpus "
                           f"{identity}, saved {saved_identity}: {what[1]}); resuming would "
                           "continue at a position in other data. Restore the data, or start a new run")

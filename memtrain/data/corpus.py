@@ -137,6 +137,12 @@ def select_files(files: Optional[list[str]], max_bytes: int = 0, validation_frac
     return chosen
 
 
+SPLIT_RULE = "bytes"
+"""How :func:`split_files` holds files out (recorded in every manifest as ``data_split``): by bytes,
+in hash order. Checkpoints without it were saved when a file was held out when its hash alone
+fell below the fraction, so their text corpora may differ from today's on the same files."""
+
+
 def split_files(files: list[SourceFile], validation_fraction: float) -> tuple[list[SourceFile], list[SourceFile]]:
     """Deterministic train/validation split by file, sized by bytes.
 
@@ -160,7 +166,7 @@ def split_files(files: list[SourceFile], validation_fraction: float) -> tuple[li
     total = sum(f.size for f in files)
     val, held = [], 0
     for f in files:
-        if held + f.size <= validation_fraction * total:
+        if 0 < f.size and held + f.size <= validation_fraction * total:  # an empty file holds no text to hold out
             val.append(f)
             held += f.size
     if not val and validation_fraction > 0 and len(files) >= 2 and not parts:

@@ -118,7 +118,9 @@ def building(directory: str) -> Iterator[str]:
         from memtrain.folders import is_disk_full, write_error
 
         shutil.rmtree(tmp, ignore_errors=True)
-        if not (is_disk_full(exc) or isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EACCES)):
+        in_cache = os.path.realpath(str(getattr(exc, "filename", "") or "")).startswith(os.path.realpath(parent))
+        if not (is_disk_full(exc) or (isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EACCES)
+                                      and in_cache)):  # a data file the user cannot read is not the cache's
             raise
         from memtrain.config import ConfigError  # a full disk, a quota: the folder, its free bytes, the setting
 

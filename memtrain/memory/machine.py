@@ -187,13 +187,15 @@ def offload_host_room_bytes(cfg, device: torch.device) -> Optional[int]:
     return max(0, room // ranks)
 
 
-def host_share_bytes(host_memory_gib: float) -> int:
+def host_share_bytes(host_memory_gib: float, state_bytes: int = 0) -> int:
     """What one rank of a CPU run may use of ``memory.host_memory_gib`` (the machine's ranks share
-    it, ``LOCAL_WORLD_SIZE``), less what its process holds already (the libraries, the data)."""
+    it, ``LOCAL_WORLD_SIZE``) for model state and activations: the share less what its process
+    holds besides ``state_bytes`` of model state it may hold already (the libraries, the data),
+    bytes."""
     import os
 
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(0, int(host_memory_gib * 2**30) // ranks - process_bytes("cpu"))
+    return max(0, int(host_memory_gib * 2**30) // ranks - max(0, process_bytes("cpu") - state_bytes))
 
 
 def host_budget_bytes(host_memory_gib: float, ranks_per_host: int = 1) -> int:

@@ -540,7 +540,7 @@ def build_planner(cfg, corpus, objective, precision: str, device: torch.device, 
     acts = activation_table(cfg, corpus, objective, precision, device_type, source, engine)
     budget = device_budget_bytes(cfg, device)
     if budget is None and device.type == "cpu" and cfg.memory.host_memory_gib > 0:  # the host is the device
-        budget = host_share_bytes(cfg.memory.host_memory_gib)
+        budget = host_share_bytes(cfg.memory.host_memory_gib, device_state_bytes(state))
     extra = {} if simulated else {"accumulation_bytes": state.get("accumulation_gradient_bytes", 0),
                                   "step_bytes": state.get("step_gradient_bytes", 0)}
     planner = Planner(make_candidates(per_rank_batch, choices, device_state_bytes(state), acts, device_type, budget,
