@@ -182,7 +182,7 @@ def message_of(proc: subprocess.CompletedProcess) -> str:
     """The line memtrain said most about the case (its error, else its last warning)."""
     lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip().startswith("memtrain")]
     errors = [ln for ln in lines if ln.startswith(("memtrain: config error", "memtrain export:", "memtrain: checkpoint",
-                                                   "memtrain: export:", "memtrain.errors."))]
+                                                   "memtrain: exporting", "memtrain.errors."))]
     said = [ln for ln in lines if any(w in ln for w in ("changed settings", "already", "past", "finished training",
                                                          "predicted to fit"))]
     started = [ln for ln in lines if "held out for validation" in ln]  # the start line: how the data was split
