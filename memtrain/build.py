@@ -141,13 +141,26 @@ class UserInputs:
     objective: Any = None
     tokenizer: Any = None
 
-    def corpus(self):
-        """The :class:`memtrain.data.examples.ExampleCorpus` of the given datasets."""
+    def corpus(self, say: bool = True):
+        """The :class:`memtrain.data.examples.ExampleCorpus` of the given datasets (``say``: this
+        rank says what it changed, rank 0). With the
+        default causal-LM objective, labels equal to the input ids (transformers' convention: the
+        model shifts them) are shifted as transformers' models do, with a warning: memtrain's
+        objective reads ``labels[t]`` as the token after ``input_ids[t]``."""
         from memtrain.data.examples import ExampleCorpus, ExampleDataset
 
-        return ExampleCorpus(ExampleDataset(self.train_dataset, self.collate_fn),
-                             ExampleDataset(self.eval_dataset if self.eval_dataset is not None else [], self.collate_fn),
-                             self.tokenizer)
+        train = ExampleDataset(self.train_dataset, self.collate_fn)
+        validation = ExampleDataset(self.eval_dataset if self.eval_dataset is not None else [], self.collate_fn)
+        if self.objective is None:
+            for name, split in (("train_dataset", train), ("eval_dataset", validation)):
+                if split.unshifted_labels():
+                    split.shift_labels = True
+                    if say:
+                        log.warning("memtrain: %s: its labels equal its input_ids (transformers' convention, where the "
+                                    "model shifts them); memtrain's causal-LM objective reads labels[t] as the token "
+                                    "after input_ids[t], so it shifts them as transformers does (give labels shifted "
+                                    "already, or an objective, to train otherwise)", name)
+        return ExampleCorpus(train, validation, self.tokenizer)
 
 
 def make_corpus(cfg: Config, process: ProcessState, inputs: UserInputs):
@@ -167,7 +180,7 @@ def make_corpus(cfg: Config, process: ProcessState, inputs: UserInputs):
                               "changed. Train it again with --resume never (its outputs are moved into a "
                               "previous_run_ folder inside it), or choose another --output_dir")
     with process.main_process_first():
-        corpus = (inputs.corpus() if inputs.train_dataset is not None
+        corpus = (inputs.corpus(process.is_main) if inputs.train_dataset is not None
                   else build_corpus(cfg.data, pretrained_tokenizer(cfg, process.is_main)))
         if cfg.resume == "never" and process.is_main:
             moved = move_previous_run(cfg.output_dir)

@@ -127,6 +127,34 @@ def test_bad_python_inputs_are_refused_by_name(tmp_path):
     assert not out.exists()
 
 
+def test_hf_style_labels_are_shifted_as_transformers_does(caplog):
+    """A dataset of {"input_ids": c, "labels": c} (transformers' convention: the model shifts):
+    memtrain's causal-LM loss on its batches equals transformers' own loss for those labels
+    (GPT2LMHeadModel(labels=...) shifts inside), with a warning; labels shifted already are left
+    as they are; with the caller's own objective nothing is changed."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from memtrain.build import UserInputs
+    from memtrain.objectives import CausalLM
+
+    torch.manual_seed(0)
+    rows = [torch.randint(0, 50, (12,)) for _ in range(16)]
+    hf = UserInputs(train_dataset=[{"input_ids": c, "labels": c} for c in rows]).corpus()
+    assert "labels equal its input_ids" in caplog.text
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16)).eval()
+    batch = hf.train.batch(range(16))
+    ours = CausalLM().loss_sum(model, batch) / CausalLM().count(batch)
+    ids = torch.stack(rows)
+    theirs = model(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(ours.float(), theirs, rtol=1e-5, atol=1e-6)
+    caplog.clear()
+    shifted = [{"input_ids": c, "labels": torch.cat([c[1:], torch.tensor([-100])])} for c in rows]
+    kept = UserInputs(train_dataset=shifted).corpus()
+    assert torch.equal(kept.train.batch(range(16))["labels"], batch["labels"]) and "labels equal" not in caplog.text
+    own = UserInputs(train_dataset=[{"input_ids": c, "labels": c} for c in rows], objective=object()).corpus()
+    assert torch.equal(own.train.batch(range(16))["labels"], ids)
+
+
 def test_meta_copy_and_user_objective_contract():
     """A module built beforehand is planned from a meta copy (same shapes, ties kept, nothing
     allocated, the original untouched); a plain loss function's count is the examples."""

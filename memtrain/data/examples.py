@@ -17,6 +17,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from memtrain.data import IGNORE_INDEX
+
 IDENTITY_SAMPLES = 1024
 """Examples of each split the dataset identity hashes (evenly spaced, first and last included)."""
 
@@ -36,6 +38,19 @@ class ExampleDataset:
             examples = examples.with_format("torch")
         self.examples = examples
         self.collate_fn = collate_fn or torch.utils.data.default_collate
+        self.shift_labels = False
+
+    def unshifted_labels(self, n: int = 8) -> bool:
+        """Whether the first ``n`` examples' ``labels`` equal their ``input_ids`` wherever a label
+        is not -100: transformers' convention, where the model shifts the labels itself."""
+        if len(self) == 0:
+            return False
+        batch = self.batch(range(min(n, len(self))))
+        ids, labels = batch.get("input_ids"), batch.get("labels")
+        if ids is None or labels is None or ids.shape != labels.shape:
+            return False
+        kept = labels != IGNORE_INDEX
+        return bool(kept.any()) and torch.equal(labels[kept], ids[kept])
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -52,6 +67,9 @@ class ExampleDataset:
 
             got = {k: type(v).__name__ for k, v in out.items()} if isinstance(out, dict) else type(out).__name__
             raise ConfigError("collate_fn", f"a batch must be a dict of tensors [batch, ...]; got {got}")
+        if self.shift_labels:  # labels[t] becomes the token after input_ids[t], as memtrain's causal LM reads it
+            labels = out["labels"]
+            out = {**out, "labels": torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], 1)}
         return out
 
 
