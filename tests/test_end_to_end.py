@@ -34,6 +34,21 @@ def test_tiny_recipe_metrics_and_export(tmp_path, cache_dir):
     assert loaded.config.eos_token_id == loaded.config.bos_token_id == tok.eos_token_id
 
 
+def test_the_tiny_recipes_export_generates_past_its_training_length(tmp_path, cache_dir):
+    """The tiny recipe's model (its own size keys) exported after one step: generate(max_new_tokens=200)
+    from a prompt as long as a training sample runs (the recipe leaves positions to generate into)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    main(tiny_args(tmp_path, cache_dir, "--training.max_steps", "1", model=False))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
+    tok = AutoTokenizer.from_pretrained(tmp_path / "model")
+    prompt = tok("def add(a, b):\n    return a + b\n" * 8, return_tensors="pt")["input_ids"][:, :32]
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=200, min_new_tokens=200, do_sample=False,
+                             pad_token_id=tok.eos_token_id)
+    assert out.shape == (1, 232)
+
+
 def test_special_token_ids_come_from_the_tokenizer():
     """Not the model type's defaults (GPT-2's 50256), even where the vocabulary would hold them."""
     from memtrain.config import ModelConfig
