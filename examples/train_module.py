@@ -5,10 +5,11 @@ built here: sequences of digits of varying length, each to be read back reversed
 function pads them; the objective is this script's own (cross-entropy per labelled position).
 
     python examples/train_module.py --output_dir runs/reverse
-    torchrun --nproc_per_node 2 examples/train_module.py --output_dir runs/reverse --backend.name ddp
+    torchrun --nproc_per_node 2 examples/train_module.py --output_dir runs/reverse_ddp2 --backend.name ddp
 
 Every memtrain setting can be given as on the command line (``--training.max_steps 200``,
-``--backend.name deepspeed --backend.zero_stage 3``); rerunning the same command resumes.
+``--backend.name deepspeed --backend.zero_stage 3``); rerunning the same command resumes (and a
+finished run's folder trains nothing more: give each run its own ``--output_dir``).
 """
 
 import os
@@ -97,6 +98,9 @@ if __name__ == "__main__":
                                eval_dataset=make_examples(64, seed=1), collate_fn=collate,
                                objective=TokenCrossEntropy(), args=sys.argv[1:])
     result = trainer.fit()
-    first, last = result.summary["initial_val_loss"], result.summary["final_val_loss"]
-    if int(os.environ.get("RANK", "0")) == 0 and first is not None and last is not None:
-        print(f"validation loss {first:.3f} -> {last:.3f} per position; model in {trainer.config.output_dir}/model")
+    first, last = result.summary.get("initial_val_loss"), result.summary.get("final_val_loss")
+    if int(os.environ.get("RANK", "0")) == 0:
+        if not result.records:  # memtrain said why: the folder's run had finished
+            print(f"nothing trained: {trainer.config.output_dir} holds a finished run (give another --output_dir)")
+        elif first is not None and last is not None:
+            print(f"validation loss {first:.3f} -> {last:.3f} per position; model in {trainer.config.output_dir}/model")
