@@ -181,9 +181,7 @@ class TrainingLoop(RunOutputs):
             metrics.log_step(record, show=step % t.log_every == 0 or "val_loss" in record)
             self.faults.after_step()
             collector.after_step(step)
-            if stopped_by:
-                metrics.message(f"memtrain: {stopped_by}: saved step {step} and stopping; rerun the same command "
-                                "to resume")
+            if stopped_by:  # said once, by the summary's line
                 break
         return records, stopped_by
 

@@ -13,9 +13,12 @@ import contextlib
 import json
 import logging
 import os
+import sys
+import time
 from typing import Any, Optional, Sequence
 
 from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from memtrain.config import ConfigError
 from memtrain.errors import OutputError
@@ -144,6 +147,21 @@ def reconcile(found: list[tuple[str, dict]], step: int, carried: Sequence[dict],
     return [by_step[s] for s in sorted(by_step)], missing
 
 
+LINE_EVERY_S = 10.0
+"""Away from a terminal (a log file, a job's output), a step line at most this often (seconds)."""
+
+
+def progress_fields(record: dict[str, Any], unit: str) -> dict[str, str]:
+    """What the progress shows of a step record: loss, lr, micro-batch × accumulation, ``unit``
+    per second and the validation loss when there is one."""
+    fields = {"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.2e}",
+              "mb×acc": f"{record['micro_batch_size']}×{record['gradient_accumulation_steps']}",
+              {"tokens": "tok/s", "characters": "char/s"}.get(unit, f"{unit}/s"): f"{record[unit + '_per_s']:.0f}"}
+    if "val_loss" in record:
+        fields["val"] = f"{record['val_loss']:.4f}"
+    return fields
+
+
 def step_ranges(steps: Sequence[int]) -> str:
     """``[1, 2, 3, 7]`` as ``1-3, 7``."""
     parts: list[str] = []
@@ -186,6 +204,8 @@ class MetricsLogger:
             None when the checkpoint is another run folder's (``resume: PATH``): the file starts
             empty (its records were of another trajectory), and the steps before are no gap.
         saved_event: on resume, the resumed checkpoint's ``checkpoint_saved`` event (:func:`reconcile`).
+        terminal: show a progress bar (memtrain's warnings printed above it); else a step line now
+            and then (:meth:`log_step`). None = whether standard error is a terminal.
 
     Attributes:
         earlier: the kept records of the segments before this one (rank 0).
@@ -198,7 +218,8 @@ class MetricsLogger:
 
     def __init__(self, output_dir: str, enabled: bool, total_steps: int, initial_step: int = 0,
                  keep_until_step: Optional[int] = None, unit: str = "tokens", log_with: Sequence[str] = (),
-                 carried: Optional[Sequence[dict]] = (), saved_event: Optional[dict] = None):
+                 carried: Optional[Sequence[dict]] = (), saved_event: Optional[dict] = None,
+                 terminal: Optional[bool] = None):
         self.enabled = enabled
         self.unit = unit
         self.output_dir = output_dir
@@ -206,6 +227,7 @@ class MetricsLogger:
         self.earlier: list[dict[str, Any]] = []
         self.missing: list[int] = []
         self._bar: Optional[tqdm] = None
+        self._redirect = None
         self._trackers: list = []
         run_name = os.path.basename(os.path.normpath(os.path.abspath(output_dir)))
         logging_dir = os.path.join(output_dir, "trackers")
@@ -229,7 +251,13 @@ class MetricsLogger:
             os.makedirs(output_dir, exist_ok=True)
             write_atomic(path, "".join(line for line, _ in kept))
             self._file = open(path, "a", encoding="utf-8")
-        self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step", dynamic_ncols=True)
+        self._terminal = sys.stderr.isatty() if terminal is None else terminal
+        self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step", dynamic_ncols=True,
+                         disable=not self._terminal)
+        self._line_at = time.monotonic()
+        if self._terminal and not (logging.getLogger().handlers or log.handlers):  # warnings above the bar, not in it
+            self._redirect = logging_redirect_tqdm([log])
+            self._redirect.__enter__()
         for tracker in self._trackers:
             tracker.start()
         for record in self.earlier:  # again: whatever an earlier start's trackers held or lost
@@ -249,24 +277,25 @@ class MetricsLogger:
             tracker.log(scalars, step=record["step"])
 
     def log_step(self, record: dict[str, Any], show: bool = True) -> None:
-        """Append one step's record and update the progress bar."""
+        """Append one step's record, and show it: on a terminal the progress bar, redrawn with
+        this step's fields (``show``: the fields change, else only the count); elsewhere (a log
+        file) one line, at most every :data:`LINE_EVERY_S` seconds, and at evaluations and the
+        last step."""
         if not self.enabled:
             return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         self._log_trackers(record)
-        self._bar.update(1)
-        if show:
-            postfix = {
-                "loss": f"{record['loss']:.4f}",
-                "lr": f"{record['lr']:.2e}",
-                "mb×acc": f"{record['micro_batch_size']}×{record['gradient_accumulation_steps']}",
-                {"tokens": "tok/s", "characters": "char/s"}.get(self.unit, f"{self.unit}/s"):
-                    f"{record[self.unit + '_per_s']:.0f}",
-            }
-            if "val_loss" in record:
-                postfix["val"] = f"{record['val_loss']:.4f}"
-            self._bar.set_postfix(postfix, refresh=False)
+        if self._terminal:
+            if show:
+                self._bar.set_postfix(progress_fields(record, self.unit), refresh=False)
+            self._bar.update(1)  # drawn with the fields just set
+            return
+        now = time.monotonic()
+        if show and ("val_loss" in record or record["step"] == self._bar.total or now - self._line_at >= LINE_EVERY_S):
+            fields = " ".join(f"{k} {v}" for k, v in progress_fields(record, self.unit).items())
+            print(f"memtrain: step {record['step']}/{self._bar.total}: {fields}", file=sys.stderr, flush=True)
+            self._line_at = now
 
     def message(self, text: str) -> None:
         """Print a line without breaking the progress bar."""
@@ -279,6 +308,9 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -295,7 +327,8 @@ class MetricsLogger:
         with output_error(path, "writing"):
             write_atomic(path, json.dumps(summary, indent=2))
         if summary.get("preempted"):
-            line = f"memtrain: stopped by {summary['preempted']} after step {summary['steps']}; checkpoint saved"
+            line = (f"memtrain: stopped by {summary['preempted']} after step {summary['steps']}, saved; rerun the same "
+                    "command to resume")
         else:
             validation = ("val_loss {initial_val_loss:.4f} → {final_val_loss:.4f}, "
                           if summary.get("initial_val_loss") is not None and summary.get("final_val_loss") is not None

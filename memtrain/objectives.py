@@ -13,6 +13,7 @@ depend on how the global batch was split:
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Protocol
 
 import torch
@@ -60,18 +61,22 @@ class CausalLM:
     Args:
         chunked: the model's output layer computes the loss in chunks of tokens
             (:mod:`memtrain.chunked_loss`, ``memory.chunked_cross_entropy``).
+        no_cache: call the model with ``use_cache=False`` (a transformers model whose config keeps
+            a KV cache: training needs none, and under activation checkpointing transformers
+            would warn that it drops it).
     """
 
     unit = "tokens"
     eval_metrics: tuple[str, ...] = ()
 
-    def __init__(self, chunked: bool = False):
+    def __init__(self, chunked: bool = False, no_cache: bool = False):
         self.chunked = chunked
+        self.forward_kwargs = {"use_cache": False} if no_cache else {}
 
     def loss_sum(self, model, micro_batch):
         labels = micro_batch["labels"]
         with labels_for_head(labels) if self.chunked else contextlib.nullcontext() as call:
-            out = logits_of(model(input_ids=micro_batch["input_ids"]))
+            out = logits_of(model(input_ids=micro_batch["input_ids"], **self.forward_kwargs))
         if call is not None and call.used:  # the chunked output layer returned the summed loss
             return out
         return cross_entropy_sum(out.flatten(0, 1), labels.flatten())
@@ -182,7 +187,8 @@ def make_objective(model: nn.Module, corpus) -> Objective:
     (:mod:`memtrain.levers.chunked_cross_entropy`)."""
     if getattr(corpus, "kind", "text") == "speech":
         return CTC(model, blank=int(getattr(getattr(model, "config", None), "pad_token_id", 0) or 0))
-    return CausalLM()
+    caches = getattr(getattr(model, "config", None), "use_cache", False) is True
+    return CausalLM(no_cache=caches and "use_cache" in inspect.signature(model.forward).parameters)
 
 
 class UserObjective:

@@ -155,6 +155,26 @@ def test_hf_style_labels_are_shifted_as_transformers_does(caplog):
     assert torch.equal(own.train.batch(range(16))["labels"], ids)
 
 
+def test_a_transformers_model_trains_without_its_kv_cache():
+    """The causal-LM objective calls a transformers model whose config keeps a KV cache with
+    use_cache=False (no cache is built in training, none dropped under activation checkpointing);
+    a plain module's forward gets no such argument."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from memtrain.objectives import make_objective
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16))
+    objective = make_objective(model, corpus=None)
+    seen = []
+    model.register_forward_hook(lambda m, args, kwargs, out: seen.append((kwargs.get("use_cache"), out.past_key_values)),
+                                with_kwargs=True)
+    ids = torch.randint(0, 50, (2, 8))
+    objective.loss_sum(model, {"input_ids": ids, "labels": ids})
+    assert seen == [(False, None)]
+    plain = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50))
+    assert make_objective(plain, corpus=None).forward_kwargs == {}
+
+
 def test_meta_copy_and_user_objective_contract():
     """A module built beforehand is planned from a meta copy (same shapes, ties kept, nothing
     allocated, the original untouched); a plain loss function's count is the examples."""

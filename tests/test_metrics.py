@@ -160,12 +160,12 @@ def test_finish_preempted_line(tmp_path, capsys):
     logger.finish(data)
     assert json.loads((tmp_path / "summary.json").read_text()) == data
     out = capsys.readouterr().out
-    assert "stopped by SIGTERM after step 4" in out and "done" not in out
+    assert "stopped by SIGTERM after step 4, saved; rerun the same command to resume" in out and "done" not in out
 
 
 def test_progress_bar_shows_record_fields(tmp_path):
     """log_step puts loss, lr, plan, tok/s and val on the progress bar."""
-    logger = MetricsLogger(str(tmp_path), True, total_steps=2)
+    logger = MetricsLogger(str(tmp_path), True, total_steps=2, terminal=True)
     rec = record(1, val_loss=0.75)
     logger.log_step(rec)
     postfix = logger._bar.postfix
@@ -173,6 +173,21 @@ def test_progress_bar_shows_record_fields(tmp_path):
                  f"tok/s={rec['tokens_per_s']:.0f}", "val=0.7500"):
         assert text in postfix
     assert logger._bar.n == 1
+    logger.finish(summary())
+
+
+def test_away_from_a_terminal_a_step_line_now_and_then(tmp_path, capsys):
+    """Standard error not a terminal (a log file): no progress bar redrawn into it, but one line
+    per evaluation, per LINE_EVERY_S seconds and at the last step, each with that step's fields."""
+    logger = MetricsLogger(str(tmp_path), True, total_steps=4, terminal=False)
+    capsys.readouterr()
+    for step in (1, 2):
+        logger.log_step(record(step))
+    logger.log_step(record(3, val_loss=0.5))
+    logger.log_step(record(4))
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(":")[1] for line in lines] == [" step 3/4", " step 4/4"]
+    assert "val 0.5000" in lines[0] and f"loss {record(4)['loss']:.4f}" in lines[1] and "\r" not in "".join(lines)
     logger.finish(summary())
 
 
@@ -189,7 +204,7 @@ def test_record_without_progress_fields_fails_only_when_shown(tmp_path):
 
 def test_characters_unit(tmp_path, capsys):
     """unit characters reads characters_per_s in records and summary and labels them char/s and characters/s."""
-    logger = MetricsLogger(str(tmp_path), True, total_steps=1, unit="characters")
+    logger = MetricsLogger(str(tmp_path), True, total_steps=1, unit="characters", terminal=True)
     rec = record(1, unit="characters")
     assert "tokens_per_s" not in rec
     logger.log_step(rec)
