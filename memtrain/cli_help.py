@@ -1,6 +1,7 @@
 """``memtrain train --help``: one line per option, taken from the config's own field docstrings
-(the text under each field in :mod:`memtrain.config`), with jsonargparse's type and default
-after it; the test-only ``faults.*`` options are left out unless ``--help_all`` is given."""
+(the text under each field in :mod:`memtrain.config`: its first sentence, whole), with
+jsonargparse's type and default after it; the test-only ``faults.*`` options are left out unless
+``--help_all`` is given, except ``faults.memory_budget_mib``, which the docs recommend."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import re
 import typing
 
 HIDDEN_SECTIONS = ("faults",)
-"""Config sections shown only by ``--help_all`` (fault injection for tests and benchmarks)."""
-WIDTH = 110
-"""Characters of a field's docstring shown in the help (its first sentence, cut here)."""
+"""Config sections shown only by ``--help_all`` (fault injection for tests and benchmarks)..."""
+SHOWN_ANYWAY = ("faults.memory_budget_mib",)
+"""... but for these keys, which the docs recommend to users (a simulated device to try a plan on)."""
 
 
 def field_docs(cls, prefix: str = "") -> dict[str, str]:
@@ -34,12 +35,10 @@ def field_docs(cls, prefix: str = "") -> dict[str, str]:
 
 
 def one_line(doc: str) -> str:
-    """The first sentence of ``doc`` on one line (reST markup dropped), at most :data:`WIDTH` characters."""
+    """The first sentence of ``doc``, whole, on one line (reST markup dropped; the help
+    formatter wraps it)."""
     text = re.sub(r"\s+", " ", doc.replace("``", "")).strip()
-    first = re.split(r"(?<=\.)\s", text, maxsplit=1)[0]
-    if len(first) <= WIDTH:
-        return first
-    return first[:WIDTH].rsplit(" ", 1)[0].rstrip(",;:(") + " …"  # at a word's end
+    return re.split(r"(?<=\.)\s", text, maxsplit=1)[0]
 
 
 def describe(parser, config_cls, show_all: bool) -> None:
@@ -59,7 +58,7 @@ def describe(parser, config_cls, show_all: bool) -> None:
             action.help = "print what this command line would run (engine, plan, levers, config) as YAML and exit"
         if dest in sections:  # jsonargparse's per-section "Path to a configuration file."
             action.help = f"a YAML file holding the {dest} section's keys"
-        if not show_all and dest.split(".")[0] in HIDDEN_SECTIONS:
+        if not show_all and dest.split(".")[0] in HIDDEN_SECTIONS and dest not in SHOWN_ANYWAY:
             action.help = argparse.SUPPRESS
         elif dest in docs:
-            action.help = one_line(docs[dest]).replace("%", "%%")
+            action.help = one_line(docs[dest])  # jsonargparse's formatter expands no % here

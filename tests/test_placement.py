@@ -491,6 +491,22 @@ def test_plan_times_the_host_optimizer_at_the_target_rate(cache_dir):
             a["name"]
 
 
+def test_plan_times_steps_at_the_target_gpus_rate(cache_dir):
+    """``--gpu_tflops`` (the target GPU's rate) sets the FLOP/s every step time is computed at:
+    the report's machine names it, and halving it doubles each candidate's compute seconds
+    (the 1 ms per micro-batch aside)."""
+    from conftest import TINY_ARGS
+    from memtrain.config import parse_args
+    from memtrain.memory.estimate import plan_report
+
+    cfg = parse_args(TINY_ARGS + ["--data.cache_dir", cache_dir])
+    fast, slow = (plan_report(cfg, 1, gpu_memory_gib=12, gpu_tflops=t) for t in (400, 200))
+    assert fast["machine"]["device_flops"] == 400e12 and slow["machine"]["device_flops"] == 200e12
+    for a, b in zip(fast["candidates"], slow["candidates"]):
+        launches = 1e-3 * a["gradient_accumulation_steps"]
+        assert b["predicted_step_s"] - launches == pytest.approx(2 * (a["predicted_step_s"] - launches), rel=1e-6)
+
+
 def test_cpu_info_is_asked_once_per_process(monkeypatch):
     """py-cpuinfo starts a Python subprocess per call and DeepSpeed asks it in every CPU Adam
     constructor: after memtrain prepares the libraries, the first answer is kept (each caller

@@ -73,7 +73,8 @@ NOTE = ("activations: the peak of a micro-step's forward and backward traced wit
 
 def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
                 host_memory_gib: Optional[float] = None, nvme_path: Optional[str] = None,
-                cpu_adam_params_per_s: Optional[float] = None, nodes: int = 1) -> dict:
+                cpu_adam_params_per_s: Optional[float] = None, nodes: int = 1,
+                gpu_tflops: Optional[float] = None) -> dict:
     """The planner's view of a config before it runs, without allocating the model: the
     candidate plans of ``training.global_batch_size / world_size`` samples per rank with their
     predicted peak bytes and step seconds, and the model state of every engine variant.
@@ -91,6 +92,9 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
             described (``gpu_memory_gib`` or ``host_memory_gib`` given), else measured here (the
             report's ``cpu_adam_source`` says which).
         nodes: machines the ranks are spread over (``world_size / nodes`` ranks share a host).
+        gpu_tflops: the target GPU's achieved dense bf16/fp16 rate, TFLOP/s, for step seconds;
+            None = :data:`memtrain.memory.machine.DEFAULT_GPU_FLOPS` when no GPU is here, else
+            measured on this machine's device. The report's ``machine`` names the rate used.
 
     Returns:
         A JSON-serialisable dict: ``parameters``, ``precision``, ``world_size``, ``engine``,
@@ -117,7 +121,8 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     budget = (int(gpu_memory_gib * 2**30) if gpu_memory_gib else
               device_budget_bytes(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu")))
     tables = activation_tables(cfg, corpus, objective, precision, device_type)
-    flops = DEFAULT_GPU_FLOPS if device_type == "cuda" and not torch.cuda.is_available() else device_flops_per_s(device_type)
+    flops = (gpu_tflops * 1e12 if gpu_tflops else DEFAULT_GPU_FLOPS if device_type == "cuda" and not torch.cuda.is_available()
+             else device_flops_per_s(device_type))
     tokens = tokens_per_sample(cfg, corpus)
     adam, adam_source = _cpu_adam_rate(cpu_adam_params_per_s, gpu_memory_gib is not None or host_memory_gib is not None)
     machine, placements = _placements(cfg, shape, n, precision, world_size, device_type, budget, flops, tables, tokens,
@@ -387,11 +392,20 @@ def _where(report: dict, placed: dict) -> str:
     return words
 
 
+WHAT = {
+    "plan": """The planner's view of a config before it runs (nothing is trained), as tables: the micro-batch plans
+with their predicted peak bytes and step seconds, and where model state can live. `memtrain memory`
+prints the same as one JSON object.""",
+    "memory": """The planner's report of a config before it runs (nothing is trained), as one JSON object for scripts:
+the model's parameters, the machine planned for, every micro-batch plan (predicted peak bytes, step
+seconds, fits) and every placement of model state. `memtrain plan` prints the same as tables.""",
+}
+"""The first paragraph of ``memtrain plan --help`` and ``memtrain memory --help``."""
+
 PLAN_HELP = """usage: memtrain {command} --config RECIPE.yaml [options] [--section.key value ...]
 
-The planner's view of a config before it runs (nothing is trained): the micro-batch plans with their
-predicted peak bytes and step seconds, and where model state can live. Any config key may follow
-as --section.key value (memtrain train --help lists them).
+{what}
+Any config key may follow as --section.key value (memtrain train --help lists them).
 
 options:
   --world_size N        ranks the run will have (default: the launcher's WORLD_SIZE, else 1)
@@ -399,6 +413,9 @@ options:
   --host_memory_gib H   host memory of the ranks of one machine together, in GiB (default: available here)
   --nodes M             machines the ranks are spread over, world_size / M per machine (default 1)
   --nvme_path DIR       a folder for NVMe offload (placements that use it are planned)
+  --gpu_tflops T        the target GPU's achieved dense bf16 rate in TFLOP/s, for step seconds (default 400
+                        when no GPU is here, else measured here; e.g. about 400 for an H100 SXM, 200 for an
+                        A100, 120 for an L40S: the datasheet's dense peak times the achieved fraction)
   --cpu_adam_params_per_s R  the target host's CPU Adam rate, parameters per second with all its cores
                         (times the optimizer of offloading placements; default: a reference rate of
                         3.3e9 when --gpu_memory_gib or --host_memory_gib describe another machine,
@@ -447,7 +464,7 @@ def main(argv: Optional[list[str]] = None, command: str = "memory") -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
-        print(PLAN_HELP.format(command=command))
+        print(PLAN_HELP.format(command=command, what=WHAT[command]))
         return 0
     prepare_libraries(torch.cuda.is_available())
     try:
@@ -458,11 +475,13 @@ def main(argv: Optional[list[str]] = None, command: str = "memory") -> int:
         host = float(host) if host is not None else None
         adam = _pop_option(argv, "--cpu_adam_params_per_s")
         adam = float(adam) if adam is not None else None
+        tflops = _pop_option(argv, "--gpu_tflops")
+        tflops = float(tflops) if tflops is not None else None
         nvme = _pop_option(argv, "--nvme_path")
         nodes = int(_pop_option(argv, "--nodes", "1"))
     except ValueError as exc:
-        print(f"memtrain {command}: --world_size and --nodes are integers, --gpu_memory_gib, --host_memory_gib and "
-              f"--cpu_adam_params_per_s numbers ({exc})", file=sys.stderr)
+        print(f"memtrain {command}: --world_size and --nodes are integers, --gpu_memory_gib, --host_memory_gib, "
+              f"--gpu_tflops and --cpu_adam_params_per_s numbers ({exc})", file=sys.stderr)
         return 2
     as_json = _pop_option(argv, "--json", flag=True)
     try:
@@ -470,7 +489,8 @@ def main(argv: Optional[list[str]] = None, command: str = "memory") -> int:
             raise ConfigError("--world_size", f"must be at least 1, got {world_size}")
         if nodes < 1 or world_size % nodes:
             raise ConfigError("--nodes", f"must divide --world_size {world_size} (ranks per machine), got {nodes}")
-        for name, value in (("--gpu_memory_gib", gib), ("--host_memory_gib", host), ("--cpu_adam_params_per_s", adam)):
+        for name, value in (("--gpu_memory_gib", gib), ("--host_memory_gib", host), ("--cpu_adam_params_per_s", adam),
+                            ("--gpu_tflops", tflops)):
             if value is not None and not value > 0:
                 raise ConfigError(name, f"must be > 0, got {value}")
         if nvme is not None and not os.path.isdir(os.path.expanduser(nvme)):
@@ -483,7 +503,7 @@ def main(argv: Optional[list[str]] = None, command: str = "memory") -> int:
         print(f"memtrain {command}: {exc}", file=sys.stderr)
         return 2
     try:
-        report = plan_report(cfg, world_size, gib, host, nvme, adam, nodes)
+        report = plan_report(cfg, world_size, gib, host, nvme, adam, nodes, tflops)
     except (ConfigError, ValueError) as exc:  # data or model settings that cannot work (named in the message)
         print(f"memtrain {command}: {exc}", file=sys.stderr)
         return 2
