@@ -190,7 +190,8 @@ def test_a_model_output_without_logits_is_named():
 
 
 def test_a_vocab_size_the_tokenizer_cannot_reach_is_said(tmp_path, caplog):
-    """data.vocab_size below the byte alphabet: the model gets the tokenizer's real size, with a warning."""
+    """data.vocab_size below the byte alphabet: the model gets the tokenizer's real size, with a
+    warning; building the cache says so first, reading it says nothing."""
     from memtrain.data import build_corpus
 
     for name in ("a.txt", "b.txt"):
@@ -200,6 +201,10 @@ def test_a_vocab_size_the_tokenizer_cannot_reach_is_said(tmp_path, caplog):
     corpus = build_corpus(cfg.data)
     assert corpus.vocab_size > 256
     assert f"data.vocab_size 100: the tokenizer has {corpus.vocab_size} tokens (the byte-level alphabet" in caplog.text
+    # the cold cache's minute is not a silent one; a warm one is not announced
+    assert caplog.text.count("building the data cache: training a 100-token BPE tokenizer") == 1
+    build_corpus(cfg.data)
+    assert caplog.text.count("building the data cache") == 1
 
 
 def test_the_config_is_read_only_after_validation(tmp_path):

@@ -125,6 +125,12 @@ class DeepSpeedBackend:
                                                                 "maximize", "amsgrad", "decoupled_weight_decay")}
                       for g in optimizer.param_groups]
             optimizer = DeepSpeedCPUAdam(groups, adamw_mode=True)
+        if self.process.is_main and self.device.type == "cpu":
+            from memtrain.memory.machine import deepspeed_op_built
+
+            if not deepspeed_op_built("ShareMemCommBuilder"):
+                log.warning("memtrain: building DeepSpeed's shm_comm op for its collectives on the CPU (first "
+                            "DeepSpeed run on this machine only; about a minute)")
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config,
                                                     dist_init_required=False)
         bucket = getattr(self.engine.optimizer, "reduce_bucket_size", None)  # ZeRO-1/2's, in elements

@@ -194,6 +194,7 @@ def choose_resume(root: str, mode: str) -> Optional[str]:
     refused = []
     for path in candidates:
         try:
+            _say_verifying(path)
             verify(path)
             _name_unfinished(root, step_of(os.path.basename(path)))
             return path
@@ -206,6 +207,21 @@ def choose_resume(root: str, mode: str) -> Optional[str]:
     if os.path.isdir(root):
         _name_unfinished(root, 0)
     return None
+
+
+SAY_VERIFYING_BYTES = 2 * 10**9
+"""A checkpoint at least this large is named before its checksums are verified (seconds of reading)."""
+
+
+def _say_verifying(path: str) -> None:
+    """Say which checkpoint is being verified when reading it takes a while (:data:`SAY_VERIFYING_BYTES`)."""
+    try:
+        size = sum(f.get("bytes", 0) for f in read_manifest(path).get("files", {}).values())
+    except (CheckpointError, OSError, ValueError, AttributeError):
+        return  # verify names what is wrong with it
+    if size >= SAY_VERIFYING_BYTES:
+        log.warning("memtrain: resuming: verifying %s (%.1f GB: every file's checksum) before loading it", path,
+                    size / 1e9)
 
 
 def _name_unfinished(root: str, resumed_step: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import hashlib
+import logging
 import os
 import shutil
 import tempfile
@@ -263,6 +264,11 @@ def load_or_build(
                       *([encoding] if codecs.lookup(encoding).name != "utf-8" else []))
     directory = os.path.join(cache_dir or default_cache_dir(), f"corpus-{key}")
     if not os.path.exists(os.path.join(directory, "validation.npy")):
+        files = train_files + val_files
+        logging.getLogger("memtrain").warning(
+            "memtrain: building the data cache: %s and the token streams of %d file(s), %.1f MB, into %s (once for "
+            "these files and settings; later runs read it)", "copying the pretrained tokenizer" if pretrained_tokenizer
+            else f"training a {vocab_size}-token BPE tokenizer", len(files), sum(f.size for f in files) / 1e6, directory)
         _build(directory, train_files, val_files, vocab_size, text_field, pretrained_tokenizer, encoding,
                strict_decoding)
     warnings: list[str] = []

@@ -86,18 +86,30 @@ def device_budget_bytes(cfg, device: torch.device) -> Optional[int]:
 def cpu_adam_built() -> bool:
     """Whether DeepSpeed's ``cpu_adam`` op loads without compiling: installed prebuilt, or already
     built by an earlier run into torch's extension folder (a first build takes minutes)."""
+    return deepspeed_op_built("CPUAdamBuilder")
+
+
+def deepspeed_op_built(builder_name: str) -> bool:
+    """Whether the DeepSpeed op of ``builder_name`` (``CPUAdamBuilder``, ``ShareMemCommBuilder``:
+    the CPU collectives) loads without compiling, for this machine's accelerator: installed
+    prebuilt, or already built by an earlier run into torch's extension folder."""
     import glob
     import importlib.util
     import os
     import sys
 
     try:
-        from deepspeed.ops.op_builder import CPUAdamBuilder
+        from deepspeed.accelerator import get_accelerator
         from torch.utils.cpp_extension import get_default_build_root
 
-        builder = CPUAdamBuilder()
-        if importlib.util.find_spec(builder.absolute_name()) is not None:
-            return True
+        builder = get_accelerator().create_op_builder(builder_name)
+        if builder is None:
+            return True  # this accelerator has no such op to build
+        try:
+            if importlib.util.find_spec(builder.absolute_name()) is not None:
+                return True
+        except ModuleNotFoundError:  # its prebuilt package is not installed either
+            pass
         root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # torch's JIT folder, only looked at
         pattern = os.path.join(root, f"py{sys.version_info.major}{sys.version_info.minor}*", builder.name,
                                f"{builder.name}.so")
