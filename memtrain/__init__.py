@@ -6,10 +6,12 @@ unit of work (see docs/design.md). From Python: :class:`memtrain.Trainer` (docs/
 
 __version__ = "0.1.0"
 
-__all__ = ["Trainer", "Config", "ConfigError", "CheckpointError", "OOMStop", "NonFiniteStop", "UserObjective"]
+__all__ = ["Trainer", "Config", "ConfigError", "CheckpointError", "OutputError", "CollectiveError", "OOMStop",
+           "NonFiniteStop", "UserObjective"]
 
 _EXPORTS = {"Trainer": "memtrain.api", "Config": "memtrain.config", "ConfigError": "memtrain.errors",
-            "CheckpointError": "memtrain.errors", "OOMStop": "memtrain.oom", "NonFiniteStop": "memtrain.precision",
+            "CheckpointError": "memtrain.errors", "OutputError": "memtrain.errors", "CollectiveError": "memtrain.errors",
+            "OOMStop": "memtrain.oom", "NonFiniteStop": "memtrain.precision",
             "UserObjective": "memtrain.objectives"}
 
 

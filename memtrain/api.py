@@ -158,7 +158,17 @@ class Trainer:
 
         Raises:
             memtrain.ConfigError, memtrain.OOMStop, memtrain.CheckpointError,
-            memtrain.NonFiniteStop: as the command line's exit codes 2-5; a collective that
-            failed or timed out raises torch's error (exit code 6 on the command line).
+            memtrain.NonFiniteStop: as the command line's exit codes 2-5;
+            memtrain.CollectiveError: a collective failed or timed out (exit code 6 on the command
+            line), in one line naming the rank, the operation and the cause.
         """
-        return run(self.config, self.inputs, self.owns_process)
+        from memtrain.errors import CollectiveError
+        from memtrain.watchdog import collective_failure_message, is_collective_failure
+
+        try:
+            return run(self.config, self.inputs, self.owns_process)
+        except Exception as exc:  # noqa: BLE001 — only a failed collective is replaced
+            if not is_collective_failure(exc) or isinstance(exc, CollectiveError):
+                raise
+            rank = int(os.environ.get("RANK", "0"))
+            raise CollectiveError(collective_failure_message(exc, rank, self.config.backend.timeout_s)) from None

@@ -26,3 +26,10 @@ class OutputError(CheckpointError):
     """A file a run writes beside its checkpoints cannot be written — the exported model,
     ``summary.json``, ``metrics.jsonl`` — (a full disk, a failed write); the message names the
     path and, for a full disk, its free bytes. Nothing half-written is left behind."""
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out: another rank stopped, died or hung (exit 6 on the command
+    line). Raised from :meth:`memtrain.api.Trainer.fit` in place of the process group's own error,
+    whose message (a C++ trace per rank) buries the cause; the message names the rank, the
+    operation it was in, ``backend.timeout_s`` and the cause's first line."""

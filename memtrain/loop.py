@@ -61,7 +61,7 @@ class RunResult:
     Attributes:
         model: the user's module (unwrapped) after training.
         records: the per-step metric records (on every rank, not only rank 0).
-        summary: the run summary written to ``summary.json``.
+        summary: the run summary written to ``summary.json`` (rank 0's, the same on every rank).
     """
 
     model: nn.Module
@@ -145,6 +145,7 @@ class TrainingLoop(RunOutputs):
                                   session_targets=self.state.targets_seen - session_start_targets, elapsed_s=elapsed,
                                   resumed_from=resumed[0] if resumed else None, preempted=stopped_by,
                                   model_dir=model_dir, about=self._about(), earlier=metrics.earlier)
+            summary = self.process.broadcast_object(summary)  # rank 0's (it holds every segment's records) on all
             metrics.finish(summary)
         except BaseException:
             if metrics is not None:
@@ -250,6 +251,7 @@ class TrainingLoop(RunOutputs):
         summary = run_summary(self.state, records=[], unit=self.objective.unit, session_targets=0, elapsed_s=0.0,
                               resumed_from=path, preempted=None, model_dir=model_dir, about=self._about(),
                               earlier=metrics.earlier)
+        summary = self.process.broadcast_object(summary)
         metrics.finish(summary)
         return RunResult(self.engine.unwrap(self.model), [], summary)
 

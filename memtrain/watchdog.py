@@ -99,7 +99,9 @@ def is_collective_failure(exc: BaseException) -> bool:
     ``RuntimeError`` gloo raises: "Timed out waiting … for recv", "Connection closed by peer")."""
     import torch.distributed as dist
 
-    if isinstance(exc, getattr(dist, "DistError", ())):
+    from memtrain.errors import CollectiveError
+
+    if isinstance(exc, (CollectiveError, getattr(dist, "DistError", ()))):
         return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and any(
@@ -109,6 +111,10 @@ def is_collective_failure(exc: BaseException) -> bool:
 
 def collective_failure_message(exc: BaseException, rank: int, timeout_s: float) -> str:
     """The one-line report of a failed collective: rank, operation, timeout and the cause."""
+    from memtrain.errors import CollectiveError
+
+    if isinstance(exc, CollectiveError):  # said already
+        return str(exc)
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return (f"rank {rank}: a collective failed during {operation()}: another rank stopped, died or hung "
             f"(backend.timeout_s {timeout_s:g}); cause: {first[:300]}")

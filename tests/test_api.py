@@ -4,6 +4,7 @@ partitioned from the user's function) on 2 CPU ranks, killed and resumed bitwise
 OOM recovered; the API and the command line giving the same losses for the same run; bad
 inputs refused by name before anything is written."""
 
+import json
 import shutil
 
 import pytest
@@ -282,3 +283,38 @@ def test_ranks_that_built_different_examples_are_refused(tmp_path):
     assert proc.returncode != 0
     assert proc.stdout.count("config error in 'train_dataset': differs between ranks") == 2, proc.stdout[-3000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+TWO_RANKS = """
+import json, os, sys, time, torch
+import memtrain
+rank = int(os.environ["RANK"])
+examples = [{"x": torch.full((2,), float(i))} for i in range(64)]
+try:
+    result = memtrain.Trainer({"output_dir": sys.argv[1], "training": {"global_batch_size": 4, "micro_batch_size": 2,
+                                                                       "max_steps": 6, "eval_every": 0}},
+                              model=lambda: torch.nn.Linear(2, 1), train_dataset=examples, args=sys.argv[2:],
+                              objective=lambda m, mb: m(mb["x"]).sum()).fit()
+except memtrain.CollectiveError as exc:
+    print(f"CollectiveError on rank {rank}: {exc}", flush=True)
+    sys.exit(6)
+with open(os.path.join(sys.argv[1], f"summary_rank{rank}.json"), "w") as fh:
+    json.dump(result.summary, fh)
+"""
+
+
+@pytest.mark.slow
+def test_python_api_ranks_share_one_summary_and_a_dead_peer_is_one_line(tmp_path):
+    """Two ranks from Python: result.summary is the same object on both (rank 0's, which wrote
+    summary.json). Rank 1 killed after step 3: rank 0's fit raises memtrain.CollectiveError whose
+    one-line message names the rank, the operation and backend.timeout_s (not gloo's trace)."""
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS)
+    launch([str(tmp_path / "run")], script=str(script), timeout=180)
+    summaries = [json.loads((tmp_path / "run" / f"summary_rank{r}.json").read_text()) for r in (0, 1)]
+    assert summaries[0] == summaries[1] == json.loads((tmp_path / "run" / "summary.json").read_text())
+    proc = launch([str(tmp_path / "dead"), "--faults.kill_at_step", "3", "--faults.kill_ranks", "[1]",
+                   "--backend.timeout_s", "30"], script=str(script), check=False, timeout=180)
+    said = [line for line in proc.stdout.splitlines() if line.startswith("CollectiveError on rank 0: ")]
+    assert len(said) == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "rank 0: a collective failed during" in said[0] and "backend.timeout_s 30" in said[0]
