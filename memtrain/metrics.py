@@ -22,6 +22,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from memtrain.config import ConfigError
 from memtrain.errors import OutputError
+from memtrain.extras import require
 from memtrain.folders import write_atomic, write_error
 from memtrain.records import duration_words
 
@@ -70,6 +71,8 @@ def open_trackers(log_with: Sequence[str], logging_dir: str, run_name: str, purg
     available = [str(t) for t in filter_trackers(names, logging_dir)]
     for name in names:
         if name != "all" and name not in available:
+            if name == "tensorboard":
+                require("tracking", "logging.log_with", "tracker 'tensorboard'")
             raise ConfigError("logging.log_with", f"tracker {name!r} needs its package: pip install {name}")
     if not available:
         raise ConfigError("logging.log_with", "'all' found no tracker package installed; install one of "

@@ -12,6 +12,7 @@ import os
 from typing import Collection
 
 from memtrain.config import Config, ConfigError, freeze
+from memtrain.extras import require
 from memtrain.levers.optimizer_state import BF16_MAX_BETA2
 from memtrain.models import ctc_model_types
 
@@ -33,6 +34,7 @@ def _validate_speech(cfg: Config) -> None:
     if cfg.model.factory is not None or not is_ctc:
         raise ConfigError("model.config.model_type", f"data.kind speech needs a transformers CTC model; got "
                           f"{cfg.model.factory or model_type!r}; choose one of {', '.join(ctc_model_types())}")
+    require("speech", "data.kind", "speech data (synthesis, audio files, word error rates)")
     sp = cfg.data.speech
     for name in ("train_utterances", "test_utterances", "min_words", "max_words"):
         _positive(f"data.speech.{name}", getattr(sp, name))

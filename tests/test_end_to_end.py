@@ -114,3 +114,29 @@ def test_a_step_reads_the_device_at_most_as_documented(tmp_path, cache_dir, monk
     main(tiny_args(tmp_path, cache_dir, "--training.max_steps", "3", "--training.micro_batch_size", "1"))
     assert len(reads) <= 2 * HOST_READS_PER_STEP, reads  # steps 2-3, 8 micro-batches each
     assert len(reads) >= 2  # the counter sees the step's reads (it would be blind otherwise)
+
+
+def test_the_main_job_runs_without_the_extras_and_a_feature_names_its_extra(tmp_path, cache_dir):
+    """As after `pip install -e .` alone (tests/without_extras.py: the extras' modules, pandas and
+    pyarrow not found): the tiny main job trains and exports; TensorBoard stops the run naming
+    memtrain[tracking] (exit 2); speech data is refused at validation naming memtrain[speech]."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import REPO, TRAIN
+
+    without = str(Path(__file__).parent / "without_extras.py")
+
+    def run(*args):
+        return subprocess.run([sys.executable, without, TRAIN, *args], capture_output=True, text=True, cwd=REPO,
+                              timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    ok = run(*tiny_args(tmp_path / "run", cache_dir, "--training.max_steps", "2"))
+    assert ok.returncode == 0 and (tmp_path / "run" / "model" / "model.safetensors").exists(), ok.stderr[-3000:]
+    tracked = run(*tiny_args(tmp_path / "tracked", cache_dir, "--training.max_steps", "2", "--logging.log_with",
+                             "[tensorboard]"))
+    assert tracked.returncode == 2 and "pip install 'memtrain[tracking]'" in tracked.stderr, tracked.stderr[-2000:]
+    speech = run("--config", str(REPO / "recipes" / "asr_ctc_wavlm_tiny.yaml"), "--output_dir", str(tmp_path / "sp"))
+    assert speech.returncode == 2 and "config error in 'data.kind'" in speech.stderr
+    assert "pip install 'memtrain[speech]'" in speech.stderr and not (tmp_path / "sp").exists()

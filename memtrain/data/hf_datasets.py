@@ -44,6 +44,7 @@ def _load(path: str):
         ConfigError: ``datasets`` cannot read it (field ``data.files``).
     """
     from memtrain.config import ConfigError
+    from memtrain.extras import require
 
     try:
         import datasets
@@ -54,7 +55,8 @@ def _load(path: str):
         kind = "parquet" if path.endswith(".parquet") else "arrow"
         return datasets.load_dataset(kind, data_files=path, split="train")
     except ImportError:
-        raise ConfigError("data.files", f"'{path}' is a datasets source; install the `datasets` package") from None
+        require("datasets", "data.files", f"'{path}', a datasets source,")
+        raise
     except Exception as exc:  # noqa: BLE001 — datasets raises many kinds; name the file
         raise ConfigError("data.files", f"'{path}' cannot be read as a dataset: {exc}") from None
 
