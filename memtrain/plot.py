@@ -2,7 +2,8 @@
 
 Panels over the optimizer step: loss and val_loss (the validation loss before step 1 at step 0);
 learning rate; throughput (``<unit>_per_s``); peak memory (GiB, with the budget the run ran under
-as a horizontal line). Every panel carries a vertical line per event of the records' ``event``
+as a horizontal line; under a simulated device its peak and budget in MiB on an axis of their own
+at the right, beside the process's GiB). Every panel carries a vertical line per event of the records' ``event``
 field (plan changes, resume, checkpoint saves, others), and the loss panel names the plan
 (micro-batch × accumulation and the levers on) wherever it changes. The title's steps and
 minutes are the records' (every segment), so a plot of a run still going is not stale. Drawn
@@ -22,6 +23,7 @@ from memtrain.metrics import read_records as metrics_records
 from memtrain.records import duration_words, training_minutes
 
 GIB = 2 ** 30
+MIB = 2 ** 20
 
 PLAN_EVENTS = frozenset({"plan_chosen", "oom_shrink", "oom_replan", "grow_back", "grow_back_failed",
                          "eval_oom_shrink"}) | lever_events()
@@ -160,12 +162,15 @@ def figure(records: list[dict[str, Any]], summary: Optional[dict[str, Any]] = No
         ax_rate.plot(*series(records, rate), color="tab:blue")
     ax_rate.set_ylabel((rate or "throughput").replace("_per_s", " / s"))
     ax_mem.plot(*series(records, "peak_memory_bytes", GIB), label="peak_memory_bytes", color="tab:blue")
-    if any("simulated_peak_bytes" in r for r in records):
-        ax_mem.plot(*series(records, "simulated_peak_bytes", GIB), label="simulated_peak_bytes", color="tab:orange")
-    budgets = series(records, "memory_budget_bytes", GIB)[1]
-    if budgets:
-        ax_mem.axhline(budgets[-1], color="tab:red", linewidth=1, label="memory budget", gid="memtrain-budget")
     ax_mem.set_ylabel("peak memory (GiB)")
+    ax_budget = ax_mem  # a CUDA cap is device memory, as the peak is
+    if any("simulated_peak_bytes" in r for r in records):  # MiB of a simulated device beside GiB of the process
+        ax_budget = ax_mem.twinx()
+        ax_budget.plot(*series(records, "simulated_peak_bytes", MIB), label="simulated_peak_bytes", color="tab:orange")
+        ax_budget.set_ylabel("simulated device (MiB)", color="tab:orange")
+    budgets = series(records, "memory_budget_bytes", MIB if ax_budget is not ax_mem else GIB)[1]
+    if budgets:
+        ax_budget.axhline(budgets[-1], color="tab:red", linewidth=1, label="memory budget", gid="memtrain-budget")
     ax_mem.set_xlabel("optimizer step")
     ax_mem.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes = [ax_loss, ax_lr, ax_rate, ax_mem]
@@ -176,8 +181,9 @@ def figure(records: list[dict[str, Any]], summary: Optional[dict[str, Any]] = No
     for ax in axes:
         ax.grid(True, alpha=0.3)
     ax_loss.legend(loc="best", fontsize=8)
-    if any(line.get_label() in ("simulated_peak_bytes", "memory budget") for line in ax_mem.get_lines()):
-        ax_mem.legend(loc="best", fontsize=8)
+    lines = ax_mem.get_lines() + (ax_budget.get_lines() if ax_budget is not ax_mem else [])
+    if any(line.get_label() in ("simulated_peak_bytes", "memory budget") for line in lines):
+        ax_budget.legend(lines, [line.get_label() for line in lines], loc="best", fontsize=8)
     fig.suptitle(title_line(title, summary, records))
     return fig
 

@@ -116,6 +116,24 @@ def test_figure_draws_events_legend_and_plan(tmp_path):
     assert "tokens / s" in axes[2].get_ylabel()
 
 
+def test_a_simulated_device_is_drawn_in_mib_on_its_own_axis():
+    """Under faults.memory_budget_mib the simulated peak and the budget (MiB) get an axis of their
+    own at the right; the process's peak keeps the left one in GiB (not a budget line at 0.004 GiB)."""
+    from memtrain.plot import figure
+
+    records = [step_record(s, 4, 2, simulated_peak_bytes=(3 + s / 10) * 2**20, memory_budget_bytes=4 * 2**20)
+               for s in range(1, 4)]
+    fig = figure(records)
+    left, right = fig.axes[3], fig.axes[4]
+    assert left.get_ylabel() == "peak memory (GiB)" and right.get_ylabel() == "simulated device (MiB)"
+    assert left.get_lines()[0].get_ydata()[0] == pytest.approx(records[0]["peak_memory_bytes"] / GIB)
+    simulated = next(line for line in right.get_lines() if line.get_label() == "simulated_peak_bytes")
+    assert list(simulated.get_ydata()) == pytest.approx([3.1, 3.2, 3.3])
+    budget = [line for line in right.get_lines() if line.get_gid() == "memtrain-budget"]
+    assert len(budget) == 1 and list(budget[0].get_ydata()) == [4.0, 4.0]
+    assert not [line for line in left.get_lines() if line.get_gid() == "memtrain-budget"]
+
+
 def test_events_split_comma_separated_names():
     """An ``event`` of two names gives two marks of their own kinds; characters_per_s is found."""
     records = [step_record(1, event="plan_chosen,checkpoint_saved"), step_record(2, event="nonfinite_skip")]
