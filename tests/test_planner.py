@@ -291,6 +291,28 @@ def test_fake_trace_predicts_what_memtracker_counts_in_a_real_micro_step(cache_d
     assert simulated(P(4, False, 8)) < traced(P(4, False, 8))
 
 
+def test_a_gpu_planned_without_one_traces_attention_as_a_fused_kernel_holds_it(cache_dir):
+    """A CUDA run planned on this CPU machine traces on the meta device, where attention stands in
+    for a GPU's fused kernel: without dropout its bytes equal the CPU trace's, which runs torch's
+    own fused CPU kernel (an independent count); attention dropout adds nothing (the kernel draws
+    its mask again), where the meta device's math path saved the weights and the mask."""
+    from memtrain.config import parse_args
+    from memtrain.data import build_corpus
+    from memtrain.models import build_model
+    from memtrain.objectives import make_objective
+    from memtrain.memory.planner import activation_table
+
+    traced = {}
+    for dropout in ("0.0", "0.1"):
+        cfg = parse_args(TINY_ARGS + ["--data.cache_dir", cache_dir, "--model.config.attn_pdrop", dropout])
+        corpus = build_corpus(cfg.data)
+        objective = make_objective(build_model(cfg.model, corpus.vocab_size, 0), corpus)
+        for device in ("cpu", "cuda"):
+            traced[dropout, device] = activation_table(cfg, corpus, objective, "fp32", device)(P(8, "off", 8))
+    assert traced["0.0", "cuda"] == traced["0.0", "cpu"] == traced["0.1", "cuda"]
+    assert traced["0.1", "cpu"] > traced["0.0", "cpu"]  # the CPU's fused kernel has no dropout: the math path
+
+
 def test_a_bf16_trace_holds_what_autocast_holds(cache_dir):
     """bf16 under Accelerate's autocast (DDP: fp32 parameters, each matrix cast on use and its copy
     saved for backward, the outputs in fp32) against MemTracker on the real model run that way
