@@ -209,19 +209,14 @@ def choose_resume(root: str, mode: str) -> Optional[str]:
     return None
 
 
-SAY_VERIFYING_BYTES = 2 * 10**9
-"""A checkpoint at least this large is named before its checksums are verified (seconds of reading)."""
-
-
 def _say_verifying(path: str) -> None:
-    """Say which checkpoint is being verified when reading it takes a while (:data:`SAY_VERIFYING_BYTES`)."""
+    """Say which checkpoint is being verified and loaded (reading a large one takes a while)."""
     try:
         size = sum(f.get("bytes", 0) for f in read_manifest(path).get("files", {}).values())
     except (CheckpointError, OSError, ValueError, AttributeError):
         return  # verify names what is wrong with it
-    if size >= SAY_VERIFYING_BYTES:
-        log.warning("memtrain: resuming: verifying %s (%.1f GB: every file's checksum) before loading it", path,
-                    size / 1e9)
+    log.warning("memtrain: resuming: verifying %s (%s: every file's checksum), then loading it", path,
+                f"{size / 1e9:.1f} GB" if size >= 10**9 else f"{size / 1e6:.1f} MB")
 
 
 def _name_unfinished(root: str, resumed_step: int) -> None:
