@@ -81,9 +81,8 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
 
     Args:
         world_size: ranks the run will have.
-        gpu_memory_gib: the GPU memory of a rank (a GPU run is planned: CUDA headroom applies,
-            FLOP/s of :data:`memtrain.memory.placement.DEFAULT_GPU_FLOPS` without a GPU here); None =
-            this machine's (``faults.memory_budget_mib``, the CUDA memory or its cap; unbounded on a CPU).
+        gpu_memory_gib: the GPU memory of a rank (a GPU run is planned: CUDA headroom applies);
+            None = this machine's (``faults.memory_budget_mib``, the CUDA memory or its cap).
         host_memory_gib: host memory of the machine (its ranks together); None =
             ``memory.host_memory_gib``, else this machine's available memory.
         nvme_path: a folder for NVMe offload placements.
@@ -92,23 +91,20 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
             described (``gpu_memory_gib`` or ``host_memory_gib`` given), else measured here (the
             report's ``cpu_adam_source`` says which).
         nodes: machines the ranks are spread over (``world_size / nodes`` ranks share a host).
-        gpu_tflops: the target GPU's achieved dense bf16/fp16 rate, TFLOP/s, for step seconds;
-            None = :data:`memtrain.memory.machine.DEFAULT_GPU_FLOPS` when no GPU is here, else
-            measured on this machine's device. The report's ``machine`` names the rate used.
+        gpu_tflops: the target GPU's rate for step seconds (:func:`_target_flops`).
 
     Returns:
         A JSON-serialisable dict: ``parameters``, ``precision``, ``world_size``, ``engine``,
-        ``budget_bytes``, ``candidates`` (list of :class:`memtrain.memory.planner.Candidate` dicts),
-        ``model_state_bytes`` (per engine variant), ``activation_bytes`` (micro-batch
-        ``training.micro_batch_size``, or the chosen one under ``auto``: off/on), ``placements``
-        (:class:`memtrain.memory.placement.Placement` dicts, the fastest fitting one ``chosen``) and the
-        ``machine`` they were planned for.
+        ``budget_bytes``, ``candidates`` (:class:`memtrain.memory.planner.Candidate` dicts),
+        ``model_state_bytes`` (per engine variant), ``activation_bytes`` (``training.micro_batch_size``'s,
+        or under ``auto`` the chosen one's: off/on), ``placements`` (:class:`memtrain.memory.placement.Placement`
+        dicts, the fastest fitting one ``chosen``) and the ``machine`` they were planned for.
     """
     from memtrain.levers.optimizer_state import STATE_DTYPES
     from memtrain.memory.accounting import device_state_bytes, optimizer_state_bytes
     from memtrain.data import build_corpus
     from memtrain.levers import lever_choices
-    from memtrain.memory.machine import DEFAULT_GPU_FLOPS, device_budget_bytes, device_flops_per_s
+    from memtrain.memory.machine import device_budget_bytes
     from memtrain.memory.placement import model_facts, tokens_per_sample, with_state_dtype
     from memtrain.memory.planner import Planner, activation_tables, estimated_plan_s, make_candidates
 
@@ -121,8 +117,7 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     budget = (int(gpu_memory_gib * 2**30) if gpu_memory_gib else
               device_budget_bytes(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu")))
     tables = activation_tables(cfg, corpus, objective, precision, device_type)
-    flops = (gpu_tflops * 1e12 if gpu_tflops else DEFAULT_GPU_FLOPS if device_type == "cuda" and not torch.cuda.is_available()
-             else device_flops_per_s(device_type))
+    flops = _target_flops(gpu_tflops, device_type)
     tokens = tokens_per_sample(cfg, corpus)
     adam, adam_source = _cpu_adam_rate(cpu_adam_params_per_s, gpu_memory_gib is not None or host_memory_gib is not None)
     machine, placements = _placements(cfg, shape, n, precision, world_size, device_type, budget, flops, tables, tokens,
@@ -424,6 +419,18 @@ options:
 
 exit code: 0 the run has a plan to start at, 3 nothing fits (the report says what to change),
 2 a bad input"""
+
+
+def _target_flops(gpu_tflops: Optional[float], device_type: str) -> float:
+    """FLOP/s step seconds are estimated at: ``gpu_tflops`` (the target GPU's achieved dense
+    bf16/fp16 rate, TFLOP/s) when given, else :data:`memtrain.memory.machine.DEFAULT_GPU_FLOPS`
+    for a GPU planned on a machine without one, else measured on this machine's device. The
+    report's ``machine`` names the rate used."""
+    from memtrain.memory.machine import DEFAULT_GPU_FLOPS, device_flops_per_s
+
+    if gpu_tflops:
+        return gpu_tflops * 1e12
+    return DEFAULT_GPU_FLOPS if device_type == "cuda" and not torch.cuda.is_available() else device_flops_per_s(device_type)
 
 
 def _plan_micro_batch_for_target(cfg, world_size: int, given: bool, command: str, target: bool = False) -> None:
