@@ -34,7 +34,8 @@ def token_samples(texts: list[str], tokenizer):
     """A ``datasets.Dataset`` of ``input_ids`` and ``labels`` (the next tokens), SEQ_LEN each."""
     import datasets
 
-    stream = [i for text in texts for i in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]]
+    # packed into SEQ_LEN samples below: a text longer than the model's positions is no error here
+    stream = [i for text in texts for i in tokenizer(text, verbose=False)["input_ids"] + [tokenizer.eos_token_id]]
     starts = range(0, len(stream) - SEQ_LEN - 1, SEQ_LEN)
     return datasets.Dataset.from_dict({"input_ids": [stream[s:s + SEQ_LEN] for s in starts],
                                        "labels": [stream[s + 1:s + SEQ_LEN + 1] for s in starts]})

@@ -257,7 +257,7 @@ class MetricsLogger:
         self._terminal = sys.stderr.isatty() if terminal is None else terminal
         self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step", dynamic_ncols=True,
                          disable=not self._terminal)
-        self._line_at = time.monotonic()
+        self._line_at, self._steps = time.monotonic(), (initial_step, total_steps)
         if self._terminal and not (logging.getLogger().handlers or log.handlers):  # warnings above the bar, not in it
             self._redirect = logging_redirect_tqdm([log])
             self._redirect.__enter__()
@@ -282,8 +282,8 @@ class MetricsLogger:
     def log_step(self, record: dict[str, Any], show: bool = True) -> None:
         """Append one step's record, and show it: on a terminal the progress bar, redrawn with
         this step's fields (``show``: the fields change, else only the count); elsewhere (a log
-        file) one line, at most every :data:`LINE_EVERY_S` seconds, and at evaluations and the
-        last step."""
+        file) one line for the session's first step, then at most every :data:`LINE_EVERY_S`
+        seconds, and at evaluations and the last step."""
         if not self.enabled:
             return
         self._file.write(json.dumps(record) + "\n")
@@ -295,9 +295,11 @@ class MetricsLogger:
             self._bar.update(1)  # drawn with the fields just set
             return
         now = time.monotonic()
-        if show and ("val_loss" in record or record["step"] == self._bar.total or now - self._line_at >= LINE_EVERY_S):
+        first = record["step"] == self._steps[0] + 1  # training is under way: said at once
+        if show and (first or "val_loss" in record or record["step"] == self._steps[1]
+                     or now - self._line_at >= LINE_EVERY_S):
             fields = " ".join(f"{k} {v}" for k, v in progress_fields(record, self.unit).items())
-            print(f"memtrain: step {record['step']}/{self._bar.total}: {fields}", file=sys.stderr, flush=True)
+            print(f"memtrain: step {record['step']}/{self._steps[1]}: {fields}", file=sys.stderr, flush=True)
             self._line_at = now
 
     def message(self, text: str) -> None:

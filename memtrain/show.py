@@ -28,6 +28,9 @@ def describe_run(argv: list[str], environ: Optional[dict] = None) -> dict:
     """
     import torch
 
+    from memtrain.distributed import prepare_libraries
+
+    prepare_libraries(torch.cuda.is_available())  # before transformers imports torchao: no library noise
     from memtrain.backends.spec import resolve_engine
     from memtrain.config import parse_args, to_dict
     from memtrain.launcher import apply_accelerate_settings

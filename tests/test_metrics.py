@@ -178,7 +178,8 @@ def test_progress_bar_shows_record_fields(tmp_path):
 
 def test_away_from_a_terminal_a_step_line_now_and_then(tmp_path, capsys):
     """Standard error not a terminal (a log file): no progress bar redrawn into it, but one line
-    per evaluation, per LINE_EVERY_S seconds and at the last step, each with that step's fields."""
+    for the first step, per evaluation, per LINE_EVERY_S seconds and at the last step, each with
+    that step's fields."""
     logger = MetricsLogger(str(tmp_path), True, total_steps=4, terminal=False)
     capsys.readouterr()
     for step in (1, 2):
@@ -186,8 +187,8 @@ def test_away_from_a_terminal_a_step_line_now_and_then(tmp_path, capsys):
     logger.log_step(record(3, val_loss=0.5))
     logger.log_step(record(4))
     lines = capsys.readouterr().err.splitlines()
-    assert [line.split(":")[1] for line in lines] == [" step 3/4", " step 4/4"]
-    assert "val 0.5000" in lines[0] and f"loss {record(4)['loss']:.4f}" in lines[1] and "\r" not in "".join(lines)
+    assert [line.split(":")[1] for line in lines] == [" step 1/4", " step 3/4", " step 4/4"]
+    assert "val 0.5000" in lines[1] and f"loss {record(4)['loss']:.4f}" in lines[2] and "\r" not in "".join(lines)
     logger.finish(summary())
 
 
