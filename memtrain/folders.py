@@ -231,9 +231,7 @@ def check_export_target(out: str, protected: list[str], field: str = "out",
         raise ConfigError(field, f"'{out}' is not empty and is not an earlier memtrain export (it holds "
                           f"{', '.join(held[:5])}{' …' if len(held) > 5 else ''}; an export holds "
                           f"{EXPORT_MARKER}); {hint}")
-    parent = os.path.dirname(target)
-    while parent and not os.path.isdir(parent):
-        parent = os.path.dirname(parent)
+    parent = nearest_existing(os.path.dirname(target))
     if not os.access(parent or ".", os.W_OK):
         raise ConfigError(field, f"'{out}' cannot be written: the export is written beside it and renamed into place, "
                           f"and '{parent}' is not writable; {hint}")
@@ -253,13 +251,14 @@ def replace_export(tmp: str, out: str, about: Optional[dict] = None) -> str:
     Raises:
         ConfigError: ``out`` became something else than an earlier export meanwhile.
     """
-    mask = _umask()
+    mask, files = _umask(), []
     for base, folders, names in os.walk(tmp):  # a library may write 0600 (a temporary file renamed)
-        for name in names:
-            os.chmod(os.path.join(base, name), 0o666 & ~mask)
         for name in folders:
             os.chmod(os.path.join(base, name), 0o777 & ~mask)
-    files = sorted(os.path.relpath(os.path.join(base, n), tmp) for base, _, names in os.walk(tmp) for n in names)
+        for name in names:
+            os.chmod(os.path.join(base, name), 0o666 & ~mask)
+            files.append(os.path.relpath(os.path.join(base, name), tmp))
+    files.sort()
     write_atomic(os.path.join(tmp, EXPORT_MARKER),
                  json.dumps({"files": files, "exported_unix_s": time.time(), **(about or {})}, indent=1))
     out = _real(out)
@@ -288,9 +287,10 @@ def new_export_folder(out: str) -> str:
     """A new, empty temporary folder beside ``out`` (its links resolved) for an export to be
     written into (its own name: never a folder someone else owns), with the permissions the
     user's umask gives a new folder (not ``mkdtemp``'s 0700)."""
-    parent = os.path.dirname(_real(out))
+    real = _real(out)
+    parent = os.path.dirname(real)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(_real(out))}-", dir=parent)
+    tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(real)}-", dir=parent)
     os.chmod(tmp, 0o777 & ~_umask())
     return tmp
 

@@ -508,15 +508,11 @@ class TrainingLoop(RunOutputs):
             if "backend.name" in resumed[2]:  # the checkpoint was written by another engine
                 old, new = resumed[2]["backend.name"]
                 events.insert(1, {"event": "engine_switch", "step": step, "from": old, "to": new})
-        events += [{**e, "step": step} for e in self.evaluator.events]
-        self.evaluator.events.clear()
-        return events
+        return events + _drain(self.evaluator.events, step)
 
     def _drain_checkpoint_events(self, step: int) -> list[dict]:
         """The checkpoint commits of the step (a step's own save, or an earlier asynchronous one)."""
-        events = [{**e, "step": step} for e in self.checkpointer.events]
-        self.checkpointer.events.clear()
-        return events
+        return _drain(self.checkpointer.events, step)
 
     def _about(self) -> dict[str, Any]:
         return {"parameters": self.n_params, "backend": self.engine.name, "world_size": self.process.world_size,
@@ -525,3 +521,11 @@ class TrainingLoop(RunOutputs):
                 "oom_agreements": {"transport": self.sync.transport, "points": self.sync.agreements},
                 **({"compiled_graphs": compiled_graph_count()} if self.cfg.training.compile else {}),
                 "engine_spec": self.spec.as_dict(), "config": to_dict(self.cfg)}
+
+
+def _drain(source: list[dict], step: int) -> list[dict]:
+    """The events waiting in ``source`` (an evaluator's, the checkpointer's), stamped with
+    ``step``, the record they join; ``source`` is left empty."""
+    events = [{**e, "step": step} for e in source]
+    source.clear()
+    return events

@@ -230,7 +230,7 @@ class MetricsLogger:
         self.earlier: list[dict[str, Any]] = []
         self.missing: list[int] = []
         self._bar: Optional[tqdm] = None
-        self._redirect = None
+        self._closing = contextlib.ExitStack()  # what close() undoes besides the bar and the file
         self._trackers: list = []
         run_name = os.path.basename(os.path.normpath(os.path.abspath(output_dir)))
         logging_dir = os.path.join(output_dir, "trackers")
@@ -259,8 +259,7 @@ class MetricsLogger:
                          disable=not self._terminal)
         self._line_at, self._steps = time.monotonic(), (initial_step, total_steps)
         if self._terminal and not (logging.getLogger().handlers or log.handlers):  # warnings above the bar, not in it
-            self._redirect = logging_redirect_tqdm([log])
-            self._redirect.__enter__()
+            self._closing.enter_context(logging_redirect_tqdm([log]))
         for tracker in self._trackers:
             tracker.start()
         for record in self.earlier:  # again: whatever an earlier start's trackers held or lost
@@ -313,9 +312,7 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        if self._redirect is not None:
-            self._redirect.__exit__(None, None, None)
-            self._redirect = None
+        self._closing.close()
         if self._file is not None:
             self._file.close()
             self._file = None

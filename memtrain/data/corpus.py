@@ -12,6 +12,7 @@ import codecs
 import glob
 import hashlib
 import json
+import logging
 import os
 import sysconfig
 from dataclasses import dataclass
@@ -173,8 +174,6 @@ def split_files(files: list[SourceFile], validation_fraction: float) -> tuple[li
         smallest = min(files, key=lambda f: (f.size, h(f)))
         val = [smallest]
         if smallest.size > 2 * validation_fraction * total:
-            import logging
-
             logging.getLogger("memtrain").warning(
                 "memtrain: data.validation_fraction %s: whole files are held out for validation and the smallest, "
                 "%s, is %.1f%% of the %d files' bytes: validation holds that much (give more, smaller files, or "

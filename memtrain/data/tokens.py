@@ -119,7 +119,8 @@ def building(directory: str) -> Iterator[str]:
         from memtrain.folders import is_disk_full, write_error
 
         shutil.rmtree(tmp, ignore_errors=True)
-        in_cache = os.path.realpath(str(getattr(exc, "filename", "") or "")).startswith(os.path.realpath(parent))
+        filename = getattr(exc, "filename", None)
+        in_cache = bool(filename) and os.path.realpath(str(filename)).startswith(os.path.realpath(parent))
         if not (is_disk_full(exc) or (isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EACCES)
                                       and in_cache)):  # a data file the user cannot read is not the cache's
             raise
