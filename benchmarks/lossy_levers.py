@@ -68,7 +68,7 @@ def step_cost(steps: int, repeats: int, nproc: int, quick: bool = False) -> list
 
     from memtrain.levers.optimizer_state import LOSSY, step_seconds_over_fp32
     from memtrain.memory.machine import Machine, optimizer_params_per_s
-    from memtrain.memory.placement import Placement
+    from memtrain.planning.placement import Placement
 
     recipe = CPU_ARGS if quick else ["--config", str(REPO / "recipes" / "code_lm_tiny.yaml"), "--precision", "fp32"]
     base = recipe + ["--backend.name", "ddp", "--training.max_steps", str(steps), "--training.eval_every", "0",

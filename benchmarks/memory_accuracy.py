@@ -4,7 +4,7 @@ For each engine (DDP, FSDP2, ZeRO-2, ZeRO-3; 2 ranks) and each plan (micro-batch
 activation checkpointing off/on) one short run counts its second optimizer step with torch's
 ``MemTracker`` (``logging.memory_breakdown_step``: every tensor the rank allocates, from before
 the model is built, engine buffers included; on CUDA ``max_memory_allocated`` is reported beside
-it), and ``memtrain.memory.estimate.plan_report`` predicts the same plan's peak without running
+it), and ``memtrain.estimate.plan_report`` predicts the same plan's peak without running
 anything. One JSON row per (engine, plan, rank 0):
 
     engine, micro_batch_size, gradient_accumulation_steps, activation_checkpointing,
@@ -61,7 +61,7 @@ SHAPES = {"cpu": (CPU_ARGS + ["--training.global_batch_size", "64"], FULL_PLANS)
 def predicted(args: list[str], micro: int, ac: str, world_size: int, flags: tuple[str, ...] = ()) -> dict:
     """The planner's prediction for plan ``micro`` × AC ``ac`` with the lever ``flags`` (bytes per rank)."""
     from memtrain.config import parse_args
-    from memtrain.memory.estimate import plan_report
+    from memtrain.estimate import plan_report
 
     cfg = parse_args(args + ["--training.micro_batch_size", str(micro), "--memory.activation_checkpointing", ac,
                              *flags])

@@ -159,7 +159,7 @@ def plain_sharded_loop(engine: str, model, plain_optimizer, loader, t, accumulat
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from memtrain.backends.common import repeated_blocks
+    from memtrain.models import repeated_blocks
 
     if engine == "fsdp":
         from torch.distributed.fsdp import fully_shard

@@ -1,7 +1,7 @@
 """The placement planner's model-state bytes beside what DeepSpeed really allocates.
 
 ``memtrain plan`` and ``backend.offload auto`` size every DeepSpeed placement with the closed-form
-accounting of :func:`memtrain.memory.accounting.model_state_bytes` (ZeRO's formulas plus the
+accounting of :func:`memtrain.backends.model_state_bytes` (ZeRO's formulas plus the
 buffers memtrain sets). This benchmark builds the real engine — ``memtrain/train.py`` on 2 CPU
 ranks (gloo), 2 steps of global batch 8 in micro-batches of 2 (accumulation 2), DeepSpeed's own
 ``initialize`` — and counts the tensors DeepSpeed holds, per
@@ -21,7 +21,7 @@ component:
   garbage collector knows minus those counted: the data batch, the model's own buffers, or a
   DeepSpeed buffer held out of the walk's reach).
 - **What is predicted.** The placement planner's accounting for the same placement, model shape,
-  precision and world size (:func:`memtrain.memory.placement.state_bytes`): parameters =
+  precision and world size (:func:`memtrain.planning.placement.state_bytes`): parameters =
   ``parameter_bytes`` + the offloaded parameters; gradients = ``gradient_bytes`` + the held part
   of ``step_gradient_bytes`` + the offloaded gradients; optimizer state = ``optimizer_bytes`` +
   the offloaded optimizer state; buffers = ``buffer_bytes`` without the gathered parameters + the
@@ -247,7 +247,7 @@ def _write(out: str, backend, counter: Counter) -> None:
     """Rank 0's record: measured per component, the prediction, the resident set."""
     import resource
 
-    from memtrain.memory.placement import Placement, state_bytes
+    from memtrain.planning.placement import Placement, state_bytes
 
     placement = Placement("deepspeed", backend.zero_stage, backend.offload, backend.offload_ratio)
     predicted = state_bytes(placement, backend.shape, backend.precision, backend.world_size)

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from memtrain.memory.simulated import note_kept
+
 MODES = ("on", "selective")
 """What :func:`enable_activation_checkpointing` can do to a block: recompute all of it, or only
 what is cheap."""
@@ -40,9 +42,7 @@ def _selective_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     if func in SAVED_OPS:
         output = getattr(ctx, "op_output", None)  # torch 2.13's context has it; older ones do not
         if output is not None and not ctx.is_recompute:
-            from memtrain.memory.simulated import note_kept  # the simulated device counts what is kept
-
-            note_kept(output)
+            note_kept(output)  # the simulated device counts what is kept
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -70,7 +70,7 @@ def enable_activation_checkpointing(model: nn.Module, blocks: list[nn.Module], e
 
     Args:
         model: the unwrapped model.
-        blocks: its repeated blocks (see :func:`memtrain.backends.common.repeated_blocks`).
+        blocks: its repeated blocks (see :func:`memtrain.models.repeated_blocks`).
         every: checkpoint blocks 0, every, 2·every, … (transformers models: all blocks).
         mode: ``on`` (recompute the whole block) or ``selective`` (keep matmul and attention outputs).
 

@@ -22,9 +22,16 @@ import json
 import os
 from typing import Any, Callable, Collection, Optional, Sequence, Union
 
-from memtrain.build import UserInputs
+from memtrain import host_allocator
+from memtrain.build import UserInputs, build_trainer
 from memtrain.config import Config, parse_args, to_dict
+from memtrain.distributed import ProcessState, prepare_libraries
+from memtrain.errors import CollectiveError, ConfigError
+from memtrain.folders import RunLock
+from memtrain.launcher import apply_accelerate_settings
+from memtrain.objectives import as_objective
 from memtrain.validation import validate
+from memtrain.watchdog import Watchdog, collective_failure_message, is_collective_failure, progress
 
 
 def config_argv(config: Union[str, os.PathLike, dict, Config, None], args: Sequence[str] = ()) -> list[str]:
@@ -42,8 +49,6 @@ def config_argv(config: Union[str, os.PathLike, dict, Config, None], args: Seque
     elif isinstance(config, (dict, Config)):
         head = ["--config", json.dumps(to_dict(config) if isinstance(config, Config) else config)]
     else:
-        from memtrain.errors import ConfigError
-
         raise ConfigError("config", f"a recipe path, a dict or a memtrain Config; got {type(config).__name__}")
     return head + list(args)
 
@@ -56,9 +61,6 @@ def prepare_config(argv: Optional[list[str]] = None, python: Collection[str] = (
     Raises:
         ConfigError: any invalid field, or a launcher setting contradicting one (named in the message).
     """
-    from memtrain.distributed import prepare_libraries
-    from memtrain.launcher import apply_accelerate_settings
-
     import torch
 
     prepare_libraries(torch.cuda.is_available())  # validation builds the model: transformers imports
@@ -80,18 +82,13 @@ def run(cfg: Config, inputs=None, owns_process: bool = False):
 
     import torch
 
-    from memtrain.build import build_trainer
-    from memtrain.distributed import ProcessState, prepare_libraries
-    from memtrain.folders import RunLock
-    from memtrain.host_allocator import fix_thresholds
-    from memtrain.watchdog import Watchdog, progress
-
     progress("start-up", timed=False, context="")  # nothing left from an earlier run in this process
     with ExitStack() as closing:
         if int(os.environ.get("RANK", "0")) == 0:  # global rank 0 holds the run folder; nothing is written before
             closing.callback(RunLock(cfg.output_dir).acquire().release)
         thresholds = cfg.memory.host_allocator_thresholds
-        fix_thresholds(owns_process if thresholds is None else thresholds)  # before the model and data allocate
+        # before the model and data allocate (looked up here: a test's stand-in is seen)
+        host_allocator.fix_thresholds(owns_process if thresholds is None else thresholds)
         prepare_libraries(torch.cuda.is_available())
         process = ProcessState(cpu=not torch.cuda.is_available(), timeout_s=cfg.backend.timeout_s)
         process.cap_cuda_memory(cfg.memory.cuda_memory_cap_gib)
@@ -137,9 +134,6 @@ class Trainer:
     def __init__(self, config: Union[str, os.PathLike, dict, Config, None] = None, *, model: Any = None,
                  train_dataset: Any = None, eval_dataset: Any = None, collate_fn: Optional[Callable] = None,
                  objective: Any = None, tokenizer: Any = None, args: Sequence[str] = (), owns_process: bool = False):
-        from memtrain.errors import ConfigError
-        from memtrain.objectives import as_objective
-
         if train_dataset is None and (eval_dataset is not None or collate_fn is not None or tokenizer is not None):
             raise ConfigError("train_dataset", "eval_dataset, collate_fn and tokenizer go with a train_dataset")
         objective = as_objective(objective) if objective is not None else None
@@ -162,9 +156,6 @@ class Trainer:
             memtrain.CollectiveError: a collective failed or timed out (exit code 6 on the command
             line), in one line naming the rank, the operation and the cause.
         """
-        from memtrain.errors import CollectiveError
-        from memtrain.watchdog import collective_failure_message, is_collective_failure
-
         try:
             return run(self.config, self.inputs, self.owns_process)
         except Exception as exc:  # noqa: BLE001 — only a failed collective is replaced

@@ -1,5 +1,5 @@
 """Building a run, in one direction: process state → data → placement (engine, ZeRO stage,
-offload; :mod:`memtrain.memory.placement`) → model → plan → engine → model transforms → the loop's parts.
+offload; :mod:`memtrain.planning.placement`) → model → plan → engine → model transforms → the loop's parts.
 The engine is built after the model exists, so that the plan can depend on the model.
 """
 
@@ -14,30 +14,33 @@ from typing import Any, Callable, Optional
 import torch
 
 from memtrain.backends import make_backend, model_build_context
-from memtrain.backends.common import repeated_blocks
-from memtrain.memory.accounting import device_state_bytes
+from memtrain.models import repeated_blocks
 from memtrain.checkpoint import Checkpointer
-from memtrain.memory.breakdown import MemoryBreakdown
-from memtrain.checkpoint.stateful import EngineState, RNGState, SchedulerState, TokenizerFiles
-from memtrain.config import Config, ConfigError, to_dict
 from memtrain.checkpoint.compat import data_identity
 from memtrain.checkpoint.layout import finished_without_checkpoint, move_previous_run
+from memtrain.checkpoint.stateful import EngineState, RNGState, SchedulerState, TokenizerFiles
+from memtrain.config import Config, ConfigError, to_dict
 from memtrain.data import GlobalBatchSampler, build_corpus
 from memtrain.data.corpus import SPLIT_RULE
+from memtrain.data.examples import ExampleCorpus, ExampleDataset
 from memtrain.distributed import ProcessState
 from memtrain.evaluate import Evaluator
 from memtrain.faults import FaultInjector
+from memtrain.flops import flops_per_token, peak_bf16_flops
 from memtrain.levers import LeverTarget, first_settings, offered_choices
 from memtrain.loop import TrainingLoop
+from memtrain.memory.accounting import device_state_bytes
+from memtrain.memory.breakdown import MemoryBreakdown
+from memtrain.planning.placement import resolve as resolve_placement
+from memtrain.planning.planner import build_planner
 from memtrain.models import ModelSource, count_parameters
-from memtrain.flops import flops_per_token, peak_bf16_flops
 from memtrain.objectives import make_objective
 from memtrain.oom import OOMSync, agrees_inside_compute
 from memtrain.optim import make_optimizer, make_scheduler
-from memtrain.memory.placement import resolve as resolve_placement
 from memtrain.plan import Plan, PlanController
 from memtrain.precision import NonFiniteGuard, resolve_precision
 from memtrain.records import RecordTail
+from memtrain.rng import capture, restore
 from memtrain.state import TrainState
 from memtrain.transforms import ModelTransforms
 
@@ -70,7 +73,7 @@ def make_controller(cfg: Config, data_parallel_size: int, choices: dict[str, tup
 def planner_factory(cfg: Config, corpus, objective, precision: str, process: ProcessState,
                     state_bytes: Callable[[], dict[str, int]], choices: dict[str, tuple], source=None,
                     engine: Optional[str] = None):
-    """What builds the run's planner on first use (:mod:`memtrain.memory.planner`), given the engine's
+    """What builds the run's planner on first use (:mod:`memtrain.planning.planner`), given the engine's
     model-state accounting (``state_bytes()``, called then), the levers' ``choices``, the
     model's :class:`memtrain.models.ModelSource` and the engine (``ddp|fsdp|deepspeed``: the one the
     placement chose, whose mixed precision the trace follows); None under
@@ -80,9 +83,6 @@ def planner_factory(cfg: Config, corpus, objective, precision: str, process: Pro
 
     def make():
         """Called by every rank at the same point (before step 1, or at an agreed OOM)."""
-        from memtrain.memory.planner import build_planner
-        from memtrain.rng import capture, restore
-
         streams = capture()  # a trace may draw (SpecAugment)
         planner, error = None, None
         try:
@@ -147,8 +147,6 @@ class UserInputs:
         default causal-LM objective, labels equal to the input ids (transformers' convention: the
         model shifts them) are shifted as transformers' models do, with a warning: memtrain's
         objective reads ``labels[t]`` as the token after ``input_ids[t]``."""
-        from memtrain.data.examples import ExampleCorpus, ExampleDataset
-
         train = ExampleDataset(self.train_dataset, self.collate_fn)
         validation = ExampleDataset(self.eval_dataset if self.eval_dataset is not None else [], self.collate_fn)
         if self.objective is None:

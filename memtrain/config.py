@@ -20,6 +20,7 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from memtrain.cli_help import describe
 from memtrain.errors import ConfigError  # raised here; the rest of memtrain imports it from here too
 from memtrain.recipe import check_recipe, explain_parse_error
 
@@ -119,7 +120,7 @@ class TrainingConfig:
     """Samples per optimizer step, summed over all ranks and micro-batches."""
     micro_batch_size: Union[int, Literal["auto"]] = 8
     """Samples per forward/backward on one rank. auto = the planner's fastest plan predicted to fit
-    the device (memtrain/memory/planner.py): every divisor of the rank's share, with each setting
+    the device (memtrain/planning/planner.py): every divisor of the rank's share, with each setting
     of the levers memory.activation_checkpointing and memory.levers allow, timed before step 1."""
     max_steps: int = 100
     """Optimizer steps to run."""
@@ -183,7 +184,7 @@ class BackendConfig:
     """Move optimizer state (and parameters) to host memory: DeepSpeed ZeRO offload, FSDP2
     CPUOffloadPolicy (FSDP2 offloads both whenever this is not none). auto = the placement
     planner chooses ZeRO stage, what is offloaded and ``offload_optimizer_ratio`` for this model,
-    the device memory and ``memory.host_memory_gib`` (memtrain/memory/placement.py; DeepSpeed, or FSDP2
+    the device memory and ``memory.host_memory_gib`` (memtrain/planning/placement.py; DeepSpeed, or FSDP2
     offload on or off). None = the DeepSpeed JSON's offload, else none."""
     offload_optimizer_ratio: float = 1.0
     """DeepSpeed ZeRO-3 with optimizer offload: the fraction of the optimizer state (fp32 master
@@ -451,8 +452,6 @@ def _parser(show_all: bool = False, helps: bool = True):
     parses every config class's source (0.06–0.14 s of each rank's start-up on the 2-core CPU
     machine), and only a help request prints them."""
     from jsonargparse import ActionConfigFile, ArgumentParser
-
-    from memtrain.cli_help import describe
 
     parser = ArgumentParser(prog="memtrain train", exit_on_error=False, allow_abbrev=False,
                             usage="memtrain train [--config RECIPE.yaml] [--SECTION.KEY VALUE ...]",

@@ -2,8 +2,8 @@
 so that an engine can raise a checkpoint error without importing the checkpointer.
 
 Exit codes of the ``memtrain`` command (:func:`memtrain.train.cli`): :class:`ConfigError` (also importable
-from :mod:`memtrain.config`) 2, :class:`memtrain.oom.OOMStop` 3, :class:`CheckpointError` (and :class:`OutputError`) 4,
-:class:`memtrain.precision.NonFiniteStop` 5.
+from :mod:`memtrain.config`) 2, :class:`OOMStop` 3, :class:`CheckpointError` (and :class:`OutputError`) 4,
+:class:`NonFiniteStop` 5, :class:`CollectiveError` 6.
 """
 
 from __future__ import annotations
@@ -33,3 +33,14 @@ class CollectiveError(RuntimeError):
     line). Raised from :meth:`memtrain.api.Trainer.fit` in place of the process group's own error,
     whose message (a C++ trace per rank) buries the cause; the message names the rank, the
     operation it was in, ``backend.timeout_s`` and the cause's first line."""
+
+
+class OOMStop(RuntimeError):
+    """Out of memory at the plan floor (micro-batch 1, activation checkpointing on or off by
+    request); the message holds the memory report and the settings to change (raised by
+    :mod:`memtrain.oom`)."""
+
+
+class NonFiniteStop(RuntimeError):
+    """Too many consecutive optimizer steps had a non-finite loss or gradient norm (raised by
+    :class:`memtrain.precision.NonFiniteGuard`)."""

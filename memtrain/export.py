@@ -24,9 +24,14 @@ from typing import Optional
 import torch
 from torch import nn
 
-from memtrain.errors import OutputError
+from memtrain.checkpoint.formats import read_full_weights
+from memtrain.checkpoint.layout import latest_checkpoint, verify
+from memtrain.config import Config, ConfigError, _to_dataclass
+from memtrain.distributed import prepare_libraries
+from memtrain.errors import CheckpointError, OutputError
 from memtrain.folders import (check_export_target, check_max_shard_size, is_disk_full, new_export_folder,
                               replace_export, write_error)
+from memtrain.models import build_model
 from memtrain.weights import load_into, save_weights
 
 log = logging.getLogger("memtrain")
@@ -117,11 +122,6 @@ def export_checkpoint(path: str, out: str, max_shard_size: str = "5GB") -> str:
             holds files no export wrote (:func:`memtrain.folders.check_export_target`); checked
             before anything is read or written; so is ``max_shard_size`` (field ``--max_shard_size``).
     """
-    from memtrain.checkpoint.formats import read_full_weights
-    from memtrain.checkpoint.layout import latest_checkpoint, verify
-    from memtrain.config import Config, _to_dataclass
-    from memtrain.models import build_model
-
     for folder in (path, os.path.join(path, "checkpoints")):  # checkpoints/ or a run folder: its latest
         named = latest_checkpoint(folder)
         if named is not None:
@@ -154,19 +154,15 @@ def _run_folders(path: str) -> list[str]:
     return [path] + ([os.path.dirname(parent)] if os.path.basename(parent) == "checkpoints" else [])
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: Optional[list[str]] = None, command: str = "export") -> int:
     """``memtrain export CKPT OUT``; returns the exit status: 2 for a refused checkpoint, target
     or ``--max_shard_size``, 4 when writing the export failed (a full disk)."""
-    from memtrain.config import ConfigError
-    from memtrain.errors import CheckpointError
-
-    parser = argparse.ArgumentParser(prog="memtrain export", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=f"memtrain {command}", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a checkpoints/step_XXXXXXXX directory (or checkpoints/ or the run "
                                            "folder, for its latest)")
     parser.add_argument("out", help="directory to write model.safetensors and config.json into")
     parser.add_argument("--max_shard_size", default="5GB", help="split larger models into shards (default 5GB)")
     args = parser.parse_args(argv)
-    from memtrain.distributed import prepare_libraries
 
     prepare_libraries(torch.cuda.is_available())
     try:

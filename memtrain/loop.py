@@ -311,8 +311,8 @@ class TrainingLoop(RunOutputs):
 
     def _probe(self, candidate) -> Optional[float]:
         """The planner's prober: the current rank batch's forward and backward at ``candidate``, timed."""
-        self.transforms.apply_plan(candidate.plan)
-        return time_step(self.model, self.engine, self.probe_batch, candidate.plan, self.objective, self.sync, self.faults)
+        return time_step(self.model, self.engine, self.probe_batch, candidate.plan, self.objective, self.sync, self.faults,
+                         apply_plan=self.transforms.apply_plan)
 
     def _rank_batch(self, cursor) -> dict:
         return {k: v.to(self.process.device) for k, v in self.corpus.train.batch(self.sampler.rank_batch(cursor)).items()}
@@ -370,7 +370,8 @@ class TrainingLoop(RunOutputs):
         on_change = functools.partial(self._on_plan_change, events, step, run_start)
         try:
             sums, plan = step_with_recovery(self.model, self.engine, rank_batch, self.controller, self.sync, on_change,
-                                            self.objective, self.faults, self._capped_plan(cursor))
+                                            self.objective, self.faults, self._capped_plan(cursor),
+                                            apply_plan=self.transforms.apply_plan)
         except OOMStop as exc:
             report = memory_report(self.model, self.optimizer)
             raise OOMStop(oom_stop_message(exc, step, self.process.rank, report, self._oom_context())) from None
@@ -466,12 +467,11 @@ class TrainingLoop(RunOutputs):
         self._apply_plan()
 
     def _apply_plan(self, chosen_before_step_1: bool = False) -> None:
-        """The one place the controller's plan reaches the engine (micro-batch and accumulation),
-        the levers (:mod:`memtrain.levers`, through the model transforms) and the evaluator
-        (whose micro-batch starts at the plan the planner chooses before step 1, then changes
-        only on its own OOM); idempotent."""
+        """The controller's plan into effect: the engine and the levers through
+        :meth:`memtrain.transforms.ModelTransforms.apply_plan` (the one function that applies a
+        plan, once per change), and the evaluator (whose micro-batch starts at the plan the
+        planner chooses before step 1, then changes only on its own OOM)."""
         plan = self.controller.plan
-        self.engine.set_plan(plan)
         self.transforms.apply_plan(plan)
         if chosen_before_step_1:
             self.evaluator.micro_batch_size = plan.micro_batch_size

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from memtrain.config import ConfigError, ModelConfig
+from memtrain.layerdrop import install_layerdrop
 
 
 def load_factory(spec: str):
@@ -111,7 +112,6 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, seed: int = 0, eos_toke
         hf_config.use_cache = False  # training only; no KV cache
         if ctc:
             model = AutoModelForCTC.from_config(hf_config)
-            from memtrain.layerdrop import install_layerdrop
 
             install_layerdrop(model, seed)
         else:
@@ -157,8 +157,6 @@ def _from_pretrained(model_cfg: ModelConfig, vocab_size: int, seed: int) -> nn.M
         raise ConfigError("model.config" if overrides else "model.pretrained",
                           f"'{path}' cannot be loaded with these settings: {str(exc).splitlines()[0]}") from None
     if ctc:
-        from memtrain.layerdrop import install_layerdrop
-
         install_layerdrop(model, seed)
     if any(hasattr(p, "ds_id") for p in model.parameters()):  # built partitioned by ZeRO-3, in its precision
         return model.train()
@@ -247,3 +245,27 @@ def meta_copy(model: nn.Module) -> nn.Module:
             if b is not None and id(b) not in memo:
                 memo[id(b)] = torch.empty_like(b, device="meta")
     return copy.deepcopy(model, memo)
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks (transformer layers), the unit FSDP2 shards and activation
+    checkpointing wraps.
+
+    transformers models name their block classes in ``_no_split_modules`` (GPT2Block,
+    LlamaDecoderLayer, …); for other modules (and transformers models that name none, such as
+    WavLM), the children holding parameters of the ``nn.ModuleList`` with the most parameters —
+    a speech model's transformer layers, not its convolutional feature encoder.
+
+    Returns:
+        Blocks in module order; empty when none is found.
+    """
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    if names:
+        blocks = [m for m in model.modules() if type(m).__name__ in names]
+        if blocks:
+            return blocks
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        return []
+    largest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+    return [child for child in largest if any(True for _ in child.parameters())]

@@ -22,6 +22,8 @@ from torch import nn
 
 from memtrain.chunked_loss import cross_entropy_sum, labels_for_head
 from memtrain.data import IGNORE_INDEX
+from memtrain.data.speech import decode_ids
+from memtrain.errors import ConfigError
 from memtrain.models import logits_of
 
 
@@ -147,8 +149,6 @@ class CTC:
         Returns:
             B transcripts.
         """
-        from memtrain.data.speech import decode_ids
-
         best = log_probs.argmax(-1).cpu()
         out = []
         for row, n in zip(best, frames.tolist()):
@@ -160,8 +160,6 @@ class CTC:
         """CTC loss sum, characters, word errors, reference words, character errors, reference
         characters (jiwer's alignment: errors = substitutions + deletions + insertions)."""
         import jiwer
-
-        from memtrain.data.speech import decode_ids
 
         mb = trim(batch)
         log_probs, frames = self._log_probs(model, mb)
@@ -232,8 +230,6 @@ def as_objective(objective) -> Objective:
     Raises:
         memtrain.errors.ConfigError: neither (field ``objective``).
     """
-    from memtrain.errors import ConfigError
-
     members = ("loss_sum", "count", "eval_sums", "finish", "unit", "eval_metrics")
     if all(hasattr(objective, m) for m in members):
         return objective

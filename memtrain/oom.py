@@ -18,8 +18,11 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 from torch import nn
 
+from memtrain.backends import engine_module
+from memtrain.errors import OOMStop
 from memtrain.folders import write_atomic
 from memtrain.host_flags import host_flags
+from memtrain.levers import LEVERS
 
 if TYPE_CHECKING:
     from memtrain.config import FaultsConfig
@@ -47,11 +50,6 @@ class AgreedOOM(torch.OutOfMemoryError):
     def __init__(self, ranks: list[int]):
         self.ranks = ranks
         super().__init__(f"out of memory on rank(s) {ranks}")
-
-
-class OOMStop(RuntimeError):
-    """Out of memory at the plan floor (micro-batch 1, activation checkpointing on or off by
-    request); the message holds the memory report and the settings to change."""
 
 
 def first_tensor(x) -> Optional[torch.Tensor]:
@@ -306,10 +304,12 @@ def oom_stop_message(exc: OOMStop, step: int, rank: int, report: dict[str, int],
     Args:
         report: :func:`memory_report` (its ``peak_memory_bytes`` is named for what it is: the
             device's peak allocation on CUDA, the process's peak resident size on the CPU).
-        context: ``engine``, ``zero_stage``, ``offload``, ``activation_checkpointing`` (``off``,
-            ``selective`` or ``on``),
-            ``chunked_cross_entropy`` (bool), ``activation_offload`` (``off``/``on``), ``optimizer_state_dtype``, ``device_type``, and, where known, ``budget_bytes`` (the
-            simulated device's or the CUDA cap) and ``simulated_peak_bytes``.
+        context: ``engine``, ``zero_stage``, ``offload``, each lever's setting by its name
+            (:data:`memtrain.levers.LEVERS`; a missing one is the lever's default), ``device_type``,
+            and, where known, ``budget_bytes`` (the simulated device's or the CUDA cap) and
+            ``simulated_peak_bytes``. The engine (its module's ``stop_words``/``stop_advice``) and
+            each lever (:meth:`memtrain.levers.base.Lever.stop_words`/``stop_advice``) say what
+            was on and what is left.
     """
     mib = lambda v: f"{v / 2**20:.1f} MiB"  # noqa: E731
     peak_name = "device peak allocated" if context.get("device_type") == "cuda" else "process peak resident size"
@@ -318,43 +318,13 @@ def oom_stop_message(exc: OOMStop, step: int, rank: int, report: dict[str, int],
     hit = (f" The budget is {mib(budget)} per rank" + (f" (simulated device peak {mib(context['simulated_peak_bytes'])})"
                                                         if context.get("simulated_peak_bytes") else "") + "."
            if budget else "")
-    on = [f"engine {context['engine']}" + (f" ZeRO-{context['zero_stage']}" if context.get("zero_stage") else "")]
-    ac = context.get("activation_checkpointing", "off")
-    on += [f"{'selective ' if ac == 'selective' else ''}activation checkpointing"] if ac != "off" else []
-    on += [f"offload {context['offload']}"] if context.get("offload") not in (None, "none") else []
-    on += ["chunked cross-entropy"] if context.get("chunked_cross_entropy") else []
-    on += ["activation offload"] if context.get("activation_offload") == "on" else []
-    dtype = context.get("optimizer_state_dtype", "fp32")
-    on += [f"{dtype} optimizer state"] if dtype != "fp32" else []
-    left = []
-    if context["engine"] == "ddp" and dtype == "int8":
-        left.append("backend.name fsdp in a new output_dir (shards the model state; int8 optimizer state does not "
-                    "resume under another engine)")
-    elif context["engine"] == "ddp" and dtype == "bf16":
-        left.append("backend.name fsdp (shards the model state; the same command with --backend.name fsdp resumes "
-                    "this run's last checkpoint under it; DeepSpeed keeps fp32 optimizer state)")
-    elif context["engine"] == "ddp":
-        left.append("backend.name fsdp, or deepspeed with backend.zero_stage 3 (shards the model state; the same "
-                    "command with --backend.name fsdp, or --backend.name deepspeed --backend.zero_stage 3, resumes this "
-                    "run's last checkpoint under that engine)")
-    elif context["engine"] == "deepspeed" and (context.get("zero_stage") or 2) < 3:
-        left.append("backend.zero_stage 3")
-    if context["engine"] != "ddp" and context.get("offload") in (None, "none"):
-        left.append("backend.offload optimizer")
-    if ac != "on":
-        left.append("memory.activation_checkpointing on" if ac == "selective" else
-                    "memory.activation_checkpointing selective (or on)")
-    if not context.get("chunked_cross_entropy"):
-        left.append("memory.chunked_cross_entropy true")
-    if context.get("activation_offload", "off") != "on":
-        left.append("memory.activation_offload on")
-    if dtype == "fp32" and context["engine"] != "deepspeed":
-        left.append("optimizer.state_dtype bf16 or int8 in a new output_dir (half or a quarter of the optimizer "
-                    "state; lossy; it must match on resume)")
+    engine = engine_module(context["engine"])
+    on = [engine.stop_words(context)] + [x.stop_words(context.get(x.name)) for x in LEVERS]
+    left = engine.stop_advice(context) + [x.stop_advice(context.get(x.name), engine) for x in LEVERS]
     left.append("a shorter data.seq_len")
     return (f"{exc} at step {step} (rank {rank}).{hit} Memory on this rank: "
             + ", ".join(f"{k} = {mib(v)}" for k, v in shown.items())
-            + f". Already on: {', '.join(on)}. To fit: {'; '.join(left)}.")
+            + f". Already on: {', '.join(w for w in on if w)}. To fit: {'; '.join(w for w in left if w)}.")
 
 
 ESCAPED_OOM_PREFIX = "oom_escaped"

@@ -19,7 +19,7 @@ from memtrain.levers import describe, lever, restore_settings
 from memtrain.memory.accounting import divisors
 from memtrain.oom import OOMStop
 
-# memtrain.memory.planner.Planner / Candidate (planner.py imports this module, not the other way round)
+# memtrain.planning.planner.Planner / Candidate (planner.py imports this module, not the other way round)
 Planner = Candidate = Any
 
 
@@ -139,7 +139,7 @@ class PlanController:
     micro-batch (never above the configured one); if that fails, the window doubles (exponential
     back-off, as Composer does for its auto-microbatching).
 
-    With a :class:`memtrain.memory.planner.Planner` (``planner``), an OOM moves to the fastest plan
+    With a :class:`memtrain.planning.planner.Planner` (``planner``), an OOM moves to the fastest plan
     predicted to need less memory than the one that failed (any micro-batch and lever settings)
     and grow-back tries the next faster measured plan (which may switch a lever off again).
 

@@ -204,11 +204,11 @@ def title_line(title: str, summary: Optional[dict[str, Any]], records: Optional[
     return ", ".join(parts)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: Optional[list[str]] = None, command: str = "plot") -> int:
     """``memtrain plot RUN_DIR [--out FILE.png]``: writes the PNG, prints its path; returns the exit
     status (0, or 2 with one ``memtrain plot: …`` line on stderr when the run cannot be read or
     the PNG cannot be written)."""
-    parser = argparse.ArgumentParser(prog="memtrain plot", description=__doc__.split("\n\n")[0].replace("``", ""))
+    parser = argparse.ArgumentParser(prog=f"memtrain {command}", description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("run_dir", help="a run's output_dir (holding metrics.jsonl)")
     parser.add_argument("--out", help="PNG to write (default RUN_DIR/run.png)")
     args = parser.parse_args(argv)

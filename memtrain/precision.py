@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from memtrain.config import ConfigError
+from memtrain.errors import NonFiniteStop
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 
@@ -58,10 +59,6 @@ def resolve_precision(requested: str, device_type: str, **probe) -> str:
     if requested != "auto":
         return requested
     return "bf16" if device_supports_bf16(device_type, **probe) else "fp32"
-
-
-class NonFiniteStop(RuntimeError):
-    """Too many consecutive optimizer steps had a non-finite loss or gradient norm."""
 
 
 class NonFiniteGuard:

@@ -12,6 +12,14 @@ from typing import Optional
 
 import yaml
 
+from memtrain.backends.spec import resolve_engine
+from memtrain.config import parse_args, to_dict
+from memtrain.distributed import prepare_libraries
+from memtrain.launcher import apply_accelerate_settings
+from memtrain.levers import lever_choices
+from memtrain.precision import resolve_precision
+from memtrain.validation import validate
+
 
 def describe_run(argv: list[str], environ: Optional[dict] = None) -> dict:
     """What ``memtrain train argv`` will run on this launcher (``WORLD_SIZE`` of ``environ``).
@@ -28,15 +36,7 @@ def describe_run(argv: list[str], environ: Optional[dict] = None) -> dict:
     """
     import torch
 
-    from memtrain.distributed import prepare_libraries
-
     prepare_libraries(torch.cuda.is_available())  # before transformers imports torchao: no library noise
-    from memtrain.backends.spec import resolve_engine
-    from memtrain.config import parse_args, to_dict
-    from memtrain.launcher import apply_accelerate_settings
-    from memtrain.levers import lever_choices
-    from memtrain.precision import resolve_precision
-    from memtrain.validation import validate
 
     environ = os.environ if environ is None else environ
     world_size = int(environ.get("WORLD_SIZE", "1"))

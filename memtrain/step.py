@@ -178,8 +178,8 @@ def train_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.T
 def step_with_recovery(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.Tensor],
                        controller: PlanController, sync: OOMSync,
                        on_change: Callable[[PlanChange, list[int]], None], objective: Objective,
-                       hooks: Optional[StepHooks] = None, plan_for: Optional[Callable[[], Plan]] = None
-                       ) -> tuple[StepSums, Plan]:
+                       hooks: Optional[StepHooks] = None, plan_for: Optional[Callable[[], Plan]] = None, *,
+                       apply_plan: Callable[[Plan], None]) -> tuple[StepSums, Plan]:
     """:func:`train_step` under the OOM protocol: on an out-of-memory error on any rank, every rank
     discards the partial gradients, adopts the same smaller plan and retries the same rank batch,
     replaying the random streams the failed attempt started with.
@@ -188,6 +188,8 @@ def step_with_recovery(model: nn.Module, backend: Backend, rank_batch: dict[str,
         on_change: called with each :class:`PlanChange` and the list of ranks that ran out of memory.
         plan_for: this step's plan from the controller's (a capped one, the same on every rank);
             None = the controller's plan.
+        apply_plan: puts a plan into effect (:meth:`memtrain.transforms.ModelTransforms.apply_plan`:
+            once per change), called with each attempt's plan and, after the step, the controller's.
 
     Returns:
         (the completed attempt's :class:`StepSums`, the plan that completed the step).
@@ -198,14 +200,12 @@ def step_with_recovery(model: nn.Module, backend: Backend, rank_batch: dict[str,
     streams = capture()
     while True:
         plan = plan_for() if plan_for is not None else controller.plan
-        if plan != controller.plan:
-            backend.set_plan(plan)
+        apply_plan(plan)
         try:
             if hooks is not None:
                 hooks.start_attempt()
             sums = train_step(model, backend, rank_batch, plan, objective, sync, hooks)
-            if plan != controller.plan:
-                backend.set_plan(controller.plan)
+            apply_plan(controller.plan)  # after a capped step: back to the controller's
             return sums, plan
         except BaseException as exc:
             if not sync.enabled or not is_oom(exc):
@@ -219,12 +219,12 @@ def step_with_recovery(model: nn.Module, backend: Backend, rank_batch: dict[str,
         backend.discard_step(model)
         restore(streams)
         change = controller.on_oom(where, tried=plan)
-        backend.set_plan(controller.plan)
-        on_change(change, ranks)
+        on_change(change, ranks)  # the next attempt applies the new plan
 
 
 def time_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.Tensor], plan: Plan,
-              objective: Objective, sync: OOMSync, hooks: Optional[StepHooks] = None, repeats: int = 2) -> Optional[float]:
+              objective: Objective, sync: OOMSync, hooks: Optional[StepHooks] = None, repeats: int = 2, *,
+              apply_plan: Callable[[Plan], None]) -> Optional[float]:
     """Seconds of the forward and backward of ``rank_batch`` at ``plan`` (every micro-batch and the
     gradient reduction, as in a real step; no optimizer step), the fastest of ``repeats`` (the
     first also warms up), averaged over ranks; the gradients are discarded and the random streams
@@ -238,7 +238,7 @@ def time_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.Te
         Any non-OOM error, untouched.
     """
     streams, process = capture(), backend.process
-    backend.set_plan(plan)
+    apply_plan(plan)
     best, agreed, failed = float("inf"), None, False
     try:
         for _ in range(repeats):

@@ -12,14 +12,21 @@ adds the subcommands and turns errors into exit codes.
 
 from __future__ import annotations
 
+import difflib
+import importlib
+import logging
 import os
 import sys
+import traceback
 from typing import Optional
 
 if __package__ in (None, ""):  # run as a script: make the package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from memtrain.config import Config, ConfigError  # noqa: E402
+from memtrain.errors import CheckpointError, NonFiniteStop, OOMStop, OutputError  # noqa: E402
+from memtrain.watchdog import (COLLECTIVE_FAILED, collective_failure_message, is_collective_failure,  # noqa: E402
+                               operation)
 
 
 def main(argv: Optional[list[str]] = None):
@@ -28,9 +35,14 @@ def main(argv: Optional[list[str]] = None):
     Raises:
         ConfigError: invalid configuration (before any process group or file is created).
     """
-    from memtrain.api import Trainer
+    return _trainer(sys.argv[1:] if argv is None else argv).fit()
 
-    return Trainer(args=sys.argv[1:] if argv is None else argv, owns_process=True).fit()
+
+def _trainer(argv: list[str]):
+    """A :class:`memtrain.api.Trainer` for the command line ``argv`` (the class a Python script uses)."""
+    from memtrain.api import Trainer  # heavy (torch and the engines): not imported for --help or a subcommand
+
+    return Trainer(args=argv, owns_process=True)
 
 
 USAGE = """usage: memtrain [train] --config RECIPE.yaml [--section.key value ...]
@@ -52,12 +64,21 @@ steps, 6 collective failure or timeout, 130 Ctrl-C, 1 memtrain's own error (docs
 
 INTERRUPTED = 130
 """Exit code after Ctrl-C (128 + SIGINT, the shell's convention)."""
-COMMANDS = ("train", "plan", "memory", "export", "plot")
+SUBCOMMANDS = {"plan": "memtrain.estimate", "memory": "memtrain.estimate", "export": "memtrain.export",
+               "plot": "memtrain.plot"}
+"""Each subcommand's module: its ``main(argv, command)`` runs it and returns the exit code."""
+COMMANDS = ("train", *SUBCOMMANDS)
+
+
+def run_subcommand(command: str, argv: list[str]) -> int:
+    """Run ``memtrain COMMAND argv`` (:data:`SUBCOMMANDS`); its exit code. The module is imported
+    here, when it runs (each imports torch: ``memtrain --help`` stays instant)."""
+    return importlib.import_module(SUBCOMMANDS[command]).main(argv, command=command)
 
 
 def cli() -> None:
-    """Console entry point (``memtrain export …`` goes to :mod:`memtrain.export`, ``memtrain plot
-    …`` to :mod:`memtrain.plot`, ``memtrain plan|memory …`` to :mod:`memtrain.memory.estimate`): exit 2 with
+    """Console entry point (``memtrain export|plot|plan|memory …`` go to their modules,
+    :data:`SUBCOMMANDS`): exit 2 with
     the message on a config error, 3 when out of memory at the plan floor (the message holds the
     memory report), 4 when a checkpoint cannot be saved or resumed or the model cannot be exported
     (a full disk: the path and its free bytes named), 5 after too many consecutive
@@ -72,33 +93,19 @@ def cli() -> None:
         sys.exit(0)
     first = sys.argv[1]
     if not first.startswith("-") and first not in COMMANDS:  # a mistyped subcommand, not a config key
-        import difflib
-
         close = difflib.get_close_matches(first, COMMANDS, n=1)
         print(f"memtrain: unknown command '{first}'{f' (did you mean {close[0]!r}?)' if close else ''}; the commands "
               f"are {', '.join(COMMANDS)} (memtrain --help)", file=sys.stderr)
         sys.exit(2)
     if first == "train":  # memtrain train --config ... is memtrain --config ...
         del sys.argv[1]
-    if sys.argv[1:2] == ["export"]:  # memtrain export CKPT OUT
-        from memtrain.export import main as export_main
-
-        sys.exit(export_main(sys.argv[2:]))
-    if sys.argv[1:2] == ["plot"]:  # memtrain plot RUN_DIR [--out FILE.png]
-        from memtrain.plot import main as plot_main
-
-        sys.exit(plot_main(sys.argv[2:]))
-    if sys.argv[1:2] in (["memory"], ["plan"]):  # memtrain plan|memory --config ...
-        from memtrain.memory.estimate import main as plan_main
-
-        sys.exit(plan_main(sys.argv[2:], command=sys.argv[1]))
+    if len(sys.argv) > 1 and sys.argv[1] in SUBCOMMANDS:  # memtrain export CKPT OUT, memtrain plan --config ...
+        sys.exit(run_subcommand(sys.argv[1], sys.argv[2:]))
     if any(a == "--print_config" or a.startswith("--print_config=") for a in sys.argv[1:]):
         sys.exit(print_run([a for a in sys.argv[1:] if not a.startswith("--print_config")]))
     cfg = None
     try:
-        from memtrain.api import Trainer
-
-        trainer = Trainer(args=sys.argv[1:], owns_process=True)  # the class a Python script uses
+        trainer = _trainer(sys.argv[1:])
         cfg = trainer.config
         result = trainer.fit()
         code = INTERRUPTED if result.summary.get("preempted") == "SIGINT" else 0  # Ctrl-C: saved, then stopped
@@ -109,8 +116,6 @@ def cli() -> None:
     except Exception as exc:  # noqa: BLE001 — every error becomes one message and its exit code
         code, message = error_report(exc, cfg)
         if cfg is not None and cfg.debug:
-            import traceback
-
             traceback.print_exc()
         if not _said_by_rank_0(exc):
             print(f"memtrain: {message}", file=sys.stderr)
@@ -120,16 +125,13 @@ def cli() -> None:
 def _said_by_rank_0(exc: Exception) -> bool:
     """Whether ``exc`` is a stop every rank raises together (out of memory at the smallest plan,
     a non-finite loss), said once by rank 0, and this is another rank."""
-    from memtrain.oom import OOMStop
-    from memtrain.precision import NonFiniteStop
-
     return isinstance(exc, (OOMStop, NonFiniteStop)) and int(os.environ.get("RANK", "0")) != 0
 
 
 def print_run(argv: list[str]) -> int:
     """``--print_config``: print what this command line will run (:mod:`memtrain.show`) and
     return 0, or the error's exit code and message (2 for a bad input) without running."""
-    from memtrain.show import describe_run, format_run
+    from memtrain.show import describe_run, format_run  # heavy (torch, the model): only for --print_config
 
     try:
         print(format_run(describe_run(argv)))
@@ -142,10 +144,7 @@ def print_run(argv: list[str]) -> int:
 
 def error_report(exc: Exception, cfg: Optional[Config]) -> tuple[int, str]:
     """The exit code and one-line message of an error that ended a run (see :func:`cli`)."""
-    from memtrain.errors import CheckpointError, OutputError
-    from memtrain.oom import OOMStop, escaped_oom_path, is_oom
-    from memtrain.precision import NonFiniteStop
-    from memtrain.watchdog import COLLECTIVE_FAILED, collective_failure_message, is_collective_failure, operation
+    from memtrain.oom import escaped_oom_path, is_oom  # heavy (torch): loaded by the run that failed, if it began
 
     for kind, code, prefix in ((ConfigError, 2, ""), (OOMStop, 3, ""), (OutputError, 4, ""),
                                (CheckpointError, 4, "checkpoint: "), (NonFiniteStop, 5, "")):
@@ -177,8 +176,6 @@ def _exit_now(code: int) -> None:
     std::terminate (pytorch/pytorch PR 179291 and issue 190489 describe the same crash). An
     abort there would turn a finished run, or a clean exit code 3/4/5, into a failed job.
     """
-    import logging
-
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

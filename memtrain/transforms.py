@@ -13,13 +13,14 @@
    it was built;
 4. OOM agreement hooks, then fault-injection hooks, registered ahead of the engine's own hooks.
 
-Later plans (the planner's choice, the OOM protocol, grow-back) reach the wrapped model through
-:meth:`ModelTransforms.apply_plan`.
+Later plans (the planner's choice, the OOM protocol, grow-back, a probe's or a capped step's
+plan) take effect in one function, :meth:`ModelTransforms.apply_plan`, once per change: the
+engine's micro-batch and accumulation, then the model levers.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -44,11 +45,19 @@ class ModelTransforms:
         self.target = target
         self.blocks = target.blocks
         self.compile_blocks = compile_blocks
+        self.engine: Optional[Backend] = None
+        self.plan: Optional[Plan] = None  # the plan in effect
 
     def apply_plan(self, plan: Plan) -> None:
-        """Put ``plan``'s lever settings into effect (idempotent; engine levers fixed at build
-        are checked, not changed)."""
+        """The one place a plan takes effect after the build: the engine's micro-batch and
+        accumulation (:meth:`memtrain.backends.base.Backend.set_plan`), then the lever settings
+        (engine levers fixed at build are checked, not changed). Nothing is done when ``plan`` is
+        already in effect, so each change is applied once however many callers pass it on."""
+        if plan == self.plan:
+            return
+        self.engine.set_plan(plan)
         apply_levers(self.target, plan.settings())
+        self.plan = plan
 
     def apply(self, model: nn.Module, engine: Backend, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
               sync: OOMSync, plan: Plan) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -63,6 +72,7 @@ class ModelTransforms:
         self.target.built = {name: setting for name, setting in plan.levers}  # engine levers are fixed from here
         sync_replicated_state(model, engine.process.device)
         model, optimizer = engine.prepare(model, make_optimizer)
+        self.engine, self.plan = engine, plan  # the engine was built with the starting plan
         sync.install(self.blocks, engine.compute_collectives(True))  # the last micro-batch's: the most
         self.target.faults.install(self.blocks)  # after the agreement hooks: an injected OOM comes first, as a real one would
         return model, optimizer

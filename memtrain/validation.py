@@ -11,10 +11,18 @@ import glob
 import os
 from typing import Collection
 
+from memtrain.backends import engine_module, engine_name
+from memtrain.backends.ds_config import read_user_json
+from memtrain.checkpoint.layout import check_run_folder
 from memtrain.config import Config, ConfigError, freeze
+from memtrain.data.hf_datasets import is_dataset_source
+from memtrain.data.tokens import cache_setting, default_cache_dir
 from memtrain.extras import require
+from memtrain.folders import check_export_target, check_max_shard_size, nearest_existing
+from memtrain.levers import lever
 from memtrain.levers.optimizer_state import BF16_MAX_BETA2
-from memtrain.models import ctc_model_types
+from memtrain.metrics import check_tracker_names
+from memtrain.models import build_model, check_model_type, ctc_model_types
 
 
 def _positive(name: str, value) -> None:
@@ -89,7 +97,6 @@ def _validate_values(cfg: Config) -> None:
         raise ConfigError("training.compile", "cannot be combined with faults.memory_budget_mib: the simulated device "
                           "counts each tensor saved for backward, which compiled blocks keep inside their own graph")
     if cfg.logging.log_with:  # an unknown tracker stops the run before any work
-        from memtrain.metrics import check_tracker_names
 
         check_tracker_names(cfg.logging.log_with)
     if not cfg.backend.timeout_s > 0:
@@ -99,8 +106,6 @@ def _validate_values(cfg: Config) -> None:
     out = os.path.expanduser(cfg.output_dir)
     if os.path.exists(out) and not os.path.isdir(out):
         raise ConfigError("output_dir", f"'{cfg.output_dir}' exists and is not a folder")
-    from memtrain.checkpoint.layout import check_run_folder
-    from memtrain.folders import nearest_existing
 
     parent = nearest_existing(out)
     if parent and not os.access(parent, os.W_OK):
@@ -153,7 +158,6 @@ def _check_model_builds(cfg: Config, mc: dict) -> None:
                 isinstance(value, (str, bool, list, dict)) or (isinstance(default, int) and isinstance(value, float))):
             raise ConfigError(f"model.config.{key}", f"expects {'an integer' if isinstance(default, int) else 'a number'}"
                               f" (the {mc['model_type']} default is {default}), got {value!r}")
-    from memtrain.models import build_model
 
     try:
         with torch.device("meta"):
@@ -196,7 +200,6 @@ def _validate_model(cfg: Config) -> None:
         return
     if "model_type" not in mc:
         raise ConfigError("model.config", "needs 'model_type' (e.g. gpt2, llama) unless model.factory is set")
-    from memtrain.models import check_model_type
 
     check_model_type(mc["model_type"])
     if not cfg.model.pretrained:
@@ -238,7 +241,6 @@ def validate(cfg: Config, world_size: int, python: Collection[str] = ()) -> None
             matches = glob.glob(os.path.expanduser(pattern), recursive=True)
             if not matches:
                 raise ConfigError("data.files", f"'{pattern}' matches no file")
-            from memtrain.data.hf_datasets import is_dataset_source
 
             if all(os.path.isdir(m) and not is_dataset_source(m) for m in matches):
                 raise ConfigError("data.files", f"'{pattern}' is a folder; give its files, e.g. "
@@ -251,13 +253,8 @@ def validate(cfg: Config, world_size: int, python: Collection[str] = ()) -> None
     if ds is not None and not os.path.isfile(ds):
         raise ConfigError("backend.deepspeed_config", f"'{ds}' is not a file (a DeepSpeed JSON config is expected)")
     if ds is not None:
-        from memtrain.backends.ds_config import read_user_json
-
         read_user_json(ds)  # a comment or trailing comma is named now, with its line
     _validate_files_and_sizes(cfg)
-    if ds is not None and cfg.backend.name not in ("auto", "deepspeed"):
-        raise ConfigError("backend.deepspeed_config", f"is set but backend.name is '{cfg.backend.name}'; "
-                          "use backend.name deepspeed (or auto), or drop the DeepSpeed config")
     _validate_values(cfg)
     every = cfg.memory.activation_checkpointing_every_n_blocks
     if every < 1:
@@ -296,8 +293,6 @@ def _validate_files_and_sizes(cfg: Config) -> None:
     """``checkpoint.max_shard_size`` (parsed as the first save would), ``data.encoding`` (a codec
     Python knows), the data cache folder (``data.cache_dir`` or ``$MEMTRAIN_CACHE``) writable, and
     ``output_dir/model`` absent or an earlier export (the final export replaces only that)."""
-    from memtrain.folders import check_export_target, check_max_shard_size
-
     check_max_shard_size(cfg.checkpoint.max_shard_size)
     import codecs
 
@@ -306,8 +301,6 @@ def _validate_files_and_sizes(cfg: Config) -> None:
     except LookupError:
         raise ConfigError("data.encoding", f"'{cfg.data.encoding}' is not an encoding Python knows; e.g. utf-8, "
                           "latin-1, cp1252, utf-16") from None
-    from memtrain.folders import nearest_existing
-    from memtrain.data.tokens import cache_setting, default_cache_dir
 
     cache = os.path.expanduser(cfg.data.cache_dir or default_cache_dir())
     parent = nearest_existing(cache)
@@ -321,40 +314,20 @@ def _validate_files_and_sizes(cfg: Config) -> None:
 def _validate_placement(cfg: Config) -> None:
     """``backend.offload``, ``offload_optimizer_ratio``, ``nvme_path``, ``memory.host_memory_gib``,
     and the settings of one engine given for another (``zero_stage``, ``reshard_after_forward``)."""
-    from memtrain.backends import engine_name
-
     b = cfg.backend
     engine = engine_name(b)  # auto: the launcher's, DeepSpeed with a zero_stage, else DDP
-    if engine == "ddp" and b.offload not in (None, "none", "auto"):
-        raise ConfigError("backend.offload", f"'{b.offload}' needs backend.name fsdp or deepspeed (DDP keeps all "
-                          "state on the device)")
-    if engine == "ddp" and b.name == "ddp" and b.offload == "auto":
-        raise ConfigError("backend.offload", "auto chooses where state lives, which DDP cannot change: use "
-                          "backend.name auto (every engine), fsdp or deepspeed")
-    if engine == "fsdp" and (b.offload_optimizer_ratio != 1.0 or b.nvme_path):
-        raise ConfigError("backend.offload_optimizer_ratio" if b.offload_optimizer_ratio != 1.0 else "backend.nvme_path",
-                          "partial and NVMe offload are DeepSpeed's (ZeRO-3); FSDP2 offloads everything or nothing")
+    engine_module(engine).validate(cfg)  # what this engine cannot honour, named by the engine
     _validate_optimizer_state(cfg, engine)
     if not 0.0 < b.offload_optimizer_ratio <= 1.0:
         raise ConfigError("backend.offload_optimizer_ratio", f"must be in (0, 1] (the fraction of the optimizer state "
                           f"on the host), got {b.offload_optimizer_ratio}")
     if b.offload_optimizer_ratio < 1.0 and b.offload == "auto":
         raise ConfigError("backend.offload_optimizer_ratio", "is chosen by the planner under backend.offload auto: drop it")
-    if b.nvme_path is not None:
-        if engine == "ddp":
-            raise ConfigError("backend.nvme_path", "NVMe offload is DeepSpeed's (ZeRO-3); the engine is DDP")
-        if not os.path.isdir(b.nvme_path):
-            raise ConfigError("backend.nvme_path", f"'{b.nvme_path}' is not a folder (NVMe offload writes its files there)")
+    if b.nvme_path is not None and not os.path.isdir(b.nvme_path):
+        raise ConfigError("backend.nvme_path", f"'{b.nvme_path}' is not a folder (NVMe offload writes its files there)")
     if cfg.memory.host_memory_gib < 0:
         raise ConfigError("memory.host_memory_gib", f"must be >= 0 (GiB of host memory; 0 = what is available), got "
                           f"{cfg.memory.host_memory_gib}")
-    if b.zero_stage is not None and engine in ("ddp", "fsdp"):
-        launcher = "" if b.name != "auto" else " (backend.name auto, launched with an FSDP config)"
-        raise ConfigError("backend.zero_stage", f"is a DeepSpeed setting, but the engine is '{engine}'{launcher}; "
-                          "use backend.name deepspeed (or auto), or drop backend.zero_stage")
-    if not b.reshard_after_forward and b.name in ("ddp", "deepspeed"):  # auto may still plan FSDP2
-        raise ConfigError("backend.reshard_after_forward", f"false is an FSDP2 setting, but backend.name is "
-                          f"'{b.name}'; use backend.name fsdp (or auto), or drop it")
 
 
 def _validate_optimizer_state(cfg: Config, engine: str) -> None:
@@ -362,8 +335,6 @@ def _validate_optimizer_state(cfg: Config, engine: str) -> None:
     most :data:`BF16_MAX_BETA2`; int8 needs torchao and is not counted by MemTracker."""
     import importlib.util
     from types import SimpleNamespace
-
-    from memtrain.levers import lever
 
     lever("optimizer_state_dtype").choices(cfg, SimpleNamespace(name=engine))  # names what DeepSpeed cannot take
     if cfg.optimizer.state_dtype == "bf16" and cfg.training.adam_beta2 > BF16_MAX_BETA2:

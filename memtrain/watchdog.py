@@ -28,6 +28,8 @@ import threading
 import time
 from typing import Optional
 
+from memtrain.errors import CollectiveError
+
 log = logging.getLogger("memtrain")
 
 COLLECTIVE_FAILED = 6
@@ -99,8 +101,6 @@ def is_collective_failure(exc: BaseException) -> bool:
     ``RuntimeError`` gloo raises: "Timed out waiting … for recv", "Connection closed by peer")."""
     import torch.distributed as dist
 
-    from memtrain.errors import CollectiveError
-
     if isinstance(exc, (CollectiveError, getattr(dist, "DistError", ()))):
         return True
     text = str(exc)
@@ -111,8 +111,6 @@ def is_collective_failure(exc: BaseException) -> bool:
 
 def collective_failure_message(exc: BaseException, rank: int, timeout_s: float) -> str:
     """The one-line report of a failed collective: rank, operation, timeout and the cause."""
-    from memtrain.errors import CollectiveError
-
     if isinstance(exc, CollectiveError):  # said already
         return str(exc)
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -48,7 +48,7 @@ def test_activation_checkpointing_keeps_losses_and_gradients(tmp_path, cache_dir
 def test_activation_checkpointing_lowers_probe_activation_bytes(cache_dir, model):
     from memtrain.config import parse_args
     from memtrain.data import build_corpus
-    from memtrain.memory.estimate import activation_bytes
+    from memtrain.estimate import activation_bytes
     from memtrain.models import build_model
 
     cfg = parse_args((TINY_BASE_ARGS + MODELS[model] if model == "plain" else TINY_ARGS + ["--model.config.n_layer", "4"])
@@ -75,7 +75,7 @@ def test_selective_checkpointing_keeps_gradients_bitwise_and_the_matmul_outputs(
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from memtrain.activation import enable_activation_checkpointing
-    from memtrain.backends.common import repeated_blocks
+    from memtrain.models import repeated_blocks
     from memtrain.memory.simulated import SimulatedMemory
 
     torch.manual_seed(0)
@@ -104,7 +104,7 @@ def test_selective_checkpointing_keeps_gradients_bitwise_and_the_matmul_outputs(
 
 
 def test_memory_report_cli(cache_dir, capsys):
-    from memtrain.memory.estimate import main
+    from memtrain.estimate import main
 
     assert main(["--world_size", "4"] + TINY_ARGS + ["--data.cache_dir", cache_dir]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -133,7 +133,7 @@ def test_compiled_blocks_train_like_eager_and_stay_compiled(model):
     from torch._dynamo.utils import counters
 
     from memtrain.activation import disable_activation_checkpointing, enable_activation_checkpointing
-    from memtrain.backends.common import repeated_blocks
+    from memtrain.models import repeated_blocks
     from memtrain.transforms import compile_forwards
 
     torch._dynamo.reset()

@@ -51,7 +51,7 @@ def test_offload_keeps_losses_and_gradients_bitwise_and_moves_activations_to_hos
     inputs move), and nothing counted outlives backward. Switched off again, nothing moves."""
     from memtrain.activation import enable_activation_checkpointing
     from memtrain.activation_offload import disable_activation_offload, enable_activation_offload, moved_bytes
-    from memtrain.backends.common import repeated_blocks
+    from memtrain.models import repeated_blocks
     from memtrain.memory.simulated import SimulatedMemory
 
     net = gpt2()
@@ -118,8 +118,8 @@ def test_the_planner_predicts_what_the_simulated_device_counts_and_what_moves(ca
     from memtrain.config import parse_args
     from memtrain.data import build_corpus
     from memtrain.activation import enable_activation_checkpointing
-    from memtrain.backends.common import repeated_blocks
-    from memtrain.memory.planner import activation_table, trace_batch
+    from memtrain.models import repeated_blocks
+    from memtrain.planning.planner import activation_table, trace_batch
     from memtrain.memory.simulated import SimulatedMemory
     from memtrain.models import build_model
     from memtrain.objectives import make_objective
@@ -158,7 +158,7 @@ def test_the_planner_charges_the_copies_a_cpu_run_cannot_time():
     (2 × bytes moved per micro-batch at the stated rate), so the solver weighs them — a resumed
     run at its own rate; a GPU run's probes are taken as measured; ``memtrain plan``'s estimate
     adds them too."""
-    from memtrain.memory.planner import Candidate, Planner, estimated_step_s
+    from memtrain.planning.planner import Candidate, Planner, estimated_step_s
     from memtrain.plan import Plan
 
     def table(rate):
@@ -201,7 +201,7 @@ def test_on_cuda_offloaded_activations_must_fit_the_hosts_room(monkeypatch):
 
     from memtrain.config import parse_args
     from memtrain.memory.machine import offload_host_room_bytes
-    from memtrain.memory.planner import Candidate, Planner
+    from memtrain.planning.planner import Candidate, Planner
     from memtrain.plan import Plan
 
     small = Candidate(Plan(2, 4, (("activation_offload", "on"),)), 3 * MiB, 1 * MiB, offloaded_bytes=50 * MiB)

@@ -20,7 +20,7 @@ def test_a_real_cuda_oom_is_recovered_and_trains_like_the_plan_it_lands_on(tmp_p
     (1e-5) a run started at the plan it ended on."""
     from memtrain.config import parse_args
     from memtrain.memory.accounting import without_allocator_headroom
-    from memtrain.memory.estimate import plan_report
+    from memtrain.estimate import plan_report
     from memtrain.train import main
 
     base = tiny_args(tmp_path / "x", cache_dir, "--training.max_steps", "4", *WIDE)

@@ -62,3 +62,61 @@ def test_the_walker_sees_imports_inside_functions(tmp_path):
     modules = {"memtrain.a": tmp_path / "a.py", "memtrain.b": tmp_path / "b.py"}
     assert imports_of("memtrain.a", modules["memtrain.a"], modules) == {"memtrain.b"}
     assert imports_of("memtrain.b", modules["memtrain.b"], modules) == {"memtrain.a"}
+
+
+def _parents(tree: ast.AST) -> dict:
+    return {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+
+
+def _in_function(node: ast.AST, parents: dict) -> bool:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return True
+    return False
+
+
+def test_memtrain_imports_are_at_the_top_unless_heavy():
+    """A memtrain module is imported inside a function only where importing it at the top would
+    load a heavy dependency early (``memtrain --help`` without torch), at most 15 times, each with
+    its reason on the line (docs/design.md, "Modules and their owners")."""
+    inner = []
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text()
+        lines, tree = text.splitlines(), ast.parse(text)
+        parents = _parents(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and _in_function(node, parents):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                if getattr(node, "level", 0) or any(n.split(".")[0] == "memtrain" for n in names):
+                    inner.append((f"{path.relative_to(PACKAGE)}:{node.lineno}", lines[node.end_lineno - 1]))
+    assert len(inner) <= 15, inner
+    assert all("#" in line for _, line in inner), [where for where, line in inner if "#" not in line]
+
+
+ENGINE_NAMES = {"ddp", "fsdp", "deepspeed"}
+
+
+def test_engine_names_are_compared_only_by_the_engines():
+    """Outside backends/ and the config, code asks an engine's module what it can do instead of
+    comparing engine names (at most 3 comparisons: the launcher's mapping of Accelerate's
+    settings to engines)."""
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel.startswith("backends/") or rel == "config.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(
+                    isinstance(c, ast.Constant) and c.value in ENGINE_NAMES
+                    for side in (node.left, *node.comparators) for c in ast.walk(side)):
+                found.append(f"{rel}:{node.lineno}")
+    assert len(found) <= 3, found
+
+
+def test_a_plan_reaches_the_engine_in_one_place():
+    """``Backend.set_plan`` is called from one function (the model transforms' ``apply_plan``)."""
+    calls = [f"{path.relative_to(PACKAGE)}:{node.lineno}" for path in PACKAGE.rglob("*.py")
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "set_plan"]
+    assert len(calls) == 1 and calls[0].startswith("transforms.py:"), calls

@@ -11,7 +11,7 @@ import torch
 
 import memtrain.levers as levers
 from memtrain.levers import Lever, LeverTarget, apply_levers, lever, lever_choices
-from memtrain.memory.planner import Planner, make_candidates
+from memtrain.planning.planner import Planner, make_candidates
 from memtrain.oom import OOMStop
 from memtrain.plan import Plan, PlanController
 
@@ -79,7 +79,7 @@ def test_activation_checkpointing_lever_wraps_and_unwraps_the_blocks():
     from toy_models import make_stack
 
     from memtrain.activation import selective_context
-    from memtrain.backends.common import repeated_blocks
+    from memtrain.models import repeated_blocks
 
     model = make_stack(32)
     blocks = repeated_blocks(model)

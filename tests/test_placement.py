@@ -1,4 +1,4 @@
-"""The placement planner (memtrain/memory/placement.py): where model state lives for a model and a machine,
+"""The placement planner (memtrain/planning/placement.py): where model state lives for a model and a machine,
 planned without a GPU; the partial-offload glue; a placement the host cannot hold is refused."""
 
 import json
@@ -6,10 +6,11 @@ import json
 import pytest
 
 from conftest import REPO, run_cli, tiny_args
-from memtrain.memory.accounting import ModelShape, device_state_bytes, model_state_bytes
+from memtrain.backends import model_state_bytes
+from memtrain.memory.accounting import ModelShape, device_state_bytes
 from memtrain.memory.machine import Machine
-from memtrain.memory.placement import RATIO_STEP, Placement, plan_placements, variants
-from memtrain.memory.planner import Candidate
+from memtrain.planning.placement import RATIO_STEP, Placement, plan_placements, variants
+from memtrain.planning.planner import Candidate
 from memtrain.plan import Plan
 
 GIB = 2**30
@@ -83,7 +84,7 @@ def test_planner_keeps_as_much_optimizer_state_on_the_device_as_fits():
                               SHAPE, "bf16", 1, machine())[0]
     assert tighter.fits
     one_step_less = Placement("deepspeed", 3, "optimizer", round(chosen.offload_optimizer_ratio - RATIO_STEP, 4))
-    from memtrain.memory.placement import _size
+    from memtrain.planning.placement import _size
 
     _size(one_step_less, next(c for c in candidates() if c.micro_batch_size == chosen.micro_batch_size), SHAPE,
           "bf16", 1, machine())
@@ -98,7 +99,7 @@ def test_a_ddp_placement_counts_the_reducer_buckets_only_without_oom_recovery():
 
     from memtrain.config import parse_args
     from memtrain.memory.accounting import model_shape
-    from memtrain.memory.placement import allowed_pool, planning_pool, state_bytes
+    from memtrain.planning.placement import allowed_pool, planning_pool, state_bytes
 
     model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 8))
     n = sum(p.numel() for p in model.parameters())
@@ -119,7 +120,7 @@ def test_lossy_optimizer_states_are_planned_only_when_allowed():
     is 16 bytes per parameter (weights, gradients, two moments), 12 with bf16 moments: on a 14 GiB
     device only the bf16 one fits and is chosen; on 80 GiB fp32 is as fast and is chosen."""
     from memtrain.config import parse_args
-    from memtrain.memory.placement import allowed_pool, planning_pool
+    from memtrain.planning.placement import allowed_pool, planning_pool
 
     allow = ["--memory.levers", "auto", "--memory.allow_lossy_levers", "true"]
     ddp = parse_args(["--backend.name", "ddp", *allow])
@@ -147,7 +148,7 @@ def test_a_lossier_state_dtype_must_be_clearly_faster_and_bf16_keeps_its_beta2_l
     (int8 over bf16 likewise); a resumed run whose moments are bf16 is refused an adam_beta2 bf16
     cannot keep, naming the field."""
     from memtrain.config import ConfigError, parse_args
-    from memtrain.memory.placement import choose, with_state_dtype
+    from memtrain.planning.placement import choose, with_state_dtype
 
     def row(dtype, step_s, fits=True):
         return Placement("ddp", None, "none", state_dtype=dtype, predicted_step_s=step_s, fits_device=fits,
@@ -180,7 +181,7 @@ def test_a_lossier_state_dtype_is_charged_its_measured_optimizer_step_before_it_
 
     from memtrain.levers.optimizer_state import choose_charging_steps, step_seconds_over_fp32
     from memtrain.memory.machine import optimizer_params_per_s
-    from memtrain.memory.placement import choose
+    from memtrain.planning.placement import choose
 
     def row(dtype, step_s, engine="ddp"):
         return Placement(engine, None, "none", state_dtype=dtype, predicted_step_s=step_s, fits_device=True,
@@ -243,7 +244,7 @@ def test_kept_int8_moments_refuse_the_memtracker_count(monkeypatch):
     (MemTracker, under which torchao's compiled step cannot run) it is refused by name before it
     starts; without it, int8 is kept."""
     from memtrain.config import ConfigError, parse_args
-    from memtrain.memory import resumed
+    from memtrain.planning import resumed
 
     monkeypatch.setattr(resumed, "resumed_manifest", lambda cfg: {"engine_spec": {"optimizer_state_dtype": "int8"}})
     allow = ["--memory.levers", "auto", "--memory.allow_lossy_levers", "true"]
@@ -324,7 +325,7 @@ def test_the_verdict_says_what_the_run_will_use():
     table of the engine without offload, which may not fit); otherwise the marked plan on the
     config's placement, and a faster placement is pointed at. The CPU Adam rate is named with its
     source."""
-    from memtrain.memory.estimate import verdict
+    from memtrain.estimate import verdict
 
     placement = {"name": "zero3 optimizer 68%→host", "micro_batch_size": 1, "gradient_accumulation_steps": 16,
                  "activation_checkpointing": "on", "predicted_step_s": 7.1, "device_bytes": 79 * GIB,
@@ -351,7 +352,7 @@ def test_plan_exits_3_when_nothing_fits(cache_dir):
     floor) when the run would have nothing to start from; a micro-batch the config fixes counts as
     a start even where it is predicted not to fit (the run recovers from there)."""
     from conftest import TINY_ARGS
-    from memtrain.memory.estimate import something_fits
+    from memtrain.estimate import something_fits
 
     i = TINY_ARGS.index("--training.micro_batch_size")
     proc = run_cli(["plan", *TINY_ARGS[:i], "--training.micro_batch_size", "auto", *TINY_ARGS[i + 2:],
@@ -471,7 +472,7 @@ def test_plan_times_the_host_optimizer_at_the_target_rate(cache_dir):
     placement that offloads it, and only those; the report says the rate was given."""
     from conftest import TINY_ARGS
     from memtrain.config import parse_args
-    from memtrain.memory.estimate import plan_report
+    from memtrain.estimate import plan_report
 
     cfg = parse_args(TINY_ARGS + ["--data.cache_dir", cache_dir])
     slow, fast = (plan_report(cfg, 1, cpu_adam_params_per_s=rate) for rate in (1e5, 1e9))
@@ -497,7 +498,7 @@ def test_plan_times_steps_at_the_target_gpus_rate(cache_dir):
     (the 1 ms per micro-batch aside)."""
     from conftest import TINY_ARGS
     from memtrain.config import parse_args
-    from memtrain.memory.estimate import plan_report
+    from memtrain.estimate import plan_report
 
     cfg = parse_args(TINY_ARGS + ["--data.cache_dir", cache_dir])
     fast, slow = (plan_report(cfg, 1, gpu_memory_gib=12, gpu_tflops=t) for t in (400, 200))

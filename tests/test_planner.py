@@ -8,7 +8,7 @@ import pytest
 from conftest import TINY_ARGS
 from memtrain.levers.activation_checkpointing import CHOICES, setting
 from memtrain.plan import Plan, PlanController
-from memtrain.memory.planner import Candidate, Planner, make_candidates
+from memtrain.planning.planner import Candidate, Planner, make_candidates
 from memtrain.oom import OOMStop
 
 MiB = 2**20
@@ -265,12 +265,12 @@ def test_fake_trace_predicts_what_memtracker_counts_in_a_real_micro_step(cache_d
     checkpointing off, selective and on; under a simulated device the trace is what autograd saves, which is
     all that device counts (less)."""
     from memtrain.activation import disable_activation_checkpointing, enable_activation_checkpointing
-    from memtrain.backends.common import repeated_blocks
+    from memtrain.models import repeated_blocks
     from memtrain.config import parse_args
     from memtrain.data import build_corpus
     from memtrain.models import build_model
     from memtrain.objectives import make_objective
-    from memtrain.memory.planner import activation_table, trace_batch
+    from memtrain.planning.planner import activation_table, trace_batch
 
     cfg = parse_args(TINY_ARGS + ["--data.cache_dir", cache_dir])
     corpus = build_corpus(cfg.data)
@@ -300,7 +300,7 @@ def test_a_gpu_planned_without_one_traces_attention_as_a_fused_kernel_holds_it(c
     from memtrain.data import build_corpus
     from memtrain.models import build_model
     from memtrain.objectives import make_objective
-    from memtrain.memory.planner import activation_table
+    from memtrain.planning.planner import activation_table
 
     traced = {}
     for dropout in ("0.0", "0.1"):
@@ -326,12 +326,12 @@ def test_a_bf16_trace_holds_what_autocast_holds(cache_dir):
     from accelerate.utils import convert_outputs_to_fp32
 
     from memtrain.activation import enable_activation_checkpointing
-    from memtrain.backends.common import repeated_blocks
+    from memtrain.models import repeated_blocks
     from memtrain.config import parse_args
     from memtrain.data import build_corpus
     from memtrain.models import build_model
     from memtrain.objectives import make_objective
-    from memtrain.memory.planner import activation_table, activation_tables, trace_batch
+    from memtrain.planning.planner import activation_table, activation_tables, trace_batch
 
     cfg = parse_args(TINY_ARGS + ["--data.cache_dir", cache_dir, "--precision", "bf16"])
     corpus = build_corpus(cfg.data)
@@ -362,7 +362,7 @@ def test_a_bf16_trace_holds_what_autocast_holds(cache_dir):
 def test_plan_cli_prints_the_candidates(cache_dir, capsys):
     """``memtrain plan --json``: one object per candidate, the chosen one (``auto``: the planner's) fits, then the
     placements; a world size that does not divide the global batch is exit 2 naming the field."""
-    from memtrain.memory.estimate import main
+    from memtrain.estimate import main
 
     args = TINY_ARGS + ["--data.cache_dir", cache_dir, "--faults.memory_budget_mib", "1",
                         "--training.micro_batch_size", "auto"]
@@ -417,7 +417,7 @@ def test_a_deep_model_is_traced_at_a_few_depths_and_extrapolated_exactly(cache_d
     checkpointing of every second block) and extrapolates: the bytes equal those of tracing all
     14 blocks, for every AC setting; an AC pattern that does not divide the depth (every third
     block) is traced whole."""
-    import memtrain.memory.planner as planner
+    import memtrain.planning.planner as planner
     import memtrain.memory.step_trace as step_trace
     from memtrain.config import parse_args
     from memtrain.data import build_corpus

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from memtrain.activation import enable_activation_checkpointing
-from memtrain.backends.common import repeated_blocks
+from memtrain.models import repeated_blocks
 from memtrain.memory.simulated import SimulatedMemory
 
 

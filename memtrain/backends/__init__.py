@@ -1,9 +1,12 @@
 """Engines behind one interface (:class:`memtrain.backends.base.Backend`): DDP, FSDP2, DeepSpeed.
 
 A registry: each engine is a module ``memtrain.backends.NAME`` that builds its backend and also
-answers, without building one, "how is the model built for me", "bytes of model state per rank"
-and "which placements do I offer" (``VARIANTS``), so the planners and the memory estimate never
-branch on engines. Checkpoint files are read by their format (:mod:`memtrain.checkpoint.formats`).
+answers, without building one: how the model is built for it (``model_build_context``), its
+bytes of model state per rank (``state_bytes``, :func:`model_state_bytes`), the placements it
+offers (``VARIANTS``), the engine settings that are levers (``SETTINGS``), whether it takes lossy
+optimizer state (``LOSSY_OPTIMIZER_STATE``), the config it cannot honour (``validate``) and what
+the OOM stop message says of it (``stop_words``, ``stop_advice``), so the planners, validation
+and the memory estimate do not branch on engine names. Checkpoint files are read by their format (:mod:`memtrain.checkpoint.formats`).
 """
 
 from __future__ import annotations
@@ -11,11 +14,14 @@ from __future__ import annotations
 import importlib
 import os
 from types import ModuleType
-from typing import Optional
+from typing import Mapping, Optional
 
 from memtrain.backends.base import Backend
+from memtrain.memory.accounting import ModelShape
 
 BACKENDS = ("ddp", "fsdp", "deepspeed")
+DEFAULT_ENGINE = "ddp"
+"""The engine of ``backend.name auto`` when neither the launcher nor the config names one."""
 
 
 def env_true(name: str) -> bool:
@@ -34,7 +40,7 @@ def infer_backend_name(requested: str, deepspeed_config: Optional[str] = None, z
         return "fsdp"
     if deepspeed_config or zero_stage is not None or env_true("ACCELERATE_USE_DEEPSPEED"):
         return "deepspeed"
-    return "ddp"
+    return DEFAULT_ENGINE
 
 
 def engine_name(backend) -> str:
@@ -59,6 +65,51 @@ def engine_variants(engines: tuple[str, ...] = BACKENDS) -> list:
     """Every :class:`memtrain.backends.spec.EngineVariant` of ``engines``, each engine's own list
     (its module's ``VARIANTS``) in the order of ``engines``: the one list of placements."""
     return [variant for name in engines for variant in engine_module(name).VARIANTS]
+
+
+def model_state_bytes(engine: str, n_params: int, precision: str, zero_stage: Optional[int] = None,
+                      offload: str = "none", world_size: int = 1, offload_optimizer_ratio: float = 1.0,
+                      offload_device: str = "cpu", shape: Optional[ModelShape] = None,
+                      zero_settings: Optional[Mapping[str, int]] = None, state_dtype: str = "fp32",
+                      deferred_reduction: bool = True) -> dict[str, int]:
+    """Per-rank bytes of model state for AdamW training under ``engine``: its module's
+    ``state_bytes`` (the formulas of :mod:`memtrain.memory.accounting`; ``zero_stage``,
+    ``offload_optimizer_ratio``, ``offload_device`` and ``zero_settings`` are DeepSpeed's).
+
+    Args:
+        shape: the model's element counts (None: ``ModelShape(n_params)``, no blocks, nothing small).
+        state_dtype: ``optimizer.state_dtype`` (DDP and FSDP2; :func:`adam_state_bytes`).
+        deferred_reduction: DDP all-reduces after backward (``memory.oom_recovery`` on), not in it.
+        zero_settings: DeepSpeed's ``zero_optimization`` buffer sizes in elements where the run's
+            config sets them (the user's JSON); the rest are :func:`deepspeed_buffer_settings`.
+
+    Returns:
+        ``parameter_bytes``, ``gradient_bytes``, ``optimizer_bytes`` and ``buffer_bytes`` (the
+        engine's own buffers: ZeRO's reduce bucket and gathered parameters, DDP's gradient
+        buckets) on the accelerator (:data:`DEVICE_STATE_KEYS`), ``accumulation_gradient_bytes``
+        more on the device while micro-batches accumulate (a plan with gradient accumulation > 1:
+        FSDP2's unsharded gradients), ``step_gradient_bytes`` on the device from the end of the
+        last backward to the optimizer step, when the activations are freed (ZeRO-2/3's whole
+        gradients, DDP's deferred all-reduce bucket: a peak is state + the larger of the
+        activations and these),
+        ``cpu_offloaded_bytes`` in host memory (``accumulation_host_bytes`` more in plans that
+        accumulate: ZeRO-1/2 offload) and
+        ``nvme_offloaded_bytes`` in NVMe files (all per rank); DeepSpeed's also the offloaded
+        bytes (host and NVMe together) by component: ``offloaded_parameter_bytes``,
+        ``offloaded_gradient_bytes``, ``offloaded_optimizer_bytes``, ``offloaded_buffer_bytes``
+        (their sum is the two above), ``step_whole_gradient_bytes``, the whole gradients of
+        ``step_gradient_bytes``, and ``gathered_parameter_bytes``, ZeRO-3's gathered parameters of
+        ``buffer_bytes`` (``benchmarks/placement_accuracy.py`` compares the components with the
+        tensors DeepSpeed holds; these two are peaks inside the step, which MemTracker checks).
+
+    Raises:
+        ValueError: an unknown engine.
+    """
+    return engine_module(engine).state_bytes(
+        n_params, precision, zero_stage=zero_stage, offload=offload, world_size=world_size,
+        offload_optimizer_ratio=offload_optimizer_ratio, offload_device=offload_device,
+        shape=shape or ModelShape(n_params), zero_settings=zero_settings, state_dtype=state_dtype,
+        deferred_reduction=deferred_reduction)
 
 
 def make_backend(cfg, spec, process, precision: str, plan) -> Backend:

@@ -14,7 +14,7 @@ reads without building an engine:
 * ``VARIANTS``: its :class:`memtrain.backends.spec.EngineVariant` placements (the placement
   planner's and ``memtrain memory``'s rows).
 
-An engine's bytes of model state come from :func:`memtrain.memory.accounting.model_state_bytes`;
+An engine's bytes of model state come from :func:`memtrain.backends.model_state_bytes`;
 its checkpoint files are written and read by a format (:mod:`memtrain.checkpoint.formats`).
 """
 

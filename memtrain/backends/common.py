@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from memtrain.errors import CheckpointError, ConfigError
+
 log = logging.getLogger("memtrain")
 
 def sync_replicated_state(model: nn.Module, device: torch.device) -> list[str]:
@@ -47,28 +49,44 @@ def sync_replicated_state(model: nn.Module, device: torch.device) -> list[str]:
     return differing
 
 
-def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated blocks (transformer layers), the unit FSDP2 shards and activation
-    checkpointing wraps.
+def refuse_deepspeed_settings(b, engine: str) -> None:
+    """The checks of an engine that is not DeepSpeed (DDP, FSDP2) on a ``backend`` section ``b``:
+    DeepSpeed's own settings are refused by name.
 
-    transformers models name their block classes in ``_no_split_modules`` (GPT2Block,
-    LlamaDecoderLayer, …); for other modules (and transformers models that name none, such as
-    WavLM), the children holding parameters of the ``nn.ModuleList`` with the most parameters —
-    a speech model's transformer layers, not its convolutional feature encoder.
-
-    Returns:
-        Blocks in module order; empty when none is found.
+    Raises:
+        memtrain.errors.ConfigError: ``backend.deepspeed_config`` or ``backend.zero_stage`` is set.
     """
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    if names:
-        blocks = [m for m in model.modules() if type(m).__name__ in names]
-        if blocks:
-            return blocks
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    if not lists:
-        return []
-    largest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
-    return [child for child in largest if any(True for _ in child.parameters())]
+    if b.deepspeed_config is not None and b.name == engine:  # auto with an FSDP launcher: the launcher decides
+        raise ConfigError("backend.deepspeed_config", f"is set but backend.name is '{b.name}'; "
+                          "use backend.name deepspeed (or auto), or drop the DeepSpeed config")
+    if b.zero_stage is not None:
+        launcher = "" if b.name != "auto" else " (backend.name auto, launched with an FSDP config)"
+        raise ConfigError("backend.zero_stage", f"is a DeepSpeed setting, but the engine is '{engine}'{launcher}; "
+                          "use backend.name deepspeed (or auto), or drop backend.zero_stage")
+
+
+def refuse_unsharded_reshard(b, engine: str) -> None:
+    """``backend.reshard_after_forward false`` named for an engine that does not reshard (DDP,
+    DeepSpeed; ``backend.name auto`` may still plan FSDP2).
+
+    Raises:
+        memtrain.errors.ConfigError: it is.
+    """
+    if not b.reshard_after_forward and b.name == engine:
+        raise ConfigError("backend.reshard_after_forward", f"false is an FSDP2 setting, but backend.name is "
+                          f"'{b.name}'; use backend.name fsdp (or auto), or drop it")
+
+
+def all_checkpoint_staged(optimizer_bytes: int) -> int:
+    """``checkpoint_staging_bytes`` of the engines whose save stages all of the device-resident
+    optimizer state in host memory at once (DDP, FSDP2)."""
+    return optimizer_bytes
+
+
+def selective_checkpointing_works(spec) -> bool:
+    """``takes_selective_checkpointing`` of the engines under which torch's selective activation
+    checkpointing always works (DDP, FSDP2)."""
+    return True
 
 
 def whole_model_build_context(cfg, spec, precision: str, world_size: int, python_function: bool = False):
@@ -90,8 +108,6 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, weights:
             checkpoint holds them dequantized, which would stay fp32).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-    from memtrain.errors import CheckpointError
 
     if type(getattr(optimizer, "optimizer", optimizer)).__module__.startswith("torchao"):  # Accelerate's wrapper
         raise CheckpointError("optimizer.state_dtype int8 cannot resume under another engine: its quantized moments "

@@ -15,14 +15,86 @@ import torch
 from torch import nn
 
 from memtrain.backends.base import ComputeCollectives
-from memtrain.backends.common import load_full_state
+from memtrain.backends.common import load_full_state, refuse_deepspeed_settings, refuse_unsharded_reshard
+from memtrain.errors import ConfigError
+from memtrain.backends.common import all_checkpoint_staged as checkpoint_staging_bytes  # noqa: F401 (registry)
+from memtrain.backends.common import selective_checkpointing_works as takes_selective_checkpointing  # noqa: F401
 from memtrain.backends.common import whole_model_build_context as model_build_context  # noqa: F401 (registry)
 from memtrain.backends.spec import EngineVariant
-from memtrain.checkpoint.formats import safetensors as safetensors_format
+from memtrain.checkpoint.formats import format_module
 from memtrain.distributed import ProcessState
-from memtrain.memory.accounting import DEFERRED_REDUCE_BUCKET_BYTES, ModelShape, model_shape, model_state_bytes
+from memtrain.memory.accounting import (DEFERRED_REDUCE_BUCKET_BYTES, ModelShape, ddp_state_bytes, model_shape,
+                                        replicated_optimizer_bytes)
 
+CHECKPOINT_FORMAT = "safetensors"
+"""The checkpoint format this engine writes (:mod:`memtrain.checkpoint.formats`)."""
+checkpoint_format = format_module(CHECKPOINT_FORMAT)
 VARIANTS = (EngineVariant("ddp", "ddp"),)
+LOSSY_OPTIMIZER_STATE = True
+"""DDP takes bf16 and int8 optimizer state (:mod:`memtrain.levers.optimizer_state`)."""
+SHARDS_OPTIMIZER_STATE = False
+"""Every rank holds and steps all of the optimizer state."""
+SETTINGS = ()
+"""The engine settings that are levers (:mod:`memtrain.levers.engine_settings`): none."""
+READS_DEEPSPEED_CONFIG = False
+"""Whether ``backend.deepspeed_config`` (the user's DeepSpeed JSON) sets this engine's stage and offload."""
+
+
+def variant_label(zero_stage) -> str:
+    """The engine's word in a placement's name (``memtrain plan``'s table)."""
+    return "ddp"
+
+
+def validate(cfg) -> None:
+    """The ``backend`` settings DDP cannot honour, by name (:func:`memtrain.validation.validate`).
+
+    Raises:
+        memtrain.errors.ConfigError: an offload, ``nvme_path``, a DeepSpeed setting, or
+            ``reshard_after_forward false``.
+    """
+    b = cfg.backend
+    if b.offload not in (None, "none", "auto"):
+        raise ConfigError("backend.offload", f"'{b.offload}' needs backend.name fsdp or deepspeed (DDP keeps all "
+                          "state on the device)")
+    if b.name == "ddp" and b.offload == "auto":
+        raise ConfigError("backend.offload", "auto chooses where state lives, which DDP cannot change: use "
+                          "backend.name auto (every engine), fsdp or deepspeed")
+    if b.nvme_path is not None:
+        raise ConfigError("backend.nvme_path", "NVMe offload is DeepSpeed's (ZeRO-3); the engine is DDP")
+    refuse_deepspeed_settings(b, "ddp")
+    refuse_unsharded_reshard(b, "ddp")
+
+
+def state_bytes(n_params: int, precision: str, *, world_size: int, shape: ModelShape, state_dtype: str,
+                deferred_reduction: bool, **other) -> dict[str, int]:
+    """DDP's bytes of model state per rank (the arguments and keys of
+    :func:`memtrain.backends.model_state_bytes`; ``other``, DeepSpeed's settings, unused)."""
+    return ddp_state_bytes(n_params, world_size, shape, state_dtype, deferred_reduction)
+
+
+def optimizer_state_bytes(state_dtype: str, shape: ModelShape, world_size: int) -> int:
+    """AdamW's moments per rank with ``state_dtype``: every rank holds them all."""
+    return replicated_optimizer_bytes(state_dtype, shape)
+
+
+def stop_words(context: dict) -> str:
+    """The engine in the OOM stop message's "Already on" (:func:`memtrain.oom.oom_stop_message`)."""
+    return "engine ddp"
+
+
+def stop_advice(context: dict) -> list[str]:
+    """What the OOM stop message suggests of the engine: sharding, under the engine that takes
+    this run's optimizer state dtype."""
+    dtype = context.get("optimizer_state_dtype") or "fp32"
+    if dtype == "int8":
+        return ["backend.name fsdp in a new output_dir (shards the model state; int8 optimizer state does not "
+                "resume under another engine)"]
+    if dtype == "bf16":
+        return ["backend.name fsdp (shards the model state; the same command with --backend.name fsdp resumes "
+                "this run's last checkpoint under it; DeepSpeed keeps fp32 optimizer state)"]
+    return ["backend.name fsdp, or deepspeed with backend.zero_stage 3 (shards the model state; the same "
+            "command with --backend.name fsdp, or --backend.name deepspeed --backend.zero_stage 3, resumes this "
+            "run's last checkpoint under that engine)"]
 """DDP's one placement: everything replicated on the device."""
 
 log = logging.getLogger("memtrain")
@@ -130,7 +202,7 @@ class DDPBackend:
 
     def _all_reduce_gradients(self, model: nn.Module, bucket_bytes: int = DEFERRED_REDUCE_BUCKET_BYTES) -> None:
         """Average gradients over ranks in flat buckets of ~``bucket_bytes``, one alive at a time
-        (counted by :func:`memtrain.memory.accounting.model_state_bytes`). A gradient missing on
+        (counted by :func:`memtrain.backends.model_state_bytes`). A gradient missing on
         some ranks counts as zeros there, as in DDP's unused-parameter mode; for a model that drops
         layers, a parameter without gradient on *every* rank keeps none, so the optimizer skips
         it, as DDP's reducer and FSDP2 do (a dropped layer is not updated)."""
@@ -221,15 +293,15 @@ class DDPBackend:
         if not self.process.is_main:
             return
         scaler = getattr(self.accelerator, "scaler", None)
-        safetensors_format.save(self.unwrap(model), optimizer.state_dict(),
+        checkpoint_format.save(self.unwrap(model), optimizer.state_dict(),
                                 scaler.state_dict() if scaler is not None else None, directory, max_shard_size)
 
     def expected_files(self) -> list[str]:
-        return safetensors_format.expected_files(self.world_size)
+        return checkpoint_format.expected_files(self.world_size)
 
     def load_state(self, model: nn.Module, optimizer, directory: str, saved_world_size: int) -> None:
         """Every rank reads the full weights and optimizer state (any world size: nothing is sharded)."""
-        state = safetensors_format.load(self.unwrap(model), directory)
+        state = checkpoint_format.load(self.unwrap(model), directory)
         optimizer.load_state_dict(state["optimizer"])
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None and state["scaler"] is not None:
@@ -253,11 +325,10 @@ class DDPBackend:
         return {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()} if self.process.is_main else None
 
     def manifest_fields(self) -> dict:
-        return {"backend": self.name, "checkpoint_format": safetensors_format.NAME, "zero_stage": None}
+        return {"backend": self.name, "checkpoint_format": checkpoint_format.NAME, "zero_stage": None}
 
     def model_state_bytes(self, n_params: int) -> dict[str, int]:
-        return model_state_bytes("ddp", n_params, self.precision, None, "none", self.world_size, shape=self.shape,
-                                 state_dtype=self.optimizer_state_dtype, deferred_reduction=self.defer_reduction)
+        return ddp_state_bytes(n_params, self.world_size, self.shape, self.optimizer_state_dtype, self.defer_reduction)
 
     def close(self) -> None:
         """Nothing beyond the process group, which the process state closes."""

@@ -16,21 +16,27 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 from torch import nn
 
 from memtrain.backends import ds_partial_offload
 from memtrain.backends.base import ComputeCollectives
-from memtrain.backends.ds_config import (OFFLOAD_DEVICES, build_ds_config, get_path, read_user_json,
-                                         resolve_zero_stage)
+from memtrain.backends.common import refuse_unsharded_reshard
+from memtrain.backends.ds_config import OFFLOAD_DEVICES, build_ds_config, get_path, read_user_json, resolve_zero_stage
 from memtrain.backends.spec import EngineVariant
-from memtrain.checkpoint.formats import deepspeed as deepspeed_format
+from memtrain.checkpoint.formats import format_module
+from memtrain.config import ConfigError
 from memtrain.distributed import ProcessState
 from memtrain.errors import CheckpointError
-from memtrain.memory.accounting import ModelShape, deepspeed_buffer_settings, model_shape, model_state_bytes
+from memtrain.memory.accounting import ModelShape, deepspeed_buffer_settings, model_shape, zero_state_bytes
+from memtrain.memory.machine import (HOST_DEVICE_BYTES_PER_S, NVME_BYTES_PER_S, Machine, cpu_adam_built,
+                                     deepspeed_op_built)
 
+CHECKPOINT_FORMAT = "deepspeed"
+"""The checkpoint format this engine writes (:mod:`memtrain.checkpoint.formats`)."""
+checkpoint_format = format_module(CHECKPOINT_FORMAT)
 VARIANTS = (
     *(EngineVariant(f"zero{s}", "deepspeed", s) for s in (1, 2, 3)),
     *(EngineVariant(f"zero{s}_offload_optimizer", "deepspeed", s, "optimizer") for s in (1, 2, 3)),
@@ -43,6 +49,88 @@ VARIANTS = (
 planner chooses the fraction); NVMe offload only under ZeRO-3 (DeepSpeed's stages 1/2 keep
 "nvme" state in host memory) and never partial (DeepSpeed's swapper would take the device
 sub-groups too)."""
+LOSSY_OPTIMIZER_STATE = False
+"""ZeRO keeps its fp32 optimizer partitions: no bf16 or int8 optimizer state."""
+SHARDS_OPTIMIZER_STATE = True
+"""Each rank holds and steps its partition of the optimizer state (every ZeRO stage)."""
+SETTINGS = ("offload_optimizer_ratio",)
+"""The engine settings that are levers (:mod:`memtrain.levers.engine_settings`)."""
+READS_DEEPSPEED_CONFIG = True
+"""Whether ``backend.deepspeed_config`` (the user's DeepSpeed JSON) sets this engine's stage and offload."""
+
+
+STAGING_LIMIT_BYTES = 4 * 10**9
+"""The largest flat partition DeepSpeed serialises at once (its default sub-group of 1e9 fp32 elements)."""
+
+
+def variant_label(zero_stage) -> str:
+    """The engine's word in a placement's name (``memtrain plan``'s table)."""
+    return f"zero{zero_stage}"
+
+
+def checkpoint_staging_bytes(optimizer_bytes: int) -> int:
+    """Host bytes a checkpoint save stages of ``optimizer_bytes`` of device-resident optimizer
+    state (DeepSpeed serialises one flat partition at a time)."""
+    return min(optimizer_bytes, STAGING_LIMIT_BYTES)
+
+
+def takes_selective_checkpointing(spec) -> bool:
+    """Whether torch's selective activation checkpointing works under engine ``spec``: not under
+    ZeRO-3 (its stage given, or its DeepSpeed JSON's), whose parameter gathers inside a block
+    differ between the forward and the recompute."""
+    return resolve_zero_stage(spec.zero_stage, read_user_json(spec.deepspeed_config)) != 3
+
+
+def state_bytes(n_params: int, precision: str, *, zero_stage: Optional[int], offload: str, world_size: int,
+                offload_optimizer_ratio: float, offload_device: str, shape: ModelShape,
+                zero_settings: Optional[Mapping[str, int]], **other) -> dict[str, int]:
+    """ZeRO's bytes of model state per rank (the arguments and keys of
+    :func:`memtrain.backends.model_state_bytes`; ``other`` unused: ZeRO keeps fp32 partitions
+    whatever the state dtype, and reduces in backward)."""
+    return zero_state_bytes(n_params, precision, zero_stage, offload, world_size, offload_optimizer_ratio,
+                            offload_device, shape, zero_settings)
+
+
+def offload_seconds(p, n_params: int, p_bytes: int, world_size: int, machine: Machine) -> float:
+    """Seconds a step of placement ``p`` (a :class:`memtrain.planning.placement.Placement` with its
+    plan set and an offload) spends on CPU Adam over its host share of the partition, host↔device
+    copies (gradients out, weights back; with ``optimizer_and_params`` the partition fetched in
+    each micro-batch's forward and backward) and NVMe, none overlapped, at ``machine``'s rates;
+    ``p_bytes``: bytes per element of the 16-bit (or fp32) parameters and gradients copied."""
+    partition = n_params / world_size
+    host_params = partition * p.offload_optimizer_ratio
+    seconds = host_params * machine.ranks_per_host / machine.cpu_adam_params_per_s
+    seconds += (p_bytes * partition + p_bytes * host_params) / HOST_DEVICE_BYTES_PER_S  # gradients out, weights back
+    if p.offload == "optimizer_and_params":  # each micro-batch fetches the partition in forward and in backward
+        seconds += 2 * p_bytes * partition * p.gradient_accumulation_steps / HOST_DEVICE_BYTES_PER_S
+    if p.nvme:
+        seconds += 2 * 12 * host_params / NVME_BYTES_PER_S  # fp32 master + moments read and written
+        if p.offload == "optimizer_and_params":
+            seconds += 2 * p_bytes * partition * p.gradient_accumulation_steps / NVME_BYTES_PER_S
+    return seconds
+
+
+def validate(cfg) -> None:
+    """The ``backend`` settings DeepSpeed cannot honour, by name (:func:`memtrain.validation.validate`;
+    the DeepSpeed JSON against the config is checked when the engine is built).
+
+    Raises:
+        memtrain.errors.ConfigError: ``reshard_after_forward false``.
+    """
+    refuse_unsharded_reshard(cfg.backend, "deepspeed")
+
+
+def stop_words(context: dict) -> str:
+    """The engine in the OOM stop message's "Already on" (:func:`memtrain.oom.oom_stop_message`)."""
+    zero = f" ZeRO-{context['zero_stage']}" if context.get("zero_stage") else ""
+    return f"engine deepspeed{zero}" + (f", offload {context['offload']}" if context.get("offload") not in (None, "none") else "")
+
+
+def stop_advice(context: dict) -> list[str]:
+    """What the OOM stop message suggests of the engine: ZeRO-3 where the stage is lower, then the
+    optimizer state on the host."""
+    return ((["backend.zero_stage 3"] if (context.get("zero_stage") or 2) < 3 else [])
+            + (["backend.offload optimizer"] if context.get("offload") in (None, "none") else []))
 
 log = logging.getLogger("memtrain")
 
@@ -67,7 +155,7 @@ class DeepSpeedBackend:
 
     name = "deepspeed"
     supports_async_save = False
-    _TAG = deepspeed_format.TAG
+    _TAG = checkpoint_format.TAG
 
     def __init__(self, process: ProcessState, precision: str, precision_requested: str, ds_config_path: Optional[str],
                  zero_stage: Optional[int], offload: Optional[str], global_batch_size: int, max_grad_norm: float,
@@ -115,8 +203,6 @@ class DeepSpeedBackend:
         if self.offload_optimizer:  # ZeRO-Offload steps on CPU with its own Adam kernel (same AdamW math)
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-            from memtrain.memory.machine import cpu_adam_built
-
             if self.process.is_main and not cpu_adam_built():
                 log.warning("memtrain: building DeepSpeed's cpu_adam op for optimizer offload (first run on this "
                             "machine only; a few minutes)")
@@ -126,8 +212,6 @@ class DeepSpeedBackend:
                       for g in optimizer.param_groups]
             optimizer = DeepSpeedCPUAdam(groups, adamw_mode=True)
         if self.process.is_main and self.device.type == "cpu":
-            from memtrain.memory.machine import deepspeed_op_built
-
             if not deepspeed_op_built("ShareMemCommBuilder"):
                 log.warning("memtrain: building DeepSpeed's shm_comm op for its collectives on the CPU (first "
                             "DeepSpeed run on this machine only; about a minute)")
@@ -241,7 +325,7 @@ class DeepSpeedBackend:
         return os.path.join(directory, self._TAG, f"device_optimizer_rank_{rank}.pt")
 
     def expected_files(self) -> list[str]:
-        return deepspeed_format.expected_files(self.world_size, self.zero_stage, self.offload_ratio < 1.0)
+        return checkpoint_format.expected_files(self.world_size, self.zero_stage, self.offload_ratio < 1.0)
 
     def load_state(self, model: nn.Module, optimizer, directory: str, saved_world_size: int) -> None:
         """Load DeepSpeed's checkpoint. ZeRO partitions are tied to the world size that wrote
@@ -282,7 +366,7 @@ class DeepSpeedBackend:
         Raises:
             CheckpointError: the conversion or the load failed (names the checkpoint).
         """
-        self._load_through_universal(directory, lambda work, _: deepspeed_format.to_universal(directory, work),
+        self._load_through_universal(directory, lambda work, _: checkpoint_format.to_universal(directory, work),
                                      f"the ZeRO-{self.zero_stage} checkpoint of {saved_world_size} ranks")
 
     def _load_through_universal(self, directory: str, write: Callable[[str, list[dict]], None], what: str) -> None:
@@ -351,7 +435,7 @@ class DeepSpeedBackend:
         module = self.unwrap(model)
         buffers = dict(module.named_buffers())
         weights, optimizer_state = _by_first_name(module, weights, optimizer_state)
-        self._load_through_universal(directory, lambda work, settings: deepspeed_format.write_universal(
+        self._load_through_universal(directory, lambda work, settings: checkpoint_format.write_universal(
             work, weights, optimizer_state, self.zero_stage, settings, frozenset(buffers)), "another engine's checkpoint")
         with torch.no_grad():
             for name, buffer in buffers.items():
@@ -364,7 +448,7 @@ class DeepSpeedBackend:
         return params + list(module.named_buffers())
 
     def manifest_fields(self) -> dict:
-        return {"backend": self.name, "checkpoint_format": deepspeed_format.NAME, "zero_stage": self.zero_stage}
+        return {"backend": self.name, "checkpoint_format": checkpoint_format.NAME, "zero_stage": self.zero_stage}
 
     @property
     def offload(self) -> str:
@@ -374,8 +458,8 @@ class DeepSpeedBackend:
         return "optimizer_and_params" if self.offload_params else "optimizer"
 
     def model_state_bytes(self, n_params: int) -> dict[str, int]:
-        return model_state_bytes("deepspeed", n_params, self.precision, self.zero_stage, self.offload, self.world_size,
-                                 self.offload_ratio, "nvme" if self.nvme else "cpu", self.shape, self.zero_settings)
+        return zero_state_bytes(n_params, self.precision, self.zero_stage, self.offload, self.world_size,
+                                self.offload_ratio, "nvme" if self.nvme else "cpu", self.shape, self.zero_settings)
 
     def close(self) -> None:
         """Release the engine (the process group is the process state's), and give the process
@@ -442,8 +526,6 @@ def async_io_available() -> bool:
 
 
 def _require_async_io() -> None:
-    from memtrain.config import ConfigError
-
     if not async_io_available():
         raise ConfigError("backend.nvme_path", "NVMe offload needs DeepSpeed's async_io op, which cannot be built on "
                           "this machine (libaio and its headers are missing: apt install libaio-dev); drop "

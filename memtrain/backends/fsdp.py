@@ -16,15 +16,83 @@ import torch
 from torch import nn
 
 from memtrain.backends.base import ComputeCollectives
-from memtrain.backends.common import load_full_state, repeated_blocks
+from memtrain.backends.common import load_full_state, refuse_deepspeed_settings
+from memtrain.errors import ConfigError
+from memtrain.backends.common import all_checkpoint_staged as checkpoint_staging_bytes  # noqa: F401 (registry)
+from memtrain.backends.common import selective_checkpointing_works as takes_selective_checkpointing  # noqa: F401
 from memtrain.backends.common import whole_model_build_context as model_build_context  # noqa: F401 (registry)
 from memtrain.backends.spec import EngineVariant
-from memtrain.checkpoint.formats import dcp as dcp_format
+from memtrain.checkpoint.formats import format_module
 from memtrain.distributed import ProcessState
-from memtrain.memory.accounting import ModelShape, model_shape, model_state_bytes
+from memtrain.memory.accounting import ModelShape, fsdp_state_bytes, model_shape, sharded_optimizer_bytes
+from memtrain.memory.machine import HOST_DEVICE_BYTES_PER_S, Machine
+from memtrain.models import repeated_blocks
 
+CHECKPOINT_FORMAT = "dcp"
+"""The checkpoint format this engine writes (:mod:`memtrain.checkpoint.formats`)."""
+checkpoint_format = format_module(CHECKPOINT_FORMAT)
 VARIANTS = (EngineVariant("fsdp", "fsdp"), EngineVariant("fsdp_offload", "fsdp", offload="optimizer_and_params"))
 """FSDP2's placements: sharded on the device, or all of it on the host (``CPUOffloadPolicy``)."""
+LOSSY_OPTIMIZER_STATE = True
+"""FSDP2 takes bf16 and int8 optimizer state (:mod:`memtrain.levers.optimizer_state`)."""
+SHARDS_OPTIMIZER_STATE = True
+"""Each rank holds and steps its shard of the optimizer state."""
+SETTINGS = ("reshard_after_forward",)
+"""The engine settings that are levers (:mod:`memtrain.levers.engine_settings`)."""
+READS_DEEPSPEED_CONFIG = False
+"""Whether ``backend.deepspeed_config`` (the user's DeepSpeed JSON) sets this engine's stage and offload."""
+
+
+def variant_label(zero_stage) -> str:
+    """The engine's word in a placement's name (``memtrain plan``'s table)."""
+    return "fsdp"
+
+
+def validate(cfg) -> None:
+    """The ``backend`` settings FSDP2 cannot honour, by name (:func:`memtrain.validation.validate`).
+
+    Raises:
+        memtrain.errors.ConfigError: a partial or NVMe offload, or a DeepSpeed setting.
+    """
+    b = cfg.backend
+    if b.offload_optimizer_ratio != 1.0 or b.nvme_path:
+        raise ConfigError("backend.offload_optimizer_ratio" if b.offload_optimizer_ratio != 1.0 else "backend.nvme_path",
+                          "partial and NVMe offload are DeepSpeed's (ZeRO-3); FSDP2 offloads everything or nothing")
+    refuse_deepspeed_settings(b, "fsdp")
+
+
+def state_bytes(n_params: int, precision: str, *, offload: str, world_size: int, shape: ModelShape, state_dtype: str,
+                **other) -> dict[str, int]:
+    """FSDP2's bytes of model state per rank (the arguments and keys of
+    :func:`memtrain.backends.model_state_bytes`; ``other``, DeepSpeed's settings and DDP's
+    ``deferred_reduction``, unused)."""
+    return fsdp_state_bytes(n_params, precision, offload, world_size, shape, state_dtype)
+
+
+def optimizer_state_bytes(state_dtype: str, shape: ModelShape, world_size: int) -> int:
+    """AdamW's moments per rank with ``state_dtype``: each rank holds its shard."""
+    return sharded_optimizer_bytes(state_dtype, shape, world_size)
+
+
+def offload_seconds(p, n_params: int, p_bytes: int, world_size: int, machine: Machine) -> float:
+    """Seconds a step of placement ``p`` (a :class:`memtrain.planning.placement.Placement` with its
+    plan set and an offload) spends beyond the device's compute: ``CPUOffloadPolicy`` steps
+    torch's AdamW on the host at the machine's CPU Adam rate and copies parameters to the device
+    and gradients back each micro-batch (not overlapped); ``p_bytes``: bytes per element copied."""
+    host_params = n_params / world_size
+    return (host_params * machine.ranks_per_host / machine.cpu_adam_params_per_s
+            + 3 * p_bytes * host_params * p.gradient_accumulation_steps / HOST_DEVICE_BYTES_PER_S)
+
+
+def stop_words(context: dict) -> str:
+    """The engine in the OOM stop message's "Already on" (:func:`memtrain.oom.oom_stop_message`)."""
+    return "engine fsdp" + (f", offload {context['offload']}" if context.get("offload") not in (None, "none") else "")
+
+
+def stop_advice(context: dict) -> list[str]:
+    """What the OOM stop message suggests of the engine: the model state on the host."""
+    return ["backend.offload optimizer"] if context.get("offload") in (None, "none") else []
+
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
@@ -152,15 +220,15 @@ class FSDPBackend:
         gloo group, return the future."""
         if async_save and self._async_group is None:  # a collective: every rank gets here at the same save
             self._async_group = torch.distributed.new_group(backend="gloo")
-        return dcp_format.save(model, optimizer, directory, self._async_group if async_save else None)
+        return checkpoint_format.save(model, optimizer, directory, self._async_group if async_save else None)
 
     def expected_files(self) -> list[str]:
-        return dcp_format.expected_files(self.world_size)
+        return checkpoint_format.expected_files(self.world_size)
 
     def load_state(self, model: nn.Module, optimizer, directory: str, saved_world_size: int) -> None:
         """Load the DCP shards into this run's sharding; torch.distributed.checkpoint reshards, so
         the saved world size may differ from this one."""
-        dcp_format.load(model, optimizer, directory)
+        checkpoint_format.load(model, optimizer, directory)
 
     def load_full_state(self, model: nn.Module, optimizer, weights, optimizer_state, directory: str) -> None:
         """Another engine's state (:meth:`memtrain.backends.base.Backend.load_full_state`): every
@@ -171,11 +239,11 @@ class FSDPBackend:
         return list(model.named_buffers())  # parameters are sharded DTensors
 
     def manifest_fields(self) -> dict:
-        return {"backend": self.name, "checkpoint_format": dcp_format.NAME, "zero_stage": None}
+        return {"backend": self.name, "checkpoint_format": checkpoint_format.NAME, "zero_stage": None}
 
     def model_state_bytes(self, n_params: int) -> dict[str, int]:
-        return model_state_bytes("fsdp", n_params, self.precision, None, self.offload, self.world_size, shape=self.shape,
-                                 state_dtype=self.optimizer_state_dtype)
+        return fsdp_state_bytes(n_params, self.precision, self.offload, self.world_size, self.shape,
+                                self.optimizer_state_dtype)
 
     def close(self) -> None:
         """Nothing beyond the process group, which the process state closes."""

@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from memtrain.backends import engine_name
+
 
 @dataclass(frozen=True)
 class EngineSpec:
@@ -93,8 +95,6 @@ def resolve_engine(backend_cfg, world_size: int, rank: int, placement: Optional[
             checkpoint being resumed, and ``optimizer_state_dtype`` where the planner chose one
             (``memory.allow_lossy_levers``); None = the config's own.
     """
-    from memtrain.backends import engine_name
-
     b = backend_cfg
     fields = {"name": engine_name(b), "zero_stage": b.zero_stage,
               "offload": None if b.offload == "auto" else b.offload, "offload_optimizer_ratio": b.offload_optimizer_ratio,

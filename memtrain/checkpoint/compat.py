@@ -16,8 +16,9 @@ ignored:
   schedule is a function of the optimizer step and ``training.lr``, ``warmup_steps``,
   ``min_lr_ratio`` and ``max_steps``: the resumed run evaluates this run's function at the
   restored step. Optimizer settings are written into the restored optimizer. A changed
-  ``training.micro_batch_size`` or ``memory.activation_checkpointing`` restarts the plan there;
-  unchanged, the checkpoint's plan (where OOM recovery may have moved it) carries on.
+  ``training.micro_batch_size`` or runtime lever setting (each lever's ``on_resume``,
+  :class:`memtrain.levers.base.Lever`) restarts the plan there; unchanged, the checkpoint's plan
+  (where OOM recovery may have moved it) carries on.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import os
 from typing import Any, Optional
 
 from memtrain.config import ConfigError
+from memtrain.levers import LEVERS
 
 DATA_POSITION_KEYS = ("training.global_batch_size", "training.seed", "data.seq_len", "data.kind")
 """Settings the meaning of a saved data position depends on."""
@@ -37,7 +39,7 @@ DATA_KEYS = ("data.files", "data.max_bytes", "data.vocab_size", "data.text_field
 
 MUST_MATCH = DATA_POSITION_KEYS + DATA_KEYS + (
     "data.encoding", "model.pretrained", "model.factory", "backend.name", "backend.zero_stage", "backend.offload",
-    "backend.offload_optimizer_ratio", "backend.nvme_path", "optimizer.state_dtype")
+    "backend.nvme_path", *(x.config_key for x in LEVERS if x.on_resume == "must_match"))
 """Settings a resumed run must keep (compared by :func:`check_resumable`; the engine and model
 shapes also by :class:`memtrain.checkpoint.stateful.EngineState` against the manifest)."""
 OLDER_DEFAULTS = {"optimizer.state_dtype": "fp32"}
@@ -47,10 +49,10 @@ ENGINE_KEYS = ("backend.name", "backend.zero_stage")
 ``zero_stage`` by :class:`memtrain.checkpoint.stateful.EngineState`."""
 PLACEMENT_KEYS = ("backend.offload", "backend.offload_optimizer_ratio", "backend.nvme_path")
 """Must match, unless this run says ``backend.offload: auto``: then the checkpoint's placement is
-taken (:mod:`memtrain.memory.placement`), whatever its config recorded."""
+taken (:mod:`memtrain.planning.placement`), whatever its config recorded."""
 
 TAKES_EFFECT = {
-    "memory.allow_lossy_levers": "the checkpoint's optimizer state dtype is kept (memtrain/memory/resumed.py)",
+    "memory.allow_lossy_levers": "the checkpoint's optimizer state dtype is kept (memtrain/planning/resumed.py)",
     "training.max_steps": "the cosine decay is recomputed to end at the new max_steps",
     "training.lr": "the schedule is this run's, at the resumed step",
     "training.min_lr_ratio": "the schedule is this run's, at the resumed step",
@@ -60,9 +62,8 @@ TAKES_EFFECT = {
     "training.adam_beta2": "written into the restored optimizer",
     "training.adam_eps": "written into the restored optimizer",
     "training.micro_batch_size": "the plan restarts at it",
-    "memory.activation_checkpointing": "the plan restarts with it",
     "memory.levers": "the plan restarts with it",
-    "memory.activation_offload": "the plan restarts with it",
+    **{x.config_key: "the plan restarts with it" for x in LEVERS if x.on_resume == "restarts_plan"},
 }
 """Settings whose change on resume needs a rule (the rule, as logged). Every other key that is
 not in :data:`MUST_MATCH` is read from this run's config when the run is built, so its change

@@ -24,7 +24,10 @@ import os
 import shutil
 from typing import Any, Optional
 
+from memtrain.config import ConfigError
 from memtrain.errors import CheckpointError
+from memtrain.folders import LOCK_FILE
+from memtrain.oom import ESCAPED_OOM_PREFIX
 
 log = logging.getLogger("memtrain")
 
@@ -319,8 +322,6 @@ def is_run_folder(output_dir: str) -> bool:
     """``output_dir`` is a memtrain run's: it holds the run lock's file (every run creates it
     first) or a checkpoint (``checkpoints/latest`` or a ``step_`` folder with a manifest: a run
     copied without its hidden files)."""
-    from memtrain.folders import LOCK_FILE
-
     root = os.path.join(output_dir, "checkpoints")
     return (os.path.exists(os.path.join(output_dir, LOCK_FILE)) or os.path.isfile(os.path.join(root, LATEST))
             or bool(complete_checkpoints(root)))
@@ -334,9 +335,6 @@ def check_run_folder(output_dir: str) -> None:
     Raises:
         memtrain.config.ConfigError: field ``output_dir``, naming what it holds.
     """
-    from memtrain.config import ConfigError
-    from memtrain.folders import LOCK_FILE
-
     if not os.path.isdir(output_dir) or is_run_folder(output_dir):
         return
     held = [n for n in RUN_OUTPUTS if n != "model" and os.path.lexists(os.path.join(output_dir, n))]
@@ -359,7 +357,6 @@ def move_previous_run(output_dir: str) -> Optional[str]:
     if not os.path.isdir(output_dir):  # a first run: nothing to move
         return None
     present = [n for n in RUN_OUTPUTS if os.path.lexists(os.path.join(output_dir, n))]
-    from memtrain.oom import ESCAPED_OOM_PREFIX
 
     present += sorted(n for n in os.listdir(output_dir) if n.startswith(ESCAPED_OOM_PREFIX + "."))  # a restart's notes
     if not present:

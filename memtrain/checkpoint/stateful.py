@@ -23,9 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from memtrain.checkpoint.formats import read_full_state
 from memtrain.checkpoint.layout import rank_file
-from memtrain.rng import capture, from_saveable, restore, to_saveable
+from memtrain.config import ConfigError
 from memtrain.errors import CheckpointError
+from memtrain.rng import capture, from_saveable, restore, to_saveable
 
 
 @runtime_checkable
@@ -141,8 +143,6 @@ class EngineState:
             CheckpointError: another model shape, a world size the engine cannot reshard to, or
                 another engine whose state cannot be converted to this one's yet.
         """
-        from memtrain.config import ConfigError
-
         if manifest["backend"] != self.backend.name:
             self._check_shapes(directory, manifest)
             self._load_from_another_engine(directory, manifest)
@@ -166,8 +166,6 @@ class EngineState:
         """The engine switch: the checkpoint's format gives the whole weights and the optimizer
         state keyed by parameter name, this engine takes its share
         (:meth:`memtrain.backends.base.Backend.load_full_state`)."""
-        from memtrain.checkpoint.formats import read_full_state
-
         weights, optimizer_state = read_full_state(directory, manifest, self.backend.unwrap(self.model))
         self.backend.load_full_state(self.model, self.optimizer, weights, optimizer_state, directory)
 

@@ -7,8 +7,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from memtrain.config import ConfigError
+from memtrain.data.corpus import select_files, split_files
 from memtrain.data.sampler import Cursor, GlobalBatchSampler, batch_fingerprint
-from memtrain.data.tokens import TokenizedCorpus
+from memtrain.data.speech import build_speech_corpus
+from memtrain.data.tokens import TokenizedCorpus, load_or_build
 
 IGNORE_INDEX = -100
 """Label value excluded from the loss and from the token count (as in transformers)."""
@@ -36,8 +39,6 @@ class PackedDataset:
         self.seq_len = seq_len
         self.num_samples = (len(stream) - 1) // seq_len
         if self.num_samples < 1:
-            from memtrain.config import ConfigError
-
             raise ConfigError("data.seq_len", f"a split of {len(stream)} tokens is shorter than one sample of "
                               f"data.seq_len {seq_len}; give more data (data.files, data.max_bytes) or a shorter seq_len")
 
@@ -112,16 +113,11 @@ def build_corpus(data_cfg, pretrained_tokenizer=None):
             ``data.encoding`` text, or a bad speech manifest (the message names the field and file).
     """
     if data_cfg.kind == "speech":
-        from memtrain.data.speech import build_speech_corpus
-
         return build_speech_corpus(data_cfg)
-    from memtrain.data.corpus import select_files, split_files
-    from memtrain.data.tokens import load_or_build
 
     files = select_files(data_cfg.files, data_cfg.max_bytes, data_cfg.validation_fraction)
     train_files, val_files = split_files(files, data_cfg.validation_fraction)
     if not val_files or not train_files:  # one file lands on either side, by its name's hash
-        from memtrain.config import ConfigError
 
         raise ConfigError("data.files", f"{len(files)} file(s) selected; at least two are needed (whole files are held "
                           "out for validation: data.validation_fraction), or a datasets folder with its own split")
@@ -137,7 +133,6 @@ def build_corpus(data_cfg, pretrained_tokenizer=None):
             data_cfg.vocab_size, tok.vocab_size, reason, tok.vocab_size)
     for side, stream in (("validation", tok.validation), ("training", tok.train)):
         if len(stream) == 0:  # a datasets source's rows are split by hash: a small one can leave a side empty
-            from memtrain.config import ConfigError
 
             raise ConfigError("data.validation_fraction", f"{data_cfg.validation_fraction} left no document on the "
                               f"{side} side (a datasets source's rows go to validation by a hash of its path and "

@@ -18,6 +18,10 @@ import sysconfig
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
+import memtrain.data.hf_datasets as hf_datasets
+from memtrain.config import ConfigError
+from memtrain.data.hf_datasets import digest, iter_rows
+
 
 @dataclass(frozen=True)
 class SourceFile:
@@ -70,8 +74,6 @@ def user_files(patterns: list[str], validation_fraction: float = 0.0) -> list[So
     Raises:
         FileNotFoundError: a pattern matches no file.
     """
-    import memtrain.data.hf_datasets as hf_datasets
-
     paths = set()
     for pattern in patterns:
         matches = [p for p in glob.glob(os.path.expanduser(pattern), recursive=True)
@@ -99,8 +101,6 @@ def _check_text_file(path: str) -> None:
     Raises:
         ConfigError: naming ``data.files`` and the file.
     """
-    from memtrain.config import ConfigError
-
     with open(path, "rb") as fh:
         head = fh.read(8192)
     if not head.strip():
@@ -123,8 +123,6 @@ def select_files(files: Optional[list[str]], max_bytes: int = 0, validation_frac
     """
     chosen = stdlib_files() if files is None else user_files(files, validation_fraction)
     if max_bytes and any(f.part is not None for f in chosen):
-        from memtrain.config import ConfigError
-
         raise ConfigError("data.max_bytes", "cuts whole files and cannot cut a datasets source's rows; set it to 0 "
                           "and select rows in datasets (e.g. dataset.select(range(n)).save_to_disk(...))")
     if max_bytes and sum(f.size for f in chosen) > max_bytes:
@@ -212,8 +210,6 @@ def check_decoding(undecodable: dict[str, int], encoding: str, strict: bool) -> 
     Raises:
         ConfigError: field ``data.encoding``, naming the first file over the threshold.
     """
-    from memtrain.config import ConfigError
-
     warnings = []
     for path, bad in sorted(undecodable.items()):
         if not bad:
@@ -245,12 +241,8 @@ def iter_documents(files: list[SourceFile], text_field: str = "text", encoding: 
             ``text_field`` or a value there that is not a string (field ``data.text_field``); the
             message names file and line.
     """
-    from memtrain.config import ConfigError
-
     for f in files:
         if f.part is not None:
-            from memtrain.data.hf_datasets import iter_rows
-
             yield from iter_rows(f.path, f.name.rsplit("::", 1)[0], f.part, text_field, f.validation_fraction)
         elif f.path.endswith((".jsonl", ".json")):
             _undecodable[0] = 0
@@ -287,7 +279,6 @@ def fingerprint(files: list[SourceFile], *extra) -> str:
     for f in files:
         h.update(f.name.encode() + b"\0")
         if f.part is not None:  # a datasets source: its files, and how its rows are split
-            from memtrain.data.hf_datasets import digest
 
             h.update(digest(f.path) + f"{f.validation_fraction!r}".encode())
             continue

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 
 from memtrain.data import IGNORE_INDEX
+from memtrain.errors import ConfigError
+from memtrain.rng import capture, restore
 
 IDENTITY_SAMPLES = 1024
 """Examples of each split the dataset identity hashes (evenly spaced, first and last included)."""
@@ -63,8 +65,6 @@ class ExampleDataset:
         """
         out = self.collate_fn([self.examples[int(i)] for i in indices])
         if not isinstance(out, dict) or not out or not all(isinstance(v, torch.Tensor) for v in out.values()):
-            from memtrain.errors import ConfigError
-
             got = {k: type(v).__name__ for k, v in out.items()} if isinstance(out, dict) else type(out).__name__
             raise ConfigError("collate_fn", f"a batch must be a dict of tensors [batch, ...]; got {got}")
         if self.shift_labels:  # labels[t] becomes the token after input_ids[t], as memtrain's causal LM reads it
@@ -85,8 +85,6 @@ class ExampleCorpus:
 
     def __init__(self, train: ExampleDataset, validation: ExampleDataset, tokenizer: Any = None):
         if len(train) == 0:
-            from memtrain.errors import ConfigError
-
             raise ConfigError("train_dataset", "has no examples")
         self.train, self.validation, self.tokenizer = train, validation, tokenizer
         self.vocab_size = len(tokenizer) if tokenizer is not None else 0
@@ -107,8 +105,6 @@ def dataset_identity(*splits: ExampleDataset) -> str:
     torch's generators, put back afterwards: an example or collate function that draws (an
     augmentation) hashes the same in every launch, and the run's random streams are untouched."""
     import random
-
-    from memtrain.rng import capture, restore
 
     streams = capture()
     random.seed(0)

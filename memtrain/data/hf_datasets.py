@@ -19,6 +19,9 @@ import hashlib
 import os
 from typing import Iterator
 
+from memtrain.config import ConfigError
+from memtrain.extras import require
+
 DATASET_SUFFIXES = (".parquet", ".arrow")
 """Single files read as datasets (a ``.json``/``.jsonl`` file is read directly, one object per line)."""
 
@@ -43,9 +46,6 @@ def _load(path: str):
     Raises:
         ConfigError: ``datasets`` cannot read it (field ``data.files``).
     """
-    from memtrain.config import ConfigError
-    from memtrain.extras import require
-
     try:
         import datasets
 
@@ -69,8 +69,6 @@ def _split_names(data) -> tuple[str, str | None]:
     val = next((n for n in (VALIDATION, "test") if n in names), None)
     train = TRAIN if TRAIN in names else next((n for n in names if n != val), None)
     if train is None:
-        from memtrain.config import ConfigError
-
         raise ConfigError("data.files", f"the dataset dict has only the split(s) {', '.join(names)}; it needs a "
                           "training split ('train', or any split besides validation/test)")
     return train, val
@@ -89,8 +87,6 @@ def iter_rows(path: str, name: str, part: str, text_field: str, validation_fract
         ConfigError: no such column (field ``data.text_field``, names the columns), or a row whose
             value there is not text (names the row).
     """
-    from memtrain.config import ConfigError
-
     data = _load(path)
     train_split, val_split = _split_names(data)
     if train_split:  # a dataset dict: its own splits (rows hashed only when it has no validation split)

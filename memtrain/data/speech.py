@@ -24,7 +24,9 @@ import numpy as np
 import torch
 
 from memtrain.config import ConfigError
+from memtrain.data.corpus import _unit_hash, split_files, stdlib_files, user_files
 from memtrain.data.espeak import ESPEAK_SAMPLE_RATE, normalize_text, sentences_of, synthesize_many, voice_for
+from memtrain.data.tokens import building, default_cache_dir
 
 SAMPLE_RATE = 16000
 """Hz; what every waveform is resampled to (the wav2vec 2.0 / WavLM rate)."""
@@ -132,8 +134,6 @@ def synthetic_sentences(validation_fraction: float, min_words: int, max_words: i
     source file (memtrain.data.corpus.split_files); each side deduplicated and put in a
     content-hash order (so the first N sample the whole library); test sentences that also occur
     in training are dropped."""
-    from memtrain.data.corpus import split_files, stdlib_files
-
     train_files, test_files = split_files(stdlib_files(), validation_fraction)
 
     def collect(files) -> list[str]:
@@ -253,9 +253,6 @@ def build_speech_corpus(data_cfg, cache_dir: Optional[str] = None) -> SpeechCorp
         ValueError: too few sentences for the requested utterance counts, or a bad manifest.
         RuntimeError: eSpeak NG synthesis failing.
     """
-    from memtrain.data.corpus import _unit_hash, user_files
-    from memtrain.data.tokens import building, default_cache_dir
-
     sp = data_cfg.speech
     if data_cfg.files is None:
         sources: dict = {"synthetic": True, "seed": sp.seed, "train": sp.train_utterances, "test": sp.test_utterances,

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from memtrain.config import ConfigError
 from memtrain.data.corpus import SourceFile, check_decoding, fingerprint, iter_documents
+from memtrain.folders import is_disk_full, write_error
 
 EOS_TOKEN = "<|endoftext|>"
 _CACHE_FORMAT = 1  # bump when the cache layout or tokenisation changes
@@ -103,8 +105,6 @@ def building(directory: str) -> Iterator[str]:
         os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
     except OSError as exc:
-        from memtrain.config import ConfigError
-
         raise ConfigError(cache_setting(parent), f"the data cache '{parent}' cannot be written ({exc.strerror}); "
                           "point MEMTRAIN_CACHE or data.cache_dir at a writable folder") from None
     try:
@@ -116,17 +116,14 @@ def building(directory: str) -> Iterator[str]:
     except Exception as exc:
         import errno
 
-        from memtrain.folders import is_disk_full, write_error
-
         shutil.rmtree(tmp, ignore_errors=True)
         filename = getattr(exc, "filename", None)
         in_cache = bool(filename) and os.path.realpath(str(filename)).startswith(os.path.realpath(parent))
         if not (is_disk_full(exc) or (isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EACCES)
                                       and in_cache)):  # a data file the user cannot read is not the cache's
             raise
-        from memtrain.config import ConfigError  # a full disk, a quota: the folder, its free bytes, the setting
 
-        setting = cache_setting(parent)
+        setting = cache_setting(parent)  # a full disk, a quota: the folder, its free bytes, the setting
         raise ConfigError(setting, f"building the data cache failed: {write_error(exc, parent, setting)}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -157,8 +154,6 @@ def pretrained_eos_token(folder: str) -> str:
         ConfigError: none of these (field ``model.pretrained``).
     """
     import json
-
-    from memtrain.config import ConfigError
 
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         path = os.path.join(folder, name)

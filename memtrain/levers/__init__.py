@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from memtrain.errors import ConfigError
 from memtrain.levers.activation_checkpointing import ActivationCheckpointing
 from memtrain.levers.activation_offload import ActivationOffload
 from memtrain.levers.base import Lever, LeverTarget
@@ -52,8 +53,6 @@ def allowed_by(choices: dict[str, tuple], cfg, spec) -> dict[str, tuple]:
     """``choices`` less the model-lever settings engine ``spec`` refuses (ZeRO-3: selective AC),
     e.g. for a placement of another engine than the config's. A config that asks for what the
     engine refuses keeps its choices here (its run names the field)."""
-    from memtrain.errors import ConfigError
-
     try:
         allowed = lever_choices(cfg, spec, model_only=True)
     except ConfigError:

@@ -12,6 +12,7 @@ Settings are the strings ``off``, ``selective``, ``on`` (plan rows, ``plan.json`
 from __future__ import annotations
 
 from memtrain.activation import disable_activation_checkpointing, enable_activation_checkpointing
+from memtrain.backends import engine_module
 from memtrain.errors import ConfigError
 from memtrain.levers.base import Lever, LeverTarget
 
@@ -24,15 +25,6 @@ RECOMPUTE = {"off": 0.0, "selective": 0.1, "on": 1.0}
 """Extra forward FLOPs per checkpointed block, as a fraction of its forward (selective recomputes
 the pointwise ops and norms, a small share of a block's FLOPs; an estimate the planner's timed
 probes replace)."""
-
-
-def _zero3(spec) -> bool:
-    """Whether the engine is DeepSpeed ZeRO-3 (its stage given, or its DeepSpeed JSON's)."""
-    if spec.name != "deepspeed":
-        return False
-    from memtrain.backends.ds_config import read_user_json, resolve_zero_stage
-
-    return resolve_zero_stage(spec.zero_stage, read_user_json(spec.deepspeed_config)) == 3
 
 
 def setting(value) -> str:
@@ -54,7 +46,7 @@ class ActivationCheckpointing(Lever):
     def choices(self, cfg, spec) -> tuple:
         ac = cfg.memory.activation_checkpointing
         options = SOLVER_CHOICES if ac == "auto" and getattr(cfg.memory, "levers", "off") == "auto" else CHOICES[ac]
-        if spec is not None and _zero3(spec):
+        if spec is not None and not engine_module(spec.name).takes_selective_checkpointing(spec):
             if ac == "selective":
                 raise ConfigError("memory.activation_checkpointing", "selective is not supported under DeepSpeed "
                                   "ZeRO-3: its parameter gathers inside a block differ between the forward and the "
@@ -89,6 +81,15 @@ class ActivationCheckpointing(Lever):
 
     def describe(self, value) -> str:
         return {"off": "", "selective": "+ selective AC", "on": "+ AC"}[setting(value)]
+
+    def stop_words(self, value) -> str:
+        value = setting(value or "off")
+        return {"off": "", "selective": "selective activation checkpointing", "on": "activation checkpointing"}[value]
+
+    def stop_advice(self, value, engine) -> str:
+        value = setting(value or "off")
+        return {"off": "memory.activation_checkpointing selective (or on)", "selective": "memory.activation_checkpointing on",
+                "on": ""}[value]
 
     def floor_note(self, value, choices: tuple) -> str:
         value = setting(value)

@@ -46,5 +46,11 @@ class ActivationOffload(Lever):
     def describe(self, setting) -> str:
         return "+ activation offload" if setting == "on" else ""
 
+    def stop_words(self, setting) -> str:
+        return "activation offload" if setting == "on" else ""
+
+    def stop_advice(self, setting, engine) -> str:
+        return "" if setting == "on" else "memory.activation_offload on"
+
     def floor_note(self, setting, choices: tuple) -> str:
         return "" if setting == "on" else "(memory.activation_offload is off)"

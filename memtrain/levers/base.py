@@ -26,7 +26,7 @@ class LeverTarget:
 
     Attributes:
         model: the unwrapped model (the engine's wrapping keeps this object).
-        blocks: its repeated blocks (:func:`memtrain.backends.common.repeated_blocks`).
+        blocks: its repeated blocks (:func:`memtrain.models.repeated_blocks`).
         objective: the run's objective (:mod:`memtrain.objectives`).
         cfg: the validated, frozen :class:`memtrain.config.Config`.
         faults: the fault injector (None when tracing).
@@ -55,6 +55,10 @@ class Lever:
             when the engine is built (a plan asking for another setting is an error).
         escalate_event: the metrics event of moving to its next, more memory-saving choice at
             the micro-batch floor (OOM recovery without a planner).
+        on_resume: what a changed ``config_key`` does when a run resumes
+            (:mod:`memtrain.checkpoint.compat`): ``restarts_plan`` (the plan restarts with it),
+            ``must_match`` (refused: the checkpoint's state depends on it) or ``takes_effect``
+            (read when the engine is built, as in a new run).
     """
 
     name: str = ""
@@ -63,6 +67,7 @@ class Lever:
     model_lever: bool = True
     runtime: bool = True
     escalate_event: Optional[str] = None
+    on_resume: str = "restarts_plan"
 
     def applies(self, cfg, spec) -> bool:
         """Whether the run of ``cfg`` on engine ``spec`` (a :class:`memtrain.backends.spec.EngineSpec`)
@@ -97,11 +102,21 @@ class Lever:
 
     def recompute_fraction(self, setting, cfg) -> float:
         """Extra forward passes the setting costs per step, as a fraction of one forward (FLOP
-        estimates of :func:`memtrain.memory.planner.estimated_step_s`); 0 = none."""
+        estimates of :func:`memtrain.planning.planner.estimated_step_s`); 0 = none."""
         return 0.0
 
     def describe(self, setting) -> str:
         """A few words for messages (``+ AC``); empty when the setting is the plain one."""
+        return ""
+
+    def stop_words(self, setting) -> str:
+        """What the OOM stop message lists as already on (:func:`memtrain.oom.oom_stop_message`);
+        empty when ``setting`` (None: the config's default) saves nothing."""
+        return ""
+
+    def stop_advice(self, setting, engine) -> str:
+        """The change the OOM stop message suggests of this lever when a more memory-saving choice
+        is left at ``setting`` on ``engine`` (its module in :mod:`memtrain.backends`); empty = none."""
         return ""
 
     def floor_note(self, setting, choices: tuple) -> str:

@@ -40,5 +40,11 @@ class ChunkedCrossEntropy(Lever):
     def describe(self, setting) -> str:
         return "+ chunked CE" if setting else ""
 
+    def stop_words(self, setting) -> str:
+        return "chunked cross-entropy" if setting else ""
+
+    def stop_advice(self, setting, engine) -> str:
+        return "" if setting else "memory.chunked_cross_entropy true"
+
     def floor_note(self, setting, choices: tuple) -> str:
         return "" if setting else "(memory.chunked_cross_entropy is off)"

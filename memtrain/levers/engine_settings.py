@@ -7,12 +7,15 @@ device; the placement planner chooses the ratio under ``backend.offload auto``."
 
 from __future__ import annotations
 
+from memtrain.backends import engine_module
+from memtrain.backends.ds_config import offload_in_json, read_user_json
 from memtrain.levers.base import Lever
 
 
 class EngineSetting(Lever):
     """A lever the engine is built with: its bytes come from the engine's accounting, and it is
-    fixed for the run (a plan asking for another setting is an error)."""
+    fixed for the run (a plan asking for another setting is an error). An engine names the ones
+    it has in its module's ``SETTINGS`` (:mod:`memtrain.backends`)."""
 
     model_lever = False
     runtime = False
@@ -24,9 +27,10 @@ class ReshardAfterForward(EngineSetting):
     name = "reshard_after_forward"
     column = "reshard"
     config_key = "backend.reshard_after_forward"
+    on_resume = "takes_effect"
 
     def applies(self, cfg, spec) -> bool:
-        return spec is not None and spec.name == "fsdp"
+        return spec is not None and self.name in engine_module(spec.name).SETTINGS
 
     def choices(self, cfg, spec) -> tuple:
         return (bool(spec.reshard_after_forward),)
@@ -41,9 +45,10 @@ class OffloadOptimizerRatio(EngineSetting):
     name = "offload_optimizer_ratio"
     column = "host share"
     config_key = "backend.offload_optimizer_ratio"
+    on_resume = "must_match"
 
     def applies(self, cfg, spec) -> bool:
-        return spec is not None and spec.name == "deepspeed" and _offload(cfg, spec)[0] != "none"
+        return spec is not None and self.name in engine_module(spec.name).SETTINGS and _offload(cfg, spec)[0] != "none"
 
     def choices(self, cfg, spec) -> tuple:
         return (_offload(cfg, spec)[1],)
@@ -56,7 +61,6 @@ def _offload(cfg, spec) -> tuple[str, float]:
     """``(offload, ratio)`` of the engine: the spec's, else its DeepSpeed JSON's."""
     if spec.offload is not None:
         return spec.offload, float(spec.offload_optimizer_ratio)
-    from memtrain.backends.ds_config import offload_in_json, read_user_json
 
     offload, ratio, _ = offload_in_json(read_user_json(spec.deepspeed_config))
     return offload, float(spec.offload_optimizer_ratio if spec.offload_optimizer_ratio != 1.0 else ratio)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+from memtrain.backends import engine_module
 from memtrain.errors import ConfigError
 from memtrain.levers.engine_settings import EngineSetting
 
@@ -33,7 +34,7 @@ def planner_dtypes(cfg, engine: str) -> tuple[str, ...]:
     import importlib.util
 
     dtype, m = cfg.optimizer.state_dtype, cfg.memory
-    if not (m.allow_lossy_levers and m.levers == "auto" and dtype == "fp32") or engine == "deepspeed":
+    if not (m.allow_lossy_levers and m.levers == "auto" and dtype == "fp32") or not engine_module(engine).LOSSY_OPTIMIZER_STATE:
         return (dtype,)
     lossy = (("bf16",) if cfg.training.adam_beta2 <= BF16_MAX_BETA2 else ())
     int8 = importlib.util.find_spec("torchao") is not None and cfg.logging.memory_breakdown_step == 0
@@ -51,7 +52,7 @@ def step_seconds_over_fp32(p, n_params: int, world_size: int, machine) -> float:
     import torch
 
     device = machine.device_type if p.offload == "none" else "cpu"
-    stepped = n_params / (world_size if p.engine == "fsdp" else 1)
+    stepped = n_params / (world_size if engine_module(p.engine).SHARDS_OPTIMIZER_STATE else 1)
     if device == "cpu":
         stepped *= max(1.0, machine.ranks_per_host * torch.get_num_threads() / (os.cpu_count() or 1))
     rate = machine.optimizer_params_per_s
@@ -59,7 +60,7 @@ def step_seconds_over_fp32(p, n_params: int, world_size: int, machine) -> float:
 
 
 def fastest_fitting(table: list):
-    """The fastest placement row of ``table`` (:class:`memtrain.memory.placement.Placement`) that
+    """The fastest placement row of ``table`` (:class:`memtrain.planning.placement.Placement`) that
     fits and whose optimizer can step here (a finite ``predicted_step_s``), the first of equals;
     None when there is none: the reference of the planner's lossy margin."""
     return min((p for p in table if p.fits and p.predicted_step_s < math.inf), key=lambda p: p.predicted_step_s,
@@ -69,7 +70,7 @@ def fastest_fitting(table: list):
 def choose_charging_steps(table: list, choose, n_params: int, world_size: int, machine):
     """``choose(table)`` (the placement planner's choice) with the measured step of each lossier
     state dtype charged before a row of it may decide the choice: while the chosen row or the
-    fastest fitting one (the reference of :data:`memtrain.memory.placement.LOSSY_MARGIN`) has bf16
+    fastest fitting one (the reference of :data:`memtrain.planning.placement.LOSSY_MARGIN`) has bf16
     or int8 moments not yet charged, :func:`step_seconds_over_fp32` is added to the predicted step
     of every row with those moments (and kept in its ``state_dtype_s``) and the choice made again.
     A dtype is measured only where it would otherwise decide (int8's first step compiles); one
@@ -101,10 +102,11 @@ class OptimizerStateDtype(EngineSetting):
     name = "optimizer_state_dtype"
     column = "optimizer state"
     config_key = "optimizer.state_dtype"
+    on_resume = "must_match"
 
     def choices(self, cfg, spec) -> tuple:
         dtype = getattr(spec, "optimizer_state_dtype", None) or cfg.optimizer.state_dtype  # the planner's, else the config's
-        if spec is not None and spec.name == "deepspeed" and dtype in LOSSY:
+        if spec is not None and not engine_module(spec.name).LOSSY_OPTIMIZER_STATE and dtype in LOSSY:
             raise ConfigError("optimizer.state_dtype", f"{dtype} is for ddp and fsdp: DeepSpeed ZeRO keeps its fp32 "
                               "optimizer partitions (and steps them with DeepSpeedCPUAdam under offload); use fp32 "
                               "there, or backend.name ddp/fsdp")
@@ -112,3 +114,12 @@ class OptimizerStateDtype(EngineSetting):
 
     def describe(self, setting) -> str:
         return "" if setting == "fp32" else f"{setting} optimizer state"
+
+    def stop_words(self, setting) -> str:
+        return self.describe(setting or "fp32")
+
+    def stop_advice(self, setting, engine) -> str:
+        if (setting or "fp32") != "fp32" or not engine.LOSSY_OPTIMIZER_STATE:
+            return ""
+        return ("optimizer.state_dtype bf16 or int8 in a new output_dir (half or a quarter of the optimizer state; "
+                "lossy; it must match on resume)")

@@ -1,4 +1,4 @@
-"""Memory: everything memtrain knows and decides about bytes and the seconds they cost.
+"""Memory: the facts memtrain knows about bytes and the seconds they cost (no decisions).
 
 * :mod:`memtrain.memory.accounting` — bytes of model state per engine, ZeRO stage, offload and
   precision (parameters, gradients, optimizer state), the allocator's headroom: written once,
@@ -7,10 +7,9 @@
   the device's matmul rate, CPU Adam's rate, a process's own resident bytes.
 * :mod:`memtrain.memory.simulated` — the simulated device of a CPU run (``faults.memory_budget_mib``),
   also the planner's counter of saved activations.
-* :mod:`memtrain.memory.planner` — candidate plans, peaks from a fake-tensor trace, timed probes,
-  the decisions (before step 1, after an OOM, grow-back).
-* :mod:`memtrain.memory.placement` — where model state lives (``backend.offload: auto``) and the
-  engine spec of a run.
-* :mod:`memtrain.memory.estimate` — ``memtrain plan`` / ``memtrain memory``: the planner's view
-  of a config without a run (a command-line view of the modules above).
+* :mod:`memtrain.memory.step_trace`, :mod:`memtrain.memory.depth` — a step's peak from a fake-tensor trace.
+* :mod:`memtrain.memory.breakdown` — MemTracker's count of one real step.
+
+The decisions made from these facts (the micro-batch planner, the placement planner, a resumed
+run's plan) live above the engines and levers, in :mod:`memtrain.planning`.
 """

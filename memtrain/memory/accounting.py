@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional
 
+from memtrain.models import repeated_blocks
+
 ADAM_STATE_BYTES = 8
 """exp_avg + exp_avg_sq in fp32, per parameter (AdamW's state; ZeRO paper, Rajbhandari et al. 2020, §3.1)."""
 
@@ -63,8 +65,6 @@ class ModelShape:
 def model_shape(model) -> ModelShape:
     """The :class:`ModelShape` of ``model`` (a real, meta or ZeRO-3-partitioned module: a
     partitioned parameter counts its whole ``ds_numel``)."""
-    from memtrain.backends.common import repeated_blocks
-
     def numel(p) -> int:
         return int(getattr(p, "ds_numel", p.numel()))
 
@@ -116,20 +116,17 @@ def adam_state_bytes(state_dtype: str, numels: Iterable[int]) -> int:
     raise ValueError(f"optimizer.state_dtype: '{state_dtype}' is not one of fp32, bf16, int8")
 
 
-def optimizer_state_bytes(engine: str, state_dtype: str, shape: ModelShape, world_size: int) -> int:
-    """Per-rank bytes of AdamW's moments under DDP (every rank holds them all) or FSDP2 (each rank
-    its shard: torchao decides per shard whether it quantizes, so int8 is counted on shards of
-    ``ceil(numel / world_size)`` elements, each with its own code maps).
+def replicated_optimizer_bytes(state_dtype: str, shape: ModelShape) -> int:
+    """Per-rank bytes of AdamW's moments where every rank holds them all (DDP)."""
+    return adam_state_bytes(state_dtype, shape.numels or (shape.parameters,))
 
-    Raises:
-        ValueError: another engine (DeepSpeed keeps fp32 partitions: :func:`model_state_bytes`).
-    """
+
+def sharded_optimizer_bytes(state_dtype: str, shape: ModelShape, world_size: int) -> int:
+    """Per-rank bytes of AdamW's moments where each rank holds its shard (FSDP2): torchao decides
+    per shard whether it quantizes, so int8 is counted on shards of ``ceil(numel / world_size)``
+    elements, each with its own code maps."""
     numels = shape.numels or (shape.parameters,)
     w = max(1, world_size)
-    if engine == "ddp":
-        return adam_state_bytes(state_dtype, numels)
-    if engine != "fsdp":
-        raise ValueError(f"optimizer state dtypes are counted for ddp and fsdp, not {engine}")
     if state_dtype == "int8":
         return adam_state_bytes(state_dtype, [-(-n // w) for n in numels])
     return adam_state_bytes(state_dtype, numels) // w
@@ -146,7 +143,7 @@ def zero_reduce_bucket_elements(n_params: int) -> int:
 
 def deepspeed_buffer_settings(shape: ModelShape, trainable: int) -> dict[str, int]:
     """The ``zero_optimization`` buffer sizes (elements) memtrain writes into a DeepSpeed config
-    that does not set them, so that :func:`model_state_bytes` counts what DeepSpeed allocates:
+    that does not set them, so that :func:`memtrain.backends.model_state_bytes` counts what DeepSpeed allocates:
     ``reduce_bucket_size`` = :func:`zero_reduce_bucket_elements` of the ``trainable`` parameters.
 
     ZeRO-3's gather limits stay at DeepSpeed's defaults and are counted
@@ -178,61 +175,38 @@ def zero3_gathered_elements(shape: ModelShape, settings: Mapping[str, int]) -> i
     return max(0, min(shape.parameters - persistent, held))
 
 
-def model_state_bytes(engine: str, n_params: int, precision: str, zero_stage: Optional[int] = None,
-                      offload: str = "none", world_size: int = 1, offload_optimizer_ratio: float = 1.0,
-                      offload_device: str = "cpu", shape: Optional[ModelShape] = None,
-                      zero_settings: Optional[Mapping[str, int]] = None, state_dtype: str = "fp32",
-                      deferred_reduction: bool = True) -> dict[str, int]:
-    """Per-rank bytes of model state for AdamW training under ``engine`` (the formulas below;
-    ``offload_optimizer_ratio`` and ``offload_device`` are DeepSpeed's).
+def zero_state_bytes(n_params: int, precision: str, zero_stage: Optional[int], offload: str, world_size: int,
+                     offload_optimizer_ratio: float, offload_device: str, shape: ModelShape,
+                     zero_settings: Optional[Mapping[str, int]] = None) -> dict[str, int]:
+    """Per-rank bytes of DeepSpeed ZeRO's model state (:func:`_zero`), its buffers as memtrain sizes
+    them (:func:`deepspeed_buffer_settings`) where ``zero_settings`` (the user's JSON's
+    ``zero_optimization`` sizes, elements) does not set them; the keys of
+    :func:`memtrain.backends.model_state_bytes`."""
+    settings = {**deepspeed_buffer_settings(shape, n_params), **(zero_settings or {})}
+    persistent = zero3_persistent_elements(
+        shape.numels, settings.get("stage3_param_persistence_threshold", ZERO3_PERSISTENCE_THRESHOLD))
+    return {"accumulation_gradient_bytes": 0, **_zero(
+        n_params, precision, zero_stage, offload, max(1, world_size), offload_optimizer_ratio, offload_device,
+        settings["reduce_bucket_size"], persistent, zero3_gathered_elements(shape, settings),
+        max(shape.numels, default=0))}
 
-    Args:
-        shape: the model's element counts (None: ``ModelShape(n_params)``, no blocks, nothing small).
-        state_dtype: ``optimizer.state_dtype`` (DDP and FSDP2; :func:`adam_state_bytes`).
-        deferred_reduction: DDP all-reduces after backward (``memory.oom_recovery`` on), not in it.
-        zero_settings: DeepSpeed's ``zero_optimization`` buffer sizes in elements where the run's
-            config sets them (the user's JSON); the rest are :func:`deepspeed_buffer_settings`.
 
-    Returns:
-        ``parameter_bytes``, ``gradient_bytes``, ``optimizer_bytes`` and ``buffer_bytes`` (the
-        engine's own buffers: ZeRO's reduce bucket and gathered parameters, DDP's gradient
-        buckets) on the accelerator (:data:`DEVICE_STATE_KEYS`), ``accumulation_gradient_bytes``
-        more on the device while micro-batches accumulate (a plan with gradient accumulation > 1:
-        FSDP2's unsharded gradients), ``step_gradient_bytes`` on the device from the end of the
-        last backward to the optimizer step, when the activations are freed (ZeRO-2/3's whole
-        gradients, DDP's deferred all-reduce bucket: a peak is state + the larger of the
-        activations and these),
-        ``cpu_offloaded_bytes`` in host memory (``accumulation_host_bytes`` more in plans that
-        accumulate: ZeRO-1/2 offload) and
-        ``nvme_offloaded_bytes`` in NVMe files (all per rank); DeepSpeed's also the offloaded
-        bytes (host and NVMe together) by component: ``offloaded_parameter_bytes``,
-        ``offloaded_gradient_bytes``, ``offloaded_optimizer_bytes``, ``offloaded_buffer_bytes``
-        (their sum is the two above), ``step_whole_gradient_bytes``, the whole gradients of
-        ``step_gradient_bytes``, and ``gathered_parameter_bytes``, ZeRO-3's gathered parameters of
-        ``buffer_bytes`` (``benchmarks/placement_accuracy.py`` compares the components with the
-        tensors DeepSpeed holds; these two are peaks inside the step, which MemTracker checks).
-
-    Raises:
-        ValueError: an unknown engine.
-    """
-    shape = shape or ModelShape(n_params)
+def fsdp_state_bytes(n_params: int, precision: str, offload: str, world_size: int, shape: ModelShape,
+                     state_dtype: str = "fp32") -> dict[str, int]:
+    """Per-rank bytes of FSDP2's model state (:func:`_fsdp`); the keys of
+    :func:`memtrain.backends.model_state_bytes`."""
     w = max(1, world_size)
-    if engine == "deepspeed":
-        settings = {**deepspeed_buffer_settings(shape, n_params), **(zero_settings or {})}
-        persistent = zero3_persistent_elements(
-            shape.numels, settings.get("stage3_param_persistence_threshold", ZERO3_PERSISTENCE_THRESHOLD))
-        return {"accumulation_gradient_bytes": 0, **_zero(
-            n_params, precision, zero_stage, offload, w, offload_optimizer_ratio, offload_device,
-            settings["reduce_bucket_size"], persistent, zero3_gathered_elements(shape, settings),
-            max(shape.numels, default=0))}
-    if engine == "fsdp":
-        optim = optimizer_state_bytes("fsdp", state_dtype, shape, w)
-        return {"nvme_offloaded_bytes": 0, "step_gradient_bytes": 0, "accumulation_host_bytes": 0,
-                **_fsdp(n_params, precision, offload, w, shape, optim)}
-    if engine != "ddp":
-        raise ValueError(f"backend.name: '{engine}' is not one of ddp, fsdp, deepspeed")
+    return {"nvme_offloaded_bytes": 0, "step_gradient_bytes": 0, "accumulation_host_bytes": 0,
+            **_fsdp(n_params, precision, offload, w, shape, sharded_optimizer_bytes(state_dtype, shape, w))}
+
+
+def ddp_state_bytes(n_params: int, world_size: int, shape: ModelShape, state_dtype: str = "fp32",
+                    deferred_reduction: bool = True) -> dict[str, int]:
+    """Per-rank bytes of DDP's model state (:func:`_ddp`; ``deferred_reduction``: the all-reduce
+    after backward, as with ``memory.oom_recovery`` on); the keys of
+    :func:`memtrain.backends.model_state_bytes`."""
     return {"nvme_offloaded_bytes": 0, "accumulation_gradient_bytes": 0, "accumulation_host_bytes": 0,
-            **_ddp(n_params, w, optimizer_state_bytes("ddp", state_dtype, shape, w),
+            **_ddp(n_params, max(1, world_size), replicated_optimizer_bytes(state_dtype, shape),
                    max(shape.numels, default=shape.largest_module) if deferred_reduction else None)}
 
 

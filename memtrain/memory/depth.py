@@ -29,7 +29,7 @@ def by_depth(model: nn.Module, blocks: list[nn.Module], period: int, trace: Call
 
     Args:
         model: a fake model (:func:`memtrain.memory.step_trace.fake_model`); its block list is restored before returning.
-        blocks: its repeated blocks (:func:`memtrain.backends.common.repeated_blocks`).
+        blocks: its repeated blocks (:func:`memtrain.models.repeated_blocks`).
         period: blocks per repetition of the levers' pattern (1 when every block is alike).
         trace: traces ``model`` as it stands and returns bytes (e.g. :func:`step_trace.step_peak_bytes`),
             or a tuple of byte counts (each extrapolated; all must grow alike per ``period`` blocks).

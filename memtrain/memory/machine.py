@@ -14,6 +14,9 @@ from typing import Callable, Optional
 
 import torch
 
+from memtrain.config import TrainingConfig
+from memtrain.optim import make_optimizer
+
 CUDA_CONTEXT_HOST_BYTES = 2**30
 """Host memory a process's CUDA context and its pinned staging take."""
 PLAN_PROCESS_BYTES = 4 * 2**30
@@ -153,9 +156,6 @@ def optimizer_params_per_s(state_dtype: str, device_type: str, n: int = 2**20) -
     Raises:
         memtrain.errors.ConfigError: ``int8`` without torchao installed.
     """
-    from memtrain.config import TrainingConfig
-    from memtrain.optim import make_optimizer
-
     layer = torch.nn.Linear(1024, n // 1024, bias=False, device=device_type)
     layer.weight.grad = torch.full_like(layer.weight, 1e-3)
     opt = make_optimizer(layer, TrainingConfig(), state_dtype)
@@ -234,27 +234,3 @@ def device_flops_per_s(device_type: str) -> float:
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - start)
     return 2 * 1024**3 / best
-
-
-def offload_seconds(p, n_params: int, p_bytes: int, world_size: int, machine: Machine) -> float:
-    """Seconds a step of placement ``p`` (a :class:`memtrain.memory.placement.Placement`, its plan set;
-    not imported: placement.py imports this module)
-    spends on CPU Adam, host↔device copies and NVMe (none overlapped), at this machine's rates;
-    ``p_bytes``: bytes per element of the 16-bit (or fp32) parameters and gradients copied."""
-    if p.offload == "none" or p.engine != "deepspeed":
-        if p.offload == "none":
-            return 0.0
-        host_params = n_params / world_size  # FSDP2 CPU offload: torch's AdamW on the host, everything copied
-        return (host_params * machine.ranks_per_host / machine.cpu_adam_params_per_s
-                + 3 * p_bytes * host_params * p.gradient_accumulation_steps / HOST_DEVICE_BYTES_PER_S)
-    partition = n_params / world_size
-    host_params = partition * p.offload_optimizer_ratio
-    seconds = host_params * machine.ranks_per_host / machine.cpu_adam_params_per_s
-    seconds += (p_bytes * partition + p_bytes * host_params) / HOST_DEVICE_BYTES_PER_S  # gradients out, weights back
-    if p.offload == "optimizer_and_params":  # each micro-batch fetches the partition in forward and in backward
-        seconds += 2 * p_bytes * partition * p.gradient_accumulation_steps / HOST_DEVICE_BYTES_PER_S
-    if p.nvme:
-        seconds += 2 * 12 * host_params / NVME_BYTES_PER_S  # fp32 master + moments read and written
-        if p.offload == "optimizer_and_params":
-            seconds += 2 * p_bytes * partition * p.gradient_accumulation_steps / NVME_BYTES_PER_S
-    return seconds

@@ -8,7 +8,8 @@ Each format is one module of this package with:
   process without a process group (``memtrain export``);
 * ``read_full_state(path, module)`` where the format can: the weights and the optimizer state
   keyed by parameter name, for resuming under another engine;
-* its own ``save``/``load`` for the objects it stores (the engines call them).
+* its own ``save``/``load`` for the objects it stores (an engine names the format it writes,
+  ``CHECKPOINT_FORMAT`` in its module, and calls them through :func:`format_module`).
 
 A new format is one module here and its name in :data:`FORMATS`.
 """
@@ -54,7 +55,7 @@ def read_full_state(path: str, manifest: dict, module) -> tuple[dict[str, torch.
 
 def read_full_weights(path: str, manifest: dict) -> dict[str, torch.Tensor]:
     """The whole model's weights (CPU) of the verified checkpoint ``path``, read by the format
-    its manifest names (:func:`memtrain.checkpoint.manifest.read_manifest` fills it in for
+    its manifest names (:func:`memtrain.checkpoint.layout.read_manifest` fills it in for
     manifests written before formats were named).
 
     Raises:

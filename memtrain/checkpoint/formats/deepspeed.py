@@ -13,6 +13,8 @@ import os
 import torch
 from torch import nn
 
+from memtrain.optim import weight_decay_groups
+
 NAME = "deepspeed"
 TAG = "zero"
 
@@ -107,8 +109,6 @@ def read_full_state(path: str, module: nn.Module) -> tuple[dict[str, torch.Tenso
     (:func:`memtrain.optim.weight_decay_groups`). ``module`` is this run's model (names and shapes)."""
     import shutil
     import tempfile
-
-    from memtrain.optim import weight_decay_groups
 
     work = tempfile.mkdtemp(prefix="memtrain-universal-")
     try:

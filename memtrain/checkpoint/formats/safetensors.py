@@ -10,6 +10,9 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from memtrain.optim import weight_decay_groups
+from memtrain.weights import load_into, load_weights, save_weights
+
 NAME = "safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 
@@ -23,8 +26,6 @@ def save(module: nn.Module, optimizer_state: dict[str, Any], scaler_state: Optio
          max_shard_size: str) -> None:
     """Write ``module``'s weights and the optimizer (and GradScaler) state into ``directory``
     (one process: the caller is rank 0)."""
-    from memtrain.weights import save_weights
-
     save_weights(module.state_dict(), directory, max_shard_size)
     torch.save({"optimizer": optimizer_state, "scaler": scaler_state}, os.path.join(directory, OPTIMIZER_FILE))
 
@@ -32,8 +33,6 @@ def save(module: nn.Module, optimizer_state: dict[str, Any], scaler_state: Optio
 def load(module: nn.Module, directory: str) -> dict[str, Any]:
     """Load the weights into ``module``; returns ``{"optimizer": state dict, "scaler": state dict
     or None}`` for the caller to load (any world size)."""
-    from memtrain.weights import load_into
-
     load_into(module, read_full_weights(directory))
     return torch.load(os.path.join(directory, OPTIMIZER_FILE), map_location="cpu", weights_only=True)
 
@@ -46,8 +45,6 @@ def read_full_state(path: str, module: nn.Module) -> tuple[dict[str, torch.Tenso
     (:func:`memtrain.optim.weight_decay_groups` over the model's parameters); ``module`` (this
     run's model, of the same structure, wrapped or not) gives the names in that order.
     """
-    from memtrain.optim import weight_decay_groups
-
     names = {id(p): name for name, p in module.named_parameters()}
     ordered = [names[id(p)] for group in weight_decay_groups(module, 0.0) for p in group["params"]]
     saved = torch.load(os.path.join(path, OPTIMIZER_FILE), map_location="cpu", weights_only=True)["optimizer"]
@@ -58,6 +55,4 @@ def read_full_state(path: str, module: nn.Module) -> tuple[dict[str, torch.Tenso
 
 def read_full_weights(path: str) -> dict[str, torch.Tensor]:
     """The replicated weights rank 0 wrote."""
-    from memtrain.weights import load_weights
-
     return load_weights(path)

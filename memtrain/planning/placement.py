@@ -10,7 +10,7 @@ placement an engine offers is sized and timed before anything is allocated:
   offloads into files.
 - **Device bytes** per rank: the engine's model state (``model_state_bytes``) + the activations of
   the best micro-batch / activation-checkpointing plan (traced with fake tensors,
-  :mod:`memtrain.memory.planner`) + the CUDA headroom (DeepSpeed's buffers — the reduce bucket
+  :mod:`memtrain.planning.planner`) + the CUDA headroom (DeepSpeed's buffers — the reduce bucket
   memtrain sizes, ZeRO-3's gathered parameters at DeepSpeed's limits — are in the engine's accounting).
 - **Host bytes**, all ranks of the machine together: each rank's process (libraries, the CUDA
   context, data: :func:`memtrain.memory.machine.process_bytes`) + offloaded state + DeepSpeed's pinned NVMe swap
@@ -22,7 +22,7 @@ placement an engine offers is sized and timed before anything is allocated:
   the host's cores are shared by its ranks), the host↔device copies (16-bit gradients out and
   16-bit parameters back per step; offloaded parameters in twice per micro-batch) at
   :data:`memtrain.memory.machine.HOST_DEVICE_BYTES_PER_S`, and NVMe reads and writes at
-  :data:`memtrain.memory.machine.NVME_BYTES_PER_S` (:func:`memtrain.memory.machine.offload_seconds`).
+  :data:`memtrain.memory.machine.NVME_BYTES_PER_S` (each offloading engine's ``offload_seconds``).
 
 The fastest placement that fits both budgets is chosen; ties go to the one that offloads less.
 The byte accounting follows ZeRO (Rajbhandari et al. 2020) and ZeRO-Offload (Ren et al. 2021);
@@ -38,18 +38,27 @@ from typing import Optional
 
 import torch
 
+from memtrain.backends import BACKENDS, DEFAULT_ENGINE, engine_module, engine_name, engine_variants, model_state_bytes
+from memtrain.backends.deepspeed import async_io_available
+from memtrain.backends.ds_config import get_path, offload_in_json, read_user_json, resolve_zero_stage
+from memtrain.backends.spec import backend_view, resolve_engine
+from memtrain.config import ConfigError
 from memtrain.folders import write_atomic
-from memtrain.levers import describe
-from memtrain.memory.accounting import ModelShape, with_allocator_headroom
-from memtrain.memory.machine import Machine, offload_seconds
-from memtrain.memory.planner import Candidate, estimated_plan_s, make_candidates
+from memtrain.levers import allowed_by, describe, lever_choices, offered_choices
+from memtrain.levers.optimizer_state import (BF16_MAX_BETA2, LOSSY, STATE_DTYPES, choose_charging_steps,
+                                             fastest_fitting, planner_dtypes)
+from memtrain.memory.accounting import ModelShape, device_state_bytes, model_shape, with_allocator_headroom
+from memtrain.memory.machine import (Machine, cpu_adam_params_per_s, device_budget_bytes, device_flops_per_s,
+                                     host_budget_bytes, optimizer_params_per_s, process_bytes)
+from memtrain.planning.planner import Candidate, activation_tables, estimated_plan_s, make_candidates
+from memtrain.planning.resumed import resume_placement, resume_state_dtype
+from memtrain.models import ModelSource
+from memtrain.objectives import make_objective
 
 RATIO_STEP = 0.01
 """Granularity of the partial-offload fraction the planner tries."""
 NVME_SWAP_BUFFERS_BYTES = 4 * 10**8 * 4 + 5 * 10**8 * 2
 """DeepSpeed's pinned NVMe swap buffers (optimizer: 4 × 1e8 fp32 elements; parameters: 5 × 1e8 16-bit)."""
-STAGING_LIMIT_BYTES = 4 * 10**9
-"""The largest flat partition DeepSpeed serialises at once (its default sub-group of 1e9 fp32 elements)."""
 
 
 @dataclasses.dataclass
@@ -86,7 +95,7 @@ class Placement:
 
     @property
     def name(self) -> str:
-        engine = f"zero{self.zero_stage}" if self.engine == "deepspeed" else self.engine
+        engine = engine_module(self.engine).variant_label(self.zero_stage)
         if self.state_dtype != "fp32":
             engine += f" {self.state_dtype} states"
         if self.offload == "none":
@@ -110,8 +119,6 @@ def variants(engines: tuple[str, ...], zero_stages: tuple[int, ...], nvme: bool,
     """Every placement of ``engines`` (ZeRO stages restricted to ``zero_stages``; NVMe ones only
     with ``nvme``), least offload first: the engines' own variants
     (:func:`memtrain.backends.engine_variants`), with optimizer states in ``state_dtype``."""
-    from memtrain.backends import engine_variants
-
     return [Placement(v.engine, v.zero_stage, v.offload, v.offload_optimizer_ratio, v.nvme, v.tune_ratio,
                       state_dtype=state_dtype, deferred_reduction=deferred_reduction)
             for v in engine_variants(engines)
@@ -119,10 +126,8 @@ def variants(engines: tuple[str, ...], zero_stages: tuple[int, ...], nvme: bool,
 
 
 def state_bytes(p: Placement, shape: ModelShape, precision: str, world_size: int) -> dict[str, int]:
-    """The engine's model-state accounting of ``p`` (:func:`memtrain.memory.accounting.model_state_bytes`;
+    """The engine's model-state accounting of ``p`` (:func:`memtrain.backends.model_state_bytes`;
     DeepSpeed's buffers as memtrain sizes them)."""
-    from memtrain.memory.accounting import model_state_bytes
-
     return model_state_bytes(p.engine, shape.parameters, precision, p.zero_stage, p.offload, world_size,
                              p.offload_optimizer_ratio, "nvme" if p.nvme else "cpu", shape, state_dtype=p.state_dtype,
                              deferred_reduction=p.deferred_reduction)
@@ -131,8 +136,6 @@ def state_bytes(p: Placement, shape: ModelShape, precision: str, world_size: int
 def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_size: int,
           machine: Machine) -> None:
     """Fill ``p``'s bytes and seconds for micro-batch plan ``c``."""
-    from memtrain.memory.accounting import device_state_bytes
-
     state = state_bytes(p, shape, precision, world_size)
     n_params = shape.parameters
     half = precision in ("bf16", "fp16")
@@ -141,7 +144,7 @@ def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_s
     device = with_allocator_headroom(device_state_bytes(state) + accumulating
                                      + max(c.activation_bytes, state["step_gradient_bytes"]), machine.device_type)
     optimizer_on_device = state["optimizer_bytes"]
-    staging = min(optimizer_on_device, STAGING_LIMIT_BYTES) if p.engine == "deepspeed" else optimizer_on_device
+    staging = engine_module(p.engine).checkpoint_staging_bytes(optimizer_on_device)
     per_rank_host = machine.process_bytes + state["cpu_offloaded_bytes"] + staging
     per_rank_host += state["accumulation_host_bytes"] if c.gradient_accumulation_steps > 1 else 0
     per_rank_host += NVME_SWAP_BUFFERS_BYTES if p.nvme else 0
@@ -154,7 +157,8 @@ def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_s
     p.nvme_bytes = state["nvme_offloaded_bytes"]
     p.fits_device = machine.device_bytes is None or device <= machine.device_bytes
     p.fits_host = machine.host_bytes is None or p.host_bytes <= machine.host_bytes
-    p.predicted_step_s = c.predicted_step_s + offload_seconds(p, n_params, p_bytes, world_size, machine)
+    p.predicted_step_s = c.predicted_step_s + (0.0 if p.offload == "none" else engine_module(p.engine).offload_seconds(
+        p, n_params, p_bytes, world_size, machine))
 
 
 def plan_placements(candidates, pool: list[Placement], shape: ModelShape,
@@ -173,8 +177,6 @@ def plan_placements(candidates, pool: list[Placement], shape: ModelShape,
         ``pool``, each with its best plan (the fastest that fits, else the smallest); the one
         :func:`choose` takes (lossier moments charged their measured step) has ``chosen`` set.
     """
-    from memtrain.levers.optimizer_state import choose_charging_steps
-
     plans_of = candidates if callable(candidates) else lambda p: candidates
     for p in pool:
         best = None
@@ -205,8 +207,6 @@ def choose(table: list[Placement]) -> Optional[Placement]:
     that fits (the first of equals), where rows with less lossy optimizer moments (fp32, then bf16,
     then int8) win unless a lossier one is more than :data:`LOSSY_MARGIN` faster; None when
     nothing fits."""
-    from memtrain.levers.optimizer_state import STATE_DTYPES, fastest_fitting
-
     fastest = fastest_fitting(table)
     if fastest is None:
         return None
@@ -243,7 +243,6 @@ def nvme_usable(path: Optional[str]) -> bool:
     """Whether NVMe offload can be planned: a folder is given and DeepSpeed's async_io op loads."""
     if not path:
         return False
-    from memtrain.backends.deepspeed import async_io_available
 
     return os.path.isdir(os.path.expanduser(path)) and async_io_available()
 
@@ -253,8 +252,6 @@ def micro_batch_candidates(cfg, per_rank_batch: int, activation_bytes, n_params:
     """The plans (micro-batch and model-lever settings: ``choices``, None =
     :func:`memtrain.levers.lever_choices`) of a rank's share with their traced activation bytes and
     FLOP-estimated seconds (1 ms per micro-batch for launches and reduction)."""
-    from memtrain.levers import lever_choices
-
     choices = lever_choices(cfg, None) if choices is None else choices
     candidates = make_candidates(per_rank_batch, choices, 0, activation_bytes, "cpu", None)
     for c in candidates:
@@ -271,10 +268,6 @@ def model_facts(cfg, corpus, source=None, objective=None) -> tuple[ModelShape, o
     """``(element counts, objective)`` of the model of ``source`` (a :class:`memtrain.models.ModelSource`;
     None: ``cfg``'s), built on the meta device (nothing allocated); ``objective``: the user's, or
     None for the corpus's (:func:`memtrain.objectives.make_objective`)."""
-    from memtrain.memory.accounting import model_shape
-    from memtrain.models import ModelSource
-    from memtrain.objectives import make_objective
-
     meta = (source or ModelSource.of(cfg, corpus)).build_meta()
     return model_shape(meta), objective or make_objective(meta, corpus)
 
@@ -285,14 +278,11 @@ def plan_model(cfg, activation_tables, shape: ModelShape, tokens: int, world_siz
     ``training.micro_batch_size`` is kept; ``auto`` lets each placement take its best).
 
     Args:
-        activation_tables: ``engine -> plan -> bytes`` (:func:`memtrain.memory.planner.activation_tables`).
+        activation_tables: ``engine -> plan -> bytes`` (:func:`memtrain.planning.planner.activation_tables`).
         shape: the model's element counts (:func:`memtrain.memory.accounting.model_shape`).
         tokens: tokens per sample (:func:`tokens_per_sample`).
         choices: the model levers' choices (None: :func:`memtrain.levers.lever_choices`).
     """
-    from memtrain.backends.spec import resolve_engine
-    from memtrain.levers import allowed_by, lever_choices
-
     t, choices = cfg.training, lever_choices(cfg, None) if choices is None else choices
     by_table: dict[tuple, list[Candidate]] = {}
 
@@ -317,9 +307,6 @@ def placement_table(cfg, corpus, world_size: int, machine: Machine, precision: s
     Raises:
         RuntimeError, NotImplementedError: the model cannot be traced with fake tensors.
     """
-    from memtrain.levers import offered_choices
-    from memtrain.memory.planner import activation_tables
-
     user_objective = objective
     shape, objective = model_facts(cfg, corpus, source, objective)
     tables = activation_tables(cfg, corpus, objective, precision, machine.device_type, source)
@@ -336,20 +323,15 @@ def planning_pool(cfg, nvme: bool) -> list[Placement]:
         memtrain.config.ConfigError: ``backend.offload auto`` with a DeepSpeed JSON that sets an
             offload of its own (two answers to one question).
     """
-    from memtrain.backends import engine_name
-    from memtrain.backends.ds_config import get_path, offload_in_json, read_user_json
-    from memtrain.config import ConfigError
-    from memtrain.levers.optimizer_state import LOSSY, planner_dtypes
-
     b = cfg.backend
     engine = engine_name(b)
-    user = read_user_json(b.deepspeed_config) if engine == "deepspeed" else {}
+    user = read_user_json(b.deepspeed_config) if engine_module(engine).READS_DEEPSPEED_CONFIG else {}
     if b.offload == "auto" and offload_in_json(user)[0] != "none":
         raise ConfigError("backend.offload", f"auto, but {b.deepspeed_config} sets an offload of its own: drop one")
-    engines = (engine,) if b.name != "auto" or engine != "ddp" else ("ddp", "fsdp", "deepspeed")
+    engines = (engine,) if b.name != "auto" or engine != DEFAULT_ENGINE else BACKENDS  # auto with no launcher's: all
     dtype = cfg.optimizer.state_dtype
     if dtype in LOSSY:  # DeepSpeed keeps fp32 optimizer partitions (memtrain/levers/optimizer_state.py)
-        engines = tuple(e for e in engines if e != "deepspeed")
+        engines = tuple(e for e in engines if engine_module(e).LOSSY_OPTIMIZER_STATE)
     json_stage = get_path(user, "zero_optimization.stage")
     stage = b.zero_stage if b.zero_stage is not None else json_stage if json_stage in (1, 2, 3) else None
     pool = []
@@ -363,16 +345,13 @@ def allowed_pool(cfg, nvme: bool) -> list[Placement]:
     """The placements a run may take: under ``backend.offload auto`` :func:`planning_pool`,
     otherwise the one placement the config (and its DeepSpeed JSON) names, in each optimizer
     state dtype the planner may choose (:func:`memtrain.levers.optimizer_state.planner_dtypes`)."""
-    from memtrain.backends import engine_name
-    from memtrain.backends.ds_config import read_user_json, resolve_zero_stage
-    from memtrain.levers.optimizer_state import planner_dtypes
-
     b = cfg.backend
     if b.offload == "auto":
         return planning_pool(cfg, nvme)
     engine = engine_name(b)
     offload, ratio, on_nvme = configured_offload(cfg)
-    stage = resolve_zero_stage(b.zero_stage, read_user_json(b.deepspeed_config)) if engine == "deepspeed" else None
+    stage = (resolve_zero_stage(b.zero_stage, read_user_json(b.deepspeed_config))
+             if engine_module(engine).READS_DEEPSPEED_CONFIG else None)
     return [Placement(engine, stage, offload, ratio, nvme=on_nvme, state_dtype=d, deferred_reduction=cfg.memory.oom_recovery)
             for d in planner_dtypes(cfg, engine)]
 
@@ -380,12 +359,9 @@ def allowed_pool(cfg, nvme: bool) -> list[Placement]:
 def configured_offload(cfg) -> tuple[str, float, bool]:
     """``(offload, optimizer fraction on the host, NVMe)`` a run will use: ``backend.*``, else its
     DeepSpeed JSON's (:func:`memtrain.backends.ds_config.offload_in_json`)."""
-    from memtrain.backends import engine_name
-    from memtrain.backends.ds_config import offload_in_json, read_user_json
-
     b = cfg.backend
     json_offload, json_ratio, json_nvme = ("none", 1.0, False)
-    if engine_name(b) == "deepspeed":
+    if engine_module(engine_name(b)).READS_DEEPSPEED_CONFIG:
         json_offload, json_ratio, json_nvme = offload_in_json(read_user_json(b.deepspeed_config))
     offload = b.offload if b.offload is not None else json_offload
     ratio = b.offload_optimizer_ratio if b.offload_optimizer_ratio != 1.0 else json_ratio
@@ -396,9 +372,6 @@ def run_machine(cfg, device: torch.device, world_size: int) -> Machine:
     """The machine a run plans for: the device budget of :func:`memtrain.memory.machine.device_budget_bytes`,
     ``memory.host_memory_gib`` (else the available memory), this process's resident bytes, the
     device's matmul rate, CPU Adam's rate and the optimizer's per state dtype, measured here."""
-    from memtrain.memory.machine import (cpu_adam_params_per_s, device_budget_bytes, device_flops_per_s,
-                                         host_budget_bytes, optimizer_params_per_s, process_bytes)
-
     device_type = "cpu" if cfg.faults.memory_budget_mib > 0 else device.type
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     return Machine(device_budget_bytes(cfg, device), host_budget_bytes(cfg.memory.host_memory_gib, ranks), ranks,
@@ -418,9 +391,6 @@ def resolve(cfg, corpus, process, precision: str, source=None, objective=None):
             one needs more host memory than there is (``memory.host_memory_gib``); the message
             holds the numbers.
     """
-    from memtrain.backends.spec import resolve_engine
-    from memtrain.memory.resumed import resume_placement, resume_state_dtype
-
     kept = resume_placement(cfg) if cfg.backend.offload == "auto" else None
     spec = resolve_engine(cfg.backend, process.world_size, process.rank, kept)
     if kept is not None and process.is_main:
@@ -443,8 +413,6 @@ def resolve(cfg, corpus, process, precision: str, source=None, objective=None):
         return _configured_placement(cfg, spec, answer, host_budget, choose_dtype, process.is_main)
     chosen = next((p for p in answer if p.chosen), None)
     if chosen is None:
-        from memtrain.config import ConfigError
-
         raise ConfigError("backend.offload", "auto: no placement fits this model in the device and host memory "
                           "(memory.host_memory_gib, or backend.nvme_path for NVMe offload):\n" + format_placements(answer))
     spec = resolve_engine(cfg.backend, process.world_size, process.rank, {
@@ -461,9 +429,9 @@ def resolve(cfg, corpus, process, precision: str, source=None, objective=None):
 def _chooses_state_dtype(cfg, engine: str) -> bool:
     """The placement planner chooses the optimizer state's dtype (``memory.allow_lossy_levers``) for
     a run on ``engine`` (under ``backend.offload auto``, for whichever engine it places on)."""
-    from memtrain.levers.optimizer_state import planner_dtypes
-
-    return len(planner_dtypes(cfg, "ddp" if cfg.backend.offload == "auto" else engine)) > 1
+    if cfg.backend.offload == "auto":  # whichever engine it places on: one that takes lossy moments, if any
+        engine = next((e for e in BACKENDS if engine_module(e).LOSSY_OPTIMIZER_STATE), engine)
+    return len(planner_dtypes(cfg, engine)) > 1
 
 
 def with_state_dtype(cfg, dtype: str):
@@ -474,9 +442,6 @@ def with_state_dtype(cfg, dtype: str):
         memtrain.config.ConfigError: bf16 moments with ``training.adam_beta2`` above what they keep
             (a resumed run whose planner chose bf16, given a larger beta2 now).
     """
-    from memtrain.config import ConfigError
-    from memtrain.levers.optimizer_state import BF16_MAX_BETA2
-
     if dtype == "bf16" and cfg.training.adam_beta2 > BF16_MAX_BETA2:
         raise ConfigError("training.adam_beta2", f"{cfg.training.adam_beta2}, but the checkpoint's optimizer moments "
                           f"are bf16 (chosen under memory.allow_lossy_levers), which lose a decay above "
@@ -513,8 +478,6 @@ def planned_view(cfg, spec):
     functions that read a config); ``cfg`` itself is not changed."""
     import dataclasses
 
-    from memtrain.backends.spec import backend_view
-
     return dataclasses.replace(cfg, backend=backend_view(cfg.backend, spec))
 
 
@@ -525,8 +488,6 @@ def _plan_on_main(cfg, corpus, process, precision: str, source=None, objective=N
     Raises:
         memtrain.config.ConfigError: planning failed (the same error on every rank).
     """
-    from memtrain.config import ConfigError
-
     b, answer = cfg.backend, None
     if process.is_main:
         try:
@@ -558,8 +519,6 @@ def write_table(output_dir: str, table: list[Placement]) -> None:
 
 
 def _host_error(cfg, p: Placement, budget: int):
-    from memtrain.config import ConfigError
-
     cap = cfg.memory.host_memory_gib
     return ConfigError("memory.host_memory_gib", f"{p.name} needs {_gib(p.host_bytes)} GiB of host memory (the "
                        f"processes, offloaded state, buffers), more than the {_gib(budget)} GiB "

@@ -1,4 +1,4 @@
-"""What a run will need, before it runs: the planner's candidate plans (:mod:`memtrain.memory.planner`)
+"""What a run will need, before it runs: the planner's candidate plans (:mod:`memtrain.planning.planner`)
 with predicted peak bytes and step seconds, and bytes of parameters, gradients and optimizer
 state per engine, ZeRO stage and offload. Nothing is allocated: activations are traced with fake
 tensors, so planning a 10B-parameter model takes seconds on a laptop.
@@ -8,7 +8,7 @@ tensors, so planning a 10B-parameter model takes seconds on a laptop.
     memtrain memory --config recipes/code_lm_350m.yaml [--world_size 8]    # the same report, one JSON object
 
 ``plan`` is the code a run with ``training.micro_batch_size: auto`` calls, minus the timing, and
-the placement planner of ``backend.offload: auto`` (:mod:`memtrain.memory.placement`): where model
+the placement planner of ``backend.offload: auto`` (:mod:`memtrain.planning.placement`): where model
 state lives, with device and host bytes. Model state is counted by :mod:`memtrain.memory.accounting`
 (each engine's formula, following the ZeRO paper, Rajbhandari et al. 2020, "ZeRO: Memory
 Optimizations Toward Training Trillion Parameter Models", §3.1 and §5; ZeRO's reduce bucket and
@@ -30,7 +30,29 @@ from typing import Optional
 import torch
 from torch import nn
 
+from memtrain.activation import enable_activation_checkpointing
+from memtrain.backends import engine_module, engine_name, engine_variants, model_state_bytes
+from memtrain.models import repeated_blocks
 from memtrain.backends.spec import resolve_engine
+from memtrain.config import ConfigError, parse_args
+from memtrain.data import build_corpus
+from memtrain.distributed import prepare_libraries
+from memtrain.launcher import apply_accelerate_settings
+from memtrain.levers import LEVERS, first_settings, lever_choices
+from memtrain.levers.activation_checkpointing import setting
+from memtrain.levers.optimizer_state import STATE_DTYPES, choose_charging_steps
+from memtrain.memory.accounting import device_state_bytes
+from memtrain.memory.machine import (DEFAULT_GPU_FLOPS, Machine, PLAN_PROCESS_BYTES, REFERENCE_CPU_ADAM_PARAMS_PER_S,
+                                     cpu_adam_params_per_s, device_budget_bytes, device_flops_per_s, host_budget_bytes,
+                                     optimizer_params_per_s, process_bytes)
+from memtrain.planning.placement import (Placement, allowed_pool, choose, format_placements, model_facts, nvme_usable,
+                                       plan_model, planning_pool, tokens_per_sample, with_state_dtype)
+from memtrain.planning.planner import Planner, activation_tables, estimated_plan_s, make_candidates
+from memtrain.memory.simulated import SimulatedMemory
+from memtrain.objectives import CausalLM
+from memtrain.plan import Plan
+from memtrain.precision import resolve_precision
+from memtrain.validation import validate
 
 
 def activation_bytes(model: nn.Module, micro_batch: dict[str, torch.Tensor], activation_checkpointing="off",
@@ -47,12 +69,6 @@ def activation_bytes(model: nn.Module, micro_batch: dict[str, torch.Tensor], act
     Returns:
         Bytes saved for backward by the forward and the loss.
     """
-    from memtrain.activation import enable_activation_checkpointing
-    from memtrain.backends.common import repeated_blocks
-    from memtrain.levers.activation_checkpointing import setting
-    from memtrain.objectives import CausalLM
-    from memtrain.memory.simulated import SimulatedMemory
-
     objective = objective or CausalLM()
     probe = copy.deepcopy(model).train()
     mode = setting(activation_checkpointing)
@@ -95,19 +111,11 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
 
     Returns:
         A JSON-serialisable dict: ``parameters``, ``precision``, ``world_size``, ``engine``,
-        ``budget_bytes``, ``candidates`` (:class:`memtrain.memory.planner.Candidate` dicts),
+        ``budget_bytes``, ``candidates`` (:class:`memtrain.planning.planner.Candidate` dicts),
         ``model_state_bytes`` (per engine variant), ``activation_bytes`` (``training.micro_batch_size``'s,
-        or under ``auto`` the chosen one's: off/on), ``placements`` (:class:`memtrain.memory.placement.Placement`
+        or under ``auto`` the chosen one's: off/on), ``placements`` (:class:`memtrain.planning.placement.Placement`
         dicts, the fastest fitting one ``chosen``) and the ``machine`` they were planned for.
     """
-    from memtrain.levers.optimizer_state import STATE_DTYPES
-    from memtrain.memory.accounting import device_state_bytes, optimizer_state_bytes
-    from memtrain.data import build_corpus
-    from memtrain.levers import lever_choices
-    from memtrain.memory.machine import device_budget_bytes
-    from memtrain.memory.placement import model_facts, tokens_per_sample, with_state_dtype
-    from memtrain.memory.planner import Planner, activation_tables, estimated_plan_s, make_candidates
-
     device_type = "cuda" if torch.cuda.is_available() or gpu_memory_gib else "cpu"
     precision = _planned_precision(cfg.precision, device_type)
     corpus = build_corpus(cfg.data)
@@ -147,8 +155,8 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
         "cpu_adam_source": adam_source, "placement_decides": cfg.backend.offload == "auto",
         "per_rank_total_bytes": _per_rank_totals(engines, tables, choices, micro, per_rank),
         "optimizer_state_dtype": cfg.optimizer.state_dtype,
-        "optimizer_state_bytes": {d: optimizer_state_bytes(engine, d, shape, world_size)
-                                  for d in STATE_DTYPES} if engine != "deepspeed" else {},
+        "optimizer_state_bytes": {d: engine_module(engine).optimizer_state_bytes(d, shape, world_size)
+                                  for d in STATE_DTYPES} if engine_module(engine).LOSSY_OPTIMIZER_STATE else {},
         "note": NOTE,
     }
 
@@ -156,17 +164,14 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
 def _model_states(cfg, shape, precision: str, world_size: int) -> tuple[dict, str, dict]:
     """``(model state bytes per engine variant, the run's engine, its model state bytes)`` with the
     config's ``optimizer.state_dtype`` (DeepSpeed's variants keep fp32)."""
-    from memtrain.backends import engine_name, engine_variants
-    from memtrain.memory.accounting import model_state_bytes
-
     n, dtype, deferred = shape.parameters, cfg.optimizer.state_dtype, cfg.memory.oom_recovery
     engines = {v.name: model_state_bytes(v.engine, n, precision, v.zero_stage, v.offload, world_size, shape=shape,
-                                         state_dtype=dtype if v.engine != "deepspeed" else "fp32",
+                                         state_dtype=dtype if engine_module(v.engine).LOSSY_OPTIMIZER_STATE else "fp32",
                                          deferred_reduction=deferred)
                for v in engine_variants() if not v.tune_ratio and not v.nvme}
     b = cfg.backend
     engine = engine_name(b)
-    state = model_state_bytes(engine, n, precision, b.zero_stage if engine == "deepspeed" else None, b.offload or "none",
+    state = model_state_bytes(engine, n, precision, b.zero_stage, b.offload or "none",
                               world_size, shape=shape, state_dtype=dtype, deferred_reduction=deferred)
     return engines, engine, state
 
@@ -174,8 +179,6 @@ def _model_states(cfg, shape, precision: str, world_size: int) -> tuple[dict, st
 def _cpu_adam_rate(given: Optional[float], target: bool) -> tuple[Optional[float], str]:
     """``(rate, source)``: the CPU Adam rate a plan assumes, parameters/s — the one ``given``, else
     for another machine (``target``) the reference rate, else None (measured here)."""
-    from memtrain.memory.machine import REFERENCE_CPU_ADAM_PARAMS_PER_S
-
     if given:
         return given, "given"
     return (REFERENCE_CPU_ADAM_PARAMS_PER_S, "reference") if target else (None, "measured on this machine")
@@ -185,11 +188,10 @@ def run_plan(planner, cfg, choices: dict):
     """The candidate the run will start with, marked ``chosen``: with a fixed
     ``training.micro_batch_size``, that micro-batch with each lever's configured (first) setting,
     as :func:`memtrain.build.make_controller` starts it, whether or not it is predicted to fit;
-    under ``auto``, the fastest fitting candidate (:meth:`memtrain.memory.planner.Planner.fastest`)."""
+    under ``auto``, the fastest fitting candidate (:meth:`memtrain.planning.planner.Planner.fastest`)."""
     micro = cfg.training.micro_batch_size
     if micro == "auto":
         return planner.fastest(planner.fitting())
-    from memtrain.levers import first_settings
 
     run = next((c for c in planner.candidates if c.micro_batch_size == micro
                 and all(c.plan.lever(k) == v for k, v in first_settings(choices).items())), None)
@@ -201,8 +203,6 @@ def run_plan(planner, cfg, choices: dict):
 def _planned_precision(precision: str, device_type: str) -> str:
     """``precision`` resolved for ``device_type`` (bf16 for ``auto`` when planning a GPU run on a
     machine without one)."""
-    from memtrain.precision import resolve_precision
-
     try:
         return resolve_precision(precision, device_type)
     except Exception:  # planning a GPU run on a machine without one
@@ -212,9 +212,6 @@ def _planned_precision(precision: str, device_type: str) -> str:
 def _per_rank_totals(engines: dict, tables, choices: dict, micro: int, per_rank: int) -> dict[str, dict[str, int]]:
     """``{variant: {"off"|"on": bytes}}``: each engine variant's device state plus the larger of its
     engine's traced activations (AC off / on) and its step term."""
-    from memtrain.backends import engine_variants
-    from memtrain.memory.accounting import device_state_bytes
-
     engine_of = {v.name: v.engine for v in engine_variants()}
     acts = functools.lru_cache(lambda engine: _activation_bytes_by_ac(tables(engine), choices, micro, per_rank))
     return {name: {ac: device_state_bytes(e) + max(acts(engine_of[name])[ac], e["step_gradient_bytes"])
@@ -224,9 +221,6 @@ def _per_rank_totals(engines: dict, tables, choices: dict, micro: int, per_rank:
 def _activation_bytes_by_ac(acts, choices: dict, micro: int, per_rank: int) -> dict[str, int]:
     """``{"off": bytes, "selective": bytes, "on": bytes}``: one micro-batch of ``micro`` samples
     traced with each activation checkpointing setting (the other levers at their first choice)."""
-    from memtrain.levers import first_settings
-    from memtrain.plan import Plan
-
     first = first_settings(choices)
     return {ac: acts(Plan(micro, per_rank // micro, tuple({**first, "activation_checkpointing": ac}.items())))
             for ac in ("off", "selective", "on")}
@@ -235,18 +229,13 @@ def _activation_bytes_by_ac(acts, choices: dict, micro: int, per_rank: int) -> d
 def _placements(cfg, shape, n: int, precision: str, world_size: int, device_type: str, budget, flops: float,
                 tables, tokens: int, host_memory_gib: Optional[float], nvme_path: Optional[str], gpu_given: bool,
                 cpu_adam: Optional[float] = None, nodes: int = 1):
-    """The placement table (:mod:`memtrain.memory.placement`) of :func:`plan_report`: every placement of
-    :func:`memtrain.memory.placement.planning_pool` (and the config's own, when it names one the
+    """The placement table (:mod:`memtrain.planning.placement`) of :func:`plan_report`: every placement of
+    :func:`memtrain.planning.placement.planning_pool` (and the config's own, when it names one the
     pool lacks), the one the run will use marked ``chosen``: the fastest fitting under
     ``backend.offload auto``, else the config's (fitting or not). A GPU given without its host's memory
     (``gpu_given``, no ``host_memory_gib`` here or in the config) plans an unbounded host: each
     placement shows the host memory it needs. ``cpu_adam``: the target's CPU Adam rate (None:
     measured here); ``nodes``: machines sharing the ranks."""
-    from memtrain.levers.optimizer_state import choose_charging_steps
-    from memtrain.memory.machine import (PLAN_PROCESS_BYTES, Machine, cpu_adam_params_per_s, host_budget_bytes,
-                                         optimizer_params_per_s, process_bytes)
-    from memtrain.memory.placement import allowed_pool, choose, nvme_usable, plan_model, planning_pool
-
     gpu_here = torch.cuda.is_available()
     if host_memory_gib:
         host = int(host_memory_gib * 2**30)
@@ -288,10 +277,6 @@ def _pop_option(argv: list[str], name: str, default=None, flag: bool = False):
 
 def format_table(report: dict) -> str:
     """The candidates of :func:`plan_report` as a text table."""
-    from memtrain.memory.placement import Placement, format_placements
-
-    from memtrain.levers import LEVERS
-
     levers = [(x.name, x.column) for x in LEVERS if any(x.name in c for c in report["candidates"])]
     width = {name: max(len(column), 9) for name, column in levers}
     rows = [f"{'micro':>5} {'accum':>5} " + "".join(f"{column:>{width[name]}} " for name, column in levers)
@@ -426,8 +411,6 @@ def _target_flops(gpu_tflops: Optional[float], device_type: str) -> float:
     bf16/fp16 rate, TFLOP/s) when given, else :data:`memtrain.memory.machine.DEFAULT_GPU_FLOPS`
     for a GPU planned on a machine without one, else measured on this machine's device. The
     report's ``machine`` names the rate used."""
-    from memtrain.memory.machine import DEFAULT_GPU_FLOPS, device_flops_per_s
-
     if gpu_tflops:
         return gpu_tflops * 1e12
     return DEFAULT_GPU_FLOPS if device_type == "cuda" and not torch.cuda.is_available() else device_flops_per_s(device_type)
@@ -464,11 +447,6 @@ def main(argv: Optional[list[str]] = None, command: str = "memory") -> int:
     whole report as one JSON object. N defaults to
     the launcher's ``WORLD_SIZE``, else 1. Exit 2 on a config error, :data:`NOTHING_FITS` (3)
     when nothing fits (:func:`something_fits`; the report is printed first), else 0."""
-    from memtrain.config import ConfigError, parse_args
-    from memtrain.launcher import apply_accelerate_settings
-    from memtrain.distributed import prepare_libraries
-    from memtrain.validation import validate
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
         print(PLAN_HELP.format(command=command, what=WHAT[command]))

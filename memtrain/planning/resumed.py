@@ -1,20 +1,20 @@
 """What a resumed run keeps of the placement its checkpoint was written with (the engine, ZeRO
 stage, offload and the optimizer state dtype the placement planner chose): read from the
 manifest of the checkpoint the run will resume, before the model is built
-(:func:`memtrain.memory.placement.resolve`)."""
+(:func:`memtrain.planning.placement.resolve`)."""
 
 from __future__ import annotations
 
 import os
 from typing import Optional
 
+from memtrain.checkpoint.layout import complete_checkpoints, latest_checkpoint, read_manifest
+from memtrain.errors import CheckpointError, ConfigError
+
 
 def resumed_manifest(cfg) -> Optional[dict]:
     """The manifest of the checkpoint the run will resume (``resume``: auto takes the newest
     complete one); None when there is none or it cannot be read (the resume itself says why)."""
-    from memtrain.checkpoint.layout import complete_checkpoints, latest_checkpoint, read_manifest
-    from memtrain.errors import CheckpointError
-
     if cfg.resume == "never":
         return None
     root = os.path.join(os.path.expanduser(cfg.output_dir), "checkpoints")
@@ -56,8 +56,6 @@ def resume_state_dtype(cfg, chooses: bool) -> Optional[str]:
         return None
     dtype = chosen or ((manifest.get("config") or {}).get("optimizer") or {}).get("state_dtype", "fp32")
     if dtype == "int8" and cfg.logging.memory_breakdown_step > 0:
-        from memtrain.errors import ConfigError
-
         raise ConfigError("logging.memory_breakdown_step", "cannot count this run: the checkpoint it resumes has "
                           "int8 optimizer moments (chosen under memory.allow_lossy_levers), whose compiled step "
                           "torch.compile refuses to run under MemTracker; set it to 0")
