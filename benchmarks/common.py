@@ -20,7 +20,10 @@ from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "memtrain" / "train.py")
-RESULTS = REPO / "benchmarks" / "results"
+RESULTS_DIR_VAR = "MEMTRAIN_RESULTS_DIR"
+"""Environment variable: the folder result rows are appended to instead of benchmarks/results/ (the
+GPU suite's ``--out``: on a remote GPU machine only that folder comes back)."""
+RESULTS = Path(os.environ.get(RESULTS_DIR_VAR) or REPO / "benchmarks" / "results")
 
 ENGINES = {
     "ddp": ["--backend.name", "ddp"],
@@ -178,13 +181,16 @@ def provenance() -> dict:
 
 def emit(name: str, device: str, result: dict, save: bool) -> None:
     """Print one result as a JSON line, with the code it measured (:func:`provenance`); with
-    ``save`` also append it to benchmarks/results/."""
+    ``save`` also append it to benchmarks/results/ (or :data:`RESULTS_DIR_VAR`'s folder), on disk
+    before this returns: a run cut short keeps every row it printed."""
     line = json.dumps({**result, **provenance()})
     print(line, flush=True)
     if save:
         RESULTS.mkdir(parents=True, exist_ok=True)
         with open(RESULTS / f"{name}-{device_name(device)}.jsonl", "a") as fh:
             fh.write(line + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
 
 
 def bar_chart(path: str, title: str, labels: list[str], series: dict[str, list[float]], ylabel: str) -> None:

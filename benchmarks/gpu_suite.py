@@ -1,39 +1,34 @@
-"""Every GPU measurement the README and docs promise, in one command, then their tables.
+"""Every GPU measurement the README and docs promise, in two parts of nine minutes, then their tables.
 
-    python benchmarks/gpu_suite.py                          # one GPU: the CUDA tests, every benchmark, the tables
+    python benchmarks/gpu_suite.py --part 1 --out $OUT      # one GPU: the mission's headline, rows into $OUT
+    python benchmarks/gpu_suite.py --part 2 --out $OUT      # the rest (a second command, or a later machine)
+    python benchmarks/gpu_suite.py --list                   # one JSON row per step: part, step, limit_s
+    python benchmarks/gpu_suite.py --merge DIR              # here: DIR's rows into benchmarks/results/, then the tables
     python benchmarks/gpu_suite.py --only oom_stress,overhead
-    python benchmarks/gpu_suite.py --budget_s 540           # less GPU time: the first steps that fit
     python benchmarks/gpu_suite.py --device cpu --quick     # the plumbing on a CPU (the tests): each benchmark
                                                             # at its --quick size; writes no results and no tables
 
-On a GPU each step runs with ``--results`` (rows appended to ``benchmarks/results/<name>-<gpu name>.jsonl``,
-``nvidia-h100-80gb-hbm3`` say)
-under its own time limit, the steps' limits adding up to :data:`BUDGET_S` (25 minutes on one
-H100); a step that fails or runs out of time is reported and the suite goes on. Then
-``benchmarks/tables.py <name> --device <gpu name>`` prints each table generated from those rows, and
-the suite writes them to ``benchmarks/results/gpu_tables.md`` for the docs.
+GPU time is scarce (about 15 minutes on one H100 in all, start-up included, at most 10 minutes a
+command), so the steps come in two parts whose time limits add up to :data:`PART_BUDGET_S` (540 s)
+each, DeepSpeed's op builds included. Part 1 is the mission's headline: the CUDA-marked tests, the
+355M model's CUDA OOM recovery under ``memory.cuda_memory_cap_gib 12`` on DDP, FSDP2 and ZeRO-3
+(first OOM → first good step, recovered vs naive halving vs the best static plan,
+``micro_batch_size auto``), and the predicted peak against ``max_memory_allocated``. Part 2:
+tokens/s eager and compiled, DDP/FSDP2/ZeRO-2 overhead against plain loops, the largest-model runs,
+checkpoint I/O.
 
-Steps, in order, most telling per minute first (less time than the budget, ``--budget_s``,
-gets the first ones; the CUDA tests first: they tell soonest whether the GPU-only paths work).
-Each launch of the 355M model costs about 30 s on an H200 (start-up, build, steps), which sizes
-the repeats:
+On a GPU each step runs with ``--results``: every row is appended, and on disk, as soon as it
+exists, to ``<name>-<gpu name>.jsonl`` (``nvidia-h100-80gb-hbm3`` say) in ``--out DIR`` (default
+``benchmarks/results/``), each row with its commit. Each step has its own time limit; a step that
+fails or runs out of time keeps the rows it wrote, is reported, and the suite goes on. Each step's
+status row goes to ``DIR/gpu_suite.jsonl`` when it ends; a rerun of a part into the same folder
+skips the steps that have one, so a part cut short (the machine taken back) resumes with the step
+it was in. Without ``--out`` the suite then writes ``benchmarks/tables.py``'s tables to
+``benchmarks/results/gpu_tables.md``; with it, ``--merge DIR`` does that here, once the rows are
+back.
 
-* ``cuda_tests``: ``pytest -m cuda`` (the tests that need a GPU: real CUDA OOMs, NCCL, fp16, …).
-* ``memory_accuracy``: the predicted peak against MemTracker and ``max_memory_allocated`` (bf16,
-  GPT-2 small's blocks, 4 engines × AC off/on, one rank).
-* ``overhead``: memtrain's step time over the engine's plain loop (DDP, FSDP2, ZeRO-2).
-* ``compile``: eager vs ``training.compile`` tokens/s.
-* ``oom_stress``: the 355M model (``recipes/code_lm_350m.yaml``) under ``memory.cuda_memory_cap_gib 12``,
-  4 engines, steady and spike: first OOM → first good step, recovered vs naive halving vs best
-  static plan, ``micro_batch_size auto``.
-* ``largest_model``: the 6.7B and 10B Llama shapes, memtrain's placement vs the stock
-  ``ds_configs/zero3_offload.json``, device and host peaks.
-* ``checkpoint_io``: save, blocked and load seconds per checkpoint format.
-* ``chunked_loss``, ``lossy_levers``, ``seq_len_reach``: CPU measurements; at the quick size only
-  (their plumbing).
-
-One JSON row per step on stdout: ``step``, ``command``, ``returncode``, ``wall_s``, ``limit_s``,
-``rows`` (the step's own JSON rows), ``timed_out``; last a ``summary`` row.
+One JSON row per step on stdout: ``step``, ``part``, ``command``, ``returncode``, ``wall_s``,
+``limit_s``, ``rows`` (the step's own JSON rows), ``timed_out``; last a ``summary`` row.
 """
 
 from __future__ import annotations
@@ -46,74 +41,84 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
-from common import FORK_SERVER_VAR, REPO, device_name, fork_server
+from common import FORK_SERVER_VAR, REPO, RESULTS, RESULTS_DIR_VAR, device_name, fork_server, provenance
 
-BUDGET_S = 25 * 60
-"""The whole suite's limit on one H100, seconds."""
+PART_BUDGET_S = 540
+"""Each part's limit on one H100, seconds (a command may run 10 minutes; the rest is start-up)."""
+STATUS = "gpu_suite.jsonl"
+"""The steps' status rows in the output folder (what a rerun of a part skips)."""
 
 
 @dataclass(frozen=True)
 class Step:
     """One measurement: its command on a GPU, at the CPU quick size, its time limit on a GPU
-    (seconds) and the ``benchmarks/tables.py`` table it feeds (None: its rows are the table)."""
+    (seconds), the ``benchmarks/tables.py`` table it feeds (None: its rows are the table) and its
+    part (1 or 2; 0: a CPU measurement whose plumbing alone runs here, at the quick size)."""
 
     name: str
     cuda: Optional[tuple[str, ...]]
     quick: Optional[tuple[str, ...]]
     limit_s: int
     table: Optional[str] = None
+    part: int = 0
 
 
 STEPS = (
-    Step("cuda_tests", ("-m", "pytest", "-q", "-rs", "-m", "cuda", "tests"), None, 90),
+    # part 1: does recovery work on a real GPU, and is the memory prediction right there
+    Step("cuda_tests", ("-m", "pytest", "-q", "-rs", "-m", "cuda", "tests"), None, 90, part=1),
+    Step("oom_stress", ("benchmarks/oom_stress.py", "--device", "cuda", "--engines", "ddp,fsdp,zero3",
+                        "--scenario", "steady", "--memory_cap_gib", "12", "--repeats", "1"),
+         ("benchmarks/oom_stress.py", "--quick"), 300, "oom_stress", part=1),
     Step("memory_accuracy", ("benchmarks/memory_accuracy.py", "--device", "cuda", "--shape", "gpt2_small",
                              "--precision", "bf16"),
-         ("benchmarks/memory_accuracy.py", "--quick"), 240, "memory_accuracy"),
+         ("benchmarks/memory_accuracy.py", "--quick"), 150, "memory_accuracy", part=1),
+    # part 2: how fast, against the plain loops, and the largest models
     Step("overhead", ("benchmarks/overhead.py", "--device", "cuda", "--engines", "ddp,fsdp,zero2", "--steps", "12",
-                      "--repeats", "2"), ("benchmarks/overhead.py", "--quick"), 420, "overhead"),
+                      "--repeats", "2"), ("benchmarks/overhead.py", "--quick"), 200, "overhead", part=2),
     Step("compile", ("benchmarks/compile.py", "--device", "cuda", "--steps", "16", "--repeats", "2"),
-         ("benchmarks/compile.py", "--quick"), 180),
-    Step("oom_stress", ("benchmarks/oom_stress.py", "--device", "cuda", "--engines", "ddp,fsdp,zero2,zero3",
-                        "--scenario", "both", "--memory_cap_gib", "12", "--repeats", "3"),
-         ("benchmarks/oom_stress.py", "--quick"), 240, "oom_stress"),
+         ("benchmarks/compile.py", "--quick"), 120, part=2),
     Step("largest_model", ("benchmarks/largest_model.py", "--shapes", "6.7b,10b", "--steps", "20", "--repeats", "1"),
          ("benchmarks/largest_model.py", "--device", "cpu", "--shapes", "tiny", "--steps", "2", "--repeats", "1"),
-         240),
+         150, part=2),
     Step("checkpoint_io", ("benchmarks/checkpoint_io.py", "--device", "cuda"), ("benchmarks/checkpoint_io.py", "--quick"),
-         90),
+         70, part=2),
     Step("chunked_loss", None, ("benchmarks/chunked_loss.py", "--quick"), 0),  # a CPU measurement: its plumbing only
     Step("lossy_levers", None, ("benchmarks/lossy_levers.py", "--quick"), 0),  # CPU measurements: their plumbing only
     Step("seq_len_reach", None, ("benchmarks/seq_len_reach.py", "--quick"), 0),
     Step("placement_accuracy", None, ("benchmarks/placement_accuracy.py", "--quick"), 0),
 )
-assert sum(s.limit_s for s in STEPS) <= BUDGET_S
+PARTS = (1, 2)
+assert all(sum(s.limit_s for s in STEPS if s.part == part) <= PART_BUDGET_S for part in PARTS)
 
 
-def command(step: Step, quick: bool, data_cache_dir: Optional[str]) -> Optional[list[str]]:
-    """The step's command line (None: nothing to run at this size); ``--results`` on a GPU."""
+def command(step: Step, quick: bool, data_cache_dir: Optional[str], out: Optional[str] = None) -> Optional[list[str]]:
+    """The step's command line (None: nothing to run at this size); ``--results`` on a GPU, and at
+    the quick size into an ``out`` folder."""
     args = step.quick if quick else step.cuda
     if args is None:
         return None
-    extra = [] if quick or step.name == "cuda_tests" else ["--results"]
+    extra = [] if (quick and out is None) or step.name == "cuda_tests" else ["--results"]
     if data_cache_dir and step.name == "memory_accuracy":
         extra += ["--data_cache_dir", data_cache_dir]
     return [sys.executable, *args, *extra]
 
 
-def run_step(step: Step, cmd: list[str], limit_s: float) -> dict:
-    """Run ``cmd`` from the repository root with a time limit; its JSON lines become ``rows``."""
-    start = time.perf_counter()
+def run_step(step: Step, cmd: list[str], limit_s: float, env: Optional[dict] = None) -> dict:
+    """Run ``cmd`` from the repository root with a time limit (in ``env``, default this process's);
+    its JSON lines become ``rows``."""
+    start, env = time.perf_counter(), env or dict(os.environ)
     if os.environ.get(FORK_SERVER_VAR) and cmd[1].endswith(".py"):  # the tests' plumbing: forked, imports done once
-        done = fork_server().run(cmd, str(REPO / cmd[1]), cmd[2:], nproc=1, port=0, env=dict(os.environ),
+        done = fork_server().run(cmd, str(REPO / cmd[1]), cmd[2:], nproc=1, port=0, env=env,
                                  cwd=str(REPO), timeout=limit_s, torchrun=False)
         out, err, code, timed_out = done.stdout, done.stderr, done.returncode, done.returncode is None
     else:
         # a process group of its own: at the time limit the whole group goes (torchrun's workers
         # would otherwise live on and hold the GPU for the next step)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
         try:
             out, err = proc.communicate(timeout=limit_s)
             code, timed_out = proc.returncode, False
@@ -128,18 +133,61 @@ def run_step(step: Step, cmd: list[str], limit_s: float) -> dict:
                 rows.append(json.loads(line))
             except json.JSONDecodeError:
                 pass
-    return {"step": step.name, "command": " ".join(cmd[1:]), "returncode": code, "timed_out": timed_out,
+    return {"step": step.name, "part": step.part, "command": " ".join(cmd[1:]), "returncode": code, "timed_out": timed_out,
             "wall_s": round(time.perf_counter() - start, 1), "limit_s": limit_s, "rows": rows,
             **({"stderr_tail": err[-2000:]} if code != 0 else {})}
 
 
-def tables(steps: list[Step]) -> str:
-    """Each step's table from its CUDA rows (``benchmarks/tables.py``), as one Markdown page."""
+def done_steps(out: Path) -> set[str]:
+    """The steps with a status row in ``out`` (finished, failed or out of time in an earlier run
+    of their part into this folder)."""
+    path = out / STATUS
+    if not path.exists():
+        return set()
+    done = set()
+    for line in path.read_text().splitlines():
+        try:
+            done.add(json.loads(line)["step"])
+        except (json.JSONDecodeError, KeyError, TypeError):  # a line cut short by a kill: not done
+            pass
+    return done
+
+
+def record_status(out: Path, result: dict) -> None:
+    """Append ``result``'s status (without its rows, which are in their own files) to ``out``'s
+    :data:`STATUS`, on disk before this returns."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / STATUS, "a") as fh:
+        fh.write(json.dumps({k: v for k, v in result.items() if k != "rows"} | provenance()) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def merge(folder: Path, results: Path = RESULTS) -> dict[str, int]:
+    """Append the result rows of ``folder`` (a GPU part's ``--out``) to the files of the same
+    name in ``results``, leaving out rows already there; ``{file: rows added}``."""
+    added = {}
+    for path in sorted(folder.glob("*.jsonl")):
+        if path.name == STATUS:
+            continue
+        target = results / path.name
+        have = set(target.read_text().splitlines()) if target.exists() else set()
+        new = [line for line in path.read_text().splitlines() if line.startswith("{") and line not in have]
+        with open(target, "a") as fh:
+            fh.writelines(line + "\n" for line in new)
+        added[path.name] = len(new)
+    return added
+
+
+def tables(steps: list[Step], device: Optional[str] = None) -> str:
+    """Each step's table from its rows on ``device`` (a GPU's name; None: this machine's GPU)
+    (``benchmarks/tables.py``), as one Markdown page."""
+    device = device or device_name("cuda")
     parts = ["# GPU tables (generated by benchmarks/gpu_suite.py from benchmarks/results/*-<gpu name>.jsonl)"]
     for step in steps:
         if step.table is None:
             continue
-        proc = subprocess.run([sys.executable, "benchmarks/tables.py", step.table, "--device", device_name("cuda")],
+        proc = subprocess.run([sys.executable, "benchmarks/tables.py", step.table, "--device", device],
                               capture_output=True, text=True, cwd=REPO, timeout=120)
         parts.append(f"## {step.name}\n\n" + (proc.stdout.strip() if proc.returncode == 0 else
                                              f"(no table: {proc.stderr.strip().splitlines()[-1:]})"))
@@ -150,36 +198,67 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--quick", action="store_true", help="each benchmark at its CPU --quick size; writes nothing")
-    parser.add_argument("--only", default=None, help="comma-separated step names (default: all)")
+    parser.add_argument("--part", type=int, choices=PARTS, default=None, help="run one part (default: both)")
+    parser.add_argument("--only", default=None, help="comma-separated step names (default: all of the parts)")
+    parser.add_argument("--out", default=None, help="the folder every result row and step status is written to "
+                                                     "(on a remote GPU machine, the one that comes back)")
+    parser.add_argument("--list", action="store_true", help="print each step's part and time limit, run nothing")
+    parser.add_argument("--merge", default=None, metavar="DIR", help="append a part's --out rows to benchmarks/results/ "
+                                                                     "and write the tables; run nothing")
     parser.add_argument("--data_cache_dir", default=None, help="a corpus cache for memory_accuracy to reuse")
-    parser.add_argument("--budget_s", type=float, default=BUDGET_S,
-                        help=f"the suite's time limit in seconds (default {BUDGET_S}); steps past it are skipped")
+    parser.add_argument("--budget_s", type=float, default=None,
+                        help=f"the run's time limit in seconds (default {PART_BUDGET_S} per part); steps past it are "
+                             "skipped")
     args = parser.parse_args(argv)
+    if args.list:
+        for step in STEPS:
+            print(json.dumps({"part": step.part, "step": step.name, "limit_s": step.limit_s}))
+        return 0
+    if args.merge:
+        added = merge(Path(args.merge))
+        print(json.dumps({"merged": added}))
+        devices = sorted({name.split("-", 1)[1].removesuffix(".jsonl") for name in added})  # name-<gpu>.jsonl
+        (RESULTS / "gpu_tables.md").write_text("\n".join(tables([s for s in STEPS if s.part], d) for d in devices))
+        return 0
     if args.device == "cpu" and not args.quick:
         parser.error("--device cpu runs the plumbing only: add --quick (the GPU tables need a GPU)")
-    names = args.only.split(",") if args.only else [s.name for s in STEPS]
-    unknown = set(names) - {s.name for s in STEPS}
-    if unknown:
-        parser.error(f"unknown steps {sorted(unknown)}; choose from {', '.join(s.name for s in STEPS)}")
-    chosen = [s for s in STEPS if s.name in names]
+    chosen = _chosen(parser, args)
+    out = Path(args.out).resolve() if args.out else None
+    env = {**os.environ, **({RESULTS_DIR_VAR: str(out)} if out else {})}
+    skip = done_steps(out) if out else set()
+    budget = args.budget_s or PART_BUDGET_S * len({s.part for s in chosen if s.part} or {1})
     started, results = time.perf_counter(), []
     for step in chosen:
-        cmd = command(step, args.quick, args.data_cache_dir)
-        left = args.budget_s - (time.perf_counter() - started)
-        if cmd is None or left <= 0:
-            results.append({"step": step.name, "skipped": f"nothing to run {'at the quick size' if args.quick else 'on a GPU'}"
-                            if cmd is None else "the suite's time budget is spent"})
+        cmd = command(step, args.quick, args.data_cache_dir, args.out)
+        left = budget - (time.perf_counter() - started)
+        if cmd is None or left <= 0 or step.name in skip:
+            results.append({"step": step.name, "part": step.part, "skipped": f"done in an earlier run into {out}"
+                            if step.name in skip else f"nothing to run {'at the quick size' if args.quick else 'on a GPU'}"
+                            if cmd is None else "the run's time budget is spent"})
         else:
-            results.append(run_step(step, cmd, min(step.limit_s if not args.quick else 600, left)))
+            results.append(run_step(step, cmd, min(step.limit_s if not args.quick else 600, left), env))
+            if out:
+                record_status(out, results[-1])
         print(json.dumps(results[-1]), flush=True)
     failed = [r["step"] for r in results if r.get("returncode") not in (0, None) or r.get("timed_out")]
-    if not args.quick:
+    if not args.quick and out is None:
         page = tables(chosen)
         (REPO / "benchmarks" / "results" / "gpu_tables.md").write_text(page)
         print(page, file=sys.stderr)
     print(json.dumps({"summary": {"steps": len(results), "failed": failed,
-                                  "wall_s": round(time.perf_counter() - started, 1), "budget_s": args.budget_s}}))
+                                  "wall_s": round(time.perf_counter() - started, 1), "budget_s": budget}}))
     return 1 if failed else 0
+
+
+def _chosen(parser: argparse.ArgumentParser, args) -> list[Step]:
+    """The steps ``--part`` and ``--only`` select (at the quick size without ``--part``, the CPU
+    measurements' plumbing too)."""
+    in_part = [s for s in STEPS if (s.part == args.part if args.part else s.part or args.quick)]
+    names = args.only.split(",") if args.only else [s.name for s in in_part]
+    unknown = set(names) - {s.name for s in STEPS}
+    if unknown:
+        parser.error(f"unknown steps {sorted(unknown)}; choose from {', '.join(s.name for s in STEPS)}")
+    return [s for s in STEPS if s.name in names]
 
 
 if __name__ == "__main__":

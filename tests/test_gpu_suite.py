@@ -1,0 +1,66 @@
+"""The GPU suite's parts (benchmarks/gpu_suite.py): each fits its nine minutes, and a part cut
+short resumes where it stopped, keeping every row written before the cut (no GPU needed: stand-in
+steps on the CPU)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import gpu_suite  # noqa: E402
+from gpu_suite import PART_BUDGET_S, STATUS, Step, main  # noqa: E402
+
+
+def test_list_gives_each_steps_part_and_limit_and_each_part_fits_nine_minutes():
+    out = subprocess.run([sys.executable, "benchmarks/gpu_suite.py", "--list"], capture_output=True, text=True,
+                         cwd=REPO, timeout=60, check=True).stdout
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert {tuple(sorted(r)) for r in rows} == {("limit_s", "part", "step")}
+    for part in (1, 2):
+        assert 0 < sum(r["limit_s"] for r in rows if r["part"] == part) <= 540 == PART_BUDGET_S
+    first = {r["step"] for r in rows if r["part"] == 1}
+    assert {"cuda_tests", "oom_stress", "memory_accuracy"} == first  # the mission's headline comes first
+    oom = next(s for s in gpu_suite.STEPS if s.name == "oom_stress")
+    assert "ddp,fsdp,zero3" in oom.cuda and "12" in oom.cuda  # the 355M model under a 12 GiB cap, three engines
+    assert all(r["part"] in (1, 2) for r in rows if r["limit_s"] > 0)  # every GPU step is in a part
+
+
+def _writer(name: str, sleep_s: float) -> tuple[str, ...]:
+    """A stand-in step: one result row through the benchmarks' own ``emit``, then ``sleep_s``."""
+    return ("-c", "import sys, time; sys.path.insert(0, 'benchmarks'); from common import emit; "
+                  f"emit('{name}', 'cpu', {{'value': 1}}, '--results' in sys.argv); time.sleep({sleep_s})")
+
+
+@pytest.mark.timeout(120)
+def test_a_cut_part_keeps_its_rows_and_resumes_where_it_stopped(tmp_path, monkeypatch):
+    """Run 1: the first step writes its row and is cut at the time limit (its row stays, its status
+    says so); the budget is then spent, so the second step never starts. Run 2 into the same folder
+    skips the first step and runs the second; no row is written twice or lost."""
+    steps = (Step("slow", None, _writer("slow", 60), 400, part=1), Step("fast", None, _writer("fast", 0), 100, part=1))
+    monkeypatch.setattr(gpu_suite, "STEPS", steps)
+    out = tmp_path / "out"
+    args = ["--device", "cpu", "--quick", "--part", "1", "--out", str(out)]
+    assert main(args + ["--budget_s", "6"]) == 1  # the slow step ran out of time
+    assert [json.loads(line)["value"] for line in (out / "slow-cpu.jsonl").read_text().splitlines()] == [1]
+    assert not (out / "fast-cpu.jsonl").exists()
+    (status,) = [json.loads(line) for line in (out / STATUS).read_text().splitlines()]
+    assert status["step"] == "slow" and status["timed_out"] and status["part"] == 1 and "commit" in status
+    assert main(args + ["--budget_s", "60"]) == 0
+    assert len((out / "slow-cpu.jsonl").read_text().splitlines()) == 1  # not run again
+    assert [json.loads(line)["value"] for line in (out / "fast-cpu.jsonl").read_text().splitlines()] == [1]
+    assert [json.loads(line)["step"] for line in (out / STATUS).read_text().splitlines()] == ["slow", "fast"]
+
+
+def test_merge_appends_new_rows_only(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "results").mkdir()
+    (tmp_path / "out" / "overhead-gpu.jsonl").write_text('{"a": 1}\n{"a": 2}\n')
+    (tmp_path / "out" / STATUS).write_text('{"step": "overhead"}\n')
+    (tmp_path / "results" / "overhead-gpu.jsonl").write_text('{"a": 1}\n')
+    assert gpu_suite.merge(tmp_path / "out", tmp_path / "results") == {"overhead-gpu.jsonl": 1}
+    assert (tmp_path / "results" / "overhead-gpu.jsonl").read_text() == '{"a": 1}\n{"a": 2}\n'
+    assert not (tmp_path / "results" / STATUS).exists()
