@@ -64,3 +64,12 @@ def test_merge_appends_new_rows_only(tmp_path):
     assert gpu_suite.merge(tmp_path / "out", tmp_path / "results") == {"overhead-gpu.jsonl": 1}
     assert (tmp_path / "results" / "overhead-gpu.jsonl").read_text() == '{"a": 1}\n{"a": 2}\n'
     assert not (tmp_path / "results" / STATUS).exists()
+
+
+def test_a_gpu_table_names_its_hardware_and_commit_and_says_when_it_is_stale():
+    entry = {"results": "overhead-nvidia-h100-80gb-hbm3.jsonl", "rows": 6, "rows_with_commit": 6,
+             "newest_commit": "0123456789abcdef", "code_changed_since": True}
+    note = gpu_suite.provenance_note(entry, "nvidia-h100-80gb-hbm3")
+    assert "nvidia-h100-80gb-hbm3" in note and "0123456789" in note and "**stale**" in note
+    assert "stale" not in gpu_suite.provenance_note({**entry, "code_changed_since": False}, "nvidia-h100-80gb-hbm3")
+    assert "stale" in gpu_suite.provenance_note({**entry, "newest_commit": None, "code_changed_since": None}, "h100")
