@@ -21,11 +21,12 @@ On a GPU each step runs with ``--results``: every row is appended, and on disk, 
 exists, to ``<name>-<gpu name>.jsonl`` (``nvidia-h100-80gb-hbm3`` say) in ``--out DIR`` (default
 ``benchmarks/results/``), each row with its commit. Each step has its own time limit; a step that
 fails or runs out of time keeps the rows it wrote, is reported, and the suite goes on. Each step's
-status row goes to ``DIR/gpu_suite.jsonl`` when it ends; a rerun of a part into the same folder
-skips the steps that have one, so a part cut short (the machine taken back) resumes with the step
-it was in. Without ``--out`` the suite then writes ``benchmarks/tables.py``'s tables to
-``benchmarks/results/gpu_tables.md``; with it, ``--merge DIR`` does that here, once the rows are
-back.
+status rows go to ``DIR/gpu_suite.jsonl`` when it starts and ends; a rerun of a part into the same
+folder skips the steps an earlier run started (their rows are kept and never written twice; one
+that failed, ran out of time or was cut is still reported as failed), so a part cut short (the
+machine taken back) resumes with the next step. Without ``--out`` the suite then writes
+``benchmarks/tables.py``'s tables to ``benchmarks/results/gpu_tables.md``; with it, ``--merge DIR``
+does that here, once the rows are back (every GPU's tables, each with its provenance).
 
 One JSON row per step on stdout: ``step``, ``part``, ``command``, ``returncode``, ``wall_s``,
 ``limit_s``, ``rows`` (the step's own JSON rows), ``timed_out``; last a ``summary`` row.
@@ -139,19 +140,21 @@ def run_step(step: Step, cmd: list[str], limit_s: float, env: Optional[dict] = N
             **({"stderr_tail": err[-2000:]} if code != 0 else {})}
 
 
-def done_steps(out: Path) -> set[str]:
-    """The steps with a status row in ``out`` (finished, failed or out of time in an earlier run
-    of their part into this folder)."""
+def earlier_steps(out: Path) -> dict[str, bool]:
+    """``{step: it succeeded}`` for the steps an earlier run of their part into ``out`` started:
+    a step is skipped on a rerun once it has started (its rows, even those of a run cut short,
+    are kept and never written twice); it succeeded when a status row says it ended with exit 0
+    in time (a step cut by the machine's loss has only its ``started`` row)."""
     path = out / STATUS
-    if not path.exists():
-        return set()
-    done = set()
-    for line in path.read_text().splitlines():
+    earlier: dict[str, bool] = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
         try:
-            done.add(json.loads(line)["step"])
-        except (json.JSONDecodeError, KeyError, TypeError):  # a line cut short by a kill: not done
+            row = json.loads(line)
+            earlier[row["step"]] = earlier.get(row["step"], False) or (
+                row.get("returncode") == 0 and not row.get("timed_out") and not row.get("started"))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):  # a line cut short by a kill
             pass
-    return done
+    return earlier
 
 
 def record_status(out: Path, result: dict) -> None:
@@ -232,30 +235,34 @@ def main(argv=None) -> int:
     if args.merge:
         added = merge(Path(args.merge))
         print(json.dumps({"merged": added}))
-        devices = sorted({name.split("-", 1)[1].removesuffix(".jsonl") for name in added})  # name-<gpu>.jsonl
-        (RESULTS / "gpu_tables.md").write_text("\n".join(tables([s for s in STEPS if s.part], d) for d in devices))
+        devices = sorted({p.stem.split("-", 1)[1] for p in RESULTS.glob("*-*.jsonl")} - {"cpu"})  # name-<gpu>.jsonl
+        if devices:  # every GPU's tables, the ones merged before included
+            (RESULTS / "gpu_tables.md").write_text("\n".join(tables([s for s in STEPS if s.part], d) for d in devices))
         return 0
     if args.device == "cpu" and not args.quick:
         parser.error("--device cpu runs the plumbing only: add --quick (the GPU tables need a GPU)")
     chosen = _chosen(parser, args)
     out = Path(args.out).resolve() if args.out else None
     env = {**os.environ, **({RESULTS_DIR_VAR: str(out)} if out else {})}
-    skip = done_steps(out) if out else set()
-    budget = args.budget_s or PART_BUDGET_S * len({s.part for s in chosen if s.part} or {1})
+    earlier = earlier_steps(out) if out else {}
+    budget = args.budget_s if args.budget_s is not None else PART_BUDGET_S * len({s.part for s in chosen if s.part} or {1})
     started, results = time.perf_counter(), []
     for step in chosen:
         cmd = command(step, args.quick, args.data_cache_dir, args.out)
         left = budget - (time.perf_counter() - started)
-        if cmd is None or left <= 0 or step.name in skip:
-            results.append({"step": step.name, "part": step.part, "skipped": f"done in an earlier run into {out}"
-                            if step.name in skip else f"nothing to run {'at the quick size' if args.quick else 'on a GPU'}"
+        if cmd is None or left <= 0 or step.name in earlier:
+            results.append({"step": step.name, "part": step.part, "skipped": f"started in an earlier run into {out}"
+                            if step.name in earlier else f"nothing to run {'at the quick size' if args.quick else 'on a GPU'}"
                             if cmd is None else "the run's time budget is spent"})
         else:
+            if out:
+                record_status(out, {"step": step.name, "part": step.part, "started": True})
             results.append(run_step(step, cmd, min(step.limit_s if not args.quick else 600, left), env))
             if out:
                 record_status(out, results[-1])
         print(json.dumps(results[-1]), flush=True)
-    failed = [r["step"] for r in results if r.get("returncode") not in (0, None) or r.get("timed_out")]
+    failed = [r["step"] for r in results if r.get("returncode") not in (0, None) or r.get("timed_out")
+              or (r["step"] in earlier and not earlier[r["step"]])]  # an earlier run's failure is still one
     if not args.quick and out is None:
         page = tables(chosen)
         (REPO / "benchmarks" / "results" / "gpu_tables.md").write_text(page)
@@ -270,9 +277,10 @@ def _chosen(parser: argparse.ArgumentParser, args) -> list[Step]:
     measurements' plumbing too)."""
     in_part = [s for s in STEPS if (s.part == args.part if args.part else s.part or args.quick)]
     names = args.only.split(",") if args.only else [s.name for s in in_part]
-    unknown = set(names) - {s.name for s in STEPS}
-    if unknown:
-        parser.error(f"unknown steps {sorted(unknown)}; choose from {', '.join(s.name for s in STEPS)}")
+    known = {s.name for s in (in_part if args.part else STEPS)}
+    if set(names) - known:
+        parser.error(f"steps {sorted(set(names) - known)} are not {f'in part {args.part}' if args.part else 'steps'}; "
+                     f"choose from {', '.join(sorted(known))}")
     return [s for s in STEPS if s.name in names]
 
 

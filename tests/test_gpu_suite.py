@@ -39,7 +39,9 @@ def _writer(name: str, sleep_s: float) -> tuple[str, ...]:
 def test_a_cut_part_keeps_its_rows_and_resumes_where_it_stopped(tmp_path, monkeypatch):
     """Run 1: the first step writes its row and is cut at the time limit (its row stays, its status
     says so); the budget is then spent, so the second step never starts. Run 2 into the same folder
-    skips the first step and runs the second; no row is written twice or lost."""
+    skips the first step (still reported as failed) and runs the second; no row is written twice or
+    lost. A step whose run was cut by the machine's loss (a ``started`` status and no end) is not
+    run again either: its rows are kept, not duplicated."""
     steps = (Step("slow", None, _writer("slow", 60), 400, part=1), Step("fast", None, _writer("fast", 0), 100, part=1))
     monkeypatch.setattr(gpu_suite, "STEPS", steps)
     out = tmp_path / "out"
@@ -47,12 +49,25 @@ def test_a_cut_part_keeps_its_rows_and_resumes_where_it_stopped(tmp_path, monkey
     assert main(args + ["--budget_s", "6"]) == 1  # the slow step ran out of time
     assert [json.loads(line)["value"] for line in (out / "slow-cpu.jsonl").read_text().splitlines()] == [1]
     assert not (out / "fast-cpu.jsonl").exists()
-    (status,) = [json.loads(line) for line in (out / STATUS).read_text().splitlines()]
-    assert status["step"] == "slow" and status["timed_out"] and status["part"] == 1 and "commit" in status
-    assert main(args + ["--budget_s", "60"]) == 0
+    started, ended = [json.loads(line) for line in (out / STATUS).read_text().splitlines()]
+    assert started == {"step": "slow", "part": 1, "started": True, **{k: started[k] for k in ("commit", "worktree_clean")}}
+    assert ended["step"] == "slow" and ended["timed_out"] and ended["part"] == 1 and "commit" in ended
+    assert main(args + ["--budget_s", "60"]) == 1  # the earlier run's failure is still reported
     assert len((out / "slow-cpu.jsonl").read_text().splitlines()) == 1  # not run again
     assert [json.loads(line)["value"] for line in (out / "fast-cpu.jsonl").read_text().splitlines()] == [1]
-    assert [json.loads(line)["step"] for line in (out / STATUS).read_text().splitlines()] == ["slow", "fast"]
+    assert [json.loads(line)["step"] for line in (out / STATUS).read_text().splitlines()] == ["slow"] * 2 + ["fast"] * 2
+    cut = tmp_path / "cut"  # the machine was taken back inside "fast": a started row, a row written, no end
+    cut.mkdir()
+    (cut / STATUS).write_text(json.dumps({"step": "fast", "part": 1, "started": True}) + "\n")
+    (cut / "fast-cpu.jsonl").write_text(json.dumps({"value": 1}) + "\n")
+    monkeypatch.setattr(gpu_suite, "STEPS", steps[1:])
+    assert main(["--device", "cpu", "--quick", "--part", "1", "--out", str(cut)]) == 1  # cut: not a success
+    assert len((cut / "fast-cpu.jsonl").read_text().splitlines()) == 1
+
+
+def test_only_stays_inside_the_part():
+    with pytest.raises(SystemExit):
+        main(["--part", "1", "--only", "overhead", "--device", "cpu", "--quick"])  # overhead is in part 2
 
 
 def test_merge_appends_new_rows_only(tmp_path):
