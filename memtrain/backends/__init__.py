@@ -6,7 +6,8 @@ bytes of model state per rank (``state_bytes``, :func:`model_state_bytes`), the 
 offers (``VARIANTS``), the engine settings that are levers (``SETTINGS``), whether it takes lossy
 optimizer state (``LOSSY_OPTIMIZER_STATE``), the config it cannot honour (``validate``) and what
 the OOM stop message says of it (``stop_words``, ``stop_advice``), so the planners, validation
-and the memory estimate do not branch on engine names. Checkpoint files are read by their format (:mod:`memtrain.checkpoint.formats`).
+and the memory estimate do not branch on engine names. Checkpoint files are read by their format
+(:mod:`memtrain.checkpoint.formats`).
 """
 
 from __future__ import annotations

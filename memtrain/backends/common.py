@@ -77,6 +77,16 @@ def refuse_unsharded_reshard(b, engine: str) -> None:
                           f"'{b.name}'; use backend.name fsdp (or auto), or drop it")
 
 
+def offload_words(context: dict) -> str:
+    """The offload in an engine's ``stop_words`` (``, offload optimizer``); empty without one."""
+    return f", offload {context['offload']}" if context.get("offload") not in (None, "none") else ""
+
+
+def offload_advice(context: dict) -> list[str]:
+    """The offload an engine's ``stop_advice`` suggests when its state is all on the device."""
+    return ["backend.offload optimizer"] if context.get("offload") in (None, "none") else []
+
+
 def all_checkpoint_staged(optimizer_bytes: int) -> int:
     """``checkpoint_staging_bytes`` of the engines whose save stages all of the device-resident
     optimizer state in host memory at once (DDP, FSDP2)."""

@@ -16,13 +16,13 @@ from torch import nn
 
 from memtrain.backends.base import ComputeCollectives
 from memtrain.backends.common import load_full_state, refuse_deepspeed_settings, refuse_unsharded_reshard
-from memtrain.errors import ConfigError
 from memtrain.backends.common import all_checkpoint_staged as checkpoint_staging_bytes  # noqa: F401 (registry)
 from memtrain.backends.common import selective_checkpointing_works as takes_selective_checkpointing  # noqa: F401
 from memtrain.backends.common import whole_model_build_context as model_build_context  # noqa: F401 (registry)
 from memtrain.backends.spec import EngineVariant
 from memtrain.checkpoint.formats import format_module
 from memtrain.distributed import ProcessState
+from memtrain.errors import ConfigError
 from memtrain.memory.accounting import (DEFERRED_REDUCE_BUCKET_BYTES, ModelShape, ddp_state_bytes, model_shape,
                                         replicated_optimizer_bytes)
 
@@ -30,6 +30,7 @@ CHECKPOINT_FORMAT = "safetensors"
 """The checkpoint format this engine writes (:mod:`memtrain.checkpoint.formats`)."""
 checkpoint_format = format_module(CHECKPOINT_FORMAT)
 VARIANTS = (EngineVariant("ddp", "ddp"),)
+"""DDP's one placement: everything replicated on the device."""
 LOSSY_OPTIMIZER_STATE = True
 """DDP takes bf16 and int8 optimizer state (:mod:`memtrain.levers.optimizer_state`)."""
 SHARDS_OPTIMIZER_STATE = False
@@ -95,7 +96,6 @@ def stop_advice(context: dict) -> list[str]:
     return ["backend.name fsdp, or deepspeed with backend.zero_stage 3 (shards the model state; the same "
             "command with --backend.name fsdp, or --backend.name deepspeed --backend.zero_stage 3, resumes this "
             "run's last checkpoint under that engine)"]
-"""DDP's one placement: everything replicated on the device."""
 
 log = logging.getLogger("memtrain")
 
@@ -294,7 +294,7 @@ class DDPBackend:
             return
         scaler = getattr(self.accelerator, "scaler", None)
         checkpoint_format.save(self.unwrap(model), optimizer.state_dict(),
-                                scaler.state_dict() if scaler is not None else None, directory, max_shard_size)
+                               scaler.state_dict() if scaler is not None else None, directory, max_shard_size)
 
     def expected_files(self) -> list[str]:
         return checkpoint_format.expected_files(self.world_size)

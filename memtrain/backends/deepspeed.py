@@ -23,13 +23,12 @@ from torch import nn
 
 from memtrain.backends import ds_partial_offload
 from memtrain.backends.base import ComputeCollectives
-from memtrain.backends.common import refuse_unsharded_reshard
+from memtrain.backends.common import offload_advice, offload_words, refuse_unsharded_reshard
 from memtrain.backends.ds_config import OFFLOAD_DEVICES, build_ds_config, get_path, read_user_json, resolve_zero_stage
 from memtrain.backends.spec import EngineVariant
 from memtrain.checkpoint.formats import format_module
-from memtrain.config import ConfigError
 from memtrain.distributed import ProcessState
-from memtrain.errors import CheckpointError
+from memtrain.errors import CheckpointError, ConfigError
 from memtrain.memory.accounting import ModelShape, deepspeed_buffer_settings, model_shape, zero_state_bytes
 from memtrain.memory.machine import (HOST_DEVICE_BYTES_PER_S, NVME_BYTES_PER_S, Machine, cpu_adam_built,
                                      deepspeed_op_built)
@@ -57,8 +56,6 @@ SETTINGS = ("offload_optimizer_ratio",)
 """The engine settings that are levers (:mod:`memtrain.levers.engine_settings`)."""
 READS_DEEPSPEED_CONFIG = True
 """Whether ``backend.deepspeed_config`` (the user's DeepSpeed JSON) sets this engine's stage and offload."""
-
-
 STAGING_LIMIT_BYTES = 4 * 10**9
 """The largest flat partition DeepSpeed serialises at once (its default sub-group of 1e9 fp32 elements)."""
 
@@ -123,14 +120,13 @@ def validate(cfg) -> None:
 def stop_words(context: dict) -> str:
     """The engine in the OOM stop message's "Already on" (:func:`memtrain.oom.oom_stop_message`)."""
     zero = f" ZeRO-{context['zero_stage']}" if context.get("zero_stage") else ""
-    return f"engine deepspeed{zero}" + (f", offload {context['offload']}" if context.get("offload") not in (None, "none") else "")
+    return f"engine deepspeed{zero}" + offload_words(context)
 
 
 def stop_advice(context: dict) -> list[str]:
     """What the OOM stop message suggests of the engine: ZeRO-3 where the stage is lower, then the
     optimizer state on the host."""
-    return ((["backend.zero_stage 3"] if (context.get("zero_stage") or 2) < 3 else [])
-            + (["backend.offload optimizer"] if context.get("offload") in (None, "none") else []))
+    return (["backend.zero_stage 3"] if (context.get("zero_stage") or 2) < 3 else []) + offload_advice(context)
 
 log = logging.getLogger("memtrain")
 

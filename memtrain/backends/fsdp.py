@@ -16,14 +16,14 @@ import torch
 from torch import nn
 
 from memtrain.backends.base import ComputeCollectives
-from memtrain.backends.common import load_full_state, refuse_deepspeed_settings
-from memtrain.errors import ConfigError
+from memtrain.backends.common import load_full_state, offload_advice, offload_words, refuse_deepspeed_settings
 from memtrain.backends.common import all_checkpoint_staged as checkpoint_staging_bytes  # noqa: F401 (registry)
 from memtrain.backends.common import selective_checkpointing_works as takes_selective_checkpointing  # noqa: F401
 from memtrain.backends.common import whole_model_build_context as model_build_context  # noqa: F401 (registry)
 from memtrain.backends.spec import EngineVariant
 from memtrain.checkpoint.formats import format_module
 from memtrain.distributed import ProcessState
+from memtrain.errors import ConfigError
 from memtrain.memory.accounting import ModelShape, fsdp_state_bytes, model_shape, sharded_optimizer_bytes
 from memtrain.memory.machine import HOST_DEVICE_BYTES_PER_S, Machine
 from memtrain.models import repeated_blocks
@@ -86,12 +86,12 @@ def offload_seconds(p, n_params: int, p_bytes: int, world_size: int, machine: Ma
 
 def stop_words(context: dict) -> str:
     """The engine in the OOM stop message's "Already on" (:func:`memtrain.oom.oom_stop_message`)."""
-    return "engine fsdp" + (f", offload {context['offload']}" if context.get("offload") not in (None, "none") else "")
+    return "engine fsdp" + offload_words(context)
 
 
 def stop_advice(context: dict) -> list[str]:
     """What the OOM stop message suggests of the engine: the model state on the host."""
-    return ["backend.offload optimizer"] if context.get("offload") in (None, "none") else []
+    return offload_advice(context)
 
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}

@@ -88,8 +88,8 @@ class ActivationCheckpointing(Lever):
 
     def stop_advice(self, value, engine) -> str:
         value = setting(value or "off")
-        return {"off": "memory.activation_checkpointing selective (or on)", "selective": "memory.activation_checkpointing on",
-                "on": ""}[value]
+        return {"off": "memory.activation_checkpointing selective (or on)",
+                "selective": "memory.activation_checkpointing on", "on": ""}[value]
 
     def floor_note(self, value, choices: tuple) -> str:
         value = setting(value)

@@ -34,7 +34,8 @@ def planner_dtypes(cfg, engine: str) -> tuple[str, ...]:
     import importlib.util
 
     dtype, m = cfg.optimizer.state_dtype, cfg.memory
-    if not (m.allow_lossy_levers and m.levers == "auto" and dtype == "fp32") or not engine_module(engine).LOSSY_OPTIMIZER_STATE:
+    lossy_allowed = m.allow_lossy_levers and m.levers == "auto" and dtype == "fp32"
+    if not lossy_allowed or not engine_module(engine).LOSSY_OPTIMIZER_STATE:
         return (dtype,)
     lossy = (("bf16",) if cfg.training.adam_beta2 <= BF16_MAX_BETA2 else ())
     int8 = importlib.util.find_spec("torchao") is not None and cfg.logging.memory_breakdown_step == 0
