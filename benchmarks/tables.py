@@ -10,6 +10,7 @@ configuration), so the docs show what the code measured and nothing typed by han
     python benchmarks/tables.py lossy_levers                   # optimizer.state_dtype: loss and bytes
     python benchmarks/tables.py lossy_step_cost                # the planner's charge for a lossier step vs timed
     python benchmarks/tables.py memory_accuracy_levers         # each lever's saving, predicted vs MemTracker
+    python benchmarks/tables.py memory_accuracy_families       # out of sample: |error| per engine and family
     python benchmarks/tables.py seq_len_reach                  # the longest data.seq_len under one budget
     python benchmarks/tables.py placement_accuracy             # the placement accounting vs DeepSpeed's tensors
     python benchmarks/tables.py stale                          # which results measured code that changed since
@@ -30,6 +31,7 @@ from typing import Optional
 
 from memtrain.levers.activation_checkpointing import setting  # results of older versions hold a bool
 from memtrain.levers.optimizer_state import STATE_DTYPES
+from memory_accuracy import error_distribution  # the benchmark's own summary (a sibling: this folder is on the path)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MEASURED_BY = {"lossy_step_cost": "lossy_levers", "largest_model_plan": "largest_model", "solver_exhaustive": "solver"}
@@ -257,6 +259,32 @@ def memory_accuracy(device: str) -> str:
     return "\n".join(out)
 
 
+def memory_accuracy_families(device: str) -> str:
+    """``benchmarks/memory_accuracy.py --families``: out of sample, the |relative error|'s median,
+    p90 and worst per engine over every family, precision, AC setting and rank count (newest row
+    per configuration), then per family; each row's commit, and the seeds the models were drawn with."""
+    rows = newest_by("memory_accuracy", device, lambda row: (
+        row.get("benchmark"), row.get("model_type"), json.dumps(row.get("model_config"), sort_keys=True),
+        row.get("engine"), row.get("world_size"), row.get("precision"), row.get("activation_checkpointing")))
+    mine = [r for (kind, *_), r in rows.items() if kind == "memory_accuracy_families" and "engine" in r]
+
+    def line(name: str, group: list[dict], other: str) -> str:
+        d = error_distribution([r["relative_error"] for r in group])
+        commits = ", ".join(sorted({(r.get("commit") or "none")[:7] for r in group}))
+        return (f"| {name} | {d['rows']} | {len({r[other] for r in group})} | {d['median']:.1%} | {d['p90']:.1%} "
+                f"| {d['worst']:.1%} | {commits} |")
+
+    header = "| {} | rows | {} | \\|error\\| median | p90 | worst | commits |"
+    out = [header.format("engine", "families"), "|---|---|---|---|---|---|---|"]
+    out += [line(name, [r for r in mine if r["engine"] == engine], "model_type")
+            for engine, name in ENGINE_NAMES.items() if any(r["engine"] == engine for r in mine)]
+    out += ["", header.format("family", "engines"), "|---|---|---|---|---|---|---|"]
+    out += [line(family, [r for r in mine if r["model_type"] == family], "engine")
+            for family in sorted({r["model_type"] for r in mine})]
+    seeds = sorted({r["seed"] for r in mine})
+    return "\n".join(out + ["", f"Models drawn with seeds {', '.join(map(str, seeds))} (each row's `model_config`)."])
+
+
 def memory_accuracy_levers(device: str) -> str:
     """``benchmarks/memory_accuracy.py --levers``: each lever's saving, predicted and counted by
     MemTracker, newest row per (engine, lever)."""
@@ -417,7 +445,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("benchmark", choices=["oom_stress", "largest_model_plan", "overhead", "memory_accuracy", "solver",
                                               "solver_exhaustive", "lossy_levers", "lossy_step_cost", "seq_len_reach",
-                                              "memory_accuracy_levers",
+                                              "memory_accuracy_levers", "memory_accuracy_families",
                                               "placement_accuracy", "stale"])
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
@@ -431,7 +459,7 @@ def main(argv=None) -> int:
     simple = {"overhead": overhead, "memory_accuracy": memory_accuracy, "solver": solver, "lossy_levers": lossy_levers,
               "seq_len_reach": seq_len_reach, "placement_accuracy": placement_accuracy,
               "solver_exhaustive": solver_exhaustive, "lossy_step_cost": lossy_step_cost,
-              "memory_accuracy_levers": memory_accuracy_levers}
+              "memory_accuracy_levers": memory_accuracy_levers, "memory_accuracy_families": memory_accuracy_families}
     if args.benchmark in simple:
         print(simple[args.benchmark](args.device))
         pooled = overhead_pooled(args.device) if args.benchmark == "overhead" else ""

@@ -41,7 +41,7 @@ from memtrain.launcher import apply_accelerate_settings
 from memtrain.levers import LEVERS, first_settings, lever_choices
 from memtrain.levers.activation_checkpointing import setting
 from memtrain.levers.optimizer_state import STATE_DTYPES, choose_charging_steps
-from memtrain.memory.accounting import device_state_bytes
+from memtrain.memory.accounting import device_state_bytes, state_peak_tensor_bytes
 from memtrain.memory.machine import (DEFAULT_GPU_FLOPS, Machine, PLAN_PROCESS_BYTES, REFERENCE_CPU_ADAM_PARAMS_PER_S,
                                      cpu_adam_params_per_s, device_budget_bytes, device_flops_per_s, host_budget_bytes,
                                      optimizer_params_per_s, process_bytes)
@@ -134,15 +134,16 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     cfg = with_state_dtype(cfg, run.state_dtype) if run is not None and run.state_dtype != cfg.optimizer.state_dtype else cfg
     engines, engine, state = _model_states(cfg, shape, precision, world_size)
     acts, per_rank, state_on_device = tables(engine), cfg.training.global_batch_size // world_size, device_state_bytes(state)
-    steps = (0, 0) if cfg.faults.memory_budget_mib > 0 else (  # a simulated device: state + saved (build_planner)
-        state["accumulation_gradient_bytes"], state["step_gradient_bytes"])
+    steps = (0, 0, 0, 0) if cfg.faults.memory_budget_mib > 0 else (  # a simulated device: state + saved (build_planner)
+        state["accumulation_gradient_bytes"], state["step_gradient_bytes"], state.get("block_buffer_bytes", 0),
+        state.get("backward_buffer_bytes", 0))
     planner = Planner(make_candidates(per_rank, choices, state_on_device, acts, device_type, budget, *steps), budget)
     for c in planner.candidates:
         c.predicted_step_s = estimated_plan_s(c, cfg, n, tokens, flops)
     chosen = run_plan(planner, cfg, choices)
     micro = chosen.micro_batch_size if chosen is not None else (
         cfg.training.micro_batch_size if cfg.training.micro_batch_size != "auto" else 1)
-    ac_bytes = _activation_bytes_by_ac(acts, choices, micro, per_rank)
+    ac_bytes = {ac: peaks[0] for ac, peaks in _activation_bytes_by_ac(acts, choices, micro, per_rank).items()}
     return {
         "parameters": n, "precision": precision, "world_size": world_size, "engine": engine,
         "micro_batch_given": cfg.training.micro_batch_size != "auto", "device": device_type, "budget_bytes": budget,
@@ -210,20 +211,23 @@ def _planned_precision(precision: str, device_type: str) -> str:
 
 
 def _per_rank_totals(engines: dict, tables, choices: dict, micro: int, per_rank: int) -> dict[str, dict[str, int]]:
-    """``{variant: {"off"|"on": bytes}}``: each engine variant's device state plus the larger of its
-    engine's traced activations (AC off / on) and its step term."""
+    """``{variant: {"off"|"on": bytes}}``: each engine variant's device state and its engine's traced
+    activations (AC off / on) at their peak (:func:`memtrain.memory.accounting.state_peak_tensor_bytes`,
+    no accumulation term)."""
     engine_of = {v.name: v.engine for v in engine_variants()}
     acts = functools.lru_cache(lambda engine: _activation_bytes_by_ac(tables(engine), choices, micro, per_rank))
-    return {name: {ac: device_state_bytes(e) + max(acts(engine_of[name])[ac], e["step_gradient_bytes"])
-                   for ac in ("off", "on")} for name, e in engines.items()}
+    return {name: {ac: state_peak_tensor_bytes(e, acts(engine_of[name])[ac]) for ac in ("off", "on")}
+            for name, e in engines.items()}
 
 
-def _activation_bytes_by_ac(acts, choices: dict, micro: int, per_rank: int) -> dict[str, int]:
-    """``{"off": bytes, "selective": bytes, "on": bytes}``: one micro-batch of ``micro`` samples
-    traced with each activation checkpointing setting (the other levers at their first choice)."""
+def _activation_bytes_by_ac(acts, choices: dict, micro: int, per_rank: int) -> dict[str, tuple[int, int, int]]:
+    """``{"off"|"selective"|"on": (peak, in_block, in_backward)}``: one micro-batch of ``micro``
+    samples traced with each activation checkpointing setting (the other levers at their first
+    choice): its peaks in bytes (``acts.peaks``, :class:`memtrain.memory.step_trace.StepPeaks`)."""
     first = first_settings(choices)
-    return {ac: acts(Plan(micro, per_rank // micro, tuple({**first, "activation_checkpointing": ac}.items())))
-            for ac in ("off", "selective", "on")}
+    plans = {ac: Plan(micro, per_rank // micro, tuple({**first, "activation_checkpointing": ac}.items()))
+             for ac in ("off", "selective", "on")}
+    return {ac: acts.peaks(plan) for ac, plan in plans.items()}
 
 
 def _placements(cfg, shape, n: int, precision: str, world_size: int, device_type: str, budget, flops: float,

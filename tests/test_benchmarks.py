@@ -136,14 +136,19 @@ def test_compile_quick_reports_ratio_and_equal_losses(suite):
 @on_suite
 def test_memory_accuracy_quick_is_checked_against_memtracker(suite):
     """The planner's predicted peak against torch's MemTracker count of a real 2-rank step, on
-    every engine: within 10% either way (DDP 3%) (under: an OOM the planner said would not happen; over:
-    memory left idle). ZeRO's reduce bucket is sized to the model: with DeepSpeed's default of
-    5e8 elements the count is ~2 GB per rank, far above DDP's. Rows are printed, not saved."""
+    every engine: within 3% either way, ZeRO-2 7% (under: an OOM the planner said would not happen;
+    over: memory left idle). The tiny model's peak is its loss's, where FSDP2 and ZeRO-3 hold no
+    gathered block and ZeRO-2 no reduce bucket (counted beside the peaks inside the blocks and in
+    backward: FSDP2 was over by 8.5% with its two gathered blocks at the loss's peak). ZeRO-2 is
+    over by the whole parameter it counts across its partition's edge. ZeRO's reduce bucket is
+    sized to the model: with DeepSpeed's default of 5e8 elements the count is ~2 GB per rank, far
+    above DDP's. Rows are printed, not saved."""
     rows = run_quick(suite, "memory_accuracy")
     engines = [r for r in rows if "engine" in r]
     assert [r["engine"] for r in engines] == ["ddp", "fsdp", "zero2", "zero3"]
     for r in engines:
-        assert -0.10 <= r["relative_error"] <= 0.10, r
+        bound = 0.07 if r["engine"] == "zero2" else 0.03
+        assert -bound <= r["relative_error"] <= bound, r
         assert r["measured_bytes"] < 3 * engines[0]["measured_bytes"], r  # no 2 GB bucket
     # DDP with OOM recovery holds no reducer: its second copy of the gradients would be 11% of this
     # peak, and DDP's replicated state is counted exactly, so the error stays within 3%

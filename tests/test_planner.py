@@ -291,6 +291,59 @@ def test_fake_trace_predicts_what_memtracker_counts_in_a_real_micro_step(cache_d
     assert simulated(P(4, False, 8)) < traced(P(4, False, 8))
 
 
+def test_the_trace_finds_the_peaks_inside_blocks_and_in_backward_that_memtracker_counts(cache_dir):
+    """The trace's peaks while a block runs and from the first parameter gradient on
+    (``StepPeaks.in_block``, ``in_backward``: where FSDP2 and ZeRO-3 hold gathered parameters and
+    ZeRO-2 its reduce bucket) against MemTracker on the real micro-step: the largest of the blocks'
+    forward and backward peaks, and the peak from the first gradient's hook on (the tracker's
+    peak restarted there), above parameters and gradients, within 10%, with activation
+    checkpointing off and on. The tiny model's peak is the loss's (its 512-token logits), which
+    both MemTracker and the trace put outside the blocks and before the first gradient."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _ModState
+
+    from memtrain.activation import enable_activation_checkpointing
+    from memtrain.config import parse_args
+    from memtrain.data import build_corpus
+    from memtrain.models import build_model, repeated_blocks
+    from memtrain.objectives import make_objective
+    from memtrain.planning.planner import activation_table, trace_batch
+
+    cfg = parse_args(TINY_ARGS + ["--data.cache_dir", cache_dir])
+    corpus = build_corpus(cfg.data)
+    model = build_model(cfg.model, corpus.vocab_size, 0)
+    objective = make_objective(model, corpus)
+    traced = activation_table(cfg, corpus, objective, "fp32", "cpu")
+    state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # parameters + gradients
+    for ac in ("off", "on"):
+        if ac == "on":
+            enable_activation_checkpointing(model, repeated_blocks(model), mode="on")
+        batch = trace_batch(corpus, 8)
+        objective.loss_sum(model, batch).backward()  # the gradients exist, as in accumulation
+        tracker = MemTracker()
+        tracker.track_external(model)
+        backward_peak = []
+
+        def restart_peak(_param):
+            if not backward_peak:  # the first gradient: count the peak from here on
+                backward_peak.append(True)
+                tracker._peak_mem_snap = tracker.get_tracker_snapshot("current")
+                tracker._peak_mem = {d: snap["Total"] for d, snap in tracker._peak_mem_snap.items()}
+
+        hooks = [p.register_post_accumulate_grad_hook(restart_peak) for p in model.parameters()]
+        with tracker:
+            objective.loss_sum(model, batch).backward()
+        for hook in hooks:
+            hook.remove()
+        in_backward = max(s["Total"] for s in tracker.get_tracker_snapshot("peak").values()) - state
+        in_block = max(snap[device]["Total"] for block in repeated_blocks(model)
+                       for phase in (_ModState.PEAK_FW, _ModState.PEAK_BW)
+                       for snap in tracker.memory_tracking[block].snapshots.get(phase, []) for device in snap) - state
+        peaks = traced.peaks(P(8, ac, 8))
+        assert peaks.in_block == pytest.approx(in_block, rel=0.10), ac
+        assert peaks.in_backward == pytest.approx(in_backward, rel=0.10), ac
+        assert peaks.in_block < peaks.peak and peaks.in_backward < peaks.peak, ac  # the loss's peak
+
+
 def test_a_gpu_planned_without_one_traces_attention_as_a_fused_kernel_holds_it(cache_dir):
     """A CUDA run planned on this CPU machine traces on the meta device, where attention stands in
     for a GPU's fused kernel: without dropout its bytes equal the CPU trace's, which runs torch's
@@ -414,8 +467,8 @@ def test_the_solver_shortlist_times_fewer_plans_and_finds_the_fastest():
 
 def test_a_deep_model_is_traced_at_a_few_depths_and_extrapolated_exactly(cache_dir, monkeypatch):
     """The planner traces a 14-block GPT-2 at 1, 2 and 3 blocks (2, 4 and 6 under activation
-    checkpointing of every second block) and extrapolates: the bytes equal those of tracing all
-    14 blocks, for every AC setting; an AC pattern that does not divide the depth (every third
+    checkpointing of every second block) and extrapolates: the bytes (the peak, in a block and in
+    backward) equal those of tracing all 14 blocks, for every AC setting; an AC pattern that does not divide the depth (every third
     block) is traced whole."""
     import memtrain.planning.planner as planner
     import memtrain.memory.step_trace as step_trace
@@ -425,13 +478,13 @@ def test_a_deep_model_is_traced_at_a_few_depths_and_extrapolated_exactly(cache_d
     from memtrain.objectives import make_objective
 
     depths = []
-    trace = step_trace.step_peak_bytes
+    trace = step_trace.step_peaks
 
     def spy(model, mode, objective, batch):
         depths.append(len(model.transformer.h))
         return trace(model, mode, objective, batch)
 
-    monkeypatch.setattr(step_trace, "step_peak_bytes", spy)
+    monkeypatch.setattr(step_trace, "step_peaks", spy)
     for every, settings, shortened in ((1, ("off", "selective", "on"), {1, 2, 3}), (2, ("on",), {2, 4, 6}),
                                        (3, ("on",), set())):
         cfg = parse_args(TINY_ARGS + ["--data.cache_dir", cache_dir, "--model.config.n_layer", "14",
@@ -442,9 +495,9 @@ def test_a_deep_model_is_traced_at_a_few_depths_and_extrapolated_exactly(cache_d
         with monkeypatch.context() as whole:
             whole.setattr(planner, "by_depth", lambda model, blocks, period, run: run())
             slow = planner.activation_table(cfg, corpus, objective, "fp32", "cpu")
-            expected = {ac: slow(P(4, ac)) for ac in settings}
+            expected = {ac: slow.peaks(P(4, ac)) for ac in settings}
         depths.clear()
-        assert {ac: fast(P(4, ac)) for ac in settings} == expected, every
+        assert {ac: fast.peaks(P(4, ac)) for ac in settings} == expected, every
         assert set(depths) == (shortened or {14}), (every, depths)  # AC every third block: traced whole
 
 

@@ -7,7 +7,7 @@ the same functions.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Mapping, Optional, Sequence
 
 from memtrain.models import repeated_blocks
 
@@ -185,7 +185,7 @@ def zero_state_bytes(n_params: int, precision: str, zero_stage: Optional[int], o
     settings = {**deepspeed_buffer_settings(shape, n_params), **(zero_settings or {})}
     persistent = zero3_persistent_elements(
         shape.numels, settings.get("stage3_param_persistence_threshold", ZERO3_PERSISTENCE_THRESHOLD))
-    return {"accumulation_gradient_bytes": 0, **_zero(
+    return {**_zero(
         n_params, precision, zero_stage, offload, max(1, world_size), offload_optimizer_ratio, offload_device,
         settings["reduce_bucket_size"], persistent, zero3_gathered_elements(shape, settings),
         max(shape.numels, default=0))}
@@ -213,6 +213,41 @@ def ddp_state_bytes(n_params: int, world_size: int, shape: ModelShape, state_dty
 def device_state_bytes(state_bytes: dict[str, int]) -> int:
     """Model-state bytes on the device, from a ``model_state_bytes`` dict (offloaded bytes excluded)."""
     return sum(state_bytes.get(k, 0) for k in DEVICE_STATE_KEYS)
+
+
+def peak_tensor_bytes(device_state: int, peaks: Sequence[Optional[int]], accumulation: int = 0, step: int = 0,
+                      block: int = 0, backward: int = 0) -> int:
+    """Tensor bytes on a rank's device at its peak: the model state on the device
+    (``device_state``; ``accumulation`` more in a plan that accumulates) and the largest of four
+    moments beyond it, from ``peaks`` = (peak, in_block, in_backward) of a traced micro-step
+    (:class:`memtrain.memory.step_trace.StepPeaks`; a None is the peak):
+
+    - the micro-step's peak (saved activations and transients);
+    - its peak while a repeated block runs, beside ``block``, the part of ``device_state`` an engine
+      holds only then (``block_buffer_bytes``: FSDP2's two gathered blocks, ZeRO-3's gathered
+      parameters), released outside the blocks (at the loss's peak, say);
+    - its peak from the first parameter gradient on, beside ``backward``, the part an engine
+      allocates only for backward (``backward_buffer_bytes``: ZeRO-2's reduce bucket);
+    - the optimizer step, ``step`` (``step_gradient_bytes``; the activations freed).
+
+    MemTracker on 2 ranks (``benchmarks/memory_accuracy.py --families``: Llama, Mistral, Qwen2,
+    GPT-NeoX, GPT-2 of 0.6–2M parameters) puts each engine's peak at one of these moments with
+    the state before the micro-step's forward equal to ``device_state − block − backward``.
+    """
+    peak = peaks[0]
+    in_block, in_backward = (peak if p is None else p for p in peaks[1:])
+    return (device_state - block - backward + accumulation
+            + max(peak, in_block + block, in_backward + backward, step))
+
+
+def state_peak_tensor_bytes(state_bytes: Mapping[str, int], peaks: Sequence[Optional[int]],
+                            accumulating: bool = False) -> int:
+    """:func:`peak_tensor_bytes` of a ``model_state_bytes`` dict (its accumulation term when
+    ``accumulating``)."""
+    return peak_tensor_bytes(device_state_bytes(state_bytes), peaks,
+                             state_bytes.get("accumulation_gradient_bytes", 0) if accumulating else 0,
+                             state_bytes.get("step_gradient_bytes", 0), state_bytes.get("block_buffer_bytes", 0),
+                             state_bytes.get("backward_buffer_bytes", 0))
 
 
 DEFERRED_REDUCE_BUCKET_BYTES = 64 * 2**20
@@ -245,8 +280,11 @@ def _fsdp(n_params: int, precision: str, offload: str, world_size: int, shape: M
     beside them, in the compute dtype: the root unit's parameters (embeddings, head, final norm),
     gathered from its forward to the end of backward (memtrain does not reshard the root), and
     their unsharded gradients through the backward; two blocks' parameters gathered (the one
-    running and the one prefetched). While micro-batches accumulate, every unsharded gradient is
-    kept in fp32 (``set_requires_gradient_sync(False)``) until the last micro-batch
+    running and the one prefetched), only while a block runs (``block_buffer_bytes``, part of
+    ``buffer_bytes``: :func:`peak_tensor_bytes`; MemTracker on 2 ranks finds none gathered at the
+    peak of Llama, Mistral, Qwen2, GPT-NeoX and GPT-2 models of 0.6–2M parameters, which is
+    the loss's: ``benchmarks/memory_accuracy.py --families``). While micro-batches accumulate,
+    every unsharded gradient is kept in fp32 (``set_requires_gradient_sync(False)``) until the last micro-batch
     reduce-scatters it: 4 bytes per parameter in all. MemTracker on 2 ranks: the tiny recipe's
     model holds 1.08 MB of gradients = 4 × its 0.27M parameters; GPT-2 small's blocks (86M) hold
     one block gathered beside the root at the peak, and 2–2.5 blocks' bytes of gathered and
@@ -259,7 +297,7 @@ def _fsdp(n_params: int, precision: str, offload: str, world_size: int, shape: M
         host, params, grads, optim = params + grads + optim, 0, 0, 0
     params, grads = params + u * shape.root, grads + u * shape.root
     return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim,
-            "buffer_bytes": 2 * u * shape.largest_block,
+            "buffer_bytes": 2 * u * shape.largest_block, "block_buffer_bytes": 2 * u * shape.largest_block,
             "accumulation_gradient_bytes": max(0, 4 * n - grads), "cpu_offloaded_bytes": host}
 
 
@@ -285,11 +323,17 @@ def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str
     off and on alike — ZeRO-2 20 bytes per parameter (parameters 4, whole gradients 4, reduce
     bucket 4, gradient partition 2, fp32 master partition 2, AdamW moments 4; on one rank
     MemTracker's peak equals this prediction to the byte's 1e-5), ZeRO-3 the same beside its
-    gathered parameters. ZeRO-2's gradient partition is counted in that term too: MemTracker does not
-    find it at the forward peak (the tests' tiny model was over-predicted by 13% with it there).
-    DeepSpeed copies the partition's gradients into a buffer of the whole parameters it holds
-    (``grads_in_partition``), so a parameter across the partition's edge counts whole
-    (``largest_parameter`` elements at most, per edge). Under offload, where the gradient
+    gathered parameters. ZeRO-2's gradient partition is counted in that term too, and in the
+    accumulation term (``accumulation_gradient_bytes``): it lives from the first micro-batch's
+    reduction to the step, so the later micro-batches' forward and backward run beside it; its
+    reduce bucket is allocated for backward only (``backward_buffer_bytes``, part of
+    ``buffer_bytes``). MemTracker on 2 ranks before the last micro-batch's forward counts
+    parameters, moments, master partition and gradient partition and no bucket (Llama, GPT-NeoX of
+    0.6–1.4M parameters, fp32: equal to the byte's 1e-3), the bucket from backward on. ZeRO-3's
+    gathered parameters are held while blocks run (``block_buffer_bytes``). DeepSpeed copies the
+    partition's gradients into a buffer of the whole parameters it holds (``grads_in_partition``),
+    so a parameter across the partition's edge counts whole (``largest_parameter`` elements at
+    most, per edge). Under offload, where the gradient
     partitions go to the host, this term is not counted (not measured there). The whole
     gradients are not a tensor of their own in DeepSpeed: it copies each gradient into the reduce
     bucket and keeps a view (``step_whole_gradient_bytes`` reports them apart; the tensor census
@@ -314,15 +358,19 @@ def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str
         # 16-bit: at the step the whole gradients are gone and an fp32 copy of the partition is there
         # (stage 1, which keeps its 16-bit gradients whole as state, makes it the same way)
         step = max(whole, 4 * n // w)
+    accumulating = backward = 0
     if stage == 2 and offload in (None, "none"):  # the partition lives from the first reduction to the step
-        step, grads = step + grads + _edge_bytes(p_bytes, largest_parameter, w), 0
+        partition = grads + _edge_bytes(p_bytes, largest_parameter, w)
+        step, grads, accumulating = step + partition, 0, partition
+        backward = p_bytes * reduce_bucket_elements
     gathered = p_bytes * gathered_elements if stage >= 3 else 0
     if stage >= 3:  # whole persistent parameters beside their partitions; the gathered ones
         params += p_bytes * persistent_elements
         buffers += gathered
     return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim,
             "buffer_bytes": buffers, "step_gradient_bytes": step, "step_whole_gradient_bytes": whole,
-            "gathered_parameter_bytes": gathered, **off}
+            "gathered_parameter_bytes": gathered, "block_buffer_bytes": gathered, "backward_buffer_bytes": backward,
+            "accumulation_gradient_bytes": accumulating, **off}
 
 
 def _zero_offload(n: int, w: int, stage: int, p_bytes: int, offload: str, ratio: float, offload_device: str,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -27,17 +27,24 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from memtrain.models import repeated_blocks
+
 
 class _LiveBytes(TorchDispatchMode):
     """Counts the bytes of storages created by operators inside it until they are freed.
 
     Attributes:
         live_bytes, peak_bytes: bytes now and at most.
+        in_block_peak_bytes: at most while a repeated block runs (``in_block`` > 0).
+        in_backward_peak_bytes: at most from the first parameter gradient on (``in_backward``).
+        in_block: how many blocks are running now (forward, or backward; see :func:`_watch_blocks`).
+        in_backward: a parameter's gradient has arrived (:meth:`to_gradient`).
     """
 
     def __init__(self):
         super().__init__()
-        self.live_bytes = self.peak_bytes = 0
+        self.live_bytes = self.peak_bytes = self.in_block_peak_bytes = self.in_backward_peak_bytes = 0
+        self.in_block, self.in_backward = 0, False
         self._sizes: dict[int, int] = {}  # storage key -> bytes counted
         self._refs: dict[int, weakref.ref] = {}
         self._state: set[int] = set()  # storages that became model state (never counted again)
@@ -58,12 +65,24 @@ class _LiveBytes(TorchDispatchMode):
         self._refs[key] = weakref.ref(storage, lambda _, key=key: self.release(key))
         self.live_bytes += size
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        if self.in_block > 0:
+            self.in_block_peak_bytes = max(self.in_block_peak_bytes, self.live_bytes)
+        if self.in_backward:
+            self.in_backward_peak_bytes = max(self.in_backward_peak_bytes, self.live_bytes)
 
     def to_state(self, key: int) -> None:
         """Storage ``key`` is model state from now on (a gradient accumulated into ``.grad``):
         not counted here, also when a later operator returns a view of it."""
         self._state.add(key)
         self.release(key)
+
+    def to_gradient(self, key: int) -> None:
+        """Storage ``key`` is a parameter's gradient (model state, :meth:`to_state`); the first one
+        starts ``in_backward``."""
+        self.to_state(key)
+        if not self.in_backward:
+            self.in_backward = True
+            self.in_backward_peak_bytes = self.live_bytes
 
     def release(self, key: int) -> None:
         """Stop counting storage ``key`` (freed)."""
@@ -120,8 +139,63 @@ def fused_attention(active: bool):
         F.scaled_dot_product_attention = real
 
 
-def step_peak_bytes(model: nn.Module, mode, objective, micro_batch: dict[str, torch.Tensor]) -> int:
-    """Peak bytes of one training forward and backward of ``micro_batch`` beyond model state.
+def _first_grad_tensor(values) -> Optional[torch.Tensor]:
+    """The first floating-point tensor in ``values`` (nested) that requires grad, or None."""
+    return next((t for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor) and t.requires_grad), None)
+
+
+def _watch_blocks(counter: _LiveBytes, blocks: list[nn.Module]) -> list:
+    """Hooks that keep ``counter.in_block`` the number of ``blocks`` running: +1 from a block's
+    forward pre-hook to its forward hook; in backward, +1 when the gradient of the block's output
+    arrives (its backward starts) and −1 when the gradient of its input does (a tensor hook on each,
+    so the graph is not changed). A recomputed forward under activation checkpointing counts as a
+    forward; its tensors never receive gradients, so their hooks never fire. Returns the handles."""
+    def enter(*_):
+        counter.in_block += 1
+
+    def leave(*_):
+        counter.in_block -= 1
+
+    def pre(module, args, kwargs):
+        enter()
+        first = _first_grad_tensor((args, kwargs))
+        if first is not None:
+            first.register_hook(leave)
+
+    def post(module, args, kwargs, output):
+        leave()
+        first = _first_grad_tensor(output)
+        if first is not None:
+            first.register_hook(enter)
+
+    return [h for b in blocks for h in (b.register_forward_pre_hook(pre, with_kwargs=True),
+                                        b.register_forward_hook(post, with_kwargs=True))]
+
+
+class StepPeaks(NamedTuple):
+    """Peak bytes of a micro-step beyond model state (:func:`step_peaks`), at three moments.
+
+    Attributes:
+        peak: at most.
+        in_block: at most while one of the model's repeated blocks
+            (:func:`memtrain.models.repeated_blocks`) runs its forward or backward: what an engine
+            that gathers a block's parameters only then (FSDP2, ZeRO-3) holds beside them; outside
+            the blocks (embeddings, the head, the loss and its gradient with respect to the logits)
+            nothing of theirs is gathered. 0 for a model without repeated blocks.
+        in_backward: at most from the moment the first parameter gradient arrives: what an engine
+            that allocates a gradient buffer then (ZeRO-2's reduce bucket) holds beside it.
+    On a small model the peak is often the loss's (the tests' models at micro-batch 4: the
+    logits of a 1024-token vocabulary), where neither is held.
+    """
+
+    peak: int
+    in_block: int
+    in_backward: int
+
+
+def step_peaks(model: nn.Module, mode, objective, micro_batch: dict[str, torch.Tensor]) -> StepPeaks:
+    """Peak bytes of one training forward and backward of ``micro_batch`` beyond model state
+    (:class:`StepPeaks`: at most, while a block runs, from the first parameter gradient on).
 
     Args:
         model: a fake model (:func:`fake_model`, levers applied).
@@ -130,7 +204,7 @@ def step_peak_bytes(model: nn.Module, mode, objective, micro_batch: dict[str, to
         micro_batch: tensors [B, …] on any device (made fakes on the model's device here).
 
     Returns:
-        Bytes (saved activations and transients) at the peak.
+        :class:`StepPeaks` (bytes of saved activations and transients).
     """
     counter = _LiveBytes()
     for t in [*model.parameters(), *model.buffers()]:  # model state; views of it (a transposed weight) too
@@ -138,9 +212,10 @@ def step_peak_bytes(model: nn.Module, mode, objective, micro_batch: dict[str, to
     params = [p for p in model.parameters() if p.requires_grad]
     # the gradient autograd hands over, and the copy AccumulateGrad makes of it when its layout
     # differs from the parameter's (a transposed Linear weight's): both are the gradient
-    hooks = [p.register_hook(lambda grad: counter.to_state(grad.untyped_storage()._cdata)) for p in params]
-    hooks += [p.register_post_accumulate_grad_hook(lambda p: counter.to_state(p.grad.untyped_storage()._cdata))
+    hooks = [p.register_hook(lambda grad: counter.to_gradient(grad.untyped_storage()._cdata)) for p in params]
+    hooks += [p.register_post_accumulate_grad_hook(lambda p: counter.to_gradient(p.grad.untyped_storage()._cdata))
               for p in params]
+    hooks += _watch_blocks(counter, repeated_blocks(model))
     device = next(model.parameters()).device
     try:
         with mode, fused_attention(device.type == "meta"):
@@ -154,7 +229,12 @@ def step_peak_bytes(model: nn.Module, mode, objective, micro_batch: dict[str, to
             hook.remove()
         for p in params:
             p.grad = None
-    return counter.peak_bytes
+    return StepPeaks(counter.peak_bytes, counter.in_block_peak_bytes, counter.in_backward_peak_bytes)
+
+
+def step_peak_bytes(model: nn.Module, mode, objective, micro_batch: dict[str, torch.Tensor]) -> int:
+    """:func:`step_peaks`' ``peak``: the micro-step's peak bytes beyond model state."""
+    return step_peaks(model, mode, objective, micro_batch).peak
 
 
 def fake_model(build: Callable[[], nn.Module], dtype: Optional[torch.dtype] = None,

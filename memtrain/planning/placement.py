@@ -47,7 +47,7 @@ from memtrain.folders import write_atomic
 from memtrain.levers import allowed_by, describe, lever_choices, offered_choices
 from memtrain.levers.optimizer_state import (BF16_MAX_BETA2, LOSSY, STATE_DTYPES, choose_charging_steps,
                                              fastest_fitting, planner_dtypes)
-from memtrain.memory.accounting import ModelShape, device_state_bytes, model_shape, with_allocator_headroom
+from memtrain.memory.accounting import ModelShape, model_shape, state_peak_tensor_bytes, with_allocator_headroom
 from memtrain.memory.machine import (Machine, cpu_adam_params_per_s, device_budget_bytes, device_flops_per_s,
                                      host_budget_bytes, optimizer_params_per_s, process_bytes)
 from memtrain.planning.planner import Candidate, activation_tables, estimated_plan_s, make_candidates
@@ -140,9 +140,9 @@ def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_s
     n_params = shape.parameters
     half = precision in ("bf16", "fp16")
     p_bytes = 2 if half else 4
-    accumulating = state["accumulation_gradient_bytes"] if c.gradient_accumulation_steps > 1 else 0
-    device = with_allocator_headroom(device_state_bytes(state) + accumulating
-                                     + max(c.activation_bytes, state["step_gradient_bytes"]), machine.device_type)
+    peaks = (c.activation_bytes, c.in_block_bytes, c.in_backward_bytes)
+    device = with_allocator_headroom(state_peak_tensor_bytes(state, peaks, c.gradient_accumulation_steps > 1),
+                                     machine.device_type)
     optimizer_on_device = state["optimizer_bytes"]
     staging = engine_module(p.engine).checkpoint_staging_bytes(optimizer_on_device)
     per_rank_host = machine.process_bytes + state["cpu_offloaded_bytes"] + staging

@@ -47,7 +47,7 @@ from memtrain.backends import engine_name
 from memtrain.models import repeated_blocks
 from memtrain.levers import LeverTarget, apply_levers, lever, recompute_fraction, restore_settings
 from memtrain.levers.activation_checkpointing import setting as ac_setting
-from memtrain.memory.accounting import device_state_bytes, divisors, with_allocator_headroom
+from memtrain.memory.accounting import device_state_bytes, divisors, peak_tensor_bytes, with_allocator_headroom
 from memtrain.memory.depth import by_depth
 from memtrain.memory.machine import device_budget_bytes, host_share_bytes, offload_host_room_bytes
 from memtrain.memory.simulated import SimulatedMemory
@@ -81,6 +81,9 @@ class Candidate:
             state (traced: :func:`activation_table`).
         offloaded_bytes: bytes of saved activations one micro-batch moves to host memory and back
             (activation offload; traced), each way.
+        in_block_bytes, in_backward_bytes: the peak of ``activation_bytes``'s kind while a
+            repeated block runs, and from the first parameter gradient on (traced:
+            :class:`memtrain.memory.step_trace.StepPeaks`); None = ``activation_bytes``.
         predicted_step_s: seconds of an optimizer step's forward and backward estimated from its
             FLOPs and its host copies (``memtrain plan``); None = not estimated.
         measured_step_s: the same, measured: the fastest timed probe on the run's engine (on a CPU
@@ -94,6 +97,8 @@ class Candidate:
     predicted_peak_bytes: int
     activation_bytes: int
     offloaded_bytes: int = 0
+    in_block_bytes: Optional[int] = None
+    in_backward_bytes: Optional[int] = None
     predicted_step_s: Optional[float] = None
     measured_step_s: Optional[float] = None
     fits: bool = True
@@ -146,15 +151,10 @@ def traced_activation_bytes(model: nn.Module, mode, objective, micro_batch: dict
     return counter.peak_bytes
 
 
-def predicted_peak_bytes(state_bytes: int, activation_bytes: int, device_type: str) -> int:
-    """Predicted peak device bytes of a rank: model state + saved activations, plus the CUDA
-    headroom on a GPU (a CPU run's simulated device counts exactly these two terms)."""
-    return with_allocator_headroom(state_bytes + activation_bytes, device_type)
-
-
 def make_candidates(per_rank_batch: int, choices: Mapping[str, tuple], state_bytes: int,
                     activation_bytes: Callable[[Plan], int], device_type: str,
-                    budget_bytes: Optional[int], accumulation_bytes: int = 0, step_bytes: int = 0) -> list[Candidate]:
+                    budget_bytes: Optional[int], accumulation_bytes: int = 0, step_bytes: int = 0,
+                    block_bytes: int = 0, backward_bytes: int = 0) -> list[Candidate]:
     """Every candidate plan with its predicted peak.
 
     Args:
@@ -168,6 +168,10 @@ def make_candidates(per_rank_batch: int, choices: Mapping[str, tuple], state_byt
             (gradient_accumulation_steps > 1; the accounting's ``accumulation_gradient_bytes``).
         step_bytes: more on the device at the optimizer step, when the activations are freed (the
             accounting's ``step_gradient_bytes``): a peak counts the larger of the two.
+        block_bytes, backward_bytes: the parts of ``state_bytes`` held only while a repeated
+            block runs and only in backward (the accounting's ``block_buffer_bytes`` and
+            ``backward_buffer_bytes``): counted beside ``activation_bytes.peaks``
+            (:func:`memtrain.memory.accounting.peak_tensor_bytes`).
 
     Returns:
         Candidates, largest micro-batch first, then the levers' combinations fastest first.
@@ -178,9 +182,12 @@ def make_candidates(per_rank_batch: int, choices: Mapping[str, tuple], state_byt
             plan = Plan(micro, per_rank_batch // micro, tuple(settings.items()))
             acts = activation_bytes(plan)
             moved = activation_bytes.offloaded_bytes(plan) if hasattr(activation_bytes, "offloaded_bytes") else 0
-            state = state_bytes + (accumulation_bytes if plan.gradient_accumulation_steps > 1 else 0)
-            peak = predicted_peak_bytes(state, max(acts, step_bytes), device_type)
-            out.append(Candidate(plan, peak, acts, moved, fits=budget_bytes is None or peak <= budget_bytes))
+            peaks = activation_bytes.peaks(plan) if hasattr(activation_bytes, "peaks") else (acts, None, None)
+            accumulation = accumulation_bytes if plan.gradient_accumulation_steps > 1 else 0
+            peak = with_allocator_headroom(peak_tensor_bytes(state_bytes, peaks, accumulation, step_bytes, block_bytes,
+                                                             backward_bytes), device_type)
+            out.append(Candidate(plan, peak, acts, moved, *peaks[1:],
+                                 fits=budget_bytes is None or peak <= budget_bytes))
     return out
 
 
@@ -449,10 +456,12 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
     the plan's model levers applied to it as to the real model: :mod:`memtrain.levers`; results
     cached per micro-batch and model-lever settings). ``objective`` is not changed (a copy is traced).
     Its attribute ``offloaded_bytes`` is ``plan -> bytes`` the plan's activation offload moves to
-    the host in that micro-batch (each way; 0 without offload), traced alike.
+    the host in that micro-batch (each way; 0 without offload), traced alike; ``peaks`` is
+    ``plan -> (peak, in_block, in_backward)`` (:class:`memtrain.memory.step_trace.StepPeaks`; under a
+    simulated device all three the peak).
 
     The bytes are the peak of the micro-step's forward and backward beyond model state (saved
-    activations and transients: :func:`memtrain.memory.step_trace.step_peak_bytes`), except under
+    activations and transients: :func:`memtrain.memory.step_trace.step_peaks`), except under
     a simulated device (``faults.memory_budget_mib``), which counts what autograd saves and nothing
     else: there they are that count (:func:`traced_activation_bytes`), so the planner predicts
     what the simulated device will count. ``source``: the :class:`memtrain.models.ModelSource`
@@ -467,11 +476,17 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
     engine = engine or engine_name(cfg.backend)
     model, mode, extra = compute_precision_model(source.build_meta, precision, device_type, engine)
     target = LeverTarget(model, repeated_blocks(model), copy.copy(objective), cfg)
-    # step_trace.step_peak_bytes read here, at the call: a test's stand-in for it is seen
-    trace = traced_activation_bytes if cfg.faults.memory_budget_mib > 0 else step_trace.step_peak_bytes
-    cache: dict[tuple, tuple[int, int]] = {}
+    # step_trace.step_peaks read here, at the call: a test's stand-in for it is seen
+    simulated = cfg.faults.memory_budget_mib > 0
+    cache: dict[tuple, tuple[int, int, int]] = {}
 
-    def traced(plan: Plan) -> tuple[int, int]:
+    def trace(*args) -> tuple[int, int, int]:
+        if simulated:  # the simulated device counts saved bytes alone, whatever runs
+            saved = traced_activation_bytes(*args)
+            return saved, saved, saved
+        return tuple(step_trace.step_peaks(*args))
+
+    def traced(plan: Plan) -> tuple[step_trace.StepPeaks, int]:
         settings = {name: setting for name, setting in plan.levers if lever(name).model_lever}
         key = (plan.micro_batch_size, tuple(settings.items()))
         if key not in cache:
@@ -479,17 +494,18 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
             batch = trace_batch(corpus, plan.micro_batch_size)
             checkpointed = ac_setting(settings.get("activation_checkpointing", "off")) != "off"
             period = cfg.memory.activation_checkpointing_every_n_blocks if checkpointed else 1
-            def traced_once() -> tuple[int, int]:
+            def traced_once() -> tuple[int, int, int, int]:
                 moved_bytes(model)  # from 0 (a shortened trace that raised may have counted)
-                return trace(model, mode, target.objective, batch), moved_bytes(model)
+                return (*trace(model, mode, target.objective, batch), moved_bytes(model))
 
-            peak, moved = by_depth(model, target.blocks, period, traced_once)
-            cache[key] = (extra + peak, moved)
+            *peaks, moved = by_depth(model, target.blocks, period, traced_once)
+            cache[key] = (step_trace.StepPeaks(*(extra + p for p in peaks)), moved)
         return cache[key]
 
     def activation_bytes(plan: Plan) -> int:
-        return traced(plan)[0]
+        return traced(plan)[0][0]
 
+    activation_bytes.peaks = lambda plan: traced(plan)[0]
     activation_bytes.offloaded_bytes = lambda plan: traced(plan)[1]
     return activation_bytes
 
@@ -531,7 +547,9 @@ def build_planner(cfg, corpus, objective, precision: str, device: torch.device, 
     if budget is None and device.type == "cpu" and cfg.memory.host_memory_gib > 0:  # the host is the device
         budget = host_share_bytes(cfg.memory.host_memory_gib, device_state_bytes(state))
     extra = {} if simulated else {"accumulation_bytes": state.get("accumulation_gradient_bytes", 0),
-                                  "step_bytes": state.get("step_gradient_bytes", 0)}
+                                  "step_bytes": state.get("step_gradient_bytes", 0),
+                                  "block_bytes": state.get("block_buffer_bytes", 0),
+                                  "backward_bytes": state.get("backward_buffer_bytes", 0)}
     planner = Planner(make_candidates(per_rank_batch, choices, device_state_bytes(state), acts, device_type, budget,
                                       **extra), budget, shortlist=cfg.memory.levers == "auto",
                       copy_bytes_per_s=cfg.memory.activation_offload_bandwidth_gb_s * 1e9 if device.type == "cpu" else None)
