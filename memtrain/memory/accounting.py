@@ -217,27 +217,29 @@ def device_state_bytes(state_bytes: dict[str, int]) -> int:
 
 def peak_tensor_bytes(device_state: int, peaks: Sequence[Optional[int]], accumulation: int = 0, step: int = 0,
                       block: int = 0, backward: int = 0) -> int:
-    """Tensor bytes on a rank's device at its peak: the model state on the device
-    (``device_state``; ``accumulation`` more in a plan that accumulates) and the largest of four
-    moments beyond it, from ``peaks`` = (peak, in_block, in_backward) of a traced micro-step
-    (:class:`memtrain.memory.step_trace.StepPeaks`; a None is the peak):
+    """Tensor bytes on a rank's device at its peak, the largest of four moments, from ``peaks`` =
+    (peak, in_block, in_backward) of a traced micro-step (:class:`memtrain.memory.step_trace.StepPeaks`;
+    a None is the peak). ``device_state`` is the model state on the device with every buffer;
+    before a micro-step's forward a rank holds it less ``block`` and ``backward``, plus
+    ``accumulation`` in a plan that accumulates (gradients kept from the earlier micro-batches):
 
-    - the micro-step's peak (saved activations and transients);
-    - its peak while a repeated block runs, beside ``block``, the part of ``device_state`` an engine
-      holds only then (``block_buffer_bytes``: FSDP2's two gathered blocks, ZeRO-3's gathered
-      parameters), released outside the blocks (at the loss's peak, say);
-    - its peak from the first parameter gradient on, beside ``backward``, the part an engine
-      allocates only for backward (``backward_buffer_bytes``: ZeRO-2's reduce bucket);
-    - the optimizer step, ``step`` (``step_gradient_bytes``; the activations freed).
+    - the micro-step's peak (saved activations and transients) beside that;
+    - its peak while a repeated block runs, beside that and ``block``, the part of the state an
+      engine holds only then (``block_buffer_bytes``: FSDP2's two gathered blocks, ZeRO-3's
+      gathered parameters), released outside the blocks (at the loss's peak, say);
+    - its peak from the first parameter gradient on, beside that and ``backward``, what an engine
+      allocates for backward (``backward_buffer_bytes``: ZeRO-2's reduce bucket);
+    - the optimizer step: all of ``device_state`` and ``step`` (``step_gradient_bytes``: the
+      gradients the step reads, which the accumulated ones have become; the activations freed).
 
     MemTracker on 2 ranks (``benchmarks/memory_accuracy.py --families``: Llama, Mistral, Qwen2,
-    GPT-NeoX, GPT-2 of 0.6–2M parameters) puts each engine's peak at one of these moments with
-    the state before the micro-step's forward equal to ``device_state − block − backward``.
+    GPT-NeoX, GPT-2 of 0.6–2M parameters) finds each engine's state before the last
+    micro-batch's forward as above and its peak at one of these moments.
     """
     peak = peaks[0]
     in_block, in_backward = (peak if p is None else p for p in peaks[1:])
-    return (device_state - block - backward + accumulation
-            + max(peak, in_block + block, in_backward + backward, step))
+    before_forward = device_state - block - backward + accumulation
+    return max(before_forward + max(peak, in_block + block, in_backward + backward), device_state + step)
 
 
 def state_peak_tensor_bytes(state_bytes: Mapping[str, int], peaks: Sequence[Optional[int]],
