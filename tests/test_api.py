@@ -5,7 +5,10 @@ OOM recovered; the API and the command line giving the same losses for the same 
 inputs refused by name before anything is written."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -215,6 +218,33 @@ def test_a_resumed_run_with_other_examples_is_refused(tmp_path):
     assert resumed.summary["resumed_from"] and [r["step"] for r in resumed.records] == [3]
     with pytest.raises(memtrain.ConfigError, match="'train_dataset'.*differs from what checkpoint"):
         run(examples(shift=1.0), 4)
+
+
+ZERO3_LAZY_IMPORT = """
+import os, sys
+import torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+from memtrain.backends import model_build_context
+from memtrain.backends.spec import resolve_engine
+from memtrain.config import parse_args
+assert "torch._dynamo" not in sys.modules, "imported already: nothing to show"
+dist.init_process_group("gloo", rank=0, world_size=1)
+cfg = parse_args(["--model.config", "{}", "--backend.name", "deepspeed", "--backend.zero_stage", "3"])
+with model_build_context(cfg, resolve_engine(cfg.backend, 1, 0), "fp32", 1, python_function=True):
+    import torch._dynamo  # what transformers' GPT-2 modeling code imports when first used
+dist.destroy_process_group()
+"""
+
+
+def test_a_model_function_may_import_torch_dynamo_first_under_zero3():
+    """A model function whose code imports ``torch._dynamo`` for the first time (transformers'
+    GPT-2 modeling module does) builds under ZeRO-3's ``zero.Init``, which replaces
+    ``torch.Tensor.__new__``: in a fresh interpreter (the tests' own has imported it long ago)."""
+    from conftest import _free_port
+
+    proc = subprocess.run([sys.executable, "-c", ZERO3_LAZY_IMPORT, str(_free_port())], capture_output=True,
+                          text=True, timeout=300, cwd=REPO, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_a_model_function_is_built_partitioned_under_zero3(monkeypatch):

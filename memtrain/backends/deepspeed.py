@@ -568,6 +568,10 @@ def model_build_context(cfg, spec, precision: str, world_size: int, python_funct
                 "train_batch_size": share * max(1, world_size)}
     if python_function:
         import deepspeed
+        # before zero.Init, which replaces torch.Tensor.__new__: torch._dynamo's polyfills compare
+        # its signature when first imported (TypeError "Signature mismatch" from a model function
+        # whose transformers modeling code imports it first: GPT-2's, torch 2.13)
+        import torch._dynamo  # noqa: F401
 
         # the parameters' dtype comes from the bf16/fp16 flags (fp32 with neither): an explicit
         # dtype= is overridden by bf16 on a CPU without fp16 (DeepSpeed 0.19's Init._set_dtype)
