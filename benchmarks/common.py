@@ -91,9 +91,9 @@ class RunFailed(RuntimeError):
 
 
 def run_memtrain(args: list[str], output_dir: str, nproc: int, timeout: float = 1800,
-                 env: Optional[dict] = None, script: str = TRAIN) -> list[dict]:
-    """Run ``memtrain/train.py`` (or a benchmark's ``script`` that runs it) with ``nproc`` ranks
-    (torchrun; gloo on CPU) and return its ``metrics.jsonl`` records.
+                 env: Optional[dict] = None, script: str = TRAIN, metrics: bool = True) -> list[dict]:
+    """Run ``memtrain/train.py`` (or a benchmark's ``script``) with ``nproc`` ranks (torchrun; gloo
+    on CPU) and return its ``metrics.jsonl`` records (``metrics`` False: a script that writes none; []).
 
     Raises:
         RunFailed: non-zero exit (e.g. 3 = out of memory at micro-batch 1).
@@ -104,7 +104,7 @@ def run_memtrain(args: list[str], output_dir: str, nproc: int, timeout: float = 
            "--master_port", str(port), script, *args, "--output_dir", output_dir]
     full_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
     _run(cmd, [*args, "--output_dir", output_dir], full_env, timeout, nproc=nproc, port=port, script=script)
-    return read_metrics(output_dir)
+    return read_metrics(output_dir) if metrics else []
 
 
 def run_cli(args: list[str], timeout: float = 1800, ok_codes: tuple[int, ...] = (0,)) -> str:

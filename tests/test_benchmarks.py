@@ -232,3 +232,26 @@ def test_the_exhaustive_solver_times_each_setting_at_its_largest_fitting_micro_b
     assert tight["2×8 AC on + chunked CE"] == ["--memory.levers", "off", "--training.micro_batch_size", "2",
                                                "--memory.activation_checkpointing", "on",
                                                "--memory.chunked_cross_entropy", "true"]
+
+
+@pytest.mark.timeout(900)
+def test_peers_quick_trains_one_model_under_each_trainer(cache_dir):
+    """``benchmarks/peers.py --quick``: transformers' Trainer, a plain Accelerate loop and
+    memtrain each train the same model on the same rows for 3 steps on 2 ranks: each run exits
+    cleanly, lowers the validation loss of the weights they all start from (one evaluation for
+    all), and reports its tokens/s, peak resident bytes and lines of code; a summary per trainer.
+    Rows are printed, not saved."""
+    before = {p.name: p.stat().st_size for p in RESULTS.glob("peers-*")}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "peers.py"), "--quick", "--data_cache_dir",
+                           cache_dir], capture_output=True, text=True, timeout=900, cwd=REPO,
+                          env={**os.environ, FORK_SERVER_VAR: fork_server_address()})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    runs = {r["trainer"]: r for r in rows if not r.get("summary")}
+    assert set(runs) == {"memtrain", "hf_trainer", "accelerate"}
+    for trainer, r in runs.items():
+        assert "failed" not in r, (trainer, r.get("failed"))
+        assert r["steps"] == 3 and r["tokens_per_s"] > 0 and r["peak_bytes"] > 0 and r["user_lines"] > 0, r
+        assert r["val_loss"] < r["initial_val_loss"], r  # trained, from the same start
+    assert {r["trainer"] for r in rows if r.get("summary")} == set(runs)
+    assert {p.name: p.stat().st_size for p in RESULTS.glob("peers-*")} == before

@@ -1,0 +1,19 @@
+"""memtrain's Trainer: the same model and data from Python (the engine by ``PEERS_ENGINE``)."""
+
+import os
+
+import memtrain
+from shared import SETTINGS, StepClock, examples, finish, model
+
+s = SETTINGS
+engine = {"ddp": {"name": "ddp"}, "fsdp": {"name": "fsdp"}, "zero2": {"name": "deepspeed", "zero_stage": 2},
+          "zero3": {"name": "deepspeed", "zero_stage": 3}}[os.environ.get("PEERS_ENGINE", "ddp")]
+settings = {"output_dir": s["out"], "precision": "fp32", "backend": engine, "checkpoint": {"every_steps": 0},
+            "training": {"global_batch_size": s["global_batch_size"], "micro_batch_size": s["micro_batch_size"],
+                         "max_steps": s["max_steps"], "seed": s["seed"], "lr": s["lr"], "warmup_steps": s["warmup_steps"],
+                         "min_lr_ratio": s["min_lr_ratio"], "weight_decay": s["weight_decay"],
+                         "max_grad_norm": s["max_grad_norm"], "eval_every": 0}}
+clock = StepClock()
+result = memtrain.Trainer(settings, model=model, train_dataset=examples()).fit()
+clock.times += [clock.times[0] + r["elapsed_s"] for r in result.records]  # memtrain's own step clock
+finish(clock, int(os.environ.get("RANK", 0)))

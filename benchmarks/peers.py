@@ -1,0 +1,203 @@
+"""memtrain beside the trainers a user would pick instead, on the same model, data and schedule.
+
+Each trainer runs a script a user would write (``benchmarks/peer_scripts/``): transformers'
+``Trainer`` (DDP; its DeepSpeed ZeRO-2/3 integration with ``--engines``), a plain Accelerate loop,
+and ``memtrain.Trainer``. All start from the same weights (one transformers config, one seed),
+read the same token rows (memtrain's corpus of the standard library, written once to an
+``.npz``; examples ``{"input_ids": ids, "labels": ids}``), take the same global batch,
+micro-batch, AdamW settings, warmup + cosine schedule to the same floor, gradient clipping and
+steps, on 2 CPU ranks (gloo, torchrun). Trainers and repeats alternate (the machine's load
+drifts). One JSON row per trainer, engine and repeat:
+
+    trainer, engine, repeat, tokens_per_s (global batch × tokens per sample ÷ the median optimizer
+    step after the first two, the trainer's own step ends: a callback, the loop, memtrain's
+    records), peak_bytes (the largest ``ru_maxrss`` of the ranks: resident memory, the same
+    counter for every trainer), val_loss (the saved model's mean next-token loss on the same
+    validation rows, computed here by one function for all), user_lines (the trainer's script,
+    without blank lines, comments and docstrings)
+
+and a ``summary`` row per trainer and engine: min / median / max of each over the repeats.
+
+    python benchmarks/peers.py                      # DDP: 3 trainers × 3 repeats, 30 steps
+    python benchmarks/peers.py --engines ddp,zero2  # also transformers' and memtrain's ZeRO-2
+    python benchmarks/peers.py --quick              # 3 steps, 1 repeat (the tests)
+    python benchmarks/peers.py --results            # also append the rows to benchmarks/results/
+
+Not here yet (the issue that asked for this table says what is left): Lightning (not a
+dependency of memtrain), FSDP under transformers' Trainer on CPU, and what each trainer does when
+memory runs out under one budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import io
+import json
+import os
+import shutil
+import statistics
+import sys
+import tokenize
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, RunFailed, emit, run_memtrain, scratch_dir  # noqa: E402
+
+SCRIPTS = Path(__file__).resolve().parent / "peer_scripts"
+sys.path.insert(0, str(SCRIPTS))
+from shared import build_model  # noqa: E402
+
+TRAINERS = {"memtrain": "memtrain_trainer.py", "hf_trainer": "hf_trainer.py", "accelerate": "accelerate_loop.py"}
+"""trainer → its script in ``benchmarks/peer_scripts/``."""
+ENGINES_OF = {"memtrain": ("ddp", "fsdp", "zero2", "zero3"), "hf_trainer": ("ddp", "zero2"), "accelerate": ("ddp",)}
+"""The engines each trainer runs here. Not transformers' ZeRO-3 on CPU ranks: its DeepSpeed config
+is resolved before the process group, so DeepSpeed asserts a train batch of micro-batch ×
+accumulation × 1 rank (transformers 5.24, DeepSpeed 0.19.8); nor its FSDP (not tried yet)."""
+MODEL = {"model_type": "gpt2", "n_layer": 4, "n_embd": 64, "n_head": 4, "n_positions": 64, "resid_pdrop": 0.0,
+         "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 0, "eos_token_id": 0}
+"""The benchmarks' CPU model (``common.CPU_ARGS``: 0.27M parameters with the 1024-token vocabulary)."""
+SETTINGS = {"seed": 1234, "global_batch_size": 16, "micro_batch_size": 4, "lr": 3e-3, "warmup_steps": 2,
+            "min_lr_ratio": 0.1, "weight_decay": 0.1, "max_grad_norm": 1.0}
+"""What every trainer is given (global batch 16 on 2 ranks: micro-batch 4, accumulation 2)."""
+VOCAB, SEQ_LEN, VALIDATION_ROWS = 1024, 64, 64
+
+
+def write_data(folder: str, steps: int, cache_dir: str | None) -> str:
+    """The rows every trainer reads: memtrain's corpus (the standard library, the benchmarks'
+    1 MB slice and 1024-token tokenizer), ``steps`` global batches of training rows and
+    :data:`VALIDATION_ROWS` validation rows, int32 [N, :data:`SEQ_LEN`] in ``folder/data.npz``."""
+    from memtrain.config import parse_args
+    from memtrain.data import build_corpus
+
+    cfg = parse_args(["--config", str(REPO / "recipes" / "code_lm_tiny.yaml"), "--data.max_bytes", "1000000",
+                      "--data.vocab_size", str(VOCAB), "--data.seq_len", str(SEQ_LEN)]
+                     + (["--data.cache_dir", cache_dir] if cache_dir else []))
+    corpus = build_corpus(cfg.data)
+    n = SETTINGS["global_batch_size"] * steps
+    if n > len(corpus.train):
+        raise SystemExit(f"--steps {steps}: {n} rows wanted, the corpus has {len(corpus.train)}")
+    path = os.path.join(folder, "data.npz")
+    np.savez(path, train=corpus.train.batch(np.arange(n))["input_ids"].numpy().astype(np.int32),
+             validation=corpus.validation.batch(np.arange(VALIDATION_ROWS))["input_ids"].numpy().astype(np.int32))
+    return path
+
+
+def user_lines(script: Path) -> int:
+    """Lines of code in ``script``: no blank lines, comments or docstrings."""
+    source = script.read_text()
+    docstrings = {node.body[0].lineno for node in ast.walk(ast.parse(source))
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and node.body
+                  and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    code = {tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+            if tok.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+                                tokenize.ENDMARKER)}
+    return len(code - docstrings)
+
+
+def val_loss(model_dir, data: str) -> float:
+    """Mean next-token cross-entropy of the model saved in ``model_dir`` (or a model) on the
+    validation rows (one function for every trainer's model)."""
+    from transformers import AutoModelForCausalLM
+
+    model = (AutoModelForCausalLM.from_pretrained(model_dir) if isinstance(model_dir, str) else model_dir).eval()
+    rows = torch.from_numpy(np.load(data)["validation"].astype(np.int64))
+    with torch.no_grad():
+        return float(model(input_ids=rows, labels=rows).loss)
+
+
+def initial_val_loss(settings: dict) -> float:
+    """:func:`val_loss` of the model every trainer starts from (``peer_scripts/shared.build_model``)."""
+    return val_loss(build_model(settings), settings["data"])
+
+
+def deepspeed_configs(folder: str) -> dict[str, str]:
+    """transformers' DeepSpeed JSONs for ZeRO-2/3 ("auto" everywhere transformers fills it in)."""
+    paths = {}
+    for stage in (2, 3):
+        paths[f"deepspeed_zero{stage}"] = path = os.path.join(folder, f"zero{stage}.json")
+        with open(path, "w") as fh:
+            json.dump({"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto",
+                       "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+                       "train_batch_size": "auto", "optimizer": {"type": "AdamW", "params": {
+                           "lr": "auto", "weight_decay": "auto", "betas": "auto", "eps": "auto"}}}, fh)
+    return paths
+
+
+def run_peer(trainer: str, engine: str, settings: dict, folder: str, timeout: float) -> dict:
+    """One run of ``trainer`` on ``engine`` (2 ranks): its row (see the module docstring)."""
+    out = os.path.join(folder, f"{trainer}-{engine}")
+    shutil.rmtree(out, ignore_errors=True)
+    path = os.path.join(folder, f"settings-{trainer}-{engine}.json")
+    with open(path, "w") as fh:
+        json.dump({**settings, "out": out}, fh)
+    env = {"PEERS_SETTINGS": path, "PEERS_ENGINE": engine,
+           "PYTHONPATH": os.pathsep.join([str(SCRIPTS), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    script = str(SCRIPTS / TRAINERS[trainer])
+    row = {"benchmark": "peers", "trainer": trainer, "engine": engine, "user_lines": user_lines(SCRIPTS / TRAINERS[trainer])}
+    try:
+        run_memtrain([], out, nproc=2, timeout=timeout, env=env, script=script, metrics=False)
+    except RunFailed as failed:  # a row that says so: what a user of that trainer would meet
+        return {**row, "failed": failed.stderr[-1500:]}
+    records = [json.load(open(os.path.join(out, f"record_{rank}.json"))) for rank in range(2)]
+    ends = records[0]["step_end_s"]
+    steps = [b - a for a, b in zip(ends, ends[1:])][1:]  # after the first two steps
+    tokens = settings["global_batch_size"] * SEQ_LEN
+    return {**row, "steps": len(ends), "tokens_per_s": tokens / statistics.median(steps) if steps else None,
+            "peak_bytes": max(r["peak_rss_bytes"] for r in records), "peak_counter": "ru_maxrss",
+            "val_loss": val_loss(os.path.join(out, "model"), settings["data"]),
+            "initial_val_loss": settings["initial_val_loss"]}
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """min / median / max of tokens/s, peak bytes and validation loss per trainer and engine."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["trainer"], r["engine"]), []).append(r)
+
+    def spread(values):
+        values = [v for v in values if v is not None]
+        return {"min": min(values), "median": statistics.median(values), "max": max(values)} if values else None
+
+    return [{"benchmark": "peers", "summary": True, "trainer": t, "engine": e, "repeats": len(g),
+             "failed": sum("failed" in r for r in g),
+             **{k: spread([r.get(k) for r in g]) for k in ("tokens_per_s", "peak_bytes", "val_loss")},
+             "user_lines": g[0]["user_lines"]} for (t, e), g in groups.items()]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 steps, 1 repeat (prints only)")
+    parser.add_argument("--trainers", default=",".join(TRAINERS), help="comma-separated subset of " + ",".join(TRAINERS))
+    parser.add_argument("--engines", default="ddp", help="comma-separated: ddp, fsdp, zero2, zero3 (where the trainer has it)")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating repeats")
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
+    parser.add_argument("--results", action="store_true", help="append to benchmarks/results/ (not with --quick)")
+    parser.add_argument("--data_cache_dir", default=None, help="a corpus cache to reuse (data.cache_dir)")
+    opts = parser.parse_args(argv)
+    steps, repeats = (3, 1) if opts.quick else (opts.steps, opts.repeats)
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    folder = scratch_dir("peers")
+    try:
+        settings = {**SETTINGS, "model": {**MODEL, "vocab_size": VOCAB}, "max_steps": steps,
+                    "data": write_data(folder, steps, opts.data_cache_dir), **deepspeed_configs(folder)}
+        settings["initial_val_loss"] = initial_val_loss(settings)
+        runs = [(t, e) for e in opts.engines.split(",") for t in opts.trainers.split(",") if e in ENGINES_OF[t]]
+        rows = []
+        for repeat in range(repeats):
+            for trainer, engine in runs:
+                row = {**run_peer(trainer, engine, settings, folder, timeout=1800), "repeat": repeat}
+                rows.append(row)
+                emit("peers", "cpu", row, save=opts.results and not opts.quick)
+        for row in summary(rows):
+            emit("peers", "cpu", row, save=opts.results and not opts.quick)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
