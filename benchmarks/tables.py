@@ -11,6 +11,7 @@ configuration), so the docs show what the code measured and nothing typed by han
     python benchmarks/tables.py lossy_step_cost                # the planner's charge for a lossier step vs timed
     python benchmarks/tables.py memory_accuracy_levers         # each lever's saving, predicted vs MemTracker
     python benchmarks/tables.py memory_accuracy_families       # out of sample: |error| per engine and family
+    python benchmarks/tables.py peers                          # memtrain beside transformers' Trainer and Accelerate
     python benchmarks/tables.py seq_len_reach                  # the longest data.seq_len under one budget
     python benchmarks/tables.py placement_accuracy             # the placement accounting vs DeepSpeed's tensors
     python benchmarks/tables.py stale                          # which results measured code that changed since
@@ -285,6 +286,25 @@ def memory_accuracy_families(device: str) -> str:
     return "\n".join(out + ["", f"Models drawn with seeds {', '.join(map(str, seeds))} (each row's `model_config`)."])
 
 
+def peers(device: str) -> str:
+    """``benchmarks/peers.py``: per engine and trainer, the newest summary row (min / median / max
+    over its repeats) and the commit it measured."""
+    rows = newest_by("peers", device, lambda row: (row.get("summary", False), row.get("engine"), row.get("trainer")))
+    out = ["| engine | trainer | repeats (failed) | tokens/s (min / median / max) | peak resident MiB, largest rank "
+           "(min / median / max) | validation loss (min / median / max) | lines of user code | commit |",
+           "|---|---|---|---|---|---|---|---|"]
+    for (summary, engine, trainer), r in sorted(rows.items(), key=lambda kv: (list(ENGINE_NAMES).index(kv[0][1]),
+                                                                          kv[0][2] != "memtrain", kv[0][2])):
+        if not summary:
+            continue
+        mib = {k: v / 2**20 for k, v in r["peak_bytes"].items()} if r["peak_bytes"] else None
+        cells = [spread(r[k], f) if r[k] else "n/a" for k, f in (("tokens_per_s", "{:,.0f}"), ("val_loss", "{:.3f}"))]
+        out.append(f"| {ENGINE_NAMES[engine]} | {trainer} | {r['repeats']} ({r['failed']}) | {cells[0]} "
+                   f"| {spread(mib, '{:,.0f}') if mib else 'n/a'} | {cells[1]} | {r['user_lines']} "
+                   f"| {(r.get('commit') or 'none')[:7]} |")
+    return "\n".join(out)
+
+
 def memory_accuracy_levers(device: str) -> str:
     """``benchmarks/memory_accuracy.py --levers``: each lever's saving, predicted and counted by
     MemTracker, newest row per (engine, lever)."""
@@ -445,7 +465,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("benchmark", choices=["oom_stress", "largest_model_plan", "overhead", "memory_accuracy", "solver",
                                               "solver_exhaustive", "lossy_levers", "lossy_step_cost", "seq_len_reach",
-                                              "memory_accuracy_levers", "memory_accuracy_families",
+                                              "memory_accuracy_levers", "memory_accuracy_families", "peers",
                                               "placement_accuracy", "stale"])
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
@@ -459,7 +479,8 @@ def main(argv=None) -> int:
     simple = {"overhead": overhead, "memory_accuracy": memory_accuracy, "solver": solver, "lossy_levers": lossy_levers,
               "seq_len_reach": seq_len_reach, "placement_accuracy": placement_accuracy,
               "solver_exhaustive": solver_exhaustive, "lossy_step_cost": lossy_step_cost,
-              "memory_accuracy_levers": memory_accuracy_levers, "memory_accuracy_families": memory_accuracy_families}
+              "memory_accuracy_levers": memory_accuracy_levers, "memory_accuracy_families": memory_accuracy_families,
+              "peers": peers}
     if args.benchmark in simple:
         print(simple[args.benchmark](args.device))
         pooled = overhead_pooled(args.device) if args.benchmark == "overhead" else ""
