@@ -240,7 +240,8 @@ def memory_accuracy(device: str) -> str:
         runs.setdefault((shape, precision, world_size), []).append(row)
     cuda = any("cuda_relative_error" in r for r in newest_rows.values())
     out = ["| model | precision | ranks | engine | plans (micro-batch × accumulation, AC) | relative error min / median / max |"
-           + (" against max_memory_allocated |" if cuda else ""), "|---|---|---|---|---|---|" + ("---|" if cuda else "")]
+           + (" against max_memory_allocated |" if cuda else "") + " commit |",
+           "|---|---|---|---|---|---|" + ("---|" if cuda else "") + "---|"]
 
     def spread(errors: list[float]) -> str:
         return f"{min(errors):+.1%} / {statistics.median(errors):+.1%} / {max(errors):+.1%}"
@@ -256,7 +257,7 @@ def memory_accuracy(device: str) -> str:
                     f"{spread([r['relative_error'] for r in mine])} |")
             if cuda:
                 line += f" {spread([r['cuda_relative_error'] for r in mine if 'cuda_relative_error' in r] or [float('nan')])} |"
-            out.append(line)
+            out.append(line + f" {', '.join(sorted({(r.get('commit') or 'none')[:7] for r in mine}))} |")
     return "\n".join(out)
 
 
