@@ -181,7 +181,8 @@ class StepPeaks(NamedTuple):
             (:func:`memtrain.models.repeated_blocks`) runs its forward or backward: what an engine
             that gathers a block's parameters only then (FSDP2, ZeRO-3) holds beside them; outside
             the blocks (embeddings, the head, the loss and its gradient with respect to the logits)
-            nothing of theirs is gathered. 0 for a model without repeated blocks.
+            nothing of theirs is gathered. The peak for a model without repeated blocks (whatever
+            an engine gathers may be held at any moment).
         in_backward: at most from the moment the first parameter gradient arrives: what an engine
             that allocates a gradient buffer then (ZeRO-2's reduce bucket) holds beside it.
     On a small model the peak is often the loss's (the tests' models at micro-batch 4: the
@@ -215,7 +216,8 @@ def step_peaks(model: nn.Module, mode, objective, micro_batch: dict[str, torch.T
     hooks = [p.register_hook(lambda grad: counter.to_gradient(grad.untyped_storage()._cdata)) for p in params]
     hooks += [p.register_post_accumulate_grad_hook(lambda p: counter.to_gradient(p.grad.untyped_storage()._cdata))
               for p in params]
-    hooks += _watch_blocks(counter, repeated_blocks(model))
+    blocks = repeated_blocks(model)
+    hooks += _watch_blocks(counter, blocks)
     device = next(model.parameters()).device
     try:
         with mode, fused_attention(device.type == "meta"):
@@ -229,7 +231,8 @@ def step_peaks(model: nn.Module, mode, objective, micro_batch: dict[str, torch.T
             hook.remove()
         for p in params:
             p.grad = None
-    return StepPeaks(counter.peak_bytes, counter.in_block_peak_bytes, counter.in_backward_peak_bytes)
+    in_block = counter.in_block_peak_bytes if blocks else counter.peak_bytes
+    return StepPeaks(counter.peak_bytes, in_block, counter.in_backward_peak_bytes)
 
 
 def step_peak_bytes(model: nn.Module, mode, objective, micro_batch: dict[str, torch.Tensor]) -> int:

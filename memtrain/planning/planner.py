@@ -478,7 +478,7 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
     target = LeverTarget(model, repeated_blocks(model), copy.copy(objective), cfg)
     # step_trace.step_peaks read here, at the call: a test's stand-in for it is seen
     simulated = cfg.faults.memory_budget_mib > 0
-    cache: dict[tuple, tuple[int, int, int]] = {}
+    cache: dict[tuple, tuple[step_trace.StepPeaks, int]] = {}
 
     def trace(*args) -> tuple[int, int, int]:
         if simulated:  # the simulated device counts saved bytes alone, whatever runs
