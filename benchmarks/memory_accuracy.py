@@ -29,7 +29,7 @@ and a last ``summary`` row: min/median/max relative error per engine.
 grouped-query attention, Mistral with a sliding window, Qwen2 with attention biases, GPT-NeoX
 with partial rotary embeddings, GPT-2), each at sizes drawn from ``--seed`` (recorded in every
 row with the drawn ``model_config``), × the 4 engines × activation checkpointing off/selective/on ×
-fp32/bf16 × 1 and 2 ranks (``--grid`` picks a subset). Rows ``memory_accuracy_families`` carry
+fp32/bf16 × 1 and 2 ranks (``--engines``, ``--ac``, ``--precisions``, ``--world_sizes`` pick a subset). Rows ``memory_accuracy_families`` carry
 ``model_type``, ``seed`` and the commit; the summary gives, per engine and per family, the
 median, p90 and worst |relative error| (goal: ≤ 3%, ≤ 6%, ≤ 10%).
 

@@ -41,7 +41,7 @@ from memtrain.launcher import apply_accelerate_settings
 from memtrain.levers import LEVERS, first_settings, lever_choices
 from memtrain.levers.activation_checkpointing import setting
 from memtrain.levers.optimizer_state import STATE_DTYPES, choose_charging_steps
-from memtrain.memory.accounting import device_state_bytes, state_peak_tensor_bytes
+from memtrain.memory.accounting import device_state_bytes, peak_terms, state_peak_tensor_bytes
 from memtrain.memory.machine import (DEFAULT_GPU_FLOPS, Machine, PLAN_PROCESS_BYTES, REFERENCE_CPU_ADAM_PARAMS_PER_S,
                                      cpu_adam_params_per_s, device_budget_bytes, device_flops_per_s, host_budget_bytes,
                                      optimizer_params_per_s, process_bytes)
@@ -134,10 +134,8 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     cfg = with_state_dtype(cfg, run.state_dtype) if run is not None and run.state_dtype != cfg.optimizer.state_dtype else cfg
     engines, engine, state = _model_states(cfg, shape, precision, world_size)
     acts, per_rank, state_on_device = tables(engine), cfg.training.global_batch_size // world_size, device_state_bytes(state)
-    steps = (0, 0, 0, 0) if cfg.faults.memory_budget_mib > 0 else (  # a simulated device: state + saved (build_planner)
-        state["accumulation_gradient_bytes"], state["step_gradient_bytes"], state.get("block_buffer_bytes", 0),
-        state.get("backward_buffer_bytes", 0))
-    planner = Planner(make_candidates(per_rank, choices, state_on_device, acts, device_type, budget, *steps), budget)
+    terms = None if cfg.faults.memory_budget_mib > 0 else peak_terms(state)  # a simulated device: state + saved
+    planner = Planner(make_candidates(per_rank, choices, state_on_device, acts, device_type, budget, terms), budget)
     for c in planner.candidates:
         c.predicted_step_s = estimated_plan_s(c, cfg, n, tokens, flops)
     chosen = run_plan(planner, cfg, choices)

@@ -242,14 +242,21 @@ def peak_tensor_bytes(device_state: int, peaks: Sequence[Optional[int]], accumul
     return max(before_forward + max(peak, in_block + block, in_backward + backward), device_state + step)
 
 
+def peak_terms(state_bytes: Mapping[str, int]) -> dict[str, int]:
+    """The keyword arguments of :func:`peak_tensor_bytes` a ``model_state_bytes`` dict gives
+    (``accumulation`` whether or not the plan accumulates)."""
+    return {"accumulation": state_bytes.get("accumulation_gradient_bytes", 0),
+            "step": state_bytes.get("step_gradient_bytes", 0), "block": state_bytes.get("block_buffer_bytes", 0),
+            "backward": state_bytes.get("backward_buffer_bytes", 0)}
+
+
 def state_peak_tensor_bytes(state_bytes: Mapping[str, int], peaks: Sequence[Optional[int]],
                             accumulating: bool = False) -> int:
     """:func:`peak_tensor_bytes` of a ``model_state_bytes`` dict (its accumulation term when
     ``accumulating``)."""
+    terms = peak_terms(state_bytes)
     return peak_tensor_bytes(device_state_bytes(state_bytes), peaks,
-                             state_bytes.get("accumulation_gradient_bytes", 0) if accumulating else 0,
-                             state_bytes.get("step_gradient_bytes", 0), state_bytes.get("block_buffer_bytes", 0),
-                             state_bytes.get("backward_buffer_bytes", 0))
+                             **{**terms, "accumulation": terms["accumulation"] if accumulating else 0})
 
 
 DEFERRED_REDUCE_BUCKET_BYTES = 64 * 2**20

@@ -47,7 +47,7 @@ from memtrain.backends import engine_name
 from memtrain.models import repeated_blocks
 from memtrain.levers import LeverTarget, apply_levers, lever, recompute_fraction, restore_settings
 from memtrain.levers.activation_checkpointing import setting as ac_setting
-from memtrain.memory.accounting import device_state_bytes, divisors, peak_tensor_bytes, with_allocator_headroom
+from memtrain.memory.accounting import device_state_bytes, divisors, peak_tensor_bytes, peak_terms, with_allocator_headroom
 from memtrain.memory.depth import by_depth
 from memtrain.memory.machine import device_budget_bytes, host_share_bytes, offload_host_room_bytes
 from memtrain.memory.simulated import SimulatedMemory
@@ -153,8 +153,7 @@ def traced_activation_bytes(model: nn.Module, mode, objective, micro_batch: dict
 
 def make_candidates(per_rank_batch: int, choices: Mapping[str, tuple], state_bytes: int,
                     activation_bytes: Callable[[Plan], int], device_type: str,
-                    budget_bytes: Optional[int], accumulation_bytes: int = 0, step_bytes: int = 0,
-                    block_bytes: int = 0, backward_bytes: int = 0) -> list[Candidate]:
+                    budget_bytes: Optional[int], terms: Optional[Mapping[str, int]] = None) -> list[Candidate]:
     """Every candidate plan with its predicted peak.
 
     Args:
@@ -164,14 +163,12 @@ def make_candidates(per_rank_batch: int, choices: Mapping[str, tuple], state_byt
         activation_bytes: ``plan -> bytes`` one micro-batch saves (e.g. :func:`activation_table`).
         device_type: ``cuda`` or ``cpu``.
         budget_bytes: device bytes a rank may use; None = unbounded.
-        accumulation_bytes: more model state on the device in plans that accumulate
-            (gradient_accumulation_steps > 1; the accounting's ``accumulation_gradient_bytes``).
-        step_bytes: more on the device at the optimizer step, when the activations are freed (the
-            accounting's ``step_gradient_bytes``): a peak counts the larger of the two.
-        block_bytes, backward_bytes: the parts of ``state_bytes`` held only while a repeated
-            block runs and only in backward (the accounting's ``block_buffer_bytes`` and
-            ``backward_buffer_bytes``): counted beside ``activation_bytes.peaks``
-            (:func:`memtrain.memory.accounting.peak_tensor_bytes`).
+        terms: the engine's other terms of the peak (:func:`memtrain.memory.accounting.peak_terms`
+            of its state): more state in plans that accumulate (gradient_accumulation_steps > 1),
+            more at the optimizer step, and the parts of ``state_bytes`` held only while a repeated
+            block runs or only in backward, counted beside ``activation_bytes.peaks``
+            (:func:`memtrain.memory.accounting.peak_tensor_bytes`). None: none (a simulated
+            device counts state and saved bytes alone).
 
     Returns:
         Candidates, largest micro-batch first, then the levers' combinations fastest first.
@@ -183,9 +180,9 @@ def make_candidates(per_rank_batch: int, choices: Mapping[str, tuple], state_byt
             acts = activation_bytes(plan)
             moved = activation_bytes.offloaded_bytes(plan) if hasattr(activation_bytes, "offloaded_bytes") else 0
             peaks = activation_bytes.peaks(plan) if hasattr(activation_bytes, "peaks") else (acts, None, None)
-            accumulation = accumulation_bytes if plan.gradient_accumulation_steps > 1 else 0
-            peak = with_allocator_headroom(peak_tensor_bytes(state_bytes, peaks, accumulation, step_bytes, block_bytes,
-                                                             backward_bytes), device_type)
+            accumulation = (terms or {}).get("accumulation", 0) if plan.gradient_accumulation_steps > 1 else 0
+            peak = with_allocator_headroom(
+                peak_tensor_bytes(state_bytes, peaks, **{**(terms or {}), "accumulation": accumulation}), device_type)
             out.append(Candidate(plan, peak, acts, moved, *peaks[1:],
                                  fits=budget_bytes is None or peak <= budget_bytes))
     return out
@@ -546,12 +543,8 @@ def build_planner(cfg, corpus, objective, precision: str, device: torch.device, 
     budget = device_budget_bytes(cfg, device)
     if budget is None and device.type == "cpu" and cfg.memory.host_memory_gib > 0:  # the host is the device
         budget = host_share_bytes(cfg.memory.host_memory_gib, device_state_bytes(state))
-    extra = {} if simulated else {"accumulation_bytes": state.get("accumulation_gradient_bytes", 0),
-                                  "step_bytes": state.get("step_gradient_bytes", 0),
-                                  "block_bytes": state.get("block_buffer_bytes", 0),
-                                  "backward_bytes": state.get("backward_buffer_bytes", 0)}
     planner = Planner(make_candidates(per_rank_batch, choices, device_state_bytes(state), acts, device_type, budget,
-                                      **extra), budget, shortlist=cfg.memory.levers == "auto",
+                                      None if simulated else peak_terms(state)), budget, shortlist=cfg.memory.levers == "auto",
                       copy_bytes_per_s=cfg.memory.activation_offload_bandwidth_gb_s * 1e9 if device.type == "cpu" else None)
     planner.restrict_budget(budget, offload_host_room_bytes(cfg, device))  # build.py: every rank's smallest rules
     return planner
