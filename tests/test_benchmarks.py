@@ -140,7 +140,8 @@ def test_memory_accuracy_quick_is_checked_against_memtracker(suite):
     over: memory left idle). The tiny model's peak is its loss's, where FSDP2 and ZeRO-3 hold no
     gathered block and ZeRO-2 no reduce bucket (counted beside the peaks inside the blocks and in
     backward: FSDP2 was over by 8.5% with its two gathered blocks at the loss's peak). ZeRO-2 is
-    over by the whole parameter it counts across its partition's edge. ZeRO's reduce bucket is
+    over by 78 KB (5.6%), 64 KB of it the whole largest parameter the accounting counts across
+    its partition's edge, an upper bound. ZeRO's reduce bucket is
     sized to the model: with DeepSpeed's default of 5e8 elements the count is ~2 GB per rank, far
     above DDP's. Rows are printed, not saved."""
     rows = run_quick(suite, "memory_accuracy")
