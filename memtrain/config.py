@@ -181,16 +181,22 @@ class BackendConfig:
     """DeepSpeed ZeRO stage: 1 = shard optimizer state, 2 = + gradients, 3 = + parameters.
     None = the DeepSpeed JSON's stage, else 2."""
     offload: Optional[Literal["none", "optimizer", "optimizer_and_params", "auto"]] = None
-    """Move optimizer state (and parameters) to host memory: DeepSpeed ZeRO offload, FSDP2
-    CPUOffloadPolicy (FSDP2 offloads both whenever this is not none). auto = the placement
+    """Move optimizer state (and parameters) to host memory: DeepSpeed ZeRO offload; under FSDP2
+    ``optimizer`` is memtrain's optimizer offload (parameters and gradients stay sharded on the
+    device in the compute dtype, the fp32 master weights and Adam moments move, stepped on the CPU
+    beside the next forward: memtrain/offload_optimizer.py) and ``optimizer_and_params`` torch's
+    CPUOffloadPolicy (everything on the host). auto = the placement
     planner chooses ZeRO stage, what is offloaded and ``offload_optimizer_ratio`` for this model,
     the device memory and ``memory.host_memory_gib`` (memtrain/planning/placement.py; DeepSpeed, or FSDP2
     offload on or off). None = the DeepSpeed JSON's offload, else none."""
     offload_optimizer_ratio: float = 1.0
-    """DeepSpeed ZeRO-3 with optimizer offload: the fraction of the optimizer state (fp32 master
-    weights and Adam moments) kept on the host and stepped by CPU Adam; the rest stays on the device
-    and is stepped there (DeepSpeed's partial offload, ``offload_optimizer.ratio``). 1.0 = all on
-    the host."""
+    """With ``offload optimizer`` (DeepSpeed ZeRO-3 or FSDP2): the fraction of the optimizer state
+    (fp32 master weights and Adam moments) kept on the host and stepped there; the rest stays on
+    the device and is stepped there (DeepSpeed's partial offload, ``offload_optimizer.ratio``;
+    FSDP2: the last parameters of the model). 1.0 = all on the host."""
+    host_step_overlap: bool = True
+    """FSDP2 with ``offload optimizer``: the host part's CPU step runs on while the next forward
+    starts (each block waits for its own parameters); false = the step waits for it."""
     nvme_path: Optional[str] = None
     """DeepSpeed ZeRO-3: offload to NVMe files in this folder instead of host memory (optimizer
     state, and the parameters under ``optimizer_and_params``; not with a partial

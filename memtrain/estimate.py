@@ -50,6 +50,7 @@ from memtrain.planning.placement import (Placement, allowed_pool, choose, format
 from memtrain.planning.planner import Planner, activation_tables, estimated_plan_s, make_candidates
 from memtrain.memory.simulated import SimulatedMemory
 from memtrain.objectives import CausalLM
+from memtrain.offload_optimizer import host_step_params_per_s
 from memtrain.plan import Plan
 from memtrain.precision import resolve_precision
 from memtrain.validation import validate
@@ -248,7 +249,8 @@ def _placements(cfg, shape, n: int, precision: str, world_size: int, device_type
     here = device_type == "cpu" or gpu_here  # the planned device is this machine's: its rates are measured
     machine = Machine(budget, host, world_size // nodes, device_type, flops, cpu_adam or cpu_adam_params_per_s(),
                       process_bytes(device_type) if here else PLAN_PROCESS_BYTES, nvme_path,
-                      optimizer_params_per_s if here and not gpu_given else None)  # a GPU given: maybe another
+                      optimizer_params_per_s if here and not gpu_given else None,  # a GPU given: maybe another
+                      None if cpu_adam else host_step_params_per_s())
     pool = planning_pool(cfg, nvme_usable(nvme_path))
     own = allowed_pool(cfg, nvme_usable(nvme_path))
     names = {p.name for p in pool}

@@ -10,7 +10,8 @@ from conftest import ENGINES, REPO, STEPS, TORCHRUN, launch, read_metrics, tiny_
 
 pytestmark = pytest.mark.slow
 RUN = ["--training.max_steps", str(STEPS)]
-MATCHED = ["fsdp", "fsdp_keep_gathered", "zero1", "zero2", "zero3", "zero3_partial_offload"]  # each against DDP
+MATCHED = ["fsdp", "fsdp_keep_gathered", "fsdp_offload_optimizer", "zero1", "zero2", "zero3",
+           "zero3_partial_offload"]  # each against DDP
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,26 @@ def test_engine_matches_ddp(tmp_path, cache_dir, ddp_run, engine):
 
         on_device, groups = map(int, re.search(r"partial offload: (\d+) of (\d+) optimizer", proc.stderr).groups())
         assert 0 < on_device < groups
+    if engine == "fsdp_offload_optimizer":  # the last half of the parameters step on the host, the rest on the device
+        import re
+
+        host, params, share = map(int, re.search(r"optimizer offload: (\d+) of (\d+) parameters \((\d+)%",
+                                                 proc.stderr).groups())
+        assert 0 < host < params and 50 <= share < 60
+
+
+def test_optimizer_offload_in_bf16_matches_ddp(tmp_path, cache_dir, reference):
+    """FSDP2's optimizer offload under bf16: bf16 parameter shards with an fp32 master, half of it on
+    the host, against DDP's bf16 autocast over fp32 parameters: the same data and schedule, losses
+    within bf16's rounding (1e-3), gradient norms within 2%."""
+    ddp = read_metrics(reference("ddp", extra=("--precision", "bf16")))
+    launch(tiny_args(tmp_path, cache_dir, *RUN, *ENGINES["fsdp_offload_optimizer"], "--precision", "bf16"))
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for r, ref in zip(records, ddp):
+        assert r["batch_fingerprint"] == ref["batch_fingerprint"] and r["lr"] == ref["lr"]
+        assert r["loss"] == pytest.approx(ref["loss"], rel=1e-3)
+        assert r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=2e-2)
 
 
 @pytest.mark.parametrize("engine", ["fsdp", "zero3"])

@@ -1,5 +1,6 @@
-"""Crash-safe checkpoints and exact resume on 2 CPU ranks (gloo, fp32) under DDP, FSDP2, ZeRO-2
-and ZeRO-3: an interrupted-and-resumed run trains bitwise like one that never stopped."""
+"""Crash-safe checkpoints and exact resume on 2 CPU ranks (gloo, fp32) under DDP, FSDP2 (with and
+without its optimizer offload), ZeRO-2 and ZeRO-3: an interrupted-and-resumed run trains bitwise like
+one that never stopped."""
 
 import json
 import os
@@ -37,7 +38,8 @@ def checkpoint_steps(out):
 
 
 # mid-step kills here; after-step kills (and ZeRO-3) are in the elastic and two-node tests below
-@pytest.mark.parametrize("engine,where", [("ddp", "mid_step"), ("fsdp", "mid_step"), ("zero2_offload_hf", "mid_step")])
+@pytest.mark.parametrize("engine,where", [("ddp", "mid_step"), ("fsdp", "mid_step"), ("zero2_offload_hf", "mid_step"),
+                                          ("fsdp_offload_optimizer", "mid_step")])
 def test_killed_and_resumed_run_is_bitwise_identical(tmp_path, reference, cache_dir, engine, where):
     base = read_metrics(continuous(reference, engine))
     kill = ["--faults.kill_at_step", "7"] + (["--faults.kill_mid_step", "true"] if where == "mid_step" else [])

@@ -23,7 +23,7 @@ from torch import nn
 
 from memtrain.backends import ds_partial_offload
 from memtrain.backends.base import ComputeCollectives
-from memtrain.backends.common import offload_advice, offload_words, refuse_unsharded_reshard
+from memtrain.backends.common import OffloadTime, offload_advice, offload_words, refuse_unsharded_reshard
 from memtrain.backends.ds_config import OFFLOAD_DEVICES, build_ds_config, get_path, read_user_json, resolve_zero_stage
 from memtrain.backends.spec import EngineVariant
 from memtrain.checkpoint.formats import format_module
@@ -65,9 +65,9 @@ def variant_label(zero_stage) -> str:
     return f"zero{zero_stage}"
 
 
-def checkpoint_staging_bytes(optimizer_bytes: int) -> int:
+def checkpoint_staging_bytes(optimizer_bytes: int, **save) -> int:
     """Host bytes a checkpoint save stages of ``optimizer_bytes`` of device-resident optimizer
-    state (DeepSpeed serialises one flat partition at a time)."""
+    state (DeepSpeed serialises one flat partition at a time; ``save`` unused)."""
     return min(optimizer_bytes, STAGING_LIMIT_BYTES)
 
 
@@ -88,23 +88,23 @@ def state_bytes(n_params: int, precision: str, *, zero_stage: Optional[int], off
                             offload_device, shape, zero_settings)
 
 
-def offload_seconds(p, n_params: int, p_bytes: int, world_size: int, machine: Machine) -> float:
-    """Seconds a step of placement ``p`` (a :class:`memtrain.planning.placement.Placement` with its
+def offload_seconds(p, n_params: int, p_bytes: int, world_size: int, machine: Machine) -> OffloadTime:
+    """What a step of placement ``p`` (a :class:`memtrain.planning.placement.Placement` with its
     plan set and an offload) spends on CPU Adam over its host share of the partition, host↔device
     copies (gradients out, weights back; with ``optimizer_and_params`` the partition fetched in
     each micro-batch's forward and backward) and NVMe, none overlapped, at ``machine``'s rates;
     ``p_bytes``: bytes per element of the 16-bit (or fp32) parameters and gradients copied."""
     partition = n_params / world_size
     host_params = partition * p.offload_optimizer_ratio
-    seconds = host_params * machine.ranks_per_host / machine.cpu_adam_params_per_s
-    seconds += (p_bytes * partition + p_bytes * host_params) / HOST_DEVICE_BYTES_PER_S  # gradients out, weights back
+    cpu = host_params * machine.ranks_per_host / machine.cpu_adam_params_per_s
+    copies = (p_bytes * partition + p_bytes * host_params) / HOST_DEVICE_BYTES_PER_S  # gradients out, weights back
     if p.offload == "optimizer_and_params":  # each micro-batch fetches the partition in forward and in backward
-        seconds += 2 * p_bytes * partition * p.gradient_accumulation_steps / HOST_DEVICE_BYTES_PER_S
+        copies += 2 * p_bytes * partition * p.gradient_accumulation_steps / HOST_DEVICE_BYTES_PER_S
     if p.nvme:
-        seconds += 2 * 12 * host_params / NVME_BYTES_PER_S  # fp32 master + moments read and written
+        copies += 2 * 12 * host_params / NVME_BYTES_PER_S  # fp32 master + moments read and written
         if p.offload == "optimizer_and_params":
-            seconds += 2 * p_bytes * partition * p.gradient_accumulation_steps / NVME_BYTES_PER_S
-    return seconds
+            copies += 2 * p_bytes * partition * p.gradient_accumulation_steps / NVME_BYTES_PER_S
+    return OffloadTime(cpu, copies, cpu + copies)
 
 
 def validate(cfg) -> None:

@@ -9,6 +9,7 @@ owns the process group and the device.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from typing import Callable, Optional
 
@@ -16,8 +17,8 @@ import torch
 from torch import nn
 
 from memtrain.backends.base import ComputeCollectives
-from memtrain.backends.common import load_full_state, offload_advice, offload_words, refuse_deepspeed_settings
-from memtrain.backends.common import all_checkpoint_staged as checkpoint_staging_bytes  # noqa: F401 (registry)
+from memtrain.backends.common import (OffloadTime, load_full_state, offload_advice, offload_words,
+                                      refuse_deepspeed_settings)
 from memtrain.backends.common import selective_checkpointing_works as takes_selective_checkpointing  # noqa: F401
 from memtrain.backends.common import whole_model_build_context as model_build_context  # noqa: F401 (registry)
 from memtrain.backends.spec import EngineVariant
@@ -31,8 +32,15 @@ from memtrain.models import repeated_blocks
 CHECKPOINT_FORMAT = "dcp"
 """The checkpoint format this engine writes (:mod:`memtrain.checkpoint.formats`)."""
 checkpoint_format = format_module(CHECKPOINT_FORMAT)
-VARIANTS = (EngineVariant("fsdp", "fsdp"), EngineVariant("fsdp_offload", "fsdp", offload="optimizer_and_params"))
-"""FSDP2's placements: sharded on the device, or all of it on the host (``CPUOffloadPolicy``)."""
+OFFLOAD_STATE_DTYPES = ("fp32", "bf16")
+"""The optimizer state dtypes the optimizer offload keeps (:mod:`memtrain.offload_optimizer`)."""
+VARIANTS = (EngineVariant("fsdp", "fsdp"),
+            EngineVariant("fsdp_offload_optimizer", "fsdp", offload="optimizer", tune_ratio=True,
+                          state_dtypes=OFFLOAD_STATE_DTYPES),
+            EngineVariant("fsdp_offload", "fsdp", offload="optimizer_and_params"))
+"""FSDP2's placements: sharded on the device; the optimizer state partly on the host
+(:mod:`memtrain.offload_optimizer`, the fraction the placement planner's); all of it on the host
+(``CPUOffloadPolicy``)."""
 LOSSY_OPTIMIZER_STATE = True
 """FSDP2 takes bf16 and int8 optimizer state (:mod:`memtrain.levers.optimizer_state`)."""
 SHARDS_OPTIMIZER_STATE = True
@@ -55,18 +63,23 @@ def validate(cfg) -> None:
         memtrain.errors.ConfigError: a partial or NVMe offload, or a DeepSpeed setting.
     """
     b = cfg.backend
-    if b.offload_optimizer_ratio != 1.0 or b.nvme_path:
-        raise ConfigError("backend.offload_optimizer_ratio" if b.offload_optimizer_ratio != 1.0 else "backend.nvme_path",
-                          "partial and NVMe offload are DeepSpeed's (ZeRO-3); FSDP2 offloads everything or nothing")
+    if b.offload == "optimizer" and cfg.optimizer.state_dtype not in OFFLOAD_STATE_DTYPES:
+        raise ConfigError("optimizer.state_dtype", f"{cfg.optimizer.state_dtype} cannot be offloaded by FSDP2's optimizer "
+                          f"offload (backend.offload optimizer): choose {' or '.join(OFFLOAD_STATE_DTYPES)}")
+    if b.nvme_path:
+        raise ConfigError("backend.nvme_path", "NVMe offload is DeepSpeed's (ZeRO-3); FSDP2 offloads to host memory")
+    if b.offload_optimizer_ratio != 1.0 and b.offload not in ("optimizer", "auto"):
+        raise ConfigError("backend.offload_optimizer_ratio", f"is the share of the optimizer state on the host under "
+                          f"backend.offload optimizer, but backend.offload is {b.offload}")
     refuse_deepspeed_settings(b, "fsdp")
 
 
 def state_bytes(n_params: int, precision: str, *, offload: str, world_size: int, shape: ModelShape, state_dtype: str,
-                **other) -> dict[str, int]:
+                offload_optimizer_ratio: float = 1.0, **other) -> dict[str, int]:
     """FSDP2's bytes of model state per rank (the arguments and keys of
     :func:`memtrain.backends.model_state_bytes`; ``other``, DeepSpeed's settings and DDP's
     ``deferred_reduction``, unused)."""
-    return fsdp_state_bytes(n_params, precision, offload, world_size, shape, state_dtype)
+    return fsdp_state_bytes(n_params, precision, offload, world_size, shape, state_dtype, offload_optimizer_ratio)
 
 
 def optimizer_state_bytes(state_dtype: str, shape: ModelShape, world_size: int) -> int:
@@ -74,14 +87,48 @@ def optimizer_state_bytes(state_dtype: str, shape: ModelShape, world_size: int) 
     return sharded_optimizer_bytes(state_dtype, shape, world_size)
 
 
-def offload_seconds(p, n_params: int, p_bytes: int, world_size: int, machine: Machine) -> float:
-    """Seconds a step of placement ``p`` (a :class:`memtrain.planning.placement.Placement` with its
-    plan set and an offload) spends beyond the device's compute: ``CPUOffloadPolicy`` steps
-    torch's AdamW on the host at the machine's CPU Adam rate and copies parameters to the device
-    and gradients back each micro-batch (not overlapped); ``p_bytes``: bytes per element copied."""
-    host_params = n_params / world_size
-    return (host_params * machine.ranks_per_host / machine.cpu_adam_params_per_s
-            + 3 * p_bytes * host_params * p.gradient_accumulation_steps / HOST_DEVICE_BYTES_PER_S)
+FORWARD_SHARE = 1 / 3
+"""The forward's share of a step's compute (its backward computes twice as much): the time the host
+part's CPU step can run beside the next forward."""
+
+
+DCP_COPY_AHEAD_BYTES = 10_000_000
+"""torch.distributed.checkpoint's ``FileSystemWriter`` copies device tensors this many bytes ahead
+of writing them (``per_thread_copy_ahead``)."""
+
+
+def checkpoint_staging_bytes(optimizer_bytes: int, largest_tensor_bytes: int = 0, async_save: bool = False) -> int:
+    """Host bytes a save stages of ``optimizer_bytes`` of device-resident optimizer state: all of it
+    with ``checkpoint.async_save`` (``dcp.async_save`` copies the state to the CPU first); a
+    synchronous ``dcp.save`` copies one tensor at a time (the largest, ``largest_tensor_bytes``,
+    and :data:`DCP_COPY_AHEAD_BYTES`)."""
+    return optimizer_bytes if async_save else min(optimizer_bytes, largest_tensor_bytes + DCP_COPY_AHEAD_BYTES)
+
+
+def offload_seconds(p, n_params: int, p_bytes: int, world_size: int, machine: Machine) -> OffloadTime:
+    """What a step of placement ``p`` (a :class:`memtrain.planning.placement.Placement` with its
+    plan set, ``predicted_step_s`` its compute, and an offload) spends beyond the device's compute;
+    ``p_bytes``: bytes per element copied (the compute dtype's).
+
+    - ``optimizer_and_params`` (``CPUOffloadPolicy``): torch's AdamW on the host at the machine's
+      CPU Adam rate, parameters to the device and gradients back each micro-batch; nothing overlapped.
+    - ``optimizer`` (:mod:`memtrain.offload_optimizer`): the host part (``offload_optimizer_ratio``
+      of the rank's shard) stepped at ``machine.host_step_params_per_s`` (the machine's ranks share
+      its cores), its gradients out and parameters back; all of it overlaps the forward of the
+      blocks before the host part (:data:`FORWARD_SHARE` of the compute, times the device part's
+      share) when ``backend.host_step_overlap`` is on, which the placement planner assumes.
+    """
+    shard = n_params / world_size
+    if p.offload != "optimizer":
+        cpu = shard * machine.ranks_per_host / machine.cpu_adam_params_per_s
+        copies = 3 * p_bytes * shard * p.gradient_accumulation_steps / HOST_DEVICE_BYTES_PER_S
+        return OffloadTime(cpu, copies, cpu + copies)
+    host = shard * p.offload_optimizer_ratio
+    rate = machine.host_step_params_per_s or machine.cpu_adam_params_per_s
+    cpu = host * machine.ranks_per_host / rate
+    copies = 2 * p_bytes * host / HOST_DEVICE_BYTES_PER_S
+    hidden = p.predicted_step_s * FORWARD_SHARE * (1 - p.offload_optimizer_ratio)
+    return OffloadTime(cpu, copies, max(0.0, cpu + copies - hidden))
 
 
 def stop_words(context: dict) -> str:
@@ -117,7 +164,8 @@ class FSDPBackend:
     scheduler_config = None  # memtrain's warmup + cosine
 
     def __init__(self, process: ProcessState, precision: str, reshard_after_forward: bool = True,
-                 offload: str = "none", optimizer_state_dtype: str = "fp32"):
+                 offload: str = "none", optimizer_state_dtype: str = "fp32", offload_optimizer_ratio: float = 1.0,
+                 host_step_overlap: bool = True):
         from torch.distributed.device_mesh import init_device_mesh
 
         if precision == "fp16":
@@ -129,6 +177,8 @@ class FSDPBackend:
         self.reshard_after_forward = reshard_after_forward
         self.optimizer_state_dtype = optimizer_state_dtype
         self.offload = offload
+        self.offload_optimizer_ratio, self.host_step_overlap = offload_optimizer_ratio, host_step_overlap
+        self.offload_optimizer = None  # memtrain's optimizer offload (offload optimizer), set in prepare
         process.ensure_group()  # plain `python`: a one-rank group
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         self._async_group = None  # process group of background checkpoint writes (made on first use)
@@ -136,21 +186,43 @@ class FSDPBackend:
         self.grad_average_factor = float(self.world_size)  # reduce-scatter averages over ranks
 
     def prepare(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]):
+        """Shard every repeated block, then the root, as torchtitan does; ``offload optimizer``:
+        the parameters in the compute dtype and :class:`memtrain.offload_optimizer.PartialOffloadAdamW`
+        over them, waiting in each unit's forward for the unit's host-stepped parameters."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+        from memtrain.offload_optimizer import from_optimizer
+
         self.shape = model_shape(model)
-        if self.offload == "none":
+        lean = self.offload == "optimizer"
+        if self.offload == "none" or lean:
             model = model.to(self.device)
+        if lean and _DTYPES[self.precision] is not None:
+            model = model.to(_DTYPES[self.precision])  # 16-bit shards; the fp32 master is the optimizer's
         kwargs = dict(
             mesh=self.mesh,
-            mp_policy=MixedPrecisionPolicy(param_dtype=_DTYPES[self.precision], reduce_dtype=torch.float32),
-            offload_policy=CPUOffloadPolicy() if self.offload != "none" else OffloadPolicy(),
+            mp_policy=MixedPrecisionPolicy(param_dtype=None if lean else _DTYPES[self.precision],
+                                           reduce_dtype=torch.float32),
+            offload_policy=CPUOffloadPolicy() if self.offload == "optimizer_and_params" else OffloadPolicy(),
         )
-        for block in repeated_blocks(model):
+        blocks = repeated_blocks(model)
+        for block in blocks:
             fully_shard(block, reshard_after_forward=self.reshard_after_forward, **kwargs)
         # the root is gathered for the whole step anyway (embeddings, head): no resharding after forward
         fully_shard(model, reshard_after_forward=False, **kwargs)
-        return model, make_optimizer(model)
+        optimizer = make_optimizer(model)
+        if lean:
+            optimizer = self.offload_optimizer = from_optimizer(optimizer, model, self.offload_optimizer_ratio,
+                                                                self.host_step_overlap)
+            optimizer.attach([model, *blocks])
+            if self.process.is_main:
+                logging.getLogger("memtrain").warning("memtrain: optimizer offload: %s", optimizer.describe())
+        return model, optimizer
+
+    def _settle(self) -> None:
+        """Every parameter holds its updated value (the host part's step in flight finished)."""
+        if self.offload_optimizer is not None:
+            self.offload_optimizer.synchronize()
 
     def compute_collectives(self, last_micro_batch: bool) -> ComputeCollectives:
         """All-gathers in every forward; in backward the re-gather of resharded blocks and, on the
@@ -210,6 +282,7 @@ class FSDPBackend:
     def full_state_dict(self, model: nn.Module) -> Optional[dict[str, torch.Tensor]]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        self._settle()
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return sd if self.process.is_main else None
 
@@ -218,6 +291,7 @@ class FSDPBackend:
         """torch.distributed.checkpoint (:mod:`memtrain.checkpoint.formats.dcp`): every rank writes
         its own shard. ``async_save``: stage to CPU, write in a background thread over a separate
         gloo group, return the future."""
+        self._settle()
         if async_save and self._async_group is None:  # a collective: every rank gets here at the same save
             self._async_group = torch.distributed.new_group(backend="gloo")
         return checkpoint_format.save(model, optimizer, directory, self._async_group if async_save else None)
@@ -228,11 +302,13 @@ class FSDPBackend:
     def load_state(self, model: nn.Module, optimizer, directory: str, saved_world_size: int) -> None:
         """Load the DCP shards into this run's sharding; torch.distributed.checkpoint reshards, so
         the saved world size may differ from this one."""
+        self._settle()
         checkpoint_format.load(model, optimizer, directory)
 
     def load_full_state(self, model: nn.Module, optimizer, weights, optimizer_state, directory: str) -> None:
         """Another engine's state (:meth:`memtrain.backends.base.Backend.load_full_state`): every
         rank keeps its shard of the whole weights and optimizer state."""
+        self._settle()
         load_full_state(model, optimizer, weights, optimizer_state)
 
     def replicated_tensors(self, model: nn.Module):
@@ -243,10 +319,12 @@ class FSDPBackend:
 
     def model_state_bytes(self, n_params: int) -> dict[str, int]:
         return fsdp_state_bytes(n_params, self.precision, self.offload, self.world_size, self.shape,
-                                self.optimizer_state_dtype)
+                                self.optimizer_state_dtype, self.offload_optimizer_ratio)
 
     def close(self) -> None:
-        """Nothing beyond the process group, which the process state closes."""
+        """The optimizer offload's thread and hooks (the process group is the process state's)."""
+        if self.offload_optimizer is not None:
+            self.offload_optimizer.close()
 
 
 def build(cfg, spec, process: ProcessState, precision: str, plan) -> FSDPBackend:
@@ -258,7 +336,9 @@ def build(cfg, spec, process: ProcessState, precision: str, plan) -> FSDPBackend
     """
     return FSDPBackend(process, precision, reshard_after_forward=spec.reshard_after_forward,
                        offload=spec.offload or "none",
-                       optimizer_state_dtype=plan.settings().get("optimizer_state_dtype", "fp32"))
+                       optimizer_state_dtype=plan.settings().get("optimizer_state_dtype", "fp32"),
+                       offload_optimizer_ratio=spec.offload_optimizer_ratio,
+                       host_step_overlap=cfg.backend.host_step_overlap)
 
 
 def _param_groups(state) -> list:

@@ -70,6 +70,7 @@ class EngineVariant:
         offload_optimizer_ratio: the fraction of the optimizer state on the host.
         tune_ratio: partial offload whose fraction the placement planner chooses.
         nvme: the offloaded state lives in files (``backend.nvme_path``).
+        state_dtypes: the ``optimizer.state_dtype`` settings it takes (empty: every one its engine takes).
     """
 
     name: str
@@ -79,6 +80,7 @@ class EngineVariant:
     offload_optimizer_ratio: float = 1.0
     tune_ratio: bool = False
     nvme: bool = False
+    state_dtypes: tuple = ()
 
 
 PLACEMENT_FIELDS = ("name", "zero_stage", "offload", "offload_optimizer_ratio", "nvme_path")

@@ -192,12 +192,14 @@ def zero_state_bytes(n_params: int, precision: str, zero_stage: Optional[int], o
 
 
 def fsdp_state_bytes(n_params: int, precision: str, offload: str, world_size: int, shape: ModelShape,
-                     state_dtype: str = "fp32") -> dict[str, int]:
-    """Per-rank bytes of FSDP2's model state (:func:`_fsdp`); the keys of
-    :func:`memtrain.backends.model_state_bytes`."""
+                     state_dtype: str = "fp32", offload_optimizer_ratio: float = 1.0) -> dict[str, int]:
+    """Per-rank bytes of FSDP2's model state (:func:`_fsdp`; offload ``optimizer``:
+    :func:`_fsdp_optimizer_offload`); the keys of :func:`memtrain.backends.model_state_bytes`."""
     w = max(1, world_size)
-    return {"nvme_offloaded_bytes": 0, "step_gradient_bytes": 0, "accumulation_host_bytes": 0,
-            **_fsdp(n_params, precision, offload, w, shape, sharded_optimizer_bytes(state_dtype, shape, w))}
+    optim = sharded_optimizer_bytes(state_dtype, shape, w)
+    state = (_fsdp_optimizer_offload(n_params, precision, w, shape, optim, offload_optimizer_ratio)
+             if offload == "optimizer" else _fsdp(n_params, precision, offload, w, shape, optim))
+    return {"nvme_offloaded_bytes": 0, "step_gradient_bytes": 0, "accumulation_host_bytes": 0, **state}
 
 
 def ddp_state_bytes(n_params: int, world_size: int, shape: ModelShape, state_dtype: str = "fp32",
@@ -308,6 +310,30 @@ def _fsdp(n_params: int, precision: str, offload: str, world_size: int, shape: M
     return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim,
             "buffer_bytes": 2 * u * shape.largest_block, "block_buffer_bytes": 2 * u * shape.largest_block,
             "accumulation_gradient_bytes": max(0, 4 * n - grads), "cpu_offloaded_bytes": host}
+
+
+def _fsdp_optimizer_offload(n_params: int, precision: str, world_size: int, shape: ModelShape, optim: int,
+                            ratio: float) -> dict[str, int]:
+    """FSDP2 with memtrain's optimizer offload (:class:`memtrain.offload_optimizer.PartialOffloadAdamW`):
+    parameters and gradients sharded in the compute dtype (``u`` bytes; 16-bit under bf16, so no
+    fp32 copy on the device) with the root and two blocks gathered as in :func:`_fsdp`; AdamW's
+    moments (``optim`` bytes per rank) and an fp32 master copy split by ``ratio`` — on the device
+    ``1 - ratio`` of the moments and, for 16-bit parameters, of the master; on the host ``ratio``
+    of the moments, of the master and a buffer of the host part's gradients in the compute dtype
+    (the updated parameters go back through it). Reported by component: ``offloaded_*_bytes``."""
+    n, w = n_params, world_size
+    u = 2 if precision in ("bf16", "fp16") else 4
+    shard = n // w
+    host_elements = int(shard * ratio)
+    master_device = 4 * (shard - host_elements) if u == 2 else 0
+    moments_host = int(optim * ratio)
+    offloaded = {"parameter": 0, "gradient": 0, "optimizer": moments_host + 4 * host_elements,
+                 "buffer": u * host_elements}
+    params, grads = u * shard + u * shape.root, u * shard + u * shape.root
+    return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim - moments_host + master_device,
+            "buffer_bytes": 2 * u * shape.largest_block, "block_buffer_bytes": 2 * u * shape.largest_block,
+            "accumulation_gradient_bytes": max(0, 4 * n - grads), "cpu_offloaded_bytes": sum(offloaded.values()),
+            **{f"offloaded_{k}_bytes": v for k, v in offloaded.items()}}
 
 
 def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str, world_size: int,

@@ -54,6 +54,9 @@ class Machine:
             AdamW steps with its moments in ``state_dtype`` (:func:`optimizer_params_per_s`, measured
             on first use); None when the machine is not this one (``memtrain plan`` for another):
             a lossier dtype's slower step is then not counted.
+        host_step_params_per_s: parameters per second FSDP2's optimizer offload steps on this
+            host (:func:`memtrain.offload_optimizer.host_step_params_per_s`, all cores); None =
+            ``cpu_adam_params_per_s``.
     """
 
     device_bytes: Optional[int]
@@ -65,6 +68,7 @@ class Machine:
     process_bytes: int
     nvme_path: Optional[str] = None
     optimizer_params_per_s: Optional[Callable[[str, str], float]] = None
+    host_step_params_per_s: Optional[float] = None
 
     def as_dict(self) -> dict:
         """The fields as JSON values (the optimizer's rate function as whether there is one)."""

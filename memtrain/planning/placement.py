@@ -51,12 +51,19 @@ from memtrain.memory.accounting import ModelShape, model_shape, state_peak_tenso
 from memtrain.memory.machine import (Machine, cpu_adam_params_per_s, device_budget_bytes, device_flops_per_s,
                                      host_budget_bytes, optimizer_params_per_s, process_bytes)
 from memtrain.planning.planner import Candidate, activation_tables, estimated_plan_s, make_candidates
+from memtrain.offload_optimizer import host_step_params_per_s
 from memtrain.planning.resumed import resume_placement, resume_state_dtype
 from memtrain.models import ModelSource
 from memtrain.objectives import make_objective
 
 RATIO_STEP = 0.01
 """Granularity of the partial-offload fraction the planner tries."""
+RATIO_MARGIN = 0.025
+"""A partial offload whose fraction the planner tunes leaves this share of the device budget free
+beyond the allocator headroom (2 GiB of 80): the ratio is the one knob that trades device bytes for
+host seconds, and a prediction a little low must not take the run to an OOM at its first step."""
+BOUND_SHARE = 0.05
+"""An offload's added seconds above this share of the compute make a step ``host``- or ``copies``-bound."""
 NVME_SWAP_BUFFERS_BYTES = 4 * 10**8 * 4 + 5 * 10**8 * 2
 """DeepSpeed's pinned NVMe swap buffers (optimizer: 4 × 1e8 fp32 elements; parameters: 5 × 1e8 16-bit)."""
 
@@ -70,7 +77,12 @@ class Placement:
     rank, ``host_bytes`` for all ranks of a machine, ``nvme_bytes`` per rank; ``state_dtype`` is
     ``optimizer.state_dtype`` (DDP and FSDP2 take bf16 and int8); ``state_dtype_s``, in
     ``predicted_step_s``, its measured step beyond fp32 moments' (None: not measured);
-    ``deferred_reduction``: ``memory.oom_recovery`` (DDP then holds no reducer buckets)."""
+    ``deferred_reduction``: ``memory.oom_recovery`` (DDP then holds no reducer buckets);
+    ``async_save``: ``checkpoint.async_save`` (what a save stages on the host);
+    ``host_step_s`` and ``copy_s``: the offload's CPU step and host↔device (and NVMe) copies per
+    step (:class:`memtrain.backends.common.OffloadTime`), ``bound``: what the step waits for —
+    ``device`` (its compute), or, when the offload adds over :data:`BOUND_SHARE` of that, ``host``
+    (the CPU step is the larger part) or ``copies``."""
 
     engine: str
     zero_stage: Optional[int]
@@ -92,6 +104,10 @@ class Placement:
     state_dtype_s: Optional[float] = None
     levers: dict = dataclasses.field(default_factory=dict)  # the plan's other model levers: {name: setting}
     deferred_reduction: bool = True
+    async_save: bool = False
+    host_step_s: float = 0.0
+    copy_s: float = 0.0
+    bound: str = "device"
 
     @property
     def name(self) -> str:
@@ -115,14 +131,15 @@ class Placement:
 
 
 def variants(engines: tuple[str, ...], zero_stages: tuple[int, ...], nvme: bool,
-             state_dtype: str = "fp32", deferred_reduction: bool = True) -> list[Placement]:
+             state_dtype: str = "fp32", deferred_reduction: bool = True, async_save: bool = False) -> list[Placement]:
     """Every placement of ``engines`` (ZeRO stages restricted to ``zero_stages``; NVMe ones only
     with ``nvme``), least offload first: the engines' own variants
     (:func:`memtrain.backends.engine_variants`), with optimizer states in ``state_dtype``."""
     return [Placement(v.engine, v.zero_stage, v.offload, v.offload_optimizer_ratio, v.nvme, v.tune_ratio,
-                      state_dtype=state_dtype, deferred_reduction=deferred_reduction)
+                      state_dtype=state_dtype, deferred_reduction=deferred_reduction, async_save=async_save)
             for v in engine_variants(engines)
-            if (v.zero_stage is None or v.zero_stage in zero_stages) and (nvme or not v.nvme)]
+            if (v.zero_stage is None or v.zero_stage in zero_stages) and (nvme or not v.nvme)
+            and (not v.state_dtypes or state_dtype in v.state_dtypes)]
 
 
 def state_bytes(p: Placement, shape: ModelShape, precision: str, world_size: int) -> dict[str, int]:
@@ -144,7 +161,8 @@ def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_s
     device = with_allocator_headroom(state_peak_tensor_bytes(state, peaks, c.gradient_accumulation_steps > 1),
                                      machine.device_type)
     optimizer_on_device = state["optimizer_bytes"]
-    staging = engine_module(p.engine).checkpoint_staging_bytes(optimizer_on_device)
+    staging = engine_module(p.engine).checkpoint_staging_bytes(
+        optimizer_on_device, largest_tensor_bytes=4 * shape.largest_module // world_size, async_save=p.async_save)
     per_rank_host = machine.process_bytes + state["cpu_offloaded_bytes"] + staging
     per_rank_host += state["accumulation_host_bytes"] if c.gradient_accumulation_steps > 1 else 0
     per_rank_host += NVME_SWAP_BUFFERS_BYTES if p.nvme else 0
@@ -155,10 +173,16 @@ def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_s
     p.levers = {name: value for name, value in c.plan.levers if name != "activation_checkpointing"}
     p.device_bytes, p.host_bytes = device, per_rank_host * machine.ranks_per_host
     p.nvme_bytes = state["nvme_offloaded_bytes"]
-    p.fits_device = machine.device_bytes is None or device <= machine.device_bytes
+    margin = int(RATIO_MARGIN * machine.device_bytes) if p.tune_ratio and machine.device_bytes else 0
+    p.fits_device = machine.device_bytes is None or device + margin <= machine.device_bytes
     p.fits_host = machine.host_bytes is None or p.host_bytes <= machine.host_bytes
-    p.predicted_step_s = c.predicted_step_s + (0.0 if p.offload == "none" else engine_module(p.engine).offload_seconds(
-        p, n_params, p_bytes, world_size, machine))
+    p.predicted_step_s, p.host_step_s, p.copy_s, p.bound = c.predicted_step_s, 0.0, 0.0, "device"
+    if p.offload != "none":
+        time = engine_module(p.engine).offload_seconds(p, n_params, p_bytes, world_size, machine)
+        p.host_step_s, p.copy_s = time.cpu_s, time.copy_s
+        if time.added_s > BOUND_SHARE * c.predicted_step_s:
+            p.bound = "host" if time.cpu_s >= time.copy_s else "copies"
+        p.predicted_step_s += time.added_s
 
 
 def plan_placements(candidates, pool: list[Placement], shape: ModelShape,
@@ -228,13 +252,14 @@ def _better(a: Placement, b: Placement) -> bool:
 
 
 def format_placements(table: list[Placement]) -> str:
-    """``table`` as text, one row per placement (GiB; seconds per step; the plan's levers besides AC last)."""
-    header = f"{'placement':<30} {'micro':>5} {'AC':>9} {'device GiB':>10} {'host GiB':>9} {'step s':>9}"
+    """``table`` as text, one row per placement (GiB; seconds per step and what it waits for: device
+    compute, the host's CPU step or the copies; the plan's levers besides AC last)."""
+    header = f"{'placement':<32} {'micro':>5} {'AC':>9} {'device GiB':>10} {'host GiB':>9} {'step s':>9} {'bound':>7}"
     rows = [header + f" {'fits':<11} chosen other levers"]
     for p in table:
         fits = "yes" if p.fits else "no (device)" if not p.fits_device else "no (host)"
-        rows.append(f"{p.name:<30} {p.micro_batch_size:>5} {p.activation_checkpointing or '-':>9} "
-                    f"{p.device_bytes / 2**30:>10.1f} {p.host_bytes / 2**30:>9.1f} {p.predicted_step_s:>9.3f} "
+        rows.append(f"{p.name:<32} {p.micro_batch_size:>5} {p.activation_checkpointing or '-':>9} "
+                    f"{p.device_bytes / 2**30:>10.1f} {p.host_bytes / 2**30:>9.1f} {p.predicted_step_s:>9.3f} {p.bound:>7} "
                     f"{fits:<11} {'*' if p.chosen else ' ':<6} {describe(p.levers).strip() or '-'}")
     return "\n".join(rows)
 
@@ -337,7 +362,7 @@ def planning_pool(cfg, nvme: bool) -> list[Placement]:
     pool = []
     for d in dict.fromkeys(d for e in engines for d in planner_dtypes(cfg, e)):  # the least lossy first: it wins ties
         pool += variants(tuple(e for e in engines if d in planner_dtypes(cfg, e)), (stage,) if stage else (1, 2, 3),
-                         nvme, d, cfg.memory.oom_recovery)
+                         nvme, d, cfg.memory.oom_recovery, cfg.checkpoint.async_save)
     return pool
 
 
@@ -352,7 +377,8 @@ def allowed_pool(cfg, nvme: bool) -> list[Placement]:
     offload, ratio, on_nvme = configured_offload(cfg)
     stage = (resolve_zero_stage(b.zero_stage, read_user_json(b.deepspeed_config))
              if engine_module(engine).READS_DEEPSPEED_CONFIG else None)
-    return [Placement(engine, stage, offload, ratio, nvme=on_nvme, state_dtype=d, deferred_reduction=cfg.memory.oom_recovery)
+    return [Placement(engine, stage, offload, ratio, nvme=on_nvme, state_dtype=d, deferred_reduction=cfg.memory.oom_recovery,
+                      async_save=cfg.checkpoint.async_save)
             for d in planner_dtypes(cfg, engine)]
 
 
@@ -376,7 +402,7 @@ def run_machine(cfg, device: torch.device, world_size: int) -> Machine:
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     return Machine(device_budget_bytes(cfg, device), host_budget_bytes(cfg.memory.host_memory_gib, ranks), ranks,
                    device_type, device_flops_per_s(device.type), cpu_adam_params_per_s(), process_bytes(device.type),
-                   cfg.backend.nvme_path, optimizer_params_per_s)
+                   cfg.backend.nvme_path, optimizer_params_per_s, host_step_params_per_s())
 
 
 def resolve(cfg, corpus, process, precision: str, source=None, objective=None):
