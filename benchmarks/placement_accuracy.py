@@ -66,20 +66,25 @@ from common import CPU_ARGS, RunFailed, emit, run_memtrain, scratch_dir  # noqa:
 
 SIZES = {  # GPT-2 shapes on the corpus's 1024-token vocabulary: (layers, width, heads)
     "1.8M": (2, 256, 4), "25M": (8, 512, 8), "86M": (12, 768, 12), "300M": (24, 1024, 16)}
+DS = ["--backend.name", "deepspeed"]
 PLACEMENTS = {  # name -> memtrain arguments (the placement planner's variants, memtrain's engine names)
-    "zero2": ["--backend.zero_stage", "2"],
-    "zero2 optimizer→host": ["--backend.zero_stage", "2", "--backend.offload", "optimizer"],
-    "zero3": ["--backend.zero_stage", "3"],
-    "zero3 optimizer→host": ["--backend.zero_stage", "3", "--backend.offload", "optimizer"],
-    "zero3 optimizer 50%→host": ["--backend.zero_stage", "3", "--backend.offload", "optimizer",
+    "zero2": [*DS, "--backend.zero_stage", "2"],
+    "zero2 optimizer→host": [*DS, "--backend.zero_stage", "2", "--backend.offload", "optimizer"],
+    "zero3": [*DS, "--backend.zero_stage", "3"],
+    "zero3 optimizer→host": [*DS, "--backend.zero_stage", "3", "--backend.offload", "optimizer"],
+    "zero3 optimizer 50%→host": [*DS, "--backend.zero_stage", "3", "--backend.offload", "optimizer",
                                  "--backend.offload_optimizer_ratio", "0.5"],
-    "zero3 optimizer+params→host": ["--backend.zero_stage", "3", "--backend.offload", "optimizer_and_params"],
+    "zero3 optimizer+params→host": [*DS, "--backend.zero_stage", "3", "--backend.offload", "optimizer_and_params"],
+    "fsdp optimizer 50%→host": ["--backend.name", "fsdp", "--backend.offload", "optimizer",
+                                "--backend.offload_optimizer_ratio", "0.5"],
+    "fsdp optimizer+params→host": ["--backend.name", "fsdp", "--backend.offload", "optimizer_and_params"],
 }
-QUICK = (["1.8M"], ["zero2 optimizer→host", "zero3 optimizer 50%→host"])
+QUICK = (["1.8M"], ["zero2 optimizer→host", "zero3 optimizer 50%→host", "fsdp optimizer 50%→host",
+                    "fsdp optimizer+params→host"])
 FULL = (["25M", "86M", "300M"], list(PLACEMENTS))
 COMPONENTS = (  # (component, pattern on the attribute path), first match wins
     ("gathered", r"^gathered$"),
-    ("buffers", r"ipg|bucket|temp_grad_buffer|param_buffer_of_bit16"),
+    ("buffers", r"ipg|bucket|temp_grad_buffer|param_buffer_of_bit16|optimizer\._buffers|optimizer\._scratch"),
     ("gradients", r"\.grad$"),
     ("parameters", r"^param|\.ds_tensor$|bit16_groups|fp16_partitioned_groups_flat|fp16_groups|persistent_parameters"),
     ("optimizer_state", r"\.state\[|single_partition_of_fp32_groups|fp32_partitioned_groups_flat\[\]$"
@@ -104,10 +109,14 @@ def _walk(obj, path: str, found: dict, seen: dict, depth: int = 0) -> None:
     the next one)."""
     import torch
 
+    from torch.distributed.tensor import DTensor
+
     if depth > 6 or id(obj) in seen:
         return
     seen[id(obj)] = obj
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, DTensor):  # FSDP2's shards and the optimizer offload's state: the local tensor
+        _walk(obj._local_tensor, path, found, seen, depth + 1)
+    elif isinstance(obj, torch.Tensor):
         if obj.device.type != "meta" and obj.untyped_storage().nbytes():
             key = (str(obj.device), obj.untyped_storage().data_ptr())
             found.setdefault(key, (path, obj.untyped_storage().nbytes()))
@@ -121,7 +130,7 @@ def _walk(obj, path: str, found: dict, seen: dict, depth: int = 0) -> None:
         for v in obj:
             _walk(v, f"{path}[]", found, seen, depth + 1)
     elif (hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module)
-          and type(obj).__module__.startswith(("deepspeed", "torch.optim"))):
+          and type(obj).__module__.startswith(("deepspeed", "torch.optim", "memtrain.offload_optimizer"))):
         for k, v in list(vars(obj).items()):
             _walk(v, f"{path}.{k}", found, seen, depth + 1)
 
@@ -162,9 +171,9 @@ def _not_reached(found: dict) -> int:
         if isinstance(obj, torch.Tensor) and obj.device.type != "meta":
             try:
                 storage = obj.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. functional wrappers)
+                key = (str(obj.device), storage.data_ptr())
+            except (RuntimeError, NotImplementedError):  # no storage of its own (a DTensor, functional wrappers)
                 continue
-            key = (str(obj.device), storage.data_ptr())
             if storage.nbytes() and key not in found:
                 other[key] = storage.nbytes()
     return sum(other.values())
@@ -210,12 +219,23 @@ class Counter:
 
 
 def worker(out: str) -> None:
-    """Inside each rank (``--worker OUT``): run memtrain with the census hooked into the DeepSpeed
-    engine, and write rank 0's counts and the placement planner's prediction to ``OUT``."""
+    """Inside each rank (``--worker OUT``): run memtrain with the census hooked into the engine
+    (DeepSpeed's or FSDP2's), and write rank 0's counts, the placement planner's prediction and the
+    host bytes the run planned for its placement to ``OUT``."""
     from memtrain.api import Trainer
     from memtrain.backends.deepspeed import DeepSpeedBackend
+    from memtrain.backends.fsdp import FSDPBackend
+    from memtrain.planning import placement as planning
 
     counter, prepare, step = Counter(), DeepSpeedBackend.prepare, DeepSpeedBackend.clip_and_step
+    planned, table = {}, planning.placement_table
+
+    def recorded_table(*args, **kwargs):  # the run's own planning of its placement (its host check)
+        rows = table(*args, **kwargs)
+        planned["host_bytes"] = rows[0].host_bytes // args[3].ranks_per_host  # (cfg, corpus, world_size, machine, ...)
+        return rows
+
+    planning.placement_table = recorded_table
 
     def counted_prepare(self, model, make_optimizer):
         result = prepare(self, model, make_optimizer)
@@ -236,40 +256,82 @@ def worker(out: str) -> None:
         norm = step(self, model, optimizer, max_norm, skip)
         counter.count(self.engine, "after_step")
         if int(os.environ.get("RANK", "0")) == 0:
-            _write(out, self, counter)
+            _write(out, self, counter, planned)
         return norm
 
     DeepSpeedBackend.prepare, DeepSpeedBackend.clip_and_step = counted_prepare, counted_step
+    fsdp_prepare, fsdp_step = FSDPBackend.prepare, FSDPBackend.clip_and_step
+
+    def fsdp_counted_prepare(self, model, make_optimizer):
+        model, optimizer = fsdp_prepare(self, model, make_optimizer)
+        self.engine = FSDPHeld(model, optimizer)  # what the census walks
+        counter.count(self.engine, "initialize")
+        return model, optimizer
+
+    def fsdp_counted_step(self, model, optimizer, max_norm, skip=False):
+        counter.count(self.engine, "before_step")  # the sharded gradients are held here
+        norm = fsdp_step(self, model, optimizer, max_norm, skip)
+        if self.offload_optimizer is not None:
+            self.offload_optimizer.synchronize()
+        counter.count(self.engine, "after_step")
+        if int(os.environ.get("RANK", "0")) == 0:
+            _write(out, self, counter, planned)
+        return norm
+
+    FSDPBackend.prepare, FSDPBackend.clip_and_step = fsdp_counted_prepare, fsdp_counted_step
     Trainer(args=sys.argv[sys.argv.index("--worker") + 2:], owns_process=True).fit()
 
 
-def _write(out: str, backend, counter: Counter) -> None:
-    """Rank 0's record: measured per component, the prediction, the resident set."""
+class FSDPHeld:
+    """FSDP2's model and optimizer in the shape :func:`census` walks (``module``, ``optimizer``)."""
+
+    def __init__(self, module, optimizer):
+        self.module, self.optimizer = module, optimizer
+
+
+def _write(out: str, backend, counter: Counter, planned: dict) -> None:
+    """Rank 0's record: measured per component, the prediction, the resident set and the host
+    bytes per rank the run planned for its placement."""
     import resource
 
     from memtrain.planning.placement import Placement, state_bytes
 
-    placement = Placement("deepspeed", backend.zero_stage, backend.offload, backend.offload_ratio)
+    if backend.name == "fsdp":
+        placement = Placement("fsdp", None, backend.offload, backend.offload_optimizer_ratio,
+                              state_dtype=backend.optimizer_state_dtype)
+    else:
+        placement = Placement("deepspeed", backend.zero_stage, backend.offload, backend.offload_ratio)
     predicted = state_bytes(placement, backend.shape, backend.precision, backend.world_size)
     measured = {**counter.largest, "gathered": counter.gathered_bytes}
     record = {"parameters": backend.shape.parameters, "measured": measured, "predicted_state": predicted,
+              "engine": backend.name, "root_bytes": (4 if backend.precision == "fp32" else 2) * backend.shape.root,
               "same_as_engine": predicted == backend.model_state_bytes(backend.shape.parameters),
               "points": counter.points, "not_reached_bytes": counter.not_reached_bytes,
-              "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+              "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+              "planned_host_bytes_per_rank": planned.get("host_bytes")}
     with open(out, "w") as fh:
         json.dump(record, fh)
 
 
-def predicted_components(state: dict) -> dict[str, int]:
+def predicted_components(state: dict, engine: str = "deepspeed", root_bytes: int = 0) -> dict[str, int]:
     """The accounting's bytes per component (see the module docstring) for a plan that accumulates
-    (:data:`ACCUMULATION`): what DeepSpeed holds, the step's transients (the whole gradients of
-    ``step_gradient_bytes``, ZeRO-3's gathered parameters) apart."""
+    (:data:`ACCUMULATION`): what the engine holds, the step's transients apart (DeepSpeed: the
+    whole gradients of ``step_gradient_bytes``, ZeRO-3's gathered parameters; FSDP2: the root's
+    gathered parameters and gradients, ``root_bytes`` each, its two gathered blocks and the
+    unsharded gradients of accumulation, all freed by the end of backward)."""
+    offloaded = {k: state.get(f"offloaded_{k}_bytes", 0) for k in ("parameter", "gradient", "optimizer", "buffer")}
+    if engine == "fsdp":
+        return {"parameters": state["parameter_bytes"] - root_bytes + offloaded["parameter"],
+                "gradients": state["gradient_bytes"] - root_bytes + offloaded["gradient"],
+                "optimizer_state": state["optimizer_bytes"] + offloaded["optimizer"],
+                "buffers": state["buffer_bytes"] - state["block_buffer_bytes"] + offloaded["buffer"],
+                "other": 0, "gathered": 0}
     held_step = state["step_gradient_bytes"] - state["step_whole_gradient_bytes"]
     accumulating = state["accumulation_gradient_bytes"] + state["accumulation_host_bytes"]  # the runs accumulate
-    return {"parameters": state["parameter_bytes"] + state["offloaded_parameter_bytes"],
-            "gradients": state["gradient_bytes"] + held_step + state["offloaded_gradient_bytes"] + accumulating,
-            "optimizer_state": state["optimizer_bytes"] + state["offloaded_optimizer_bytes"],
-            "buffers": state["buffer_bytes"] - state["gathered_parameter_bytes"] + state["offloaded_buffer_bytes"],
+    return {"parameters": state["parameter_bytes"] + offloaded["parameter"],
+            "gradients": state["gradient_bytes"] + held_step + offloaded["gradient"] + accumulating,
+            "optimizer_state": state["optimizer_bytes"] + offloaded["optimizer"],
+            "buffers": state["buffer_bytes"] - state["gathered_parameter_bytes"] + offloaded["buffer"],
             "other": 0, "gathered": state["gathered_parameter_bytes"]}
 
 
@@ -284,7 +346,8 @@ def rows_for(size: str, placement: str, record: dict) -> list[dict]:
     """One row per held component, ``gathered`` (ZeRO-3) and a ``total`` row of the held ones (the
     sum of each component's largest count, which may come from different census points: an upper
     bound of what is held at once, as the accounting's sum is)."""
-    predicted = predicted_components(record["predicted_state"])
+    predicted = predicted_components(record["predicted_state"], record.get("engine", "deepspeed"),
+                                     record.get("root_bytes", 0))
     rows = []
     for name in (*NAMES, "gathered", "total"):
         p = sum(predicted[k] for k in NAMES) if name == "total" else predicted[name]
@@ -295,9 +358,15 @@ def rows_for(size: str, placement: str, record: dict) -> list[dict]:
                      "gradient_accumulation_steps": ACCUMULATION, "predicted_bytes": p, "measured_bytes": m,
                      "relative_error": relative_error(p, m)})
     rows[-1]["max_rss_bytes"] = record["max_rss_bytes"]
-    rows[-1]["not_reached_bytes"] = record["not_reached_bytes"]
-    rows[-1]["same_as_engine"] = record["same_as_engine"]
-    rows[-1]["other_paths"] = {k: v for point in record["points"].values() for k, v in point["paths"].items()
+    planned = record.get("planned_host_bytes_per_rank")
+    if planned:  # the host bytes the run planned per rank against its resident peak (one process per rank)
+        rows.append({"size": size, "parameters": record["parameters"], "placement": placement,
+                     "component": "host_peak", "predicted_bytes": planned, "measured_bytes": record["max_rss_bytes"],
+                     "relative_error": relative_error(planned, record["max_rss_bytes"])})
+    total = next(r for r in rows if r["component"] == "total")
+    total["not_reached_bytes"] = record["not_reached_bytes"]
+    total["same_as_engine"] = record["same_as_engine"]
+    total["other_paths"] = {k: v for point in record["points"].values() for k, v in point["paths"].items()
                                if component(k) == "other"}
     return rows
 
@@ -309,7 +378,7 @@ def run(size: str, placement: str, scratch: str, steps: int = STEPS) -> list[dic
     args = [*CPU_ARGS, "--model.config.n_layer", str(layers), "--model.config.n_embd", str(width),
             "--model.config.n_head", str(heads), "--data.seq_len", "32", "--model.config.n_positions", "32",
             "--training.global_batch_size", "8", "--training.micro_batch_size", "2", "--training.max_steps",
-            str(steps), "--memory.oom_recovery", "false", "--backend.name", "deepspeed", *PLACEMENTS[placement]]
+            str(steps), "--memory.oom_recovery", "false", *PLACEMENTS[placement]]
     run_memtrain(["--worker", out, *args], os.path.join(scratch, "run"), nproc=2, script=__file__)
     with open(out) as fh:
         return rows_for(size, placement, json.load(fh))

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from torch.optim.adamw import adamw
 
+from memtrain.memory.accounting import offloaded_parameter_count
 from memtrain.optim import AdamWBf16States, _adamw_bf16
 
 STEP_CHUNK = 1 << 20
@@ -71,15 +72,10 @@ def _shaped_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 def host_split(params: list[torch.Tensor], host_ratio: float) -> set[int]:
     """Ids of the parameters whose optimizer state lives on the host: the last of ``params`` (model
-    order) until they hold ``host_ratio`` of all elements (whole parameters: the share is at least
-    ``host_ratio``, over by less than one parameter)."""
-    total, chosen, held = sum(p.numel() for p in params), set(), 0
-    for p in reversed(params):
-        if held >= host_ratio * total - 0.5:
-            break
-        chosen.add(id(p))
-        held += p.numel()
-    return chosen
+    order) until they hold ``host_ratio`` of all elements (whole parameters, the count of
+    :func:`memtrain.memory.accounting.offloaded_parameter_count`, which the planner's bytes use)."""
+    count = offloaded_parameter_count([p.numel() for p in params], host_ratio)
+    return {id(p) for p in params[len(params) - count:]}
 
 
 class PartialOffloadAdamW(torch.optim.Optimizer):

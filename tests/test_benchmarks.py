@@ -158,24 +158,31 @@ def test_memory_accuracy_quick_is_checked_against_memtracker(suite):
 
 
 @on_suite
-def test_placement_accounting_matches_the_tensors_deepspeed_holds(suite):
-    """The placement planner's bytes per component against a census of the tensors a real
-    DeepSpeed engine holds (2 CPU ranks, gradient accumulation 2; ZeRO-2 with the optimizer on the
-    host, ZeRO-3 with half of it there): each component within 10%, each total within 5%, no
-    tensor DeepSpeed holds outside the four components beyond 1 KiB, and under 1% of the live
-    tensor bytes out of the census's reach. A buffer the accounting leaves out fails here (before
-    the stage-2 offload staging buffers were counted, that placement's buffers were 44% under;
-    before its accumulation buffer was, its gradients 53%)."""
+def test_placement_accounting_matches_the_tensors_the_engines_hold(suite):
+    """The placement planner's bytes per component against a census of the tensors a real engine
+    holds (2 CPU ranks, gradient accumulation 2; ZeRO-2 with the optimizer on the host, ZeRO-3 with
+    half of it there, FSDP2's optimizer offload with half on the host and FSDP2's CPUOffloadPolicy):
+    DeepSpeed's components within 10% and totals within 5%, FSDP2's within 6% and 2%, no tensor an
+    engine holds outside the four components beyond 1 KiB, under 1% of the live tensor bytes out of
+    the census's reach, and FSDP2's resident peak within 10% of the host bytes the run planned. A
+    buffer the accounting leaves out fails here (before the stage-2 offload staging buffers were
+    counted, that placement's buffers were 44% under; before its accumulation buffer was, its
+    gradients 53%; FSDP2's host gradient buffers are 14% of its optimizer offload's bytes)."""
     rows = run_quick(suite, "placement_accuracy")
-    assert {r["placement"] for r in rows if "placement" in r} == {"zero2 optimizer→host", "zero3 optimizer 50%→host"}
+    assert {r["placement"] for r in rows if "placement" in r} == {
+        "zero2 optimizer→host", "zero3 optimizer 50%→host", "fsdp optimizer 50%→host", "fsdp optimizer+params→host"}
     for r in rows:
+        fsdp = r.get("placement", "").startswith("fsdp")
         if r.get("component") in ("parameters", "gradients", "optimizer_state", "buffers"):
-            assert r["measured_bytes"] > 0 and abs(r["relative_error"]) <= 0.10, r
+            assert r["measured_bytes"] > 0 or (fsdp and r["predicted_bytes"] == 0), r
+            assert r["relative_error"] is None or abs(r["relative_error"]) <= (0.06 if fsdp else 0.10), r
         elif r.get("component") == "total":
-            assert abs(r["relative_error"]) <= 0.05 and r["same_as_engine"], r
+            assert abs(r["relative_error"]) <= (0.02 if fsdp else 0.05) and r["same_as_engine"], r
             assert r["not_reached_bytes"] <= 0.01 * r["measured_bytes"], r  # the census reaches what is alive
         elif r.get("component") == "other":
             assert r["measured_bytes"] <= 1024, r
+        elif r.get("component") == "host_peak" and fsdp:
+            assert abs(r["relative_error"]) <= 0.10, r
 
 
 @on_suite

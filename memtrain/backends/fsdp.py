@@ -203,7 +203,9 @@ class FSDPBackend:
             mesh=self.mesh,
             mp_policy=MixedPrecisionPolicy(param_dtype=None if lean else _DTYPES[self.precision],
                                            reduce_dtype=torch.float32),
-            offload_policy=CPUOffloadPolicy() if self.offload == "optimizer_and_params" else OffloadPolicy(),
+            # pinned host memory needs an accelerator: a CPU run's offloaded state is plain memory
+            offload_policy=(CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+                            if self.offload == "optimizer_and_params" else OffloadPolicy()),
         )
         blocks = repeated_blocks(model)
         for block in blocks:

@@ -303,13 +303,27 @@ def _fsdp(n_params: int, precision: str, offload: str, world_size: int, shape: M
     n, w = n_params, world_size
     u = 2 if precision in ("bf16", "fp16") else 4
     params, grads = 4 * n // w, 4 * n // w
-    host = 0
+    offloaded = {"parameter": 0, "gradient": 0, "optimizer": 0, "buffer": 0}  # CPUOffloadPolicy: all three
     if offload not in (None, "none"):
-        host, params, grads, optim = params + grads + optim, 0, 0, 0
+        offloaded.update(parameter=params, gradient=grads, optimizer=optim)
+        params, grads, optim = 0, 0, 0
     params, grads = params + u * shape.root, grads + u * shape.root
     return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim,
             "buffer_bytes": 2 * u * shape.largest_block, "block_buffer_bytes": 2 * u * shape.largest_block,
-            "accumulation_gradient_bytes": max(0, 4 * n - grads), "cpu_offloaded_bytes": host}
+            "accumulation_gradient_bytes": max(0, 4 * n - grads), "cpu_offloaded_bytes": sum(offloaded.values()),
+            **{f"offloaded_{k}_bytes": v for k, v in offloaded.items()}}
+
+
+def offloaded_parameter_count(numels: Sequence[int], ratio: float) -> int:
+    """How many of the last parameters (``numels``: each one's elements, in model order) FSDP2's
+    optimizer offload keeps on the host for a share ``ratio`` of the elements: the fewest whose
+    elements reach it (over by less than one parameter)."""
+    total, held, count = sum(numels), 0, 0
+    for n in reversed(numels):
+        if held >= ratio * total - 0.5:
+            break
+        held, count = held + n, count + 1
+    return count
 
 
 def _fsdp_optimizer_offload(n_params: int, precision: str, world_size: int, shape: ModelShape, optim: int,
@@ -320,13 +334,17 @@ def _fsdp_optimizer_offload(n_params: int, precision: str, world_size: int, shap
     moments (``optim`` bytes per rank) and an fp32 master copy split by ``ratio`` — on the device
     ``1 - ratio`` of the moments and, for 16-bit parameters, of the master; on the host ``ratio``
     of the moments, of the master and a buffer of the host part's gradients in the compute dtype
-    (the updated parameters go back through it). Reported by component: ``offloaded_*_bytes``."""
+    (the updated parameters go back through it). The host part is whole parameters, the last of the
+    model (:func:`offloaded_parameter_count` of ``shape.numels``; ``ratio`` itself without them).
+    Reported by component: ``offloaded_*_bytes``."""
     n, w = n_params, world_size
     u = 2 if precision in ("bf16", "fp16") else 4
     shard = n // w
-    host_elements = int(shard * ratio)
+    last = offloaded_parameter_count(shape.numels, ratio)  # whole parameters: the share they hold
+    share = sum(shape.numels[len(shape.numels) - last:]) / max(1, sum(shape.numels)) if shape.numels else ratio
+    host_elements = int(shard * share)
     master_device = 4 * (shard - host_elements) if u == 2 else 0
-    moments_host = int(optim * ratio)
+    moments_host = int(optim * share)
     offloaded = {"parameter": 0, "gradient": 0, "optimizer": moments_host + 4 * host_elements,
                  "buffer": u * host_elements}
     params, grads = u * shard + u * shape.root, u * shard + u * shape.root
