@@ -134,9 +134,20 @@ class PartialOffloadAdamW(torch.optim.Optimizer):
         if on_host or local.dtype != torch.float32:
             state["master"] = _shaped_like(p, local.to(device=where, dtype=torch.float32, copy=True))
         if on_host:
-            pinned = local.device.type == "cuda"
-            self._buffers[id(p)] = torch.empty(local.shape, dtype=local.dtype, pin_memory=pinned)
+            self._buffers[id(p)] = self._buffer(local)
             self._ready[id(p)].set()
+
+    @staticmethod
+    def _buffer(local: torch.Tensor) -> torch.Tensor:
+        """A host buffer of ``local``'s shape and dtype (pinned when it lives on a GPU)."""
+        return torch.empty(local.shape, dtype=local.dtype, pin_memory=local.device.type == "cuda")
+
+    def release_buffers(self) -> None:
+        """Free the host part's gradient/parameter buffers (the model's export gathers the whole
+        model on rank 0's host beside the optimizer state: ``u`` bytes per host-part element back);
+        the next step allocates them again."""
+        self.synchronize()
+        self._buffers = {i: None for i in self._buffers}
 
     def attach(self, units: Iterable[nn.Module]) -> None:
         """Wait for each unit's host-stepped parameters before its forward (a forward pre-hook put
@@ -199,6 +210,8 @@ class PartialOffloadAdamW(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 if id(p) in self._buffers:
+                    if self._buffers[id(p)] is None:
+                        self._buffers[id(p)] = self._buffer(_local(p))
                     self._buffers[id(p)].copy_(_local(p.grad), non_blocking=True)
                     self._ready[id(p)].clear()
                     jobs.append((p, hyper))
@@ -314,7 +327,7 @@ class PartialOffloadAdamW(torch.optim.Optimizer):
                 if t is not None:
                     local = _local(t)
                     out["host" if id(p) in self._buffers else "device"] += local.numel() * local.element_size()
-        out["host"] += sum(b.numel() * b.element_size() for b in self._buffers.values())
+        out["host"] += sum(b.numel() * b.element_size() for b in self._buffers.values() if b is not None)
         return out
 
     def close(self) -> None:

@@ -41,6 +41,11 @@ READS_DEEPSPEED_CONFIG = False
 """Whether ``backend.deepspeed_config`` (the user's DeepSpeed JSON) sets this engine's stage and offload."""
 
 
+
+def export_bytes_per_parameter(precision: str, offload: str) -> int:
+    """Bytes per parameter of the whole model the export copies to rank 0's host (fp32 parameters)."""
+    return 4
+
 def variant_label(zero_stage) -> str:
     """The engine's word in a placement's name (``memtrain plan``'s table)."""
     return "ddp"

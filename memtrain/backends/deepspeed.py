@@ -88,6 +88,12 @@ def state_bytes(n_params: int, precision: str, *, zero_stage: Optional[int], off
                             offload_device, shape, zero_settings)
 
 
+def export_bytes_per_parameter(precision: str, offload: str) -> int:
+    """Bytes per parameter of the whole model the export gathers on rank 0's host (the 16-bit
+    parameters, fp32 in an fp32 run)."""
+    return 2 if precision in ("bf16", "fp16") else 4
+
+
 def offload_seconds(p, n_params: int, p_bytes: int, world_size: int, machine: Machine) -> OffloadTime:
     """What a step of placement ``p`` (a :class:`memtrain.planning.placement.Placement` with its
     plan set and an offload) spends on CPU Adam over its host share of the partition, host↔device

@@ -105,6 +105,12 @@ def checkpoint_staging_bytes(optimizer_bytes: int, largest_tensor_bytes: int = 0
     return optimizer_bytes if async_save else min(optimizer_bytes, largest_tensor_bytes + DCP_COPY_AHEAD_BYTES)
 
 
+def export_bytes_per_parameter(precision: str, offload: str) -> int:
+    """Bytes per parameter of the whole model the export gathers on rank 0's host: the sharded
+    parameters' dtype (fp32, or the compute dtype under the optimizer offload)."""
+    return 2 if offload == "optimizer" and precision in ("bf16", "fp16") else 4
+
+
 def offload_seconds(p, n_params: int, p_bytes: int, world_size: int, machine: Machine) -> OffloadTime:
     """What a step of placement ``p`` (a :class:`memtrain.planning.placement.Placement` with its
     plan set, ``predicted_step_s`` its compute, and an offload) spends beyond the device's compute;
@@ -285,6 +291,8 @@ class FSDPBackend:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         self._settle()
+        if self.offload_optimizer is not None:  # room on the host for the whole model (the export's)
+            self.offload_optimizer.release_buffers()
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return sd if self.process.is_main else None
 

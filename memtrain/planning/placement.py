@@ -12,10 +12,13 @@ placement an engine offers is sized and timed before anything is allocated:
   the best micro-batch / activation-checkpointing plan (traced with fake tensors,
   :mod:`memtrain.planning.planner`) + the CUDA headroom (DeepSpeed's buffers — the reduce bucket
   memtrain sizes, ZeRO-3's gathered parameters at DeepSpeed's limits — are in the engine's accounting).
-- **Host bytes**, all ranks of the machine together: each rank's process (libraries, the CUDA
-  context, data: :func:`memtrain.memory.machine.process_bytes`) + offloaded state + DeepSpeed's pinned NVMe swap
-  buffers + the checkpoint staging of a save (DeepSpeed serialises one flat partition at a time:
-  the largest device-side sub-group). On a CPU run the device is host memory too.
+- **Host bytes**, all ranks of the machine together, the larger of two moments: training — each
+  rank's process (libraries, the CUDA context, data: :func:`memtrain.memory.machine.process_bytes`)
+  + offloaded state + DeepSpeed's pinned NVMe swap buffers + the checkpoint staging of a save
+  (DeepSpeed serialises one flat partition at a time: the largest device-side sub-group; a
+  synchronous DCP save one tensor) — and the export at the end, which gathers the whole model on
+  rank 0's host beside the processes and the offloaded state. On a CPU run the device is host
+  memory too.
 - **Step seconds**: ``6 × parameters × tokens`` at the device's FLOP rate (the micro-batch
   planner's estimate), plus — nothing overlapped, as DeepSpeed's default runs — CPU Adam over
   the host-side parameters at the rate measured on this machine (:func:`memtrain.memory.machine.cpu_adam_params_per_s`;
@@ -171,7 +174,8 @@ def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_s
     p.micro_batch_size, p.gradient_accumulation_steps = c.micro_batch_size, c.gradient_accumulation_steps
     p.activation_checkpointing = c.plan.lever("activation_checkpointing")
     p.levers = {name: value for name, value in c.plan.levers if name != "activation_checkpointing"}
-    p.device_bytes, p.host_bytes = device, per_rank_host * machine.ranks_per_host
+    p.device_bytes, p.host_bytes = device, max(per_rank_host * machine.ranks_per_host,
+                                               _export_host_bytes(p, state, device, n_params, precision, machine))
     p.nvme_bytes = state["nvme_offloaded_bytes"]
     margin = int(RATIO_MARGIN * machine.device_bytes) if p.tune_ratio and machine.device_bytes else 0
     p.fits_device = machine.device_bytes is None or device + margin <= machine.device_bytes
@@ -183,6 +187,19 @@ def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_s
         if time.added_s > BOUND_SHARE * c.predicted_step_s:
             p.bound = "host" if time.cpu_s >= time.copy_s else "copies"
         p.predicted_step_s += time.added_s
+
+
+def _export_host_bytes(p: Placement, state: dict, device: int, n_params: int, precision: str,
+                       machine: Machine) -> int:
+    """Host bytes of the machine while the run's export gathers the whole model on rank 0's host
+    (in the engine's ``export_bytes_per_parameter``) beside every rank's process and offloaded
+    state (less what the engine frees for it: ``export_released_bytes``; the checkpoint staging,
+    the accumulation buffers and the activations are gone by then)."""
+    per_rank = machine.process_bytes + state["cpu_offloaded_bytes"] - state.get("export_released_bytes", 0)
+    per_rank += NVME_SWAP_BUFFERS_BYTES if p.nvme else 0
+    per_rank += device if machine.device_type == "cpu" else 0
+    return per_rank * machine.ranks_per_host + engine_module(p.engine).export_bytes_per_parameter(
+        precision, p.offload) * n_params
 
 
 def plan_placements(candidates, pool: list[Placement], shape: ModelShape,
