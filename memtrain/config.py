@@ -194,9 +194,11 @@ class BackendConfig:
     (fp32 master weights and Adam moments) kept on the host and stepped there; the rest stays on
     the device and is stepped there (DeepSpeed's partial offload, ``offload_optimizer.ratio``;
     FSDP2: the last parameters of the model). 1.0 = all on the host."""
-    host_step_overlap: bool = True
+    host_step_overlap: Optional[bool] = None
     """FSDP2 with ``offload optimizer``: the host part's CPU step runs on while the next forward
-    starts (each block waits for its own parameters); false = the step waits for it."""
+    starts (each block waits for its own parameters); false = the step waits for it. null = on
+    with a GPU, off on a CPU device, whose forward would compete with the CPU step for the same
+    cores (2 CPU ranks on 2 cores: 1.3x slower overlapped, benchmarks/offload_overlap.py)."""
     nvme_path: Optional[str] = None
     """DeepSpeed ZeRO-3: offload to NVMe files in this folder instead of host memory (optimizer
     state, and the parameters under ``optimizer_and_params``; not with a partial

@@ -253,13 +253,13 @@ def _placements(cfg, shape, n: int, precision: str, world_size: int, device_type
                       None if cpu_adam else host_step_params_per_s())
     pool = planning_pool(cfg, nvme_usable(nvme_path))
     own = allowed_pool(cfg, nvme_usable(nvme_path))
-    names = {p.name for p in pool}
-    table = plan_model(cfg, tables, shape, tokens, world_size, machine, precision,
-                       pool + [p for p in own if p.name not in names])
+    names = {p.name for p in pool if not p.tune_ratio}  # a tuned row's name changes with the ratio it takes
+    extra = [p for p in own if p.name not in names and not p.tune_ratio]  # auto: own is the pool
+    table = plan_model(cfg, tables, shape, tokens, world_size, machine, precision, pool + extra)
     if cfg.backend.offload != "auto":  # the run takes the config's placement (the dtype it chooses), whatever is faster
         own_names = {p.name for p in own}
-        run = (choose_charging_steps([p for p in table if p.name in own_names], choose, shape.parameters, world_size,
-                                     machine) or next(p for p in table if p.name == own[0].name))
+        rows = [p for p in table if any(p is q for q in extra) or (p.name in own_names and not p.tune_ratio)]
+        run = choose_charging_steps(rows, choose, shape.parameters, world_size, machine) or rows[0]
         for p in table:
             p.chosen = p is run
     return machine, table

@@ -13,9 +13,10 @@ first blocks'), in host memory for the last ``host_ratio`` of the elements. A st
 3. a background thread steps the host part on the CPU, parameter by parameter in the model's
    order, casts each updated master into that buffer and copies it back into the parameter (on a
    GPU on a stream of its own), and marks the parameter ready;
-4. a forward pre-hook on every FSDP unit waits for that unit's parameters before FSDP gathers them,
-   so the CPU step of the last blocks overlaps the forward of the first ones (with
-   ``overlap=False`` the step waits for the whole host part instead).
+4. a forward pre-hook on every FSDP unit waits for that unit's parameters before FSDP gathers them;
+   the thread steps the units in the order the forward runs them (the root first), so the CPU
+   step of each block overlaps the forward of the blocks before it (with ``overlap=False`` the step
+   waits for the whole host part instead).
 
 The update is torch's AdamW (``torch.optim.adamw.adamw``; its fused kernel on the CPU steps 2.4 G
 parameters/s on this project's 2-core CPU, DeepSpeed's CPU Adam 1.5 G), in chunks of
@@ -119,6 +120,7 @@ class PartialOffloadAdamW(torch.optim.Optimizer):
         self._future: Optional[Future] = None
         self._error: Optional[BaseException] = None  # what the host step in flight raised
         self._hooks: list = []
+        self._first_use: dict[int, int] = {}  # parameter id -> the index of the unit whose forward reads it first
         self.host_step_s = 0.0  # the last host step's seconds (the background thread's, copies included)
         for p in self.order:
             self._init_state(p, id(p) in on_host)
@@ -152,13 +154,17 @@ class PartialOffloadAdamW(torch.optim.Optimizer):
     def attach(self, units: Iterable[nn.Module]) -> None:
         """Wait for each unit's host-stepped parameters before its forward (a forward pre-hook put
         ahead of FSDP's, which gathers them). ``units``: the modules whose forward first reads
-        their parameters (FSDP2's units: every repeated block and the root); a parameter is the
-        innermost unit's that holds it."""
+        their parameters, in the order the forward runs them (FSDP2's: the root, then every
+        repeated block); a parameter is the innermost unit's that holds it. The host step follows
+        that order, so the root's parameters (the embeddings and the final norm and head alike)
+        are ready first and each block's before its forward."""
         units = list(units)
         owner: dict[int, nn.Module] = {}
         for unit in units:  # outer units first: an inner one takes its parameters over
             for p in unit.parameters():
                 owner[id(p)] = unit
+        index = {id(unit): i for i, unit in enumerate(units)}
+        self._first_use = {id(p): index[id(owner[id(p)])] for p in self.order if id(p) in owner}
         for unit in units:
             mine = [p for p in self.host_params if owner.get(id(p)) is unit]
             if mine:
@@ -217,9 +223,9 @@ class PartialOffloadAdamW(torch.optim.Optimizer):
                     jobs.append((p, hyper))
                 else:
                     self._step_one(p, _local(p.grad), hyper)
-        if jobs:
-            rank = {id(p): i for i, p in enumerate(self.order)}
-            jobs.sort(key=lambda job: rank[id(job[0])])  # the order the next forward needs them in
+        if jobs:  # in the order the next forward needs them: by unit (the root's first), then model order
+            rank = {id(p): (self._first_use.get(id(p), 0), i) for i, p in enumerate(self.order)}
+            jobs.sort(key=lambda job: rank[id(job[0])])
             copied = torch.cuda.Event() if any(_local(p).device.type == "cuda" for p, _ in jobs) else None
             if copied is not None:
                 copied.record()

@@ -50,8 +50,9 @@ ENGINES = {
                          str(REPO / "ds_configs" / "zero2_offload_hf.json")],
     # a DeepSpeed JSON with CPU optimizer offload, half of the optimizer state kept on the device
     # (partial offload: the device half stepped by torch's AdamW, the host half by CPU Adam)
+    # memtrain's optimizer offload, half of it on the host, its CPU step overlapped (a CPU device's default: not)
     "fsdp_offload_optimizer": ["--backend.name", "fsdp", "--backend.offload", "optimizer",
-                               "--backend.offload_optimizer_ratio", "0.5"],  # memtrain's optimizer offload
+                               "--backend.offload_optimizer_ratio", "0.5", "--backend.host_step_overlap", "true"],
     "zero3_partial_offload": ["--backend.deepspeed_config", str(REPO / "ds_configs" / "zero3_offload.json"),
                               "--backend.offload_optimizer_ratio", "0.5"],
 }

@@ -35,11 +35,12 @@ checkpoint_format = format_module(CHECKPOINT_FORMAT)
 OFFLOAD_STATE_DTYPES = ("fp32", "bf16")
 """The optimizer state dtypes the optimizer offload keeps (:mod:`memtrain.offload_optimizer`)."""
 VARIANTS = (EngineVariant("fsdp", "fsdp"),
-            EngineVariant("fsdp_offload_optimizer", "fsdp", offload="optimizer", tune_ratio=True,
-                          state_dtypes=OFFLOAD_STATE_DTYPES),
+            EngineVariant("fsdp_offload_optimizer", "fsdp", offload="optimizer", state_dtypes=OFFLOAD_STATE_DTYPES),
+            EngineVariant("fsdp_offload_optimizer_partial", "fsdp", offload="optimizer", offload_optimizer_ratio=0.5,
+                          tune_ratio=True, state_dtypes=OFFLOAD_STATE_DTYPES),
             EngineVariant("fsdp_offload", "fsdp", offload="optimizer_and_params"))
-"""FSDP2's placements: sharded on the device; the optimizer state partly on the host
-(:mod:`memtrain.offload_optimizer`, the fraction the placement planner's); all of it on the host
+"""FSDP2's placements: sharded on the device; the optimizer state on the host, all of it or the
+fraction the placement planner chooses (:mod:`memtrain.offload_optimizer`); everything on the host
 (``CPUOffloadPolicy``)."""
 LOSSY_OPTIMIZER_STATE = True
 """FSDP2 takes bf16 and int8 optimizer state (:mod:`memtrain.levers.optimizer_state`)."""
@@ -120,9 +121,9 @@ def offload_seconds(p, n_params: int, p_bytes: int, world_size: int, machine: Ma
       CPU Adam rate, parameters to the device and gradients back each micro-batch; nothing overlapped.
     - ``optimizer`` (:mod:`memtrain.offload_optimizer`): the host part (``offload_optimizer_ratio``
       of the rank's shard) stepped at ``machine.host_step_params_per_s`` (the machine's ranks share
-      its cores), its gradients out and parameters back; all of it overlaps the forward of the
-      blocks before the host part (:data:`FORWARD_SHARE` of the compute, times the device part's
-      share) when ``backend.host_step_overlap`` is on, which the placement planner assumes.
+      its cores), its gradients out and parameters back; up to the next forward's time
+      (:data:`FORWARD_SHARE` of the compute) of it overlaps that forward, unit by unit, on a GPU
+      (``backend.host_step_overlap``'s default there; on a CPU device nothing overlaps).
     """
     shard = n_params / world_size
     if p.offload != "optimizer":
@@ -133,7 +134,7 @@ def offload_seconds(p, n_params: int, p_bytes: int, world_size: int, machine: Ma
     rate = machine.host_step_params_per_s or machine.cpu_adam_params_per_s
     cpu = host * machine.ranks_per_host / rate
     copies = 2 * p_bytes * host / HOST_DEVICE_BYTES_PER_S
-    hidden = p.predicted_step_s * FORWARD_SHARE * (1 - p.offload_optimizer_ratio)
+    hidden = p.predicted_step_s * FORWARD_SHARE if machine.device_type == "cuda" else 0.0  # the overlap's default
     return OffloadTime(cpu, copies, max(0.0, cpu + copies - hidden))
 
 
@@ -348,7 +349,8 @@ def build(cfg, spec, process: ProcessState, precision: str, plan) -> FSDPBackend
                        offload=spec.offload or "none",
                        optimizer_state_dtype=plan.settings().get("optimizer_state_dtype", "fp32"),
                        offload_optimizer_ratio=spec.offload_optimizer_ratio,
-                       host_step_overlap=cfg.backend.host_step_overlap)
+                       host_step_overlap=(cfg.backend.host_step_overlap if cfg.backend.host_step_overlap is not None
+                                          else process.device.type == "cuda"))
 
 
 def _param_groups(state) -> list:

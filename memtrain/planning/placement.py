@@ -82,8 +82,9 @@ class Placement:
     ``predicted_step_s``, its measured step beyond fp32 moments' (None: not measured);
     ``deferred_reduction``: ``memory.oom_recovery`` (DDP then holds no reducer buckets);
     ``async_save``: ``checkpoint.async_save`` (what a save stages on the host);
-    ``host_step_s`` and ``copy_s``: the offload's CPU step and host↔device (and NVMe) copies per
-    step (:class:`memtrain.backends.common.OffloadTime`), ``bound``: what the step waits for —
+    ``device_s``: the plan's compute; ``host_step_s`` and ``copy_s``: the offload's CPU step and
+    host↔device (and NVMe) copies per step (:class:`memtrain.backends.common.OffloadTime`);
+    ``bound``: what the step waits for —
     ``device`` (its compute), or, when the offload adds over :data:`BOUND_SHARE` of that, ``host``
     (the CPU step is the larger part) or ``copies``."""
 
@@ -108,6 +109,7 @@ class Placement:
     levers: dict = dataclasses.field(default_factory=dict)  # the plan's other model levers: {name: setting}
     deferred_reduction: bool = True
     async_save: bool = False
+    device_s: float = 0.0
     host_step_s: float = 0.0
     copy_s: float = 0.0
     bound: str = "device"
@@ -180,7 +182,8 @@ def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_s
     margin = int(RATIO_MARGIN * machine.device_bytes) if p.tune_ratio and machine.device_bytes else 0
     p.fits_device = machine.device_bytes is None or device + margin <= machine.device_bytes
     p.fits_host = machine.host_bytes is None or p.host_bytes <= machine.host_bytes
-    p.predicted_step_s, p.host_step_s, p.copy_s, p.bound = c.predicted_step_s, 0.0, 0.0, "device"
+    p.predicted_step_s, p.device_s, p.host_step_s, p.copy_s, p.bound = (c.predicted_step_s, c.predicted_step_s, 0.0,
+                                                                        0.0, "device")
     if p.offload != "none":
         time = engine_module(p.engine).offload_seconds(p, n_params, p_bytes, world_size, machine)
         p.host_step_s, p.copy_s = time.cpu_s, time.copy_s
