@@ -5,12 +5,16 @@ the solver never turns them on by itself.
     python benchmarks/lossy_levers.py --quick                # the plumbing (< 2 min)
     python benchmarks/lossy_levers.py --results              # 300 steps of the tiny recipe per dtype
     python benchmarks/lossy_levers.py --step_cost --results  # the planner's charge for each dtype's step vs timed
+    python benchmarks/lossy_levers.py --placement fsdp_offload --results  # fp32 and bf16 moments on the host
 
 The tiny recipe (``recipes/code_lm_tiny.yaml``: a 3.2M-parameter GPT-2 on the Python standard
 library, fp32 on CPU), 2 ranks under DDP, the same seed and data order for every dtype; the
 validation loss (nats per token over the recipe's 128 validation samples) at the last step, the
 last training loss, the median tokens/s after the first two steps, and the optimizer state per
 rank the engine's accounting predicts for that dtype (``memtrain memory``'s report).
+``--placement fsdp_offload`` trains under FSDP2's optimizer offload with all of the optimizer state on
+the host (``backend.offload optimizer``; fp32 master weights, the moments fp32 or bf16; int8 is not
+offered there): the lossy host bytes.
 
 ``--step_cost`` checks what the placement planner charges a lossier dtype before it may choose it
 (``memtrain.levers.optimizer_state.step_seconds_over_fp32``: the parameters a rank steps over the
@@ -43,9 +47,14 @@ def predicted_state_bytes(base: list[str], nproc: int) -> dict[str, int]:
     return json.loads(out[out.index("{"):])["optimizer_state_bytes"]
 
 
-def measure(steps: int, nproc: int, dtypes: tuple[str, ...], quick: bool = False) -> list[dict]:
+PLACEMENTS = {"ddp": ["--backend.name", "ddp"],
+              "fsdp_offload": ["--backend.name", "fsdp", "--backend.offload", "optimizer"]}
+"""The engines the dtypes are compared under (``--placement``)."""
+
+
+def measure(steps: int, nproc: int, dtypes: tuple[str, ...], quick: bool = False, placement: str = "ddp") -> list[dict]:
     recipe = CPU_ARGS if quick else ["--config", str(REPO / "recipes" / "code_lm_tiny.yaml"), "--precision", "fp32"]
-    base = recipe + ["--backend.name", "ddp", "--training.max_steps", str(steps), "--training.eval_every", str(steps),
+    base = recipe + [*PLACEMENTS[placement], "--training.max_steps", str(steps), "--training.eval_every", str(steps),
                      "--checkpoint.every_steps", "0"]
     predicted = predicted_state_bytes(base, nproc)
     rows = []
@@ -54,7 +63,8 @@ def measure(steps: int, nproc: int, dtypes: tuple[str, ...], quick: bool = False
         records = run_memtrain(base + ["--optimizer.state_dtype", dtype], out, nproc)
         shutil.rmtree(out, ignore_errors=True)
         steps_done = [r for r in records if "loss" in r]
-        rows.append({"benchmark": "lossy_levers", "optimizer_state_dtype": dtype, "steps": steps, "world_size": nproc,
+        rows.append({"benchmark": "lossy_levers", **({"placement": placement} if placement != "ddp" else {}),
+                     "optimizer_state_dtype": dtype, "steps": steps, "world_size": nproc,
                      "val_loss": next(r["val_loss"] for r in reversed(records) if "val_loss" in r),
                      "last_loss": steps_done[-1]["loss"], "tokens_per_s": tokens_per_s(steps_done[2:]),
                      "predicted_optimizer_state_bytes": predicted[dtype]})
@@ -104,13 +114,16 @@ def main(argv=None) -> int:
     ap.add_argument("--step_cost", action="store_true", help="the planner's charge for each lossier dtype's step "
                     "against the timed step (--repeats)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--placement", choices=list(PLACEMENTS), default="ddp", help="the engine (fsdp_offload: FSDP2's "
+                    "optimizer offload, all on the host; fp32 and bf16 moments)")
     args = ap.parse_args(argv)
     if args.step_cost:
         steps = 4 if args.quick else args.steps or 30
         for row in step_cost(steps, 1 if args.quick else args.repeats, 2, args.quick):
             emit("lossy_step_cost", "cpu", row, args.results and not args.quick)
         return 0
-    for row in measure(4 if args.quick else args.steps or 300, 2, STATE_DTYPES, args.quick):
+    dtypes = STATE_DTYPES if args.placement == "ddp" else ("fp32", "bf16")
+    for row in measure(4 if args.quick else args.steps or 300, 2, dtypes, args.quick, args.placement):
         emit("lossy_levers", "cpu", row, args.results and not args.quick)
     return 0
 

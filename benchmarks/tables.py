@@ -364,15 +364,18 @@ def recovery(row: dict) -> str:
 
 
 def lossy_levers(device: str) -> str:
-    """``benchmarks/lossy_levers.py``: the newest row per optimizer state dtype."""
-    rows = newest_by("lossy_levers", device, lambda row: row["optimizer_state_dtype"])
-    out = ["| optimizer.state_dtype | optimizer state per rank (MiB, predicted) | validation loss | last training loss "
-           "| tokens/s (median step) |", "|---|---|---|---|---|"]
-    for dtype in STATE_DTYPES:
-        if dtype in rows:
-            r = rows[dtype]
-            out.append(f"| {dtype} | {r['predicted_optimizer_state_bytes'] / 2**20:.1f} | {r['val_loss']:.4f} "
-                       f"| {r['last_loss']:.4f} | {r['tokens_per_s']:,.0f} |")
+    """``benchmarks/lossy_levers.py``: the newest row per engine (DDP, FSDP2's optimizer offload) and
+    optimizer state dtype."""
+    rows = newest_by("lossy_levers", device, lambda row: (row.get("placement", "ddp"), row["optimizer_state_dtype"]))
+    out = ["| engine | optimizer.state_dtype | optimizer state per rank (MiB, predicted) | validation loss "
+           "| last training loss | tokens/s (median step) |", "|---|---|---|---|---|---|"]
+    for placement in ("ddp", "fsdp_offload"):
+        for dtype in STATE_DTYPES:
+            if (placement, dtype) in rows:
+                r = rows[placement, dtype]
+                engine = "DDP" if placement == "ddp" else "FSDP2, optimizer on the host"
+                out.append(f"| {engine} | {dtype} | {r['predicted_optimizer_state_bytes'] / 2**20:.1f} "
+                           f"| {r['val_loss']:.4f} | {r['last_loss']:.4f} | {r['tokens_per_s']:,.0f} |")
     return "\n".join(out)
 
 
