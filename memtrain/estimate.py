@@ -334,7 +334,7 @@ def verdict(report: dict) -> str:
         return (f"verdict: backend.offload auto places model state as {placed['name']}, micro-batch "
                 f"{placed['micro_batch_size']} × accumulation {placed['gradient_accumulation_steps']} per rank, "
                 f"activation checkpointing {placed['activation_checkpointing']}, about {placed['predicted_step_s']:.2f} "
-                f"s per step" + _where(report, placed))
+                f"s per step" + _bound(placed) + _where(report, placed))
     chosen = next((c for c in report["candidates"] if c["chosen"]), None)
     budget = report["budget_bytes"]
     if chosen is None:
@@ -356,6 +356,15 @@ def verdict(report: dict) -> str:
         words += (f"; {best['name']} is predicted faster ({best['predicted_step_s']:.3g} s per step against "
                   f"{placed['predicted_step_s']:.3g}): backend.offload auto lets the run choose the placement")
     return words
+
+
+def _bound(placed: dict) -> str:
+    """The verdict's words on what a placement's step waits for beyond its compute (``bound``)."""
+    if placed.get("bound", "device") == "device":
+        return ""
+    what = "the host's optimizer step" if placed["bound"] == "host" else "the host↔device copies"
+    return (f", bound by {what} (compute {placed['device_s']:.2f} s, CPU step {placed['host_step_s']:.2f} s, "
+            f"copies {placed['copy_s']:.2f} s)")
 
 
 def _where(report: dict, placed: dict) -> str:

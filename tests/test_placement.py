@@ -284,6 +284,9 @@ def test_plan_prints_a_fitting_placement_for_a_10b_llama_on_80gb_and_128gb(cache
     assert chosen["fits"] and chosen["device_bytes"] <= 78 * GIB and chosen["host_bytes"] < 120 * GIB
     assert (chosen["engine"], chosen["offload"], chosen["state_dtype"]) == ("fsdp", "optimizer", "fp32")
     assert 0 < chosen["offload_optimizer_ratio"] < 1
+    # its step waits for the host (the CPU step beyond what the next forward hides), and says so
+    assert chosen["bound"] == "host" and chosen["host_step_s"] > chosen["copy_s"]
+    assert chosen["device_s"] < chosen["predicted_step_s"] < chosen["device_s"] + chosen["host_step_s"] + chosen["copy_s"]
     assert not any(p["fits"] for p in placements if p["engine"] == "deepspeed")
     assert not next(p for p in placements if p["offload"] == "none")["fits"]
     assert chosen["parameters"] >= 10e9
