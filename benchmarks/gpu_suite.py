@@ -91,6 +91,7 @@ STEPS = (
     Step("lossy_levers", None, ("benchmarks/lossy_levers.py", "--quick"), 0),  # CPU measurements: their plumbing only
     Step("seq_len_reach", None, ("benchmarks/seq_len_reach.py", "--quick"), 0),
     Step("placement_accuracy", None, ("benchmarks/placement_accuracy.py", "--quick"), 0),
+    Step("offload_overlap", None, ("benchmarks/offload_overlap.py", "--quick"), 0),
 )
 PARTS = (1, 2)
 assert all(sum(s.limit_s for s in STEPS if s.part == part) <= PART_BUDGET_S for part in PARTS)

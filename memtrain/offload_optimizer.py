@@ -112,11 +112,17 @@ class PartialOffloadAdamW(torch.optim.Optimizer):
         on_host = host_split(self.order, host_ratio)
         self.host_params = [p for p in self.order if id(p) in on_host]
         self.device_params = [p for p in self.order if id(p) not in on_host]
-        self._scratch: dict[torch.device, torch.Tensor] = {}  # fp32 gradient chunks (one per device)
+        # fp32 gradient chunks, one per device and thread (the main thread steps the device part
+        # while the worker steps the host part: on a CPU device both on the CPU)
+        self._scratch: dict[tuple, torch.Tensor] = {}
         self._buffers: dict[int, torch.Tensor] = {}  # host copies of gradients, then of updated parameters
         self._ready = {id(p): threading.Event() for p in self.host_params}
-        self._copied: dict[int, torch.cuda.Event] = {}
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="memtrain-host-adam") if self.host_params else None
+        device = _local(self.host_params[0]).device if self.host_params else None
+        self._executor = None
+        if device is not None:  # a new thread's CUDA device is 0: the worker takes the parameters' (no context on GPU 0)
+            init = (torch.cuda.set_device, (device,)) if device.type == "cuda" else (None, ())
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="memtrain-host-adam", initializer=init[0],
+                                                initargs=init[1])
         self._future: Optional[Future] = None
         self._error: Optional[BaseException] = None  # what the host step in flight raised
         self._hooks: list = []
@@ -124,6 +130,7 @@ class PartialOffloadAdamW(torch.optim.Optimizer):
         self.host_step_s = 0.0  # the last host step's seconds (the background thread's, copies included)
         for p in self.order:
             self._init_state(p, id(p) in on_host)
+        self._allocate_buffers()
 
     def _init_state(self, p: torch.Tensor, on_host: bool) -> None:
         local = _local(p).detach()
@@ -136,20 +143,31 @@ class PartialOffloadAdamW(torch.optim.Optimizer):
         if on_host or local.dtype != torch.float32:
             state["master"] = _shaped_like(p, local.to(device=where, dtype=torch.float32, copy=True))
         if on_host:
-            self._buffers[id(p)] = self._buffer(local)
+            self._buffers[id(p)] = None  # views of one flat buffer (_allocate_buffers)
             self._ready[id(p)].set()
 
-    @staticmethod
-    def _buffer(local: torch.Tensor) -> torch.Tensor:
-        """A host buffer of ``local``'s shape and dtype (pinned when it lives on a GPU)."""
-        return torch.empty(local.shape, dtype=local.dtype, pin_memory=local.device.type == "cuda")
+    def _allocate_buffers(self) -> None:
+        """The host part's gradient/parameter buffers: views of one flat host tensor in the
+        parameters' dtype, pinned when they live on a GPU (torch's pinned allocator rounds each
+        block up to a power of two: one block wastes the least)."""
+        locals_ = [_local(p) for p in self.host_params]
+        if not locals_:
+            return
+        flat = torch.empty(sum(t.numel() for t in locals_), dtype=locals_[0].dtype,
+                           pin_memory=locals_[0].device.type == "cuda")
+        offset = 0
+        for p, t in zip(self.host_params, locals_):
+            self._buffers[id(p)] = flat[offset:offset + t.numel()].view(t.shape)
+            offset += t.numel()
 
     def release_buffers(self) -> None:
         """Free the host part's gradient/parameter buffers (the model's export gathers the whole
-        model on rank 0's host beside the optimizer state: ``u`` bytes per host-part element back);
-        the next step allocates them again."""
+        model on rank 0's host beside the optimizer state: ``u`` bytes per host-part element back),
+        pinned ones back to the system; the next step allocates them again."""
         self.synchronize()
-        self._buffers = {i: None for i in self._buffers}
+        self._buffers = dict.fromkeys(self._buffers)
+        if hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()
 
     def attach(self, units: Iterable[nn.Module]) -> None:
         """Wait for each unit's host-stepped parameters before its forward (a forward pre-hook put
@@ -172,21 +190,16 @@ class PartialOffloadAdamW(torch.optim.Optimizer):
                                                                   prepend=True))
 
     def wait(self, params: Iterable[torch.Tensor] = ()) -> None:
-        """Block until ``params`` (default: the whole host part) hold their updated values; on a
-        GPU the current stream waits for their copies.
+        """Block until ``params`` (default: the whole host part) hold their updated values (on a
+        GPU their copies have completed).
 
         Raises:
             Exception: whatever the host step raised.
         """
-        params = list(params) or self.host_params
-        for p in params:
+        for p in list(params) or self.host_params:
             self._ready[id(p)].wait()
         if self._error is not None:
             self.synchronize()
-        for p in params:
-            copied = self._copied.pop(id(p), None)
-            if copied is not None:
-                torch.cuda.current_stream().wait_event(copied)
 
     def synchronize(self) -> None:
         """Wait for the host step in flight (if any) and raise what it raised."""
@@ -196,64 +209,80 @@ class PartialOffloadAdamW(torch.optim.Optimizer):
                 future.result()
             finally:
                 self._error = None
-            for p in self.host_params:
-                copied = self._copied.pop(id(p), None)
-                if copied is not None:
-                    torch.cuda.current_stream().wait_event(copied)
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One AdamW step: the device part now, the host part in the background (see the module)."""
+        """One AdamW step: the host part's gradients copied out and its CPU step started in the
+        background first, then the device part (see the module)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self.synchronize()
-        jobs = []
+        jobs, device_jobs = [], []
         for group in self.param_groups:
             hyper = _hyper(group)
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if id(p) in self._buffers:
-                    if self._buffers[id(p)] is None:
-                        self._buffers[id(p)] = self._buffer(_local(p))
-                    self._buffers[id(p)].copy_(_local(p.grad), non_blocking=True)
-                    self._ready[id(p)].clear()
-                    jobs.append((p, hyper))
-                else:
-                    self._step_one(p, _local(p.grad), hyper)
-        if jobs:  # in the order the next forward needs them: by unit (the root's first), then model order
-            rank = {id(p): (self._first_use.get(id(p), 0), i) for i, p in enumerate(self.order)}
-            jobs.sort(key=lambda job: rank[id(job[0])])
-            copied = torch.cuda.Event() if any(_local(p).device.type == "cuda" for p, _ in jobs) else None
-            if copied is not None:
-                copied.record()
-            self._future = self._executor.submit(self._host_steps, jobs, copied)
-            if not self.overlap:
-                self.synchronize()
+                if p.grad is not None:
+                    (jobs if id(p) in self._buffers else device_jobs).append((p, hyper))
+        if jobs:
+            self._start_host_steps(jobs)
+        for p, hyper in device_jobs:
+            self._step_one(p, _local(p.grad), hyper)
+        if jobs and not self.overlap:
+            self.synchronize()
         return loss
+
+    def _start_host_steps(self, jobs: list) -> None:
+        """Copy the host part's gradients into its buffers and hand its step to the thread, in the
+        order the next forward needs the parameters (by unit, the root's first, then model order)."""
+        if any(b is None for b in self._buffers.values()):
+            self._allocate_buffers()  # after release_buffers
+        rank = {id(p): (self._first_use.get(id(p), 0), i) for i, p in enumerate(self.order)}
+        jobs.sort(key=lambda job: rank[id(job[0])])
+        for p, _ in jobs:
+            self._buffers[id(p)].copy_(_local(p.grad), non_blocking=True)
+        on_gpu = _local(jobs[0][0]).device.type == "cuda"
+        copied = torch.cuda.Event(blocking=True) if on_gpu else None  # blocking: the thread sleeps, not spins
+        if copied is not None:
+            copied.record()
+        for p, _ in jobs:
+            self._ready[id(p)].clear()
+        try:
+            self._future = self._executor.submit(self._host_steps, jobs, copied)
+        except BaseException:
+            for p, _ in jobs:
+                self._ready[id(p)].set()
+            raise
 
     @torch.no_grad()  # grad mode is per thread
     def _host_steps(self, jobs: list, copied) -> None:
-        """The background thread: each host parameter stepped on the CPU and copied back."""
+        """The background thread: each host parameter stepped on the CPU and copied back; on a GPU
+        a parameter is marked ready once its copy has completed (FSDP2 reads the shard on a stream
+        of its own), the next parameter stepped while it copies."""
         start = time.perf_counter()
+        pending = None  # (parameter, its copy's event) in flight
         try:
             if copied is not None:
                 copied.synchronize()  # the gradients have reached the host buffers
-            stream = torch.cuda.Stream(device=_local(jobs[0][0]).device) if copied is not None else None
+            stream = torch.cuda.Stream() if copied is not None else None
             for p, hyper in jobs:
                 buf = self._buffers[id(p)]
                 self._step_one(p, buf, hyper, out=buf)
-                local = _local(p)
                 if stream is None:
-                    local.copy_(buf)
-                else:
-                    with torch.cuda.stream(stream):
-                        local.copy_(buf, non_blocking=True)
-                        self._copied[id(p)] = torch.cuda.Event()
-                        self._copied[id(p)].record(stream)
-                self._ready[id(p)].set()
+                    _local(p).copy_(buf)
+                    self._ready[id(p)].set()
+                    continue
+                with torch.cuda.stream(stream):
+                    _local(p).copy_(buf, non_blocking=True)
+                    done = torch.cuda.Event(blocking=True)
+                    done.record(stream)
+                if pending is not None:
+                    pending[1].synchronize()
+                    self._ready[id(pending[0])].set()
+                pending = (p, done)
+            if pending is not None:
+                pending[1].synchronize()
         except BaseException as exc:
             self._error = exc
             raise
@@ -272,9 +301,10 @@ class PartialOffloadAdamW(torch.optim.Optimizer):
         flat = [t.reshape(-1) for t in (master, grad, m, v)]
         scratch = None
         if grad.dtype != torch.float32:
-            scratch = self._scratch.get(master.device)
+            key = (master.device, threading.get_ident())
+            scratch = self._scratch.get(key)
             if scratch is None:
-                scratch = self._scratch[master.device] = torch.empty(STEP_CHUNK, device=master.device)
+                scratch = self._scratch[key] = torch.empty(STEP_CHUNK, device=master.device)
         for i in range(0, flat[0].numel(), STEP_CHUNK):
             chunk = [t[i:i + STEP_CHUNK] for t in flat]
             if scratch is not None:
@@ -294,6 +324,7 @@ class PartialOffloadAdamW(torch.optim.Optimizer):
         self.synchronize()
         return super().state_dict()
 
+    @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """Copy saved state into this optimizer's tensors, which keep their place (device or host)
         and dtype (torch's would move every tensor to its parameter's device and dtype). A saved
@@ -336,13 +367,24 @@ class PartialOffloadAdamW(torch.optim.Optimizer):
         out["host"] += sum(b.numel() * b.element_size() for b in self._buffers.values() if b is not None)
         return out
 
+    @torch.no_grad()
+    def masters_from_parameters(self) -> None:
+        """Set every fp32 master to its parameter's value (after weights were loaded from a state
+        without masters: another engine's checkpoint)."""
+        self.synchronize()
+        for p in self.order:
+            if "master" in self.state[p]:
+                _local(self.state[p]["master"]).copy_(_local(p))
+
     def close(self) -> None:
         """Finish the step in flight, remove the hooks and stop the thread."""
-        self.synchronize()
-        for hook in self._hooks:
-            hook.remove()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        try:
+            self.synchronize()
+        finally:
+            for hook in self._hooks:
+                hook.remove()
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
 
 
 def _hyper(group: dict) -> dict:
@@ -361,8 +403,20 @@ def _adamw_chunk(master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: t
         _adamw_bf16(master, g, m, v, hyper["lr"] * hyper["weight_decay"], b1, b2, hyper["eps"], scale)
         return
     fused = master.device.type in ("cuda", "cpu")
-    adamw([master], [g], [m], [v], [], [torch.tensor(step - 1, device=master.device if fused else "cpu")],
-          fused=fused or None, amsgrad=False, maximize=False, **hyper)
+    count = torch.tensor(step - 1) if master.device.type == "cpu" or not fused else _step_count(master.device, step - 1)
+    adamw([master], [g], [m], [v], [], [count], fused=fused or None, amsgrad=False, maximize=False, **hyper)
+
+
+_COUNTS: dict = {}
+
+
+def _step_count(device: torch.device, value: float) -> torch.Tensor:
+    """A step-count tensor on ``device`` holding ``value`` (the fused kernel adds one), reused: a new
+    one per chunk would be a blocking host-to-device copy each time."""
+    count = _COUNTS.get(device)
+    if count is None:
+        count = _COUNTS[device] = torch.zeros((), device=device)
+    return count.fill_(value)
 
 
 def from_optimizer(base: torch.optim.Optimizer, model: nn.Module, host_ratio: float,

@@ -186,6 +186,23 @@ def test_placement_accounting_matches_the_tensors_the_engines_hold(suite):
 
 
 @on_suite
+def test_offload_overlap_quick_alternates_both_settings_and_predicts_each(suite):
+    """FSDP2's optimizer offload with its CPU step overlapped and not: both settings ran in each
+    repeat, in alternating order, and the summary holds each one's spread, their ratio per repeat
+    and the planner's seconds (not overlapped: the compute, the CPU step and the copies added up;
+    on a CPU device the planner overlaps nothing, so the two predictions are equal)."""
+    rows = run_quick(suite, "offload_overlap")
+    runs, (summary,) = [r for r in rows if "repeat" in r], [r for r in rows if r.get("summary")]
+    assert [r["overlap"] for r in runs] == [True, False, False, True]
+    assert all(r["step_s"] > 0 for r in runs)
+    assert summary["overlapped_over_not"]["min"] <= summary["overlapped_over_not"]["median"]
+    assert summary["predicted_host_step_s"] > 0 and summary["predicted_device_s"] > 0
+    assert summary["predicted_not_overlapped_s"] == pytest.approx(
+        summary["predicted_device_s"] + summary["predicted_host_step_s"], rel=0.2)
+    assert summary["predicted_overlapped_s"] == pytest.approx(summary["predicted_not_overlapped_s"])
+
+
+@on_suite
 def test_lossy_levers_quick_reports_each_dtype(suite):
     """``optimizer.state_dtype`` fp32, bf16 and int8 each train (a finite validation loss within
     2% of fp32's after 4 steps) and report the optimizer state memtrain memory predicts for them."""

@@ -89,9 +89,9 @@ def state_bytes(n_params: int, precision: str, *, zero_stage: Optional[int], off
 
 
 def export_bytes_per_parameter(precision: str, offload: str) -> int:
-    """Bytes per parameter of the whole model the export gathers on rank 0's host (the 16-bit
-    parameters, fp32 in an fp32 run)."""
-    return 2 if precision in ("bf16", "fp16") else 4
+    """Bytes per parameter of the whole model the export gathers on rank 0's host: fp32
+    (``full_state_dict`` casts the gathered 16-bit parameters to fp32 on the host)."""
+    return 4
 
 
 def offload_seconds(p, n_params: int, p_bytes: int, world_size: int, machine: Machine) -> OffloadTime:

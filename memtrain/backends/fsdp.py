@@ -122,7 +122,8 @@ def offload_seconds(p, n_params: int, p_bytes: int, world_size: int, machine: Ma
     - ``optimizer`` (:mod:`memtrain.offload_optimizer`): the host part (``offload_optimizer_ratio``
       of the rank's shard) stepped at ``machine.host_step_params_per_s`` (the machine's ranks share
       its cores), its gradients out and parameters back; up to the next forward's time
-      (:data:`FORWARD_SHARE` of the compute) of it overlaps that forward, unit by unit, on a GPU
+      (:data:`FORWARD_SHARE` of the compute over the accumulation steps: the first micro-batch's)
+      of it overlaps that forward, unit by unit, on a GPU
       (``backend.host_step_overlap``'s default there; on a CPU device nothing overlaps).
     """
     shard = n_params / world_size
@@ -134,7 +135,8 @@ def offload_seconds(p, n_params: int, p_bytes: int, world_size: int, machine: Ma
     rate = machine.host_step_params_per_s or machine.cpu_adam_params_per_s
     cpu = host * machine.ranks_per_host / rate
     copies = 2 * p_bytes * host / HOST_DEVICE_BYTES_PER_S
-    hidden = p.predicted_step_s * FORWARD_SHARE if machine.device_type == "cuda" else 0.0  # the overlap's default
+    # the overlap's default: on a GPU, behind the next step's first forward (of its first micro-batch)
+    hidden = p.predicted_step_s * FORWARD_SHARE / p.gradient_accumulation_steps if machine.device_type == "cuda" else 0.0
     return OffloadTime(cpu, copies, max(0.0, cpu + copies - hidden))
 
 
@@ -204,8 +206,10 @@ class FSDPBackend:
         lean = self.offload == "optimizer"
         if self.offload == "none" or lean:
             model = model.to(self.device)
-        if lean and _DTYPES[self.precision] is not None:
-            model = model.to(_DTYPES[self.precision])  # 16-bit shards; the fp32 master is the optimizer's
+        if lean and _DTYPES[self.precision] is not None:  # 16-bit shards; the fp32 master is the optimizer's
+            for p in model.parameters():  # parameters only: buffers (a rotary embedding's frequencies) keep fp32
+                if p.is_floating_point():
+                    p.data = p.data.to(_DTYPES[self.precision])
         kwargs = dict(
             mesh=self.mesh,
             mp_policy=MixedPrecisionPolicy(param_dtype=None if lean else _DTYPES[self.precision],
@@ -321,6 +325,8 @@ class FSDPBackend:
         rank keeps its shard of the whole weights and optimizer state."""
         self._settle()
         load_full_state(model, optimizer, weights, optimizer_state)
+        if self.offload_optimizer is not None and not any("master" in s for s in optimizer_state.get("state", {}).values()):
+            self.offload_optimizer.masters_from_parameters()  # another engine's AdamW keeps no master
 
     def replicated_tensors(self, model: nn.Module):
         return list(model.named_buffers())  # parameters are sharded DTensors

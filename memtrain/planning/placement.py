@@ -50,7 +50,8 @@ from memtrain.folders import write_atomic
 from memtrain.levers import allowed_by, describe, lever_choices, offered_choices
 from memtrain.levers.optimizer_state import (BF16_MAX_BETA2, LOSSY, STATE_DTYPES, choose_charging_steps,
                                              fastest_fitting, planner_dtypes)
-from memtrain.memory.accounting import ModelShape, model_shape, state_peak_tensor_bytes, with_allocator_headroom
+from memtrain.memory.accounting import (ModelShape, device_state_bytes, model_shape, state_peak_tensor_bytes,
+                                        with_allocator_headroom)
 from memtrain.memory.machine import (Machine, cpu_adam_params_per_s, device_budget_bytes, device_flops_per_s,
                                      host_budget_bytes, optimizer_params_per_s, process_bytes)
 from memtrain.planning.planner import Candidate, activation_tables, estimated_plan_s, make_candidates
@@ -177,7 +178,7 @@ def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_s
     p.activation_checkpointing = c.plan.lever("activation_checkpointing")
     p.levers = {name: value for name, value in c.plan.levers if name != "activation_checkpointing"}
     p.device_bytes, p.host_bytes = device, max(per_rank_host * machine.ranks_per_host,
-                                               _export_host_bytes(p, state, device, n_params, precision, machine))
+                                               _export_host_bytes(p, state, n_params, precision, machine))
     p.nvme_bytes = state["nvme_offloaded_bytes"]
     margin = int(RATIO_MARGIN * machine.device_bytes) if p.tune_ratio and machine.device_bytes else 0
     p.fits_device = machine.device_bytes is None or device + margin <= machine.device_bytes
@@ -192,15 +193,14 @@ def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_s
         p.predicted_step_s += time.added_s
 
 
-def _export_host_bytes(p: Placement, state: dict, device: int, n_params: int, precision: str,
-                       machine: Machine) -> int:
+def _export_host_bytes(p: Placement, state: dict, n_params: int, precision: str, machine: Machine) -> int:
     """Host bytes of the machine while the run's export gathers the whole model on rank 0's host
     (in the engine's ``export_bytes_per_parameter``) beside every rank's process and offloaded
     state (less what the engine frees for it: ``export_released_bytes``; the checkpoint staging,
     the accumulation buffers and the activations are gone by then)."""
     per_rank = machine.process_bytes + state["cpu_offloaded_bytes"] - state.get("export_released_bytes", 0)
     per_rank += NVME_SWAP_BUFFERS_BYTES if p.nvme else 0
-    per_rank += device if machine.device_type == "cpu" else 0
+    per_rank += device_state_bytes(state) if machine.device_type == "cpu" else 0  # a CPU run's model state
     return per_rank * machine.ranks_per_host + engine_module(p.engine).export_bytes_per_parameter(
         precision, p.offload) * n_params
 
