@@ -28,6 +28,7 @@ from memtrain.errors import ConfigError
 from memtrain.memory.accounting import ModelShape, fsdp_state_bytes, model_shape, sharded_optimizer_bytes
 from memtrain.memory.machine import HOST_DEVICE_BYTES_PER_S, Machine
 from memtrain.models import repeated_blocks
+from memtrain.offload_optimizer import from_optimizer
 
 CHECKPOINT_FORMAT = "dcp"
 """The checkpoint format this engine writes (:mod:`memtrain.checkpoint.formats`)."""
@@ -61,7 +62,8 @@ def validate(cfg) -> None:
     """The ``backend`` settings FSDP2 cannot honour, by name (:func:`memtrain.validation.validate`).
 
     Raises:
-        memtrain.errors.ConfigError: a partial or NVMe offload, or a DeepSpeed setting.
+        memtrain.errors.ConfigError: an NVMe offload, ``offload_optimizer_ratio`` without
+            ``offload optimizer``, int8 moments under it, or a DeepSpeed setting.
     """
     b = cfg.backend
     if b.offload == "optimizer" and cfg.optimizer.state_dtype not in OFFLOAD_STATE_DTYPES:
@@ -161,8 +163,11 @@ class FSDPBackend:
         process: the process state (its group is started here when plain ``python`` has none).
         precision: ``bf16|fp32`` (parameters cast to it for compute; gradients reduced in fp32).
         reshard_after_forward: free gathered parameters after forward (less memory).
-        offload: ``none`` or anything else = CPUOffloadPolicy (parameters, gradients and
-            optimizer state live in CPU memory; the optimizer steps on CPU).
+        offload: ``none``; ``optimizer``: memtrain's optimizer offload
+            (:class:`memtrain.offload_optimizer.PartialOffloadAdamW`, ``offload_optimizer_ratio`` of
+            it on the host, its CPU step overlapped with the next forward with ``host_step_overlap``);
+            ``optimizer_and_params``: CPUOffloadPolicy (parameters, gradients and optimizer state
+            live in CPU memory; the optimizer steps on CPU).
 
     Raises:
         ValueError: fp16 (needs a sharded GradScaler memtrain does not wire up yet).
@@ -199,8 +204,6 @@ class FSDPBackend:
         the parameters in the compute dtype and :class:`memtrain.offload_optimizer.PartialOffloadAdamW`
         over them, waiting in each unit's forward for the unit's host-stepped parameters."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-        from memtrain.offload_optimizer import from_optimizer
 
         self.shape = model_shape(model)
         lean = self.offload == "optimizer"
