@@ -588,3 +588,22 @@ def test_allowed_lossy_states_are_chosen_where_fp32_cannot_fit_and_kept_on_resum
     assert [r["optimizer_state_dtype"] for r in read_metrics(tmp_path)[2:]] == ["bf16"]
     run(tmp_path / "fresh", "--training.max_steps", "1")
     assert read_metrics(tmp_path / "fresh")[0]["optimizer_state_dtype"] == "fp32"
+
+
+def test_the_optimizer_offloads_pinned_buffer_is_counted_as_torch_allocates_it(monkeypatch):
+    """FSDP2's optimizer offload keeps its host buffers in one block, pinned on a GPU, which torch's
+    caching host allocator rounds up to a power of two: a GPU plan counts the rounding (all of the
+    optimizer on the host: training, not the export, is the host's peak then)."""
+    from memtrain.planning import placement as planning
+
+    assert (planning.pinned_rounding_bytes(3 * GIB), planning.pinned_rounding_bytes(GIB),
+            planning.pinned_rounding_bytes(0)) == (GIB, 0, 0)
+    state = planning.state_bytes(Placement("fsdp", None, "optimizer", 1.0), SHAPE, "bf16", 1)
+    assert state["pinned_block_bytes"] == state["offloaded_buffer_bytes"] > 0
+    rounding = planning.pinned_rounding_bytes(state["pinned_block_bytes"])
+    (counted,) = plan_placements(candidates(), [Placement("fsdp", None, "optimizer", 1.0)], SHAPE, "bf16", 1,
+                                 machine(host_gib=1000))
+    monkeypatch.setattr(planning, "pinned_rounding_bytes", lambda block: 0)
+    (uncounted,) = plan_placements(candidates(), [Placement("fsdp", None, "optimizer", 1.0)], SHAPE, "bf16", 1,
+                                   machine(host_gib=1000))
+    assert rounding > 0 and counted.host_bytes - uncounted.host_bytes == rounding

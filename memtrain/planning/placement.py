@@ -174,6 +174,8 @@ def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_s
     per_rank_host += NVME_SWAP_BUFFERS_BYTES if p.nvme else 0
     per_rank_host += device if machine.device_type == "cpu" else 0
     per_rank_host += c.offloaded_bytes  # one micro-batch's offloaded activations wait on the host
+    if machine.device_type == "cuda":  # torch's pinned allocator rounds a block up to a power of two
+        per_rank_host += pinned_rounding_bytes(state.get("pinned_block_bytes", 0))
     p.micro_batch_size, p.gradient_accumulation_steps = c.micro_batch_size, c.gradient_accumulation_steps
     p.activation_checkpointing = c.plan.lever("activation_checkpointing")
     p.levers = {name: value for name, value in c.plan.levers if name != "activation_checkpointing"}
@@ -191,6 +193,12 @@ def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_s
         if time.added_s > BOUND_SHARE * c.predicted_step_s:
             p.bound = "host" if time.cpu_s >= time.copy_s else "copies"
         p.predicted_step_s += time.added_s
+
+
+def pinned_rounding_bytes(block: int) -> int:
+    """Host bytes torch's caching host allocator adds to a pinned block of ``block`` bytes (it
+    rounds each block up to a power of two)."""
+    return (1 << (block - 1).bit_length()) - block if block > 0 else 0
 
 
 def _export_host_bytes(p: Placement, state: dict, n_params: int, precision: str, machine: Machine) -> int:
