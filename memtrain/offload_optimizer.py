@@ -7,16 +7,15 @@ optimizer keeps, per shard, AdamW's two moments and — for 16-bit parameters, o
 host — an fp32 master copy: on the device for the first parameters of the model (the root's and the
 first blocks'), in host memory for the last ``host_ratio`` of the elements. A step:
 
-1. the device part: AdamW in fp32 on the master (the parameter itself when it is fp32), written
-   back into the parameter;
-2. the host part's gradients are copied into one host buffer per parameter (pinned on a GPU);
-3. a background thread steps the host part on the CPU, parameter by parameter in the model's
-   order, casts each updated master into that buffer and copies it back into the parameter (on a
-   GPU on a stream of its own), and marks the parameter ready;
-4. a forward pre-hook on every FSDP unit waits for that unit's parameters before FSDP gathers them;
-   the thread steps the units in the order the forward runs them (the root first), so the CPU
-   step of each block overlaps the forward of the blocks before it (with ``overlap=False`` the step
-   waits for the whole host part instead).
+1. the host part's gradients are copied into one flat host buffer (pinned on a GPU) and a
+   background thread starts stepping them on the CPU, unit by unit in the order the next forward
+   runs them (the root first), each updated master cast into the buffer and copied back into the
+   parameter (on a GPU on a stream of its own; the parameter is marked ready once its copy is done);
+2. meanwhile the device part: AdamW in fp32 on the master (the parameter itself when it is fp32),
+   written back into the parameter;
+3. a forward pre-hook on every FSDP unit waits for that unit's parameters before FSDP gathers them,
+   so the CPU step of each block overlaps the forward of the blocks before it (with
+   ``overlap=False`` the step waits for the whole host part instead).
 
 The update is torch's AdamW (``torch.optim.adamw.adamw``; its fused kernel on the CPU steps 2.4 G
 parameters/s on this project's 2-core CPU, DeepSpeed's CPU Adam 1.5 G), in chunks of
