@@ -17,6 +17,7 @@ from torch import nn
 from memtrain.backends.base import ComputeCollectives
 from memtrain.backends.common import load_full_state, refuse_deepspeed_settings, refuse_unsharded_reshard
 from memtrain.backends.common import all_checkpoint_staged as checkpoint_staging_bytes  # noqa: F401 (registry)
+from memtrain.backends.common import fp32_export_bytes as export_bytes_per_parameter  # noqa: F401 (registry)
 from memtrain.backends.common import selective_checkpointing_works as takes_selective_checkpointing  # noqa: F401
 from memtrain.backends.common import whole_model_build_context as model_build_context  # noqa: F401 (registry)
 from memtrain.backends.spec import EngineVariant
@@ -40,11 +41,6 @@ SETTINGS = ()
 READS_DEEPSPEED_CONFIG = False
 """Whether ``backend.deepspeed_config`` (the user's DeepSpeed JSON) sets this engine's stage and offload."""
 
-
-
-def export_bytes_per_parameter(precision: str, offload: str) -> int:
-    """Bytes per parameter of the whole model the export copies to rank 0's host (fp32 parameters)."""
-    return 4
 
 def variant_label(zero_stage) -> str:
     """The engine's word in a placement's name (``memtrain plan``'s table)."""

@@ -24,6 +24,7 @@ from torch import nn
 from memtrain.backends import ds_partial_offload
 from memtrain.backends.base import ComputeCollectives
 from memtrain.backends.common import OffloadTime, offload_advice, offload_words, refuse_unsharded_reshard
+from memtrain.backends.common import fp32_export_bytes as export_bytes_per_parameter  # noqa: F401 (registry)
 from memtrain.backends.ds_config import OFFLOAD_DEVICES, build_ds_config, get_path, read_user_json, resolve_zero_stage
 from memtrain.backends.spec import EngineVariant
 from memtrain.checkpoint.formats import format_module
@@ -86,12 +87,6 @@ def state_bytes(n_params: int, precision: str, *, zero_stage: Optional[int], off
     whatever the state dtype, and reduces in backward)."""
     return zero_state_bytes(n_params, precision, zero_stage, offload, world_size, offload_optimizer_ratio,
                             offload_device, shape, zero_settings)
-
-
-def export_bytes_per_parameter(precision: str, offload: str) -> int:
-    """Bytes per parameter of the whole model the export gathers on rank 0's host: fp32
-    (``full_state_dict`` casts the gathered 16-bit parameters to fp32 on the host)."""
-    return 4
 
 
 def offload_seconds(p, n_params: int, p_bytes: int, world_size: int, machine: Machine) -> OffloadTime:
