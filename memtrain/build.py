@@ -31,6 +31,7 @@ from memtrain.levers import LeverTarget, first_settings, offered_choices
 from memtrain.loop import TrainingLoop
 from memtrain.memory.accounting import device_state_bytes
 from memtrain.memory.breakdown import MemoryBreakdown
+from memtrain.memory.machine import run_host_limit
 from memtrain.planning.placement import resolve as resolve_placement
 from memtrain.planning.planner import build_planner
 from memtrain.models import ModelSource, count_parameters
@@ -241,8 +242,11 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
     controller = make_controller(cfg, spec.data_parallel_size, choices, make_planner)
     engine = make_backend(cfg, spec, process, precision, controller.plan)
     closing.callback(engine.close)
+    host = run_host_limit(cfg)  # the host memory the ranks here may use, and what sets it
+    # every rank makes the same agreement points: armed where any rank's host allocations can fail
+    armed = any(process.all_gather_object(agrees_inside_compute(process.device.type, cfg.faults, host.fails_allocations)))
     sync = OOMSync(process.world_size, process.rank, enabled=cfg.memory.oom_recovery, device=process.device,
-                   timeout_s=process.timeout_s, inside_compute=agrees_inside_compute(process.device.type, cfg.faults))
+                   timeout_s=process.timeout_s, inside_compute=armed)
     closing.callback(sync.close)
     faults = FaultInjector(cfg.faults, process.rank, cfg.output_dir)
     transforms = ModelTransforms(LeverTarget(model, repeated_blocks(model), objective, cfg, faults), t.compile)
@@ -268,7 +272,7 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
     }
     return TrainingLoop(cfg, process, engine, model, optimizer, scheduler, corpus, objective, sampler, controller, sync,
                    faults, transforms, evaluator, guard, checkpointer, checkpoint_states, state, n_params, spec,
-                   layerdrop, *utilisation, breakdown=breakdown)
+                   layerdrop, *utilisation, breakdown=breakdown, host_limit=host)
 
 
 def check_same_model(model: torch.nn.Module, process: ProcessState) -> None:

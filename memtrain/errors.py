@@ -38,7 +38,14 @@ class CollectiveError(RuntimeError):
 class OOMStop(RuntimeError):
     """Out of memory at the plan floor (micro-batch 1, activation checkpointing on or off by
     request); the message holds the memory report and the settings to change (raised by
-    :mod:`memtrain.oom`)."""
+    :mod:`memtrain.oom`).
+
+    Attributes:
+        memory: ``host`` or ``device``: which memory the last failure ran out of, where known
+            (:func:`memtrain.oom.memory_that_ran_out`); None = not known.
+    """
+
+    memory = None
 
 
 class NonFiniteStop(RuntimeError):

@@ -43,8 +43,8 @@ from memtrain.levers.activation_checkpointing import setting
 from memtrain.levers.optimizer_state import STATE_DTYPES, choose_charging_steps
 from memtrain.memory.accounting import device_state_bytes, peak_terms, state_peak_tensor_bytes
 from memtrain.memory.machine import (DEFAULT_GPU_FLOPS, Machine, PLAN_PROCESS_BYTES, REFERENCE_CPU_ADAM_PARAMS_PER_S,
-                                     cpu_adam_params_per_s, device_budget_bytes, device_flops_per_s, host_budget_bytes,
-                                     optimizer_params_per_s, process_bytes)
+                                     cpu_adam_params_per_s, device_flops_per_s, optimizer_params_per_s, process_bytes,
+                                     run_device_budget, run_host_limit)
 from memtrain.planning.placement import (Placement, allowed_pool, choose, format_placements, model_facts, nvme_usable,
                                        plan_model, planning_pool, tokens_per_sample, with_state_dtype)
 from memtrain.planning.planner import Planner, activation_tables, estimated_plan_s, make_candidates
@@ -123,8 +123,8 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     shape, objective = model_facts(cfg, corpus)  # on the meta device: nothing allocated
     n = shape.parameters
     choices = lever_choices(cfg, resolve_engine(cfg.backend, world_size, 0), model_only=True)  # engine's: state bytes
-    budget = (int(gpu_memory_gib * 2**30) if gpu_memory_gib else
-              device_budget_bytes(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu")))
+    budget, host_limit = ((int(gpu_memory_gib * 2**30), None) if gpu_memory_gib else
+                          run_device_budget(cfg, torch.device(device_type), world_size // nodes))
     tables = activation_tables(cfg, corpus, objective, precision, device_type)
     flops = _target_flops(gpu_tflops, device_type)
     tokens = tokens_per_sample(cfg, corpus)
@@ -153,6 +153,7 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
         "placements": [p.as_dict() for p in placements],
         "machine": machine.as_dict(),
         "cpu_adam_source": adam_source, "placement_decides": cfg.backend.offload == "auto",
+        "budget_source": host_limit.source if host_limit is not None else "the GPU given" if gpu_memory_gib else "the device",
         "per_rank_total_bytes": _per_rank_totals(engines, tables, choices, micro, per_rank),
         "optimizer_state_dtype": cfg.optimizer.state_dtype,
         "optimizer_state_bytes": {d: engine_module(engine).optimizer_state_bytes(d, shape, world_size)
@@ -241,16 +242,17 @@ def _placements(cfg, shape, n: int, precision: str, world_size: int, device_type
     measured here); ``nodes``: machines sharing the ranks."""
     gpu_here = torch.cuda.is_available()
     if host_memory_gib:
-        host = int(host_memory_gib * 2**30)
+        host, source = int(host_memory_gib * 2**30), "--host_memory_gib"
     elif gpu_given and not cfg.memory.host_memory_gib:
-        host = None  # another machine's GPU, its host not given: show what each placement needs
+        host, source = None, None  # another machine's GPU, its host not given: show what each placement needs
     else:
-        host = host_budget_bytes(cfg.memory.host_memory_gib)
+        limit = run_host_limit(cfg, world_size // nodes)
+        host, source = limit.bytes, limit.source
     here = device_type == "cpu" or gpu_here  # the planned device is this machine's: its rates are measured
     machine = Machine(budget, host, world_size // nodes, device_type, flops, cpu_adam or cpu_adam_params_per_s(),
                       process_bytes(device_type) if here else PLAN_PROCESS_BYTES, nvme_path,
                       optimizer_params_per_s if here and not gpu_given else None,  # a GPU given: maybe another
-                      None if cpu_adam else host_step_params_per_s())
+                      None if cpu_adam else host_step_params_per_s(), source)
     pool = planning_pool(cfg, nvme_usable(nvme_path))
     own = allowed_pool(cfg, nvme_usable(nvme_path))
     names = {p.name for p in pool if not p.tune_ratio}  # a tuned row's name changes with the ratio it takes
@@ -291,14 +293,15 @@ def format_table(report: dict) -> str:
         rows.append(f"{c['micro_batch_size']:>5} {c['gradient_accumulation_steps']:>5} {settings}"
                     f"{c['predicted_peak_bytes'] / 2**20:>10.1f} "
                     f"{step:>9} {'yes' if c['fits'] else 'no':>4}  {'*' if c['chosen'] else ''}")
-    budget = report["budget_bytes"]
+    budget, source = report["budget_bytes"], report.get("budget_source")
     head = (f"{report['parameters'] / 1e6:.1f}M parameters, {report['engine']} × {report['world_size']}, "
-            f"{report['precision']}, " + (f"budget {budget / 2**20:.1f} MiB per rank" if budget else "unbounded budget"))
+            f"{report['precision']}, " + (f"budget {budget / 2**20:.1f} MiB per rank ({source})" if budget
+                                          else "unbounded budget"))
     fields = set(Placement.__dataclass_fields__)
     placements = [Placement(**{k: v for k, v in p.items() if k in fields}) for p in report.get("placements", [])]
-    host = (report.get("machine") or {}).get("host_bytes")
+    host, host_source = ((report.get("machine") or {}).get(k) for k in ("host_bytes", "host_source"))
     return (head + "\n" + "\n".join(rows) + "\n\nplacements (host " +
-            (f"{host / 2**30:.1f} GiB" if host else "memory not given: each row shows what it needs") +
+            (f"{host / 2**30:.1f} GiB, {host_source}," if host else "memory not given: each row shows what it needs") +
             f" for the {(report.get('machine') or {}).get('ranks_per_host') or report['world_size']} rank(s) of a "
             f"machine):\n" + format_placements(placements) + "\n\n" + _optimizer_state_line(report) + verdict(report))
 
@@ -491,6 +494,10 @@ def main(argv: Optional[list[str]] = None, command: str = "memory") -> int:
                             ("--gpu_tflops", tflops)):
             if value is not None and not value > 0:
                 raise ConfigError(name, f"must be > 0, got {value}")
+        for name, value in (("--gpu_memory_gib", gib), ("--host_memory_gib", host)):
+            if value is not None and value > MAX_MEMORY_GIB:
+                raise ConfigError(name, f"{value:g} GiB is more than any machine holds (at most {MAX_MEMORY_GIB:g} "
+                                  "GiB, a pebibyte): give the memory of one GPU, or of one machine's host, in GiB")
         if nvme is not None and not os.path.isdir(os.path.expanduser(nvme)):
             raise ConfigError("--nvme_path", f"'{nvme}' is not a folder")
         cfg = parse_args(argv)
@@ -516,6 +523,10 @@ def main(argv: Optional[list[str]] = None, command: str = "memory") -> int:
         print(format_table(report))
     return 0 if something_fits(report) else NOTHING_FITS
 
+
+MAX_MEMORY_GIB = float(2**20)
+"""The largest ``--gpu_memory_gib`` / ``--host_memory_gib`` planned for (1 PiB): a larger figure is
+a typo (bytes given for GiB), refused with exit 2 rather than planned without a word."""
 
 NOTHING_FITS = 3
 """``memtrain plan|memory``'s exit code when the run would have nothing to start from: the code a

@@ -39,8 +39,8 @@ from memtrain.metrics import MetricsLogger
 from memtrain.objectives import Objective
 from memtrain.optim import apply_hyperparameters
 from memtrain.outputs import RunOutputs
-from memtrain.oom import (OOMStop, OOMSync, is_oom, memory_report, oom_stop_message, peak_memory_bytes,
-                          record_escaped_oom, take_escaped_ooms)
+from memtrain.oom import (OOMStop, OOMSync, is_oom, memory_report, memory_that_ran_out, oom_stop_message,
+                          peak_memory_bytes, record_escaped_oom, take_escaped_ooms)
 from memtrain.levers import lever
 from memtrain.plan import Plan, PlanChange, PlanController
 from memtrain.precision import NonFiniteGuard
@@ -104,6 +104,7 @@ class TrainingLoop(RunOutputs):
     pending_events: list[dict] = field(default_factory=list)  # plan events of the next step
     probe_batch: Optional[dict] = None  # the rank batch the planner's probes time
     breakdown: Any = None  # memtrain.memory.breakdown.MemoryBreakdown (logging.memory_breakdown_step)
+    host_limit: Any = None  # memtrain.memory.host_limit.HostLimit: the host memory the run's ranks here may use
 
     def run(self) -> RunResult:
         """Train to ``training.max_steps`` (resuming from a checkpoint when ``resume`` finds one),
@@ -292,9 +293,8 @@ class TrainingLoop(RunOutputs):
         chosen = planner.initial()
         if chosen is None:
             budget = planner.budget_bytes / 2**20 if planner.budget_bytes is not None else float("nan")
-            host = self.process.device.type == "cpu" and not self.cfg.faults.memory_budget_mib
-            where = (f"this rank's share of memory.host_memory_gib {self.cfg.memory.host_memory_gib:g} less what its "
-                     "process holds" if host else "the device")
+            where = (f"host memory: this rank's share of the host limit ({planner.budget_source}) less what its process "
+                     "holds" if planner.budget_source else "the device")
             raise OOMStop(f"no plan is predicted to fit {where} ({budget:.1f} MiB); the smallest needs "
                           f"{min(c.predicted_peak_bytes for c in planner.candidates) / 2**20:.1f} MiB")
         decisions = self.process.all_gather_object(str(chosen))
@@ -350,7 +350,9 @@ class TrainingLoop(RunOutputs):
                         f"{self.engine.precision}, {parameter_words(self.n_params)} parameters; plan {plan} (micro-batch × "
                         f"accumulation), activation checkpointing {ac}{levers}; steps {self.state.step + 1}–{t.max_steps}"
                         f" of {t.global_batch_size} samples{f' ({per_step})' if per_step else ''} each, {epochs:.3g} "
-                        f"epochs of {self.corpus.describe()}; outputs in {self.cfg.output_dir}")
+                        f"epochs of {self.corpus.describe()}; "
+                        + (f"{self.host_limit.describe()}; " if self.host_limit is not None else "")
+                        + f"outputs in {self.cfg.output_dir}")
         return metrics
 
     def _optimizer_step(self, step: int, run_start: float) -> StepOutcome:
@@ -374,7 +376,9 @@ class TrainingLoop(RunOutputs):
                                             apply_plan=self.transforms.apply_plan)
         except OOMStop as exc:
             report = memory_report(self.model, self.optimizer)
-            raise OOMStop(oom_stop_message(exc, step, self.process.rank, report, self._oom_context())) from None
+            context = {**self._oom_context(), "memory": "device" if self.faults.memory is not None else
+                       exc.memory or memory_that_ran_out(None, self.process.device.type)}
+            raise OOMStop(oom_stop_message(exc, step, self.process.rank, report, context)) from None
         progress("gradient clipping and optimizer step")
         self.faults.before_optimizer_step()
         loss_sum, global_count, digest = sums.read()  # the step's one read of its sums
@@ -403,7 +407,7 @@ class TrainingLoop(RunOutputs):
         simulated = self.faults.memory
         return {"engine": self.spec.name, "zero_stage": self.spec.zero_stage, "offload": self.spec.offload,
                 **self.controller.plan.settings(), "device_type": self.process.device.type,
-                "budget_bytes": self._budget_bytes(),
+                "budget_bytes": self._budget_bytes(), "host_limit": self.host_limit,
                 "simulated_peak_bytes": simulated.peak_bytes if simulated is not None else None}
 
     def _budget_bytes(self) -> Optional[int]:

@@ -11,6 +11,7 @@ no engine collective lies between two of them. The approach follows Composer's a
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from typing import TYPE_CHECKING, Callable, Optional
@@ -29,15 +30,42 @@ if TYPE_CHECKING:
 
 _OOM_MESSAGES = ("out of memory", "CUDNN_STATUS_ALLOC_FAILED", "CUBLAS_STATUS_ALLOC_FAILED",
                  "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE")
+_HOST_OOM_MESSAGES = ("DefaultCPUAllocator: can't allocate memory", "can't allocate memory",
+                      "Cannot allocate memory", "cudaHostAlloc", "CUDAHostAllocator")
+"""Host allocation failures: torch's CPU allocator (``posix_memalign`` failing, errno 12 ENOMEM:
+past ``RLIMIT_DATA``/``RLIMIT_AS`` or with overcommit refused), a pinned-memory allocation
+(``cudaHostAlloc``), an ``mmap`` that returned ENOMEM. Accelerate's ``should_reduce_batch_size``
+treats the first as out-of-memory too."""
 
 
 def is_oom(exc: BaseException) -> bool:
-    """Whether ``exc`` is an out-of-memory error: ``torch.OutOfMemoryError`` or a RuntimeError
-    carrying a CUDA/cuDNN/cuBLAS allocation-failure message. Anything else is not (and is re-raised
-    untouched by the loop)."""
+    """Whether ``exc`` is an out-of-memory error, of the device or of the host:
+    ``torch.OutOfMemoryError``, a RuntimeError carrying a CUDA/cuDNN/cuBLAS allocation-failure
+    message or a host allocation failure (:func:`is_host_oom`). Anything else is not (and is
+    re-raised untouched by the loop)."""
     if isinstance(exc, torch.OutOfMemoryError):
         return True
-    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _OOM_MESSAGES)
+    return is_host_oom(exc) or (isinstance(exc, RuntimeError) and any(m in str(exc) for m in _OOM_MESSAGES))
+
+
+def is_host_oom(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failure to allocate host memory: a ``MemoryError`` (Python's, or
+    NumPy's), or an error carrying a host allocator's failure message (:data:`_HOST_OOM_MESSAGES`;
+    an ``OSError`` with errno ENOMEM from ``mmap`` or a pinned allocation)."""
+    if isinstance(exc, MemoryError):
+        return True
+    if isinstance(exc, OSError) and exc.errno == errno.ENOMEM:
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _HOST_OOM_MESSAGES)
+
+
+def memory_that_ran_out(exc: Optional[BaseException], device_type: str) -> str:
+    """``host`` or ``device``: which memory ``exc`` ran out of on a run whose device is
+    ``device_type`` (a CPU run's device is the host; another rank's agreed OOM, ``exc`` None or
+    :class:`AgreedOOM`, on an accelerator is taken for the device's)."""
+    if device_type == "cpu":
+        return "host"
+    return "host" if exc is not None and not isinstance(exc, AgreedOOM) and is_host_oom(exc) else "device"
 
 
 class AgreedOOM(torch.OutOfMemoryError):
@@ -62,9 +90,29 @@ def first_tensor(x) -> Optional[torch.Tensor]:
     return getattr(x, "last_hidden_state", None) if x is not None else None
 
 
-def register_block_hooks(blocks: list[nn.Module], forward: Callable, backward: Callable) -> None:
+class _AfterBackward(torch.autograd.Function):
+    """Identity on a block's input whose backward calls ``callback()`` once the block's backward
+    has computed the input's gradient: before the collectives an engine runs after a block's
+    backward (FSDP2's reduce-scatter, whose own function wraps the same input earlier in forward,
+    so runs later in backward)."""
+
+    @staticmethod
+    def forward(ctx, x, callback):
+        ctx.callback = callback
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.callback()
+        return grad, None
+
+
+def register_block_hooks(blocks: list[nn.Module], forward: Callable, backward: Callable,
+                         after_backward: Optional[Callable] = None) -> None:
     """Hooks that run before each block's forward and before its backward, ahead of any hook the
-    engine registered (``prepend``), so they run before the engine's collectives.
+    engine registered (``prepend``), so they run before the engine's collectives; and, where
+    ``after_backward`` is given, after each block's backward, before the engine's post-backward
+    collectives.
 
     Args:
         blocks: the repeated blocks, in forward order.
@@ -72,6 +120,8 @@ def register_block_hooks(blocks: list[nn.Module], forward: Callable, backward: C
             may return ``(args, kwargs)`` to replace the inputs.
         backward: ``backward(index, shape)`` when the gradient of the block's output arrives
             (before the block's own backward).
+        after_backward: ``after_backward(index)`` when the block's backward has computed the
+            gradient of its input (its first positional tensor, or ``hidden_states``); None = none.
     """
     for i, block in enumerate(blocks):
         def pre(module, args, kwargs, index=i):
@@ -84,18 +134,30 @@ def register_block_hooks(blocks: list[nn.Module], forward: Callable, backward: C
                 shape = h.shape
                 h.register_hook(lambda grad: backward(index, shape))
 
+        def wrap_input(module, args, kwargs, index=i):  # after the engine's pre-forward hook: runs before it in backward
+            call = lambda: after_backward(index)  # noqa: E731
+            if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+                return (_AfterBackward.apply(args[0], call), *args[1:]), kwargs
+            h = kwargs.get("hidden_states")
+            if isinstance(h, torch.Tensor) and h.requires_grad:
+                return args, {**kwargs, "hidden_states": _AfterBackward.apply(h, call)}
+            return None
+
         block.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
         block.register_forward_hook(post, prepend=True)
+        if after_backward is not None:
+            block.register_forward_pre_hook(wrap_input, with_kwargs=True)
 
 
-def agrees_inside_compute(device_type: str, faults: "FaultsConfig") -> bool:
+def agrees_inside_compute(device_type: str, faults: "FaultsConfig", host_limited: bool = False) -> bool:
     """Whether a run's OOM agreement points inside compute are made (:class:`OOMSync`'s
     ``inside_compute``): on an accelerator (``device_type`` not ``cpu``), where its allocator raises
-    out-of-memory errors, and on the CPU only where ``faults`` (:class:`memtrain.config.FaultsConfig`)
-    can raise one (``memory_budget_mib``, ``oom_above_tokens``) or ``arm_oom_agreements`` asks. A
-    failed CPU allocation is a plain ``RuntimeError`` (not :func:`is_oom`), and the kernel's OOM
-    killer usually ends the process first."""
-    return (device_type != "cpu" or faults.memory_budget_mib > 0 or faults.oom_above_tokens > 0
+    out-of-memory errors; on the CPU where the host is held to a limit past which an allocation
+    fails (``host_limited``: :attr:`memtrain.memory.host_limit.HostLimit.fails_allocations`, a
+    resource limit), where ``faults`` (:class:`memtrain.config.FaultsConfig`) can raise
+    one (``memory_budget_mib``, ``oom_above_tokens``) or ``arm_oom_agreements`` asks. Without a
+    limit a CPU allocation seldom fails: the kernel's OOM killer ends the process first."""
+    return (device_type != "cpu" or host_limited or faults.memory_budget_mib > 0 or faults.oom_above_tokens > 0
             or faults.arm_oom_agreements)
 
 
@@ -119,9 +181,9 @@ class OOMSync:
     have a gloo group of their own beside NCCL.
 
     The points inside compute (block hooks, between micro-batches, after each evaluation batch)
-    guard only against an OOM raised there; where none can be (``inside_compute`` False: a CPU run,
-    whose allocator failures are not out-of-memory errors, without injected faults) they are not
-    made, and each step agrees once, at its close. On 2 CPU ranks under FSDP2 they cost 3–7% of
+    guard only against an OOM raised there; where none is expected (``inside_compute`` False: a CPU
+    run whose host is held to no limit, without injected faults, :func:`agrees_inside_compute`)
+    they are not made, and each step agrees once, at its close. On 2 CPU ranks under FSDP2 they cost 3–7% of
     the step time (docs/benchmarks.md, loop overhead).
 
     Args:
@@ -240,12 +302,19 @@ class OOMSync:
         backward_blocks)``."""
         self._expect = collectives
 
-    def install(self, blocks: list[nn.Module], collectives) -> None:
+    def install(self, blocks: list[nn.Module], collectives, root: Optional[nn.Module] = None) -> None:
         """Agreement hooks before every block's training forward and backward, when the engine
         communicates inside compute on some micro-batch (``collectives``, the union over
         micro-batches, ``.any``) and points inside compute are made; else nothing is registered
         (a plain DDP run pays for no Python hook). Each agrees only where :meth:`expect` says the
         current micro-batch communicates.
+        A point also follows each block's backward, before the engine's post-backward
+        collectives (FSDP2's reduce-scatter): a rank that ran out of memory inside a block's
+        backward must not leave the others in that block's reduction. And one where the
+        gradient of the ``root`` model's outputs arrives, before the engine's pre-backward hook on
+        them (FSDP2's root gathers and prefetches there), where its backward communicates before the
+        first block's: a rank that ran out of memory in the loss's backward (the logits' gradient,
+        often the step's largest tensor) must not leave the others in that gather.
         Install after the engine wrapped the model, so these run before its hooks. Evaluation
         forwards agree once per micro-batch instead (in the evaluator, :meth:`compute_point`)."""
         if not (self.active and self.inside_compute and collectives.any):
@@ -255,12 +324,31 @@ class OOMSync:
             if self._expect is not None and self._expect.forward and torch.is_grad_enabled():
                 self.agreement_point()
 
-        def backward(index, shape):
+        def backward(index, *_):
             e = self._expect
             if e is not None and e.backward and (e.backward_blocks is None or index in e.backward_blocks):
                 self.agreement_point()
 
-        register_block_hooks(blocks, forward, backward)
+        register_block_hooks(blocks, forward, backward, after_backward=backward)
+        if root is not None:
+            root.register_forward_hook(self._root_output_hook, prepend=True)
+
+    def _root_output_hook(self, module, args, output) -> None:
+        """On the root's grad-requiring outputs, a gradient hook that agrees once per backward,
+        before the engine's own hooks on them (registered after this, in its post-forward hook)."""
+        tensors = [t for t in (output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list))
+                               else (output,)) if isinstance(t, torch.Tensor) and t.requires_grad]
+        e, fired = self._expect, []
+        if not tensors or e is None or not (e.backward and e.backward_blocks is None):
+            return
+
+        def agree_once(grad):
+            if not fired:
+                fired.append(True)
+                self.agreement_point()
+
+        for t in tensors:
+            t.register_hook(agree_once)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -298,31 +386,37 @@ def memory_report(model: nn.Module, optimizer) -> dict[str, int]:
 
 
 def oom_stop_message(exc: OOMStop, step: int, rank: int, report: dict[str, int], context: dict) -> str:
-    """The message of the run-ending :class:`OOMStop`: where, the budget that was hit, the memory
-    report (MiB), what was already on, and only the changes that are left.
+    """The message of the run-ending :class:`OOMStop`: which memory ran out (host or device),
+    where, the budget that was hit, the memory report (MiB), what was already on, and only the
+    changes that are left.
 
     Args:
         report: :func:`memory_report` (its ``peak_memory_bytes`` is named for what it is: the
             device's peak allocation on CUDA, the process's peak resident size on the CPU).
         context: ``engine``, ``zero_stage``, ``offload``, each lever's setting by its name
             (:data:`memtrain.levers.LEVERS`; a missing one is the lever's default), ``device_type``,
-            and, where known, ``budget_bytes`` (the simulated device's or the CUDA cap) and
-            ``simulated_peak_bytes``. The engine (its module's ``stop_words``/``stop_advice``) and
-            each lever (:meth:`memtrain.levers.base.Lever.stop_words`/``stop_advice``) say what
-            was on and what is left.
+            ``memory`` (``host|device``, :func:`memory_that_ran_out`), ``host_limit`` (the run's
+            :class:`memtrain.memory.host_limit.HostLimit`, or None), and, where known,
+            ``budget_bytes`` (the simulated device's or the CUDA cap) and ``simulated_peak_bytes``.
+            The engine (its module's ``stop_words``/``stop_advice``) and each lever
+            (:meth:`memtrain.levers.base.Lever.stop_words`/``stop_advice``) say what was on and
+            what is left.
     """
     mib = lambda v: f"{v / 2**20:.1f} MiB"  # noqa: E731
     peak_name = "device peak allocated" if context.get("device_type") == "cuda" else "process peak resident size"
     shown = {**{k: v for k, v in report.items() if k != "peak_memory_bytes"}, peak_name: report.get("peak_memory_bytes", 0)}
-    budget = context.get("budget_bytes")
+    budget, memory, limit = context.get("budget_bytes"), context.get("memory", "device"), context.get("host_limit")
     hit = (f" The budget is {mib(budget)} per rank" + (f" (simulated device peak {mib(context['simulated_peak_bytes'])})"
                                                         if context.get("simulated_peak_bytes") else "") + "."
-           if budget else "")
+           if budget else f" The host limit is {limit.describe()}." if memory == "host" and limit is not None else "")
     engine = engine_module(context["engine"])
     on = [engine.stop_words(context)] + [x.stop_words(context.get(x.name)) for x in LEVERS]
     left = engine.stop_advice(context) + [x.stop_advice(context.get(x.name), engine) for x in LEVERS]
     left.append("a shorter data.seq_len")
-    return (f"{exc} at step {step} (rank {rank}).{hit} Memory on this rank: "
+    if memory == "host" and not context.get("simulated_peak_bytes"):
+        left.append(f"more host memory for each rank ({limit.source if limit is not None else 'the machine'}), "
+                    "or fewer ranks on this machine")
+    return (f"{memory.capitalize()} memory ran out: {exc} at step {step} (rank {rank}).{hit} Memory on this rank: "
             + ", ".join(f"{k} = {mib(v)}" for k, v in shown.items())
             + f". Already on: {', '.join(w for w in on if w)}. To fit: {'; '.join(w for w in left if w)}.")
 

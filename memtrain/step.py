@@ -21,7 +21,8 @@ from torch import nn
 from memtrain.backends.base import Backend
 from memtrain.fingerprint import micro_batch_digest
 from memtrain.objectives import Objective
-from memtrain.oom import AgreedOOM, OOMSync, is_oom
+from memtrain.errors import OOMStop
+from memtrain.oom import AgreedOOM, OOMSync, is_oom, memory_that_ran_out
 from memtrain.plan import Plan, PlanChange, PlanController
 from memtrain.rng import capture, restore
 from memtrain.watchdog import progress
@@ -212,13 +213,18 @@ def step_with_recovery(model: nn.Module, backend: Backend, rank_batch: dict[str,
                 raise
             agreed = exc.ranks if isinstance(exc, AgreedOOM) else None
             where = "another rank" if agreed is not None else "backward" if "backward" in str(exc) else "forward"
+            memory = memory_that_ran_out(exc, backend.process.device.type)
         # outside the except block: the traceback (and the activations its frames hold) is freed;
         # a rank that ran out of memory itself pairs this with the others' next agreement point
         ranks = agreed if agreed is not None else sync.agree(True)
         gc.collect()  # the failed attempt's graph can sit in reference cycles (frames of the exception)
         backend.discard_step(model)
         restore(streams)
-        change = controller.on_oom(where, tried=plan)
+        try:
+            change = controller.on_oom(where, tried=plan)
+        except OOMStop as stop:
+            stop.memory = memory
+            raise
         on_change(change, ranks)  # the next attempt applies the new plan
 
 

@@ -73,7 +73,7 @@ class ModelTransforms:
         sync_replicated_state(model, engine.process.device)
         model, optimizer = engine.prepare(model, make_optimizer)
         self.engine, self.plan = engine, plan  # the engine was built with the starting plan
-        sync.install(self.blocks, engine.compute_collectives(True))  # the last micro-batch's: the most
+        sync.install(self.blocks, engine.compute_collectives(True), model)  # the last micro-batch's: the most
         self.target.faults.install(self.blocks)  # after the agreement hooks: an injected OOM comes first, as a real one would
         return model, optimizer
 

@@ -1,4 +1,5 @@
-"""Facts of the machine a run plans for: the device and host budgets, the device's achieved
+"""Facts of the machine a run plans for: the device and host budgets (the host's real limit:
+:mod:`memtrain.memory.host_limit`), the device's achieved
 matmul rate, CPU Adam's rate, the optimizer's rate per state dtype, a process's own resident
 bytes, the host room of offloaded activations, and the seconds an offloading placement's step
 spends on CPU Adam and copies at those rates. Measured here when a run plans for
@@ -15,6 +16,7 @@ from typing import Callable, Optional
 import torch
 
 from memtrain.config import TrainingConfig
+from memtrain.memory.host_limit import HostLimit, host_limit, local_ranks
 from memtrain.optim import make_optimizer
 
 CUDA_CONTEXT_HOST_BYTES = 2**30
@@ -57,6 +59,9 @@ class Machine:
         host_step_params_per_s: parameters per second FSDP2's optimizer offload steps on this
             host (:func:`memtrain.offload_optimizer.host_step_params_per_s`, all cores); None =
             ``cpu_adam_params_per_s``.
+        host_source: what sets ``host_bytes`` (:attr:`memtrain.memory.host_limit.HostLimit.source`:
+            ``available memory``, ``memory.host_memory_gib``, ``RLIMIT_DATA``, a cgroup, or
+            ``--host_memory_gib`` for another machine); None = unbounded or not said.
     """
 
     device_bytes: Optional[int]
@@ -69,6 +74,7 @@ class Machine:
     nvme_path: Optional[str] = None
     optimizer_params_per_s: Optional[Callable[[str, str], float]] = None
     host_step_params_per_s: Optional[float] = None
+    host_source: Optional[str] = None
 
     def as_dict(self) -> dict:
         """The fields as JSON values (the optimizer's rate function as whether there is one)."""
@@ -187,42 +193,44 @@ def process_bytes(device_type: str) -> int:
 
 def offload_host_room_bytes(cfg, device: torch.device) -> Optional[int]:
     """Host bytes one rank's offloaded activations may take (``memory.activation_offload``): on
-    CUDA, the host memory available now — at most ``memory.host_memory_gib`` less what the
-    machine's ranks' processes hold — shared by its ranks (``LOCAL_WORLD_SIZE``); None on the
-    simulated device or a CPU (one memory: the device budget counts them)."""
-    import os
-
+    CUDA, the room the host limit (:func:`run_host_limit`) leaves beside what the machine's ranks'
+    processes hold, shared by its ranks (``LOCAL_WORLD_SIZE``); None on the simulated device or a
+    CPU (one memory: the device budget counts them)."""
     import psutil
 
     if cfg.faults.memory_budget_mib > 0 or device.type != "cuda":
         return None
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    room = psutil.virtual_memory().available
-    if cfg.memory.host_memory_gib > 0:
-        room = min(room, int(cfg.memory.host_memory_gib * 2**30) - ranks * psutil.Process().memory_info().rss)
-    return max(0, room // ranks)
+    limit = run_host_limit(cfg)
+    return max(0, (limit.bytes - limit.ranks * psutil.Process().memory_info().rss) // limit.ranks)
 
 
-def host_share_bytes(host_memory_gib: float, state_bytes: int = 0) -> int:
-    """What one rank of a CPU run may use of ``memory.host_memory_gib`` (the machine's ranks share
-    it, ``LOCAL_WORLD_SIZE``) for model state and activations: the share less what its process
+def host_share_bytes(limit: HostLimit, state_bytes: int = 0) -> int:
+    """What one rank of a CPU run may use of the host ``limit`` (:func:`run_host_limit`; the
+    machine's ranks share it) for model state and activations: its share less what its process
     holds besides ``state_bytes`` of model state it may hold already (the libraries, the data),
     bytes."""
-    import os
-
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(0, int(host_memory_gib * 2**30) // ranks - max(0, process_bytes("cpu") - state_bytes))
+    return max(0, limit.share_bytes - max(0, process_bytes("cpu") - state_bytes))
 
 
-def host_budget_bytes(host_memory_gib: float, ranks_per_host: int = 1) -> int:
-    """Host bytes a run's ranks on this machine may use together: ``memory.host_memory_gib``, else
-    what is available now plus what the ranks' processes already hold (each taken to hold what
-    this one does: the budget is checked once every rank's process is up)."""
-    import psutil
+def run_host_limit(cfg, ranks: Optional[int] = None) -> HostLimit:
+    """The host limit of a run of ``cfg`` on this machine: the smallest of ``memory.host_memory_gib``,
+    the cgroup's limit, the processes' resource limits and the available memory
+    (:func:`memtrain.memory.host_limit.host_limit`), for ``ranks`` processes here (None:
+    ``LOCAL_WORLD_SIZE``)."""
+    return host_limit(cfg.memory.host_memory_gib, local_ranks() if ranks is None else ranks)
 
-    if host_memory_gib > 0:
-        return int(host_memory_gib * 2**30)
-    return psutil.virtual_memory().available + ranks_per_host * psutil.Process().memory_info().rss
+
+def run_device_budget(cfg, device: torch.device, ranks: Optional[int] = None,
+                      state_bytes: int = 0) -> tuple[Optional[int], Optional[HostLimit]]:
+    """``(bytes a rank may use on its device, the host limit that sets it)``: the device's
+    :func:`device_budget_bytes`, or on a CPU run (whose device is the host) a rank's share of the
+    host's real limit (:func:`run_host_limit`, :func:`host_share_bytes` with ``state_bytes`` of
+    model state the process may hold already); the limit is None where the device sets it."""
+    budget = device_budget_bytes(cfg, device)
+    if budget is None and device.type == "cpu":
+        limit = run_host_limit(cfg, ranks)
+        return host_share_bytes(limit, state_bytes), limit
+    return budget, None
 
 
 def device_flops_per_s(device_type: str) -> float:

@@ -53,7 +53,7 @@ from memtrain.levers.optimizer_state import (BF16_MAX_BETA2, LOSSY, STATE_DTYPES
 from memtrain.memory.accounting import (ModelShape, device_state_bytes, model_shape, state_peak_tensor_bytes,
                                         with_allocator_headroom)
 from memtrain.memory.machine import (Machine, cpu_adam_params_per_s, device_budget_bytes, device_flops_per_s,
-                                     host_budget_bytes, optimizer_params_per_s, process_bytes)
+                                     optimizer_params_per_s, process_bytes, run_host_limit)
 from memtrain.planning.planner import Candidate, activation_tables, estimated_plan_s, make_candidates
 from memtrain.offload_optimizer import host_step_params_per_s
 from memtrain.planning.resumed import resume_placement, resume_state_dtype
@@ -424,13 +424,15 @@ def configured_offload(cfg) -> tuple[str, float, bool]:
 
 def run_machine(cfg, device: torch.device, world_size: int) -> Machine:
     """The machine a run plans for: the device budget of :func:`memtrain.memory.machine.device_budget_bytes`,
-    ``memory.host_memory_gib`` (else the available memory), this process's resident bytes, the
+    the host's real limit (:func:`memtrain.memory.machine.run_host_limit`: the smallest of
+    ``memory.host_memory_gib``, the cgroup's, the resource limits and the available memory, named
+    in the machine's ``host_source``), this process's resident bytes, the
     device's matmul rate, CPU Adam's rate and the optimizer's per state dtype, measured here."""
     device_type = "cpu" if cfg.faults.memory_budget_mib > 0 else device.type
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    return Machine(device_budget_bytes(cfg, device), host_budget_bytes(cfg.memory.host_memory_gib, ranks), ranks,
-                   device_type, device_flops_per_s(device.type), cpu_adam_params_per_s(), process_bytes(device.type),
-                   cfg.backend.nvme_path, optimizer_params_per_s, host_step_params_per_s())
+    host = run_host_limit(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    return Machine(device_budget_bytes(cfg, device), host.bytes, host.ranks, device_type, device_flops_per_s(device.type),
+                   cpu_adam_params_per_s(), process_bytes(device.type), cfg.backend.nvme_path, optimizer_params_per_s,
+                   host_step_params_per_s(), host.source)
 
 
 def resolve(cfg, corpus, process, precision: str, source=None, objective=None):

@@ -49,7 +49,7 @@ from memtrain.levers import LeverTarget, apply_levers, lever, recompute_fraction
 from memtrain.levers.activation_checkpointing import setting as ac_setting
 from memtrain.memory.accounting import device_state_bytes, divisors, peak_tensor_bytes, peak_terms, with_allocator_headroom
 from memtrain.memory.depth import by_depth
-from memtrain.memory.machine import device_budget_bytes, host_share_bytes, offload_host_room_bytes
+from memtrain.memory.machine import offload_host_room_bytes, run_device_budget
 from memtrain.memory.simulated import SimulatedMemory
 from memtrain.memory import step_trace
 from memtrain.memory.step_trace import AUTOCAST_ENGINES, compute_precision_model, fake_batch
@@ -242,6 +242,9 @@ class Planner:
         bound_bytes: the budget as learned: after an out-of-memory error, at most the predicted
             peak of the plan that failed, minus one byte.
         host_room_bytes: host bytes a rank's offloaded activations may take (None = unbounded).
+        budget_source: what sets ``budget_bytes`` on a CPU run, whose device is the host
+            (:attr:`memtrain.memory.host_limit.HostLimit.source`: ``RLIMIT_DATA``, a cgroup, …);
+            None = the device (or unbounded).
     """
 
     def __init__(self, candidates: list[Candidate], budget_bytes: Optional[int],
@@ -251,6 +254,7 @@ class Planner:
         self.copy_bytes_per_s = copy_bytes_per_s
         self.budget_bytes = self.bound_bytes = budget_bytes
         self.host_room_bytes: Optional[int] = None
+        self.budget_source: Optional[str] = None
         self.prober = prober
         self.shortlist = shortlist
         self._warmed_up = False  # the process's first probe runs twice (cold start)
@@ -527,8 +531,9 @@ def build_planner(cfg, corpus, objective, precision: str, device: torch.device, 
                   per_rank_batch: int, choices: Mapping[str, tuple], source=None,
                   engine: Optional[str] = None) -> Planner:
     """The run's planner: candidates of ``per_rank_batch`` and the levers' ``choices``, with peaks
-    predicted from a fake trace of ``cfg``'s model, against :func:`device_budget_bytes` (a CPU
-    run's device is the host: its budget is a rank's share of ``memory.host_memory_gib`` when set).
+    predicted from a fake trace of ``cfg``'s model, against :func:`memtrain.memory.machine.run_device_budget`
+    (a CPU run's device is the host: its budget is a rank's share of the host's real limit, whose
+    source the planner's ``budget_source`` names).
 
     Args:
         state: the engine's model state on this rank (a ``model_state_bytes`` dict, bytes).
@@ -540,11 +545,10 @@ def build_planner(cfg, corpus, objective, precision: str, device: torch.device, 
     simulated = cfg.faults.memory_budget_mib > 0
     device_type = "cpu" if simulated else device.type
     acts = activation_table(cfg, corpus, objective, precision, device_type, source, engine)
-    budget = device_budget_bytes(cfg, device)
-    if budget is None and device.type == "cpu" and cfg.memory.host_memory_gib > 0:  # the host is the device
-        budget = host_share_bytes(cfg.memory.host_memory_gib, device_state_bytes(state))
+    budget, host = run_device_budget(cfg, device, state_bytes=device_state_bytes(state))  # a CPU's: the host limit
     planner = Planner(make_candidates(per_rank_batch, choices, device_state_bytes(state), acts, device_type, budget,
                                       None if simulated else peak_terms(state)), budget, shortlist=cfg.memory.levers == "auto",
                       copy_bytes_per_s=cfg.memory.activation_offload_bandwidth_gb_s * 1e9 if device.type == "cpu" else None)
     planner.restrict_budget(budget, offload_host_room_bytes(cfg, device))  # build.py: every rank's smallest rules
+    planner.budget_source = host.source if host is not None else None
     return planner
