@@ -91,9 +91,12 @@ class RunFailed(RuntimeError):
 
 
 def run_memtrain(args: list[str], output_dir: str, nproc: int, timeout: float = 1800,
-                 env: Optional[dict] = None, script: str = TRAIN, metrics: bool = True) -> list[dict]:
+                 env: Optional[dict] = None, script: str = TRAIN, metrics: bool = True,
+                 rlimit_data: Optional[int] = None) -> list[dict]:
     """Run ``memtrain/train.py`` (or a benchmark's ``script``) with ``nproc`` ranks (torchrun; gloo
     on CPU) and return its ``metrics.jsonl`` records (``metrics`` False: a script that writes none; []).
+    ``rlimit_data``: bytes of ``RLIMIT_DATA`` for the launcher and every rank (``prlimit --data``;
+    a real per-process memory limit), None = none.
 
     Raises:
         RunFailed: non-zero exit (e.g. 3 = out of memory at micro-batch 1).
@@ -103,7 +106,8 @@ def run_memtrain(args: list[str], output_dir: str, nproc: int, timeout: float = 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_port", str(port), script, *args, "--output_dir", output_dir]
     full_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
-    _run(cmd, [*args, "--output_dir", output_dir], full_env, timeout, nproc=nproc, port=port, script=script)
+    _run(cmd, [*args, "--output_dir", output_dir], full_env, timeout, nproc=nproc, port=port, script=script,
+         rlimit_data=rlimit_data)
     return read_metrics(output_dir) if metrics else []
 
 
@@ -121,7 +125,8 @@ def run_cli(args: list[str], timeout: float = 1800, ok_codes: tuple[int, ...] = 
 
 
 def _run(cmd: list[str], train_args: list[str], env: dict, timeout: float, nproc: Optional[int] = None,
-         port: int = 0, script: str = TRAIN, ok_codes: tuple[int, ...] = (0,)) -> subprocess.CompletedProcess:
+         port: int = 0, script: str = TRAIN, ok_codes: tuple[int, ...] = (0,),
+         rlimit_data: Optional[int] = None) -> subprocess.CompletedProcess:
     """Run ``cmd`` (``script`` with ``train_args``: under torchrun with ``nproc`` ranks,
     or alone) from the repository root; with :data:`FORK_SERVER_VAR` set, the same run forked by
     the tests' server (torchrun's environment when ``nproc`` is given).
@@ -130,7 +135,13 @@ def _run(cmd: list[str], train_args: list[str], env: dict, timeout: float, nproc
         RunFailed: an exit code not in ``ok_codes``.
         subprocess.TimeoutExpired: it took longer than ``timeout`` seconds.
     """
-    if os.environ.get(FORK_SERVER_VAR):
+    if rlimit_data is not None:  # a process of its own, started under the limit (not forked by a server above it)
+        import resource
+
+        limit = (rlimit_data, rlimit_data)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO,
+                              preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_DATA, limit))
+    elif os.environ.get(FORK_SERVER_VAR):
         proc = fork_server().run(cmd, script, train_args, nproc=nproc or 1, port=port, env=env, cwd=str(REPO),
                                  timeout=timeout, torchrun=nproc is not None)
         if proc.returncode is None:

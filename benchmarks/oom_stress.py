@@ -22,21 +22,33 @@ steps. Reported: shrinks, grow-backs, and tokens/s against a run that never grow
 On CPU the device is simulated (``faults.memory_budget_mib``: micro-batch per_rank/4 without
 activation checkpointing just fits; the spike scenario uses the token rule
 ``faults.oom_above_tokens``); on CUDA OOMs are real, under ``memory.cuda_memory_cap_gib``.
+
+Host-limit scenario (``--scenario host_limit``, CPU): no simulated device; every process runs
+under a real ``RLIMIT_DATA`` (as ``prlimit --data`` sets it), so a micro-batch too large fails a
+real allocation in torch's CPU allocator. The same job (``peer_scripts/``, one data file) for
+memtrain (DDP and FSDP2 given the whole rank share, and ``auto``), a plain Accelerate loop under
+``find_executable_batch_size`` and transformers' Trainer with ``auto_find_batch_size``
+(:func:`host_limit`).
+
+    python benchmarks/oom_stress.py --scenario host_limit --results
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
+import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (CPU_ARGS, ENGINES, GPU_ARGS, RunFailed, bar_chart, emit, run_cli, run_memtrain,  # noqa: E402
-                    scratch_dir, tokens_per_s)
+from common import (CPU_ARGS, ENGINES, GPU_ARGS, REPO, RunFailed, bar_chart, emit, read_metrics,  # noqa: E402
+                    run_cli, run_memtrain, scratch_dir, tokens_per_s)
 
 def scenario_args(device: str, nproc: int, cap_gib: float) -> tuple[list[str], int, list[str]]:
     """(base arguments, per-rank batch, OOM-making arguments) for the device: CUDA under the
@@ -193,11 +205,113 @@ def spike(engine: str, args) -> dict:
     }
 
 
+HOST_ROOM_MIB = 250
+"""``--scenario host_limit``: host room per rank above the reference run's resident peak (VmData's
+excess over the resident set, about 60 MiB, and the plans of 32 samples or fewer per micro-batch;
+not the rank's whole share of 256)."""
+HOST_JOB = {"global_batch_size": 512, "vocab": 512, "seq_len": 128, "steps": 3,
+            "model": {"n_layer": 2, "n_embd": 64, "n_head": 2, "n_positions": 128}}
+"""The host-limit job: a 0.14M-parameter GPT-2 on 128-token rows, 512 a step on 2 ranks."""
+HOST_RUNS = (("memtrain", "ddp", "256"), ("memtrain", "fsdp", "256"), ("memtrain", "ddp", "auto"),
+             ("accelerate_find_batch", "ddp", "256"), ("hf_auto_find", "ddp", "256"))
+"""(script of ``peer_scripts/``, engine, micro-batch): memtrain given the whole rank share (and
+``auto``), Accelerate's ``find_executable_batch_size`` and transformers' ``auto_find_batch_size``
+given the same."""
+
+
+def host_limit(args) -> list[dict]:
+    """The same job under one real per-process limit (``RLIMIT_DATA``, as ``prlimit --data`` sets
+    it; no simulated device) for memtrain and the peers' own out-of-memory answers, 2 ranks each.
+    The limit is the resident peak of memtrain's run at micro-batch 16 without a limit (the
+    reference) + :data:`HOST_ROOM_MIB`. Per run: how it ended (exit code, or hung past the
+    timeout), the micro-batches tried, steps trained, samples per optimizer step against the
+    global batch, and for memtrain the steps whose data differ from the reference
+    (``batch_fingerprint``), the largest relative loss difference and first failure → first
+    completed step."""
+    import peers
+
+    folder = scratch_dir("host_limit")
+    job = HOST_JOB
+    settings = {**peers.SETTINGS, "global_batch_size": job["global_batch_size"], "max_steps": job["steps"],
+                "model": {**peers.MODEL, **job["model"], "vocab_size": job["vocab"]},
+                "data": peers.write_data(folder, job["steps"], None, job["vocab"], job["seq_len"], job["global_batch_size"])}
+    try:
+        reference = _host_run("memtrain", "ddp", "16", settings, folder, None, args)
+        limit = reference["peak_rss_bytes"] + HOST_ROOM_MIB * 2**20
+        rows = []
+        for script, engine, micro in HOST_RUNS:
+            row = _host_run(script, engine, micro, settings, folder, limit, args, reference["records"])
+            rows.append({"benchmark": "oom_stress", "scenario": "host_limit", "device": "cpu", "world_size": 2,
+                         "limit": {"RLIMIT_DATA_bytes": limit, "reference_peak_rss_bytes": reference["peak_rss_bytes"]},
+                         **{k: v for k, v in row.items() if k not in ("records", "peak_rss_bytes")}})
+            emit("oom_stress", "cpu", rows[-1], args.results)
+        return rows
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _host_run(script: str, engine: str, micro: str, settings: dict, folder: str, limit, args,
+              reference: Optional[list[dict]] = None) -> dict:
+    """One run of :func:`host_limit` (``limit`` None: the reference, without one)."""
+    import time
+
+    import peers
+
+    out = os.path.join(folder, f"{script}-{engine}-{micro}-{'limited' if limit else 'reference'}")
+    path = out + ".json"
+    with open(path, "w") as fh:
+        json.dump({**settings, "micro_batch_size": micro if micro == "auto" else int(micro), "out": out}, fh)
+    env = {"PEERS_SETTINGS": path, "PEERS_ENGINE": engine, "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([str(peers.SCRIPTS), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    name = "memtrain_trainer" if script == "memtrain" else script
+    row = {"trainer": script, "engine": engine, "micro_batch_size": micro, "global_batch_size": settings["global_batch_size"]}
+    start = time.perf_counter()
+    try:
+        run_memtrain([], out, 2, timeout=args.host_timeout_s, env=env, script=str(peers.SCRIPTS / f"{name}.py"),
+                     metrics=False, rlimit_data=limit)
+        row["exit"] = 0
+    except RunFailed as failed:
+        row["exit"], row["error"] = failed.returncode, failed.stderr.strip().splitlines()[-1][-300:] if failed.stderr.strip() else ""
+    except subprocess.TimeoutExpired:
+        row["exit"] = f"hung past {args.host_timeout_s} s"
+    row["wall_s"] = time.perf_counter() - start
+    if script == "memtrain":
+        return {**row, **_memtrain_outcome(out, reference, settings["global_batch_size"])}
+    records = [json.load(open(p)) for p in sorted(Path(out).glob("oom_record_*.json"))]
+    steps = records[0]["steps"] if records else []
+    return {**row, "micro_batch_sizes_tried": records[0]["micro_batch_sizes"] if records else None,
+            "steps_trained": len(steps), "samples_per_step": [s["samples"] for s in steps],
+            "global_batch_kept": bool(steps) and all(s["samples"] == settings["global_batch_size"] for s in steps),
+            "restarts_from_step_1": max(0, len(records[0]["micro_batch_sizes"]) - 1) if records else None}
+
+
+def _memtrain_outcome(out: str, reference: Optional[list[dict]], global_batch_size: int) -> dict:
+    """What a memtrain run of :func:`host_limit` did: its records' plans, data and losses."""
+    ranks = [json.load(open(p)) for p in sorted(Path(out).glob("record_*.json"))]
+    records = read_metrics(out) if Path(out, "metrics.jsonl").exists() else []
+    events = plan_events(records)
+    first_done = next((r for r in records if events and r["step"] >= events[0]["step"]), None)
+    row = {"records": records, "peak_rss_bytes": max((r["peak_rss_bytes"] for r in ranks), default=None),
+           "steps_trained": len(records), "plan_events": [f"{e['event']} {e['old']}→{e['new']}" for e in events],
+           "final_plan": plan_name(records) if records else None,
+           "samples_per_step": [r["samples_seen"] - p for r, p in zip(records, [0] + [r["samples_seen"] for r in records])],
+           "first_oom_to_first_step_s": (first_done["elapsed_s"] - events[0]["elapsed_s"]) if first_done and any(
+               e["event"] in OOM_EVENTS for e in events) else None}
+    row["global_batch_kept"] = bool(records) and all(n == global_batch_size for n in row["samples_per_step"])
+    if reference is not None and records:
+        lost, rel = compare(records, reference)
+        row.update({"steps_with_other_data_than_reference": lost, "max_rel_loss_diff_vs_reference": rel})
+    return row
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--engines", default="ddp", help="comma-separated: ddp,fsdp,zero2,zero3")
-    parser.add_argument("--scenario", choices=["steady", "spike", "both"], default="steady")
+    parser.add_argument("--scenario", choices=["steady", "spike", "both", "host_limit"], default="steady",
+                        help="host_limit: the same job under a real per-process limit (RLIMIT_DATA), memtrain "
+                             "beside Accelerate's find_executable_batch_size and transformers' auto_find_batch_size")
+    parser.add_argument("--host_timeout_s", type=float, default=600, help="host_limit: a run's time limit (a hang)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (quick: 4; else 20 / 40 spike)")
     parser.add_argument("--nproc", type=int, default=None, help="ranks (CPU default 2, CUDA default 1)")
     parser.add_argument("--memory_cap_gib", type=float, default=12.0)
@@ -215,6 +329,9 @@ def main(argv=None) -> int:
     if args.quick:
         engines, args.repeats = engines[:1], 1
     rows = []
+    if args.scenario == "host_limit":
+        host_limit(args)
+        return 0
     for engine in engines:
         if engine not in ENGINES:
             parser.error(f"--engines: '{engine}' is not one of {', '.join(ENGINES)}")

@@ -66,18 +66,19 @@ SETTINGS = {"seed": 1234, "global_batch_size": 16, "micro_batch_size": 4, "lr": 
 VOCAB, SEQ_LEN, VALIDATION_ROWS = 1024, 64, 64
 
 
-def write_data(folder: str, steps: int, cache_dir: str | None) -> str:
+def write_data(folder: str, steps: int, cache_dir: str | None, vocab: int = VOCAB, seq_len: int = SEQ_LEN,
+               global_batch_size: int = SETTINGS["global_batch_size"]) -> str:
     """The rows every trainer reads: memtrain's corpus (the standard library, the benchmarks'
-    1 MB slice and 1024-token tokenizer), ``steps`` global batches of training rows and
-    :data:`VALIDATION_ROWS` validation rows, int32 [N, :data:`SEQ_LEN`] in ``folder/data.npz``."""
+    1 MB slice and a ``vocab``-token tokenizer), ``steps`` global batches of training rows and
+    :data:`VALIDATION_ROWS` validation rows, int32 [N, ``seq_len``] in ``folder/data.npz``."""
     from memtrain.config import parse_args
     from memtrain.data import build_corpus
 
     cfg = parse_args(["--config", str(REPO / "recipes" / "code_lm_tiny.yaml"), "--data.max_bytes", "1000000",
-                      "--data.vocab_size", str(VOCAB), "--data.seq_len", str(SEQ_LEN)]
+                      "--data.vocab_size", str(vocab), "--data.seq_len", str(seq_len)]
                      + (["--data.cache_dir", cache_dir] if cache_dir else []))
     corpus = build_corpus(cfg.data)
-    n = SETTINGS["global_batch_size"] * steps
+    n = global_batch_size * steps
     if n > len(corpus.train):
         raise SystemExit(f"--steps {steps}: {n} rows wanted, the corpus has {len(corpus.train)}")
     path = os.path.join(folder, "data.npz")

@@ -307,7 +307,8 @@ class TrainingLoop(RunOutputs):
         if self.process.is_main:
             os.makedirs(self.cfg.output_dir, exist_ok=True)
             write_atomic(os.path.join(self.cfg.output_dir, "plan.json"), json.dumps(
-                {"budget_bytes": planner.budget_bytes, "candidates": [c.as_dict() for c in planner.candidates]}, indent=1))
+                {"budget_bytes": planner.budget_bytes, "budget_source": planner.budget_source,
+                 "candidates": [c.as_dict() for c in planner.candidates]}, indent=1))
 
     def _probe(self, candidate) -> Optional[float]:
         """The planner's prober: the current rank batch's forward and backward at ``candidate``, timed."""
