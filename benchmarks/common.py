@@ -136,11 +136,7 @@ def _run(cmd: list[str], train_args: list[str], env: dict, timeout: float, nproc
         subprocess.TimeoutExpired: it took longer than ``timeout`` seconds.
     """
     if rlimit_data is not None:  # a process of its own, started under the limit (not forked by a server above it)
-        import resource
-
-        limit = (rlimit_data, rlimit_data)
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO,
-                              preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_DATA, limit))
+        proc = _run_limited(cmd, env, timeout, rlimit_data)
     elif os.environ.get(FORK_SERVER_VAR):
         proc = fork_server().run(cmd, script, train_args, nproc=nproc or 1, port=port, env=env, cwd=str(REPO),
                                  timeout=timeout, torchrun=nproc is not None)
@@ -151,6 +147,30 @@ def _run(cmd: list[str], train_args: list[str], env: dict, timeout: float, nproc
     if proc.returncode not in ok_codes:
         raise RunFailed(proc.returncode, proc.stderr)
     return proc
+
+
+def _run_limited(cmd: list[str], env: dict, timeout: float, rlimit_data: int) -> subprocess.CompletedProcess:
+    """``cmd`` in a session of its own under ``RLIMIT_DATA`` = ``rlimit_data`` bytes; past
+    ``timeout`` seconds the launcher is sent SIGTERM (torchrun ends its ranks, which run in
+    sessions of their own: a hung rank must not outlive the run), then its session SIGKILL, and
+    ``subprocess.TimeoutExpired`` is raised."""
+    import resource
+    import signal
+
+    limit = (rlimit_data, rlimit_data)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+                            start_new_session=True, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_DATA, limit))
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def read_metrics(output_dir: str) -> list[dict]:

@@ -99,6 +99,33 @@ def oom_stress_spike(device: str) -> str:
     return "\n".join(out)
 
 
+HOST_TRAINERS = {"memtrain": "memtrain", "accelerate_find_batch": "Accelerate `find_executable_batch_size`",
+                 "hf_auto_find": "transformers `auto_find_batch_size`"}
+
+
+def oom_stress_host_limit(device: str) -> str:
+    """``oom_stress.py --scenario host_limit``: the newest run's rows (one commit), one per trainer,
+    engine and micro-batch."""
+    rows: list[dict] = []
+    with open(RESULTS / f"oom_stress-{device}.jsonl") as fh:
+        for line in fh:
+            row = json.loads(line)
+            if row.get("scenario") == "host_limit":
+                rows = [r for r in rows if r.get("commit") == row.get("commit")] + [row]
+    out = ["| trainer | engine | micro-batch given | exit | micro-batches tried | steps | samples per step (global batch "
+           "512) | same data and losses as the reference | wall s |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tried = r.get("micro_batch_sizes_tried") or ([e.split(" ")[1] for e in r.get("plan_events", [])])
+        same = (f"{r['steps_with_other_data_than_reference']} steps differ, losses within "
+                f"{fmt(r['max_rel_loss_diff_vs_reference'])}" if "steps_with_other_data_than_reference" in r else
+                "not recorded by the trainer")
+        restarts = f" ({r['restarts_from_step_1']} restarts from step 1)" if r.get("restarts_from_step_1") else ""
+        out.append(f"| {HOST_TRAINERS.get(r['trainer'], r['trainer'])} | {ENGINE_NAMES[r['engine']]} | {r['micro_batch_size']} "
+                   f"| {r['exit']} | {', '.join(str(t) for t in tried) or '-'}{restarts} | {r.get('steps_trained', 0)} "
+                   f"| {', '.join(str(n) for n in r.get('samples_per_step', [])) or '-'} | {same} | {r['wall_s']:.0f} |")
+    return "\n".join(out)
+
+
 def largest_model_plan() -> str:
     """The placements ``benchmarks/largest_model.py --plan`` printed, newest row per shape."""
     rows: dict[str, dict] = {}
@@ -500,6 +527,9 @@ def main(argv=None) -> int:
     print("Steady:\n\n" + oom_stress_steady(args.device))
     if newest("oom_stress", args.device, "spike"):
         print("\nSpike:\n\n" + oom_stress_spike(args.device))
+    host = oom_stress_host_limit(args.device)
+    if host.count("\n") > 1:
+        print("\nUnder a real per-process limit (host_limit):\n\n" + host)
     return 0
 
 
