@@ -25,6 +25,7 @@ from memtrain.data.corpus import SPLIT_RULE
 from memtrain.data.examples import ExampleCorpus, ExampleDataset
 from memtrain.distributed import ProcessState
 from memtrain.evaluate import Evaluator
+from memtrain.export import preload_export_libraries
 from memtrain.faults import FaultInjector
 from memtrain.flops import flops_per_token, peak_bf16_flops
 from memtrain.levers import LeverTarget, first_settings, offered_choices
@@ -227,6 +228,7 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
         model = source.build()
     if isinstance(inputs.model, torch.nn.Module):
         check_same_model(model, process)
+    preload_export_libraries(model)  # the export's imports: the process's memory from the first plan on
     # compute randomness (dropout, SpecAugment) differs by rank from here on, as Accelerate's
     # device-specific seeding does: still a pure function of (seed, rank), and each rank's streams
     # are replayed on OOM retries and saved in checkpoints

@@ -352,6 +352,9 @@ def verdict(report: dict) -> str:
         words += (" — more than fits: the run would start there and recover from the out-of-memory error to a "
                   "smaller plan; set training.micro_batch_size auto to start at the fastest plan that fits")
     words += _where(report, placed) if placed is not None else ""
+    if placed is not None and not placed.get("fits_host", True):
+        words += ("; nothing fits: a run refuses this placement before building the model (exit 2; plan exits 3): "
+                  "give more host memory, offload less, set backend.offload auto, or use backend.nvme_path")
     faster = [p for p in report.get("placements", []) if p["fits"] and placed is not None
               and p["predicted_step_s"] < 0.95 * placed["predicted_step_s"]]
     if faster:

@@ -50,12 +50,15 @@ def is_oom(exc: BaseException) -> bool:
 
 def is_host_oom(exc: BaseException) -> bool:
     """Whether ``exc`` is a failure to allocate host memory: a ``MemoryError`` (Python's, or
-    NumPy's), or an error carrying a host allocator's failure message (:data:`_HOST_OOM_MESSAGES`;
-    an ``OSError`` with errno ENOMEM from ``mmap`` or a pinned allocation)."""
+    NumPy's), an ``OSError`` with errno ENOMEM (``mmap``), a library the loader could not map, or
+    an error carrying a host allocator's failure message (:data:`_HOST_OOM_MESSAGES`: torch's CPU
+    allocator, a pinned allocation)."""
     if isinstance(exc, MemoryError):
         return True
     if isinstance(exc, OSError) and exc.errno == errno.ENOMEM:
         return True
+    if isinstance(exc, ImportError) and "failed to map segment" in str(exc):
+        return True  # the dynamic loader's mmap of a library refused (ENOMEM under a resource limit)
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _HOST_OOM_MESSAGES)
 
 

@@ -144,7 +144,7 @@ def print_run(argv: list[str]) -> int:
 
 def error_report(exc: Exception, cfg: Optional[Config]) -> tuple[int, str]:
     """The exit code and one-line message of an error that ended a run (see :func:`cli`)."""
-    from memtrain.oom import escaped_oom_path, is_oom  # heavy (torch): loaded by the run that failed, if it began
+    from memtrain.oom import escaped_oom_path, is_host_oom, is_oom  # heavy (torch): loaded only by a failed run
 
     for kind, code, prefix in ((ConfigError, 2, ""), (OOMStop, 3, ""), (OutputError, 4, ""),
                                (CheckpointError, 4, "checkpoint: "), (NonFiniteStop, 5, "")):
@@ -153,7 +153,8 @@ def error_report(exc: Exception, cfg: Optional[Config]) -> tuple[int, str]:
     rank = int(os.environ.get("RANK", "0"))
     if is_oom(exc):
         noted = cfg is not None and os.path.exists(escaped_oom_path(cfg.output_dir, rank))
-        return 3, (f"rank {rank}: out of memory outside the OOM protocol, during {operation()}: "
+        return 3, (f"rank {rank}: {'host' if is_host_oom(exc) else 'device'} memory ran out outside the OOM protocol, "
+                   f"during {operation()}: "
                    f"{str(exc).strip().splitlines()[0] if str(exc).strip() else 'torch.OutOfMemoryError'}"
                    + ("; noted in output_dir, so a restarted run (torchrun --max-restarts, or rerunning the command) "
                       "starts one plan smaller" if noted else ""))

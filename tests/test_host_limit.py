@@ -35,6 +35,8 @@ def test_a_real_cpu_allocation_failure_is_a_host_out_of_memory_error():
     assert is_oom(raised.value) and is_host_oom(raised.value)
     assert memory_that_ran_out(raised.value, "cuda") == "host"
     assert is_oom(MemoryError()) and is_oom(OSError(errno.ENOMEM, "Cannot allocate memory"))
+    assert is_host_oom(ImportError("/x/_pydantic_core.so: failed to map segment from shared object"))
+    assert not is_oom(ImportError("No module named 'x'"))
     assert not is_oom(RuntimeError("shape mismatch")) and not is_oom(OSError(errno.ENOENT, "missing"))
     device = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     assert is_oom(device) and not is_host_oom(device) and memory_that_ran_out(device, "cuda") == "device"
