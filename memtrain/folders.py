@@ -160,16 +160,19 @@ def check_max_shard_size(size: str, field: str = "checkpoint.max_shard_size") ->
     """``size`` parsed as a save parses it (``5GB``, ``500MB``, ``2GiB``), before anything is written.
 
     Raises:
-        ConfigError: ``field``: not a size.
+        ConfigError: ``field``: not a size, or not above zero (huggingface_hub parses ``-5GB`` as a
+            negative size and writes every tensor to a shard of its own).
     """
     try:
         from huggingface_hub.serialization._base import parse_size_to_int
     except ImportError:  # a huggingface_hub without it: the first save checks
         return
     try:
-        parse_size_to_int(size)
+        parsed = parse_size_to_int(size)
     except (ValueError, TypeError):
         raise ConfigError(field, f"{size!r} is not a size; give bytes with a unit, e.g. 5GB, 500MB or 2GiB") from None
+    if parsed <= 0:
+        raise ConfigError(field, f"{size!r} is not above zero; give bytes with a unit, e.g. 5GB, 500MB or 2GiB")
 
 
 def _real(path: str) -> str:

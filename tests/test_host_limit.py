@@ -97,10 +97,9 @@ def test_the_host_limit_is_the_smallest_and_names_its_source():
     rss = 300 * MiB
     base = dict(resident_bytes=rss, available_bytes=20 * GiB, cgroup=(), rlimits=[])
     assert host_limit(0, 2, **base) == HostLimit(20 * GiB + 2 * rss, AVAILABLE, 2)
-    assert not host_limit(0, 2, **base).limited and not host_limit(0, 2, **base).fails_allocations
+    assert not host_limit(0, 2, **base).fails_allocations
     cg = host_limit(0, 2, **{**base, "cgroup": (6 * GiB, 2 * GiB, "cgroup v2 memory.max of /x")})
-    assert (cg.bytes, cg.source, cg.limited, cg.fails_allocations) == (4 * GiB + 2 * rss, "cgroup v2 memory.max of /x",
-                                                                       True, False)
+    assert (cg.bytes, cg.source, cg.fails_allocations) == (4 * GiB + 2 * rss, "cgroup v2 memory.max of /x", False)
     data = host_limit(0, 2, **{**base, "rlimits": [(GiB, "RLIMIT_DATA")]})
     assert (data.bytes, data.share_bytes, data.source) == (2 * (GiB + rss), GiB + rss, "RLIMIT_DATA")
     assert data.fails_allocations and "RLIMIT_DATA" in data.describe()

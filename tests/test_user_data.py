@@ -117,8 +117,9 @@ def test_export_takes_only_its_marker_for_an_export_and_follows_links(finished_r
         assert export_main([str(run), str(out)]) == 2
         assert "is not an earlier memtrain export" in capsys.readouterr().err
         assert snapshot(out) == before
-    assert export_main([str(run), str(tmp_path / "new"), "--max_shard_size", "abc"]) == 2
-    assert "--max_shard_size" in capsys.readouterr().err and not (tmp_path / "new").exists()
+    for size in ("abc", "-5GB"):  # -5GB: huggingface_hub would write one shard per tensor
+        assert export_main([str(run), str(tmp_path / "new"), f"--max_shard_size={size}"]) == 2
+        assert "--max_shard_size" in capsys.readouterr().err and not (tmp_path / "new").exists()
     earlier = tmp_path / "earlier"
     old_mask = os.umask(0o027)
     try:

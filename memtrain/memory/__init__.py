@@ -3,6 +3,8 @@
 * :mod:`memtrain.memory.accounting` — bytes of model state per engine, ZeRO stage, offload and
   precision (parameters, gradients, optimizer state), the allocator's headroom: written once,
   used by the engines, the planner and the placement planner alike.
+* :mod:`memtrain.memory.host_limit` — the host's real limit: the smallest of the available memory,
+  the cgroup's, the processes' resource limits and ``memory.host_memory_gib``, and which it is.
 * :mod:`memtrain.memory.machine` — facts of the machine a run plans for: device and host budgets,
   the device's matmul rate, CPU Adam's rate, a process's own resident bytes.
 * :mod:`memtrain.memory.simulated` — the simulated device of a CPU run (``faults.memory_budget_mib``),

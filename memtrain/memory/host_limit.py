@@ -52,13 +52,6 @@ class HostLimit:
     ranks: int = 1
 
     @property
-    def limited(self) -> bool:
-        """Whether a limit tighter than the machine's free memory binds: an allocation past it
-        fails (a resource limit: an out-of-memory error the run recovers from) or the kernel ends
-        the process (a cgroup), so the planner must keep inside it."""
-        return self.source != AVAILABLE
-
-    @property
     def fails_allocations(self) -> bool:
         """Whether an allocation past the limit fails in the process (a resource limit: torch's
         CPU allocator raises, and the run recovers as from any out-of-memory error), rather than
