@@ -282,7 +282,9 @@ class MemoryConfig:
     alone when ``MALLOC_*`` threshold variables, a ``glibc.malloc`` tunable or a preloaded
     jemalloc/tcmalloc/mimalloc say otherwise. null (default): set by the ``memtrain`` command,
     which owns its process; left alone by ``memtrain.Trainer`` in a user's Python process (glibc
-    cannot read back or undo them); true / false: set / leave alone either way."""
+    cannot read back or undo them), except on a CPU run under a hard host limit (RLIMIT_DATA/AS,
+    a cgroup, memory.host_memory_gib), where both are fixed at glibc's starting 128 KiB in any
+    process so freed memory goes back as the plan counts; true / false: set / leave alone either way."""
 
 
 @dataclass

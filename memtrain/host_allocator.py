@@ -20,6 +20,15 @@ arena keeps up to 64 MiB free at its top instead of returning it, and requests f
 before (the CPU ``peak_memory_bytes``, the resident set, includes it). Source: glibc
 ``mallopt(3)`` (``DEFAULT_MMAP_THRESHOLD_MAX``); the same problem is why PyTorch's CPU launcher
 (``torch.backends.xeon.run_cpu``) preloads jemalloc with memory return turned off in its settings.
+
+What a heap keeps is memory the plan does not count. Where it must count it — a CPU run (its
+device is the host) whose host is held to a hard limit (``RLIMIT_DATA``/``RLIMIT_AS``, a memory
+cgroup, ``memory.host_memory_gib``: a retained byte there is a failed allocation or a killed
+process) — :func:`fix_thresholds` with ``return_freed`` fixes both thresholds at glibc's starting
+values instead (128 KiB, ``DEFAULT_MMAP_THRESHOLD_MIN`` and ``DEFAULT_TRIM_THRESHOLD``), where
+they no longer move: a freed activation goes back to the OS and the process's growth follows the
+live bytes the accounting predicts (tests/test_host_oom.py runs the planned plan under such a
+limit), at the price of the page faults the fixed thresholds otherwise avoid.
 """
 
 from __future__ import annotations
@@ -38,6 +47,9 @@ MMAP_THRESHOLD_BYTES = 32 * 2**20
 """glibc's ceiling for its dynamic mmap threshold on 64-bit (``DEFAULT_MMAP_THRESHOLD_MAX``)."""
 TRIM_THRESHOLD_BYTES = 2 * MMAP_THRESHOLD_BYTES
 """What glibc's dynamic rule sets the trim threshold to at that ceiling."""
+RETURN_THRESHOLD_BYTES = 128 * 2**10
+"""glibc's starting mmap and trim thresholds (``DEFAULT_MMAP_THRESHOLD_MIN``,
+``DEFAULT_TRIM_THRESHOLD``), fixed where a freed block must go back to the OS."""
 
 _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 """The variables by which a user sets these thresholds themselves (any of them also stops glibc's
@@ -79,12 +91,16 @@ def reason_to_leave(environ: Mapping[str, str], platform: str = sys.platform,
     return None
 
 
-def fix_thresholds(enabled: bool = True, environ: Optional[Mapping[str, str]] = None) -> Optional[dict[str, int]]:
+def fix_thresholds(enabled: bool = True, environ: Optional[Mapping[str, str]] = None,
+                   return_freed: bool = False) -> Optional[dict[str, int]]:
     """Set glibc's mmap and trim thresholds (``memory.host_allocator_thresholds``) for this process.
 
     Args:
         enabled: False = leave the allocator alone.
         environ: the environment to read the user's own choices from (default ``os.environ``).
+        return_freed: fix both at :data:`RETURN_THRESHOLD_BYTES` (freed blocks go back to the OS:
+            a CPU run under a hard host limit) instead of :data:`MMAP_THRESHOLD_BYTES` /
+            :data:`TRIM_THRESHOLD_BYTES` (freed blocks stay for the next micro-batch).
 
     Returns:
         ``{"mmap_threshold_bytes": …, "trim_threshold_bytes": …}`` when set; None when left alone
@@ -93,16 +109,18 @@ def fix_thresholds(enabled: bool = True, environ: Optional[Mapping[str, str]] = 
     if not enabled:
         return None
     reason = reason_to_leave(os.environ if environ is None else environ)
+    mmap_bytes, trim_bytes = ((RETURN_THRESHOLD_BYTES, RETURN_THRESHOLD_BYTES) if return_freed
+                              else (MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES))
     if reason is None:
         try:
             libc = ctypes.CDLL(None)  # the process's own symbols: glibc's malloc is the one in use
-            if not libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES):
+            if not libc.mallopt(M_MMAP_THRESHOLD, mmap_bytes):
                 reason = "mallopt refused the mmap threshold"
-            elif not libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES):
+            elif not libc.mallopt(M_TRIM_THRESHOLD, trim_bytes):
                 reason = "mallopt refused the trim threshold (the mmap threshold is set)"
         except (OSError, AttributeError) as exc:
             reason = f"no mallopt ({exc})"
     if reason is not None:
         log.debug("memtrain: host allocator thresholds left as they are: %s", reason)
         return None
-    return {"mmap_threshold_bytes": MMAP_THRESHOLD_BYTES, "trim_threshold_bytes": TRIM_THRESHOLD_BYTES}
+    return {"mmap_threshold_bytes": mmap_bytes, "trim_threshold_bytes": trim_bytes}

@@ -13,32 +13,38 @@ from conftest import REPO
 from memtrain.host_allocator import glibc_version, reason_to_leave
 
 # a step-like pattern in a fresh process, through the C allocator torch's CPU tensors use: 64
-# activations of 100 KiB (6.4 MB) are allocated, written and freed, 12 times (no torch import, whose
+# activations of 100 KiB (6.4 MB; or as many KiB as the second argument says) are allocated,
+# written and freed, 12 times (no torch import, whose
 # own allocations would move glibc's dynamic thresholds before the test begins)
 STEP_SCRIPT = r"""
 import ctypes, json, resource, sys
 from memtrain.host_allocator import fix_thresholds
-fixed = fix_thresholds(sys.argv[1] == "on", environ={})
+fixed = fix_thresholds(sys.argv[1] != "off", environ={}, return_freed=sys.argv[1] == "return")
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
-faults = []
+size = int(sys.argv[2]) * 1024 if len(sys.argv) > 2 else 100 * 1024
+def data_bytes():  # what RLIMIT_DATA is compared with
+    return int(open("/proc/self/status").read().split("VmData:")[1].split()[0]) * 1024
+faults, kept = [], []
 for _ in range(12):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    activations = [libc.malloc(100 * 1024) for _ in range(64)]
+    activations = [libc.malloc(size) for _ in range(64)]
     for a in activations:
-        ctypes.memset(a, 1, 100 * 1024)
+        ctypes.memset(a, 1, size)
+    held = data_bytes()
     for a in activations:
         libc.free(a)
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(json.dumps({"fixed": fixed, "faults": faults[2:], "page_bytes": resource.getpagesize()}))
+    kept.append(data_bytes() - (held - 64 * size))  # what the process keeps of what it freed
+print(json.dumps({"fixed": fixed, "faults": faults[2:], "kept": kept[2:], "page_bytes": resource.getpagesize()}))
 """
 
 
-def faults_per_step(setting: str) -> dict:
+def faults_per_step(setting: str, kib: int = 100) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("LD_PRELOAD",
                                                                                          "GLIBC_TUNABLES")}
-    out = subprocess.run([sys.executable, "-c", STEP_SCRIPT, setting], capture_output=True, text=True, env=env,
+    out = subprocess.run([sys.executable, "-c", STEP_SCRIPT, setting, str(kib)], capture_output=True, text=True, env=env,
                          timeout=120, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -53,6 +59,17 @@ def test_fixed_thresholds_keep_freed_activations_from_faulting_in_again():
     pages = 64 * 100 * 1024 // default["page_bytes"]
     assert min(default["faults"]) > 0.6 * pages, default
     assert max(fixed["faults"]) < 0.06 * pages, fixed
+    assert min(fixed["kept"]) > 0.9 * 64 * 100 * 1024, fixed  # the price: the process keeps them
+
+
+@pytest.mark.skipif(glibc_version() is None, reason="glibc's mallopt")
+def test_under_a_hard_limit_freed_activations_go_back_to_the_os():
+    """``return_freed`` (a CPU run under a hard host limit): the thresholds are fixed at glibc's
+    starting 128 KiB, and the process's data segment — what ``RLIMIT_DATA`` counts — gives back
+    what the step freed, where the speed setting keeps all of it."""
+    returned = faults_per_step("return")
+    assert returned["fixed"] == {"mmap_threshold_bytes": 128 * 2**10, "trim_threshold_bytes": 128 * 2**10}
+    assert max(returned["kept"]) < 0.1 * 64 * 100 * 1024, returned
 
 
 @pytest.mark.parametrize("environ, platform, reason", [
@@ -84,23 +101,31 @@ def test_another_c_library_is_left_alone_and_nothing_raises(monkeypatch):
     assert host_allocator.fix_thresholds(True, environ={}) is None
 
 
-@pytest.mark.parametrize("how,setting,expected", [("python", None, False), ("python", "true", True),
-                                                  ("command_line", None, True), ("command_line", "false", False)])
-def test_only_the_command_line_tunes_the_process_unless_told(tmp_path, monkeypatch, how, setting, expected):
+@pytest.mark.parametrize("how,setting,limit,expected", [
+    ("python", None, None, (False, False)), ("python", "true", None, (True, False)),
+    ("command_line", None, None, (True, False)), ("command_line", "false", None, (False, False)),
+    ("python", None, "RLIMIT_DATA", (True, True)), ("command_line", None, "cgroup v2 memory.max of /",
+                                                  (True, True)),
+    ("command_line", "false", "RLIMIT_DATA", (False, True))])
+def test_only_the_command_line_tunes_the_process_unless_told(tmp_path, monkeypatch, how, setting, limit, expected):
     """``memory.host_allocator_thresholds`` null: the ``memtrain`` command (which owns its
-    process) fixes glibc's thresholds, ``memtrain.Trainer`` in a user's process does not; an
-    explicit setting wins either way. Stopped right after the decision (nothing trained)."""
+    process) fixes glibc's thresholds, ``memtrain.Trainer`` in a user's process does not, unless
+    the CPU run's host is held to a hard limit (then freed memory must go back to the OS for the
+    plan to hold, in any process: ``return_freed``); an explicit setting wins either way. Stopped
+    right after the decision (nothing trained)."""
     import memtrain
-    from memtrain import host_allocator
+    from memtrain import api, host_allocator
+    from memtrain.memory.host_limit import AVAILABLE, HostLimit
     from memtrain.train import main
 
     asked = []
 
-    def record(enabled=True, environ=None):
-        asked.append(enabled)
+    def record(enabled=True, environ=None, return_freed=False):
+        asked.append((enabled, return_freed))
         raise KeyboardInterrupt  # the decision is made: stop the run here
 
     monkeypatch.setattr(host_allocator, "fix_thresholds", record)
+    monkeypatch.setattr(api, "run_host_limit", lambda cfg: HostLimit(2**30, limit or AVAILABLE))
     args = ["--output_dir", str(tmp_path / "run"), *(["--memory.host_allocator_thresholds", setting] if setting else [])]
     with pytest.raises(KeyboardInterrupt):
         if how == "python":

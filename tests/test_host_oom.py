@@ -22,7 +22,7 @@ import pytest
 
 from conftest import REPO, RUN_ENV, TORCHRUN, launch, read_metrics
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("host_oom")]
+pytestmark = pytest.mark.slow
 
 MiB = 2**20
 ROOM_MIB = 250
@@ -92,7 +92,9 @@ def test_a_real_host_out_of_memory_on_two_ranks_is_recovered(engine, tmp_path, c
 def test_one_rank_recovers_and_auto_plans_inside_the_limit(tmp_path, cache_dir, reference):
     """1 rank under the same limit: a fixed micro-batch of 512 is recovered from (same training as
     the 2-rank reference), and ``micro_batch_size auto`` plans against the limit (named as the
-    budget's source) and trains without running out at all."""
+    budget's source) and trains without running out at all: the plan's predicted peak holds
+    because under a hard limit what a micro-batch frees goes back to the OS
+    (memtrain/host_allocator.py ``return_freed``; with the heap keeping it, the plan chosen ran out)."""
     records_ref, limit = reference
 
     def limited(*args):

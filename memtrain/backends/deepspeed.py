@@ -26,6 +26,7 @@ from memtrain.backends.base import ComputeCollectives
 from memtrain.backends.common import OffloadTime, offload_advice, offload_words, refuse_unsharded_reshard
 from memtrain.backends.common import fp32_export_bytes as export_bytes_per_parameter  # noqa: F401 (registry)
 from memtrain.backends.ds_config import OFFLOAD_DEVICES, build_ds_config, get_path, read_user_json, resolve_zero_stage
+from memtrain.backends.op_locks import clear_stale_locks
 from memtrain.backends.spec import EngineVariant
 from memtrain.checkpoint.formats import format_module
 from memtrain.distributed import ProcessState
@@ -197,6 +198,9 @@ class DeepSpeedBackend:
             self.ds_config["zero_optimization"]["sub_group_size"] = ds_partial_offload.sub_group_size(
                 self.shape.parameters, self.world_size)
         self.zero_settings = size_buffers(self.ds_config, self.shape, trainable)
+        if self.process.is_main:  # a build stopped earlier would leave DeepSpeed waiting on its lock forever
+            clear_stale_locks((["CPUAdamBuilder"] if self.offload_optimizer else [])
+                              + (["ShareMemCommBuilder"] if self.device.type == "cpu" else []))
         if self.offload_optimizer:  # ZeRO-Offload steps on CPU with its own Adam kernel (same AdamW math)
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 

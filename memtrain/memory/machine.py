@@ -102,10 +102,12 @@ def cpu_adam_built() -> bool:
     return deepspeed_op_built("CPUAdamBuilder")
 
 
-def deepspeed_op_built(builder_name: str) -> bool:
-    """Whether the DeepSpeed op of ``builder_name`` (``CPUAdamBuilder``, ``ShareMemCommBuilder``:
-    the CPU collectives) loads without compiling, for this machine's accelerator: installed
-    prebuilt, or already built by an earlier run into torch's extension folder."""
+def deepspeed_op_folders(builder_name: str) -> Optional[list[str]]:
+    """The folders torch's JIT build uses for the DeepSpeed op of ``builder_name``
+    (``CPUAdamBuilder``, ``ShareMemCommBuilder``: the CPU collectives) on this machine's
+    accelerator, those that exist (``<extensions root>/py3XY_<device>/<op>``; an interrupted build
+    leaves its ``lock`` there); None when the op loads without a build (installed prebuilt, or no
+    such op for this accelerator) or DeepSpeed is not installed."""
     import glob
     import importlib.util
     import os
@@ -117,18 +119,32 @@ def deepspeed_op_built(builder_name: str) -> bool:
 
         builder = get_accelerator().create_op_builder(builder_name)
         if builder is None:
-            return True  # this accelerator has no such op to build
+            return None  # this accelerator has no such op to build
         try:
             if importlib.util.find_spec(builder.absolute_name()) is not None:
-                return True
+                return None
         except ModuleNotFoundError:  # its prebuilt package is not installed either
             pass
         root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # torch's JIT folder, only looked at
-        pattern = os.path.join(root, f"py{sys.version_info.major}{sys.version_info.minor}*", builder.name,
-                               f"{builder.name}.so")
-        return bool(glob.glob(pattern))
+        return glob.glob(os.path.join(root, f"py{sys.version_info.major}{sys.version_info.minor}*", builder.name))
+    except Exception:  # noqa: BLE001 - no DeepSpeed
+        return None
+
+
+def deepspeed_op_built(builder_name: str) -> bool:
+    """Whether the DeepSpeed op of ``builder_name`` (``CPUAdamBuilder``, ``ShareMemCommBuilder``:
+    the CPU collectives) loads without compiling, for this machine's accelerator: installed
+    prebuilt, or already built by an earlier run into torch's extension folder."""
+    import os
+
+    try:
+        import deepspeed  # noqa: F401
     except Exception:  # noqa: BLE001 - no DeepSpeed: not built
         return False
+    folders = deepspeed_op_folders(builder_name)
+    if folders is None:
+        return True
+    return any(os.path.exists(os.path.join(f, f"{os.path.basename(f)}.so")) for f in folders)
 
 
 def cpu_adam_params_per_s(n: int = 2**22) -> float:

@@ -1,0 +1,86 @@
+"""Stale locks of DeepSpeed's op builds: found before DeepSpeed waits on them forever.
+
+DeepSpeed builds an op it was not installed with (``cpu_adam``, ``shm_comm``: its CPU
+collectives) the first time a run needs it, through torch's JIT extension loader. The loader
+creates ``<build folder>/lock`` before it compiles and deletes it after; every other process that
+needs the op meanwhile polls until the lock is gone (``torch.utils.file_baton.FileBaton``), with no
+time limit. A build stopped half-way (Ctrl-C, a kill, a time limit) leaves the lock, and every later
+run on the machine then waits in ``deepspeed.initialize`` forever.
+
+A lock is stale when no process works in its build folder (the compiler and ``ninja`` run there)
+and it is older than :data:`LOCK_GRACE_S`: a build that is under way has its compiler running, and a
+new lock is given the seconds its builder needs to write the build file and start the compiler.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable, Iterable, Optional
+
+import psutil
+
+from memtrain.memory.machine import deepspeed_op_folders
+
+log = logging.getLogger("memtrain")
+
+LOCK_GRACE_S = 120.0
+"""Seconds a build lock with no process in its folder is still taken for a build starting up."""
+
+
+def _working_dirs() -> list[str]:
+    """The working folders of this machine's processes that can be read."""
+    dirs = []
+    for proc in psutil.process_iter(["cwd"]):
+        cwd = proc.info.get("cwd")
+        if cwd:
+            dirs.append(cwd)
+    return dirs
+
+
+def stale_lock(folder: str, now: Optional[float] = None,
+               working_dirs: Optional[Callable[[], Iterable[str]]] = None) -> Optional[str]:
+    """The path of ``folder``'s build lock if it is stale, else None (no lock, or a build holds it).
+
+    Args:
+        folder: an op's build folder (:func:`memtrain.memory.machine.deepspeed_op_folders`).
+        now: the time to age the lock against (seconds since the epoch; None = now).
+        working_dirs: the machine's processes' working folders (None = read them; for tests).
+    """
+    lock = os.path.join(folder, "lock")
+    try:
+        age_s = (time.time() if now is None else now) - os.stat(lock).st_mtime
+    except OSError:
+        return None
+    if age_s < LOCK_GRACE_S:
+        return None
+    inside = os.path.realpath(folder)
+    for cwd in (_working_dirs if working_dirs is None else working_dirs)():
+        if os.path.realpath(cwd) == inside or os.path.realpath(cwd).startswith(inside + os.sep):
+            return None  # a compiler works there: the build is alive
+    return lock
+
+
+def clear_stale_locks(builder_names: Iterable[str]) -> list[str]:
+    """Remove the stale build locks (:func:`stale_lock`) of the DeepSpeed ops ``builder_names``
+    (e.g. ``ShareMemCommBuilder``, ``CPUAdamBuilder``), each named in a warning; a lock that
+    cannot be removed is named with the command that removes it. Returns the locks removed.
+    Called by global rank 0 before ``deepspeed.initialize``."""
+    removed = []
+    for name in builder_names:
+        for folder in deepspeed_op_folders(name) or []:
+            lock = stale_lock(folder)
+            if lock is None:
+                continue
+            try:
+                os.remove(lock)
+            except OSError as exc:
+                log.warning("memtrain: %s is left by a DeepSpeed op build that was stopped (no process builds in "
+                            "%s); DeepSpeed will wait on it forever: remove it with `rm %s` (%s)", lock, folder,
+                            lock, exc.strerror)
+                continue
+            log.warning("memtrain: removed %s, left by a DeepSpeed op build that was stopped (no process builds "
+                        "in its folder); the op is built again", lock)
+            removed.append(lock)
+    return removed

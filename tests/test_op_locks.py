@@ -1,0 +1,70 @@
+"""Stale locks of DeepSpeed's op builds (memtrain/backends/op_locks.py): a build stopped half-way
+leaves ``<build folder>/lock``, on which torch's extension loader makes every later process wait
+forever; memtrain removes it when no process builds there, and leaves a live build's lock alone."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO
+from memtrain.backends.op_locks import LOCK_GRACE_S, stale_lock
+
+
+def _lock(folder, age_s: float) -> str:
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "lock")
+    open(path, "w").close()
+    past = time.time() - age_s
+    os.utime(path, (past, past))
+    return path
+
+
+def test_an_old_lock_with_no_builder_is_stale_and_a_live_or_new_one_is_not(tmp_path):
+    folder = str(tmp_path / "py311_cpu" / "deepspeed_shm_comm")
+    assert stale_lock(folder) is None  # no lock
+    lock = _lock(folder, LOCK_GRACE_S + 60)
+    assert stale_lock(folder) == lock
+    # a compiler at work in the folder (ninja runs there): the build is alive, whatever the lock's age
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], cwd=folder)
+    try:
+        time.sleep(0.5)
+        assert stale_lock(folder) is None
+    finally:
+        worker.kill()
+        worker.wait()
+    _lock(folder, 5)  # a build starting up: not yet in its folder
+    assert stale_lock(folder) is None
+
+
+@pytest.mark.timeout(240)
+def test_deepspeed_loads_its_op_after_a_stopped_build_s_lock_is_cleared(tmp_path):
+    """The real loader: the built ``shm_comm`` op is copied into an extensions folder of the test's
+    own with a stale lock beside it; after :func:`clear_stale_locks` DeepSpeed loads the op (with
+    the lock left there it waits until the time limit)."""
+    pytest.importorskip("deepspeed")
+    from memtrain.memory.machine import deepspeed_op_built, deepspeed_op_folders
+
+    folders = deepspeed_op_folders("ShareMemCommBuilder")
+    if not folders or not deepspeed_op_built("ShareMemCommBuilder"):
+        pytest.skip("DeepSpeed's shm_comm op is not built on this machine")
+    copy = tmp_path / "ext" / os.path.basename(os.path.dirname(folders[0])) / os.path.basename(folders[0])
+    shutil.copytree(folders[0], copy, ignore=shutil.ignore_patterns("lock"))
+    lock = _lock(str(copy), LOCK_GRACE_S + 60)
+    script = ("import logging, sys; logging.basicConfig(level=logging.WARNING)\n"
+              "from memtrain.backends.op_locks import clear_stale_locks\n"
+              "print('removed', clear_stale_locks(['ShareMemCommBuilder']))\n"
+              "from deepspeed.accelerator import get_accelerator\n"
+              "get_accelerator().create_op_builder('ShareMemCommBuilder').load(verbose=False)\n"
+              "print('loaded')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=200, cwd=REPO,
+                          env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"removed ['{lock}']" in done.stdout and "loaded" in done.stdout
+    assert "left by a DeepSpeed op build that was stopped" in done.stderr
+    assert not os.path.exists(lock)
