@@ -40,6 +40,9 @@ def test_an_old_lock_with_no_builder_is_stale_and_a_live_or_new_one_is_not(tmp_p
         worker.wait()
     _lock(folder, 5)  # a build starting up: not yet in its folder
     assert stale_lock(folder) is None
+    _lock(folder, LOCK_GRACE_S + 60)
+    open(os.path.join(folder, "op.so"), "w").close()  # a build loading what it just wrote
+    assert stale_lock(folder) is None
 
 
 @pytest.mark.timeout(240)
@@ -53,8 +56,11 @@ def test_deepspeed_loads_its_op_after_a_stopped_build_s_lock_is_cleared(tmp_path
     folders = deepspeed_op_folders("ShareMemCommBuilder")
     if not folders or not deepspeed_op_built("ShareMemCommBuilder"):
         pytest.skip("DeepSpeed's shm_comm op is not built on this machine")
-    copy = tmp_path / "ext" / os.path.basename(os.path.dirname(folders[0])) / os.path.basename(folders[0])
+    copy = tmp_path / "ext" / os.path.basename(folders[0])  # $TORCH_EXTENSIONS_DIR/<op>, as torch lays it out
     shutil.copytree(folders[0], copy, ignore=shutil.ignore_patterns("lock"))
+    past = time.time() - LOCK_GRACE_S - 60
+    for name in os.listdir(copy):  # the stopped build's files, as old as its lock
+        os.utime(copy / name, (past, past))
     lock = _lock(str(copy), LOCK_GRACE_S + 60)
     script = ("import logging, sys; logging.basicConfig(level=logging.WARNING)\n"
               "from memtrain.backends.op_locks import clear_stale_locks\n"

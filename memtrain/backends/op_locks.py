@@ -8,8 +8,9 @@ time limit. A build stopped half-way (Ctrl-C, a kill, a time limit) leaves the l
 run on the machine then waits in ``deepspeed.initialize`` forever.
 
 A lock is stale when no process works in its build folder (the compiler and ``ninja`` run there)
-and it is older than :data:`LOCK_GRACE_S`: a build that is under way has its compiler running, and a
-new lock is given the seconds its builder needs to write the build file and start the compiler.
+and neither it nor any file beside it changed for :data:`LOCK_GRACE_S`: a build that is under way
+has its compiler running, and the moments between (writing the build file before the compiler
+starts, loading the op after it ends) have just written a file there.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from memtrain.memory.machine import deepspeed_op_folders
 log = logging.getLogger("memtrain")
 
 LOCK_GRACE_S = 120.0
-"""Seconds a build lock with no process in its folder is still taken for a build starting up."""
+"""Seconds since the last change in a build folder for which its lock, with no process working
+there, is still taken for a build starting up or loading what it built."""
 
 
 def _working_dirs() -> list[str]:
@@ -50,10 +52,10 @@ def stale_lock(folder: str, now: Optional[float] = None,
     """
     lock = os.path.join(folder, "lock")
     try:
-        age_s = (time.time() if now is None else now) - os.stat(lock).st_mtime
-    except OSError:
+        changed = max(os.stat(os.path.join(folder, name)).st_mtime for name in os.listdir(folder))
+    except (OSError, ValueError):  # no lock (or the folder went)
         return None
-    if age_s < LOCK_GRACE_S:
+    if not os.path.exists(lock) or (time.time() if now is None else now) - changed < LOCK_GRACE_S:
         return None
     inside = os.path.realpath(folder)
     for cwd in (_working_dirs if working_dirs is None else working_dirs)():

@@ -106,7 +106,7 @@ def deepspeed_op_folders(builder_name: str) -> Optional[list[str]]:
     """The folders torch's JIT build uses for the DeepSpeed op of ``builder_name``
     (``CPUAdamBuilder``, ``ShareMemCommBuilder``: the CPU collectives) on this machine's
     accelerator, those that exist (``<extensions root>/py3XY_<device>/<op>``; an interrupted build
-    leaves its ``lock`` there); None when the op loads without a build (installed prebuilt, or no
+    leaves its ``lock`` there; ``$TORCH_EXTENSIONS_DIR/<op>`` where that is set); None when the op loads without a build (installed prebuilt, or no
     such op for this accelerator) or DeepSpeed is not installed."""
     import glob
     import importlib.util
@@ -125,8 +125,10 @@ def deepspeed_op_folders(builder_name: str) -> Optional[list[str]]:
                 return None
         except ModuleNotFoundError:  # its prebuilt package is not installed either
             pass
-        root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # torch's JIT folder, only looked at
-        return glob.glob(os.path.join(root, f"py{sys.version_info.major}{sys.version_info.minor}*", builder.name))
+        if os.environ.get("TORCH_EXTENSIONS_DIR"):  # torch's JIT folder (only looked at): the user's, as it is
+            return glob.glob(os.path.join(os.environ["TORCH_EXTENSIONS_DIR"], builder.name))
+        return glob.glob(os.path.join(get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}*",
+                                      builder.name))  # or torch's own, a folder per Python and device
     except Exception:  # noqa: BLE001 - no DeepSpeed
         return None
 
