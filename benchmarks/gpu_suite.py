@@ -29,7 +29,10 @@ machine taken back) resumes with the next step. Without ``--out`` the suite then
 does that here, once the rows are back (every GPU's tables, each with its provenance).
 
 One JSON row per step on stdout: ``step``, ``part``, ``command``, ``returncode``, ``wall_s``,
-``limit_s``, ``rows`` (the step's own JSON rows), ``timed_out``; last a ``summary`` row.
+``limit_s``, ``rows`` (the step's own JSON rows), ``timed_out``, and ``nothing_tested`` for a test
+step whose tests all skipped (a failure, not a pass); last a ``summary`` row. Without a CUDA device
+``--device cuda`` (the default) is refused at once (exit 2; the CPU path is ``--device cpu
+--quick``), and so is an ``--out`` folder that cannot be written.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -129,7 +133,7 @@ def run_step(step: Step, cmd: list[str], limit_s: float, env: Optional[dict] = N
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
             code, timed_out = None, True
-    rows = []
+    rows, nothing_tested = [], cmd[1:3] == ["-m", "pytest"] and code == 0 and not re.search(r"\b\d+ passed\b", out)
     for line in out.splitlines():
         if line.startswith("{"):
             try:
@@ -138,7 +142,8 @@ def run_step(step: Step, cmd: list[str], limit_s: float, env: Optional[dict] = N
                 pass
     return {"step": step.name, "part": step.part, "command": " ".join(cmd[1:]), "returncode": code, "timed_out": timed_out,
             "wall_s": round(time.perf_counter() - start, 1), "limit_s": limit_s, "rows": rows,
-            **({"stderr_tail": err[-2000:]} if code != 0 else {})}
+            **({"stderr_tail": err[-2000:]} if code != 0 else {}),
+            **({"nothing_tested": "every test was skipped: " + out.strip()[-1500:]} if nothing_tested else {})}
 
 
 def earlier_steps(out: Path) -> dict[str, bool]:
@@ -242,8 +247,13 @@ def main(argv=None) -> int:
         return 0
     if args.device == "cpu" and not args.quick:
         parser.error("--device cpu runs the plumbing only: add --quick (the GPU tables need a GPU)")
+    if args.device == "cuda" and not cuda_available():
+        parser.error("--device cuda (the default): this machine has no CUDA device, and every step would fail or "
+                     "skip; on a CPU run the plumbing: --device cpu --quick")
     chosen = _chosen(parser, args)
     out = Path(args.out).resolve() if args.out else None
+    if out is not None:
+        _check_writable(parser, out)
     env = {**os.environ, **({RESULTS_DIR_VAR: str(out)} if out else {})}
     earlier = earlier_steps(out) if out else {}
     budget = args.budget_s if args.budget_s is not None else PART_BUDGET_S * len({s.part for s in chosen if s.part} or {1})
@@ -262,7 +272,7 @@ def main(argv=None) -> int:
             if out:
                 record_status(out, results[-1])
         print(json.dumps(results[-1]), flush=True)
-    failed = [r["step"] for r in results if r.get("returncode") not in (0, None) or r.get("timed_out")
+    failed = [r["step"] for r in results if r.get("returncode") not in (0, None) or r.get("timed_out") or r.get("nothing_tested")
               or (r["step"] in earlier and not earlier[r["step"]])]  # an earlier run's failure is still one
     if not args.quick and out is None:
         page = tables(chosen)
@@ -271,6 +281,24 @@ def main(argv=None) -> int:
     print(json.dumps({"summary": {"steps": len(results), "failed": failed,
                                   "wall_s": round(time.perf_counter() - started, 1), "budget_s": budget}}))
     return 1 if failed else 0
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device here."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _check_writable(parser: argparse.ArgumentParser, out: Path) -> None:
+    """Refuse (exit 2, naming ``--out``) a folder the rows cannot be written to, before any step runs."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".gpu_suite_write_test_{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        parser.error(f"--out {out}: cannot write there ({exc.strerror}); choose a folder this user can write")
 
 
 def _chosen(parser: argparse.ArgumentParser, args) -> list[Step]:

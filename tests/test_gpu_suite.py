@@ -88,3 +88,35 @@ def test_a_gpu_table_names_its_hardware_and_commit_and_says_when_it_is_stale():
     assert "nvidia-h100-80gb-hbm3" in note and "0123456789" in note and "**stale**" in note
     assert "stale" not in gpu_suite.provenance_note({**entry, "code_changed_since": False}, "nvidia-h100-80gb-hbm3")
     assert "stale" in gpu_suite.provenance_note({**entry, "newest_commit": None, "code_changed_since": None}, "h100")
+
+
+def test_bad_inputs_are_refused_before_any_step_runs(tmp_path, monkeypatch, capsys):
+    """No CUDA device with ``--device cuda`` (the default), and an ``--out`` that cannot be
+    written: exit 2 at once, naming the option, no traceback and no step run."""
+    ran = []
+    monkeypatch.setattr(gpu_suite, "run_step", lambda *a, **k: ran.append(a))
+    monkeypatch.setattr(gpu_suite, "cuda_available", lambda: False)
+    with pytest.raises(SystemExit) as stop:
+        main(["--part", "1", "--out", str(tmp_path / "out")])
+    assert stop.value.code == 2 and "no CUDA device" in capsys.readouterr().err
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(SystemExit) as stop:  # a folder under a file: not writable, even by root
+        main(["--device", "cpu", "--quick", "--only", "chunked_loss", "--out", str(tmp_path / "a_file" / "out")])
+    assert stop.value.code == 2 and "--out" in capsys.readouterr().err
+    assert ran == []
+
+
+@pytest.mark.timeout(120)
+def test_a_test_step_whose_tests_were_all_skipped_is_not_a_pass(tmp_path, monkeypatch):
+    """``cuda_tests`` on a machine where every test skips exits 0 in pytest; the suite reports the
+    step as failed (``nothing_tested``), and one test that passes makes it a pass."""
+    skipped, passing = tmp_path / "test_skipped.py", tmp_path / "test_passing.py"
+    skipped.write_text("import pytest\n\ndef test_a():\n    pytest.skip('needs a CUDA device')\n")
+    passing.write_text("def test_a():\n    assert True\n")
+    out = tmp_path / "out"
+    for path, expected in ((skipped, 1), (passing, 0)):
+        monkeypatch.setattr(gpu_suite, "STEPS", (Step("cuda_tests", None, ("-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                                                          str(path)), 60, part=1),))
+        assert main(["--device", "cpu", "--quick", "--part", "1", "--out", str(out / path.stem)]) == expected
+    status = [json.loads(line) for line in (out / "test_skipped" / STATUS).read_text().splitlines()]
+    assert "every test was skipped" in status[-1]["nothing_tested"]
