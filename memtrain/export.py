@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 from typing import Optional
 
@@ -159,6 +160,25 @@ def export_checkpoint(path: str, out: str, max_shard_size: str = "5GB") -> str:
                         {"step": manifest.get("step"), "checkpoint": os.path.abspath(path)})
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+"""The signals a scheduler or a closed terminal stops ``memtrain export`` with (Ctrl-C is Python's
+``KeyboardInterrupt``): each ends the export cleanly, its temporary folder removed."""
+
+
+class ExportStopped(BaseException):
+    """``memtrain export`` was stopped by ``signum`` (a :data:`STOP_SIGNALS` signal); a
+    ``BaseException``, so that only the export's cleanup catches it on the way out."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+        self.signal_name = signal.Signals(signum).name
+
+
+def _stop(signum, frame) -> None:
+    raise ExportStopped(signum)
+
+
 def _run_folders(path: str) -> list[str]:
     """The folders an export of checkpoint ``path`` must stay out of: the checkpoint, and the run
     folder holding its ``checkpoints/`` (when it is one)."""
@@ -169,7 +189,8 @@ def _run_folders(path: str) -> list[str]:
 
 def main(argv: Optional[list[str]] = None, command: str = "export") -> int:
     """``memtrain export CKPT OUT``; returns the exit status: 2 for a refused checkpoint, target
-    or ``--max_shard_size``, 4 when writing the export failed (a full disk)."""
+    or ``--max_shard_size``, 4 when writing the export failed (a full disk), 128 + the signal's
+    number when SIGTERM or SIGHUP stopped it (said in one line; its temporary folder removed)."""
     parser = argparse.ArgumentParser(prog=f"memtrain {command}", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a checkpoints/step_XXXXXXXX directory (or checkpoints/ or the run "
                                            "folder, for its latest)")
@@ -178,14 +199,22 @@ def main(argv: Optional[list[str]] = None, command: str = "export") -> int:
     args = parser.parse_args(argv)
 
     prepare_libraries(torch.cuda.is_available())
+    previous = {sig: signal.signal(sig, _stop) for sig in STOP_SIGNALS}
     try:
         out = export_checkpoint(args.checkpoint, args.out, args.max_shard_size)
+    except ExportStopped as exc:  # the temporary folder is gone (export_model's cleanup); nothing else was touched
+        print(f"memtrain export: stopped by {exc.signal_name}; nothing was written to {args.out} (an earlier export "
+              "there is untouched)", file=sys.stderr)
+        return 128 + exc.signum
     except OutputError as exc:
         print(f"memtrain export: {exc}", file=sys.stderr)
         return 4
     except (CheckpointError, ConfigError) as exc:
         print(f"memtrain export: {exc}", file=sys.stderr)
         return 2
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     link = f" (where the link {args.out} points)" if os.path.realpath(args.out) != os.path.abspath(args.out) else ""
     print(f"memtrain export: wrote {len(os.listdir(out))} files to {out}{link}", file=sys.stderr)
     print(json.dumps({"exported": out, "files": sorted(os.listdir(out))}))

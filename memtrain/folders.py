@@ -286,14 +286,38 @@ def _umask() -> int:
     return mask
 
 
+def _export_tmp_prefix(real_out: str, pid: Optional[int] = None) -> str:
+    """``.tmp-<out's name>-<pid>-`` (``pid`` None: every process's ``.tmp-<name>-``)."""
+    return f".tmp-{os.path.basename(real_out)}-" + ("" if pid is None else f"{pid}-")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def new_export_folder(out: str) -> str:
     """A new, empty temporary folder beside ``out`` (its links resolved) for an export to be
-    written into (its own name: never a folder someone else owns), with the permissions the
-    user's umask gives a new folder (not ``mkdtemp``'s 0700)."""
+    written into (its own name, with this process's id: never a folder someone else owns), with the
+    permissions the user's umask gives a new folder (not ``mkdtemp``'s 0700). The folders an
+    earlier export to ``out`` left when it was killed (its process gone) are removed first, each
+    named in a warning."""
     real = _real(out)
     parent = os.path.dirname(real)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(real)}-", dir=parent)
+    prefix = _export_tmp_prefix(real)
+    for name in sorted(os.listdir(parent)):
+        pid = name[len(prefix):].split("-", 1)[0]
+        path = os.path.join(parent, name)
+        if name.startswith(prefix) and pid.isdigit() and not _pid_alive(int(pid)) and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+            log.warning("memtrain: removed %s, the temporary folder of an export to %s that was stopped", path, real)
+    tmp = tempfile.mkdtemp(prefix=_export_tmp_prefix(real, os.getpid()), dir=parent)
     os.chmod(tmp, 0o777 & ~_umask())
     return tmp
 

@@ -425,3 +425,40 @@ def test_a_full_disk_in_the_export_is_named_whatever_the_library_raises(tmp_path
     with pytest.raises(ZeroDivisionError):
         export.export_model(torch.nn.Linear(2, 2), {}, str(tmp_path / "out"))
     assert os.listdir(tmp_path) == []
+
+
+def test_a_stopped_export_says_so_and_leaves_no_scratch_folder(finished_run, tmp_path, capsys, caplog, monkeypatch):
+    """SIGTERM while the export writes (sent by the process to itself from inside the writer, the
+    moment a scheduler's stop would land): exit 143, one line saying nothing was written, the
+    earlier export untouched and no temporary folder left. A killed export's folder (its process
+    gone: SIGKILL cannot be caught) is removed by the next export to the same place, and named."""
+    from memtrain import export
+    from memtrain.folders import new_export_folder
+
+    run = copy_run(finished_run, tmp_path)
+    exported = tmp_path / "exported"
+    assert export.main([str(run / "checkpoints" / "step_00000002"), str(exported)]) == 0
+    before = snapshot(exported)
+    write = export._write_export
+
+    def stopped_midway(model, state_dict, tmp, tokenizer, max_shard_size):
+        write(model, state_dict, tmp, tokenizer, max_shard_size)  # the files are in the scratch folder
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(export, "_write_export", stopped_midway)
+    capsys.readouterr()
+    handler = signal.getsignal(signal.SIGTERM)
+    assert export.main([str(run), str(exported)]) == 143
+    assert "stopped by SIGTERM; nothing was written to" in capsys.readouterr().err
+    assert snapshot(exported) == before and not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+    assert signal.getsignal(signal.SIGTERM) is handler  # the command's handlers are undone
+    monkeypatch.undo()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()  # a process that is gone, as a killed export's is
+    left = tmp_path / f".tmp-exported-{dead}-abc123"
+    left.mkdir()
+    (left / "model.safetensors").write_text("half")
+    alive = Path(new_export_folder(str(tmp_path / "exported")))  # this process's: kept until it is done
+    assert export.main([str(run), str(exported)]) == 0
+    assert not left.exists() and alive.exists() and snapshot(exported) != before
+    assert f"removed {left}" in caplog.text
