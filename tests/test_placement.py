@@ -607,3 +607,32 @@ def test_the_optimizer_offloads_pinned_buffer_is_counted_as_torch_allocates_it(m
     (uncounted,) = plan_placements(candidates(), [Placement("fsdp", None, "optimizer", 1.0)], SHAPE, "bf16", 1,
                                    machine(host_gib=1000))
     assert rounding > 0 and counted.host_bytes - uncounted.host_bytes == rounding
+
+
+def test_fsdp_partial_offload_is_planned_named_and_run_at_the_share_whole_parameters_hold():
+    """FSDP2's optimizer offload holds whole parameters (the last of the model), so a share such as
+    72% can be unreachable: with one large first parameter (an embedding of 80% of the elements)
+    the offload holds either the blocks (20%) or everything. Every partial row the planner tries
+    is a share the run's own split (``PartialOffloadAdamW``'s ``host_split`` over the real
+    parameters) holds exactly, and its name says that share — never a nominal 72% that runs as 100%."""
+    import torch
+
+    from memtrain.memory.accounting import model_shape
+    from memtrain.offload_optimizer import host_split
+    from memtrain.planning import placement
+
+    model = torch.nn.Sequential(torch.nn.Embedding(1000, 64), *[torch.nn.Linear(64, 64) for _ in range(4)])
+    params = list(model.parameters())
+    shape = model_shape(model)
+    total = sum(p.numel() for p in params)
+    partial = next(p for p in variants(("fsdp",), (), False) if p.tune_ratio)
+    tried = placement._ratios(partial, shape)
+    assert tried and all(0 < r < 1 for r in tried)
+    for ratio in tried:  # what the run would put on the host for this row
+        held = sum(p.numel() for p in params if id(p) in host_split(params, ratio))
+        assert held / total == pytest.approx(ratio, abs=1e-12)
+    assert max(tried) < 0.21  # the blocks' share (1 - 64000/80640): 72% is not among them
+    table = plan_placements(candidates(0.0001), [partial], shape, "fp32", 1, machine(device_gib=1, host_gib=1))
+    row = table[0]
+    held = sum(p.numel() for p in params if id(p) in host_split(params, row.offload_optimizer_ratio))
+    assert f"{held / total:.0%}→host" in row.name

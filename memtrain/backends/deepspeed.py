@@ -62,6 +62,13 @@ STAGING_LIMIT_BYTES = 4 * 10**9
 """The largest flat partition DeepSpeed serialises at once (its default sub-group of 1e9 fp32 elements)."""
 
 
+def offload_ratio(shape: ModelShape, ratio: float) -> float:
+    """The share of the optimizer state on the host when ``ratio`` is asked for: ZeRO-3's partial
+    offload splits the optimizer's sub-groups, sized from the ratio
+    (:func:`memtrain.backends.ds_partial_offload.sub_group_size`), so the ratio itself."""
+    return ratio
+
+
 def variant_label(zero_stage) -> str:
     """The engine's word in a placement's name (``memtrain plan``'s table)."""
     return f"zero{zero_stage}"

@@ -25,7 +25,8 @@ from memtrain.backends.spec import EngineVariant
 from memtrain.checkpoint.formats import format_module
 from memtrain.distributed import ProcessState
 from memtrain.errors import ConfigError
-from memtrain.memory.accounting import ModelShape, fsdp_state_bytes, model_shape, sharded_optimizer_bytes
+from memtrain.memory.accounting import (ModelShape, fsdp_state_bytes, model_shape, offloaded_parameter_count,
+                                       sharded_optimizer_bytes)
 from memtrain.memory.machine import HOST_DEVICE_BYTES_PER_S, Machine
 from memtrain.models import repeated_blocks
 from memtrain.offload_optimizer import from_optimizer
@@ -51,6 +52,17 @@ SETTINGS = ("reshard_after_forward",)
 """The engine settings that are levers (:mod:`memtrain.levers.engine_settings`)."""
 READS_DEEPSPEED_CONFIG = False
 """Whether ``backend.deepspeed_config`` (the user's DeepSpeed JSON) sets this engine's stage and offload."""
+
+
+def offload_ratio(shape: ModelShape, ratio: float) -> float:
+    """The share of the optimizer state's elements on the host when ``ratio`` is asked for: memtrain's
+    optimizer offload holds whole parameters, the last of the model
+    (:func:`memtrain.memory.accounting.offloaded_parameter_count` of ``shape.numels``), so the
+    share is what those hold (``ratio`` itself when the shape has no per-parameter counts)."""
+    if not shape.numels:
+        return ratio
+    count = offloaded_parameter_count(list(shape.numels), ratio)
+    return sum(shape.numels[len(shape.numels) - count:]) / sum(shape.numels) if count else 0.0
 
 
 def variant_label(zero_stage) -> str:

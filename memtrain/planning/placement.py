@@ -232,8 +232,7 @@ def plan_placements(candidates, pool: list[Placement], shape: ModelShape,
     plans_of = candidates if callable(candidates) else lambda p: candidates
     for p in pool:
         best = None
-        ratios = [round(i * RATIO_STEP, 4) for i in range(1, round(1 / RATIO_STEP))] if p.tune_ratio \
-            else [p.offload_optimizer_ratio]  # a partial offload: every fraction below 1
+        ratios = _ratios(p, shape)
         for ratio in ratios:
             trial = dataclasses.replace(p, offload_optimizer_ratio=ratio, state_dtype_s=None)
             for c in plans_of(p):
@@ -246,6 +245,19 @@ def plan_placements(candidates, pool: list[Placement], shape: ModelShape,
     if best is not None:
         best.chosen = True
     return pool
+
+
+def _ratios(p: Placement, shape: ModelShape) -> list[float]:
+    """The host shares of the optimizer state to try for ``p``: its own, or for a partial offload
+    (``tune_ratio``) each fraction below 1 by :data:`RATIO_STEP` as its engine can hold it (the
+    engine module's ``offload_ratio``: FSDP2's offload holds whole parameters), distinct and below
+    1 — so the placement planned, its name and the run's split are one ratio."""
+    if not p.tune_ratio:
+        return [p.offload_optimizer_ratio]
+    held = engine_module(p.engine).offload_ratio
+    ratios = sorted({r for r in (held(shape, round(i * RATIO_STEP, 4)) for i in range(1, round(1 / RATIO_STEP)))
+                     if 0 < r < 1})
+    return ratios or [held(shape, p.offload_optimizer_ratio)]  # no share below 1 (a model of one parameter)
 
 
 LOSSY_MARGIN = 0.05
