@@ -20,7 +20,9 @@ checkpoint I/O.
 On a GPU each step runs with ``--results``: every row is appended, and on disk, as soon as it
 exists, to ``<name>-<gpu name>.jsonl`` (``nvidia-h100-80gb-hbm3`` say) in ``--out DIR`` (default
 ``benchmarks/results/``), each row with its commit. Each step has its own time limit; a step that
-fails or runs out of time keeps the rows it wrote, is reported, and the suite goes on. Each step's
+fails or runs out of time keeps the rows it wrote, is reported, and the suite goes on (a DeepSpeed
+op build the time limit stopped has its lock removed, so the next step does not wait on it; the
+``cuda_tests`` step, ``-m cuda``, builds no op). Each step's
 status rows go to ``DIR/gpu_suite.jsonl`` when it starts and ends; a rerun of a part into the same
 folder skips the steps an earlier run started (their rows are kept and never written twice; one
 that failed, ran out of time or was cut is still reported as failed), so a part cut short (the
@@ -50,6 +52,7 @@ from pathlib import Path
 from typing import Optional
 
 from common import FORK_SERVER_VAR, REPO, RESULTS, RESULTS_DIR_VAR, device_name, fork_server, provenance
+from memtrain.backends.op_locks import JIT_BUILDERS, clear_stale_locks
 from tables import staleness
 
 PART_BUDGET_S = 540
@@ -133,6 +136,9 @@ def run_step(step: Step, cmd: list[str], limit_s: float, env: Optional[dict] = N
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
             code, timed_out = None, True
+            # a DeepSpeed op build the kill stopped leaves its lock, on which every later step would wait
+            cleared = clear_stale_locks(JIT_BUILDERS, grace_s=0)
+            err += "".join(f"\ngpu_suite: removed {lock}, left by a build the time limit stopped" for lock in cleared)
     rows, nothing_tested = [], cmd[1:3] == ["-m", "pytest"] and code == 0 and not re.search(r"\b\d+ passed\b", out)
     for line in out.splitlines():
         if line.startswith("{"):

@@ -178,11 +178,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def deepspeed_ops():
+def deepspeed_ops(request):
     """The background build of :func:`_build_deepspeed_ops`, waited for at the end of the session
-    (stopped mid-build it would leave its lock behind, and later loads would wait on it)."""
+    (stopped mid-build it would leave its lock behind, and later loads would wait on it). Not
+    started for the CUDA tests alone (``-m cuda``: the GPU suite's ``cuda_tests`` step), which load
+    no DeepSpeed op: a step cut at its time limit then leaves no build behind."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker not in (None, "gw0"):  # one build per session: the first worker's
+    # one build per session (the first worker's), none for the CUDA tests alone
+    if worker not in (None, "gw0") or request.config.getoption("markexpr", "") == "cuda":
         yield None
         return
     proc = _build_deepspeed_ops(19 if worker is None else 0)

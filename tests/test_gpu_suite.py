@@ -120,3 +120,21 @@ def test_a_test_step_whose_tests_were_all_skipped_is_not_a_pass(tmp_path, monkey
         assert main(["--device", "cpu", "--quick", "--part", "1", "--out", str(out / path.stem)]) == expected
     status = [json.loads(line) for line in (out / "test_skipped" / STATUS).read_text().splitlines()]
     assert "every test was skipped" in status[-1]["nothing_tested"]
+
+
+@pytest.mark.timeout(120)
+def test_a_step_cut_at_its_limit_leaves_no_deepspeed_build_lock(tmp_path, monkeypatch):
+    """A step killed while it builds a DeepSpeed op (a stand-in: it takes the op folder's lock, as
+    torch's extension loader does, and sleeps past the limit) leaves the lock, on which every later
+    DeepSpeed step would wait forever; the suite removes it after the kill and says so."""
+    pytest.importorskip("deepspeed")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    folder = tmp_path / "ext" / "cpu_adam"  # torch's folder for CPU Adam under TORCH_EXTENSIONS_DIR
+    building = ("-c", f"import os, time; os.makedirs({str(folder)!r}); open({str(folder / 'lock')!r}, 'w').close(); "
+                      "print('locked', flush=True); time.sleep(60)")
+    monkeypatch.setattr(gpu_suite, "STEPS", (Step("builds", None, building, 400, part=1),))
+    out = tmp_path / "out"
+    assert main(["--device", "cpu", "--quick", "--part", "1", "--out", str(out), "--budget_s", "8"]) == 1
+    ended = [json.loads(line) for line in (out / STATUS).read_text().splitlines()][-1]
+    assert ended["timed_out"] and "left by a build the time limit stopped" in ended["stderr_tail"]
+    assert folder.is_dir() and not (folder / "lock").exists()

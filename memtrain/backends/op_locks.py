@@ -26,6 +26,9 @@ from memtrain.memory.machine import deepspeed_op_folders
 
 log = logging.getLogger("memtrain")
 
+JIT_BUILDERS = ("CPUAdamBuilder", "ShareMemCommBuilder", "FusedAdamBuilder")
+"""The DeepSpeed ops a memtrain run may build the first time it needs them (CPU Adam for offload,
+the CPU collectives, the fused GPU Adam)."""
 LOCK_GRACE_S = 120.0
 """Seconds since the last change in a build folder for which its lock, with no process working
 there, is still taken for a build starting up or loading what it built."""
@@ -42,20 +45,23 @@ def _working_dirs() -> list[str]:
 
 
 def stale_lock(folder: str, now: Optional[float] = None,
-               working_dirs: Optional[Callable[[], Iterable[str]]] = None) -> Optional[str]:
+               working_dirs: Optional[Callable[[], Iterable[str]]] = None,
+               grace_s: float = LOCK_GRACE_S) -> Optional[str]:
     """The path of ``folder``'s build lock if it is stale, else None (no lock, or a build holds it).
 
     Args:
         folder: an op's build folder (:func:`memtrain.memory.machine.deepspeed_op_folders`).
         now: the time to age the lock against (seconds since the epoch; None = now).
         working_dirs: the machine's processes' working folders (None = read them; for tests).
+        grace_s: :data:`LOCK_GRACE_S`, or 0 where the caller has just ended the builder itself
+            (``benchmarks/gpu_suite.py`` after killing a step at its time limit).
     """
     lock = os.path.join(folder, "lock")
     try:
         changed = max(os.stat(os.path.join(folder, name)).st_mtime for name in os.listdir(folder))
     except (OSError, ValueError):  # no lock (or the folder went)
         return None
-    if not os.path.exists(lock) or (time.time() if now is None else now) - changed < LOCK_GRACE_S:
+    if not os.path.exists(lock) or (time.time() if now is None else now) - changed < grace_s:
         return None
     inside = os.path.realpath(folder)
     for cwd in (_working_dirs if working_dirs is None else working_dirs)():
@@ -64,15 +70,15 @@ def stale_lock(folder: str, now: Optional[float] = None,
     return lock
 
 
-def clear_stale_locks(builder_names: Iterable[str]) -> list[str]:
-    """Remove the stale build locks (:func:`stale_lock`) of the DeepSpeed ops ``builder_names``
-    (e.g. ``ShareMemCommBuilder``, ``CPUAdamBuilder``), each named in a warning; a lock that
-    cannot be removed is named with the command that removes it. Returns the locks removed.
-    Called by global rank 0 before ``deepspeed.initialize``."""
+def clear_stale_locks(builder_names: Iterable[str], grace_s: float = LOCK_GRACE_S) -> list[str]:
+    """Remove the stale build locks (:func:`stale_lock`, with ``grace_s``) of the DeepSpeed ops
+    ``builder_names`` (e.g. ``ShareMemCommBuilder``, ``CPUAdamBuilder``), each named in a warning;
+    a lock that cannot be removed is named with the command that removes it. Returns the locks
+    removed. Called by global rank 0 before ``deepspeed.initialize``."""
     removed = []
     for name in builder_names:
         for folder in deepspeed_op_folders(name) or []:
-            lock = stale_lock(folder)
+            lock = stale_lock(folder, grace_s=grace_s)
             if lock is None:
                 continue
             try:
