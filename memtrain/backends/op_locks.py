@@ -89,6 +89,6 @@ def clear_stale_locks(builder_names: Iterable[str], grace_s: float = LOCK_GRACE_
                             lock, exc.strerror)
                 continue
             log.warning("memtrain: removed %s, left by a DeepSpeed op build that was stopped (no process builds "
-                        "in its folder); the op is built again", lock)
+                        "in its folder); DeepSpeed builds the op again where that build did not finish", lock)
             removed.append(lock)
     return removed
