@@ -278,7 +278,8 @@ def main(argv=None) -> int:
             if out:
                 record_status(out, results[-1])
         print(json.dumps(results[-1]), flush=True)
-    failed = [r["step"] for r in results if r.get("returncode") not in (0, None) or r.get("timed_out") or r.get("nothing_tested")
+    failed = [r["step"] for r in results if r.get("returncode") not in (0, None) or r.get("timed_out")
+              or r.get("nothing_tested")
               or (r["step"] in earlier and not earlier[r["step"]])]  # an earlier run's failure is still one
     if not args.quick and out is None:
         page = tables(chosen)

@@ -29,7 +29,6 @@ from memtrain.distributed import ProcessState, prepare_libraries
 from memtrain.errors import CollectiveError, ConfigError
 from memtrain.folders import RunLock
 from memtrain.launcher import apply_accelerate_settings
-from memtrain.memory.host_limit import AVAILABLE
 from memtrain.memory.machine import run_host_limit
 from memtrain.objectives import as_objective
 from memtrain.validation import validate
@@ -74,13 +73,13 @@ def prepare_config(argv: Optional[list[str]] = None, python: Collection[str] = (
 
 
 def _host_held_to_a_hard_limit(cfg: Config) -> bool:
-    """A CPU run (the host is its device) whose host limit is a hard one (``RLIMIT_DATA``/``RLIMIT_AS``,
-    a cgroup, ``memory.host_memory_gib``; :func:`memtrain.memory.machine.run_host_limit`), not the
-    available memory: freed host memory must go back to the OS for the plan to hold
+    """A CPU run (the host is its device) whose host limit is a hard one
+    (:attr:`memtrain.memory.host_limit.HostLimit.hard` of :func:`memtrain.memory.machine.run_host_limit`):
+    freed host memory must go back to the OS for the plan to hold
     (:func:`memtrain.host_allocator.fix_thresholds` ``return_freed``)."""
     import torch
 
-    return not torch.cuda.is_available() and run_host_limit(cfg).source != AVAILABLE
+    return not torch.cuda.is_available() and run_host_limit(cfg).hard
 
 
 def run(cfg: Config, inputs=None, owns_process: bool = False):

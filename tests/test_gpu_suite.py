@@ -115,8 +115,8 @@ def test_a_test_step_whose_tests_were_all_skipped_is_not_a_pass(tmp_path, monkey
     passing.write_text("def test_a():\n    assert True\n")
     out = tmp_path / "out"
     for path, expected in ((skipped, 1), (passing, 0)):
-        monkeypatch.setattr(gpu_suite, "STEPS", (Step("cuda_tests", None, ("-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                                                          str(path)), 60, part=1),))
+        step = Step("cuda_tests", None, ("-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)), 60, part=1)
+        monkeypatch.setattr(gpu_suite, "STEPS", (step,))
         assert main(["--device", "cpu", "--quick", "--part", "1", "--out", str(out / path.stem)]) == expected
     status = [json.loads(line) for line in (out / "test_skipped" / STATUS).read_text().splitlines()]
     assert "every test was skipped" in status[-1]["nothing_tested"]

@@ -44,8 +44,8 @@ print(json.dumps({"fixed": fixed, "faults": faults[2:], "kept": kept[2:], "page_
 def faults_per_step(setting: str, kib: int = 100) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("LD_PRELOAD",
                                                                                          "GLIBC_TUNABLES")}
-    out = subprocess.run([sys.executable, "-c", STEP_SCRIPT, setting, str(kib)], capture_output=True, text=True, env=env,
-                         timeout=120, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", STEP_SCRIPT, setting, str(kib)], capture_output=True, text=True,
+                         env=env, timeout=120, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 

@@ -60,6 +60,13 @@ class HostLimit:
         return self.source in RESOURCE_LIMITS
 
     @property
+    def hard(self) -> bool:
+        """Whether a limit other than the machine's available memory binds (a resource limit, a
+        cgroup, ``memory.host_memory_gib``): past it an allocation fails or the kernel ends the
+        process, so a byte the process keeps beyond the plan is an out-of-memory error."""
+        return self.source != AVAILABLE
+
+    @property
     def share_bytes(self) -> int:
         """One rank's part of :attr:`bytes`."""
         return self.bytes // max(1, self.ranks)

@@ -105,9 +105,10 @@ def cpu_adam_built() -> bool:
 def deepspeed_op_folders(builder_name: str) -> Optional[list[str]]:
     """The folders torch's JIT build uses for the DeepSpeed op of ``builder_name``
     (``CPUAdamBuilder``, ``ShareMemCommBuilder``: the CPU collectives) on this machine's
-    accelerator, those that exist (``<extensions root>/py3XY_<device>/<op>``; an interrupted build
-    leaves its ``lock`` there; ``$TORCH_EXTENSIONS_DIR/<op>`` where that is set); None when the op loads without a build (installed prebuilt, or no
-    such op for this accelerator) or DeepSpeed is not installed."""
+    accelerator, those that exist (``<extensions root>/py3XY_<device>/<op>``, or
+    ``$TORCH_EXTENSIONS_DIR/<op>`` where that is set; an interrupted build leaves its ``lock``
+    there); None when the op loads without a build (installed prebuilt, or no such op for this
+    accelerator) or DeepSpeed is not installed."""
     import glob
     import importlib.util
     import os
