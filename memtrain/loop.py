@@ -17,7 +17,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 from torch import nn
@@ -310,9 +310,12 @@ class TrainingLoop(RunOutputs):
                 {"budget_bytes": planner.budget_bytes, "budget_source": planner.budget_source,
                  "candidates": [c.as_dict() for c in planner.candidates]}, indent=1))
 
-    def _probe(self, candidate) -> Optional[float]:
-        """The planner's prober: the current rank batch's forward and backward at ``candidate``, timed."""
-        return time_step(self.model, self.engine, self.probe_batch, candidate.plan, self.objective, self.sync, self.faults,
+    def _probe(self, candidate, samples: int) -> Optional[float]:
+        """The planner's prober: the forward and backward of the current rank batch's first
+        ``samples`` at ``candidate``'s micro-batch and levers, timed (seconds; None = out of memory)."""
+        batch = {k: v[:samples] for k, v in self.probe_batch.items()}
+        plan = replace(candidate.plan, gradient_accumulation_steps=samples // candidate.micro_batch_size)
+        return time_step(self.model, self.engine, batch, plan, self.objective, self.sync, self.faults,
                          apply_plan=self.transforms.apply_plan)
 
     def _rank_batch(self, cursor) -> dict:

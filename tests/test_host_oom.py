@@ -32,14 +32,15 @@ micro-batch, not the given one."""
 
 
 def _job(output_dir, cache_dir) -> list[str]:
-    """The job: a 0.14M-parameter GPT-2, 128-token sequences, a 512-sequence global batch."""
+    """The job: a 0.14M-parameter GPT-2, 128-token sequences, a 512-sequence global batch; activation
+    checkpointing off, so a recovery halves the micro-batch (and the planner times half the plans)."""
     return ["--config", str(REPO / "recipes" / "code_lm_tiny.yaml"), "--precision", "fp32",
             "--data.max_bytes", "300000", "--data.vocab_size", "512", "--data.seq_len", "128",
             "--data.cache_dir", str(cache_dir), "--model.config.n_layer", "2", "--model.config.n_embd", "64",
             "--model.config.n_head", "2", "--model.config.n_positions", "128",
             "--training.global_batch_size", "512", "--training.max_steps", "2", "--training.warmup_steps", "2",
             "--training.eval_every", "0", "--training.eval_samples", "8", "--checkpoint.every_steps", "0",
-            "--backend.timeout_s", "120", "--output_dir", str(output_dir)]
+            "--memory.activation_checkpointing", "off", "--backend.timeout_s", "120", "--output_dir", str(output_dir)]
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +108,7 @@ def test_one_rank_recovers_and_auto_plans_inside_the_limit(tmp_path, cache_dir, 
     records = read_metrics(tmp_path / "fixed")
     assert _recovered(records)["old"] == "512×1"
     _same_training(records, records_ref)
-    auto = limited(*_job(tmp_path / "auto", cache_dir), "--training.micro_batch_size", "auto",
-                   "--memory.activation_checkpointing", "off")
+    auto = limited(*_job(tmp_path / "auto", cache_dir), "--training.micro_batch_size", "auto")
     assert auto.returncode == 0, auto.stderr[-3000:]
     plan = json.loads((tmp_path / "auto" / "plan.json").read_text())
     assert plan["budget_source"] == "RLIMIT_DATA" and 0 < plan["budget_bytes"] < limit

@@ -45,15 +45,16 @@ def table(budget=None):
 
 
 def timed(seconds: dict):
-    """A prober returning step seconds (accumulation × micro-batch seconds) per (micro, ac),
-    recording the calls."""
+    """A prober returning the seconds of the samples it is asked to time (micro-batches ×
+    micro-batch seconds) per (micro, ac), recording the calls and the samples asked."""
     calls = []
 
-    def prober(c: Candidate):
+    def prober(c: Candidate, samples: int):
         calls.append(key(c))
-        return None if key(c) not in seconds else seconds[key(c)] * c.gradient_accumulation_steps
+        prober.samples.append(samples)
+        return None if key(c) not in seconds else seconds[key(c)] * (samples // c.micro_batch_size)
 
-    prober.calls = calls
+    prober.calls, prober.samples = calls, []
     return prober
 
 
@@ -87,12 +88,27 @@ def test_initial_times_every_fitting_candidate_and_takes_the_fastest():
     assert sum(c.chosen for c in planner.candidates) == 1
 
 
+def test_a_probe_times_one_micro_batch_of_the_largest_fitting_plan_and_scales_to_the_step():
+    """When the largest plan that fits accumulates, a probe is part of a step: every candidate is
+    timed on the same samples, one micro-batch of that plan (here 2 of the rank's 8), and its
+    time scaled to the whole rank batch is the step's (micro-batches × micro-batch seconds)."""
+    cands = make_candidates(8, AC("off"), MiB, by_ac(lambda micro, ac: micro * MiB), "cpu", 3 * MiB)
+    planner = Planner(cands, 3 * MiB, timed(SECONDS))
+    assert key(planner.initial()) == (2, False)
+    assert set(planner.prober.samples) == {2} and set(planner.prober.calls) == {(2, False), (1, False)}
+    for m in (2, 1):
+        assert planner.get(P(m, False)).measured_step_s == pytest.approx(SECONDS[(m, False)] * 8 / m)
+    everything = Planner(table(), None, timed(SECONDS))  # the largest fitting plan is the rank batch
+    everything.initial()
+    assert set(everything.prober.samples) == {8}
+
+
 def test_the_first_probe_is_a_warm_up_whose_time_is_not_kept():
     """A cold first step (allocator, engine set-up) must not make the first candidate look slow:
     the better of its two probes counts."""
     seconds = iter([10.0, 1.0, 1.2, 1.1, 1.3, 1.1, 1.3])  # cold, then warm: (8, AC) is the faster plan
 
-    def prober(c):
+    def prober(c, samples):
         return next(seconds)
 
     planner = Planner(table()[1::2][:2], None, prober)  # (8, AC) and (4, AC)
@@ -105,7 +121,7 @@ def test_contenders_are_timed_again_and_keep_their_best_time():
     one further off is not probed again."""
     seconds = iter([1.0, 1.0, 1.6, 1.2, 1.3, 0.9, 0.95, 1.1])  # (8, AC): warm-up, 1.0; (4, AC) 1.6,
     # (2, AC) 1.2; the two within 1.5× again: (8, AC) 1.3, (2, AC) 0.9; within 1.25× a third time
-    planner = Planner(table()[1::2][:3], None, lambda c: next(seconds))  # (8, AC), (4, AC), (2, AC)
+    planner = Planner(table()[1::2][:3], None, lambda c, samples: next(seconds))  # (8, AC), (4, AC), (2, AC)
     chosen = planner.initial()
     assert key(chosen) == (2, True) and chosen.measured_step_s == 0.9  # 1.2, then 0.9 on its second probe
     assert planner.get(P(8, True)).measured_step_s == 1.0 and planner.get(P(4, True)).measured_step_s == 1.6
@@ -118,7 +134,7 @@ def test_a_plan_slowed_by_the_warm_up_is_timed_again_and_wins():
     true_s = {(8, True): 1.0, (4, True): 1.2, (2, True): 1.3}
     calls = []
 
-    def prober(c):  # the first two probes run 1.4× slow
+    def prober(c, samples):  # the first two probes run 1.4× slow
         calls.append(key(c))
         return true_s[key(c)] * (1.4 if len(calls) <= 2 else 1.0)
 
@@ -134,7 +150,7 @@ def test_close_contenders_still_slowed_after_an_oom_get_a_third_probe():
     slow = {0: 1.6, 1: 1.6, 6: 1.3}  # by call: (8, AC)'s warm-up and first probe, its second probe
     calls = []
 
-    def prober(c):
+    def prober(c, samples):
         calls.append(key(c))
         return true_s[key(c)] * slow.get(len(calls) - 1, 1.0)
 
@@ -206,7 +222,7 @@ def test_controller_with_planner_oom_grow_back_and_state():
 def test_controller_halves_when_the_planner_predicts_nothing_fits_then_stops():
     """A prediction never ends a run that halving could save: with every probe out of memory the
     controller halves, turns AC on at micro-batch 1, and only then stops."""
-    planner = Planner(make_candidates(2, AC("auto"), MiB, by_ac(lambda m, ac: m * MiB), "cpu", None), None, lambda c: None)
+    planner = Planner(make_candidates(2, AC("auto"), MiB, by_ac(lambda m, ac: m * MiB), "cpu", None), None, lambda c, samples: None)
     ctl = controller(2, 2, "auto", 0, planner)
     assert ctl.on_oom("forward").event == "oom_shrink" and ctl.plan.micro_batch_size == 1
     assert ctl.on_oom("forward").event == "activation_checkpointing_on"
@@ -449,9 +465,9 @@ def test_the_solver_shortlist_times_fewer_plans_and_finds_the_fastest():
     seconds = {(m, ac): (0.1 + 0.1 * m) * cost[ac] for m in (1, 2, 4, 8) for ac in SOLVER_CHOICES}
     calls = []
 
-    def prober(c):
+    def prober(c, samples):
         calls.append(c)
-        return seconds[(c.micro_batch_size, c.plan.lever("activation_checkpointing"))] * c.gradient_accumulation_steps
+        return seconds[(c.micro_batch_size, c.plan.lever("activation_checkpointing"))] * (samples // c.micro_batch_size)
 
     every = Planner(cands(), 3 * MiB, prober)
     best = every.initial()

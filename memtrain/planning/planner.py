@@ -17,9 +17,12 @@ and on). For each the planner predicts the peak device memory and measures the s
   ``benchmarks/memory_accuracy.py`` checks it against torch's ``MemTracker`` on real runs. On
   CUDA a candidate whose offloaded activations need more pinned host memory than a rank has
   (:func:`memtrain.memory.machine.offload_host_room_bytes`) does not fit either.
-- **Step time, measured.** A run times the forward and backward of a whole rank batch (every
-  micro-batch and the gradient reduction, no optimizer step) at each candidate predicted to
-  fit, on the real engine and data; the seconds are averaged over ranks, so every rank holds
+- **Step time, measured.** A run times the forward and backward of the first samples of a rank
+  batch (every micro-batch of them and the gradient reduction, no optimizer step) at each
+  candidate predicted to fit, on the real engine and data, and scales the seconds to the whole
+  rank batch (:meth:`Planner.probe_samples`: one micro-batch of the largest fitting plan, the
+  same samples for every candidate, so a probe costs a fraction of a step when that micro-batch
+  is a fraction of the rank batch); the seconds are averaged over ranks, so every rank holds
   the same table and takes the same decision. AC's recompute cost and each engine's cost per
   micro-batch (ZeRO-3's gathers, DDP's single reduction) are in that time.
   ``memtrain plan`` (no run) estimates seconds from FLOPs instead (:func:`estimated_step_s`).
@@ -36,6 +39,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
@@ -60,6 +64,12 @@ CONTENDER_RATIO = 1.5
 """A candidate whose first probe took at most this × the fastest first probe is timed again: the
 first probes of a process (or after an OOM) run while the machine and the engine warm up, and a
 step time varies by tens of percent on a busy host, so one probe cannot rule it out."""
+
+PROBE_MICRO_BATCHES = 1
+"""A probe runs this many micro-batches of the largest plan it may time: fewer samples than the
+rank batch when that plan accumulates, and every smaller candidate accumulates over the same
+samples (:meth:`Planner.probe_samples`), so each probe ends with one gradient reduction and that
+reduction weighs the same in every candidate's time scaled to the rank batch."""
 CLOSE_RATIO = 1.25
 """Candidates whose best of two probes is within this × the fastest are timed a third time (a
 plan still slowed by the warm-up after an OOM was measured 1.2–1.6× its settled time)."""
@@ -228,9 +238,10 @@ class Planner:
     Args:
         candidates: from :func:`make_candidates`.
         budget_bytes: device bytes a rank may use (None = unbounded).
-        prober: ``prober(candidate) -> seconds or None``: times a step's forward and backward at
-            the candidate on the real engine (None when it ran out of memory); set by the loop.
-            None = no timing.
+        prober: ``prober(candidate, samples) -> seconds or None``: times the forward and backward
+            of the first ``samples`` of a rank batch (a multiple of the candidate's micro-batch)
+            at the candidate on the real engine (None when it ran out of memory); set by the
+            loop. None = no timing.
         shortlist: time fewer candidates (``memory.levers auto``, whose lever combinations
             multiply them): the largest fitting micro-batch of each combination, then the other
             micro-batches of the fastest combination only (:meth:`measure_shortlist`).
@@ -258,6 +269,7 @@ class Planner:
         self.prober = prober
         self.shortlist = shortlist
         self._warmed_up = False  # the process's first probe runs twice (cold start)
+        self._probe_unit: Optional[int] = None  # fixed at the first probe: see probe_samples
 
     def restrict_budget(self, budget_bytes: Optional[int], host_room_bytes: Optional[int] = None) -> None:
         """Plan for ``budget_bytes`` (e.g. the smallest of all ranks' budgets) and ``host_room_bytes``
@@ -284,12 +296,12 @@ class Planner:
         """Time each not yet measured candidate of ``pool`` (largest micro-batch first), then
         again the contenders, each keeping its best time: once more each within
         :data:`CONTENDER_RATIO` × the fastest (at least the two fastest), and a third time each
-        still within :data:`CLOSE_RATIO` × the fastest when two or more are. A probe is one step
-        on a machine whose step times vary by tens of percent, and the first probes, which are of
-        the largest (usually fastest) micro-batches, run while the process still warms up (after
-        an OOM, for several steps). The process's first probe runs twice too (its first run pays
-        for the allocator and the engine's set-up). A candidate that runs out of memory no longer
-        fits and lowers the bound."""
+        still within :data:`CLOSE_RATIO` × the fastest when two or more are. A probe is a step,
+        or part of one (:meth:`probe_samples`), on a machine whose step times vary by tens of
+        percent, and the first probes, which are of the largest (usually fastest) micro-batches,
+        run while the process still warms up (after an OOM, for several steps). The process's
+        first probe runs twice too (its first run pays for the allocator and the engine's
+        set-up). A candidate that runs out of memory no longer fits and lowers the bound."""
         if self.prober is None:
             return
         timed = []
@@ -317,12 +329,32 @@ class Planner:
             for c in contenders:
                 self._time(c)
 
+    def probe_samples(self, c: Candidate) -> int:
+        """Samples a probe of ``c`` times: :data:`PROBE_MICRO_BATCHES` × the least common multiple
+        of the micro-batches that fit at the table's first probe (the largest of them when they
+        are powers of two), or that multiple once when the product does not divide the rank
+        batch; never more than the rank batch. The same for every candidate of the table (a later
+        candidate whose micro-batch does not divide it gets a multiple of both), so scaled times
+        compare alike.
+
+        Returns:
+            Samples (a multiple of ``c.micro_batch_size`` dividing the rank batch).
+        """
+        per_rank = self._per_rank_batch()
+        if self._probe_unit is None:
+            self._probe_unit = math.lcm(*(f.micro_batch_size for f in self.fitting()), c.micro_batch_size)
+        unit = math.lcm(self._probe_unit, c.micro_batch_size)
+        return unit * PROBE_MICRO_BATCHES if per_rank % (unit * PROBE_MICRO_BATCHES) == 0 else unit
+
     def _time(self, c: Candidate) -> bool:
-        """One probe of ``c``: keeps its best time so far; False (and refuted) when it ran out of memory."""
-        seconds = self.prober(c)
+        """One probe of ``c``, scaled to a whole rank batch: keeps its best time so far; False (and
+        refuted) when it ran out of memory."""
+        samples = self.probe_samples(c)
+        seconds = self.prober(c, samples)
         if seconds is None:
             self.refute(c)
             return False
+        seconds *= self._per_rank_batch() / samples
         if self.copy_bytes_per_s is not None:
             seconds += copy_s(c, self.copy_bytes_per_s)
         c.measured_step_s = seconds if c.measured_step_s is None else min(seconds, c.measured_step_s)
