@@ -33,7 +33,7 @@ from memtrain.loop import TrainingLoop
 from memtrain.memory.accounting import device_state_bytes
 from memtrain.memory.breakdown import MemoryBreakdown
 from memtrain.memory.machine import run_host_limit
-from memtrain.planning.placement import resolve as resolve_placement
+from memtrain.planning.run_placement import resolve as resolve_placement
 from memtrain.planning.planner import build_planner
 from memtrain.models import ModelSource, count_parameters
 from memtrain.objectives import make_objective

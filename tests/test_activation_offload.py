@@ -164,7 +164,8 @@ def test_the_planner_charges_the_copies_a_cpu_run_cannot_time():
     def table(rate):
         plain = Candidate(Plan(4, 2, (("activation_offload", "off"),)), 10 * MiB, 8 * MiB)
         moving = Candidate(Plan(4, 2, (("activation_offload", "on"),)), 3 * MiB, 1 * MiB, offloaded_bytes=100 * MiB)
-        planner = Planner([plain, moving], None, prober=lambda c, samples: 1.0, copy_bytes_per_s=rate)
+        planner = Planner([plain, moving], None, prober=lambda c, samples: samples / 8,  # a 1 s step
+                          copy_bytes_per_s=rate)
         planner.measure(planner.fitting())
         return plain, moving, planner
 

@@ -59,8 +59,8 @@ def test_a_new_lever_is_planned_recovered_and_logged_without_other_changes(with_
         (m, h) for m in (4, 2, 1) for h in (False, True)]
     assert candidates[1].as_dict()["halve_activations"] is True
     seconds = {False: 1.0, True: 1.1}  # per micro-batch; halving costs a tenth more
-    planner = Planner(candidates, 3 * MiB, lambda c: seconds[c.plan.lever("halve_activations")] *
-                      c.gradient_accumulation_steps)
+    planner = Planner(candidates, 3 * MiB, lambda c, samples: seconds[c.plan.lever("halve_activations")] *
+                      (samples // c.micro_batch_size))
     chosen = planner.initial()
     assert (chosen.micro_batch_size, chosen.plan.lever("halve_activations")) == (4, True)  # 3 MiB: 4 only halved
 

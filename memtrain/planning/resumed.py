@@ -1,7 +1,7 @@
 """What a resumed run keeps of the placement its checkpoint was written with (the engine, ZeRO
 stage, offload and the optimizer state dtype the placement planner chose): read from the
 manifest of the checkpoint the run will resume, before the model is built
-(:func:`memtrain.planning.placement.resolve`)."""
+(:func:`memtrain.planning.run_placement.resolve`)."""
 
 from __future__ import annotations
 
