@@ -2,6 +2,7 @@
 DeepSpeed optimizer-offload config, Llama shapes, bf16, sequence 1024, global batch 16.
 
     python benchmarks/largest_model.py --plan [--results]                 # predictions only, any machine
+    python benchmarks/largest_model.py --plan --shapes 13b --extra "--memory.allow_lossy_levers true --memory.levers auto"
     python benchmarks/largest_model.py --shapes 6.7b,10b [--results]      # one GPU: 20 steps each, alternating
     python benchmarks/largest_model.py --device cpu --shapes tiny         # the same code path on a CPU
 
@@ -50,10 +51,10 @@ def shape_args(shape: str, device: str, steps: int) -> list[str]:
     return args
 
 
-def plan(shape: str, gpu_gib: float, host_gib: float) -> dict:
-    """``memtrain plan --json`` of ``shape``: the placement rows."""
+def plan(shape: str, gpu_gib: float, host_gib: float, extra: list[str]) -> dict:
+    """``memtrain plan --json`` of ``shape`` (with the memtrain arguments ``extra``): the placement rows."""
     out = run_cli(["plan", *shape_args(shape, "cuda", 20), "--backend.offload", "auto", "--gpu_memory_gib",
-                   str(gpu_gib), "--host_memory_gib", str(host_gib), "--json"], ok_codes=(0, 3))  # 3: nothing fits
+                   str(gpu_gib), "--host_memory_gib", str(host_gib), *extra, "--json"], ok_codes=(0, 3))  # 3: nothing fits
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     return {"placements": [r for r in rows if r.get("placement")]}
 
@@ -142,8 +143,9 @@ def main(argv=None) -> int:
     if args.plan:
         for shape in shapes:
             emit("largest_model_plan", "cpu", {"shape": shape, "gpu_memory_gib": args.gpu_memory_gib,
-                                                "host_memory_gib": args.host_memory_gib,
-                                                **plan(shape, args.gpu_memory_gib, args.host_memory_gib)}, args.results)
+                                                "host_memory_gib": args.host_memory_gib, "extra": args.extra,
+                                                **plan(shape, args.gpu_memory_gib, args.host_memory_gib,
+                                                       args.extra.split())}, args.results)
         return 0
     for shape in shapes:
         runs: dict[str, list[dict]] = {c: [] for c in CONFIGS}

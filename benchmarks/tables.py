@@ -127,18 +127,20 @@ def oom_stress_host_limit(device: str) -> str:
 
 
 def largest_model_plan() -> str:
-    """The placements ``benchmarks/largest_model.py --plan`` printed, newest row per shape."""
-    rows: dict[str, dict] = {}
+    """The placements ``benchmarks/largest_model.py --plan`` printed, newest row per shape and
+    ``--extra`` (a row planned with extra arguments names them beside its shape)."""
+    rows: dict[tuple, dict] = {}
     with open(RESULTS / "largest_model_plan-cpu.jsonl") as fh:
         for line in fh:
             row = json.loads(line)
-            rows[row["shape"]] = row
+            rows[row["shape"], row.get("extra", "")] = row
     out = ["| shape (parameters) | placement | micro × accum | AC | GPU GiB | host GiB | predicted s/step | fits |",
            "|---|---|---|---|---|---|---|---|"]
-    for shape, row in rows.items():
+    for (shape, extra), row in rows.items():
         for p in row["placements"]:
             fits = "**chosen**" if p["chosen"] else "yes" if p["fits"] else "no (GPU)" if not p["fits_device"] else "no (host)"
-            out.append(f"| {shape} ({p.get('parameters', 0) / 1e9:.2f}B) | {p['name']} | {p['micro_batch_size']} × "
+            label = f"{shape} ({p.get('parameters', 0) / 1e9:.2f}B)" + (f", `{extra}`" if extra else "")
+            out.append(f"| {label} | {p['name']} | {p['micro_batch_size']} × "
                        f"{p['gradient_accumulation_steps']} | {setting(p['activation_checkpointing'])} "
                        f"| {p['device_bytes'] / 2**30:.1f} | {p['host_bytes'] / 2**30:.1f} | {p['predicted_step_s']:.2f} | {fits} |")
     return "\n".join(out)
