@@ -7,6 +7,7 @@
     python benchmarks/gpu_suite.py --only oom_stress,overhead
     python benchmarks/gpu_suite.py --device cpu --quick     # the plumbing on a CPU (the tests): each benchmark
                                                             # at its --quick size; writes no results and no tables
+    python benchmarks/gpu_suite.py --rehearse [--part 1]    # the GPU parts rehearsed on this CPU, rows into --out
 
 GPU time is scarce (about 15 minutes on one H100 in all, start-up included, at most 10 minutes a
 command), so the steps come in two parts whose time limits add up to :data:`PART_BUDGET_S` (540 s)
@@ -35,6 +36,14 @@ One JSON row per step on stdout: ``step``, ``part``, ``command``, ``returncode``
 step whose tests all skipped (a failure, not a pass); last a ``summary`` row. Without a CUDA device
 ``--device cuda`` (the default) is refused at once (exit 2; the CPU path is ``--device cpu
 --quick``), and so is an ``--out`` folder that cannot be written.
+
+``--rehearse`` runs the GPU steps of the parts (or of ``--part``) end to end on this CPU, so that a
+plumbing error costs CPU minutes, not GPU minutes: the same orchestration, each benchmark at its
+smallest size under its GPU time limit, rows and status into ``--out`` (default: a new temporary
+folder, named on stderr), a rerun into it resuming as on a GPU; the CUDA tests are collected
+(imported, their fixtures' set-up) rather than run. ``--merge`` takes a rehearsal's folder only
+into another results folder (``MEMTRAIN_RESULTS_DIR``), never into benchmarks/results/: its rows
+are quick-size CPU rows.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,8 +74,9 @@ STATUS = "gpu_suite.jsonl"
 @dataclass(frozen=True)
 class Step:
     """One measurement: its command on a GPU, at the CPU quick size, its time limit on a GPU
-    (seconds), the ``benchmarks/tables.py`` table it feeds (None: its rows are the table) and its
-    part (1 or 2; 0: a CPU measurement whose plumbing alone runs here, at the quick size)."""
+    (seconds), the ``benchmarks/tables.py`` table it feeds (None: its rows are the table), its
+    part (1 or 2; 0: a CPU measurement whose plumbing alone runs here, at the quick size) and,
+    where the quick size has nothing to run, its command under ``--rehearse``."""
 
     name: str
     cuda: Optional[tuple[str, ...]]
@@ -73,11 +84,13 @@ class Step:
     limit_s: int
     table: Optional[str] = None
     part: int = 0
+    rehearse: Optional[tuple[str, ...]] = None
 
 
 STEPS = (
     # part 1: does recovery work on a real GPU, and is the memory prediction right there
-    Step("cuda_tests", ("-m", "pytest", "-q", "-rs", "-m", "cuda", "tests"), None, 90, part=1),
+    Step("cuda_tests", ("-m", "pytest", "-q", "-rs", "-m", "cuda", "tests"), None, 90, part=1,
+         rehearse=("-m", "pytest", "-q", "--collect-only", "-m", "cuda", "tests")),
     Step("oom_stress", ("benchmarks/oom_stress.py", "--device", "cuda", "--engines", "ddp,fsdp,zero3",
                         "--scenario", "steady", "--memory_cap_gib", "12", "--repeats", "1"),
          ("benchmarks/oom_stress.py", "--quick"), 300, "oom_stress", part=1),
@@ -104,10 +117,12 @@ PARTS = (1, 2)
 assert all(sum(s.limit_s for s in STEPS if s.part == part) <= PART_BUDGET_S for part in PARTS)
 
 
-def command(step: Step, quick: bool, data_cache_dir: Optional[str], out: Optional[str] = None) -> Optional[list[str]]:
+def command(step: Step, quick: bool, data_cache_dir: Optional[str], out: Optional[str] = None,
+            rehearse: bool = False) -> Optional[list[str]]:
     """The step's command line (None: nothing to run at this size); ``--results`` on a GPU, and at
-    the quick size into an ``out`` folder."""
-    args = step.quick if quick else step.cuda
+    the quick size into an ``out`` folder; under ``rehearse`` the quick size, or the step's own
+    rehearsal where the quick size has nothing."""
+    args = (step.quick or step.rehearse) if rehearse else step.quick if quick else step.cuda
     if args is None:
         return None
     extra = [] if (quick and out is None) or step.name == "cuda_tests" else ["--results"]
@@ -139,7 +154,8 @@ def run_step(step: Step, cmd: list[str], limit_s: float, env: Optional[dict] = N
             # a DeepSpeed op build the kill stopped leaves its lock, on which every later step would wait
             cleared = clear_stale_locks(JIT_BUILDERS, grace_s=0)
             err += "".join(f"\ngpu_suite: removed {lock}, left by a build the time limit stopped" for lock in cleared)
-    rows, nothing_tested = [], cmd[1:3] == ["-m", "pytest"] and code == 0 and not re.search(r"\b\d+ passed\b", out)
+    rows, nothing_tested = [], cmd[1:3] == ["-m", "pytest"] and code == 0 and not re.search(
+        r"\b\d+ passed\b" if "--collect-only" not in cmd else r"\b\d+ tests? collected\b", out)
     for line in out.splitlines():
         if line.startswith("{"):
             try:
@@ -177,6 +193,12 @@ def record_status(out: Path, result: dict) -> None:
         fh.write(json.dumps({k: v for k, v in result.items() if k != "rows"} | provenance()) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
+
+
+def rehearsed(folder: Path) -> bool:
+    """Whether ``folder``'s status rows are a ``--rehearse`` run's (its rows are CPU rows at the quick size)."""
+    path = folder / STATUS
+    return path.exists() and any('"rehearsal": true' in line for line in path.read_text().splitlines())
 
 
 def merge(folder: Path, results: Path = RESULTS) -> dict[str, int]:
@@ -236,6 +258,9 @@ def main(argv=None) -> int:
     parser.add_argument("--merge", default=None, metavar="DIR", help="append a part's --out rows to benchmarks/results/ "
                                                                      "and write the tables; run nothing")
     parser.add_argument("--data_cache_dir", default=None, help="a corpus cache for memory_accuracy to reuse")
+    parser.add_argument("--rehearse", action="store_true",
+                        help="the GPU steps of the parts end to end on this CPU at their smallest size, under their GPU "
+                             "time limits, rows into --out (default: a new temporary folder)")
     parser.add_argument("--budget_s", type=float, default=None,
                         help=f"the run's time limit in seconds (default {PART_BUDGET_S} per part); steps past it are "
                              "skipped")
@@ -245,18 +270,27 @@ def main(argv=None) -> int:
             print(json.dumps({"part": step.part, "step": step.name, "limit_s": step.limit_s}))
         return 0
     if args.merge:
+        if rehearsed(Path(args.merge)) and RESULTS.resolve() == (REPO / "benchmarks" / "results").resolve():
+            parser.error(f"--merge {args.merge}: a CPU rehearsal's rows (the quick size), not a GPU's; they never go into "
+                         f"benchmarks/results/ (set {RESULTS_DIR_VAR} to merge them into another folder)")
         added = merge(Path(args.merge))
         print(json.dumps({"merged": added}))
         devices = sorted({p.stem.split("-", 1)[1] for p in RESULTS.glob("*-*.jsonl")} - {"cpu"})  # name-<gpu>.jsonl
         if devices:  # every GPU's tables, the ones merged before included
             (RESULTS / "gpu_tables.md").write_text("\n".join(tables([s for s in STEPS if s.part], d) for d in devices))
         return 0
+    if args.rehearse:
+        args.device, args.quick = "cpu", True
+        if args.out is None:
+            args.out = tempfile.mkdtemp(prefix="memtrain-rehearse-")
+            print(f"gpu_suite: the rehearsal's rows and status go to {args.out}", file=sys.stderr)
     if args.device == "cpu" and not args.quick:
         parser.error("--device cpu runs the plumbing only: add --quick (the GPU tables need a GPU)")
     if args.device == "cuda" and not cuda_available():
         parser.error("--device cuda (the default): this machine has no CUDA device, and every step would fail or "
                      "skip; on a CPU run the plumbing: --device cpu --quick")
-    chosen = _chosen(parser, args)
+    chosen = [s for s in _chosen(parser, args) if s.part or not args.rehearse]  # a rehearsal: the GPU parts
+    mark = {"rehearsal": True} if args.rehearse else {}
     out = Path(args.out).resolve() if args.out else None
     if out is not None:
         _check_writable(parser, out)
@@ -265,7 +299,7 @@ def main(argv=None) -> int:
     budget = args.budget_s if args.budget_s is not None else PART_BUDGET_S * len({s.part for s in chosen if s.part} or {1})
     started, results = time.perf_counter(), []
     for step in chosen:
-        cmd = command(step, args.quick, args.data_cache_dir, args.out)
+        cmd = command(step, args.quick, args.data_cache_dir, args.out, args.rehearse)
         left = budget - (time.perf_counter() - started)
         if cmd is None or left <= 0 or step.name in earlier:
             results.append({"step": step.name, "part": step.part, "skipped": f"started in an earlier run into {out}"
@@ -273,10 +307,11 @@ def main(argv=None) -> int:
                             if cmd is None else "the run's time budget is spent"})
         else:
             if out:
-                record_status(out, {"step": step.name, "part": step.part, "started": True})
-            results.append(run_step(step, cmd, min(step.limit_s if not args.quick else 600, left), env))
+                record_status(out, {"step": step.name, "part": step.part, "started": True, **mark})
+            limit = step.limit_s if args.rehearse or not args.quick else 600
+            results.append(run_step(step, cmd, min(limit, left), env))
             if out:
-                record_status(out, results[-1])
+                record_status(out, {**results[-1], **mark})
         print(json.dumps(results[-1]), flush=True)
     failed = [r["step"] for r in results if r.get("returncode") not in (0, None) or r.get("timed_out")
               or r.get("nothing_tested")

@@ -14,6 +14,7 @@ configuration), so the docs show what the code measured and nothing typed by han
     python benchmarks/tables.py peers                          # memtrain beside transformers' Trainer and Accelerate
     python benchmarks/tables.py seq_len_reach                  # the longest data.seq_len under one budget
     python benchmarks/tables.py placement_accuracy             # the placement accounting vs DeepSpeed's tensors
+    python benchmarks/tables.py host_step_rates                # the CPU's optimizer-step rates an offload is charged
     python benchmarks/tables.py stale                          # which results measured code that changed since
 
 Every row records the commit it measured (``commit``, ``worktree_clean``: benchmarks/common.py's
@@ -316,6 +317,25 @@ def memory_accuracy_families(device: str) -> str:
     return "\n".join(out + ["", f"Models drawn with seeds {', '.join(map(str, seeds))} (each row's `model_config`)."])
 
 
+def host_step_rates(device: str) -> str:
+    """``benchmarks/host_step_rates.py``: the newest row's rates per method (G parameters/s, min /
+    median / max over its alternating repeats), per core, the CPU share, and its commit."""
+    (row,) = newest_by("host_step_rates", device, lambda row: row["benchmark"]).values()
+    names = {"offload_host_step": "FSDP2's optimizer offload, its host step (bf16 gradient in, bf16 value out)",
+             "torch_adamw_fused": "torch AdamW, fused CPU kernel (fp32)", "torch_adamw_foreach": "torch AdamW, foreach (fp32)",
+             "deepspeed_cpu_adam": "DeepSpeed CPU Adam (fp32)"}
+    g = lambda s: f"{s['min'] / 1e9:.2f} / {s['median'] / 1e9:.2f} / {s['max'] / 1e9:.2f}"  # noqa: E731
+    out = [f"{row['parameters'] / 2**20:.0f}M parameters, {row['repeats']} repeats, {row['threads']} threads, "
+           f"commit {(row.get('commit') or '?')[:7]}; `memtrain plan`'s reference rate for another machine "
+           f"{row['reference_params_per_s'] / 1e9:.1f} G/s.", "",
+           "| method | G parameters/s (min / median / max) | per core | CPU s per wall s (median) |", "|---|---|---|---|"]
+    for name, label in names.items():
+        m = row["methods"].get(name)
+        out.append(f"| {label} | {g(m['params_per_s'])} | {g(m['params_per_s_per_core'])} | "
+                   f"{m['cpu_s_per_wall_s']['median']:.2f} |" if m else f"| {label} | not measured: {row['not_measured'][name]} | | |")
+    return "\n".join(out)
+
+
 def peers(device: str) -> str:
     """``benchmarks/peers.py``: per engine and trainer, the newest summary row (min / median / max
     over its repeats) and the commit it measured."""
@@ -504,7 +524,7 @@ def main(argv=None) -> int:
     parser.add_argument("benchmark", choices=["oom_stress", "largest_model_plan", "overhead", "memory_accuracy", "solver",
                                               "solver_exhaustive", "lossy_levers", "lossy_step_cost", "seq_len_reach",
                                               "memory_accuracy_levers", "memory_accuracy_families", "peers",
-                                              "placement_accuracy", "stale"])
+                                              "placement_accuracy", "host_step_rates", "stale"])
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     if args.benchmark == "stale":  # JSON lines, one per results file
@@ -518,7 +538,7 @@ def main(argv=None) -> int:
               "seq_len_reach": seq_len_reach, "placement_accuracy": placement_accuracy,
               "solver_exhaustive": solver_exhaustive, "lossy_step_cost": lossy_step_cost,
               "memory_accuracy_levers": memory_accuracy_levers, "memory_accuracy_families": memory_accuracy_families,
-              "peers": peers}
+              "peers": peers, "host_step_rates": host_step_rates}
     if args.benchmark in simple:
         print(simple[args.benchmark](args.device))
         pooled = overhead_pooled(args.device) if args.benchmark == "overhead" else ""

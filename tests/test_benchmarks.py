@@ -240,6 +240,26 @@ def test_solver_quick_chooses_without_running_out_of_memory(cache_dir):
     assert row["oom_events"]["auto_from_whole_share"] >= 1  # 16 × 1 does not fit the tight budget: recovered
 
 
+def test_host_step_rates_quick_times_every_method_and_writes_nothing():
+    """``benchmarks/host_step_rates.py --quick``: every host-step method timed (DeepSpeed's CPU Adam
+    where its op is built, else named as not measured), rates and CPU shares as min/median/max
+    over the alternating repeats, the planner's reference rate beside them; no results row."""
+    before = {p.name: p.stat().st_size for p in RESULTS.glob("*")}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "host_step_rates.py"), "--quick", "--results"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert set(row["methods"]) | set(row["not_measured"]) == {
+        "offload_host_step", "torch_adamw_fused", "torch_adamw_foreach", "deepspeed_cpu_adam"}
+    assert "offload_host_step" in row["methods"] and row["reference_params_per_s"] > 0
+    for method in row["methods"].values():
+        rates = method["params_per_s"]
+        assert 0 < rates["min"] <= rates["median"] <= rates["max"]
+        assert method["params_per_s_per_core"]["median"] * row["threads"] == pytest.approx(rates["median"])
+        assert method["cpu_s_per_wall_s"]["median"] > 0
+    assert {p.name: p.stat().st_size for p in RESULTS.glob("*")} == before  # --quick never writes a row
+
+
 def test_the_exhaustive_solver_times_each_setting_at_its_largest_fitting_micro_batch():
     """``solver.py --exhaustive``'s runs: each lever setting once, at the largest micro-batch whose
     predicted peak is within the budget, fixed by its arguments; a setting with none fitting is left out."""

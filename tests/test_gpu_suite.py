@@ -138,3 +138,44 @@ def test_a_step_cut_at_its_limit_leaves_no_deepspeed_build_lock(tmp_path, monkey
     ended = [json.loads(line) for line in (out / STATUS).read_text().splitlines()][-1]
     assert ended["timed_out"] and "left by a build the time limit stopped" in ended["stderr_tail"]
     assert folder.is_dir() and not (folder / "lock").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_rehearsal_runs_the_real_gpu_steps_on_cpu_resumes_and_merges_only_elsewhere(tmp_path, monkeypatch):
+    """``--rehearse --part 1`` (here its CUDA tests and OOM stress steps): the real scripts on this
+    CPU at their smallest size under their GPU time limits, rows and status into ``--out``; the
+    CUDA tests collected (the step fails if none is); a rerun into the same folder runs nothing
+    again; ``--merge`` of the rehearsal is refused into benchmarks/results/ (exit 2, nothing
+    written) and merges into another results folder once."""
+    from conftest import fork_server_address
+    from common import FORK_SERVER_VAR, RESULTS_DIR_VAR
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, "benchmarks/gpu_suite.py", "--rehearse", "--part", "1", "--only", "cuda_tests,oom_stress",
+           "--out", str(out)]
+    env = {**__import__("os").environ, FORK_SERVER_VAR: fork_server_address()}
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=560, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = {r["step"]: r for r in map(json.loads, proc.stdout.splitlines()) if "step" in r}
+    assert steps["cuda_tests"]["returncode"] == 0 and "--collect-only" in steps["cuda_tests"]["command"]
+    assert steps["oom_stress"]["returncode"] == 0 and steps["oom_stress"]["limit_s"] == 300  # its GPU limit
+    rows = [json.loads(line) for line in (out / "oom_stress-cpu.jsonl").read_text().splitlines()]
+    assert rows and all(r["commit"] for r in rows)
+    status = [json.loads(line) for line in (out / STATUS).read_text().splitlines()]
+    assert [s["step"] for s in status] == ["cuda_tests"] * 2 + ["oom_stress"] * 2 and all(s["rehearsal"] for s in status)
+    again = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120, env=env)
+    assert again.returncode == 0 and (out / "oom_stress-cpu.jsonl").read_text().count("\n") == len(rows)
+    assert all("skipped" in json.loads(line) for line in again.stdout.splitlines() if '"step"' in line)
+    before = {p.name: p.stat().st_size for p in (REPO / "benchmarks" / "results").glob("*")}
+    monkeypatch.setattr(gpu_suite, "RESULTS", REPO / "benchmarks" / "results")
+    with pytest.raises(SystemExit) as refused:
+        main(["--merge", str(out)])
+    assert refused.value.code == 2
+    assert {p.name: p.stat().st_size for p in (REPO / "benchmarks" / "results").glob("*")} == before
+    elsewhere = tmp_path / "results"
+    elsewhere.mkdir()
+    merged = subprocess.run([sys.executable, "benchmarks/gpu_suite.py", "--merge", str(out)], capture_output=True,
+                            text=True, cwd=REPO, timeout=120, env={**env, RESULTS_DIR_VAR: str(elsewhere)})
+    assert merged.returncode == 0, merged.stderr[-2000:]
+    assert json.loads(merged.stdout.splitlines()[0])["merged"]["oom_stress-cpu.jsonl"] == len(rows)
