@@ -142,6 +142,7 @@ def test_a_step_cut_at_its_limit_leaves_no_deepspeed_build_lock(tmp_path, monkey
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.xdist_group("gpu_suite")  # beside test_benchmarks' quick suite, never during it: its scratch check
 def test_a_rehearsal_runs_the_real_gpu_steps_on_cpu_resumes_and_merges_only_elsewhere(tmp_path, monkeypatch):
     """``--rehearse --part 1`` (here its CUDA tests and OOM stress steps): the real scripts on this
     CPU at their smallest size under their GPU time limits, rows and status into ``--out``; the
