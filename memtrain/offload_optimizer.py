@@ -17,8 +17,8 @@ first blocks'), in host memory for the last ``host_ratio`` of the elements. A st
    so the CPU step of each block overlaps the forward of the blocks before it (with
    ``overlap=False`` the step waits for the whole host part instead).
 
-The update is torch's AdamW (``torch.optim.adamw.adamw``; its fused kernel on the CPU steps 2.4 G
-parameters/s on this project's 2-core CPU, DeepSpeed's CPU Adam 1.5 G), in chunks of
+The update is torch's AdamW (``torch.optim.adamw.adamw``; its fused kernel on the CPU, whose rate
+``benchmarks/host_step_rates.py`` measures beside DeepSpeed's CPU Adam and this step's), in chunks of
 :data:`STEP_CHUNK` elements so the fp32 temporaries stay small; with bf16 moments
 (``optimizer.state_dtype bf16``) it is :class:`memtrain.optim.AdamWBf16States`' update. Lossless
 for fp32 moments: the same arithmetic as a mixed-precision AdamW with fp32 master weights.
