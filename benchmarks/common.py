@@ -210,6 +210,11 @@ def provenance() -> dict:
     return {"commit": head.stdout.strip(), "worktree_clean": not status.stdout.strip()}
 
 
+def spread(values: list[float]) -> dict:
+    """``{"min", "median", "max"}`` of ``values`` (a benchmark's repeats); raises ValueError when empty."""
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
 def emit(name: str, device: str, result: dict, save: bool) -> None:
     """Print one result as a JSON line, with the code it measured (:func:`provenance`); with
     ``save`` also append it to benchmarks/results/ (or :data:`RESULTS_DIR_VAR`'s folder), on disk

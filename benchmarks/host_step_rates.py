@@ -25,7 +25,6 @@ Reported per method: parameters per second (min/median/max over repeats), the sa
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from common import emit  # noqa: E402
+from common import emit, spread  # noqa: E402
 
 from memtrain.memory.machine import REFERENCE_CPU_ADAM_PARAMS_PER_S, cpu_adam_built  # noqa: E402
 from memtrain.offload_optimizer import host_step_params_per_s  # noqa: E402
@@ -104,10 +103,6 @@ def measure(n: int, repeats: int) -> dict:
     return {"parameters": n, "repeats": repeats, "threads": threads,
             "reference_params_per_s": REFERENCE_CPU_ADAM_PARAMS_PER_S, "methods": methods,
             "not_measured": {name: "DeepSpeed's cpu_adam op is not built here" for name, t in timers.items() if t is None}}
-
-
-def spread(values: list[float]) -> dict:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
 def main(argv=None) -> int:

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 
-from common import REPO, RunFailed, emit, run_cli, run_memtrain, scratch_dir
+from common import REPO, RunFailed, emit, run_cli, run_memtrain, scratch_dir, spread
 
 SHAPES = {  # hidden, intermediate, layers, heads (Llama-2 7B and 13B, and recipes/llama_10b.yaml between them)
     "tiny": (64, 172, 2, 4),
@@ -121,10 +121,6 @@ def _train_in(out: str, shape: str, config: str, device: str, steps: int, extra:
         result.update(placement=chosen.get("name"), predicted_device_bytes=chosen.get("device_bytes"),
                       predicted_host_bytes=chosen.get("host_bytes"))
     return result
-
-
-def spread(values: list[float]) -> dict:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
 def main(argv=None) -> int:

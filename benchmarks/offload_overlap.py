@@ -26,7 +26,7 @@ import shutil
 import statistics
 import sys
 
-from common import CPU_ARGS, emit, read_metrics, run_cli, run_memtrain, scratch_dir, step_times
+from common import CPU_ARGS, emit, run_cli, run_memtrain, scratch_dir, spread, step_times
 
 SIZES = {"1.8M": (2, 256, 4), "25M": (8, 512, 8)}  # GPT-2: (layers, width, heads)
 
@@ -48,10 +48,6 @@ def predicted(args: list[str]) -> dict:
     return {"predicted_overlapped_s": row["predicted_step_s"],
             "predicted_not_overlapped_s": row["device_s"] + row["host_step_s"] + row["copy_s"],
             "predicted_host_step_s": row["host_step_s"], "predicted_device_s": row["device_s"]}
-
-
-def spread(values: list[float]) -> dict:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
 def main(argv=None) -> int:

@@ -48,7 +48,7 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (CPU_ARGS, ENGINES, GPU_ARGS, REPO, RunFailed, bar_chart, emit, read_metrics,  # noqa: E402
-                    run_cli, run_memtrain, scratch_dir, tokens_per_s)
+                    run_cli, run_memtrain, scratch_dir, spread, tokens_per_s)
 
 def scenario_args(device: str, nproc: int, cap_gib: float) -> tuple[list[str], int, list[str]]:
     """(base arguments, per-rank batch, OOM-making arguments) for the device: CUDA under the
@@ -117,10 +117,6 @@ def plan_name(records: list[dict]) -> str:
     events = plan_events(records)
     ac = events[-1].get("activation_checkpointing", "off") if events else "off"
     return f"{records[-1]['micro_batch_size']}x{records[-1]['gradient_accumulation_steps']}{AC_SUFFIX[ac]}"
-
-
-def spread(values: list[float]) -> dict:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
 def steady(engine: str, args) -> dict:

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, RunFailed, emit, run_memtrain, scratch_dir  # noqa: E402
+from common import REPO, RunFailed, emit, run_memtrain, scratch_dir, spread  # noqa: E402
 
 SCRIPTS = Path(__file__).resolve().parent / "peer_scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -159,13 +159,13 @@ def summary(rows: list[dict]) -> list[dict]:
     for r in rows:
         groups.setdefault((r["trainer"], r["engine"]), []).append(r)
 
-    def spread(values):
+    def measured(values):  # the repeats that measured it; None when none did
         values = [v for v in values if v is not None]
-        return {"min": min(values), "median": statistics.median(values), "max": max(values)} if values else None
+        return spread(values) if values else None
 
     return [{"benchmark": "peers", "summary": True, "trainer": t, "engine": e, "repeats": len(g),
              "failed": sum("failed" in r for r in g),
-             **{k: spread([r.get(k) for r in g]) for k in ("tokens_per_s", "peak_bytes", "val_loss")},
+             **{k: measured([r.get(k) for r in g]) for k in ("tokens_per_s", "peak_bytes", "val_loss")},
              "user_lines": g[0]["user_lines"]} for (t, e), g in groups.items()]
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import CPU_ARGS, ENGINES, emit, run_cli, run_memtrain, scratch_dir, tokens_per_s  # noqa: E402
+from common import CPU_ARGS, ENGINES, emit, run_cli, run_memtrain, scratch_dir, spread, tokens_per_s  # noqa: E402
 
 NO_OFFLOAD = ["--memory.activation_offload", "off"]
 """The solver's goals are measured without the activation-offload lever: on a CPU its copies are
@@ -53,10 +53,6 @@ def recovery(per_rank: int) -> dict[str, list[str]]:
     """Out-of-memory recovery under ``memory.levers auto``: the whole share in one micro-batch, too
     large at the tight and medium budgets; where the recovery lands is compared with ``auto``'s plan."""
     return {"auto_from_whole_share": ["--memory.levers", "auto", *NO_OFFLOAD, "--training.micro_batch_size", str(per_rank)]}
-
-
-def spread(values: list[float]) -> dict:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
 def predicted(base: list[str], nproc: int) -> list[dict]:

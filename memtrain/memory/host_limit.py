@@ -61,9 +61,10 @@ class HostLimit:
 
     @property
     def hard(self) -> bool:
-        """Whether a limit other than the machine's available memory binds (a resource limit, a
-        cgroup, ``memory.host_memory_gib``): past it an allocation fails or the kernel ends the
-        process, so a byte the process keeps beyond the plan is an out-of-memory error."""
+        """Whether a limit other than the machine's available memory binds (a resource limit or a
+        cgroup, past which an allocation fails or the kernel ends the process; or
+        ``memory.host_memory_gib``, the user's own bound): a byte the process keeps beyond the
+        plan counts against it."""
         return self.source != AVAILABLE
 
     @property
