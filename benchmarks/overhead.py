@@ -53,9 +53,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (CPU_ARGS, ENGINES, GPU_ARGS, REPO, _free_port, emit, run_memtrain, scratch_dir,  # noqa: E402
                     step_times)
 
+sys.path.insert(0, str(REPO))
+from memtrain.host_allocator import (MMAP_THRESHOLD_BYTES, RETURN_THRESHOLD_BYTES,  # noqa: E402
+                                     TRIM_THRESHOLD_BYTES, policy)
 
-SAME_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(64 * 2**20)}
-"""glibc's thresholds as memtrain sets them (memtrain/host_allocator.py), for a plain loop's process."""
+
+def same_env(device: str) -> dict[str, str]:
+    """glibc's thresholds as memtrain sets them on ``device`` (``cpu``: 128 KiB, freed memory
+    returned; ``cuda``: 32 / 64 MiB; :func:`memtrain.host_allocator.policy`), for a plain loop's process."""
+    _, return_freed = policy(None, owns_process=True, cpu_run=device == "cpu")
+    mmap, trim = (RETURN_THRESHOLD_BYTES,) * 2 if return_freed else (MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES)
+    return {"MALLOC_MMAP_THRESHOLD_": str(mmap), "MALLOC_TRIM_THRESHOLD_": str(trim)}
 GC_EVERY_STEPS = 50
 """memtrain's default ``training.gc_every_steps``."""
 
@@ -66,7 +74,7 @@ def plain_accelerate_loop(memtrain_args: list[str], out_file: str, engine: str =
     Only the model and the token blocks come from memtrain (so both loops train the same
     thing); everything else is what a user writes from Accelerate's docs. ``same``: memtrain's
     process settings (fused AdamW, the collector every :data:`GC_EVERY_STEPS` steps; the malloc
-    thresholds come with the environment, :data:`SAME_ENV`).
+    thresholds come with the environment, :func:`same_env`).
     """
     import gc
 
@@ -211,14 +219,15 @@ def plain_sharded_loop(engine: str, model, plain_optimizer, loader, t, accumulat
             json.dump(times, fh)
 
 
-def run_plain(args: list[str], nproc: int, engine: str = "ddp", same: bool = False) -> list[float]:
-    """The plain loop's step times (seconds), with memtrain's process settings or (``same`` False)
-    a user's defaults."""
+def run_plain(args: list[str], nproc: int, engine: str = "ddp", same: bool = False,
+              device: str = "cpu") -> list[float]:
+    """The plain loop's step times (seconds), with memtrain's process settings on ``device`` or
+    (``same`` False) a user's defaults."""
     out = os.path.join(scratch_dir("plain"), "times.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
            str(_free_port()), __file__, "--worker", out, engine, "same" if same else "default", "--", *args]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    env.update({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(SAME_ENV if same else {})})
+    env.update({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(same_env(device) if same else {})})
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"plain loop failed: {proc.stderr[-3000:]}")
@@ -288,7 +297,7 @@ def measure(engine: str, args_: list[str], nproc: int, args) -> None:
         order = list(runs)[::1 if repeat % 2 == 0 else -1]
         for which in order:
             runs[which].append(memtrain_times(which) if which in variants else
-                               run_plain(args_, nproc, engine, same=which == "plain")[args.warmup:])
+                               run_plain(args_, nproc, engine, same=which == "plain", device=args.device)[args.warmup:])
     row = {"benchmark": "overhead", "device": args.device, "world_size": nproc, "engine": engine, "steps": args.steps,
            "repeats": args.repeats, "goal": 1.02, "plain_settings": "same"}
     for stat in ("median", "mean"):

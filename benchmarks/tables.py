@@ -464,14 +464,22 @@ def placement_accuracy(device: str) -> str:
     """``benchmarks/placement_accuracy.py``: per model size and placement, each held component's
     (predicted − measured) / measured, the measured total, ZeRO-3's gathered parameters (the
     most held after a fetch beside the accounting's bound) and the host bytes per rank the run
-    planned beside rank 0's resident peak (newest row per size, placement, component)."""
+    planned beside rank 0's resident peak over the run, (planned − resident) / resident (newest
+    row per size, placement, component; DDP: the host peak only)."""
     rows = newest_by("placement_accuracy", device, lambda row: (row.get("size"), row.get("placement"), row.get("component")))
     components = ("parameters", "gradients", "optimizer_state", "buffers")
     out = ["| model | placement | parameters | gradients | optimizer state | buffers | total: measured MiB | total "
            "| ZeRO-3 gathered MiB: held / bound | host peak MiB per rank: planned / resident |",
            "|---|---|---|---|---|---|---|---|---|---|"]
-    runs = dict.fromkeys((size, placement) for size, placement, component in rows if component in ("total", "failed"))
+    runs = dict.fromkeys((size, placement) for size, placement, component in rows
+                         if component in ("total", "failed", "host_peak"))
     for size, placement in runs:
+        peak = rows.get((size, placement, "host_peak"))
+        host = (f"{peak['predicted_bytes'] / 2**20:.0f} / {peak['measured_bytes'] / 2**20:.0f} "
+                f"({fmt(peak['relative_error'], '+.0%')})") if peak else "–"
+        if (size, placement, "total") not in rows and peak:  # DDP: the host peak only
+            out.append(f"| {size} ({peak['parameters'] / 1e6:.1f}M) | {placement} | – | – | – | – | – | – | – | {host} |")
+            continue
         if (size, placement, "total") not in rows:
             failed = rows[size, placement, "failed"]
             why = "a rank was killed (SIGKILL): past this machine's memory" if "SIGKILL" in failed["stderr_tail"] else ""
@@ -483,9 +491,6 @@ def placement_accuracy(device: str) -> str:
                  for c in components]
         gathered = rows.get((size, placement, "gathered"))
         held = f"{gathered['measured_bytes'] / 2**20:.0f} / {gathered['predicted_bytes'] / 2**20:.0f}" if gathered else "–"
-        peak = rows.get((size, placement, "host_peak"))
-        host = (f"{peak['predicted_bytes'] / 2**20:.0f} / {peak['measured_bytes'] / 2**20:.0f} "
-                f"({fmt(peak['relative_error'], '+.0%')})") if peak else "–"
         out.append(f"| {size} ({total['parameters'] / 1e6:.1f}M) | {placement} | {' | '.join(cells)} "
                    f"| {total['measured_bytes'] / 2**20:.1f} | {fmt(total['relative_error'], '+.1%')} | {held} | {host} |")
     return "\n".join(out)

@@ -29,7 +29,6 @@ from memtrain.distributed import ProcessState, prepare_libraries
 from memtrain.errors import CollectiveError, ConfigError
 from memtrain.folders import RunLock
 from memtrain.launcher import apply_accelerate_settings
-from memtrain.memory.machine import run_host_limit
 from memtrain.objectives import as_objective
 from memtrain.validation import validate
 from memtrain.watchdog import Watchdog, collective_failure_message, is_collective_failure, progress
@@ -72,16 +71,6 @@ def prepare_config(argv: Optional[list[str]] = None, python: Collection[str] = (
     return cfg
 
 
-def _host_held_to_a_hard_limit(cfg: Config) -> bool:
-    """A CPU run (the host is its device) whose host limit is a hard one
-    (:attr:`memtrain.memory.host_limit.HostLimit.hard` of :func:`memtrain.memory.machine.run_host_limit`):
-    freed host memory must go back to the OS for the plan to hold
-    (:func:`memtrain.host_allocator.fix_thresholds` ``return_freed``)."""
-    import torch
-
-    return not torch.cuda.is_available() and run_host_limit(cfg).hard
-
-
 def run(cfg: Config, inputs=None, owns_process: bool = False):
     """Train ``cfg`` (validated): the process state, the watchdog with several ranks
     (:mod:`memtrain.watchdog`), the training loop; returns the :class:`memtrain.loop.RunResult`.
@@ -97,10 +86,10 @@ def run(cfg: Config, inputs=None, owns_process: bool = False):
     with ExitStack() as closing:
         if int(os.environ.get("RANK", "0")) == 0:  # global rank 0 holds the run folder; nothing is written before
             closing.callback(RunLock(cfg.output_dir).acquire().release)
-        thresholds, hard = cfg.memory.host_allocator_thresholds, _host_held_to_a_hard_limit(cfg)
+        enabled, return_freed = host_allocator.policy(cfg.memory.host_allocator_thresholds, owns_process,
+                                                      cpu_run=not torch.cuda.is_available())
         # before the model and data allocate (looked up here: a test's stand-in is seen)
-        host_allocator.fix_thresholds((owns_process or hard) if thresholds is None else thresholds,
-                                      return_freed=hard)
+        host_allocator.fix_thresholds(enabled, return_freed=return_freed)
         prepare_libraries(torch.cuda.is_available())
         process = ProcessState(cpu=not torch.cuda.is_available(), timeout_s=cfg.backend.timeout_s)
         process.cap_cuda_memory(cfg.memory.cuda_memory_cap_gib)

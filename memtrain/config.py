@@ -276,15 +276,16 @@ class MemoryConfig:
     """After this many OOM-free optimizer steps, try the previous (2×) micro-batch again; the
     window doubles after each failed try. 0 = never grow back."""
     host_allocator_thresholds: Optional[bool] = None
-    """glibc (Linux): fix malloc's mmap threshold at 32 MiB and its trim threshold at 64 MiB at
-    start-up, so freed activations stay in the process (up to 64 MiB free at the top of each malloc
-    arena) instead of being page-faulted in again every step (memtrain/host_allocator.py). Left
-    alone when ``MALLOC_*`` threshold variables, a ``glibc.malloc`` tunable or a preloaded
-    jemalloc/tcmalloc/mimalloc say otherwise. null (default): set by the ``memtrain`` command,
-    which owns its process; left alone by ``memtrain.Trainer`` in a user's Python process (glibc
-    cannot read back or undo them), except on a CPU run under a hard host limit (RLIMIT_DATA/AS,
-    a cgroup, memory.host_memory_gib), where both are fixed at glibc's starting 128 KiB in any
-    process so freed memory goes back as the plan counts; true / false: set / leave alone either way."""
+    """glibc (Linux) malloc's mmap and trim thresholds (memtrain/host_allocator.py). null
+    (default): a CPU run fixes both at glibc's starting 128 KiB in any process, so what a step
+    frees goes back to the OS and the resident set follows the host bytes the plan counts (at the
+    price of page-faulting activations in again every step); a GPU run run by the ``memtrain``
+    command fixes them at 32 / 64 MiB, so freed blocks stay for the next micro-batch (up to 64 MiB
+    free at the top of each malloc arena), and one run by ``memtrain.Trainer`` in a user's process
+    leaves them alone (glibc cannot read back or undo them). true: 32 / 64 MiB on any run (a CPU
+    run's speed, its resident set then above the plan); false: glibc left alone. The user's own
+    ``MALLOC_*`` threshold variables, a ``glibc.malloc`` tunable or a preloaded
+    jemalloc/tcmalloc/mimalloc always win."""
 
 
 @dataclass

@@ -164,13 +164,21 @@ def test_placement_accounting_matches_the_tensors_the_engines_hold(suite):
     half of it there, FSDP2's optimizer offload with half on the host and FSDP2's CPUOffloadPolicy):
     DeepSpeed's components within 10% and totals within 5%, FSDP2's within 6% and 2%, no tensor an
     engine holds outside the four components beyond 1 KiB, under 1% of the live tensor bytes out of
-    the census's reach; each run's resident peak is reported beside the host bytes it planned. A
-    buffer the accounting leaves out fails here (before the stage-2 offload staging buffers were
-    counted, that placement's buffers were 44% under; before its accumulation buffer was, its
-    gradients 53%; FSDP2's host gradient buffers are 14% of its optimizer offload's bytes)."""
+    the census's reach. A buffer the accounting leaves out fails here (before the stage-2 offload
+    staging buffers were counted, that placement's buffers were 44% under; before its accumulation
+    buffer was, its gradients 53%; FSDP2's host gradient buffers are 14% of its optimizer offload's
+    bytes).
+
+    Every run's host bytes planned per rank within 10% of rank 0's resident peak over the whole run
+    (DDP and FSDP2 without offload too). Each named term fails it when removed: the start-up
+    moment (the 1.8M ZeRO-3 run 11% under), the freed blocks returned to the OS on a CPU run
+    (glibc's thresholds at 32 / 64 MiB: the 25M FSDP2 run 27% under), ZeRO-2's whole gradients
+    under offload (the 25M ZeRO-2 run 13% under)."""
     rows = run_quick(suite, "placement_accuracy")
-    assert {r["placement"] for r in rows if "placement" in r} == {
-        "zero2 optimizer→host", "zero3 optimizer 50%→host", "fsdp optimizer 50%→host", "fsdp optimizer+params→host"}
+    runs = {(r["size"], r["placement"]) for r in rows if "placement" in r}
+    assert runs == {("1.8M", "ddp"), ("1.8M", "zero3 optimizer 50%→host"), ("1.8M", "fsdp optimizer 50%→host"),
+                    ("1.8M", "fsdp optimizer+params→host"), ("25M", "fsdp"), ("25M", "zero2 optimizer→host")}
+    assert {(r["size"], r["placement"]) for r in rows if r.get("component") == "host_peak"} == runs
     for r in rows:
         fsdp = r.get("placement", "").startswith("fsdp")
         if r.get("component") in ("parameters", "gradients", "optimizer_state", "buffers"):
@@ -181,8 +189,8 @@ def test_placement_accounting_matches_the_tensors_the_engines_hold(suite):
             assert r["not_reached_bytes"] <= 0.01 * r["measured_bytes"], r  # the census reaches what is alive
         elif r.get("component") == "other":
             assert r["measured_bytes"] <= 1024, r
-        elif r.get("component") == "host_peak":  # reported, not a goal yet: the processes hold more (docs/memory.md)
-            assert r["predicted_bytes"] > 0 and r["measured_bytes"] > 0, r
+        elif r.get("component") == "host_peak":
+            assert abs(r["relative_error"]) <= 0.10, r
 
 
 @on_suite

@@ -101,21 +101,28 @@ def test_another_c_library_is_left_alone_and_nothing_raises(monkeypatch):
     assert host_allocator.fix_thresholds(True, environ={}) is None
 
 
-@pytest.mark.parametrize("how,setting,limit,expected", [
-    ("python", None, None, (False, False)), ("python", "true", None, (True, False)),
-    ("command_line", None, None, (True, False)), ("command_line", "false", None, (False, False)),
-    ("python", None, "RLIMIT_DATA", (True, True)), ("command_line", None, "cgroup v2 memory.max of /",
-                                                  (True, True)),
-    ("command_line", "false", "RLIMIT_DATA", (False, True))])
-def test_only_the_command_line_tunes_the_process_unless_told(tmp_path, monkeypatch, how, setting, limit, expected):
-    """``memory.host_allocator_thresholds`` null: the ``memtrain`` command (which owns its
-    process) fixes glibc's thresholds, ``memtrain.Trainer`` in a user's process does not, unless
-    the CPU run's host is held to a hard limit (then freed memory must go back to the OS for the
-    plan to hold, in any process: ``return_freed``); an explicit setting wins either way. Stopped
-    right after the decision (nothing trained)."""
+@pytest.mark.parametrize("setting,owns_process,cpu_run,expected", [
+    (None, False, True, (True, True)), (None, True, True, (True, True)),  # a CPU run returns freed memory
+    (None, True, False, (True, False)), (None, False, False, (False, False)),  # a GPU run: only memtrain's process
+    (True, False, True, (True, False)), (True, False, False, (True, False)),  # the speed setting, asked for
+    (False, True, True, (False, False))])
+def test_the_policy_returns_freed_memory_on_a_cpu_run_and_tunes_a_gpu_run_only_in_its_own_process(
+        setting, owns_process, cpu_run, expected):
+    from memtrain.host_allocator import policy
+
+    assert policy(setting, owns_process, cpu_run) == expected
+
+
+@pytest.mark.parametrize("how,setting,expected", [
+    ("python", None, (True, True)), ("python", "true", (True, False)),
+    ("command_line", None, (True, True)), ("command_line", "false", (False, False))])
+def test_a_cpu_run_returns_freed_memory_in_any_process_unless_told(tmp_path, monkeypatch, how, setting, expected):
+    """``memory.host_allocator_thresholds`` null on a CPU run: both the ``memtrain`` command and
+    ``memtrain.Trainer`` in a user's process fix glibc's thresholds at 128 KiB (``return_freed``),
+    so the resident set follows the plan; an explicit setting wins. Stopped right after the
+    decision (nothing trained)."""
     import memtrain
-    from memtrain import api, host_allocator
-    from memtrain.memory.host_limit import AVAILABLE, HostLimit
+    from memtrain import host_allocator
     from memtrain.train import main
 
     asked = []
@@ -125,7 +132,6 @@ def test_only_the_command_line_tunes_the_process_unless_told(tmp_path, monkeypat
         raise KeyboardInterrupt  # the decision is made: stop the run here
 
     monkeypatch.setattr(host_allocator, "fix_thresholds", record)
-    monkeypatch.setattr(api, "run_host_limit", lambda cfg: HostLimit(2**30, limit or AVAILABLE))
     args = ["--output_dir", str(tmp_path / "run"), *(["--memory.host_allocator_thresholds", setting] if setting else [])]
     with pytest.raises(KeyboardInterrupt):
         if how == "python":

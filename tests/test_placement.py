@@ -257,15 +257,15 @@ def test_kept_int8_moments_refuse_the_memtracker_count(monkeypatch):
 
 def test_host_memory_is_a_budget_and_nvme_is_planned_only_with_a_folder():
     table = plan_placements(candidates(), variants(("deepspeed",), (3,), False), SHAPE, "bf16", 1,
-                            machine(device_gib=16, host_gib=32))
-    assert not any(p.chosen for p in table)  # 16 GB device, 32 GB host: nothing holds 107 GB of state
+                            machine(device_gib=24, host_gib=32))
+    assert not any(p.chosen for p in table)  # 24 GB device, 32 GB host: nothing holds 107 GB of state
     assert any(p.fits_device and not p.fits_host for p in table)
     assert not any(p.nvme for p in variants(("deepspeed",), (3,), False))
     table = plan_placements(candidates(), variants(("deepspeed",), (3,), True), SHAPE, "bf16", 1,
-                            machine(device_gib=16, host_gib=32))
+                            machine(device_gib=24, host_gib=32))
     assert not any(p.chosen for p in table)  # NVMe holds the state, but the export gathers 27 GB of fp32 weights
     table = plan_placements(candidates(), variants(("deepspeed",), (3,), True), SHAPE, "bf16", 1,
-                            machine(device_gib=16, host_gib=48))
+                            machine(device_gib=24, host_gib=48))
     chosen = next(p for p in table if p.chosen)
     assert chosen.nvme and chosen.host_bytes <= 48 * GIB and chosen.nvme_bytes > 0
     assert chosen.host_bytes >= 4 * SHAPE.parameters  # the export's moment: the whole model in fp32 on the host

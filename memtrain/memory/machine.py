@@ -9,6 +9,8 @@ this machine; ``memtrain plan`` may describe another machine instead (its option
 from __future__ import annotations
 
 import functools
+import resource
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -62,6 +64,10 @@ class Machine:
         host_source: what sets ``host_bytes`` (:attr:`memtrain.memory.host_limit.HostLimit.source`:
             ``available memory``, ``memory.host_memory_gib``, ``RLIMIT_DATA``, a cgroup, or
             ``--host_memory_gib`` for another machine); None = unbounded or not said.
+        startup_peak_bytes: the resident peak each rank's process reached before the plan (reading
+            and tokenizing the data, importing the libraries: :func:`startup_peak_bytes`), a moment
+            of the run already measured that the planned host peak is never below; 0 = not this
+            run's process (``memtrain plan``).
     """
 
     device_bytes: Optional[int]
@@ -75,6 +81,7 @@ class Machine:
     optimizer_params_per_s: Optional[Callable[[str, str], float]] = None
     host_step_params_per_s: Optional[float] = None
     host_source: Optional[str] = None
+    startup_peak_bytes: int = 0
 
     def as_dict(self) -> dict:
         """The fields as JSON values (the optimizer's rate function as whether there is one)."""
@@ -208,6 +215,14 @@ def process_bytes(device_type: str) -> int:
 
     pending = device_type == "cuda" and not torch.cuda.is_initialized()
     return psutil.Process().memory_info().rss + (CUDA_CONTEXT_HOST_BYTES if pending else 0)
+
+
+def startup_peak_bytes(device_type: str) -> int:
+    """The resident peak this process has reached so far (``getrusage``'s ``ru_maxrss``; KiB on
+    Linux, bytes on macOS), plus a CUDA context not yet created, bytes."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    pending = device_type == "cuda" and not torch.cuda.is_initialized()
+    return peak + (CUDA_CONTEXT_HOST_BYTES if pending else 0)
 
 
 def offload_host_room_bytes(cfg, device: torch.device) -> Optional[int]:

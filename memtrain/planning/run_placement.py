@@ -22,7 +22,8 @@ from memtrain.config import ConfigError
 from memtrain.folders import write_atomic
 from memtrain.levers.optimizer_state import planner_dtypes
 from memtrain.memory.machine import (Machine, cpu_adam_params_per_s, device_budget_bytes, device_flops_per_s,
-                                     optimizer_params_per_s, process_bytes, run_host_limit)
+                                     optimizer_params_per_s, process_bytes, run_host_limit,
+                                     startup_peak_bytes)
 from memtrain.offload_optimizer import host_step_params_per_s
 from memtrain.planning.placement import (Placement, allowed_pool, configured_offload, format_placements, nvme_usable,
                                          placement_table, with_state_dtype)
@@ -33,13 +34,13 @@ def run_machine(cfg, device: torch.device, world_size: int) -> Machine:
     """The machine a run plans for: the device budget of :func:`memtrain.memory.machine.device_budget_bytes`,
     the host's real limit (:func:`memtrain.memory.machine.run_host_limit`: the smallest of
     ``memory.host_memory_gib``, the cgroup's, the resource limits and the available memory, named
-    in the machine's ``host_source``), this process's resident bytes, the
+    in the machine's ``host_source``), this process's resident bytes and its peak so far, the
     device's matmul rate, CPU Adam's rate and the optimizer's per state dtype, measured here."""
     device_type = "cpu" if cfg.faults.memory_budget_mib > 0 else device.type
     host = run_host_limit(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     return Machine(device_budget_bytes(cfg, device), host.bytes, host.ranks, device_type, device_flops_per_s(device.type),
                    cpu_adam_params_per_s(), process_bytes(device.type), cfg.backend.nvme_path, optimizer_params_per_s,
-                   host_step_params_per_s(), host.source)
+                   host_step_params_per_s(), host.source, startup_peak_bytes(device.type))
 
 
 def resolve(cfg, corpus, process, precision: str, source=None, objective=None):
