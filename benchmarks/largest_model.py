@@ -3,14 +3,18 @@ DeepSpeed optimizer-offload config, Llama shapes, bf16, sequence 1024, global ba
 
     python benchmarks/largest_model.py --plan [--results]                 # predictions only, any machine
     python benchmarks/largest_model.py --plan --shapes 13b --extra "--memory.allow_lossy_levers true --memory.levers auto"
-    python benchmarks/largest_model.py --shapes 6.7b,10b [--results]      # one GPU: 20 steps each, alternating
+    python benchmarks/largest_model.py --shapes 6.7b,10b [--results]      # one GPU: 8 steps each, alternating
     python benchmarks/largest_model.py --device cpu --shapes tiny         # the same code path on a CPU
 
 ``--plan`` prints, per shape, ``memtrain plan``'s placements for ``--gpu_memory_gib`` /
 ``--host_memory_gib`` (default 80 / 128: one H100 and the host it was measured with). Training
-mode runs each configuration ``--repeats`` times, alternating, and reports tokens/s, TFLOP/s, the
-GPU peak (``peak_memory_bytes`` of metrics.jsonl) and the host peak (the resident set of the run's
-processes, sampled every 0.2 s) with min/median/max, next to the placement's predicted peaks.
+mode holds each run to those limits on a GPU (``memory.cuda_memory_cap_gib`` and
+``memory.host_memory_gib``: a larger GPU or host is planned and run as the claimed one), runs
+each configuration ``--repeats`` times, alternating, and writes a ``run`` row as each run ends (a
+run cut by a time limit loses only itself): tokens/s of the steady steps (from the third on), TFLOP/s,
+the GPU peak (``peak_memory_bytes`` of metrics.jsonl) and the host peak (the resident set of the
+run's processes, sampled every 0.2 s), next to the placement's predicted peaks; then one row per
+shape with min/median/max over the repeats.
 """
 
 from __future__ import annotations
@@ -90,6 +94,13 @@ class HostPeak:
         self._thread.join()
 
 
+def limit_args(device: str, gpu_gib: float, host_gib: float) -> list[str]:
+    """The memtrain arguments that hold a run to the claimed machine (none on a CPU rehearsal)."""
+    if device != "cuda":
+        return []
+    return ["--memory.cuda_memory_cap_gib", str(gpu_gib), "--memory.host_memory_gib", str(host_gib)]
+
+
 def train_once(shape: str, config: str, device: str, steps: int, extra: list[str]) -> dict:
     """One run of ``config`` at ``shape``: tokens/s, device and host peaks, memtrain's placement.
     Its folder (the run's export included: ~20 GB for the 10B shape in bf16) is removed after."""
@@ -128,7 +139,7 @@ def main(argv=None) -> int:
     ap.add_argument("--plan", action="store_true", help="predictions only (no GPU needed)")
     ap.add_argument("--shapes", default="6.7b,10b,13b")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=8, help="steps per run (the first two are left out of tokens/s)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--gpu_memory_gib", type=float, default=80)
     ap.add_argument("--host_memory_gib", type=float, default=128)
@@ -143,12 +154,17 @@ def main(argv=None) -> int:
                                                 **plan(shape, args.gpu_memory_gib, args.host_memory_gib,
                                                        args.extra.split())}, args.results)
         return 0
+    extra = [*limit_args(args.device, args.gpu_memory_gib, args.host_memory_gib), *args.extra.split()]
     for shape in shapes:
         runs: dict[str, list[dict]] = {c: [] for c in CONFIGS}
-        for _ in range(args.repeats):
+        for repeat in range(args.repeats):
             for config in CONFIGS:  # alternating: the machine's drift hits both alike
-                runs[config].append(train_once(shape, config, args.device, args.steps, args.extra.split()))
-        result = {"shape": shape, "steps": args.steps, "repeats": args.repeats}
+                runs[config].append(train_once(shape, config, args.device, args.steps, extra))
+                emit("largest_model", args.device, {"run": True, "shape": shape, "config": config, "repeat": repeat,
+                                                    "steps": args.steps, **runs[config][-1]}, args.results)
+        result = {"shape": shape, "steps": args.steps, "repeats": args.repeats,
+                  "gpu_memory_gib": args.gpu_memory_gib if args.device == "cuda" else None,
+                  "host_memory_gib": args.host_memory_gib if args.device == "cuda" else None}
         for config, rows in runs.items():
             ok = [r for r in rows if "failed" not in r]
             result[config] = {"failed": [r for r in rows if "failed" in r]} if not ok else {
