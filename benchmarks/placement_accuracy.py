@@ -364,8 +364,10 @@ def predicted_components(state: dict, engine: str = "deepspeed", root_bytes: int
                 "other": 0, "gathered": 0}
     held_step = state["step_gradient_bytes"] - state["step_whole_gradient_bytes"]
     accumulating = state["accumulation_gradient_bytes"] + state["accumulation_host_bytes"]  # the runs accumulate
+    # ZeRO-2's gradient partition is both: held from the first reduction (accumulation) to the step
+    held = accumulating if held_step == state["accumulation_gradient_bytes"] else held_step + accumulating
     return {"parameters": state["parameter_bytes"] + offloaded["parameter"],
-            "gradients": state["gradient_bytes"] + held_step + offloaded["gradient"] + accumulating,
+            "gradients": state["gradient_bytes"] + held + offloaded["gradient"],
             "optimizer_state": state["optimizer_bytes"] + offloaded["optimizer"],
             "buffers": state["buffer_bytes"] - state["gathered_parameter_bytes"] + offloaded["buffer"],
             "other": 0, "gathered": state["gathered_parameter_bytes"]}
