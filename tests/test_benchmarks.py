@@ -171,7 +171,7 @@ def test_placement_accounting_matches_the_tensors_the_engines_hold(suite):
 
     Every run's host bytes planned per rank within 10% of rank 0's resident peak over the whole run
     (DDP and FSDP2 without offload too). Each named term fails it when removed: the start-up
-    moment (the 1.8M ZeRO-3 run 11% under), the freed blocks returned to the OS on a CPU run
+    moment (the 1.8M ZeRO-3 run 13% under), the freed blocks returned to the OS on a CPU run
     (glibc's thresholds at 32 / 64 MiB: the 25M FSDP2 run 27% under), ZeRO-2's whole gradients
     under offload (the 25M ZeRO-2 run 13% under)."""
     rows = run_quick(suite, "placement_accuracy")
