@@ -395,9 +395,9 @@ def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str
     of ``benchmarks/placement_accuracy.py`` finds the bucket, and MemTracker's step peak holds the
     same bytes again during the reduction). They are held with the optimizer state on the host
     too: on 2 CPU ranks (a 25.8M GPT-2, fp32, ZeRO-2 and ZeRO-3 with the optimizer on the host) a
-    rank's resident peak rose 200 MiB during each forward and backward and ended 13% above the
-    host bytes planned without them, 3% below with them. With 16-bit parameters the optimizer step holds an fp32
-    copy of the rank's gradient partition instead of the whole gradients (the larger of the two
+    rank's resident peak rose 200 MiB during each forward and backward, and the host bytes
+    planned were 15% under it without them, 6-7% with them (``benchmarks/placement_accuracy.py``).
+    With 16-bit parameters the optimizer step holds an fp32 copy of the rank's gradient partition instead of the whole gradients (the larger of the two
     counts): MemTracker on GPT-2 small's blocks in bf16 on one rank counts 24 bytes per parameter
     under ZeRO-3 and 22 under ZeRO-2, 2 more than without it; on 2 ranks the two terms are equal."""
     n, w = n_params, world_size
