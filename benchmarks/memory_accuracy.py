@@ -25,7 +25,8 @@ and a last ``summary`` row: min/median/max relative error per engine.
     python benchmarks/memory_accuracy.py --levers           # each lever's saving: predicted and counted
     python benchmarks/memory_accuracy.py --results          # also append the rows to benchmarks/results/
 
-``--families``: out of sample. Model families the accounting was never tuned on (Llama with
+``--families``: new sizes. The model families the accounting was developed on at seed 0's sizes
+(so only the sizes drawn from another seed are out of sample: Llama with
 grouped-query attention, Mistral with a sliding window, Qwen2 with attention biases, GPT-NeoX
 with partial rotary embeddings, GPT-2), each at sizes drawn from ``--seed`` (recorded in every
 row with the drawn ``model_config``), × the 4 engines × activation checkpointing off/selective/on ×
@@ -225,7 +226,7 @@ def main(argv=None) -> int:
     parser.add_argument("--data_cache_dir", default=None, help="a corpus cache to reuse (data.cache_dir)")
     parser.add_argument("--levers", action="store_true", help="each lever's saving, predicted and counted, at "
                         "micro-batch 16 of the CPU model (rows memory_accuracy_levers)")
-    parser.add_argument("--families", default=None, help="out of sample: comma-separated subset of "
+    parser.add_argument("--families", default=None, help="new sizes: comma-separated subset of "
                         + ",".join(FAMILIES) + " (rows memory_accuracy_families)")
     parser.add_argument("--seed", type=int, default=0, help="--families: the seed the model sizes are drawn with")
     parser.add_argument("--ac", default=",".join(AC_SETTINGS), help="--families: activation checkpointing settings")

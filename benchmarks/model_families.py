@@ -1,5 +1,5 @@
-"""Model families for out-of-sample checks: transformers configs of each family at sizes drawn
-from a seed, small enough for a 2-rank CPU run.
+"""Model families at new sizes (the families the accounting was developed on): transformers
+configs of each family at sizes drawn from a seed, small enough for a 2-rank CPU run.
 
 The accounting was fitted on GPT-2-shaped models; these families differ from it where memory
 does: grouped-query attention (Llama), a sliding-window mask (Mistral), attention biases and

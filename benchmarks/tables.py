@@ -10,7 +10,7 @@ configuration), so the docs show what the code measured and nothing typed by han
     python benchmarks/tables.py lossy_levers                   # optimizer.state_dtype: loss and bytes
     python benchmarks/tables.py lossy_step_cost                # the planner's charge for a lossier step vs timed
     python benchmarks/tables.py memory_accuracy_levers         # each lever's saving, predicted vs MemTracker
-    python benchmarks/tables.py memory_accuracy_families       # out of sample: |error| per engine and family
+    python benchmarks/tables.py memory_accuracy_families       # new sizes: |error| per engine and family
     python benchmarks/tables.py peers                          # memtrain beside transformers' Trainer and Accelerate
     python benchmarks/tables.py seq_len_reach                  # the longest data.seq_len under one budget
     python benchmarks/tables.py placement_accuracy             # the placement accounting vs DeepSpeed's tensors
@@ -292,7 +292,7 @@ def memory_accuracy(device: str) -> str:
 
 
 def memory_accuracy_families(device: str) -> str:
-    """``benchmarks/memory_accuracy.py --families``: out of sample, the |relative error|'s median,
+    """``benchmarks/memory_accuracy.py --families``: new sizes of the developed families, the |relative error|'s median,
     p90 and worst per engine over every family, precision, AC setting and rank count (newest row
     per configuration), then per family; each row's commit, and the seeds the models were drawn with."""
     rows = newest_by("memory_accuracy", device, lambda row: (
