@@ -1,8 +1,8 @@
 """Model families at new sizes (the families the accounting was developed on): transformers
 configs of each family at sizes drawn from a seed, small enough for a 2-rank CPU run.
 
-The accounting was fitted on GPT-2-shaped models; these families differ from it where memory
-does: grouped-query attention (Llama), a sliding-window mask (Mistral), attention biases and
+The accounting was first fitted on GPT-2-shaped models, then developed on these families at seed
+0's sizes; they differ where memory does: grouped-query attention (Llama), a sliding-window mask (Mistral), attention biases and
 untied embeddings (Qwen2), partial rotary embeddings and a parallel residual (GPT-NeoX).
 Each draw is a ``model.config`` dict for ``memtrain --model.config '<json>'``.
 """
