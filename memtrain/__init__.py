@@ -7,12 +7,14 @@ unit of work (see docs/design.md). From Python: :class:`memtrain.Trainer` (docs/
 __version__ = "0.1.0"
 
 __all__ = ["Trainer", "Config", "ConfigError", "CheckpointError", "OutputError", "CollectiveError", "OOMStop",
-           "NonFiniteStop", "UserObjective"]
+           "NonFiniteStop", "UserObjective", "TrainerCallback", "TrainerState", "EarlyStopping", "CallbackError"]
 
 _EXPORTS = {"Trainer": "memtrain.api", "Config": "memtrain.config", "ConfigError": "memtrain.errors",
             "CheckpointError": "memtrain.errors", "OutputError": "memtrain.errors", "CollectiveError": "memtrain.errors",
             "OOMStop": "memtrain.oom", "NonFiniteStop": "memtrain.precision",
-            "UserObjective": "memtrain.objectives"}
+            "UserObjective": "memtrain.objectives", "TrainerCallback": "memtrain.callbacks",
+            "TrainerState": "memtrain.callbacks", "EarlyStopping": "memtrain.callbacks",
+            "CallbackError": "memtrain.callbacks"}
 
 
 def __getattr__(name: str):

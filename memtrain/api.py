@@ -24,6 +24,7 @@ from typing import Any, Callable, Collection, Optional, Sequence, Union
 
 from memtrain import host_allocator
 from memtrain.build import UserInputs, build_trainer
+from memtrain.callbacks import Callbacks
 from memtrain.config import Config, parse_args, to_dict
 from memtrain.distributed import ProcessState, prepare_libraries
 from memtrain.errors import CollectiveError, ConfigError
@@ -121,6 +122,8 @@ class Trainer:
             example); or an object with ``loss_sum(model, micro_batch)`` and ``count(batch)``
             (:class:`memtrain.objectives.UserObjective`).
         tokenizer: a ``transformers`` tokenizer saved with checkpoints and the exported model.
+        callbacks: :class:`memtrain.TrainerCallback` instances whose hooks run on every rank at
+            the run's moments (:mod:`memtrain.callbacks`; :class:`memtrain.EarlyStopping` ships).
         args: command-line overrides applied over ``config`` (``["--training.max_steps", "50"]``;
             a script passes ``sys.argv[1:]``).
         owns_process: the caller is memtrain's command line, whose process is memtrain's alone:
@@ -134,13 +137,18 @@ class Trainer:
 
     def __init__(self, config: Union[str, os.PathLike, dict, Config, None] = None, *, model: Any = None,
                  train_dataset: Any = None, eval_dataset: Any = None, collate_fn: Optional[Callable] = None,
-                 objective: Any = None, tokenizer: Any = None, args: Sequence[str] = (), owns_process: bool = False):
+                 objective: Any = None, tokenizer: Any = None, callbacks: Sequence[Any] = (),
+                 args: Sequence[str] = (), owns_process: bool = False):
         if train_dataset is None and (eval_dataset is not None or collate_fn is not None or tokenizer is not None):
             raise ConfigError("train_dataset", "eval_dataset, collate_fn and tokenizer go with a train_dataset")
         objective = as_objective(objective) if objective is not None else None
         given = {"model": model, "train_dataset": train_dataset, "objective": objective, "tokenizer": tokenizer}
         self.config: Config = prepare_config(config_argv(config, args), [k for k, v in given.items() if v is not None])
-        self.inputs = UserInputs(model, train_dataset, eval_dataset, collate_fn, objective, tokenizer)
+        try:
+            hooks = Callbacks(callbacks)
+        except TypeError as exc:
+            raise ConfigError("callbacks", f"{exc} (subclass it and override its hooks)") from None
+        self.inputs = UserInputs(model, train_dataset, eval_dataset, collate_fn, objective, tokenizer, hooks)
         self.owns_process = owns_process
 
     def fit(self):
@@ -156,6 +164,8 @@ class Trainer:
             memtrain.NonFiniteStop: as the command line's exit codes 2-5;
             memtrain.CollectiveError: a collective failed or timed out (exit code 6 on the command
             line), in one line naming the rank, the operation and the cause.
+            memtrain.CallbackError: a callback raised (on every rank, naming the callback, the
+            hook and the rank).
         """
         try:
             return run(self.config, self.inputs, self.owns_process)

@@ -8,13 +8,14 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 
 from memtrain.backends import make_backend, model_build_context
 from memtrain.models import repeated_blocks
+from memtrain.callbacks import Callbacks
 from memtrain.checkpoint import Checkpointer
 from memtrain.checkpoint.compat import data_identity
 from memtrain.checkpoint.layout import finished_without_checkpoint, move_previous_run
@@ -134,6 +135,7 @@ class UserInputs:
         objective: an :class:`memtrain.objectives.Objective` (:func:`memtrain.objectives.as_objective`
             of what the caller gave).
         tokenizer: saved with checkpoints and exports.
+        callbacks: the user's :class:`memtrain.callbacks.Callbacks` (empty: none).
     """
 
     model: Any = None
@@ -142,6 +144,7 @@ class UserInputs:
     collate_fn: Optional[Callable] = None
     objective: Any = None
     tokenizer: Any = None
+    callbacks: Callbacks = field(default_factory=Callbacks)
 
     def corpus(self, say: bool = True):
         """The :class:`memtrain.data.examples.ExampleCorpus` of the given datasets (``say``: this
@@ -274,7 +277,7 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
     }
     return TrainingLoop(cfg, process, engine, model, optimizer, scheduler, corpus, objective, sampler, controller, sync,
                    faults, transforms, evaluator, guard, checkpointer, checkpoint_states, state, n_params, spec,
-                   layerdrop, *utilisation, breakdown=breakdown, host_limit=host)
+                   layerdrop, *utilisation, breakdown=breakdown, host_limit=host, callbacks=inputs.callbacks)
 
 
 def check_same_model(model: torch.nn.Module, process: ProcessState) -> None:

@@ -23,8 +23,9 @@ from typing import Any, Callable, Optional
 from torch import nn
 
 from memtrain.backends.base import Backend
+from memtrain.callbacks import Callbacks, TrainerState
 from memtrain.checkpoint import Checkpointer
-from memtrain.checkpoint.layout import read_manifest
+from memtrain.checkpoint.layout import read_manifest, step_dir_name
 from memtrain.checkpoint.compat import TAKES_EFFECT, changed_settings, check_resumable, data_identity
 from memtrain.collector import StepCollector
 from memtrain.config import Config, to_dict
@@ -105,6 +106,8 @@ class TrainingLoop(RunOutputs):
     probe_batch: Optional[dict] = None  # the rank batch the planner's probes time
     breakdown: Any = None  # memtrain.memory.breakdown.MemoryBreakdown (logging.memory_breakdown_step)
     host_limit: Any = None  # memtrain.memory.host_limit.HostLimit: the host memory the run's ranks here may use
+    callbacks: Callbacks = field(default_factory=Callbacks)  # the user's (memtrain.Trainer(callbacks=...))
+    last_metrics: dict = field(default_factory=dict)  # the last evaluation's, for the callbacks' state
 
     def run(self) -> RunResult:
         """Train to ``training.max_steps`` (resuming from a checkpoint when ``resume`` finds one),
@@ -135,6 +138,7 @@ class TrainingLoop(RunOutputs):
                 if resumed is None and self.evaluator.active:
                     self.state.initial_val_loss = self.state.val_loss = self.evaluator(self.model)["loss"]
                 session_start_targets, run_start = self.state.targets_seen, time.perf_counter()
+                self._callback("on_train_begin")
                 records, stopped_by = self._train(metrics, resumed, preemption, collector, run_start)
             finally:
                 collector.stop()
@@ -148,6 +152,7 @@ class TrainingLoop(RunOutputs):
                                   model_dir=model_dir, about=self._about(), earlier=metrics.earlier)
             summary = self.process.broadcast_object(summary)  # rank 0's (it holds every segment's records) on all
             metrics.finish(summary)
+            self._callback("on_train_end", records[-1] if records else None)
         except BaseException:
             if metrics is not None:
                 metrics.close()  # the progress bar ends its line before the error is said
@@ -172,12 +177,14 @@ class TrainingLoop(RunOutputs):
                     record_escaped_oom(self.cfg.output_dir, self.process.rank, step, str(self.controller.plan))
                 raise
             record = self._record(outcome, run_start)
-            if step == t.max_steps or (t.eval_every and step % t.eval_every == 0):
+            evaluated = step == t.max_steps or (t.eval_every and step % t.eval_every == 0)
+            if evaluated:
                 self._evaluate(record)
+            stop_asked = self._step_callbacks(record, evaluated)
             events = self._drain_events(step, outcome.events, resumed if step == first_step else None)
             attach_events(record, events)
             self.checkpoint_states["records"].add(record)  # carried by the next checkpoint
-            stopped_by = self._save_if_due(step, preemption)  # all ranks agree on stopping and saving
+            stopped_by = self._save_if_due(step, preemption, stop_asked, record)  # all ranks agree on stopping and saving
             attach_events(record, events + self._drain_checkpoint_events(step))
             records.append(record)
             metrics.log_step(record, show=step % t.log_every == 0 or "val_loss" in record)
@@ -491,21 +498,53 @@ class TrainingLoop(RunOutputs):
             record[f"val_{name}"] = value
         self.state.val_loss = record["val_loss"]
 
-    def _save_if_due(self, step: int, preemption: Preemption) -> Optional[str]:
+    def _save_if_due(self, step: int, preemption: Preemption, stop_asked: Optional[str] = None,
+                     record: Optional[dict] = None) -> Optional[str]:
         """Save when ``checkpoint.every_steps`` divides ``step``, at the last step (when periodic
-        saving is on), and on a stop signal that reached any rank; returns that signal's name."""
+        saving is on), on a stop signal that reached any rank and on a callback's stop
+        (``stop_asked``: its words, agreed by every rank); returns what stopped the run, or None."""
         progress("checkpoint save", timed=False)  # file-system work: the others' collectives time it
         # every rank's flag as of the step's closing agreement (one all-reduce fewer), else its own all-reduce
-        stop = self.sync.stop_agreed if self.sync.active else self.process.any_rank(preemption.requested)
+        signal = self.sync.stop_agreed if self.sync.active else self.process.any_rank(preemption.requested)
+        stop = signal or stop_asked is not None
         self.checkpointer.poll()  # commit an asynchronous save every rank finished writing
         last = step == self.cfg.training.max_steps
         every = self.cfg.checkpoint.every_steps
         if stop or (every and (step % every == 0 or last)):
             self.checkpointer.save(step, self.checkpoint_states)
             self.checkpoint_states["records"].saved()
+            if self.callbacks:
+                self.checkpointer.finish()  # the hook is told of a committed checkpoint
+                self._callback("on_save", record, os.path.join(self.checkpointer.root, step_dir_name(step)))
         if stop or last:
             self.checkpointer.finish()  # nothing left to overlap a background write with
-        return (preemption.signal_name or "a stop signal on another rank") if stop else None
+        if signal:
+            return preemption.signal_name or "a stop signal on another rank"
+        return stop_asked
+
+    def _callback_state(self, record: Optional[dict]) -> TrainerState:
+        plan = self.controller.plan
+        return TrainerState(self.state.step, self.state.epoch,
+                            {"micro_batch_size": plan.micro_batch_size,
+                             "gradient_accumulation_steps": plan.gradient_accumulation_steps,
+                             "levers": dict(plan.levers)}, record, self.last_metrics)
+
+    def _callback(self, hook: str, record: Optional[dict] = None, *args) -> bool:
+        """Run the callbacks' ``hook`` on every rank (:meth:`memtrain.callbacks.Callbacks.call`);
+        whether one asked to stop."""
+        return bool(self.callbacks) and self.callbacks.call(hook, self._callback_state(record), *args,
+                                                            process=self.process)
+
+    def _step_callbacks(self, record: dict, evaluated: bool) -> Optional[str]:
+        """The step's hooks (``on_evaluate`` when it evaluated, then ``on_step_end``); what asked to
+        stop (said in the summary as a stop signal is), or None."""
+        if not self.callbacks:
+            return None
+        if evaluated and "val_loss" in record:
+            self.last_metrics = {k: v for k, v in record.items() if k.startswith("val_")}
+            if self._callback("on_evaluate", record, dict(self.last_metrics)):
+                return "a callback (on_evaluate)"
+        return "a callback (on_step_end)" if self._callback("on_step_end", record) else None
 
     def _drain_events(self, step: int, events: list[dict], resumed: Optional[tuple[str, float]]) -> list[dict]:
         """The step's events before its save: the resume (first resumed step), plan changes, then
