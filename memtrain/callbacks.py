@@ -16,9 +16,6 @@ import math
 import types
 from typing import Any, Optional, Sequence
 
-HOOKS = ("on_train_begin", "on_step_end", "on_evaluate", "on_save", "on_train_end")
-
-
 class CallbackError(RuntimeError):
     """A callback raised: every rank stops; the message names the callback, the hook, the rank and
     the exception (the command line has no callbacks: Python only)."""

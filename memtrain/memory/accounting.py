@@ -397,9 +397,10 @@ def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str
     too: on 2 CPU ranks (a 25.8M GPT-2, fp32, ZeRO-2 and ZeRO-3 with the optimizer on the host) a
     rank's resident peak rose 200 MiB during each forward and backward, and the host bytes
     planned were 15% under it without them, 6-7% with them (``benchmarks/placement_accuracy.py``).
-    With 16-bit parameters the optimizer step holds an fp32 copy of the rank's gradient partition instead of the whole gradients (the larger of the two
-    counts): MemTracker on GPT-2 small's blocks in bf16 on one rank counts 24 bytes per parameter
-    under ZeRO-3 and 22 under ZeRO-2, 2 more than without it; on 2 ranks the two terms are equal."""
+    With 16-bit parameters the optimizer step holds an fp32 copy of the rank's gradient partition
+    instead of the whole gradients (the larger of the two counts): MemTracker on GPT-2 small's
+    blocks in bf16 on one rank counts 24 bytes per parameter under ZeRO-3 and 22 under ZeRO-2, 2
+    more than without it; on 2 ranks the two terms are equal."""
     n, w = n_params, world_size
     stage = 2 if zero_stage is None else zero_stage
     p_bytes = 2 if precision in ("bf16", "fp16") else 4

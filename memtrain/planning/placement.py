@@ -160,9 +160,10 @@ def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_s
     device = with_allocator_headroom(state_peak_tensor_bytes(state, peaks, c.gradient_accumulation_steps > 1),
                                      machine.device_type)
     optimizer_on_device = state["optimizer_bytes"]
-    staging = 0 if machine.device_type == "cpu" and not p.async_save else engine_module(p.engine).checkpoint_staging_bytes(
+    staging = engine_module(p.engine).checkpoint_staging_bytes(
         optimizer_on_device, largest_tensor_bytes=4 * shape.largest_module // world_size, async_save=p.async_save)
-    # (a CPU run's state is host memory already: a synchronous save writes it from there)
+    if machine.device_type == "cpu" and not p.async_save:
+        staging = 0  # a CPU run's state is host memory already: a synchronous save writes it from there
     per_rank_host = machine.process_bytes + state["cpu_offloaded_bytes"] + staging
     per_rank_host += state["accumulation_host_bytes"] if c.gradient_accumulation_steps > 1 else 0
     per_rank_host += NVME_SWAP_BUFFERS_BYTES if p.nvme else 0
