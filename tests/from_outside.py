@@ -82,8 +82,8 @@ def install(where: str, step: int) -> None:
             layout.os = RenameThenDie()
         return _orig(tmp, root, s, *args, **kwargs)
 
-    def save_if_due(self, s, preemption, _orig=TrainingLoop._save_if_due):
-        stopped = _orig(self, s, preemption)
+    def save_if_due(self, s, preemption, *args, _orig=TrainingLoop._save_if_due):
+        stopped = _orig(self, s, preemption, *args)
         if where == "commit_to_record" and s == step:
             die()
         return stopped
