@@ -54,16 +54,16 @@ from common import (CPU_ARGS, ENGINES, GPU_ARGS, REPO, _free_port, emit, run_mem
                     step_times)
 
 sys.path.insert(0, str(REPO))
-from memtrain.host_allocator import (MMAP_THRESHOLD_BYTES, RETURN_THRESHOLD_BYTES,  # noqa: E402
-                                     TRIM_THRESHOLD_BYTES, policy)
+from memtrain.host_allocator import policy, threshold_bytes  # noqa: E402
 
 
 def same_env(device: str) -> dict[str, str]:
     """glibc's thresholds as memtrain sets them on ``device`` (``cpu``: 128 KiB, freed memory
     returned; ``cuda``: 32 / 64 MiB; :func:`memtrain.host_allocator.policy`), for a plain loop's process."""
-    _, return_freed = policy(None, owns_process=True, cpu_run=device == "cpu")
-    mmap, trim = (RETURN_THRESHOLD_BYTES,) * 2 if return_freed else (MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES)
+    mmap, trim = threshold_bytes(policy(None, owns_process=True, cpu_run=device == "cpu")[1])
     return {"MALLOC_MMAP_THRESHOLD_": str(mmap), "MALLOC_TRIM_THRESHOLD_": str(trim)}
+
+
 GC_EVERY_STEPS = 50
 """memtrain's default ``training.gc_every_steps``."""
 

@@ -364,8 +364,7 @@ def predicted_components(state: dict, engine: str = "deepspeed", root_bytes: int
                 "other": 0, "gathered": 0}
     held_step = state["step_gradient_bytes"] - state["step_whole_gradient_bytes"]
     accumulating = state["accumulation_gradient_bytes"] + state["accumulation_host_bytes"]  # the runs accumulate
-    # ZeRO-2's gradient partition is both: held from the first reduction (accumulation) to the step
-    held = accumulating if held_step == state["accumulation_gradient_bytes"] else held_step + accumulating
+    held = max(held_step, accumulating)  # the larger moment (ZeRO-2's partition is both: held to the step)
     return {"parameters": state["parameter_bytes"] + offloaded["parameter"],
             "gradients": state["gradient_bytes"] + held + offloaded["gradient"],
             "optimizer_state": state["optimizer_bytes"] + offloaded["optimizer"],
@@ -458,11 +457,11 @@ def main(argv=None) -> int:
     ap.add_argument("--placements", nargs="+", choices=list(PLACEMENTS), help="placements (default: all)")
     ap.add_argument("--steps", type=int, default=STEPS, help=f"optimizer steps per run (default {STEPS})")
     args = ap.parse_args(argv)
-    runs = QUICK if args.quick else FULL
-    runs = [(size, placement) for size, placement in runs
-            if (not args.sizes or size in args.sizes) and (not args.placements or placement in args.placements)]
     if args.sizes and args.placements:
         runs = [(size, placement) for size in args.sizes for placement in args.placements]
+    else:  # QUICK's or FULL's runs, narrowed to the sizes or placements given
+        runs = [(size, placement) for size, placement in (QUICK if args.quick else FULL)
+                if size in (args.sizes or SIZES) and placement in (args.placements or PLACEMENTS)]
     save = args.results and not args.quick
     rows = []
     for size, placement in runs:

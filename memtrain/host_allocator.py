@@ -113,6 +113,13 @@ def policy(setting: Optional[bool], owns_process: bool, cpu_run: bool) -> tuple[
     return setting, False
 
 
+def threshold_bytes(return_freed: bool) -> tuple[int, int]:
+    """``(mmap, trim)`` thresholds in bytes :func:`fix_thresholds` sets: :data:`RETURN_THRESHOLD_BYTES`
+    for both with ``return_freed``, else :data:`MMAP_THRESHOLD_BYTES` / :data:`TRIM_THRESHOLD_BYTES`."""
+    return (RETURN_THRESHOLD_BYTES, RETURN_THRESHOLD_BYTES) if return_freed else (MMAP_THRESHOLD_BYTES,
+                                                                                 TRIM_THRESHOLD_BYTES)
+
+
 def fix_thresholds(enabled: bool = True, environ: Optional[Mapping[str, str]] = None,
                    return_freed: bool = False) -> Optional[dict[str, int]]:
     """Set glibc's mmap and trim thresholds (``memory.host_allocator_thresholds``) for this process.
@@ -131,8 +138,7 @@ def fix_thresholds(enabled: bool = True, environ: Optional[Mapping[str, str]] = 
     if not enabled:
         return None
     reason = reason_to_leave(os.environ if environ is None else environ)
-    mmap_bytes, trim_bytes = ((RETURN_THRESHOLD_BYTES, RETURN_THRESHOLD_BYTES) if return_freed
-                              else (MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES))
+    mmap_bytes, trim_bytes = threshold_bytes(return_freed)
     if reason is None:
         try:
             libc = ctypes.CDLL(None)  # the process's own symbols: glibc's malloc is the one in use
