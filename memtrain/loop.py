@@ -308,7 +308,8 @@ class TrainingLoop(RunOutputs):
         if len(set(decisions)) != 1:
             raise RuntimeError(f"memtrain: the ranks' planners chose different plans: {decisions}")
         change = self.controller.adopt(chosen, "plan_chosen", f"fastest of {len(planner.fitting())} plans "
-                                       f"predicted to fit, of {len(planner.candidates)}")
+                                       f"predicted to fit, of {len(planner.candidates)} ({planner.probes[0]} "
+                                       f"probes, {planner.probes[1]:.1f} s)")
         self._apply_plan(chosen_before_step_1=True)
         self.pending_events.append({**change.as_dict(), "ranks": []})
         if self.process.is_main:

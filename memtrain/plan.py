@@ -255,7 +255,8 @@ class PlanController:
         moved = [name for name, setting in nxt.plan.levers if setting != old.lever(name)]
         event = ("oom_shrink" if nxt.micro_batch_size < old.micro_batch_size else
                  (lever(moved[0]).event_for(nxt.plan.lever(moved[0])) or "oom_replan") if moved else "oom_replan")
-        return self.adopt(nxt, event, f"OOM in {where}; fastest plan predicted to fit: {nxt}")
+        return self.adopt(nxt, event, f"OOM in {where}; fastest plan predicted to fit: {nxt} "
+                                      f"({self.planner.probes[0]} probes, {self.planner.probes[1]:.1f} s)")
 
     def on_success(self) -> PlanChange | None:
         """A step completed; returns a grow-back change when the window is full."""

@@ -228,8 +228,12 @@ def step_with_recovery(model: nn.Module, backend: Backend, rank_batch: dict[str,
         on_change(change, ranks)  # the next attempt applies the new plan
 
 
+PROBE_REPEATS = 2
+"""Runs of a probe (:func:`time_step`): the first also warms up, the faster counts."""
+
+
 def time_step(model: nn.Module, backend: Backend, rank_batch: dict[str, torch.Tensor], plan: Plan,
-              objective: Objective, sync: OOMSync, hooks: Optional[StepHooks] = None, repeats: int = 2, *,
+              objective: Objective, sync: OOMSync, hooks: Optional[StepHooks] = None, repeats: int = PROBE_REPEATS, *,
               apply_plan: Callable[[Plan], None]) -> Optional[float]:
     """Seconds of the forward and backward of ``rank_batch`` at ``plan`` (every micro-batch and the
     gradient reduction, as in a real step; no optimizer step), the fastest of ``repeats`` (the

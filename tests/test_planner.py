@@ -8,7 +8,8 @@ import pytest
 from conftest import TINY_ARGS
 from memtrain.levers.activation_checkpointing import CHOICES, setting
 from memtrain.plan import Plan, PlanController
-from memtrain.planning.planner import Candidate, Planner, make_candidates
+from memtrain.planning.planner import (PROBE_BUDGET_STEPS, PROBE_MIN_STEPS, PROBE_RUN_FRACTION, Candidate, Planner,
+                                      make_candidates, probe_budget_steps)
 from memtrain.oom import OOMStop
 
 MiB = 2**20
@@ -73,19 +74,44 @@ def test_candidates_and_predicted_fit():
     assert {key(c) for c in cands if c.fits} == {(8, True), (4, True), (2, False), (2, True), (1, False), (1, True)}
 
 
-def test_initial_times_every_fitting_candidate_and_takes_the_fastest():
+def test_initial_times_every_fitting_candidate_a_faster_setting_does_not_rule_out_and_takes_the_fastest():
     planner = Planner(table(budget=4 * MiB), 4 * MiB, timed(SECONDS))
     chosen = planner.initial()
     assert key(chosen) == (8, True) and chosen.chosen and chosen.measured_step_s == pytest.approx(1.125)
-    # the first candidate is probed twice (the process's cold first step), every fitting one once,
-    # then, fastest first, each within 1.5× of the fastest (1.6875 s) once more: not (1, AC) at
-    # 2.0 s; then each within 1.25× (1.406 s) a third time
-    calls, fitting = planner.prober.calls, sorted(key(c) for c in planner.candidates if c.fits)
+    # the first candidate is probed twice (the process's cold first step), every fitting one once
+    # except (2, AC) and (1, AC): AC off fits at their micro-batch, so AC on cannot be faster;
+    # then, fastest first, each within 1.5× of the fastest (1.6875 s) once more, then each
+    # within 1.25× (1.406 s) a third time
+    calls = planner.prober.calls
     assert calls[0] == calls[1] == (8, True)
-    assert sorted(calls[1:1 + len(fitting)]) == fitting
-    assert calls[1 + len(fitting):] == [(8, True), (2, False), (4, True), (2, True), (1, False),
-                                        (8, True), (2, False), (4, True)]
+    assert calls[1:5] == [(8, True), (4, True), (2, False), (1, False)]
+    assert calls[5:] == [(8, True), (2, False), (4, True), (1, False), (8, True), (2, False), (4, True)]
     assert sum(c.chosen for c in planner.candidates) == 1
+    assert planner.probes[0] == len(calls)
+    # the same table when AC off at micro-batch 2 runs out of memory in its probe: AC on is timed then
+    oom = Planner(table(budget=4 * MiB), 4 * MiB, timed({k: v for k, v in SECONDS.items() if k != (2, False)}))
+    oom.initial()
+    assert (2, True) in oom.prober.calls and (1, True) not in oom.prober.calls
+
+
+def test_one_choice_probes_within_its_budget_of_step_times_the_same_on_every_rank():
+    """A probe that is a whole step (the largest fitting plan is the rank batch) costs two step
+    times (its two runs): within a budget of 6 step times the first plan's warm-up and probe and
+    one more plan are timed, and the choice is among them; an OOM's choice gets a budget of its
+    own. The spending is counted from the agreed seconds the prober returns, never a rank's clock."""
+    planner = Planner(table(), None, timed(SECONDS), probe_budget_steps=6)
+    chosen = planner.initial()  # (8, off) 0.9 s: warm-up 1.8 + probe 1.8; (4, off) 2.0: 5.6 >= 6 × 0.9
+    assert planner.prober.calls == [(8, False), (8, False), (4, False)]  # (8, AC) and (4, AC): AC off fits
+    assert key(chosen) == (8, False) and planner.probes == (3, pytest.approx(2 * (0.9 + 0.9 + 1.0)))
+    planner.prober.calls.clear()
+    nxt = planner.after_oom(P(8, False))  # a budget of its own: 6 × 1.0 s ((4, off), the fastest that fits)
+    assert planner.prober.calls == [(8, True), (2, False), (1, False)]  # 2.25 + 2.4 + 3.2 s, then no re-time
+    assert key(nxt) == (4, False) and planner.probes == (3, pytest.approx(2 * (1.125 + 1.2 + 1.6)))
+    unbounded = Planner(table(), None, timed(SECONDS))
+    unbounded.initial()
+    assert len(unbounded.prober.calls) == 1 + 4 + 3 + 2  # warm-up, 4 not ruled out, 3 within 1.5×, 2 within 1.25×
+    assert probe_budget_steps(3) == PROBE_MIN_STEPS and probe_budget_steps(10**6) == PROBE_BUDGET_STEPS
+    assert probe_budget_steps(200) == 200 * PROBE_RUN_FRACTION
 
 
 def test_a_probe_times_one_micro_batch_of_the_largest_fitting_plan_and_scales_to_the_step():
@@ -189,7 +215,7 @@ def test_nothing_left_is_none():
 def test_grow_back_tries_the_next_faster_plan_and_confirms_it():
     planner = Planner(table(), None, timed(SECONDS))
     planner.measure(planner.candidates)
-    assert key(planner.faster_than(P(1, True))) == (2, True)  # the smallest step up in memory that is faster
+    assert key(planner.faster_than(P(1, False))) == (2, False)  # the smallest step up in memory that is faster
     planner.bound_bytes = 2 * MiB
     planner.confirm(planner.get(P(2, False)))
     assert planner.bound_bytes == planner.get(P(2, False)).predicted_peak_bytes

@@ -23,7 +23,8 @@ and on). For each the planner predicts the peak device memory and measures the s
   rank batch (:meth:`Planner.probe_samples`: one micro-batch of the largest fitting plan, the
   same samples for every candidate, so a probe costs a fraction of a step when that micro-batch
   is a fraction of the rank batch); the seconds are averaged over ranks, so every rank holds
-  the same table and takes the same decision. AC's recompute cost and each engine's cost per
+  the same table and takes the same decision; largest micro-batch first, for at most
+  :func:`probe_budget_steps` step times a choice. AC's recompute cost and each engine's cost per
   micro-batch (ZeRO-3's gathers, DDP's single reduction) are in that time.
   ``memtrain plan`` (no run) estimates seconds from FLOPs instead (:func:`estimated_step_s`).
 
@@ -59,6 +60,7 @@ from memtrain.memory import step_trace
 from memtrain.memory.step_trace import AUTOCAST_ENGINES, compute_precision_model, fake_batch
 from memtrain.models import ModelSource
 from memtrain.plan import Plan
+from memtrain.step import PROBE_REPEATS
 
 CONTENDER_RATIO = 1.5
 """A candidate whose first probe took at most this × the fastest first probe is timed again: the
@@ -73,6 +75,25 @@ reduction weighs the same in every candidate's time scaled to the rank batch."""
 CLOSE_RATIO = 1.25
 """Candidates whose best of two probes is within this × the fastest are timed a third time (a
 plan still slowed by the warm-up after an OOM was measured 1.2–1.6× its settled time)."""
+
+
+PROBE_BUDGET_STEPS = 16
+"""One choice of plan (before step 1, or after an out-of-memory error) probes for at most this
+many step times of the fastest plan timed so far; past it the choice is among the plans timed.
+Without a limit a rank batch of 256 tiny-recipe samples, each probe a whole step, spent 10
+minutes timing 18 plans after one out-of-memory error."""
+PROBE_RUN_FRACTION = 0.05
+"""... and for at most this fraction of the run's steps (``training.max_steps``), ..."""
+PROBE_MIN_STEPS = 4
+"""... but always this many: the first plan's warm-up and its timed probe when each probe is a
+whole step (:data:`memtrain.step.PROBE_REPEATS` runs each)."""
+
+
+def probe_budget_steps(max_steps: int) -> float:
+    """Step times one choice of plan may spend probing in a run of ``max_steps`` steps:
+    :data:`PROBE_RUN_FRACTION` of them, at least :data:`PROBE_MIN_STEPS`, at most
+    :data:`PROBE_BUDGET_STEPS`."""
+    return min(PROBE_BUDGET_STEPS, max(PROBE_MIN_STEPS, PROBE_RUN_FRACTION * max_steps))
 
 
 PINNED_ROUNDING = 2
@@ -248,6 +269,10 @@ class Planner:
         copy_bytes_per_s: charge each probe the host copies of offloaded activations at this
             rate (:func:`copy_s`; bytes/s), where the probe cannot show them (a CPU run, whose
             host is its device); None = the probe's time as measured (a GPU run's copies are in it).
+        probe_budget_steps: step times of the fastest plan timed that one choice (:meth:`initial`,
+            :meth:`after_oom`) may spend probing (:func:`probe_budget_steps`), counted from the
+            probes' agreed seconds (× :data:`memtrain.step.PROBE_REPEATS`), so every rank stops at
+            the same probe; None = every plan worth timing is timed.
 
     Attributes:
         bound_bytes: the budget as learned: after an out-of-memory error, at most the predicted
@@ -256,12 +281,23 @@ class Planner:
         budget_source: what sets ``budget_bytes`` on a CPU run, whose device is the host
             (:attr:`memtrain.memory.host_limit.HostLimit.source`: ``RLIMIT_DATA``, a cgroup, …);
             None = the device (or unbounded).
+        probes: ``(probes, seconds)`` the last choice spent timing (seconds as agreed by the ranks).
+
+    A candidate is not timed when one of the same micro-batch whose every lever is at a setting
+    at least as fast (the levers' choices are fastest first) is timed and fits: it cannot be the
+    faster (e.g. activation checkpointing on where it is off fits).
     """
 
     def __init__(self, candidates: list[Candidate], budget_bytes: Optional[int],
                  prober: Optional[Callable[[Candidate], Optional[float]]] = None, shortlist: bool = False,
-                 copy_bytes_per_s: Optional[float] = None):
+                 copy_bytes_per_s: Optional[float] = None, probe_budget_steps: Optional[float] = None):
         self.candidates = candidates
+        self.probe_budget_steps = probe_budget_steps
+        self.probes: tuple[int, float] = (0, 0.0)
+        self._speed: dict[str, dict[Any, int]] = {}  # lever -> setting -> rank, fastest 0 (make_candidates' order)
+        for c in candidates:
+            for name, setting in c.plan.levers:
+                self._speed.setdefault(name, {}).setdefault(setting, len(self._speed[name]))
         self.copy_bytes_per_s = copy_bytes_per_s
         self.budget_bytes = self.bound_bytes = budget_bytes
         self.host_room_bytes: Optional[int] = None
@@ -288,9 +324,7 @@ class Planner:
 
     def fitting(self, below: Optional[int] = None) -> list[Candidate]:
         """Candidates predicted to fit the learned bound (and need less than ``below`` bytes)."""
-        return [c for c in self.candidates if c.fits
-                and (self.bound_bytes is None or c.predicted_peak_bytes <= self.bound_bytes)
-                and (below is None or c.predicted_peak_bytes < below)]
+        return [c for c in self.candidates if self._open(c) and (below is None or c.predicted_peak_bytes < below)]
 
     def measure(self, pool: list[Candidate]) -> None:
         """Time each not yet measured candidate of ``pool`` (largest micro-batch first), then
@@ -308,6 +342,10 @@ class Planner:
         for c in pool:
             if c.measured_step_s is not None or not c.fits or (self.bound_bytes is not None and c.predicted_peak_bytes > self.bound_bytes):
                 continue  # known, or needs more than something that just failed
+            if self._dominated(c):
+                continue
+            if self._spent():
+                break
             if not self._warmed_up:
                 self._warmed_up = True
                 if not self._time(c):
@@ -327,7 +365,28 @@ class Planner:
         contenders = [c for i, c in enumerate(ranked) if i < at_least or c.step_s <= limit]
         if len(contenders) > 1:
             for c in contenders:
+                if self._spent():
+                    return
                 self._time(c)
+
+    def _dominated(self, c: Candidate) -> bool:
+        """A timed candidate of ``c``'s micro-batch that may still be chosen has every lever at a setting at least as fast."""
+        return any(t is not c and self._open(t) and t.measured_step_s is not None and t.micro_batch_size == c.micro_batch_size
+                   and all(self._speed[n][t.plan.lever(n)] <= self._speed[n][s] for n, s in c.plan.levers)
+                   for t in self.candidates)
+
+    def _spent(self) -> bool:
+        """This choice's probes used :attr:`probe_budget_steps` step times of the fastest plan timed."""
+        timed = [c.measured_step_s for c in self.candidates if self._open(c) and c.measured_step_s is not None]
+        return (self.probe_budget_steps is not None and bool(timed)
+                and self.probes[1] >= self.probe_budget_steps * min(timed))
+
+    def _open(self, c: Candidate) -> bool:
+        """``c`` may still be chosen: predicted to fit, and to need no more than the learned bound."""
+        return c.fits and (self.bound_bytes is None or c.predicted_peak_bytes <= self.bound_bytes)
+
+    def _begin_choice(self) -> None:
+        self.probes = (0, 0.0)
 
     def probe_samples(self, c: Candidate) -> int:
         """Samples a probe of ``c`` times: :data:`PROBE_MICRO_BATCHES` × the least common multiple
@@ -351,6 +410,7 @@ class Planner:
         refuted) when it ran out of memory."""
         samples = self.probe_samples(c)
         seconds = self.prober(c, samples)
+        self.probes = (self.probes[0] + 1, self.probes[1] + PROBE_REPEATS * (seconds or 0.0))
         if seconds is None:
             self.refute(c)
             return False
@@ -382,6 +442,7 @@ class Planner:
     def initial(self) -> Optional[Candidate]:
         """The plan before step 1: the fastest candidate predicted to fit (all fitting ones timed,
         or a shortlist of them)."""
+        self._begin_choice()
         (self.measure_shortlist if self.shortlist else self.measure)(self.fitting())
         return self.fastest(self.fitting())
 
@@ -411,6 +472,7 @@ class Planner:
         if failed is None:
             return None
         self.refute(failed)
+        self._begin_choice()
         pool = self.fitting(below=failed.predicted_peak_bytes)
         (self.measure_shortlist if self.shortlist else self.measure)(pool)
         return self.fastest(self.fitting(below=failed.predicted_peak_bytes))
@@ -580,7 +642,8 @@ def build_planner(cfg, corpus, objective, precision: str, device: torch.device, 
     budget, host = run_device_budget(cfg, device, state_bytes=device_state_bytes(state))  # a CPU's: the host limit
     planner = Planner(make_candidates(per_rank_batch, choices, device_state_bytes(state), acts, device_type, budget,
                                       None if simulated else peak_terms(state)), budget, shortlist=cfg.memory.levers == "auto",
-                      copy_bytes_per_s=cfg.memory.activation_offload_bandwidth_gb_s * 1e9 if device.type == "cpu" else None)
+                      copy_bytes_per_s=cfg.memory.activation_offload_bandwidth_gb_s * 1e9 if device.type == "cpu" else None,
+                      probe_budget_steps=probe_budget_steps(cfg.training.max_steps))
     planner.restrict_budget(budget, offload_host_room_bytes(cfg, device))  # build.py: every rank's smallest rules
     planner.budget_source = host.source if host is not None else None
     return planner
