@@ -166,7 +166,7 @@ def test_the_planner_charges_the_copies_a_cpu_run_cannot_time():
         moving = Candidate(Plan(4, 2, (("activation_offload", "on"),)), 3 * MiB, 1 * MiB, offloaded_bytes=100 * MiB)
         planner = Planner([plain, moving], None, prober=lambda c, samples: samples / 8,  # a 1 s step
                           copy_bytes_per_s=rate)
-        planner.measure(planner.fitting())
+        planner.measure([moving, plain])  # offloading first: timed after plain, it would be ruled out
         return plain, moving, planner
 
     plain, moving, planner = table(1e9)
