@@ -124,6 +124,12 @@ class Trainer:
         tokenizer: a ``transformers`` tokenizer saved with checkpoints and the exported model.
         callbacks: :class:`memtrain.TrainerCallback` instances whose hooks run on every rank at
             the run's moments (:mod:`memtrain.callbacks`; :class:`memtrain.EarlyStopping` ships).
+        optimizer_factory: ``param_groups -> torch.optim.Optimizer``, called after the engine has
+            wrapped or sharded the model with its trainable parameters in two groups (matrices
+            with ``weight_decay`` = ``training.weight_decay``, the rest 0.0); DDP and FSDP2 without
+            offload (:func:`memtrain.optim.user_optimizer`). None = memtrain's AdamW.
+        scheduler_factory: ``optimizer -> torch.optim.lr_scheduler`` scheduler, stepped once per
+            optimizer step. None = memtrain's warmup + cosine.
         args: command-line overrides applied over ``config`` (``["--training.max_steps", "50"]``;
             a script passes ``sys.argv[1:]``).
         owns_process: the caller is memtrain's command line, whose process is memtrain's alone:
@@ -138,17 +144,23 @@ class Trainer:
     def __init__(self, config: Union[str, os.PathLike, dict, Config, None] = None, *, model: Any = None,
                  train_dataset: Any = None, eval_dataset: Any = None, collate_fn: Optional[Callable] = None,
                  objective: Any = None, tokenizer: Any = None, callbacks: Sequence[Any] = (),
+                 optimizer_factory: Optional[Callable] = None, scheduler_factory: Optional[Callable] = None,
                  args: Sequence[str] = (), owns_process: bool = False):
         if train_dataset is None and (eval_dataset is not None or collate_fn is not None or tokenizer is not None):
             raise ConfigError("train_dataset", "eval_dataset, collate_fn and tokenizer go with a train_dataset")
         objective = as_objective(objective) if objective is not None else None
-        given = {"model": model, "train_dataset": train_dataset, "objective": objective, "tokenizer": tokenizer}
+        given = {"model": model, "train_dataset": train_dataset, "objective": objective, "tokenizer": tokenizer,
+                 "optimizer_factory": optimizer_factory, "scheduler_factory": scheduler_factory}
         self.config: Config = prepare_config(config_argv(config, args), [k for k, v in given.items() if v is not None])
         try:
             hooks = Callbacks(callbacks)
         except TypeError as exc:
             raise ConfigError("callbacks", f"{exc} (subclass it and override its hooks)") from None
-        self.inputs = UserInputs(model, train_dataset, eval_dataset, collate_fn, objective, tokenizer, hooks)
+        for name, factory in (("optimizer_factory", optimizer_factory), ("scheduler_factory", scheduler_factory)):
+            if factory is not None and not callable(factory):
+                raise ConfigError(name, f"must be a function, got {type(factory).__name__}")
+        self.inputs = UserInputs(model, train_dataset, eval_dataset, collate_fn, objective, tokenizer, hooks,
+                                 optimizer_factory, scheduler_factory)
         self.owns_process = owns_process
 
     def fit(self):

@@ -39,7 +39,8 @@ from memtrain.planning.planner import build_planner
 from memtrain.models import ModelSource, count_parameters
 from memtrain.objectives import make_objective
 from memtrain.oom import OOMSync, agrees_inside_compute
-from memtrain.optim import make_optimizer, make_scheduler
+from memtrain.optim import make_optimizer, make_scheduler, state_bytes_per_element, user_optimizer, user_scheduler
+from memtrain.validation import USER_OPTIMIZER_ENGINES
 from memtrain.plan import Plan, PlanController
 from memtrain.precision import NonFiniteGuard, resolve_precision
 from memtrain.records import RecordTail
@@ -136,6 +137,10 @@ class UserInputs:
             of what the caller gave).
         tokenizer: saved with checkpoints and exports.
         callbacks: the user's :class:`memtrain.callbacks.Callbacks` (empty: none).
+        optimizer_factory: ``param_groups -> torch.optim.Optimizer`` (:func:`memtrain.optim.user_optimizer`);
+            None = memtrain's AdamW.
+        scheduler_factory: ``optimizer -> LR scheduler`` (:func:`memtrain.optim.user_scheduler`);
+            None = memtrain's warmup + cosine (or the DeepSpeed JSON's).
     """
 
     model: Any = None
@@ -145,6 +150,8 @@ class UserInputs:
     objective: Any = None
     tokenizer: Any = None
     callbacks: Callbacks = field(default_factory=Callbacks)
+    optimizer_factory: Optional[Callable] = None
+    scheduler_factory: Optional[Callable] = None
 
     def corpus(self, say: bool = True):
         """The :class:`memtrain.data.examples.ExampleCorpus` of the given datasets (``say``: this
@@ -247,6 +254,9 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
     controller = make_controller(cfg, spec.data_parallel_size, choices, make_planner)
     engine = make_backend(cfg, spec, process, precision, controller.plan)
     closing.callback(engine.close)
+    if inputs.optimizer_factory is not None:  # counted as the planner will see it (built on first use)
+        check_user_optimizer(spec)
+        engine.optimizer_element_bytes = state_bytes_per_element(inputs.optimizer_factory)
     host = run_host_limit(cfg)  # the host memory the ranks here may use, and what sets it
     # every rank makes the same agreement points: armed where any rank's host allocations can fail
     armed = any(process.all_gather_object(agrees_inside_compute(process.device.type, cfg.faults, host.fails_allocations)))
@@ -256,9 +266,12 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
     faults = FaultInjector(cfg.faults, process.rank, cfg.output_dir)
     transforms = ModelTransforms(LeverTarget(model, repeated_blocks(model), objective, cfg, faults), t.compile)
     state_dtype = controller.plan.settings().get("optimizer_state_dtype", "fp32")
-    model, optimizer = transforms.apply(model, engine, lambda m: make_optimizer(m, t, state_dtype), sync, controller.plan)
+    build_optimizer = ((lambda m: user_optimizer(inputs.optimizer_factory, m, t)) if inputs.optimizer_factory
+                       else (lambda m: make_optimizer(m, t, state_dtype)))
+    model, optimizer = transforms.apply(model, engine, build_optimizer, sync, controller.plan)
     faults.simulate_memory(device_state_bytes(engine.model_state_bytes(n_params)), model.parameters())
-    scheduler = make_scheduler(optimizer, t, engine.scheduler_config)
+    scheduler = (user_scheduler(inputs.scheduler_factory, optimizer) if inputs.scheduler_factory
+                 else make_scheduler(optimizer, t, engine.scheduler_config))
     evaluator = Evaluator(process, corpus, objective, t.eval_samples, controller.plan.micro_batch_size, sync)
     guard, state = NonFiniteGuard(t.max_nonfinite_steps), TrainState()
     if cfg.checkpoint.async_save and not engine.supports_async_save and process.is_main:
@@ -278,6 +291,20 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
     return TrainingLoop(cfg, process, engine, model, optimizer, scheduler, corpus, objective, sampler, controller, sync,
                    faults, transforms, evaluator, guard, checkpointer, checkpoint_states, state, n_params, spec,
                    layerdrop, *utilisation, breakdown=breakdown, host_limit=host, callbacks=inputs.callbacks)
+
+
+def check_user_optimizer(spec) -> None:
+    """A Python caller's optimizer runs where memtrain hands the engine a torch optimizer to step
+    as it is: DDP, and FSDP2 without offload.
+
+    Raises:
+        memtrain.config.ConfigError: the placement (chosen under ``backend.name``/``offload auto``
+            too) is DeepSpeed's or an offload (field ``backend.name`` or ``backend.offload``).
+    """
+    if spec.name == "deepspeed":
+        raise ConfigError("backend.name", USER_OPTIMIZER_ENGINES)
+    if spec.offload not in (None, "none"):
+        raise ConfigError("backend.offload", f"{spec.offload}: {USER_OPTIMIZER_ENGINES}")
 
 
 def check_same_model(model: torch.nn.Module, process: ProcessState) -> None:

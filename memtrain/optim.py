@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -38,6 +38,63 @@ def make_optimizer(model: nn.Module, tcfg, state_dtype: str = "fp32") -> torch.o
         return _adamw_8bit(groups, hyper)
     fused = bool(params) and all(p.device.type in ("cuda", "cpu") and p.dtype in _FUSED_DTYPES for p in params)
     return torch.optim.AdamW(groups, **hyper, fused=fused or None)
+
+
+PROBE_ELEMENTS = 4096
+"""Elements of the probe tensor :func:`state_bytes_per_element` steps a user's optimizer on."""
+
+
+def user_optimizer(factory: Callable[[list[dict]], torch.optim.Optimizer], model: nn.Module,
+                   tcfg) -> torch.optim.Optimizer:
+    """A Python caller's ``optimizer_factory(param_groups)`` (:class:`memtrain.api.Trainer`) over
+    ``model``'s trainable parameters in :func:`weight_decay_groups` (matrices decayed by
+    ``training.weight_decay``, the rest not), called after the engine has moved, wrapped or
+    sharded the model (under FSDP2 the parameters are DTensor shards).
+
+    Raises:
+        memtrain.errors.ConfigError: the factory returned no ``torch.optim.Optimizer`` (field ``optimizer_factory``).
+    """
+    optimizer = factory(weight_decay_groups(model, tcfg.weight_decay))
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError("optimizer_factory", f"returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
+    return optimizer
+
+
+def state_bytes_per_element(factory: Callable[[list[dict]], torch.optim.Optimizer]) -> float:
+    """Bytes of state ``factory``'s optimizer keeps per parameter element: built over one fp32 probe
+    tensor of :data:`PROBE_ELEMENTS` elements on the CPU, stepped twice, and the state tensors it
+    keeps of the probe's size counted (scalars such as Adam's step count are not per element):
+    SGD with momentum 4 (its buffer), AdamW 8 (two moments), SGD without momentum 0. What the
+    planner counts for a Python caller's optimizer.
+
+    Raises:
+        memtrain.errors.ConfigError: the factory returned no ``torch.optim.Optimizer``.
+    """
+    probe = nn.Parameter(torch.zeros(PROBE_ELEMENTS))
+    optimizer = factory([{"params": [probe], "weight_decay": 0.0}])
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError("optimizer_factory", f"returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
+    for _ in range(2):
+        probe.grad = torch.full_like(probe, 1e-3)
+        optimizer.step()
+    held = [t for t in optimizer.state[probe].values() if isinstance(t, torch.Tensor) and t.numel() == probe.numel()]
+    return sum(t.numel() * t.element_size() for t in held) / probe.numel()
+
+
+def user_scheduler(factory: Callable, optimizer: torch.optim.Optimizer):
+    """A Python caller's ``scheduler_factory(optimizer)``: a ``torch.optim.lr_scheduler``
+    scheduler, stepped once per optimizer step and saved with its state in checkpoints.
+
+    Raises:
+        memtrain.errors.ConfigError: what it returned lacks a scheduler's methods (field ``scheduler_factory``).
+    """
+    scheduler = factory(optimizer)
+    missing = [m for m in ("step", "state_dict", "load_state_dict", "get_last_lr")
+               if not callable(getattr(scheduler, m, None))]
+    if missing:
+        raise ConfigError("scheduler_factory", f"returned {type(scheduler).__name__} without {', '.join(missing)} "
+                          "(a torch.optim.lr_scheduler.LRScheduler has them)")
+    return scheduler
 
 
 def _adamw_8bit(groups: list[dict], hyper: dict) -> torch.optim.Optimizer:

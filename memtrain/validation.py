@@ -170,11 +170,36 @@ def _check_model_builds(cfg: Config, mc: dict) -> None:
                           f"{type(exc).__name__}: {first}") from None
 
 
+USER_OPTIMIZER_ENGINES = (
+    "an optimizer_factory's optimizer runs under backend.name ddp or fsdp without offload (memtrain sizes "
+    "DeepSpeed's ZeRO partitions for AdamW and steps DeepSpeed's CPU Adam under its offload; FSDP2's optimizer "
+    "offload steps its own AdamW on the host): choose ddp or fsdp with backend.offload none, or drop the factory")
+"""Why a Python caller's optimizer is refused under an engine or placement (:func:`memtrain.build.check_user_optimizer`)."""
+
+
+def _validate_user_optimizer(cfg: Config) -> None:
+    """An ``optimizer_factory`` keeps its own state: no DeepSpeed, no offload, no lossy state dtype."""
+    b = cfg.backend
+    if b.name == "deepspeed":
+        raise ConfigError("backend.name", USER_OPTIMIZER_ENGINES)
+    if b.offload not in (None, "none", "auto"):
+        raise ConfigError("backend.offload", f"{b.offload}: {USER_OPTIMIZER_ENGINES}")
+    if cfg.optimizer.state_dtype != "fp32":
+        raise ConfigError("optimizer.state_dtype", f"{cfg.optimizer.state_dtype} is memtrain's AdamW's; an "
+                          "optimizer_factory's optimizer keeps its own state (set fp32)")
+    if cfg.memory.allow_lossy_levers:
+        raise ConfigError("memory.allow_lossy_levers", "would choose memtrain's AdamW's state dtype; an "
+                          "optimizer_factory's optimizer keeps its own state (set false)")
+
+
 def _validate_python_inputs(cfg: Config, python: Collection[str]) -> None:
     """A model or data given from Python leaves the config's own unset (two models, or two
     datasets, named at once is refused, not one silently ignored); a Python objective computes
     its own loss (no chunked cross-entropy); examples without a tokenizer give the config's
-    model no vocabulary size."""
+    model no vocabulary size; an optimizer factory runs where its optimizer is stepped as it is
+    (:func:`_validate_user_optimizer`)."""
+    if "optimizer_factory" in python:
+        _validate_user_optimizer(cfg)
     named = [f"model.{k}" for k in ("config", "factory", "pretrained") if getattr(cfg.model, k)]
     if "model" in python and named:
         raise ConfigError(named[0], "is set, and a model is given from Python too; drop one (e.g. "

@@ -73,6 +73,9 @@ class Backend(Protocol):
         supports_async_save: :meth:`save_state` can write in the background.
         scheduler_config: the LR schedule the user's engine config names (DeepSpeed JSON's
             ``scheduler`` section, ``{"type", "params"}``), or None for memtrain's own.
+        optimizer_element_bytes: state bytes per parameter element of a Python caller's optimizer
+            (:func:`memtrain.optim.state_bytes_per_element`), counted by :meth:`model_state_bytes`
+            in place of AdamW's; None = memtrain's AdamW (set by the build before the planner runs).
     """
 
     name: str
@@ -81,6 +84,7 @@ class Backend(Protocol):
     grad_average_factor: float
     supports_async_save: bool
     scheduler_config: Optional[dict]
+    optimizer_element_bytes: Optional[float]
 
     def prepare(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
                 ) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -25,7 +25,7 @@ from memtrain.checkpoint.formats import format_module
 from memtrain.distributed import ProcessState
 from memtrain.errors import ConfigError
 from memtrain.memory.accounting import (DEFERRED_REDUCE_BUCKET_BYTES, ModelShape, ddp_state_bytes, model_shape,
-                                        replicated_optimizer_bytes)
+                                        replicated_optimizer_bytes, with_optimizer_element_bytes)
 
 CHECKPOINT_FORMAT = "safetensors"
 """The checkpoint format this engine writes (:mod:`memtrain.checkpoint.formats`)."""
@@ -152,6 +152,7 @@ class DDPBackend:
         self.precision = precision
         self.find_unused_parameters = find_unused_parameters
         self.optimizer_state_dtype = optimizer_state_dtype
+        self.optimizer_element_bytes: Optional[float] = None
         self.shape: Optional[ModelShape] = None  # the model's element counts (set in prepare)
         self._ddp_kwargs = DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters == "true")
         self._checked_unused = find_unused_parameters != "auto"
@@ -329,7 +330,8 @@ class DDPBackend:
         return {"backend": self.name, "checkpoint_format": checkpoint_format.NAME, "zero_stage": None}
 
     def model_state_bytes(self, n_params: int) -> dict[str, int]:
-        return ddp_state_bytes(n_params, self.world_size, self.shape, self.optimizer_state_dtype, self.defer_reduction)
+        return with_optimizer_element_bytes(ddp_state_bytes(n_params, self.world_size, self.shape, self.optimizer_state_dtype,
+                                                            self.defer_reduction), self.optimizer_element_bytes)
 
     def close(self) -> None:
         """Nothing beyond the process group, which the process state closes."""

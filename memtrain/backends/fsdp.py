@@ -26,7 +26,7 @@ from memtrain.checkpoint.formats import format_module
 from memtrain.distributed import ProcessState
 from memtrain.errors import ConfigError
 from memtrain.memory.accounting import (ModelShape, fsdp_state_bytes, model_shape, offloaded_parameter_count,
-                                       sharded_optimizer_bytes)
+                                       sharded_optimizer_bytes, with_optimizer_element_bytes)
 from memtrain.memory.machine import HOST_DEVICE_BYTES_PER_S, Machine
 from memtrain.models import repeated_blocks
 from memtrain.offload_optimizer import from_optimizer
@@ -202,6 +202,7 @@ class FSDPBackend:
         self.device = process.device
         self.reshard_after_forward = reshard_after_forward
         self.optimizer_state_dtype = optimizer_state_dtype
+        self.optimizer_element_bytes: Optional[float] = None
         self.offload = offload
         self.offload_optimizer_ratio, self.host_step_overlap = offload_optimizer_ratio, host_step_overlap
         self.offload_optimizer = None  # memtrain's optimizer offload (offload optimizer), set in prepare
@@ -350,8 +351,9 @@ class FSDPBackend:
         return {"backend": self.name, "checkpoint_format": checkpoint_format.NAME, "zero_stage": None}
 
     def model_state_bytes(self, n_params: int) -> dict[str, int]:
-        return fsdp_state_bytes(n_params, self.precision, self.offload, self.world_size, self.shape,
-                                self.optimizer_state_dtype, self.offload_optimizer_ratio)
+        return with_optimizer_element_bytes(fsdp_state_bytes(n_params, self.precision, self.offload, self.world_size,
+                                                             self.shape, self.optimizer_state_dtype,
+                                                             self.offload_optimizer_ratio), self.optimizer_element_bytes)
 
     def close(self) -> None:
         """The optimizer offload's thread and hooks (the process group is the process state's)."""

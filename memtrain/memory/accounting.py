@@ -132,6 +132,15 @@ def sharded_optimizer_bytes(state_dtype: str, shape: ModelShape, world_size: int
     return adam_state_bytes(state_dtype, numels) // w
 
 
+def with_optimizer_element_bytes(state: dict[str, int], element_bytes: Optional[float]) -> dict[str, int]:
+    """``state`` (a ``model_state_bytes`` dict counting AdamW's fp32 moments, on the device) with
+    ``optimizer_bytes`` for an optimizer keeping ``element_bytes`` per parameter element instead
+    (a Python caller's: :func:`memtrain.optim.state_bytes_per_element`); None = ``state``."""
+    if element_bytes is None:
+        return state
+    return {**state, "optimizer_bytes": round(state["optimizer_bytes"] * element_bytes / ADAM_STATE_BYTES)}
+
+
 def zero_reduce_bucket_elements(n_params: int) -> int:
     """The ``reduce_bucket_size`` memtrain writes into a DeepSpeed config that does not set one:
     DeepSpeed's default, but never more than the model's parameters. ZeRO allocates the whole
