@@ -157,6 +157,13 @@ def test_hf_style_labels_are_shifted_as_transformers_does(caplog):
     assert torch.equal(kept.train.batch(range(16))["labels"], batch["labels"]) and "labels equal" not in caplog.text
     own = UserInputs(train_dataset=[{"input_ids": c, "labels": c} for c in rows], objective=object()).corpus()
     assert torch.equal(own.train.batch(range(16))["labels"], ids)
+    # labels shifted already whose first 8 examples are one token repeated (labels equal to the ids
+    # there by coincidence): the later examples show they are shifted, and nothing is shifted again
+    repeated = [{"input_ids": torch.full((12,), i), "labels": torch.cat([torch.full((11,), i), torch.tensor([-100])])}
+                for i in range(8)]
+    coincidence = UserInputs(train_dataset=repeated + shifted).corpus()
+    assert torch.equal(coincidence.train.batch(range(8, 24))["labels"], batch["labels"]) and "labels equal" not in caplog.text
+    assert not UserInputs(train_dataset=repeated).corpus().train.shift_labels  # either reading: left as given
 
 
 def test_a_transformers_model_trains_without_its_kv_cache():

@@ -42,17 +42,23 @@ class ExampleDataset:
         self.collate_fn = collate_fn or torch.utils.data.default_collate
         self.shift_labels = False
 
-    def unshifted_labels(self, n: int = 8) -> bool:
+    def unshifted_labels(self, n: int = 64) -> bool:
         """Whether the first ``n`` examples' ``labels`` equal their ``input_ids`` wherever a label
-        is not -100: transformers' convention, where the model shifts the labels itself."""
+        is not -100 — transformers' convention, where the model shifts the labels itself — and
+        could not be labels shifted already: some kept label differs from the next input id. Where
+        every kept label also equals the next id (e.g. one token repeated) both readings agree
+        with the examples, and labels are never shifted on such evidence."""
         if len(self) == 0:
             return False
         batch = self.batch(range(min(n, len(self))))
         ids, labels = batch.get("input_ids"), batch.get("labels")
-        if ids is None or labels is None or ids.shape != labels.shape:
+        if ids is None or labels is None or ids.shape != labels.shape or ids.dim() < 2:
             return False
         kept = labels != IGNORE_INDEX
-        return bool(kept.any()) and torch.equal(labels[kept], ids[kept])
+        if not bool(kept.any()) or not torch.equal(labels[kept], ids[kept]):
+            return False
+        inner = kept[:, :-1]  # a label whose next input id exists
+        return not torch.equal(labels[:, :-1][inner], ids[:, 1:][inner])
 
     def __len__(self) -> int:
         return len(self.examples)
