@@ -130,6 +130,10 @@ class Trainer:
             offload (:func:`memtrain.optim.user_optimizer`). None = memtrain's AdamW.
         scheduler_factory: ``optimizer -> torch.optim.lr_scheduler`` scheduler, stepped once per
             optimizer step. None = memtrain's warmup + cosine.
+        compute_metrics: ``(outputs, labels) -> {name: float or (sum, count)}`` run on every rank
+            after each evaluation micro-batch with what the model returned and the micro-batch's
+            labels; reduced over the evaluation set and ranks and recorded as ``val_<name>``
+            (:mod:`memtrain.eval_metrics`). None = the objective's metrics only.
         args: command-line overrides applied over ``config`` (``["--training.max_steps", "50"]``;
             a script passes ``sys.argv[1:]``).
         owns_process: the caller is memtrain's command line, whose process is memtrain's alone:
@@ -145,7 +149,7 @@ class Trainer:
                  train_dataset: Any = None, eval_dataset: Any = None, collate_fn: Optional[Callable] = None,
                  objective: Any = None, tokenizer: Any = None, callbacks: Sequence[Any] = (),
                  optimizer_factory: Optional[Callable] = None, scheduler_factory: Optional[Callable] = None,
-                 args: Sequence[str] = (), owns_process: bool = False):
+                 compute_metrics: Optional[Callable] = None, args: Sequence[str] = (), owns_process: bool = False):
         if train_dataset is None and (eval_dataset is not None or collate_fn is not None or tokenizer is not None):
             raise ConfigError("train_dataset", "eval_dataset, collate_fn and tokenizer go with a train_dataset")
         objective = as_objective(objective) if objective is not None else None
@@ -156,11 +160,12 @@ class Trainer:
             hooks = Callbacks(callbacks)
         except TypeError as exc:
             raise ConfigError("callbacks", f"{exc} (subclass it and override its hooks)") from None
-        for name, factory in (("optimizer_factory", optimizer_factory), ("scheduler_factory", scheduler_factory)):
+        for name, factory in (("optimizer_factory", optimizer_factory), ("scheduler_factory", scheduler_factory),
+                              ("compute_metrics", compute_metrics)):
             if factory is not None and not callable(factory):
                 raise ConfigError(name, f"must be a function, got {type(factory).__name__}")
         self.inputs = UserInputs(model, train_dataset, eval_dataset, collate_fn, objective, tokenizer, hooks,
-                                 optimizer_factory, scheduler_factory)
+                                 optimizer_factory, scheduler_factory, compute_metrics)
         self.owns_process = owns_process
 
     def fit(self):

@@ -141,6 +141,7 @@ class UserInputs:
             None = memtrain's AdamW.
         scheduler_factory: ``optimizer -> LR scheduler`` (:func:`memtrain.optim.user_scheduler`);
             None = memtrain's warmup + cosine (or the DeepSpeed JSON's).
+        compute_metrics: ``(outputs, labels) -> {name: value}`` (:mod:`memtrain.eval_metrics`); None = none.
     """
 
     model: Any = None
@@ -152,6 +153,7 @@ class UserInputs:
     callbacks: Callbacks = field(default_factory=Callbacks)
     optimizer_factory: Optional[Callable] = None
     scheduler_factory: Optional[Callable] = None
+    compute_metrics: Optional[Callable] = None
 
     def corpus(self, say: bool = True):
         """The :class:`memtrain.data.examples.ExampleCorpus` of the given datasets (``say``: this
@@ -272,7 +274,8 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
     faults.simulate_memory(device_state_bytes(engine.model_state_bytes(n_params)), model.parameters())
     scheduler = (user_scheduler(inputs.scheduler_factory, optimizer) if inputs.scheduler_factory
                  else make_scheduler(optimizer, t, engine.scheduler_config))
-    evaluator = Evaluator(process, corpus, objective, t.eval_samples, controller.plan.micro_batch_size, sync)
+    evaluator = Evaluator(process, corpus, objective, t.eval_samples, controller.plan.micro_batch_size, sync,
+                          inputs.compute_metrics, engine.unwrap)
     guard, state = NonFiniteGuard(t.max_nonfinite_steps), TrainState()
     if cfg.checkpoint.async_save and not engine.supports_async_save and process.is_main:
         log.warning("memtrain: checkpoint.async_save applies to backend.name fsdp only; %s saves synchronously",

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
 from memtrain.distributed import ProcessState
+from memtrain.eval_metrics import EvalMetrics
 from memtrain.objectives import Objective
 from memtrain.oom import AgreedOOM, OOMSync, is_oom
 from memtrain.watchdog import progress
@@ -18,7 +19,8 @@ log = logging.getLogger("memtrain")
 
 class Evaluator:
     """Mean loss per unit (token or character; nats) over the first ``num_samples`` validation
-    samples, and the objective's metrics (WER and CER for CTC). Returns ``{"loss": …, "wer": …, …}``.
+    samples, the objective's metrics (WER and CER for CTC) and a Python caller's
+    (:mod:`memtrain.eval_metrics`). Returns ``{"loss": …, "wer": …, …}``.
 
     The samples are cut to a multiple of ``world_size`` and dealt round-robin, so every rank runs
     the same number of forwards (the engines' collectives stay matched). Evaluation has its own
@@ -30,14 +32,19 @@ class Evaluator:
         process: the process state; corpus: the data (its ``validation`` split); objective: the loss.
         num_samples: ``training.eval_samples``; micro_batch_size: the starting evaluation micro-batch.
         sync: the OOM agreement points.
+        compute_metrics: a Python caller's ``(outputs, labels) -> {name: value}``
+            (:class:`memtrain.eval_metrics.EvalMetrics`); None = none.
+        unwrap: the engine's ``model -> the user's module`` (whose forward outputs the metrics read).
 
     Attributes:
         events: evaluation plan changes not yet written to metrics (the loop drains them).
     """
 
     def __init__(self, process: ProcessState, corpus, objective: Objective, num_samples: int, micro_batch_size: int,
-                 sync: OOMSync):
+                 sync: OOMSync, compute_metrics: Optional[Callable] = None,
+                 unwrap: Callable[[nn.Module], nn.Module] = lambda m: m):
         self.process, self.corpus, self.objective, self.sync = process, corpus, objective, sync
+        self.metrics, self.unwrap = EvalMetrics(compute_metrics, tuple(objective.eval_metrics)), unwrap
         n = min(num_samples, len(corpus.validation))
         self.mine = list(range(process.rank, n - n % process.world_size, process.world_size))
         self.active = bool(n - n % process.world_size)  # the same on every rank
@@ -71,7 +78,8 @@ class Evaluator:
         finally:
             model.train(was_training)
         self.process.all_reduce_sum(totals)
-        return self.objective.finish(totals.tolist())
+        n = 2 + 2 * len(self.objective.eval_metrics)  # the objective's sums, then the caller's metrics'
+        return {**self.objective.finish(totals[:n].tolist()), **self.metrics.finish(totals[n:].tolist())}
 
     def _shrink(self, ranks: list[int]) -> None:
         if self.process.device.type == "cuda":
@@ -85,11 +93,16 @@ class Evaluator:
 
     def _run(self, model: nn.Module) -> torch.Tensor:
         device = self.process.device
-        totals = torch.zeros(2 + 2 * len(self.objective.eval_metrics), dtype=torch.float64, device=device)
-        for i in range(0, len(self.mine), self.micro_batch_size):
-            ids = self.mine[i:i + self.micro_batch_size]
-            progress(f"evaluation of validation samples {i + 1}-{i + len(ids)} of {len(self.mine)}")
-            batch = {k: v.to(device) for k, v in self.corpus.validation.batch(ids).items()}
-            totals += torch.tensor(self.objective.eval_sums(model, batch), dtype=torch.float64, device=device)
-            self.sync.compute_point()
+        totals = None  # every rank evaluates at least one micro-batch (self.active)
+        with self.metrics.capturing(self.unwrap(model)):
+            for i in range(0, len(self.mine), self.micro_batch_size):
+                ids = self.mine[i:i + self.micro_batch_size]
+                progress(f"evaluation of validation samples {i + 1}-{i + len(ids)} of {len(self.mine)}")
+                batch = {k: v.to(device) for k, v in self.corpus.validation.batch(ids).items()}
+                sums = list(self.objective.eval_sums(model, batch))
+                if self.metrics.active:
+                    sums += self.metrics.sums(batch)
+                part = torch.tensor(sums, dtype=torch.float64, device=device)
+                totals = part if totals is None else totals + part
+                self.sync.compute_point()
         return totals
