@@ -61,8 +61,10 @@ MODEL = {"model_type": "gpt2", "n_layer": 4, "n_embd": 64, "n_head": 4, "n_posit
          "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 0, "eos_token_id": 0}
 """The benchmarks' CPU model (``common.CPU_ARGS``: 0.27M parameters with the 1024-token vocabulary)."""
 SETTINGS = {"seed": 1234, "global_batch_size": 16, "micro_batch_size": 4, "lr": 3e-3, "warmup_steps": 2,
-            "min_lr_ratio": 0.1, "weight_decay": 0.1, "max_grad_norm": 1.0}
-"""What every trainer is given (global batch 16 on 2 ranks: micro-batch 4, accumulation 2)."""
+            "min_lr_ratio": 0.1, "weight_decay": 0.1, "max_grad_norm": 1.0, "adam_beta1": 0.9, "adam_beta2": 0.95,
+            "adam_eps": 1e-8}
+"""What every trainer is given (global batch 16 on 2 ranks: micro-batch 4, accumulation 2); AdamW's
+betas and epsilon too (memtrain's defaults; transformers' and torch's are 0.999 for beta2)."""
 VOCAB, SEQ_LEN, VALIDATION_ROWS = 1024, 64, 64
 
 
@@ -190,7 +192,8 @@ def main(argv=None) -> int:
         rows = []
         for repeat in range(repeats):
             for trainer, engine in runs:
-                row = {**run_peer(trainer, engine, settings, folder, timeout=1800), "repeat": repeat}
+                row = {**run_peer(trainer, engine, settings, folder, timeout=1800), "repeat": repeat,
+                       "settings": SETTINGS}  # the same for every trainer, printed into its row
                 rows.append(row)
                 emit("peers", "cpu", row, save=opts.results and not opts.quick)
         for row in summary(rows):

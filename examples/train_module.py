@@ -2,7 +2,8 @@
 
 The model is a small transformer encoder written with torch.nn (no transformers); the data is
 built here: sequences of digits of varying length, each to be read back reversed; the collate
-function pads them; the objective is this script's own (cross-entropy per labelled position).
+function pads them; the objective is this script's own (cross-entropy per labelled position), and
+so is the evaluation's metric (the share of labelled positions read back right).
 
     python examples/train_module.py --output_dir runs/reverse
     torchrun --nproc_per_node 2 examples/train_module.py --output_dir runs/reverse_ddp2 --backend.name ddp
@@ -85,6 +86,13 @@ class TokenCrossEntropy:
         return (batch["labels"] != IGNORE).sum()
 
 
+def accuracy(logits, labels):
+    """``compute_metrics``: labelled positions whose most likely digit is right, as (right, labelled),
+    summed over the whole evaluation set and every rank before memtrain divides."""
+    kept = labels != IGNORE
+    return {"accuracy": (float((logits.argmax(-1) == labels)[kept].sum()), float(kept.sum()))}
+
+
 DEFAULTS = {
     "output_dir": "runs/reverse",
     "precision": "fp32",
@@ -96,7 +104,7 @@ DEFAULTS = {
 if __name__ == "__main__":
     trainer = memtrain.Trainer(DEFAULTS, model=ReverseModel, train_dataset=make_examples(2048, seed=0),
                                eval_dataset=make_examples(64, seed=1), collate_fn=collate,
-                               objective=TokenCrossEntropy(), args=sys.argv[1:])
+                               objective=TokenCrossEntropy(), compute_metrics=accuracy, args=sys.argv[1:])
     result = trainer.fit()
     first, last = result.summary.get("initial_val_loss"), result.summary.get("final_val_loss")
     if int(os.environ.get("RANK", "0")) == 0:
@@ -104,3 +112,6 @@ if __name__ == "__main__":
             print(f"nothing trained: {trainer.config.output_dir} holds a finished run (give another --output_dir)")
         elif first is not None and last is not None:
             print(f"validation loss {first:.3f} -> {last:.3f} per position; model in {trainer.config.output_dir}/model")
+            evaluated = [r["val_accuracy"] for r in result.records if "val_accuracy" in r]
+            if evaluated:
+                print(f"validation accuracy {evaluated[0]:.3f} -> {evaluated[-1]:.3f} of labelled positions")

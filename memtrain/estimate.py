@@ -47,7 +47,8 @@ from memtrain.memory.machine import (DEFAULT_GPU_FLOPS, Machine, PLAN_PROCESS_BY
                                      run_device_budget, run_host_limit)
 from memtrain.planning.placement import (Placement, allowed_pool, choose, format_placements, model_facts, nvme_usable,
                                        plan_model, planning_pool, tokens_per_sample, with_state_dtype)
-from memtrain.planning.planner import Planner, activation_tables, estimated_plan_s, make_candidates
+from memtrain.planning.activations import activation_tables
+from memtrain.planning.planner import Planner, estimated_plan_s, make_candidates
 from memtrain.memory.simulated import SimulatedMemory
 from memtrain.objectives import CausalLM
 from memtrain.offload_optimizer import host_step_params_per_s

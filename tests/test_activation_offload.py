@@ -119,7 +119,7 @@ def test_the_planner_predicts_what_the_simulated_device_counts_and_what_moves(ca
     from memtrain.data import build_corpus
     from memtrain.activation import enable_activation_checkpointing
     from memtrain.models import repeated_blocks
-    from memtrain.planning.planner import activation_table, trace_batch
+    from memtrain.planning.activations import activation_table, trace_batch
     from memtrain.memory.simulated import SimulatedMemory
     from memtrain.models import build_model
     from memtrain.objectives import make_objective

@@ -81,7 +81,7 @@ def test_planner_counts_it_as_a_memory_lever(cache_dir, monkeypatch):
     from memtrain.data import build_corpus
     from memtrain.models import build_model
     from memtrain.objectives import make_objective
-    from memtrain.planning.planner import activation_table
+    from memtrain.planning.activations import activation_table
     from memtrain.plan import Plan
 
     cfg = parse_args(TINY_ARGS + ["--data.cache_dir", cache_dir])

@@ -84,6 +84,9 @@ def test_the_python_page_runs_as_written(tmp_path):
     for out in (outputs[0], outputs[1], outputs[2], outputs[4]):  # the program and the scripts print it
         first, last = map(float, re.search(r"validation loss ([\d.]+) -> ([\d.]+)", out.stdout).groups())
         assert last < first, out.stdout[-2000:]
+    for out in (outputs[1], outputs[2]):  # the example's compute_metrics, one rank and ZeRO-3 on two
+        first, last = map(float, re.search(r"validation accuracy ([\d.]+) -> ([\d.]+)", out.stdout).groups())
+        assert 0 <= first < last <= 1, out.stdout[-2000:]
     assert (tmp_path / "runs" / "code_lm_small_finetune" / "model" / "model.safetensors").is_file()
     assert (tmp_path / "runs" / "code_lm_small_finetune" / "model" / "tokenizer.json").is_file()  # the tokenizer handed over
 

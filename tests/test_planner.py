@@ -312,7 +312,7 @@ def test_fake_trace_predicts_what_memtracker_counts_in_a_real_micro_step(cache_d
     from memtrain.data import build_corpus
     from memtrain.models import build_model
     from memtrain.objectives import make_objective
-    from memtrain.planning.planner import activation_table, trace_batch
+    from memtrain.planning.activations import activation_table, trace_batch
 
     cfg = parse_args(TINY_ARGS + ["--data.cache_dir", cache_dir])
     corpus = build_corpus(cfg.data)
@@ -348,7 +348,7 @@ def test_the_trace_finds_the_peaks_inside_blocks_and_in_backward_that_memtracker
     from memtrain.data import build_corpus
     from memtrain.models import build_model, repeated_blocks
     from memtrain.objectives import make_objective
-    from memtrain.planning.planner import activation_table, trace_batch
+    from memtrain.planning.activations import activation_table, trace_batch
 
     cfg = parse_args(TINY_ARGS + ["--data.cache_dir", cache_dir])
     corpus = build_corpus(cfg.data)
@@ -395,7 +395,7 @@ def test_a_gpu_planned_without_one_traces_attention_as_a_fused_kernel_holds_it(c
     from memtrain.data import build_corpus
     from memtrain.models import build_model
     from memtrain.objectives import make_objective
-    from memtrain.planning.planner import activation_table
+    from memtrain.planning.activations import activation_table
 
     traced = {}
     for dropout in ("0.0", "0.1"):
@@ -426,7 +426,7 @@ def test_a_bf16_trace_holds_what_autocast_holds(cache_dir):
     from memtrain.data import build_corpus
     from memtrain.models import build_model
     from memtrain.objectives import make_objective
-    from memtrain.planning.planner import activation_table, activation_tables, trace_batch
+    from memtrain.planning.activations import activation_table, activation_tables, trace_batch
 
     cfg = parse_args(TINY_ARGS + ["--data.cache_dir", cache_dir, "--precision", "bf16"])
     corpus = build_corpus(cfg.data)
@@ -512,7 +512,7 @@ def test_a_deep_model_is_traced_at_a_few_depths_and_extrapolated_exactly(cache_d
     checkpointing of every second block) and extrapolates: the bytes (the peak, in a block and in
     backward) equal those of tracing all 14 blocks, for every AC setting; an AC pattern that does not divide the depth (every third
     block) is traced whole."""
-    import memtrain.planning.planner as planner
+    import memtrain.planning.activations as activations
     import memtrain.memory.step_trace as step_trace
     from memtrain.config import parse_args
     from memtrain.data import build_corpus
@@ -533,10 +533,10 @@ def test_a_deep_model_is_traced_at_a_few_depths_and_extrapolated_exactly(cache_d
                                       "--memory.activation_checkpointing_every_n_blocks", str(every)])
         corpus = build_corpus(cfg.data)
         objective = make_objective(ModelSource.of(cfg, corpus).build_meta(), corpus)
-        fast = planner.activation_table(cfg, corpus, objective, "fp32", "cpu")
+        fast = activations.activation_table(cfg, corpus, objective, "fp32", "cpu")
         with monkeypatch.context() as whole:
-            whole.setattr(planner, "by_depth", lambda model, blocks, period, run: run())
-            slow = planner.activation_table(cfg, corpus, objective, "fp32", "cpu")
+            whole.setattr(activations, "by_depth", lambda model, blocks, period, run: run())
+            slow = activations.activation_table(cfg, corpus, objective, "fp32", "cpu")
             expected = {ac: slow.peaks(P(4, ac)) for ac in settings}
         depths.clear()
         assert {ac: fast.peaks(P(4, ac)) for ac in settings} == expected, every

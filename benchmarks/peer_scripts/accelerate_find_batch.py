@@ -27,7 +27,8 @@ def train(batch_size):
     accelerator.gradient_accumulation_steps = accumulation
     accelerator.free_memory()
     net = model()
-    optimizer = torch.optim.AdamW(net.parameters(), lr=s["lr"], weight_decay=s["weight_decay"])
+    optimizer = torch.optim.AdamW(net.parameters(), lr=s["lr"], weight_decay=s["weight_decay"],
+                                  betas=(s["adam_beta1"], s["adam_beta2"]), eps=s["adam_eps"])
     scheduler = get_scheduler("cosine_with_min_lr", optimizer, num_warmup_steps=s["warmup_steps"],
                               num_training_steps=s["max_steps"], scheduler_specific_kwargs={"min_lr_rate": s["min_lr_ratio"]})
     loader = DataLoader(examples(), batch_size=batch_size, shuffle=False, drop_last=True)

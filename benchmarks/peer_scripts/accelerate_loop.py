@@ -17,7 +17,8 @@ net = model()
 decay = [p for p in net.parameters() if p.dim() >= 2]
 no_decay = [p for p in net.parameters() if p.dim() < 2]
 optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": s["weight_decay"]},
-                               {"params": no_decay, "weight_decay": 0.0}], lr=s["lr"])
+                               {"params": no_decay, "weight_decay": 0.0}], lr=s["lr"],
+                              betas=(s["adam_beta1"], s["adam_beta2"]), eps=s["adam_eps"])
 # a prepared scheduler steps once per process per optimizer step (transformers' run_clm_no_trainer.py)
 scheduler = get_scheduler("cosine_with_min_lr", optimizer, num_warmup_steps=s["warmup_steps"] * accelerator.num_processes,
                           num_training_steps=s["max_steps"] * accelerator.num_processes,

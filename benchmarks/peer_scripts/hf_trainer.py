@@ -15,6 +15,7 @@ args = TrainingArguments(
     per_device_train_batch_size=s["micro_batch_size"],
     gradient_accumulation_steps=s["global_batch_size"] // (s["micro_batch_size"] * world_size),
     learning_rate=s["lr"], weight_decay=s["weight_decay"], max_grad_norm=s["max_grad_norm"],
+    adam_beta1=s["adam_beta1"], adam_beta2=s["adam_beta2"], adam_epsilon=s["adam_eps"],
     lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": s["min_lr_ratio"]},
     warmup_steps=s["warmup_steps"], logging_steps=1, save_strategy="no", report_to=[], **engine)
 

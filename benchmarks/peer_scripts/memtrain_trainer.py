@@ -12,7 +12,8 @@ settings = {"output_dir": s["out"], "precision": "fp32", "backend": engine, "che
             "training": {"global_batch_size": s["global_batch_size"], "micro_batch_size": s["micro_batch_size"],
                          "max_steps": s["max_steps"], "seed": s["seed"], "lr": s["lr"], "warmup_steps": s["warmup_steps"],
                          "min_lr_ratio": s["min_lr_ratio"], "weight_decay": s["weight_decay"],
-                         "max_grad_norm": s["max_grad_norm"], "eval_every": 0}}
+                         "max_grad_norm": s["max_grad_norm"], "adam_beta1": s["adam_beta1"],
+                         "adam_beta2": s["adam_beta2"], "adam_eps": s["adam_eps"], "eval_every": 0}}
 clock = StepClock()
 result = memtrain.Trainer(settings, model=model, train_dataset=examples()).fit()
 clock.times += [clock.times[0] + r["elapsed_s"] for r in result.records]  # memtrain's own step clock

@@ -18,7 +18,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 SETTINGS = json.load(open(os.environ["PEERS_SETTINGS"])) if "PEERS_SETTINGS" in os.environ else {}
 """``data`` (.npz with ``train``/``validation``), ``model`` (a transformers config dict), ``seed``,
 ``global_batch_size``, ``micro_batch_size``, ``lr``, ``warmup_steps``, ``min_lr_ratio``,
-``weight_decay``, ``max_grad_norm``, ``max_steps``, ``out`` (this run's folder)."""
+``weight_decay``, ``max_grad_norm``, ``adam_beta1``, ``adam_beta2``, ``adam_eps``, ``max_steps``, ``out``
+(this run's folder)."""
 
 
 def examples(split: str = "train") -> list[dict]:

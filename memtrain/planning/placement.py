@@ -49,7 +49,8 @@ from memtrain.levers.optimizer_state import (BF16_MAX_BETA2, LOSSY, STATE_DTYPES
 from memtrain.memory.accounting import (ModelShape, device_state_bytes, model_shape, state_peak_tensor_bytes,
                                         with_allocator_headroom)
 from memtrain.memory.machine import Machine
-from memtrain.planning.planner import Candidate, activation_tables, estimated_plan_s, make_candidates
+from memtrain.planning.activations import activation_tables
+from memtrain.planning.planner import Candidate, estimated_plan_s, make_candidates
 from memtrain.models import ModelSource
 from memtrain.objectives import make_objective
 
@@ -339,7 +340,7 @@ def plan_model(cfg, activation_tables, shape: ModelShape, tokens: int, world_siz
     ``training.micro_batch_size`` is kept; ``auto`` lets each placement take its best).
 
     Args:
-        activation_tables: ``engine -> plan -> bytes`` (:func:`memtrain.planning.planner.activation_tables`).
+        activation_tables: ``engine -> plan -> bytes`` (:func:`memtrain.planning.activations.activation_tables`).
         shape: the model's element counts (:func:`memtrain.memory.accounting.model_shape`).
         tokens: tokens per sample (:func:`tokens_per_sample`).
         choices: the model levers' choices (None: :func:`memtrain.levers.lever_choices`).

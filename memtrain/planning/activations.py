@@ -1,0 +1,130 @@
+"""The activation bytes of a candidate plan, traced without allocating: the run's model built on
+the meta device with fake parameters (``torch._subclasses.fake_tensor.FakeTensorMode``), the plan's
+model levers applied, one micro-batch's forward and backward counted
+(:mod:`memtrain.memory.step_trace`); a model of many alike blocks traced at a few depths and
+extrapolated where exact (:func:`memtrain.memory.depth.by_depth`). The planner
+(:mod:`memtrain.planning.planner`), the placement table and ``memtrain plan`` read these tables."""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from memtrain.activation_offload import moved_bytes
+from memtrain.backends import engine_name
+from memtrain.levers import LeverTarget, apply_levers, lever
+from memtrain.levers.activation_checkpointing import setting as ac_setting
+from memtrain.memory import step_trace
+from memtrain.memory.depth import by_depth
+from memtrain.memory.simulated import SimulatedMemory
+from memtrain.memory.step_trace import AUTOCAST_ENGINES, compute_precision_model, fake_batch
+from memtrain.models import ModelSource, repeated_blocks
+from memtrain.plan import Plan
+
+
+def traced_activation_bytes(model: nn.Module, mode, objective, micro_batch: dict[str, torch.Tensor]) -> int:
+    """Peak bytes autograd saves for backward in one training forward of ``micro_batch`` (counted
+    by :class:`memtrain.memory.simulated.SimulatedMemory`, parameters excluded).
+
+    Args:
+        model: a :func:`memtrain.memory.step_trace.fake_model` (AC switched as wanted); mode: its ``FakeTensorMode``.
+        objective: the run's objective (:mod:`memtrain.objectives`).
+        micro_batch: tensors [B, …] on any device (made fakes on the model's device here).
+    """
+    counter = SimulatedMemory(2**62, 0, model.parameters())
+    with mode:
+        batch = fake_batch(mode, micro_batch, next(model.parameters()).device)
+        with torch.enable_grad(), counter.context():
+            loss = objective.loss_sum(model, batch)
+        del loss
+    return counter.peak_bytes
+
+
+def trace_batch(corpus, micro_batch_size: int) -> dict[str, torch.Tensor]:
+    """The micro-batch the planner traces: the first samples, or for corpora of varying length
+    (speech) the longest ones, so the prediction holds for every step."""
+    lengths = getattr(corpus.train, "lengths", None)
+    if lengths is None:
+        return corpus.train.batch(list(range(micro_batch_size)))
+    import numpy as np
+
+    return corpus.train.batch([int(i) for i in np.argsort(lengths, kind="stable")[-micro_batch_size:]])
+
+
+def activation_table(cfg, corpus, objective, precision: str, device_type: str,
+                     source=None, engine: Optional[str] = None) -> Callable[[Plan], int]:
+    """``plan -> traced activation bytes`` of one micro-batch for ``cfg``'s model (built fake here,
+    the plan's model levers applied to it as to the real model: :mod:`memtrain.levers`; results
+    cached per micro-batch and model-lever settings). ``objective`` is not changed (a copy is traced).
+    Its attribute ``offloaded_bytes`` is ``plan -> bytes`` the plan's activation offload moves to
+    the host in that micro-batch (each way; 0 without offload), traced alike; ``peaks`` is
+    ``plan -> (peak, in_block, in_backward)`` (:class:`memtrain.memory.step_trace.StepPeaks`; under a
+    simulated device all three the peak).
+
+    The bytes are the peak of the micro-step's forward and backward beyond model state (saved
+    activations and transients: :func:`memtrain.memory.step_trace.step_peaks`), except under
+    a simulated device (``faults.memory_budget_mib``), which counts what autograd saves and nothing
+    else: there they are that count (:func:`traced_activation_bytes`), so the planner predicts
+    what the simulated device will count. ``source``: the :class:`memtrain.models.ModelSource`
+    (None: ``cfg``'s model). ``engine``: whose mixed precision the trace follows (None: ``cfg``'s,
+    :func:`memtrain.backends.engine_name`; see :data:`AUTOCAST_ENGINES`).
+
+    Raises:
+        RuntimeError, NotImplementedError: the model cannot be traced with fake tensors.
+        memtrain.errors.ConfigError: a lever the model cannot take (chunked cross-entropy).
+    """
+    source = source or ModelSource.of(cfg, corpus)
+    engine = engine or engine_name(cfg.backend)
+    model, mode, extra = compute_precision_model(source.build_meta, precision, device_type, engine)
+    target = LeverTarget(model, repeated_blocks(model), copy.copy(objective), cfg)
+    # step_trace.step_peaks read here, at the call: a test's stand-in for it is seen
+    simulated = cfg.faults.memory_budget_mib > 0
+    cache: dict[tuple, tuple[step_trace.StepPeaks, int]] = {}
+
+    def trace(*args) -> tuple[int, int, int]:
+        if simulated:  # the simulated device counts saved bytes alone, whatever runs
+            saved = traced_activation_bytes(*args)
+            return saved, saved, saved
+        return tuple(step_trace.step_peaks(*args))
+
+    def traced(plan: Plan) -> tuple[step_trace.StepPeaks, int]:
+        settings = {name: setting for name, setting in plan.levers if lever(name).model_lever}
+        key = (plan.micro_batch_size, tuple(settings.items()))
+        if key not in cache:
+            apply_levers(target, settings)
+            batch = trace_batch(corpus, plan.micro_batch_size)
+            checkpointed = ac_setting(settings.get("activation_checkpointing", "off")) != "off"
+            period = cfg.memory.activation_checkpointing_every_n_blocks if checkpointed else 1
+            def traced_once() -> tuple[int, int, int, int]:
+                moved_bytes(model)  # from 0 (a shortened trace that raised may have counted)
+                return (*trace(model, mode, target.objective, batch), moved_bytes(model))
+
+            *peaks, moved = by_depth(model, target.blocks, period, traced_once)
+            cache[key] = (step_trace.StepPeaks(*(extra + p for p in peaks)), moved)
+        return cache[key]
+
+    def activation_bytes(plan: Plan) -> int:
+        return traced(plan)[0][0]
+
+    activation_bytes.peaks = lambda plan: traced(plan)[0]
+    activation_bytes.offloaded_bytes = lambda plan: traced(plan)[1]
+    return activation_bytes
+
+
+def activation_tables(cfg, corpus, objective, precision: str, device_type: str,
+                      source=None) -> Callable[[str], Callable[[Plan], int]]:
+    """``engine -> plan -> bytes``: :func:`activation_table` per engine, built on first use and shared
+    by engines that compute alike (one table in fp32; in bf16/fp16 one for the autocast engines,
+    :data:`memtrain.memory.step_trace.AUTOCAST_ENGINES`, one for the rest)."""
+    tables: dict[bool, Callable[[Plan], int]] = {}
+
+    def for_engine(engine: str) -> Callable[[Plan], int]:
+        autocast = precision in ("bf16", "fp16") and engine in AUTOCAST_ENGINES
+        if autocast not in tables:
+            tables[autocast] = activation_table(cfg, corpus, objective, precision, device_type, source, engine)
+        return tables[autocast]
+
+    return for_engine
