@@ -256,9 +256,6 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
     controller = make_controller(cfg, spec.data_parallel_size, choices, make_planner)
     engine = make_backend(cfg, spec, process, precision, controller.plan)
     closing.callback(engine.close)
-    if inputs.optimizer_factory is not None:  # counted as the planner will see it (built on first use)
-        check_user_optimizer(spec)
-        engine.optimizer_element_bytes = state_bytes_per_element(inputs.optimizer_factory)
     host = run_host_limit(cfg)  # the host memory the ranks here may use, and what sets it
     # every rank makes the same agreement points: armed where any rank's host allocations can fail
     armed = any(process.all_gather_object(agrees_inside_compute(process.device.type, cfg.faults, host.fails_allocations)))
@@ -267,13 +264,10 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
     closing.callback(sync.close)
     faults = FaultInjector(cfg.faults, process.rank, cfg.output_dir)
     transforms = ModelTransforms(LeverTarget(model, repeated_blocks(model), objective, cfg, faults), t.compile)
-    state_dtype = controller.plan.settings().get("optimizer_state_dtype", "fp32")
-    build_optimizer = ((lambda m: user_optimizer(inputs.optimizer_factory, m, t)) if inputs.optimizer_factory
-                       else (lambda m: make_optimizer(m, t, state_dtype)))
+    build_optimizer, build_scheduler = optimizer_builders(cfg, inputs, spec, engine, controller.plan)
     model, optimizer = transforms.apply(model, engine, build_optimizer, sync, controller.plan)
     faults.simulate_memory(device_state_bytes(engine.model_state_bytes(n_params)), model.parameters())
-    scheduler = (user_scheduler(inputs.scheduler_factory, optimizer) if inputs.scheduler_factory
-                 else make_scheduler(optimizer, t, engine.scheduler_config))
+    scheduler = build_scheduler(optimizer)
     evaluator = Evaluator(process, corpus, objective, t.eval_samples, controller.plan.micro_batch_size, sync,
                           inputs.compute_metrics, engine.unwrap)
     guard, state = NonFiniteGuard(t.max_nonfinite_steps), TrainState()
@@ -294,6 +288,28 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
     return TrainingLoop(cfg, process, engine, model, optimizer, scheduler, corpus, objective, sampler, controller, sync,
                    faults, transforms, evaluator, guard, checkpointer, checkpoint_states, state, n_params, spec,
                    layerdrop, *utilisation, breakdown=breakdown, host_limit=host, callbacks=inputs.callbacks)
+
+
+def optimizer_builders(cfg: Config, inputs: UserInputs, spec, engine, plan: Plan):
+    """``(model -> optimizer, optimizer -> LR scheduler)`` of the run: a Python caller's factories
+    (checked against the placement; the state their optimizer keeps per element handed to the
+    engine's accounting before the planner, built on first use, reads it), else memtrain's AdamW
+    (in the plan's ``optimizer_state_dtype``) and schedule (or the DeepSpeed JSON's).
+
+    Raises:
+        memtrain.config.ConfigError: :func:`check_user_optimizer`; a factory's return.
+    """
+    t, factory = cfg.training, inputs.optimizer_factory
+    if factory is not None:
+        check_user_optimizer(spec)
+        engine.optimizer_element_bytes = state_bytes_per_element(factory)
+        build = lambda m: user_optimizer(factory, m, t)  # noqa: E731
+    else:
+        state_dtype = plan.settings().get("optimizer_state_dtype", "fp32")
+        build = lambda m: make_optimizer(m, t, state_dtype)  # noqa: E731
+    if inputs.scheduler_factory is not None:
+        return build, lambda optimizer: user_scheduler(inputs.scheduler_factory, optimizer)
+    return build, lambda optimizer: make_scheduler(optimizer, t, engine.scheduler_config)
 
 
 def check_user_optimizer(spec) -> None:
