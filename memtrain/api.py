@@ -72,11 +72,12 @@ def prepare_config(argv: Optional[list[str]] = None, python: Collection[str] = (
     return cfg
 
 
-def run(cfg: Config, inputs=None, owns_process: bool = False):
+def run(cfg: Config, inputs=None, owns_process: bool = False, evaluate: bool = False):
     """Train ``cfg`` (validated): the process state, the watchdog with several ranks
     (:mod:`memtrain.watchdog`), the training loop; returns the :class:`memtrain.loop.RunResult`.
     ``inputs``: a Python caller's model, data and objective (:class:`memtrain.build.UserInputs`;
-    :class:`memtrain.api.Trainer`), None = all from ``cfg``. ``owns_process``: the ``memtrain``
+    :class:`memtrain.api.Trainer`), None = all from ``cfg``. ``evaluate``: evaluate the run's last
+    checkpoint instead (:meth:`memtrain.loop.TrainingLoop.evaluate`). ``owns_process``: the ``memtrain``
     command runs it, so process-wide settings nobody else relies on may be tuned
     (``memory.host_allocator_thresholds`` null: :func:`memtrain.host_allocator.fix_thresholds`)."""
     from contextlib import ExitStack
@@ -97,7 +98,8 @@ def run(cfg: Config, inputs=None, owns_process: bool = False):
         closing.callback(process.close)  # the engine is closed first, the lock released last
         if process.world_size > 1:  # alone, nobody waits on this rank
             closing.callback(Watchdog(cfg.backend.timeout_s, process.rank).start().stop)
-        return build_trainer(cfg, process, closing, inputs).run()
+        loop = build_trainer(cfg, process, closing, inputs)
+        return loop.evaluate() if evaluate else loop.run()
 
 
 class Trainer:
@@ -184,8 +186,28 @@ class Trainer:
             memtrain.CallbackError: a callback raised (on every rank, naming the callback, the
             hook and the rank).
         """
+        return self._run(evaluate=False)
+
+    def evaluate(self) -> dict:
+        """Evaluate the run's last checkpoint in ``output_dir`` (after :meth:`fit`, or of a run
+        trained before) on ``eval_dataset`` with the objective and ``compute_metrics``, as the run
+        evaluates every ``training.eval_every`` steps; trains nothing and writes nothing.
+
+        Returns:
+            ``{"step": the checkpoint's step, "val_loss": …, "val_<metric>": …}``.
+
+        Raises:
+            memtrain.ConfigError: ``resume never`` (it would move the run aside), no checkpoint,
+                no validation examples; and as :meth:`fit`.
+        """
+        if self.config.resume == "never":
+            raise ConfigError("resume", "never would move the run's outputs aside; evaluate reads its last checkpoint "
+                              "(resume auto, or a checkpoint path)")
+        return self._run(evaluate=True)
+
+    def _run(self, evaluate: bool):
         try:
-            return run(self.config, self.inputs, self.owns_process)
+            return run(self.config, self.inputs, self.owns_process, evaluate)
         except Exception as exc:  # noqa: BLE001 — only a failed collective is replaced
             if not is_collective_failure(exc) or isinstance(exc, CollectiveError):
                 raise

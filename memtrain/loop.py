@@ -28,7 +28,7 @@ from memtrain.checkpoint import Checkpointer
 from memtrain.checkpoint.layout import read_manifest, step_dir_name
 from memtrain.checkpoint.compat import TAKES_EFFECT, changed_settings, check_resumable, data_identity
 from memtrain.collector import StepCollector
-from memtrain.config import Config, to_dict
+from memtrain.config import Config, ConfigError, to_dict
 from memtrain.data import GlobalBatchSampler
 from memtrain.distributed import ProcessState
 from memtrain.evaluate import Evaluator
@@ -226,6 +226,23 @@ class TrainingLoop(RunOutputs):
                 f"{key} {old!r} → {new!r} ({rule.get(key, 'takes effect')})" for key, (old, new) in changed.items()))
         self._apply_plan()  # the checkpoint's (AC may have been switched on by an OOM before it)
         return path, time.perf_counter() - start, changed
+
+    def evaluate(self) -> dict[str, float]:
+        """The checkpoint ``resume`` finds (the run's last) evaluated on the validation examples as
+        the run evaluates (with the caller's ``compute_metrics``), training and writing nothing.
+
+        Returns:
+            ``{"step": the checkpoint's step, "val_loss": …, "val_<metric>": …}`` (the same on every rank).
+
+        Raises:
+            memtrain.config.ConfigError: no validation examples, or no checkpoint to evaluate.
+        """
+        if not self.evaluator.active:
+            raise ConfigError("eval_dataset", "gives no validation examples to evaluate (at least one per rank)")
+        if self._resume() is None:
+            raise ConfigError("output_dir", f"{self.cfg.output_dir} holds no checkpoint to evaluate (checkpoint."
+                              "every_steps > 0 saves one every that many steps and after the last)")
+        return {"step": self.state.step, **{f"val_{k}": v for k, v in self.evaluator(self.model).items()}}
 
     def _already_finished(self, path: str) -> RunResult:
         """A resumed run with nothing left to train (its checkpoint is at or past

@@ -1,6 +1,7 @@
 """A Python caller's evaluation metrics (``Trainer(compute_metrics=fn)``, memtrain/eval_metrics.py):
 computed from the model's own forward outputs, reduced over the evaluation set, recorded as
-``val_<name>``, given to the callbacks; bad returns refused by name."""
+``val_<name>``, given to the callbacks; bad returns refused by name; ``Trainer.evaluate()`` of a
+run's last checkpoint."""
 
 import pytest
 import torch
@@ -12,13 +13,13 @@ EXAMPLES = [{"x": torch.full((2,), float(i % 7)), "labels": torch.tensor(float(i
 VALIDATION = EXAMPLES[:12]
 
 
-def trainer(out, compute_metrics, callbacks=()):
+def trainer(out, compute_metrics, callbacks=(), every_steps=0, args=()):
     settings = {"output_dir": str(out), "training": {"global_batch_size": 4, "micro_batch_size": 2, "max_steps": 4,
                                                      "eval_every": 2, "eval_samples": 12},
-                "checkpoint": {"every_steps": 0}}
+                "checkpoint": {"every_steps": every_steps}}
     return memtrain.Trainer(settings, model=lambda: torch.nn.Linear(2, 1), train_dataset=EXAMPLES,
                             eval_dataset=VALIDATION, objective=lambda m, mb: m(mb["x"]).pow(2).sum(),
-                            compute_metrics=compute_metrics, callbacks=list(callbacks))
+                            compute_metrics=compute_metrics, callbacks=list(callbacks), args=list(args))
 
 
 def metrics(outputs, labels):
@@ -56,3 +57,26 @@ def test_a_bad_return_is_refused_naming_compute_metrics(tmp_path, bad, words):
     with pytest.raises(ConfigError) as refused:
         trainer(tmp_path / "bad", bad).fit()
     assert refused.value.field == "compute_metrics" and words in str(refused.value)
+
+
+def test_evaluate_reads_the_last_checkpoint_and_writes_nothing(tmp_path):
+    """After fit, ``evaluate()`` loads the run's last checkpoint (step 4) and evaluates it as the
+    run did at step 4: the same val_loss and metrics, bitwise; no file in the run's folder changes.
+    Without a checkpoint, or with ``resume never`` (which would move the run aside), it is refused."""
+    out = tmp_path / "run"
+    records = trainer(out, metrics, every_steps=2).fit().records
+    def files():  # every output, not the run lock (taken and released by any process using the folder)
+        return {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != ".memtrain.lock"}
+
+    before = files()
+    evaluated = trainer(out, metrics, every_steps=2).evaluate()
+    last = records[-1]
+    assert evaluated == {"step": 4, "val_loss": last["val_loss"], "val_mae": last["val_mae"],
+                         "val_within_1": last["val_within_1"]}
+    assert files() == before
+    with pytest.raises(ConfigError) as refused:
+        trainer(tmp_path / "none", metrics).evaluate()
+    assert refused.value.field == "output_dir" and "no checkpoint" in str(refused.value)
+    with pytest.raises(ConfigError) as refused:
+        trainer(out, metrics, args=["--resume", "never"]).evaluate()
+    assert refused.value.field == "resume"
