@@ -274,8 +274,9 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
     if cfg.checkpoint.async_save and not engine.supports_async_save and process.is_main:
         log.warning("memtrain: checkpoint.async_save applies to backend.name fsdp only; %s saves synchronously",
                     engine.name)
-    checkpointer = Checkpointer(process, os.path.join(cfg.output_dir, "checkpoints"), cfg.checkpoint.keep_last,
-                                cfg.checkpoint.async_save, {"vocab_size": corpus.vocab_size, "config": to_dict(cfg),
+    ck = cfg.checkpoint
+    checkpointer = Checkpointer(process, os.path.join(cfg.output_dir, "checkpoints"), ck.keep_last,
+                                (ck.keep_best, ck.keep_best_mode) if ck.keep_best else None, ck.async_save, {"vocab_size": corpus.vocab_size, "config": to_dict(cfg),
                                  "data_identity": data_identity(corpus), "data_split": SPLIT_RULE,
                                  "engine_spec": spec.as_dict()},
                                 after_write=faults.after_checkpoint_write)

@@ -359,6 +359,13 @@ class CheckpointConfig:
     signal (SIGTERM/SIGUSR1)."""
     keep_last: int = 2
     """Complete checkpoints to keep (the newest is never deleted)."""
+    keep_best: Optional[str] = None
+    """An evaluation metric as recorded (``val_loss``, or ``val_<name>`` of a Python caller's
+    ``compute_metrics``): the checkpoint of its best value is never deleted, kept beside the
+    ``keep_last`` newest; null = off. Needs evaluations at the saved steps (``every_steps`` a
+    multiple of ``training.eval_every``)."""
+    keep_best_mode: Literal["min", "max"] = "min"
+    """Whether the lowest (``min``) or the highest (``max``) value of ``keep_best`` is the best."""
     async_save: bool = False
     """FSDP2: write the torch.distributed.checkpoint shards in a background thread; the commit
     (manifest, rename, ``latest``) happens at the next save or at the end of the run."""

@@ -529,7 +529,8 @@ class TrainingLoop(RunOutputs):
         last = step == self.cfg.training.max_steps
         every = self.cfg.checkpoint.every_steps
         if stop or (every and (step % every == 0 or last)):
-            self.checkpointer.save(step, self.checkpoint_states)
+            self.checkpointer.save(step, self.checkpoint_states,
+                                   {k: v for k, v in (record or {}).items() if k.startswith("val_")})
             self.checkpoint_states["records"].saved()
             if self.callbacks:
                 self.checkpointer.finish()  # the hook is told of a committed checkpoint

@@ -192,6 +192,17 @@ def _validate_user_optimizer(cfg: Config) -> None:
                           "optimizer_factory's optimizer keeps its own state (set false)")
 
 
+def _validate_keep_best(cfg: Config) -> None:
+    """``checkpoint.keep_best`` names a recorded evaluation metric, and every saved step is evaluated."""
+    ck, every = cfg.checkpoint, cfg.training.eval_every
+    if not ck.keep_best.startswith("val_"):
+        raise ConfigError("checkpoint.keep_best", f"'{ck.keep_best}' is not an evaluation metric as recorded: val_loss, "
+                          "or val_<name> of compute_metrics (CTC: val_wer, val_cer)")
+    if ck.every_steps <= 0 or every <= 0 or ck.every_steps % every:
+        raise ConfigError("checkpoint.keep_best", f"needs an evaluation at every saved step: checkpoint.every_steps "
+                          f"({ck.every_steps}) a positive multiple of training.eval_every ({every})")
+
+
 def _validate_python_inputs(cfg: Config, python: Collection[str]) -> None:
     """A model or data given from Python leaves the config's own unset (two models, or two
     datasets, named at once is refused, not one silently ignored); a Python objective computes
@@ -298,6 +309,8 @@ def validate(cfg: Config, world_size: int, python: Collection[str] = ()) -> None
     if ck.keep_last < 1:
         raise ConfigError("checkpoint.keep_last", f"must be >= 1 (the newest complete checkpoint is always kept), "
                           f"got {ck.keep_last}")
+    if ck.keep_best is not None:
+        _validate_keep_best(cfg)
     if cfg.resume not in ("auto", "never") and not os.path.isdir(cfg.resume):
         raise ConfigError("resume", f"'{cfg.resume}' is neither auto, never nor a checkpoint directory")
     f = cfg.faults

@@ -80,3 +80,34 @@ def test_evaluate_reads_the_last_checkpoint_and_writes_nothing(tmp_path):
     with pytest.raises(ConfigError) as refused:
         trainer(out, metrics, args=["--resume", "never"]).evaluate()
     assert refused.value.field == "resume"
+
+
+def test_keep_best_never_deletes_the_checkpoint_of_the_best_metric(tmp_path):
+    """``checkpoint.keep_best val_score`` with ``keep_last 1``: the checkpoint of the lowest
+    val_score (step 2 here, whatever the later ones) stays beside the newest; each manifest
+    carries its step's metrics; ``max`` keeps the highest instead; a name that is no recorded
+    metric, or saves without an evaluation, are refused by name."""
+    import json
+
+    scores = [5.0, 3.0, 1.0, 4.0, 6.0]  # the evaluations at steps 0 (the run's start) to 4
+
+    def score(outputs, labels):
+        score.calls += 1
+        return {"score": scores[(score.calls - 1) // 6]}  # 12 samples in micro-batches of 2: 6 calls an evaluation
+
+    def kept(mode):
+        score.calls = 0
+        out = tmp_path / mode
+        args = ["--training.eval_every", "1", "--checkpoint.every_steps", "1", "--checkpoint.keep_last", "1",
+                "--checkpoint.keep_best", "val_score", "--checkpoint.keep_best_mode", mode]
+        trainer(out, score, args=args).fit()
+        folders = sorted(p for p in (out / "checkpoints").iterdir() if p.name.startswith("step_"))
+        return {int(p.name[5:]): json.loads((p / "manifest.json").read_text())["metrics"]["val_score"] for p in folders}
+
+    assert kept("min") == {2: 1.0, 4: 6.0}
+    assert kept("max") == {4: 6.0}
+    for bad, words in ((["--checkpoint.keep_best", "score"], "not an evaluation metric"),
+                       (["--checkpoint.keep_best", "val_loss", "--checkpoint.every_steps", "3"], "every saved step")):
+        with pytest.raises(ConfigError) as refused:
+            trainer(tmp_path / "bad", score, args=bad)
+        assert refused.value.field == "checkpoint.keep_best" and words in str(refused.value)

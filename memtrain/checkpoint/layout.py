@@ -298,19 +298,32 @@ def commit(tmp: str, root: str, step: int, expected: list[str], manifest: dict[s
     return final, sum(f["bytes"] for f in files.values())
 
 
-def retain(root: str, newest: str, keep_last: int) -> list[str]:
-    """Delete complete checkpoints older than the newest ``keep_last`` (never ``newest``, and never
-    one of a later step, which belongs to a timeline this run did not overwrite yet).
+def retain(root: str, newest: str, keep_last: int, best: Optional[tuple[str, str]] = None) -> list[str]:
+    """Delete complete checkpoints older than the newest ``keep_last`` (never ``newest``, never
+    one of a later step, which belongs to a timeline this run did not overwrite yet, and never
+    the best by ``best`` = ``(metric, "min" | "max")``: :func:`best_checkpoint`).
 
     Returns:
         The deleted paths.
     """
     step = step_of(os.path.basename(newest))
+    kept = best_checkpoint(root, *best) if best is not None else None
     older = [p for p in complete_checkpoints(root) if step_of(os.path.basename(p)) < step]
-    doomed = older[:max(0, len(older) - (keep_last - 1))]
+    doomed = [p for p in older[:max(0, len(older) - (keep_last - 1))] if p != kept]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed
+
+
+def best_checkpoint(root: str, metric: str, mode: str) -> Optional[str]:
+    """The complete checkpoint whose manifest's ``metrics`` hold the lowest (``mode`` ``min``) or
+    highest (``max``) value of ``metric`` (the earliest of equals); None when none holds it."""
+    scored = []
+    for path in complete_checkpoints(root):
+        value = read_manifest(path).get("metrics", {}).get(metric)
+        if isinstance(value, (int, float)) and value == value:  # NaN never wins
+            scored.append((value if mode == "min" else -value, step_of(os.path.basename(path)), path))
+    return min(scored)[2] if scored else None
 
 
 RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "plan.json", "placement.json", "checkpoints", "model", "trackers",

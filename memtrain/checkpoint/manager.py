@@ -59,6 +59,8 @@ class Checkpointer:
         process: the process state (rank-0 work, broadcasts, error gathering).
         root: the ``checkpoints`` directory.
         keep_last: complete checkpoints to keep.
+        keep_best: ``(metric, "min" | "max")``: the checkpoint of the best value is never deleted
+            (``checkpoint.keep_best``; each manifest carries its step's evaluation metrics); None = off.
         async_save: let :class:`FileStateful` entries that can write in the background do so.
         manifest_extras: fields every manifest carries (config, vocabulary size).
         after_write: called on every rank with ``(step, tmp directory)`` once the files are
@@ -74,6 +76,7 @@ class Checkpointer:
     process: ProcessState
     root: str
     keep_last: int = 2
+    keep_best: Optional[tuple[str, str]] = None
     async_save: bool = False
     manifest_extras: dict[str, Any] = field(default_factory=dict)
     after_write: Optional[Callable[[int, str], None]] = None
@@ -144,9 +147,10 @@ class Checkpointer:
         if self._pending is not None and not self.writing():
             self.finish()
 
-    def save(self, step: int, states: dict[str, Any]) -> None:
+    def save(self, step: int, states: dict[str, Any], metrics: Optional[dict[str, float]] = None) -> None:
         """Save ``states`` after optimizer step ``step`` (all ranks call). Committed at once, or,
-        when an entry writes in the background, at :meth:`poll` / :meth:`finish`.
+        when an entry writes in the background, at :meth:`poll` / :meth:`finish`. ``metrics``:
+        the step's evaluation metrics (``{"val_loss": …}``), written into the manifest.
 
         Raises:
             CheckpointError: an entry refused to be saved, or the commit failed (the previous
@@ -154,7 +158,7 @@ class Checkpointer:
         """
         self.finish()  # an earlier asynchronous save is committed first
         files = [obj for obj in states.values() if isinstance(obj, FileStateful)]
-        manifest: dict[str, Any] = {}
+        manifest: dict[str, Any] = {"metrics": dict(metrics)} if metrics else {}
         for obj in files:
             manifest.update(obj.prepare_save(step))
         tmp = os.path.join(self.root, layout.TMP_PREFIX + layout.step_dir_name(step))
@@ -222,7 +226,7 @@ class Checkpointer:
                     "step": pending.step, "world_size": self.process.world_size, "created_unix_s": time.time(),
                     **pending.manifest, **self.manifest_extras}
         final, size = layout.commit(pending.tmp, self.root, pending.step, pending.expected, manifest)
-        layout.retain(self.root, final, self.keep_last)
+        layout.retain(self.root, final, self.keep_last, self.keep_best)
         return final, size
 
 
