@@ -40,7 +40,7 @@ from memtrain.models import ModelSource, count_parameters
 from memtrain.objectives import make_objective
 from memtrain.oom import OOMSync, agrees_inside_compute
 from memtrain.optim import make_optimizer, make_scheduler, state_bytes_per_element, user_optimizer, user_scheduler
-from memtrain.validation import USER_OPTIMIZER_ENGINES
+from memtrain.validation import check_user_optimizer_placement
 from memtrain.plan import Plan, PlanController
 from memtrain.precision import NonFiniteGuard, resolve_precision
 from memtrain.records import RecordTail
@@ -298,11 +298,11 @@ def optimizer_builders(cfg: Config, inputs: UserInputs, spec, engine, plan: Plan
     (in the plan's ``optimizer_state_dtype``) and schedule (or the DeepSpeed JSON's).
 
     Raises:
-        memtrain.config.ConfigError: :func:`check_user_optimizer`; a factory's return.
+        memtrain.config.ConfigError: :func:`memtrain.validation.check_user_optimizer_placement`; a factory's return.
     """
     t, factory = cfg.training, inputs.optimizer_factory
     if factory is not None:
-        check_user_optimizer(spec)
+        check_user_optimizer_placement(spec.name, spec.offload)  # as resolved under backend.name/offload auto
         engine.optimizer_element_bytes = state_bytes_per_element(factory)
         build = lambda m: user_optimizer(factory, m, t)  # noqa: E731
     else:
@@ -311,20 +311,6 @@ def optimizer_builders(cfg: Config, inputs: UserInputs, spec, engine, plan: Plan
     if inputs.scheduler_factory is not None:
         return build, lambda optimizer: user_scheduler(inputs.scheduler_factory, optimizer)
     return build, lambda optimizer: make_scheduler(optimizer, t, engine.scheduler_config)
-
-
-def check_user_optimizer(spec) -> None:
-    """A Python caller's optimizer runs where memtrain hands the engine a torch optimizer to step
-    as it is: DDP, and FSDP2 without offload.
-
-    Raises:
-        memtrain.config.ConfigError: the placement (chosen under ``backend.name``/``offload auto``
-            too) is DeepSpeed's or an offload (field ``backend.name`` or ``backend.offload``).
-    """
-    if spec.name == "deepspeed":
-        raise ConfigError("backend.name", USER_OPTIMIZER_ENGINES)
-    if spec.offload not in (None, "none"):
-        raise ConfigError("backend.offload", f"{spec.offload}: {USER_OPTIMIZER_ENGINES}")
 
 
 def check_same_model(model: torch.nn.Module, process: ProcessState) -> None:

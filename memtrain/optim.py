@@ -54,7 +54,12 @@ def user_optimizer(factory: Callable[[list[dict]], torch.optim.Optimizer], model
     Raises:
         memtrain.errors.ConfigError: the factory returned no ``torch.optim.Optimizer`` (field ``optimizer_factory``).
     """
-    optimizer = factory(weight_decay_groups(model, tcfg.weight_decay))
+    return _called(factory, weight_decay_groups(model, tcfg.weight_decay))
+
+
+def _called(factory: Callable[[list[dict]], torch.optim.Optimizer], groups: list[dict]) -> torch.optim.Optimizer:
+    """``factory(groups)``, checked to be a ``torch.optim.Optimizer`` (else ConfigError ``optimizer_factory``)."""
+    optimizer = factory(groups)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError("optimizer_factory", f"returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
     return optimizer
@@ -71,9 +76,7 @@ def state_bytes_per_element(factory: Callable[[list[dict]], torch.optim.Optimize
         memtrain.errors.ConfigError: the factory returned no ``torch.optim.Optimizer``.
     """
     probe = nn.Parameter(torch.zeros(PROBE_ELEMENTS))
-    optimizer = factory([{"params": [probe], "weight_decay": 0.0}])
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ConfigError("optimizer_factory", f"returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
+    optimizer = _called(factory, [{"params": [probe], "weight_decay": 0.0}])
     for _ in range(2):
         probe.grad = torch.full_like(probe, 1e-3)
         optimizer.step()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Collection
+from typing import Collection, Optional
 
 from memtrain.backends import engine_module, engine_name
 from memtrain.backends.ds_config import read_user_json
@@ -174,16 +174,26 @@ USER_OPTIMIZER_ENGINES = (
     "an optimizer_factory's optimizer runs under backend.name ddp or fsdp without offload (memtrain sizes "
     "DeepSpeed's ZeRO partitions for AdamW and steps DeepSpeed's CPU Adam under its offload; FSDP2's optimizer "
     "offload steps its own AdamW on the host): choose ddp or fsdp with backend.offload none, or drop the factory")
-"""Why a Python caller's optimizer is refused under an engine or placement (:func:`memtrain.build.check_user_optimizer`)."""
+"""Why a Python caller's optimizer is refused under an engine or placement (:func:`check_user_optimizer_placement`)."""
+
+
+def check_user_optimizer_placement(engine: str, offload: Optional[str]) -> None:
+    """A Python caller's optimizer runs where memtrain hands the engine a torch optimizer to step
+    as it is: DDP, and FSDP2 without offload. Checked on the config (``auto`` passes) and again
+    on the placement resolved from it (:func:`memtrain.build.optimizer_builders`).
+
+    Raises:
+        memtrain.config.ConfigError: DeepSpeed (field ``backend.name``) or an offload (``backend.offload``).
+    """
+    if engine == "deepspeed":
+        raise ConfigError("backend.name", USER_OPTIMIZER_ENGINES)
+    if offload not in (None, "none", "auto"):
+        raise ConfigError("backend.offload", f"{offload}: {USER_OPTIMIZER_ENGINES}")
 
 
 def _validate_user_optimizer(cfg: Config) -> None:
     """An ``optimizer_factory`` keeps its own state: no DeepSpeed, no offload, no lossy state dtype."""
-    b = cfg.backend
-    if b.name == "deepspeed":
-        raise ConfigError("backend.name", USER_OPTIMIZER_ENGINES)
-    if b.offload not in (None, "none", "auto"):
-        raise ConfigError("backend.offload", f"{b.offload}: {USER_OPTIMIZER_ENGINES}")
+    check_user_optimizer_placement(cfg.backend.name, cfg.backend.offload)
     if cfg.optimizer.state_dtype != "fp32":
         raise ConfigError("optimizer.state_dtype", f"{cfg.optimizer.state_dtype} is memtrain's AdamW's; an "
                           "optimizer_factory's optimizer keeps its own state (set fp32)")

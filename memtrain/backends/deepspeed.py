@@ -181,7 +181,7 @@ class DeepSpeedBackend:
         # memtrain builds both (the same AdamW; DeepSpeed's scheduler class, stepped by the loop)
         self.ds_config.pop("optimizer", None)
         self.scheduler_config: Optional[dict] = self.ds_config.pop("scheduler", None)
-        self.optimizer_element_bytes: Optional[float] = None  # a user's optimizer is refused (build.check_user_optimizer)
+        self.optimizer_element_bytes: Optional[float] = None  # a user's optimizer is refused (validation.check_user_optimizer_placement)
         self.precision = "bf16" if self.ds_config["bf16"]["enabled"] else "fp16" if self.ds_config["fp16"]["enabled"] else "fp32"
         self.zero_stage = self.ds_config["zero_optimization"]["stage"]
         self.offload_optimizer = get_path(self.ds_config, "zero_optimization.offload_optimizer.device") in OFFLOAD_DEVICES

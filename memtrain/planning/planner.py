@@ -312,7 +312,7 @@ class Planner:
             return
         timed = []
         for c in pool:
-            if c.measured_step_s is not None or not c.fits or (self.bound_bytes is not None and c.predicted_peak_bytes > self.bound_bytes):
+            if c.measured_step_s is not None or not self._open(c):
                 continue  # known, or needs more than something that just failed
             if self._dominated(c):
                 continue
