@@ -16,10 +16,9 @@ import dataclasses
 import functools
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
-import yaml
-
+from memtrain.argv import join_negative_numbers, strip_launcher_args
 from memtrain.cli_help import describe
 from memtrain.errors import ConfigError  # raised here; the rest of memtrain imports it from here too
 from memtrain.recipe import check_recipe, explain_parse_error
@@ -416,53 +415,6 @@ class Config:
     (falling back to older complete ones); never = start fresh; or the path of a checkpoint."""
 
 
-def _strip_launcher_args(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
-    """Remove launcher arguments (``--local_rank``, ``--local-rank``, ``--deepspeed``) and
-    ``--model.config.KEY VALUE`` overrides that jsonargparse cannot put into a free dict."""
-    rest: list[str] = []
-    extra: dict[str, Any] = {"model_config": {}}
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        key, eq, val = arg.partition("=")
-        takes_value = not eq
-        if key == "--debug" and takes_value and (i + 1 >= len(argv) or argv[i + 1].startswith("--")):
-            rest += ["--debug", "true"]  # a bare flag, as users type it
-        elif key in ("--local_rank", "--local-rank", "--deepspeed") or key.startswith("--model.config."):
-            if takes_value:
-                if i + 1 >= len(argv):
-                    raise ConfigError(key.lstrip("-"), "expects a value")
-                val = argv[i + 1]
-                i += 1
-            if key.startswith("--model.config."):
-                extra["model_config"][key[len("--model.config."):]] = yaml.safe_load(val)
-            else:
-                extra[key.lstrip("-").replace("-", "_")] = val
-        else:
-            rest.append(arg)
-        i += 1
-    return rest, extra
-
-
-def _join_negative_numbers(argv: list[str]) -> list[str]:
-    """``--key -3e-3`` → ``--key=-3e-3``: argparse reads a value starting with ``-`` as an option
-    unless it looks like a plain negative integer or decimal."""
-    out, i = [], 0
-    while i < len(argv):
-        if argv[i].startswith("--") and "=" not in argv[i] and i + 1 < len(argv) and argv[i + 1].startswith("-"):
-            try:
-                float(argv[i + 1])
-            except ValueError:
-                pass
-            else:
-                out.append(f"{argv[i]}={argv[i + 1]}")
-                i += 2
-                continue
-        out.append(argv[i])
-        i += 1
-    return out
-
-
 def _parser(show_all: bool = False, helps: bool = True):
     """The trainer's parser; with ``helps``, its help gives each option its field's first
     docstring sentence and hides the test-only ``faults.*`` options unless ``show_all``
@@ -511,8 +463,8 @@ def parse_args(argv: Optional[list[str]] = None) -> Config:
     import argparse
     import sys
 
-    argv = _join_negative_numbers(list(sys.argv[1:] if argv is None else argv))
-    rest, extra = _strip_launcher_args(argv)
+    argv = join_negative_numbers(list(sys.argv[1:] if argv is None else argv))
+    rest, extra = strip_launcher_args(argv)
     for i, arg in enumerate(rest):  # a key given twice in a recipe is refused, not silently overwritten
         path = rest[i + 1] if arg == "--config" and i + 1 < len(rest) else arg.partition("=")[2] if arg.startswith("--config=") else None
         if path and os.path.isfile(path):
