@@ -33,6 +33,7 @@ from memtrain.distributed import prepare_libraries
 from memtrain.errors import CheckpointError, OutputError
 from memtrain.folders import (check_export_target, check_max_shard_size, is_disk_full, new_export_folder,
                               replace_export, write_error)
+from memtrain.lora import is_peft_model, merged, save_adapter
 from memtrain.models import build_model
 from memtrain.weights import load_into, save_weights
 
@@ -40,7 +41,8 @@ log = logging.getLogger("memtrain")
 
 
 def export_model(model: nn.Module, state_dict: dict[str, torch.Tensor], directory: str, tokenizer=None,
-                 max_shard_size: str = "5GB", about: Optional[dict] = None, setting: str = "OUT") -> str:
+                 max_shard_size: str = "5GB", about: Optional[dict] = None, setting: str = "OUT",
+                 adapter_only: bool = False) -> str:
     """Write ``directory/model.safetensors`` (+ ``config.json`` and the tokenizer for transformers
     models), via a temporary folder of its own renamed into place, so a failed export never
     leaves a half-written model (:func:`memtrain.folders.replace_export`). Call on one process only.
@@ -54,6 +56,9 @@ def export_model(model: nn.Module, state_dict: dict[str, torch.Tensor], director
         max_shard_size: larger models are split into shards plus an index JSON.
         about: what the export came from (``step``, ``checkpoint``), kept in its marker.
         setting: what a full disk's message says to point elsewhere (``OUT``, or a run's ``output_dir``).
+        adapter_only: a LoRA (peft) model's adapter folder instead of the merged model; a model
+            without adapters ignores it. A peft model is otherwise exported merged
+            (:func:`memtrain.lora.merged`): a model ``transformers`` loads without peft.
 
     Returns:
         The folder written (``directory`` with its links resolved).
@@ -67,7 +72,14 @@ def export_model(model: nn.Module, state_dict: dict[str, torch.Tensor], director
     check_export_target(directory, [])
     tmp = new_export_folder(directory)
     try:
-        _write_export(model, state_dict, tmp, tokenizer, max_shard_size)
+        if is_peft_model(model) and adapter_only:
+            save_adapter(model, state_dict, tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+        else:
+            if is_peft_model(model):
+                model, state_dict = merged(model, state_dict)
+            _write_export(model, state_dict, tmp, tokenizer, max_shard_size)
         return replace_export(tmp, directory, about)
     except Exception as exc:  # noqa: BLE001 — safetensors reports a full disk as its own error type
         shutil.rmtree(tmp, ignore_errors=True)
@@ -122,7 +134,7 @@ def _write_export(model: nn.Module, state_dict: dict[str, torch.Tensor], tmp: st
             tokenizer.save_pretrained(tmp)
 
 
-def export_checkpoint(path: str, out: str, max_shard_size: str = "5GB") -> str:
+def export_checkpoint(path: str, out: str, max_shard_size: str = "5GB", adapter_only: bool = False) -> str:
     """Export checkpoint ``path`` (a ``step_XXXXXXXX`` directory, or a run's ``checkpoints``
     directory, meaning its ``latest``) to ``out``.
 
@@ -156,8 +168,11 @@ def export_checkpoint(path: str, out: str, max_shard_size: str = "5GB") -> str:
     load_into(model, state)
     if not hasattr(model, "save_pretrained"):
         tokenizer = None
+    if adapter_only and not is_peft_model(model):
+        raise ConfigError("--adapter_only", f"the run of {path} has no LoRA adapters (model.lora_rank 0): export "
+                          "the whole model (drop --adapter_only)")
     return export_model(model, model.state_dict(), out, tokenizer, max_shard_size,
-                        {"step": manifest.get("step"), "checkpoint": os.path.abspath(path)})
+                        {"step": manifest.get("step"), "checkpoint": os.path.abspath(path)}, adapter_only=adapter_only)
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -196,12 +211,14 @@ def main(argv: Optional[list[str]] = None, command: str = "export") -> int:
                                            "folder, for its latest)")
     parser.add_argument("out", help="directory to write model.safetensors and config.json into")
     parser.add_argument("--max_shard_size", default="5GB", help="split larger models into shards (default 5GB)")
+    parser.add_argument("--adapter_only", action="store_true", help="a LoRA run: write the adapter folder (peft's "
+                        "adapter_config.json and adapter_model.safetensors) instead of the merged model")
     args = parser.parse_args(argv)
 
     prepare_libraries(torch.cuda.is_available())
     previous = {sig: signal.signal(sig, _stop) for sig in STOP_SIGNALS}
     try:
-        out = export_checkpoint(args.checkpoint, args.out, args.max_shard_size)
+        out = export_checkpoint(args.checkpoint, args.out, args.max_shard_size, args.adapter_only)
     except ExportStopped as exc:  # the temporary folder is gone (export_model's cleanup); nothing else was touched
         print(f"memtrain export: stopped by {exc.signal_name}; nothing was written to {args.out} (an earlier export "
               "there is untouched)", file=sys.stderr)

@@ -15,6 +15,7 @@ EXTRAS = {
     "speech": ("espeakng_loader", "soxr", "soundfile", "jiwer"),
     "tracking": ("tensorboard",),
     "datasets": ("datasets",),
+    "lora": ("peft",),
 }
 """Extra → the modules it installs (``pyproject.toml``'s ``[project.optional-dependencies]``)."""
 

@@ -34,12 +34,15 @@ def peak_bf16_flops(device_name: str) -> Optional[float]:
 
 def flops_per_token(model: nn.Module, n_params: int, seq_len: int) -> Optional[float]:
     """Training FLOPs per token of a transformers causal LM (``num_hidden_layers``,
-    ``hidden_size`` in its config); None for other models (no MFU)."""
+    ``hidden_size`` in its config); None for other models (no MFU). 2 per parameter forward, 2
+    for the inputs' gradients backward, 2 more for the weight gradients of the parameters that
+    train (all of them: the usual 6N; a LoRA model's adapters only), plus attention's."""
     config = getattr(model, "config", None)
     layers, hidden = getattr(config, "num_hidden_layers", None), getattr(config, "hidden_size", None)
     if not layers or not hidden:
         return None
-    return 6.0 * n_params + 12.0 * layers * hidden * seq_len
+    trained = sum({id(p): getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad}.values())
+    return 4.0 * n_params + 2.0 * trained + 12.0 * layers * hidden * seq_len
 
 
 def mfu(tokens_per_s: float, per_token: Optional[float], peak: Optional[float], world_size: int) -> Optional[float]:

@@ -46,7 +46,7 @@ from memtrain.levers import lever
 from memtrain.plan import Plan, PlanChange, PlanController
 from memtrain.precision import NonFiniteGuard
 from memtrain.preemption import Preemption
-from memtrain.records import StepOutcome, attach_events, parameter_words, run_summary, step_record
+from memtrain.records import StepOutcome, attach_events, parameter_words, run_summary, step_record, trained_words
 from memtrain.state import TrainState
 from memtrain.step import step_with_recovery, time_step
 from memtrain.transforms import ModelTransforms, compiled_graph_count
@@ -376,7 +376,7 @@ class TrainingLoop(RunOutputs):
                     else f"{t.global_batch_size} utterances" if self.corpus.kind == "speech" else "")
         epochs = t.max_steps * t.global_batch_size / max(1, len(self.corpus.train))
         metrics.message(f"memtrain: {self.engine.name} × {self.process.world_size} rank(s) on {self.process.device}, "
-                        f"{self.engine.precision}, {parameter_words(self.n_params)} parameters; plan {plan} (micro-batch × "
+                        f"{self.engine.precision}, {parameter_words(self.n_params)} parameters{trained_words(self.engine.unwrap(self.model))}; plan {plan} (micro-batch × "
                         f"accumulation), activation checkpointing {ac}{levers}; steps {self.state.step + 1}–{t.max_steps}"
                         f" of {t.global_batch_size} samples{f' ({per_step})' if per_step else ''} each, {epochs:.3g} "
                         f"epochs of {self.corpus.describe()}; "

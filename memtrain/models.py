@@ -16,6 +16,7 @@ from torch import nn
 
 from memtrain.config import ConfigError, ModelConfig
 from memtrain.layerdrop import install_layerdrop
+from memtrain.lora import apply_lora
 
 
 def load_factory(spec: str):
@@ -81,10 +82,19 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, seed: int = 0, eos_toke
         The model in fp32 on CPU, in train mode.
 
     Raises:
-        ConfigError: unknown ``model_type`` or bad config keys (field ``model.config``).
+        ConfigError: unknown ``model_type`` or bad config keys (field ``model.config``); LoRA
+            settings that do not fit the model (:func:`memtrain.lora.apply_lora`).
+
+    With ``model.lora_rank`` set, the model carries LoRA adapters (a ``peft`` model) and only
+    they require gradients.
     """
     if model_cfg.pretrained:
-        return _from_pretrained(model_cfg, vocab_size, seed)
+        return apply_lora(_from_pretrained(model_cfg, vocab_size, seed), model_cfg)
+    return apply_lora(_fresh(model_cfg, vocab_size, seed, eos_token_id), model_cfg)
+
+
+def _fresh(model_cfg: ModelConfig, vocab_size: int, seed: int, eos_token_id: Optional[int]) -> nn.Module:
+    """:func:`build_model` of ``model.config`` or ``model.factory`` (fresh weights, no adapters)."""
     kwargs = dict(model_cfg.config or {})
     kwargs.setdefault("vocab_size", vocab_size)
     if kwargs["vocab_size"] < vocab_size:

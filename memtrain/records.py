@@ -137,6 +137,15 @@ def parameter_words(n: int) -> str:
     return f"{n / 1e6:.2f}M" if n >= 100_000 else f"{n:,}"
 
 
+def trained_words(model) -> str:
+    """`` (N of them train)`` when some of ``model``'s parameters are frozen (a LoRA model's
+    base); empty when all train."""
+    unique = {id(p): p for p in model.parameters()}.values()
+    trained = sum(getattr(p, "ds_numel", p.numel()) for p in unique if p.requires_grad)
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in unique)
+    return "" if trained == total else f" ({parameter_words(trained)} of them train)"
+
+
 def run_summary(state: TrainState, *, records: list[dict], unit: str, session_targets: int, elapsed_s: float,
                 resumed_from: Optional[str], preempted: Optional[str], model_dir: Optional[str],
                 about: dict[str, Any], earlier: Optional[list[dict]] = None) -> dict[str, Any]:

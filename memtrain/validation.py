@@ -221,6 +221,9 @@ def _validate_python_inputs(cfg: Config, python: Collection[str]) -> None:
     (:func:`_validate_user_optimizer`)."""
     if "optimizer_factory" in python:
         _validate_user_optimizer(cfg)
+    if "model" in python and cfg.model.lora_rank:
+        raise ConfigError("model.lora_rank", "is for the config's model; a model given from Python takes its LoRA "
+                          "adapters from peft: pass peft.get_peft_model(model, peft.LoraConfig(...)) as the model")
     named = [f"model.{k}" for k in ("config", "factory", "pretrained") if getattr(cfg.model, k)]
     if "model" in python and named:
         raise ConfigError(named[0], "is set, and a model is given from Python too; drop one (e.g. "
@@ -238,9 +241,32 @@ def _validate_python_inputs(cfg: Config, python: Collection[str]) -> None:
                           "the model)")
 
 
+def _validate_lora(cfg: Config) -> None:
+    """``model.lora_*`` in range; LoRA needs peft and trains without offload (the adapters'
+    optimizer state is a small share of the model: nothing to gain from moving it)."""
+    m = cfg.model
+    if m.lora_rank < 0:
+        raise ConfigError("model.lora_rank", f"{m.lora_rank}: must be 0 (off) or a positive rank such as 8")
+    if not m.lora_rank:
+        return
+    if not 0 <= m.lora_dropout < 1:
+        raise ConfigError("model.lora_dropout", f"{m.lora_dropout}: must be a probability in [0, 1)")
+    if m.lora_alpha <= 0:
+        raise ConfigError("model.lora_alpha", f"{m.lora_alpha}: must be positive (the update is scaled by "
+                          "lora_alpha / lora_rank)")
+    require("lora", "model.lora_rank", "LoRA")
+    if cfg.backend.offload not in (None, "none", "auto"):
+        raise ConfigError("backend.offload", f"{cfg.backend.offload}: LoRA trains without offload (its adapters' "
+                          "optimizer state is a small share of the model); set backend.offload none or auto")
+    if m.factory is not None and not m.lora_target_modules:
+        raise ConfigError("model.lora_target_modules", "is needed with model.factory (peft knows the target "
+                          "modules of transformers model types only): name them, e.g. [q_proj, v_proj]")
+
+
 def _validate_model(cfg: Config) -> None:
     """A transformers model: its ``model_type`` known, its config buildable (:func:`_check_model_builds`),
     ``data.seq_len`` within its positions. A factory's model is checked when it is built."""
+    _validate_lora(cfg)
     mc = {**_pretrained_config(cfg), **(cfg.model.config or {})}
     if cfg.model.factory is not None:
         return

@@ -53,6 +53,9 @@ class ModelShape:
             one call: a Linear, an Embedding).
         root: parameters outside the repeated blocks (FSDP2's root unit: embeddings, head, final norm).
         numels: each parameter's elements (ZeRO-3 keeps the small ones whole); empty = none small.
+        trainable: each parameter's elements that requires gradients (a LoRA model's adapters:
+            the gradients and optimizer state are theirs alone); None = every parameter trains.
+        frozen_bytes: bytes of the parameters that do not require gradients, in their dtype.
     """
 
     parameters: int
@@ -60,6 +63,25 @@ class ModelShape:
     largest_module: int = 0
     root: int = 0
     numels: tuple[int, ...] = ()
+    trainable: Optional[tuple[int, ...]] = None
+    frozen_bytes: int = 0
+
+    @property
+    def trained(self) -> int:
+        """Elements of the parameters that train (all of them unless ``trainable`` says otherwise)."""
+        return self.parameters if self.trainable is None else sum(self.trainable)
+
+    @property
+    def trained_numels(self) -> tuple[int, ...]:
+        """Each training parameter's elements (``numels`` when all train; ``(parameters,)`` when unknown)."""
+        if self.trainable is not None:
+            return self.trainable
+        return self.numels or (self.parameters,)
+
+    @property
+    def frozen(self) -> int:
+        """Elements of the parameters that do not train."""
+        return self.parameters - self.trained
 
 
 def model_shape(model) -> ModelShape:
@@ -68,15 +90,19 @@ def model_shape(model) -> ModelShape:
     def numel(p) -> int:
         return int(getattr(p, "ds_numel", p.numel()))
 
-    params = {id(p): numel(p) for p in model.parameters()}
+    unique = {id(p): p for p in model.parameters()}
+    params = {i: numel(p) for i, p in unique.items()}
     blocks = [{id(p) for p in b.parameters()} for b in repeated_blocks(model)]
     in_blocks = set().union(*blocks) if blocks else set()
     own = (sum(numel(p) for p in m.parameters(recurse=False)) for m in model.modules())
+    frozen = [p for p in unique.values() if not p.requires_grad]
     return ModelShape(parameters=sum(params.values()),
                       largest_block=max((sum(params[i] for i in b) for b in blocks), default=0),
                       largest_module=max(own, default=0),
                       root=sum(n for i, n in params.items() if i not in in_blocks),
-                      numels=tuple(params.values()))
+                      numels=tuple(params.values()),
+                      trainable=tuple(numel(p) for p in unique.values() if p.requires_grad) if frozen else None,
+                      frozen_bytes=sum(numel(p) * p.element_size() for p in frozen))
 
 
 DEEPSPEED_REDUCE_BUCKET_ELEMENTS = 500_000_000
@@ -118,14 +144,14 @@ def adam_state_bytes(state_dtype: str, numels: Iterable[int]) -> int:
 
 def replicated_optimizer_bytes(state_dtype: str, shape: ModelShape) -> int:
     """Per-rank bytes of AdamW's moments where every rank holds them all (DDP)."""
-    return adam_state_bytes(state_dtype, shape.numels or (shape.parameters,))
+    return adam_state_bytes(state_dtype, shape.trained_numels)
 
 
 def sharded_optimizer_bytes(state_dtype: str, shape: ModelShape, world_size: int) -> int:
     """Per-rank bytes of AdamW's moments where each rank holds its shard (FSDP2): torchao decides
     per shard whether it quantizes, so int8 is counted on shards of ``ceil(numel / world_size)``
     elements, each with its own code maps."""
-    numels = shape.numels or (shape.parameters,)
+    numels = shape.trained_numels
     w = max(1, world_size)
     if state_dtype == "int8":
         return adam_state_bytes(state_dtype, [-(-n // w) for n in numels])
@@ -191,13 +217,13 @@ def zero_state_bytes(n_params: int, precision: str, zero_stage: Optional[int], o
     them (:func:`deepspeed_buffer_settings`) where ``zero_settings`` (the user's JSON's
     ``zero_optimization`` sizes, elements) does not set them; the keys of
     :func:`memtrain.backends.model_state_bytes`."""
-    settings = {**deepspeed_buffer_settings(shape, n_params), **(zero_settings or {})}
+    settings = {**deepspeed_buffer_settings(shape, n_params - shape.frozen), **(zero_settings or {})}
     persistent = zero3_persistent_elements(
         shape.numels, settings.get("stage3_param_persistence_threshold", ZERO3_PERSISTENCE_THRESHOLD))
     return {**_zero(
-        n_params, precision, zero_stage, offload, max(1, world_size), offload_optimizer_ratio, offload_device,
-        settings["reduce_bucket_size"], persistent, zero3_gathered_elements(shape, settings),
-        max(shape.numels, default=0))}
+        n_params - shape.frozen, precision, zero_stage, offload, max(1, world_size), offload_optimizer_ratio,
+        offload_device, settings["reduce_bucket_size"], persistent, zero3_gathered_elements(shape, settings),
+        max(shape.trainable if shape.trainable is not None else shape.numels, default=0), shape.frozen)}
 
 
 def fsdp_state_bytes(n_params: int, precision: str, offload: str, world_size: int, shape: ModelShape,
@@ -217,8 +243,9 @@ def ddp_state_bytes(n_params: int, world_size: int, shape: ModelShape, state_dty
     after backward, as with ``memory.oom_recovery`` on); the keys of
     :func:`memtrain.backends.model_state_bytes`."""
     return {"nvme_offloaded_bytes": 0, "accumulation_gradient_bytes": 0, "accumulation_host_bytes": 0,
-            **_ddp(n_params, max(1, world_size), replicated_optimizer_bytes(state_dtype, shape),
-                   max(shape.numels, default=shape.largest_module) if deferred_reduction else None)}
+            **_ddp(n_params - shape.frozen, max(1, world_size), replicated_optimizer_bytes(state_dtype, shape),
+                   max(shape.trained_numels, default=shape.largest_module) if deferred_reduction else None,
+                   shape.frozen_bytes)}
 
 
 def device_state_bytes(state_bytes: dict[str, int]) -> int:
@@ -275,7 +302,8 @@ DEFERRED_REDUCE_BUCKET_BYTES = 64 * 2**20
 this many bytes (``memtrain.backends.ddp``), one bucket alive at a time."""
 
 
-def _ddp(n_params: int, world_size: int, optim: int, largest_parameter: Optional[int]) -> dict[str, int]:
+def _ddp(n_params: int, world_size: int, optim: int, largest_parameter: Optional[int],
+         frozen_bytes: int = 0) -> dict[str, int]:
     """Every rank holds everything: Accelerate's autocast keeps fp32 parameters and gradients
     (cast for compute) and AdamW's two moments (``optim`` bytes). With OOM recovery on
     (``largest_parameter`` given) the model is not wrapped in DDP: the all-reduce after backward
@@ -284,12 +312,14 @@ def _ddp(n_params: int, world_size: int, optim: int, largest_parameter: Optional
     blocks, fp32, 2 ranks, AC on: 141.5 MB above the state while two buckets were alive at once).
     With recovery off (``largest_parameter`` None) on more than one rank, DDP's reducer overlaps
     backward and allocates its buckets, a second copy of the fp32 gradients (``buffer_bytes``;
-    MemTracker: 1.08 MB for a 0.27M-parameter model on 2 ranks)."""
+    MemTracker: 1.08 MB for a 0.27M-parameter model on 2 ranks). ``n_params`` counts the
+    parameters that train; the frozen ones (a LoRA model's base) are ``frozen_bytes`` of
+    parameters in their own dtype, with no gradient or optimizer state."""
     n = n_params
     deferred = world_size > 1 and largest_parameter is not None
     reducer = world_size > 1 and largest_parameter is None
     bucket = min(4 * n, DEFERRED_REDUCE_BUCKET_BYTES + 4 * largest_parameter) if deferred else 0
-    return {"parameter_bytes": 4 * n, "gradient_bytes": 4 * n, "optimizer_bytes": optim,
+    return {"parameter_bytes": 4 * n + frozen_bytes, "gradient_bytes": 4 * n, "optimizer_bytes": optim,
             "buffer_bytes": 4 * n if reducer else 0, "cpu_offloaded_bytes": 0, "step_gradient_bytes": bucket}
 
 
@@ -308,15 +338,17 @@ def _fsdp(n_params: int, precision: str, offload: str, world_size: int, shape: M
     reduce-scatters it: 4 bytes per parameter in all. MemTracker on 2 ranks: the tiny recipe's
     model holds 1.08 MB of gradients = 4 × its 0.27M parameters; GPT-2 small's blocks (86M) hold
     one block gathered beside the root at the peak, and 2–2.5 blocks' bytes of gathered and
-    reduce-scatter buffers."""
-    n, w = n_params, world_size
+    reduce-scatter buffers. Frozen parameters (``shape.frozen``: a LoRA model's base) are
+    sharded in their own dtype (``shape.frozen_bytes``) and have no gradient or optimizer state;
+    the root's gradients are counted for at most the parameters that train."""
+    w, n = world_size, n_params - shape.frozen
     u = 2 if precision in ("bf16", "fp16") else 4
-    params, grads = 4 * n // w, 4 * n // w
+    params, grads = (4 * n + shape.frozen_bytes) // w, 4 * n // w
     offloaded = {"parameter": 0, "gradient": 0, "optimizer": 0, "buffer": 0}  # CPUOffloadPolicy: all three
     if offload not in (None, "none"):
         offloaded.update(parameter=params, gradient=grads, optimizer=optim)
         params, grads, optim = 0, 0, 0
-    params, grads = params + u * shape.root, grads + u * shape.root
+    params, grads = params + u * shape.root, grads + u * min(shape.root, n)
     return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim,
             "buffer_bytes": 2 * u * shape.largest_block, "block_buffer_bytes": 2 * u * shape.largest_block,
             "accumulation_gradient_bytes": max(0, 4 * n - grads), "cpu_offloaded_bytes": sum(offloaded.values()),
@@ -367,7 +399,8 @@ def _fsdp_optimizer_offload(n_params: int, precision: str, world_size: int, shap
 
 def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str, world_size: int,
           offload_optimizer_ratio: float, offload_device: str, reduce_bucket_elements: int,
-          persistent_elements: int, gathered_elements: int, largest_parameter: int = 0) -> dict[str, int]:
+          persistent_elements: int, gathered_elements: int, largest_parameter: int = 0,
+          frozen: int = 0) -> dict[str, int]:
     """ZeRO's accounting (Rajbhandari et al. 2020, §3.1 and §5), bytes per rank: 16-bit parameters
     and gradients in bf16/fp16 (fp32 otherwise) plus an fp32 master copy kept with AdamW's
     moments; stage 1 shards the optimizer state, 2 also the gradients, 3 also the parameters
@@ -409,12 +442,16 @@ def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str
     With 16-bit parameters the optimizer step holds an fp32 copy of the rank's gradient partition
     instead of the whole gradients (the larger of the two counts): MemTracker on GPT-2 small's
     blocks in bf16 on one rank counts 24 bytes per parameter under ZeRO-3 and 22 under ZeRO-2, 2
-    more than without it; on 2 ranks the two terms are equal."""
+    more than without it; on 2 ranks the two terms are equal.
+
+    ``n_params`` counts the parameters that train; ``frozen`` more (a LoRA model's base) are held
+    in the parameters' dtype, partitioned under ZeRO-3 and whole on every rank below it (ZeRO's
+    optimizer flattens only the parameters it steps), with no gradient or optimizer state."""
     n, w = n_params, world_size
     stage = 2 if zero_stage is None else zero_stage
     p_bytes = 2 if precision in ("bf16", "fp16") else 4
     master = 4 if p_bytes == 2 or stage >= 1 else 0
-    params = p_bytes * n // (w if stage >= 3 else 1)
+    params = p_bytes * n // (w if stage >= 3 else 1) + p_bytes * frozen // (w if stage >= 3 else 1)
     grads = p_bytes * n // (w if stage >= 2 else 1)
     optim = (ADAM_STATE_BYTES + master) * n // (w if stage >= 1 else 1)
     off = _zero_offload(n, w, stage, p_bytes, offload, offload_optimizer_ratio, offload_device, largest_parameter,

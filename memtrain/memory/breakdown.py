@@ -91,6 +91,16 @@ class MemoryBreakdown:
             tracker.__exit__(None, None, None)
 
 
+class _NoHook:
+    """Stands for the gradient hooks a frozen parameter does not get (removing it does nothing)."""
+
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
+
+
 def _tracker():
     """A ``MemTracker`` that counts a whole run: it forgets its per-module statistics when the
     root module is called again (each micro-batch, each evaluation), where the stock one stops
@@ -98,6 +108,14 @@ def _tracker():
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class RunTracker(MemTracker):
+        def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+            # a frozen parameter (a LoRA model's base) gets no gradient hook: the stock tracker
+            # registers one on every parameter, which torch refuses for these
+            for p in module.parameters():
+                if not p.requires_grad and p not in self._param_to_grad_hook_handles:
+                    self._param_to_grad_hook_handles[p] = (_NO_HOOK, _NO_HOOK)
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
         def _pre_fw_hook(self, module, inputs):
             try:
                 super()._pre_fw_hook(module, inputs)

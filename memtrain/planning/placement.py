@@ -400,6 +400,8 @@ def planning_pool(cfg, nvme: bool) -> list[Placement]:
     for d in dict.fromkeys(d for e in engines for d in planner_dtypes(cfg, e)):  # the least lossy first: it wins ties
         pool += variants(tuple(e for e in engines if d in planner_dtypes(cfg, e)), (stage,) if stage else (1, 2, 3),
                          nvme, d, cfg.memory.oom_recovery, cfg.checkpoint.async_save)
+    if cfg.model.lora_rank:  # LoRA trains without offload (memtrain.validation._validate_lora)
+        pool = [p for p in pool if p.offload == "none"]
     return pool
 
 
