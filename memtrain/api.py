@@ -117,7 +117,9 @@ class Trainer:
         train_dataset: map-style dataset of examples (``len`` and ``[int]``; a ``datasets.Dataset``
             is read in torch format); None = ``data.*`` of the config.
         eval_dataset: validation examples (``training.eval_samples`` of them are evaluated);
-            None with a ``train_dataset``: no evaluation.
+            None with a ``train_dataset``: no evaluation. Several sets by name,
+            ``{"name": dataset, ...}``: each evaluated in turn, recorded as ``val_<name>_loss``
+            and ``val_<name>_<metric>``; ``val_loss`` is the first set's loss.
         collate_fn: list of examples → dict of tensors [B, …]; None = ``default_collate``.
         objective: the loss: None = causal LM (``input_ids``/``labels``, mean per label token) or
             CTC for speech data; a ``(model, micro_batch) -> summed loss`` function (mean per

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -23,7 +24,7 @@ from memtrain.checkpoint.stateful import EngineState, RNGState, SchedulerState, 
 from memtrain.config import Config, ConfigError, to_dict
 from memtrain.data import GlobalBatchSampler, build_corpus
 from memtrain.data.corpus import SPLIT_RULE
-from memtrain.data.examples import ExampleCorpus, ExampleDataset
+from memtrain.data.examples import ExampleCorpus, ExampleDataset, named_sets
 from memtrain.distributed import ProcessState
 from memtrain.evaluate import Evaluator
 from memtrain.export import preload_export_libraries
@@ -162,9 +163,12 @@ class UserInputs:
         model shifts them) are shifted as transformers' models do, with a warning: memtrain's
         objective reads ``labels[t]`` as the token after ``input_ids[t]``."""
         train = ExampleDataset(self.train_dataset, self.collate_fn)
-        validation = ExampleDataset(self.eval_dataset if self.eval_dataset is not None else [], self.collate_fn)
+        sets = named_sets(self.eval_dataset)
+        named = {name: ExampleDataset(data, self.collate_fn) for name, data in sets.items()}
+        validation = next(iter(named.values())) if named else ExampleDataset([], self.collate_fn)
         if self.objective is None:
-            for name, split in (("train_dataset", train), ("eval_dataset", validation)):
+            for name, split in (("train_dataset", train), *((f"eval_dataset[{n!r}]" if n else "eval_dataset", s)
+                                                            for n, s in named.items())):
                 if split.unshifted_labels():
                     split.shift_labels = True
                     if say:
@@ -172,7 +176,9 @@ class UserInputs:
                                     "model shifts them); memtrain's causal-LM objective reads labels[t] as the token "
                                     "after input_ids[t], so it shifts them as transformers does (give labels shifted "
                                     "already, or an objective, to train otherwise)", name)
-        return ExampleCorpus(train, validation, self.tokenizer)
+        return ExampleCorpus(train, validation, self.tokenizer,
+                             named if isinstance(self.eval_dataset, Mapping) else None)
+
 
 
 def make_corpus(cfg: Config, process: ProcessState, inputs: UserInputs):

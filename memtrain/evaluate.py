@@ -20,7 +20,9 @@ log = logging.getLogger("memtrain")
 class Evaluator:
     """Mean loss per unit (token or character; nats) over the first ``num_samples`` validation
     samples, the objective's metrics (WER and CER for CTC) and a Python caller's
-    (:mod:`memtrain.eval_metrics`). Returns ``{"loss": …, "wer": …, …}``.
+    (:mod:`memtrain.eval_metrics`). Returns ``{"loss": …, "wer": …, …}``; with several validation
+    sets by name (``corpus.validation_sets``) each one's as ``{"<name>_loss": …, "<name>_<metric>": …}``
+    in their order, and ``"loss"``: the first set's.
 
     The samples are cut to a multiple of ``world_size`` and dealt round-robin, so every rank runs
     the same number of forwards (the engines' collectives stay matched). Evaluation has its own
@@ -45,12 +47,18 @@ class Evaluator:
                  unwrap: Callable[[nn.Module], nn.Module] = lambda m: m):
         self.process, self.corpus, self.objective, self.sync = process, corpus, objective, sync
         self.metrics, self.unwrap = EvalMetrics(compute_metrics, tuple(objective.eval_metrics)), unwrap
-        n = min(num_samples, len(corpus.validation))
-        self.mine = list(range(process.rank, n - n % process.world_size, process.world_size))
-        self.active = bool(n - n % process.world_size)  # the same on every rank
-        if not self.active and len(corpus.validation) and process.is_main:
-            log.warning("memtrain: no evaluation: %d validation sample(s) to share among %d ranks (training.eval_samples "
-                        "%d); give at least one per rank", n, process.world_size, num_samples)
+        named = getattr(corpus, "validation_sets", None) or {"": corpus.validation}
+        self.splits: dict[str, tuple[Any, list[int]]] = {}  # name -> (split, this rank's sample indices)
+        for name, split in named.items():
+            n = min(num_samples, len(split))
+            if n - n % process.world_size:  # the same on every rank
+                self.splits[name] = (split, list(range(process.rank, n - n % process.world_size, process.world_size)))
+            elif len(split) and process.is_main:
+                log.warning("memtrain: no evaluation%s: %d validation sample(s) to share among %d ranks (training."
+                            "eval_samples %d); give at least one per rank", f" of {name!r}" if name else "", n,
+                            process.world_size, num_samples)
+        first = next(iter(named))
+        self.active = first in self.splits  # the first set gives val_loss
         self.micro_batch_size = micro_batch_size
         self.events: list[dict] = []
 
@@ -62,12 +70,20 @@ class Evaluator:
 
     @torch.no_grad()
     def __call__(self, model: nn.Module) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, (split, mine) in self.splits.items():
+            values = self._evaluate(model, split, mine)
+            out.update(values if not name else {f"{name}_{k}": v for k, v in values.items()})
+            out.setdefault("loss", values["loss"])  # the first set's
+        return out
+
+    def _evaluate(self, model: nn.Module, split, mine: list[int]) -> dict[str, float]:
         was_training = model.training
         model.eval()
         try:
             while True:
                 try:
-                    totals = self._run(model)
+                    totals = self._run(model, split, mine)
                     break
                 except BaseException as exc:
                     if not self.sync.enabled or not is_oom(exc) or self.micro_batch_size == 1:
@@ -91,14 +107,14 @@ class Evaluator:
             log.warning("memtrain: OOM in evaluation on rank(s) %s; evaluation micro-batch %d → %d", ranks, old,
                         self.micro_batch_size)
 
-    def _run(self, model: nn.Module) -> torch.Tensor:
+    def _run(self, model: nn.Module, split, mine: list[int]) -> torch.Tensor:
         device = self.process.device
-        totals = None  # every rank evaluates at least one micro-batch (self.active)
+        totals = None  # every rank evaluates at least one micro-batch (the split is in self.splits)
         with self.metrics.capturing(self.unwrap(model)):
-            for i in range(0, len(self.mine), self.micro_batch_size):
-                ids = self.mine[i:i + self.micro_batch_size]
-                progress(f"evaluation of validation samples {i + 1}-{i + len(ids)} of {len(self.mine)}")
-                batch = {k: v.to(device) for k, v in self.corpus.validation.batch(ids).items()}
+            for i in range(0, len(mine), self.micro_batch_size):
+                ids = mine[i:i + self.micro_batch_size]
+                progress(f"evaluation of validation samples {i + 1}-{i + len(ids)} of {len(mine)}")
+                batch = {k: v.to(device) for k, v in split.batch(ids).items()}
                 sums = list(self.objective.eval_sums(model, batch))
                 if self.metrics.active:
                     sums += self.metrics.sums(batch)

@@ -111,3 +111,29 @@ def test_keep_best_never_deletes_the_checkpoint_of_the_best_metric(tmp_path):
         with pytest.raises(ConfigError) as refused:
             trainer(tmp_path / "bad", score, args=bad)
         assert refused.value.field == "checkpoint.keep_best" and words in str(refused.value)
+
+
+def test_several_evaluation_sets_are_recorded_by_name(tmp_path):
+    """``eval_dataset={"near": …, "far": …}``: each set evaluated and recorded as
+    ``val_<name>_loss`` / ``val_<name>_<metric>``, values computed here from the trained model on
+    that set's examples; ``val_loss`` is the first set's. A name that cannot be part of a key is
+    refused by name."""
+    near, far = VALIDATION, [{"x": e["x"] + 10, "labels": e["labels"]} for e in VALIDATION]
+    settings = {"output_dir": str(tmp_path / "run"), "training": {"global_batch_size": 4, "micro_batch_size": 2,
+                                                                  "max_steps": 2, "eval_every": 2, "eval_samples": 12}}
+    result = memtrain.Trainer(settings, model=lambda: torch.nn.Linear(2, 1), train_dataset=EXAMPLES,
+                              eval_dataset={"near": near, "far": far}, objective=lambda m, mb: m(mb["x"]).pow(2).sum(),
+                              compute_metrics=metrics).fit()
+    last = result.records[-1]
+    with torch.no_grad():
+        for name, examples in (("near", near), ("far", far)):
+            out = result.model(torch.stack([e["x"] for e in examples])).squeeze(-1)
+            assert last[f"val_{name}_loss"] == pytest.approx(float(out.pow(2).mean()), rel=1e-5)
+            err = (out - torch.stack([e["labels"] for e in examples])).abs()
+            assert last[f"val_{name}_mae"] == pytest.approx(float(err.mean()), rel=1e-5)
+    assert last["val_loss"] == last["val_near_loss"] != last["val_far_loss"]
+    with pytest.raises(ConfigError) as refused:
+        memtrain.Trainer({**settings, "output_dir": str(tmp_path / "bad")}, model=lambda: torch.nn.Linear(2, 1),
+                         train_dataset=EXAMPLES,
+                         eval_dataset={"a b": near}, objective=lambda m, mb: m(mb["x"]).pow(2).sum()).fit()
+    assert refused.value.field == "eval_dataset"

@@ -12,6 +12,8 @@ examples, is refused on resume.
 from __future__ import annotations
 
 import hashlib
+import re
+from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -85,16 +87,20 @@ class ExampleCorpus:
     Args:
         train, validation: :class:`ExampleDataset`; an empty validation set turns evaluation off.
         tokenizer: a ``transformers`` tokenizer saved with checkpoints and exports, or None.
+        validation_sets: several validation sets by name (``validation`` is the first); None = one.
     """
 
     kind = "examples"
 
-    def __init__(self, train: ExampleDataset, validation: ExampleDataset, tokenizer: Any = None):
+    def __init__(self, train: ExampleDataset, validation: ExampleDataset, tokenizer: Any = None,
+                 validation_sets: Optional[dict[str, ExampleDataset]] = None):
         if len(train) == 0:
             raise ConfigError("train_dataset", "has no examples")
         self.train, self.validation, self.tokenizer = train, validation, tokenizer
+        self.validation_sets = validation_sets
         self.vocab_size = len(tokenizer) if tokenizer is not None else 0
-        self.identity = "examples-" + dataset_identity(train, validation)
+        extra = [s for s in (validation_sets or {}).values() if s is not validation]
+        self.identity = "examples-" + dataset_identity(train, validation, *extra)
 
     def hf_tokenizer(self):
         """The tokenizer given with the data (None: nothing saved)."""
@@ -133,3 +139,23 @@ def _hash_splits(splits) -> str:
                 digest.update(f"{name}:{value.dtype}:{tuple(value.shape)}".encode())
                 digest.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
     return digest.hexdigest()[:16]
+
+
+def named_sets(eval_dataset) -> dict:
+    """``eval_dataset`` as ``{name: dataset}``: a mapping as given (names of letters, digits and
+    ``_``), one dataset as ``{"": it}``, None as none.
+
+    Raises:
+        ConfigError: ``eval_dataset``: an empty mapping, or a name that cannot be part of a record's key.
+    """
+    if eval_dataset is None:
+        return {}
+    if not isinstance(eval_dataset, Mapping):
+        return {"": eval_dataset}
+    if not eval_dataset:
+        raise ConfigError("eval_dataset", "is an empty dict: give {name: dataset, ...} or one dataset")
+    for name in eval_dataset:
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_]+", name):
+            raise ConfigError("eval_dataset", f"name {name!r}: a set's name is part of its records' keys "
+                              "(val_<name>_loss): letters, digits and _ only")
+    return dict(eval_dataset)
