@@ -72,12 +72,13 @@ def prepare_config(argv: Optional[list[str]] = None, python: Collection[str] = (
     return cfg
 
 
-def run(cfg: Config, inputs=None, owns_process: bool = False, evaluate: bool = False):
+def run(cfg: Config, inputs=None, owns_process: bool = False, evaluate: bool = False, predict=None):
     """Train ``cfg`` (validated): the process state, the watchdog with several ranks
     (:mod:`memtrain.watchdog`), the training loop; returns the :class:`memtrain.loop.RunResult`.
     ``inputs``: a Python caller's model, data and objective (:class:`memtrain.build.UserInputs`;
     :class:`memtrain.api.Trainer`), None = all from ``cfg``. ``evaluate``: evaluate the run's last
-    checkpoint instead (:meth:`memtrain.loop.TrainingLoop.evaluate`). ``owns_process``: the ``memtrain``
+    checkpoint instead (:meth:`memtrain.loop.TrainingLoop.evaluate`); ``predict`` (an
+    :class:`memtrain.data.examples.ExampleDataset`): its outputs from that checkpoint. ``owns_process``: the ``memtrain``
     command runs it, so process-wide settings nobody else relies on may be tuned
     (``memory.host_allocator_thresholds`` null: :func:`memtrain.host_allocator.fix_thresholds`)."""
     from contextlib import ExitStack
@@ -99,7 +100,7 @@ def run(cfg: Config, inputs=None, owns_process: bool = False, evaluate: bool = F
         if process.world_size > 1:  # alone, nobody waits on this rank
             closing.callback(Watchdog(cfg.backend.timeout_s, process.rank).start().stop)
         loop = build_trainer(cfg, process, closing, inputs)
-        return loop.evaluate() if evaluate else loop.run()
+        return loop.evaluate(predict) if evaluate or predict is not None else loop.run()
 
 
 class Trainer:
@@ -207,9 +208,28 @@ class Trainer:
                               "(resume auto, or a checkpoint path)")
         return self._run(evaluate=True)
 
-    def _run(self, evaluate: bool):
+    def predict(self, dataset) -> list:
+        """The model's outputs for ``dataset``'s examples from the run's last checkpoint in
+        ``output_dir``, as evaluation computes them (the objective's forward, micro-batched, an
+        out-of-memory halving the micro-batch; the examples carry what the objective reads, for
+        the default causal LM ``input_ids`` and ``labels``), every rank a share; trains nothing
+        and writes nothing.
+
+        Returns:
+            One tensor per example, in ``dataset``'s order, on the CPU and the same on every rank:
+            the logits (``[T, V]`` for a causal LM; a model returning a tensor: its row).
+
+        Raises:
+            memtrain.ConfigError: ``resume never``, no checkpoint, an empty ``dataset``; and as :meth:`fit`.
+        """
+        if self.config.resume == "never":
+            raise ConfigError("resume", "never would move the run's outputs aside; predict reads its last checkpoint "
+                              "(resume auto, or a checkpoint path)")
+        return self._run(evaluate=False, predict=self.inputs.examples(dataset, "predict's dataset"))
+
+    def _run(self, evaluate: bool, predict=None):
         try:
-            return run(self.config, self.inputs, self.owns_process, evaluate)
+            return run(self.config, self.inputs, self.owns_process, evaluate, predict)
         except Exception as exc:  # noqa: BLE001 — only a failed collective is replaced
             if not is_collective_failure(exc) or isinstance(exc, CollectiveError):
                 raise

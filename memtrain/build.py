@@ -162,22 +162,25 @@ class UserInputs:
         default causal-LM objective, labels equal to the input ids (transformers' convention: the
         model shifts them) are shifted as transformers' models do, with a warning: memtrain's
         objective reads ``labels[t]`` as the token after ``input_ids[t]``."""
-        train = ExampleDataset(self.train_dataset, self.collate_fn)
-        sets = named_sets(self.eval_dataset)
-        named = {name: ExampleDataset(data, self.collate_fn) for name, data in sets.items()}
+        train = self.examples(self.train_dataset, "train_dataset", say)
+        named = {name: self.examples(data, f"eval_dataset[{name!r}]" if name else "eval_dataset", say)
+                 for name, data in named_sets(self.eval_dataset).items()}
         validation = next(iter(named.values())) if named else ExampleDataset([], self.collate_fn)
-        if self.objective is None:
-            for name, split in (("train_dataset", train), *((f"eval_dataset[{n!r}]" if n else "eval_dataset", s)
-                                                            for n, s in named.items())):
-                if split.unshifted_labels():
-                    split.shift_labels = True
-                    if say:
-                        log.warning("memtrain: %s: its labels equal its input_ids (transformers' convention, where the "
-                                    "model shifts them); memtrain's causal-LM objective reads labels[t] as the token "
-                                    "after input_ids[t], so it shifts them as transformers does (give labels shifted "
-                                    "already, or an objective, to train otherwise)", name)
         return ExampleCorpus(train, validation, self.tokenizer,
                              named if isinstance(self.eval_dataset, Mapping) else None)
+
+    def examples(self, dataset, name: str, say: bool = True) -> ExampleDataset:
+        """``dataset`` as an :class:`ExampleDataset` with the caller's collate function, its labels
+        shifted where they follow transformers' convention (see :meth:`corpus`; ``name`` in the warning)."""
+        split = ExampleDataset(dataset, self.collate_fn)
+        if self.objective is None and split.unshifted_labels():
+            split.shift_labels = True
+            if say:
+                log.warning("memtrain: %s: its labels equal its input_ids (transformers' convention, where the "
+                            "model shifts them); memtrain's causal-LM objective reads labels[t] as the token "
+                            "after input_ids[t], so it shifts them as transformers does (give labels shifted "
+                            "already, or an objective, to train otherwise)", name)
+        return split
 
 
 

@@ -12,12 +12,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+
+_GROUPS_STARTED = [0]
+"""Process groups :func:`_init_under_torchelastic` has started in this process."""
 
 
 def _init_under_torchelastic(cpu: bool, timeout: timedelta) -> None:
@@ -39,7 +44,11 @@ def _init_under_torchelastic(cpu: bool, timeout: timedelta) -> None:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
                           timeout=timeout)
-    store = dist.PrefixStore(f"memtrain/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    # a later run in this process (predict() after fit()) gets keys of its own too: every rank runs
+    # the same runs in the same order, so their counts agree
+    _GROUPS_STARTED[0] += 1
+    store = dist.PrefixStore(f"memtrain/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+                             f"group_{_GROUPS_STARTED[0]}", store)
     kwargs = {}
     if not cpu and torch.cuda.is_available():
         kwargs["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -187,7 +196,13 @@ class ProcessState:
         from accelerate.state import AcceleratorState, GradientState
 
         if dist.is_initialized():
-            dist.destroy_process_group()
+            deepspeed_comm = sys.modules.get("deepspeed.comm.comm")
+            if getattr(deepspeed_comm, "cdb", None) is not None:
+                # DeepSpeed's: torch's, and the groups DeepSpeed keeps (a later run in this process,
+                # say predict() after fit(), would otherwise reach a destroyed group through them)
+                deepspeed_comm.destroy_process_group()
+            else:
+                dist.destroy_process_group()
         AcceleratorState._reset_state()  # PartialState (device, launcher) stays: the next run's is the same
         GradientState._reset_state()
 

@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 from memtrain.distributed import ProcessState
+from memtrain.errors import ConfigError
 from memtrain.eval_metrics import EvalMetrics
+from memtrain.models import logits_of
 from memtrain.objectives import Objective
 from memtrain.oom import AgreedOOM, OOMSync, is_oom
 from memtrain.watchdog import progress
@@ -78,13 +80,59 @@ class Evaluator:
         return out
 
     def _evaluate(self, model: nn.Module, split, mine: list[int]) -> dict[str, float]:
+        totals = self._retrying(model, lambda: self._run(model, split, mine))
+        self.process.all_reduce_sum(totals)
+        n = 2 + 2 * len(self.objective.eval_metrics)  # the objective's sums, then the caller's metrics'
+        return {**self.objective.finish(totals[:n].tolist()), **self.metrics.finish(totals[n:].tolist())}
+
+    @torch.no_grad()
+    def predict(self, model: nn.Module, split) -> list[torch.Tensor]:
+        """The model's outputs for every example of ``split`` (an
+        :class:`memtrain.data.examples.ExampleDataset`): the objective's forward of each
+        micro-batch as evaluation runs it (its OOM halving too), the output captured by a forward
+        hook on the unwrapped module (:func:`memtrain.models.logits_of`). The examples are dealt
+        round-robin, the last repeated so every rank runs as many forwards (ZeRO-3's gathers stay
+        matched), and gathered on every rank.
+
+        Returns:
+            One CPU tensor per example in ``split``'s order: its row of the logits.
+
+        Raises:
+            ConfigError: ``split`` is empty (field ``dataset``); the forward's output has no logits.
+        """
+        n, w = len(split), self.process.world_size
+        if n == 0:
+            raise ConfigError("dataset", "has no examples to predict")
+        mine = [min(i, n - 1) for i in range(self.process.rank, n + (-n) % w, w)]
+        rows = self._retrying(model, lambda: self._outputs(model, split, mine))
+        gathered = {i: row for part in self.process.all_gather_object(rows) for i, row in part}
+        return [gathered[i] for i in range(n)]
+
+    def _outputs(self, model: nn.Module, split, mine: list[int]) -> list[tuple[int, torch.Tensor]]:
+        """``(index, output row)`` of each of this rank's examples ``mine``."""
+        device, rows, kept = self.process.device, [], []
+        handle = self.unwrap(model).register_forward_hook(lambda module, args, output: kept.append(logits_of(output)))
+        try:
+            for i in range(0, len(mine), self.micro_batch_size):
+                ids = mine[i:i + self.micro_batch_size]
+                progress(f"prediction of examples {i + 1}-{i + len(ids)} of {len(mine)}")
+                kept.clear()
+                self.objective.eval_sums(model, {k: v.to(device) for k, v in split.batch(ids).items()})
+                rows += zip(ids, kept[-1].detach().float().cpu().unbind(0))
+                self.sync.compute_point()
+        finally:
+            handle.remove()
+        return rows
+
+    def _retrying(self, model: nn.Module, run: Callable[[], Any]):
+        """``run()`` in eval mode, its micro-batch halved after an out-of-memory error every rank
+        agrees on, until it succeeds (or fails at micro-batch 1)."""
         was_training = model.training
         model.eval()
         try:
             while True:
                 try:
-                    totals = self._run(model, split, mine)
-                    break
+                    return run()
                 except BaseException as exc:
                     if not self.sync.enabled or not is_oom(exc) or self.micro_batch_size == 1:
                         raise
@@ -93,9 +141,6 @@ class Evaluator:
                 self._shrink(agreed if agreed is not None else self.sync.agree(True))
         finally:
             model.train(was_training)
-        self.process.all_reduce_sum(totals)
-        n = 2 + 2 * len(self.objective.eval_metrics)  # the objective's sums, then the caller's metrics'
-        return {**self.objective.finish(totals[:n].tolist()), **self.metrics.finish(totals[n:].tolist())}
 
     def _shrink(self, ranks: list[int]) -> None:
         if self.process.device.type == "cuda":

@@ -227,21 +227,25 @@ class TrainingLoop(RunOutputs):
         self._apply_plan()  # the checkpoint's (AC may have been switched on by an OOM before it)
         return path, time.perf_counter() - start, changed
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, examples=None):
         """The checkpoint ``resume`` finds (the run's last) evaluated on the validation examples as
-        the run evaluates (with the caller's ``compute_metrics``), training and writing nothing.
+        the run evaluates (with the caller's ``compute_metrics``), training and writing nothing; with
+        ``examples`` (an :class:`memtrain.data.examples.ExampleDataset`), its outputs for them instead.
 
         Returns:
-            ``{"step": the checkpoint's step, "val_loss": …, "val_<metric>": …}`` (the same on every rank).
+            ``{"step": the checkpoint's step, "val_loss": …, "val_<metric>": …}`` (the same on every
+            rank); with ``examples``, :meth:`memtrain.evaluate.Evaluator.predict`'s list.
 
         Raises:
             memtrain.config.ConfigError: no validation examples, or no checkpoint to evaluate.
         """
-        if not self.evaluator.active:
+        if examples is None and not self.evaluator.active:
             raise ConfigError("eval_dataset", "gives no validation examples to evaluate (at least one per rank)")
         if self._resume() is None:
             raise ConfigError("output_dir", f"{self.cfg.output_dir} holds no checkpoint to evaluate (checkpoint."
                               "every_steps > 0 saves one every that many steps and after the last)")
+        if examples is not None:
+            return self.evaluator.predict(self.model, examples)
         return {"step": self.state.step, **{f"val_{k}": v for k, v in self.evaluator(self.model).items()}}
 
     def _already_finished(self, path: str) -> RunResult:
