@@ -81,7 +81,7 @@ def test_the_python_page_runs_as_written(tmp_path):
         outputs.append(run_documented(shlex.split(line.replace("runs/", runs)), REPO, env, timeout=300))
         assert outputs[-1].returncode == 0, (line, outputs[-1].stderr[-4000:])
     assert outputs[0].returncode == 0, outputs[0].stderr[-4000:]
-    for out in (outputs[0], outputs[1], outputs[2], outputs[4], outputs[5]):  # the program and the scripts print it
+    for out in (outputs[0], outputs[1], outputs[2], outputs[3], outputs[5], outputs[6]):  # the program and the scripts
         first, last = map(float, re.search(r"validation loss ([\d.]+) -> ([\d.]+)", out.stdout).groups())
         assert last < first, out.stdout[-2000:]
     for out in (outputs[1], outputs[2]):  # the example's compute_metrics, one rank and ZeRO-3 on two
@@ -90,8 +90,12 @@ def test_the_python_page_runs_as_written(tmp_path):
     assert (tmp_path / "runs" / "code_lm_small_finetune" / "model" / "model.safetensors").is_file()
     assert (tmp_path / "runs" / "code_lm_small_finetune" / "model" / "tokenizer.json").is_file()  # the tokenizer handed over
     trained, total = (int(n.replace(",", "")) for n in re.search(r"([\d,]+) of ([\d,]+) parameters trained",
-                                                                 outputs[5].stdout).groups())
+                                                                 outputs[6].stdout).groups())
     assert 0 < trained < total / 50  # the LoRA example's adapters only
+    said = re.findall(r"step (\d+): validation accuracy ([\d.]+), lr ([\d.e-]+)", outputs[3].stdout)  # own_optimizer.py
+    # the rate step s ran with: StepLR stepped s - 1 times before it
+    assert [float(lr) for step, _, lr in said] == pytest.approx([3e-3 * 0.5 ** ((int(step) - 1) // 40) for step, _, _ in said])
+    assert float(said[-1][1]) > 0.9 and "stopped early" in outputs[3].stdout  # EarlyStopping ended it
     from transformers import AutoModelForCausalLM
 
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "runs" / "code_lm_small_lora" / "model"))
