@@ -94,7 +94,8 @@ def test_the_python_page_runs_as_written(tmp_path):
     assert 0 < trained < total / 50  # the LoRA example's adapters only
     said = re.findall(r"step (\d+): validation accuracy ([\d.]+), lr ([\d.e-]+)", outputs[3].stdout)  # own_optimizer.py
     # the rate step s ran with: StepLR stepped s - 1 times before it
-    assert [float(lr) for step, _, lr in said] == pytest.approx([3e-3 * 0.5 ** ((int(step) - 1) // 40) for step, _, _ in said])
+    rates = [3e-3 * 0.5 ** ((int(step) - 1) // 40) for step, _, _ in said]
+    assert [float(lr) for _, _, lr in said] == pytest.approx(rates)
     assert float(said[-1][1]) > 0.9 and "stopped early" in outputs[3].stdout  # EarlyStopping ended it
     from transformers import AutoModelForCausalLM
 
