@@ -145,7 +145,8 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
         cfg.training.micro_batch_size if cfg.training.micro_batch_size != "auto" else 1)
     ac_bytes = {ac: peaks[0] for ac, peaks in _activation_bytes_by_ac(acts, choices, micro, per_rank).items()}
     return {
-        "parameters": n, "precision": precision, "world_size": world_size, "engine": engine,
+        "parameters": n, "trained_parameters": shape.trained, "precision": precision, "world_size": world_size,
+        "engine": engine,
         "micro_batch_given": cfg.training.micro_batch_size != "auto", "device": device_type, "budget_bytes": budget,
         "seq_len": cfg.data.seq_len, "micro_batch_size": micro,
         "candidates": [c.as_dict() for c in planner.candidates],
@@ -295,7 +296,9 @@ def format_table(report: dict) -> str:
                     f"{c['predicted_peak_bytes'] / 2**20:>10.1f} "
                     f"{step:>9} {'yes' if c['fits'] else 'no':>4}  {'*' if c['chosen'] else ''}")
     budget, source = report["budget_bytes"], report.get("budget_source")
-    head = (f"{report['parameters'] / 1e6:.1f}M parameters, {report['engine']} × {report['world_size']}, "
+    trained = report.get("trained_parameters", report["parameters"])
+    train = f" ({trained / 1e6:.2f}M of them train)" if trained != report["parameters"] else ""
+    head = (f"{report['parameters'] / 1e6:.1f}M parameters{train}, {report['engine']} × {report['world_size']}, "
             f"{report['precision']}, " + (f"budget {budget / 2**20:.1f} MiB per rank ({source})" if budget
                                           else "unbounded budget"))
     fields = set(Placement.__dataclass_fields__)
