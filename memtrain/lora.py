@@ -18,6 +18,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from memtrain.errors import ConfigError
+from memtrain.extras import require
+from memtrain.meta import meta_copy
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -38,8 +40,6 @@ def apply_lora(model: nn.Module, model_cfg) -> nn.Module:
     rank = getattr(model_cfg, "lora_rank", 0) or 0
     if rank <= 0:
         return model
-    from memtrain.extras import require
-
     require("lora", "model.lora_rank", "LoRA")
     from peft import LoraConfig, get_peft_model
 
@@ -84,8 +84,6 @@ def _meta_twin(model: nn.Module) -> nn.Module:
     import copy
 
     from peft import get_peft_model
-
-    from memtrain.models import meta_copy  # memtrain.models imports this module
 
     base = model.get_base_model()
     config = getattr(base, "config", None)

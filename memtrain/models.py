@@ -17,6 +17,7 @@ from torch import nn
 from memtrain.config import ConfigError, ModelConfig
 from memtrain.layerdrop import install_layerdrop
 from memtrain.lora import apply_lora
+from memtrain.meta import meta_copy
 
 
 def load_factory(spec: str):
@@ -239,22 +240,6 @@ class ModelSource:
             return meta_copy(self.user)
         with torch.device("meta"):
             return self.build()
-
-
-def meta_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers are meta tensors of the same shapes and
-    dtypes (tied parameters stay tied); the original is not touched and nothing is allocated."""
-    import copy
-
-    memo: dict[int, object] = {}
-    for module in model.modules():
-        for p in module._parameters.values():
-            if p is not None and id(p) not in memo:
-                memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-        for b in module._buffers.values():
-            if b is not None and id(b) not in memo:
-                memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(model, memo)
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:

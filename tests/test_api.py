@@ -189,7 +189,7 @@ def test_a_transformers_model_trains_without_its_kv_cache():
 def test_meta_copy_and_user_objective_contract():
     """A module built beforehand is planned from a meta copy (same shapes, ties kept, nothing
     allocated, the original untouched); a plain loss function's count is the examples."""
-    from memtrain.models import meta_copy
+    from memtrain.meta import meta_copy
     from memtrain.objectives import as_objective
 
     model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5))
