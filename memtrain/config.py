@@ -109,18 +109,16 @@ class ModelConfig:
     checkpoint on disk; nothing is downloaded): its config and weights start the run, and its
     tokenizer, when it has one, replaces the BPE trained on ``data.files``. ``model.config`` then
     holds overrides of its config (e.g. dropout); keys that change a weight's shape are refused."""
+    # LoRA (peft, the lora extra; docs/configuration.md): only the adapters train, the base is
+    # frozen in its dtype; the update is scaled by lora_alpha / lora_rank; dropout on the adapters' input
     lora_rank: int = 0
-    """LoRA (Hu et al. 2021, via ``peft``): the rank of the low-rank adapters added beside the
-    target modules' weights; only the adapters train (gradients and optimizer state for them
-    alone), the base stays frozen in its dtype. 0 = off (every parameter trains). Needs the
-    ``lora`` extra. A Python model takes its adapters from ``peft.get_peft_model`` instead."""
+    """LoRA rank; 0 = off."""
     lora_alpha: float = 16.0
-    """LoRA's scale numerator: the adapters' update is multiplied by lora_alpha / lora_rank."""
+    """LoRA's alpha."""
     lora_dropout: float = 0.0
-    """Dropout on the adapters' input, a probability in [0, 1)."""
+    """LoRA's dropout."""
     lora_target_modules: Optional[list[str]] = None
-    """Names (or name suffixes) of the modules that get adapters, e.g. [q_proj, v_proj]; None =
-    ``peft``'s default for the transformers model type (a ``model.factory`` model must name them)."""
+    """Modules given LoRA adapters; null = peft's default."""
 
 
 @dataclass

@@ -53,7 +53,7 @@ def install(where: str, step: int) -> None:
             die()
         return outcome
 
-    def run(self, model, _orig=Evaluator._run):
+    def run(self, model, *split, _orig=Evaluator._run):
         if where == "in_evaluation" and current["step"] == step:
             inner = self.objective.eval_sums
 
@@ -62,7 +62,7 @@ def install(where: str, step: int) -> None:
                 die()
                 return out
             self.objective.eval_sums = eval_sums
-        return _orig(self, model)
+        return _orig(self, model, *split)
 
     def commit(tmp, root, s, *args, _orig=layout.commit, **kwargs):
         if where == "save_before_rename" and s == step:
