@@ -203,6 +203,9 @@ class ProcessState:
                 deepspeed_comm.destroy_process_group()
             else:
                 dist.destroy_process_group()
+        # the patient group is destroyed with the others; its object (its gloo device's thread) goes now,
+        # not whenever this state is collected (at interpreter exit, from a Python script's globals)
+        self._patient = None
         AcceleratorState._reset_state()  # PartialState (device, launcher) stays: the next run's is the same
         GradientState._reset_state()
 
