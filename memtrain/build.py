@@ -183,7 +183,6 @@ class UserInputs:
         return split
 
 
-
 def make_corpus(cfg: Config, process: ProcessState, inputs: UserInputs):
     """The run's data (the caller's examples, or ``data.*`` built and cached by rank 0 first);
     then, with ``resume never``, the previous run's outputs moved aside (after the data: a bad
@@ -285,7 +284,8 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
                     engine.name)
     ck = cfg.checkpoint
     checkpointer = Checkpointer(process, os.path.join(cfg.output_dir, "checkpoints"), ck.keep_last,
-                                (ck.keep_best, ck.keep_best_mode) if ck.keep_best else None, ck.async_save, {"vocab_size": corpus.vocab_size, "config": to_dict(cfg),
+                                (ck.keep_best, ck.keep_best_mode) if ck.keep_best else None, ck.async_save,
+                                {"vocab_size": corpus.vocab_size, "config": to_dict(cfg),
                                  "data_identity": data_identity(corpus), "data_split": SPLIT_RULE,
                                  "engine_spec": spec.as_dict()},
                                 after_write=faults.after_checkpoint_write)

@@ -42,6 +42,13 @@ class TrainerState:
         self._metrics = types.MappingProxyType(dict(metrics or {}))
         self.should_stop = False
 
+    @classmethod
+    def of(cls, step: int, epoch: int, plan, record: Optional[dict], metrics: Optional[dict]) -> "TrainerState":
+        """The state a hook sees of a run at ``step`` whose plan in use is ``plan`` (a :class:`memtrain.plan.Plan`)."""
+        return cls(step, epoch, {"micro_batch_size": plan.micro_batch_size,
+                                 "gradient_accumulation_steps": plan.gradient_accumulation_steps,
+                                 "levers": dict(plan.levers)}, record, metrics)
+
     step = property(lambda self: self._step)
     epoch = property(lambda self: self._epoch)
     plan = property(lambda self: self._plan)

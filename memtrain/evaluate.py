@@ -47,7 +47,7 @@ class Evaluator:
     def __init__(self, process: ProcessState, corpus, objective: Objective, num_samples: int, micro_batch_size: int,
                  sync: OOMSync, compute_metrics: Optional[Callable] = None,
                  unwrap: Callable[[nn.Module], nn.Module] = lambda m: m):
-        self.process, self.corpus, self.objective, self.sync = process, corpus, objective, sync
+        self.process, self.objective, self.sync = process, objective, sync
         self.metrics, self.unwrap = EvalMetrics(compute_metrics, tuple(objective.eval_metrics)), unwrap
         named = getattr(corpus, "validation_sets", None) or {"": corpus.validation}
         self.splits: dict[str, tuple[Any, list[int]]] = {}  # name -> (split, this rank's sample indices)
@@ -110,19 +110,25 @@ class Evaluator:
 
     def _outputs(self, model: nn.Module, split, mine: list[int]) -> list[tuple[int, torch.Tensor]]:
         """``(index, output row)`` of each of this rank's examples ``mine``."""
-        device, rows, kept = self.process.device, [], []
+        rows, kept = [], []
         handle = self.unwrap(model).register_forward_hook(lambda module, args, output: kept.append(logits_of(output)))
         try:
-            for i in range(0, len(mine), self.micro_batch_size):
-                ids = mine[i:i + self.micro_batch_size]
-                progress(f"prediction of examples {i + 1}-{i + len(ids)} of {len(mine)}")
+            for ids, batch in self._micro_batches(split, mine, "prediction of examples"):
                 kept.clear()
-                self.objective.eval_sums(model, {k: v.to(device) for k, v in split.batch(ids).items()})
+                self.objective.eval_sums(model, batch)
                 rows += zip(ids, kept[-1].detach().float().cpu().unbind(0))
-                self.sync.compute_point()
         finally:
             handle.remove()
         return rows
+
+    def _micro_batches(self, split, mine: list[int], what: str):
+        """``(indices, batch on the device)`` of each evaluation micro-batch of ``split``'s samples
+        ``mine``, each followed by the OOM agreement point of a forward (every rank makes as many)."""
+        for i in range(0, len(mine), self.micro_batch_size):
+            ids = mine[i:i + self.micro_batch_size]
+            progress(f"{what} {i + 1}-{i + len(ids)} of {len(mine)}")
+            yield ids, {k: v.to(self.process.device) for k, v in split.batch(ids).items()}
+            self.sync.compute_point()
 
     def _retrying(self, model: nn.Module, run: Callable[[], Any]):
         """``run()`` in eval mode, its micro-batch halved after an out-of-memory error every rank
@@ -153,17 +159,12 @@ class Evaluator:
                         self.micro_batch_size)
 
     def _run(self, model: nn.Module, split, mine: list[int]) -> torch.Tensor:
-        device = self.process.device
         totals = None  # every rank evaluates at least one micro-batch (the split is in self.splits)
         with self.metrics.capturing(self.unwrap(model)):
-            for i in range(0, len(mine), self.micro_batch_size):
-                ids = mine[i:i + self.micro_batch_size]
-                progress(f"evaluation of validation samples {i + 1}-{i + len(ids)} of {len(mine)}")
-                batch = {k: v.to(device) for k, v in split.batch(ids).items()}
+            for _, batch in self._micro_batches(split, mine, "evaluation of validation samples"):
                 sums = list(self.objective.eval_sums(model, batch))
                 if self.metrics.active:
                     sums += self.metrics.sums(batch)
-                part = torch.tensor(sums, dtype=torch.float64, device=device)
+                part = torch.tensor(sums, dtype=torch.float64, device=self.process.device)
                 totals = part if totals is None else totals + part
-                self.sync.compute_point()
         return totals

@@ -13,6 +13,8 @@ from typing import Optional
 
 from torch import nn
 
+from memtrain.models import count_parameters
+
 PEAK_BF16_FLOPS = (  # (substrings of torch.cuda.get_device_name(), dense bf16 FLOP/s), first match wins
     (("H200",), 989e12),
     (("H100", "PCIe"), 756e12),
@@ -41,8 +43,7 @@ def flops_per_token(model: nn.Module, n_params: int, seq_len: int) -> Optional[f
     layers, hidden = getattr(config, "num_hidden_layers", None), getattr(config, "hidden_size", None)
     if not layers or not hidden:
         return None
-    trained = sum({id(p): getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad}.values())
-    return 4.0 * n_params + 2.0 * trained + 12.0 * layers * hidden * seq_len
+    return 4.0 * n_params + 2.0 * count_parameters(model, trainable=True) + 12.0 * layers * hidden * seq_len
 
 
 def mfu(tokens_per_s: float, per_token: Optional[float], peak: Optional[float], world_size: int) -> Optional[float]:

@@ -37,6 +37,7 @@ from memtrain.folders import write_atomic
 from memtrain.fingerprint import hex_of
 from memtrain.flops import mfu
 from memtrain.metrics import MetricsLogger
+from memtrain.models import count_parameters
 from memtrain.objectives import Objective
 from memtrain.optim import apply_hyperparameters
 from memtrain.outputs import RunOutputs
@@ -185,7 +186,8 @@ class TrainingLoop(RunOutputs):
             attach_events(record, events)
             self.checkpoint_states["records"].add(record)  # carried by the next checkpoint
             stopped_by = self._save_if_due(step, preemption, stop_asked, record)  # all ranks agree on stopping and saving
-            attach_events(record, events + self._drain_checkpoint_events(step))
+            # the step's events and its checkpoint commits (its own save, or an earlier asynchronous one)
+            attach_events(record, events + _drain(self.checkpointer.events, step))
             records.append(record)
             metrics.log_step(record, show=step % t.log_every == 0 or "val_loss" in record)
             self.faults.after_step()
@@ -379,8 +381,9 @@ class TrainingLoop(RunOutputs):
         per_step = (f"{t.global_batch_size * self.cfg.data.seq_len:,} tokens" if self.corpus.kind == "text"
                     else f"{t.global_batch_size} utterances" if self.corpus.kind == "speech" else "")
         epochs = t.max_steps * t.global_batch_size / max(1, len(self.corpus.train))
+        trained = trained_words(self.n_params, count_parameters(self.engine.unwrap(self.model), trainable=True))
         metrics.message(f"memtrain: {self.engine.name} × {self.process.world_size} rank(s) on {self.process.device}, "
-                        f"{self.engine.precision}, {parameter_words(self.n_params)} parameters{trained_words(self.engine.unwrap(self.model))}; plan {plan} (micro-batch × "
+                        f"{self.engine.precision}, {parameter_words(self.n_params)} parameters{trained}; plan {plan} (micro-batch × "
                         f"accumulation), activation checkpointing {ac}{levers}; steps {self.state.step + 1}–{t.max_steps}"
                         f" of {t.global_batch_size} samples{f' ({per_step})' if per_step else ''} each, {epochs:.3g} "
                         f"epochs of {self.corpus.describe()}; "
@@ -545,18 +548,13 @@ class TrainingLoop(RunOutputs):
             return preemption.signal_name or "a stop signal on another rank"
         return stop_asked
 
-    def _callback_state(self, record: Optional[dict]) -> TrainerState:
-        plan = self.controller.plan
-        return TrainerState(self.state.step, self.state.epoch,
-                            {"micro_batch_size": plan.micro_batch_size,
-                             "gradient_accumulation_steps": plan.gradient_accumulation_steps,
-                             "levers": dict(plan.levers)}, record, self.last_metrics)
-
     def _callback(self, hook: str, record: Optional[dict] = None, *args) -> bool:
         """Run the callbacks' ``hook`` on every rank (:meth:`memtrain.callbacks.Callbacks.call`);
         whether one asked to stop."""
-        return bool(self.callbacks) and self.callbacks.call(hook, self._callback_state(record), *args,
-                                                            process=self.process)
+        if not self.callbacks:
+            return False
+        state = TrainerState.of(self.state.step, self.state.epoch, self.controller.plan, record, self.last_metrics)
+        return self.callbacks.call(hook, state, *args, process=self.process)
 
     def _step_callbacks(self, record: dict, evaluated: bool) -> Optional[str]:
         """The step's hooks (``on_evaluate`` when it evaluated, then ``on_step_end``); what asked to
@@ -579,10 +577,6 @@ class TrainingLoop(RunOutputs):
                 old, new = resumed[2]["backend.name"]
                 events.insert(1, {"event": "engine_switch", "step": step, "from": old, "to": new})
         return events + _drain(self.evaluator.events, step)
-
-    def _drain_checkpoint_events(self, step: int) -> list[dict]:
-        """The checkpoint commits of the step (a step's own save, or an earlier asynchronous one)."""
-        return _drain(self.checkpointer.events, step)
 
     def _about(self) -> dict[str, Any]:
         return {"parameters": self.n_params, "backend": self.engine.name, "world_size": self.process.world_size,

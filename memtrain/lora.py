@@ -10,6 +10,7 @@ in its dtype. ``peft`` is imported only here, and only for a LoRA run (it takes 
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Optional
 
@@ -41,19 +42,27 @@ def apply_lora(model: nn.Module, model_cfg) -> nn.Module:
     if rank <= 0:
         return model
     require("lora", "model.lora_rank", "LoRA")
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
 
     config = LoraConfig(r=rank, lora_alpha=model_cfg.lora_alpha, lora_dropout=model_cfg.lora_dropout,
                         target_modules=model_cfg.lora_target_modules, task_type=_task_type(model))
     try:
-        with warnings.catch_warnings():  # GPT-2's Conv1D: peft sets fan_in_fan_out itself and says so
-            warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft asks transformers
-            return get_peft_model(model, config)
+        return _with_adapters(model, config)
     except ValueError as exc:  # no default targets for this model, or targets that match nothing
         names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))
                         or type(m).__name__ == "Conv1D"})
         raise ConfigError("model.lora_target_modules", f"{exc} (the model's linear layers: {', '.join(names)})") from None
+
+
+def _with_adapters(model: nn.Module, config) -> nn.Module:
+    """``peft.get_peft_model(model, config)`` without the warnings it gives as it goes: GPT-2's
+    Conv1D (peft sets ``fan_in_fan_out`` itself and says so) and transformers' deprecated
+    ``is_gradient_checkpointing``, which peft asks."""
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(fan_in_fan_out|is_gradient_checkpointing).*")
+        return get_peft_model(model, config)
 
 
 def _task_type(model: nn.Module) -> Optional[str]:
@@ -69,9 +78,9 @@ def merged(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> tuple[nn.Mo
     assignment, and each merged weight is a new tensor (peft's ``safe_merge``), so the export holds
     the adapted weights twice, the rest once.
     """
-    copy = _meta_twin(model)
-    copy.load_state_dict(state_dict, assign=True)
-    base = copy.merge_and_unload(safe_merge=True)
+    twin = _meta_twin(model)
+    twin.load_state_dict(state_dict, assign=True)
+    base = twin.merge_and_unload(safe_merge=True)
     if hasattr(base, "tie_weights"):  # assignment gave tied weights (GPT-2's embedding and head) a tensor each
         base.tie_weights()
     return base, base.state_dict()
@@ -81,19 +90,13 @@ def _meta_twin(model: nn.Module) -> nn.Module:
     """A peft model like ``model`` on the meta device: a transformers base built again from its
     config (the class the engine wrapped: FSDP2 gives a sharded module a class of its own, which
     cannot be copied) with the same adapters; another module, a meta copy."""
-    import copy
-
-    from peft import get_peft_model
-
     base = model.get_base_model()
     config = getattr(base, "config", None)
     cls = next(c for c in type(base).__mro__ if not issubclass(c, FSDPModule))
     if config is None or not hasattr(cls, "_from_config"):
         return meta_copy(model)
-    with torch.device("meta"), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*(fan_in_fan_out|is_gradient_checkpointing).*")
-        twin = cls._from_config(config)
-        return get_peft_model(twin, copy.deepcopy(model.peft_config[model.active_adapter]))
+    with torch.device("meta"):
+        return _with_adapters(cls._from_config(config), copy.deepcopy(model.peft_config[model.active_adapter]))
 
 
 def save_adapter(model: nn.Module, state_dict: dict[str, torch.Tensor], directory: str) -> None:

@@ -191,10 +191,11 @@ def logits_of(output) -> torch.Tensor:
     return logits
 
 
-def count_parameters(model: nn.Module) -> int:
+def count_parameters(model: nn.Module, trainable: bool = False) -> int:
     """Number of parameters (tied weights counted once; a ZeRO-3-partitioned parameter by its
-    full size, ``ds_numel``)."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in {id(p): p for p in model.parameters()}.values())
+    full size, ``ds_numel``); ``trainable``: only those that require gradients (a LoRA model's adapters)."""
+    unique = {id(p): p for p in model.parameters() if p.requires_grad or not trainable}
+    return sum(getattr(p, "ds_numel", p.numel()) for p in unique.values())
 
 
 class ModelSource:

@@ -137,12 +137,9 @@ def parameter_words(n: int) -> str:
     return f"{n / 1e6:.2f}M" if n >= 100_000 else f"{n:,}"
 
 
-def trained_words(model) -> str:
-    """`` (N of them train)`` when some of ``model``'s parameters are frozen (a LoRA model's
-    base); empty when all train."""
-    unique = {id(p): p for p in model.parameters()}.values()
-    trained = sum(getattr(p, "ds_numel", p.numel()) for p in unique if p.requires_grad)
-    total = sum(getattr(p, "ds_numel", p.numel()) for p in unique)
+def trained_words(total: int, trained: int) -> str:
+    """`` (N of them train)`` when fewer than the ``total`` parameters train (``trained``: a LoRA
+    model's adapters); empty when all do."""
     return "" if trained == total else f" ({parameter_words(trained)} of them train)"
 
 
