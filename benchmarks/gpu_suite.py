@@ -102,7 +102,8 @@ STEPS = (
                       "--repeats", "2"), ("benchmarks/overhead.py", "--quick"), 200, "overhead", part=2),
     Step("compile", ("benchmarks/compile.py", "--device", "cuda", "--steps", "16", "--repeats", "2"),
          ("benchmarks/compile.py", "--quick"), 120, part=2),
-    Step("largest_model", ("benchmarks/largest_model.py", "--shapes", "6.7b,10b", "--steps", "8", "--repeats", "1"),
+    Step("largest_model", ("benchmarks/largest_model.py", "--shapes", "6.7b,10b", "--steps", "8", "--repeats", "1",
+                           "--global_batch_size", "16"),  # the recipe's 64: four times the step
          ("benchmarks/largest_model.py", "--device", "cpu", "--shapes", "tiny", "--steps", "2", "--repeats", "1"),
          150, part=2),
     Step("checkpoint_io", ("benchmarks/checkpoint_io.py", "--device", "cuda"), ("benchmarks/checkpoint_io.py", "--quick"),

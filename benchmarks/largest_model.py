@@ -1,9 +1,11 @@
 """The largest model on one GPU: memtrain's placement (``backend.offload auto``) beside the stock
-DeepSpeed optimizer-offload config, Llama shapes, bf16, sequence 1024, global batch 16.
+DeepSpeed optimizer-offload config, Llama shapes, bf16, sequence 1024, at the recipe's global batch
+(``recipes/llama_10b.yaml``: 64 sequences) or ``--global_batch_size``.
 
     python benchmarks/largest_model.py --plan [--results]                 # predictions only, any machine
     python benchmarks/largest_model.py --plan --shapes 13b --extra "--memory.allow_lossy_levers true --memory.levers auto"
     python benchmarks/largest_model.py --shapes 6.7b,10b [--results]      # one GPU: 8 steps each, alternating
+    python benchmarks/largest_model.py --shapes 6.7b,10b --global_batch_size 16   # the GPU suite's: shorter steps
     python benchmarks/largest_model.py --device cpu --shapes tiny         # the same code path on a CPU
 
 ``--plan`` prints, per shape, ``memtrain plan``'s placements for ``--gpu_memory_gib`` /
@@ -27,6 +29,9 @@ import statistics
 import sys
 import threading
 import time
+from typing import Optional
+
+import yaml
 
 from common import REPO, RunFailed, emit, run_cli, run_memtrain, scratch_dir, spread
 
@@ -43,21 +48,24 @@ CONFIGS = {
 }
 
 
-def shape_args(shape: str, device: str, steps: int) -> list[str]:
+def shape_args(shape: str, device: str, steps: int, global_batch_size: Optional[int] = None) -> list[str]:
+    """The memtrain arguments of ``shape`` on ``device`` (the recipe's global batch unless one is given)."""
     hidden, ffn, layers, heads = SHAPES[shape]
     args = ["--config", str(REPO / "recipes" / "llama_10b.yaml"), "--model.config.hidden_size", str(hidden),
             "--model.config.intermediate_size", str(ffn), "--model.config.num_hidden_layers", str(layers),
             "--model.config.num_attention_heads", str(heads), "--model.config.num_key_value_heads", str(heads),
             "--training.max_steps", str(steps)]
+    if global_batch_size:
+        args += ["--training.global_batch_size", str(global_batch_size)]
     if device == "cpu":  # the tiny shape on a CPU: a small corpus and sequence, fp32
         args += ["--precision", "fp32", "--data.max_bytes", "300000", "--data.vocab_size", "512",
                  "--data.seq_len", "64", "--model.config.max_position_embeddings", "64"]
     return args
 
 
-def plan(shape: str, gpu_gib: float, host_gib: float, extra: list[str]) -> dict:
+def plan(shape: str, gpu_gib: float, host_gib: float, extra: list[str], global_batch_size: Optional[int] = None) -> dict:
     """``memtrain plan --json`` of ``shape`` (with the memtrain arguments ``extra``): the placement rows."""
-    out = run_cli(["plan", *shape_args(shape, "cuda", 20), "--backend.offload", "auto", "--gpu_memory_gib",
+    out = run_cli(["plan", *shape_args(shape, "cuda", 20, global_batch_size), "--backend.offload", "auto", "--gpu_memory_gib",
                    str(gpu_gib), "--host_memory_gib", str(host_gib), *extra, "--json"], ok_codes=(0, 3))  # 3: nothing fits
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     return {"placements": [r for r in rows if r.get("placement")]}
@@ -94,6 +102,12 @@ class HostPeak:
         self._thread.join()
 
 
+def recipe_global_batch_size() -> int:
+    """``training.global_batch_size`` of ``recipes/llama_10b.yaml``."""
+    with open(REPO / "recipes" / "llama_10b.yaml") as fh:
+        return int(yaml.safe_load(fh)["training"]["global_batch_size"])
+
+
 def limit_args(device: str, gpu_gib: float, host_gib: float) -> list[str]:
     """The memtrain arguments that hold a run to the claimed machine (none on a CPU rehearsal)."""
     if device != "cuda":
@@ -101,20 +115,23 @@ def limit_args(device: str, gpu_gib: float, host_gib: float) -> list[str]:
     return ["--memory.cuda_memory_cap_gib", str(gpu_gib), "--memory.host_memory_gib", str(host_gib)]
 
 
-def train_once(shape: str, config: str, device: str, steps: int, extra: list[str]) -> dict:
+def train_once(shape: str, config: str, device: str, steps: int, extra: list[str],
+               global_batch_size: Optional[int] = None) -> dict:
     """One run of ``config`` at ``shape``: tokens/s, device and host peaks, memtrain's placement.
     Its folder (the run's export included: ~20 GB for the 10B shape in bf16) is removed after."""
     out = scratch_dir(f"largest-{shape}-{config}")
     try:
-        return _train_in(out, shape, config, device, steps, extra)
+        return _train_in(out, shape, config, device, steps, extra, global_batch_size)
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
 
-def _train_in(out: str, shape: str, config: str, device: str, steps: int, extra: list[str]) -> dict:
+def _train_in(out: str, shape: str, config: str, device: str, steps: int, extra: list[str],
+              global_batch_size: Optional[int]) -> dict:
     with HostPeak() as host:
         try:
-            records = run_memtrain([*shape_args(shape, device, steps), *CONFIGS[config], *extra], out, nproc=1)
+            records = run_memtrain([*shape_args(shape, device, steps, global_batch_size), *CONFIGS[config], *extra],
+                                   out, nproc=1)
         except RunFailed as exc:
             said = [line for line in exc.stderr.splitlines() if line.startswith("memtrain:")]
             return {"failed": exc.returncode, "error": said[-1] if said else exc.stderr.strip()[-300:]}
@@ -144,25 +161,29 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu_memory_gib", type=float, default=80)
     ap.add_argument("--host_memory_gib", type=float, default=128)
     ap.add_argument("--extra", default="", help="more memtrain arguments, space-separated")
+    ap.add_argument("--global_batch_size", type=int, default=None, help="sequences per step (default: the recipe's)")
     ap.add_argument("--results", action="store_true", help="append to benchmarks/results/")
     args = ap.parse_args(argv)
     shapes = args.shapes.split(",")
+    batch = args.global_batch_size or recipe_global_batch_size()
     if args.plan:
         for shape in shapes:
             emit("largest_model_plan", "cpu", {"shape": shape, "gpu_memory_gib": args.gpu_memory_gib,
                                                 "host_memory_gib": args.host_memory_gib, "extra": args.extra,
+                                                "global_batch_size": batch,
                                                 **plan(shape, args.gpu_memory_gib, args.host_memory_gib,
-                                                       args.extra.split())}, args.results)
+                                                       args.extra.split(), args.global_batch_size)}, args.results)
         return 0
     extra = [*limit_args(args.device, args.gpu_memory_gib, args.host_memory_gib), *args.extra.split()]
     for shape in shapes:
         runs: dict[str, list[dict]] = {c: [] for c in CONFIGS}
         for repeat in range(args.repeats):
             for config in CONFIGS:  # alternating: the machine's drift hits both alike
-                runs[config].append(train_once(shape, config, args.device, args.steps, extra))
+                runs[config].append(train_once(shape, config, args.device, args.steps, extra, args.global_batch_size))
                 emit("largest_model", args.device, {"run": True, "shape": shape, "config": config, "repeat": repeat,
-                                                    "steps": args.steps, **runs[config][-1]}, args.results)
-        result = {"shape": shape, "steps": args.steps, "repeats": args.repeats,
+                                                    "steps": args.steps, "global_batch_size": batch,
+                                                    **runs[config][-1]}, args.results)
+        result = {"shape": shape, "steps": args.steps, "repeats": args.repeats, "global_batch_size": batch,
                   "gpu_memory_gib": args.gpu_memory_gib if args.device == "cuda" else None,
                   "host_memory_gib": args.host_memory_gib if args.device == "cuda" else None}
         for config, rows in runs.items():

@@ -83,6 +83,7 @@ class ProcessState:
 
         # NCCL: 2 = abort the communicator and raise in Python (exit 6); torchrun sets its own default
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        self._launcher_vars: list[str] = []  # what ensure_group set
         self.timeout_s = timeout_s
         _init_under_torchelastic(cpu, timedelta(seconds=timeout_s))
         self._state = PartialState(cpu=cpu, timeout=timedelta(seconds=timeout_s))
@@ -106,7 +107,9 @@ class ProcessState:
         dist.init_process_group("gloo" if self.device.type == "cpu" else "nccl", store=dist.HashStore(), rank=0,
                                 world_size=1, **kwargs)
         for var, value in (("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "1")):
-            os.environ.setdefault(var, value)
+            if var not in os.environ:
+                os.environ[var] = value
+                self._launcher_vars.append(var)  # removed by close(): a process started later is no rank
 
     def cap_cuda_memory(self, gib: float) -> None:
         """Limit this process's CUDA memory to ``gib`` GiB (``torch.cuda.set_per_process_memory_fraction``),
@@ -187,8 +190,10 @@ class ProcessState:
             self.wait_for_main()
 
     def close(self) -> None:
-        """Tear the process group down. Left to interpreter exit, communicator threads can abort the
-        process ('terminate called without an active exception'). No barrier: after an error on one
+        """Tear the process group down, and unset the launcher variables :meth:`ensure_group` set (a
+        process this one starts later would take itself for rank 0 of 1). Left to interpreter exit,
+        communicator threads can abort the process ('terminate called without an active
+        exception'). No barrier: after an error on one
         rank it would hang; the others' pending collectives fail instead. Accelerate's run-wide states
         (``AcceleratorState``: mixed precision; ``GradientState``) go with it, so a later run in this
         process (the Python API) sets its own: Accelerate refuses to change an initialized one's
@@ -206,6 +211,9 @@ class ProcessState:
         # the patient group is destroyed with the others; its object (its gloo device's thread) goes now,
         # not whenever this state is collected (at interpreter exit, from a Python script's globals)
         self._patient = None
+        for var in self._launcher_vars:
+            os.environ.pop(var, None)
+        self._launcher_vars = []
         AcceleratorState._reset_state()  # PartialState (device, launcher) stays: the next run's is the same
         GradientState._reset_state()
 

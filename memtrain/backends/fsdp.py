@@ -253,16 +253,27 @@ class FSDPBackend:
         if self.offload_optimizer is not None:
             self.offload_optimizer.synchronize()
 
+    @property
+    def reduces_every_micro_batch(self) -> bool:
+        """Under the optimizer offload every micro-batch reduce-scatters its gradients and adds them
+        to the sharded ones (in the parameters' dtype: 16 bits under bf16), so accumulating holds no
+        whole-model gradient; otherwise only the last micro-batch reduces, the others keeping the
+        unsharded gradients in fp32 (4 bytes per parameter: ``accumulation_gradient_bytes``)."""
+        return self.offload == "optimizer"
+
     def compute_collectives(self, last_micro_batch: bool) -> ComputeCollectives:
-        """All-gathers in every forward; in backward the re-gather of resharded blocks and, on the
-        last micro-batch, the reduce-scatter (``set_requires_gradient_sync`` skips it before)."""
+        """All-gathers in every forward; in backward the re-gather of resharded blocks and the
+        reduce-scatter: on the last micro-batch (``set_requires_gradient_sync`` skips it before),
+        on every one under the optimizer offload (:attr:`reduces_every_micro_batch`)."""
         if self.world_size == 1:
             return ComputeCollectives(False, False)
-        return ComputeCollectives(True, last_micro_batch or self.reshard_after_forward)
+        reduces = last_micro_batch or self.reduces_every_micro_batch
+        return ComputeCollectives(True, reduces or self.reshard_after_forward)
 
     def reduction_context(self, model: nn.Module, reduce_gradients: bool):
-        # non-final micro-batches keep unsharded gradients and skip the reduce-scatter
-        model.set_requires_gradient_sync(reduce_gradients)
+        # non-final micro-batches keep unsharded gradients and skip the reduce-scatter, unless
+        # every micro-batch reduces into the sharded gradients
+        model.set_requires_gradient_sync(reduce_gradients or self.reduces_every_micro_batch)
         return contextlib.nullcontext()
 
     def set_plan(self, plan) -> None:

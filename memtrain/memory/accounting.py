@@ -376,7 +376,9 @@ def _fsdp_optimizer_offload(n_params: int, precision: str, world_size: int, shap
     ``1 - ratio`` of the moments and, for 16-bit parameters, of the master; on the host ``ratio``
     of the moments, of the master and a buffer of the host part's gradients in the compute dtype
     (the updated parameters go back through it: one block, pinned on a GPU, ``pinned_block_bytes``;
-    freed for the export: ``export_released_bytes``).
+    freed for the export: ``export_released_bytes``). Every micro-batch reduce-scatters into the
+    sharded gradients (:attr:`memtrain.backends.fsdp.FSDPBackend.reduces_every_micro_batch`), so
+    accumulating holds nothing beyond them: no accumulation term.
     The host part is whole parameters, the last of the model (:func:`offloaded_parameter_count` of ``shape.numels``; ``ratio`` itself without them).
     Reported by component: ``offloaded_*_bytes``."""
     n, w = n_params, world_size
@@ -392,7 +394,7 @@ def _fsdp_optimizer_offload(n_params: int, precision: str, world_size: int, shap
     params, grads = u * shard + u * shape.root, u * shard + u * shape.root
     return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim - moments_host + master_device,
             "buffer_bytes": 2 * u * shape.largest_block, "block_buffer_bytes": 2 * u * shape.largest_block,
-            "accumulation_gradient_bytes": max(0, 4 * n - grads), "cpu_offloaded_bytes": sum(offloaded.values()),
+            "accumulation_gradient_bytes": 0, "cpu_offloaded_bytes": sum(offloaded.values()),
             "export_released_bytes": offloaded["buffer"], "pinned_block_bytes": offloaded["buffer"],
             **{f"offloaded_{k}_bytes": v for k, v in offloaded.items()}}
 
