@@ -1,10 +1,15 @@
-"""Model families at new sizes (the families the accounting was developed on): transformers
-configs of each family at sizes drawn from a seed, small enough for a 2-rank CPU run.
+"""Model families at sizes drawn from a seed: transformers configs small enough for a 2-rank CPU run.
 
-The accounting was first fitted on GPT-2-shaped models, then developed on these families at seed
-0's sizes; they differ where memory does: grouped-query attention (Llama), a sliding-window mask (Mistral), attention biases and
-untied embeddings (Qwen2), partial rotary embeddings and a parallel residual (GPT-NeoX).
-Each draw is a ``model.config`` dict for ``memtrain --model.config '<json>'``.
+The accounting was first fitted on GPT-2-shaped models, then developed on Llama, Mistral, Qwen2
+and GPT-NeoX at seed 0's sizes; they differ where memory does: grouped-query attention (Llama), a
+sliding-window mask (Mistral), attention biases and untied embeddings (Qwen2), partial rotary
+embeddings and a parallel residual (GPT-NeoX). Two mixture-of-experts families were added after
+it, never used to develop it: Mixtral (top-2 of 4 or 8 experts in every block) and Qwen2-MoE
+(routed experts beside a gated shared expert), transformers' fused expert weights.
+
+Each draw is a ``model.config`` dict for ``memtrain --model.config '<json>'``; its positions are
+its samples' tokens (:func:`seq_len`): :data:`SEQ_LEN` for seeds 0 and 1 (the rows published
+with them), drawn from :data:`SEQ_LENS` for later seeds.
 """
 
 from __future__ import annotations
@@ -13,7 +18,15 @@ import json
 import random
 
 SEQ_LEN = 64
-"""Tokens per sample of every drawn model (its positions are exactly this many)."""
+"""Tokens per sample of the models of seeds 0 and 1 (their positions are exactly this many)."""
+SEQ_LENS = (32, 64, 128)
+"""Tokens per sample a model of a later seed is drawn with."""
+
+
+def _seq_len(model_type: str, seed: int) -> int:
+    """The sequence length of ``model_type``'s draw with ``seed`` (its own random stream, so the
+    sizes drawn before the sequence became an axis are unchanged)."""
+    return SEQ_LEN if seed <= 1 else random.Random(f"{model_type}:{seed}:seq_len").choice(SEQ_LENS)
 
 
 def _widths(rng: random.Random) -> tuple[int, int, int, int]:
@@ -58,6 +71,23 @@ def gpt_neox(rng: random.Random) -> dict:
             "hidden_dropout": 0.0, "attention_dropout": 0.0, "tie_word_embeddings": False}
 
 
+def mixtral(rng: random.Random) -> dict:
+    """Mixtral: Llama's attention; every block's MLP is top-2 of 4 or 8 SwiGLU experts (fused
+    weights) chosen by a router."""
+    return {**_llama_like("mixtral", rng), "num_local_experts": rng.choice([4, 8]), "num_experts_per_tok": 2,
+            "sliding_window": None}
+
+
+def qwen2_moe(rng: random.Random) -> dict:
+    """Qwen2-MoE: Qwen2's attention; every block's MLP is top-2 of 4 or 8 small routed experts
+    beside a shared expert scaled by its own gate."""
+    config = _llama_like("qwen2_moe", rng)
+    hidden = config["hidden_size"]
+    return {**config, "num_experts": rng.choice([4, 8]), "num_experts_per_tok": 2,
+            "moe_intermediate_size": hidden // 8 * rng.choice([4, 8]), "shared_expert_intermediate_size": config[
+                "intermediate_size"], "use_sliding_window": False}
+
+
 def gpt2(rng: random.Random) -> dict:
     """GPT-2 (the family the accounting was fitted on), at drawn sizes."""
     hidden, heads, layers, _ = _widths(rng)
@@ -65,7 +95,8 @@ def gpt2(rng: random.Random) -> dict:
             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 
 
-FAMILIES = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "gpt_neox": gpt_neox, "gpt2": gpt2}
+FAMILIES = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "gpt_neox": gpt_neox, "gpt2": gpt2,
+            "mixtral": mixtral, "qwen2_moe": qwen2_moe}
 """model_type → its draw: ``draw(random.Random) -> model.config dict``."""
 
 
@@ -75,9 +106,12 @@ def draw(model_type: str, seed: int) -> dict:
     Raises:
         KeyError: ``model_type`` is not one of :data:`FAMILIES`.
     """
-    return FAMILIES[model_type](random.Random(f"{model_type}:{seed}"))
+    config = FAMILIES[model_type](random.Random(f"{model_type}:{seed}"))
+    positions = "n_positions" if "n_positions" in config else "max_position_embeddings"
+    return {**config, positions: _seq_len(model_type, seed)}
 
 
 def model_args(config: dict) -> list[str]:
-    """memtrain arguments that build ``config`` on samples of :data:`SEQ_LEN` tokens."""
-    return ["--model.config", json.dumps(config), "--data.seq_len", str(SEQ_LEN)]
+    """memtrain arguments that build ``config`` on samples of as many tokens as it has positions."""
+    tokens = config.get("n_positions", config.get("max_position_embeddings"))
+    return ["--model.config", json.dumps(config), "--data.seq_len", str(tokens)]
