@@ -50,7 +50,10 @@ class _LiveBytes(TorchDispatchMode):
         self._state: set[int] = set()  # storages that became model state (never counted again)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+            out = _grouped_mm_in_dtype(func, args, kwargs or {})
+        else:
+            out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._count(t.untyped_storage())
@@ -90,6 +93,16 @@ class _LiveBytes(TorchDispatchMode):
         self._refs.pop(key, None)
         if size is not None:
             self.live_bytes -= size
+
+
+def _grouped_mm_in_dtype(func, args: tuple, kwargs: dict) -> torch.Tensor:
+    """``aten._grouped_mm`` of fp32 (or fp16) inputs on fake tensors: torch's meta kernel checks
+    for the CUDA kernel's bf16, while the CPU kernel takes fp32 (transformers' fused MoE experts
+    in an fp32 run, Mixtral's and Qwen2-MoE's ``grouped_mm``): the bf16 call's output, in the
+    inputs' dtype (the casts are not counted: they happen below this mode)."""
+    dtype = args[0].dtype
+    cast = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    return func(*cast, **kwargs).to(dtype)
 
 
 def fake_batch(mode, micro_batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
