@@ -28,8 +28,10 @@ and a last ``summary`` row: min/median/max relative error per engine.
 ``--families``: new sizes. The model families the accounting was developed on at seed 0's sizes
 (so only the sizes drawn from another seed are out of sample: Llama with
 grouped-query attention, Mistral with a sliding window, Qwen2 with attention biases, GPT-NeoX
-with partial rotary embeddings, GPT-2), each at sizes drawn from ``--seed`` (recorded in every
-row with the drawn ``model_config``), × the 4 engines × activation checkpointing off/selective/on ×
+with partial rotary embeddings, GPT-2), and two mixture-of-experts families added after it,
+out of sample until the accounting is changed for them (Mixtral, Qwen2-MoE), each at sizes
+drawn from ``--seed`` (recorded in every row with the drawn ``model_config``; from seed 2 on the
+sequence length is drawn too, :mod:`model_families`), × the 4 engines × activation checkpointing off/selective/on ×
 fp32/bf16 × 1 and 2 ranks (``--engines``, ``--ac``, ``--precisions``, ``--world_sizes`` pick a subset). Rows ``memory_accuracy_families`` carry
 ``model_type``, ``seed`` and the commit; the summary gives, per engine and per family, the
 median, p90 and worst |relative error| (goal: ≤ 3%, ≤ 6%, ≤ 10%).
@@ -162,7 +164,7 @@ AC_SETTINGS = ("off", "selective", "on")
 
 def family_rows(families: list[str], seed: int, engines: list[str], acs: list[str], precisions: list[str],
                 world_sizes: list[int], data_args: list[str]):
-    """Out of sample (``--families``): one row per family × engine × AC × precision × ranks, the
+    """New sizes (``--families``): one row per family × engine × AC × precision × ranks, the
     family's model drawn with ``seed`` (:func:`model_families.draw`); ZeRO-3 refuses selective AC
     by name, so that combination is left out."""
     for family in families:

@@ -24,6 +24,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -50,7 +51,7 @@ class _LiveBytes(TorchDispatchMode):
         self._state: set[int] = set()  # storages that became model state (never counted again)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+        if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16 and is_fake(args[0]):
             out = _grouped_mm_in_dtype(func, args, kwargs or {})
         else:
             out = func(*args, **(kwargs or {}))
