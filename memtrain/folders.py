@@ -37,6 +37,9 @@ log = logging.getLogger("memtrain")
 
 LOCK_FILE = ".memtrain.lock"
 """The run folder's lock file (kept after the run: its content names the last holder)."""
+ESCAPED_OOM_PREFIX = "oom_escaped"
+"""``output_dir/oom_escaped.rankR.json``: an out-of-memory error that escaped the agreement
+(:func:`memtrain.oom.record_escaped_oom`)."""
 EXPORT_MARKER = "memtrain_export.json"
 """Written into every export folder: the files the export wrote (a later export may replace exactly those)."""
 

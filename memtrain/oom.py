@@ -21,7 +21,7 @@ from torch import nn
 
 from memtrain.backends import engine_module
 from memtrain.errors import OOMStop
-from memtrain.folders import write_atomic
+from memtrain.folders import ESCAPED_OOM_PREFIX, write_atomic
 from memtrain.host_flags import host_flags
 from memtrain.levers import LEVERS
 
@@ -422,10 +422,6 @@ def oom_stop_message(exc: OOMStop, step: int, rank: int, report: dict[str, int],
     return (f"{memory.capitalize()} memory ran out: {exc} at step {step} (rank {rank}).{hit} Memory on this rank: "
             + ", ".join(f"{k} = {mib(v)}" for k, v in shown.items())
             + f". Already on: {', '.join(w for w in on if w)}. To fit: {'; '.join(w for w in left if w)}.")
-
-
-ESCAPED_OOM_PREFIX = "oom_escaped"
-"""``output_dir/oom_escaped.rankR.json``: an out-of-memory error that escaped the agreement."""
 
 
 def escaped_oom_path(output_dir: str, rank: int) -> str:

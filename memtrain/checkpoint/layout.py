@@ -26,8 +26,7 @@ from typing import Any, Optional
 
 from memtrain.config import ConfigError
 from memtrain.errors import CheckpointError
-from memtrain.folders import LOCK_FILE
-from memtrain.oom import ESCAPED_OOM_PREFIX
+from memtrain.folders import ESCAPED_OOM_PREFIX, LOCK_FILE
 
 log = logging.getLogger("memtrain")
 
