@@ -43,7 +43,7 @@ from memtrain.optim import apply_hyperparameters
 from memtrain.outputs import RunOutputs
 from memtrain.oom import (OOMStop, OOMSync, is_oom, memory_report, memory_that_ran_out, oom_stop_message,
                           peak_memory_bytes, record_escaped_oom, take_escaped_ooms)
-from memtrain.levers import lever
+from memtrain.levers import lever, other_lever_words
 from memtrain.plan import Plan, PlanChange, PlanController
 from memtrain.precision import NonFiniteGuard
 from memtrain.preemption import Preemption
@@ -376,8 +376,7 @@ class TrainingLoop(RunOutputs):
         t = self.cfg.training
         plan = self.controller.plan
         ac = plan.lever("activation_checkpointing", "off")
-        levers = "".join(f", {w.removeprefix('+ ')}" for w in (lever(n).describe(v) for n, v in plan.levers
-                                                                if n != "activation_checkpointing") if w)
+        levers = other_lever_words(dict(plan.levers))
         per_step = (f"{t.global_batch_size * self.cfg.data.seq_len:,} tokens" if self.corpus.kind == "text"
                     else f"{t.global_batch_size} utterances" if self.corpus.kind == "speech" else "")
         epochs = t.max_steps * t.global_batch_size / max(1, len(self.corpus.train))

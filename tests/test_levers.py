@@ -34,7 +34,10 @@ class HalveActivations(Lever):
 
 @pytest.fixture
 def with_stand_in(monkeypatch):
-    monkeypatch.setattr(levers, "LEVERS", levers.LEVERS + (HalveActivations(),))
+    """The registry with the stand-in lever last; returns the registry without it."""
+    registered = levers.LEVERS
+    monkeypatch.setattr(levers, "LEVERS", registered + (HalveActivations(),))
+    return registered
 
 
 def cfg(ac: str = "auto", chunked: bool = False):
@@ -48,8 +51,11 @@ def test_a_new_lever_is_planned_recovered_and_logged_without_other_changes(with_
     every combination, the fastest fitting one is taken, recovery at the floor moves it, and plan
     events carry its setting."""
     choices = lever_choices(cfg("off"), None)
-    assert choices == {"activation_checkpointing": ("off",), "chunked_cross_entropy": (False,),
-                       "activation_offload": ("off",), "halve_activations": (False, True)}
+    with pytest.MonkeyPatch.context() as registry:  # the levers registered before it (however many)
+        registry.setattr(levers, "LEVERS", with_stand_in)
+        before = lever_choices(cfg("off"), None)
+    assert before["activation_checkpointing"] == ("off",) and "halve_activations" not in before
+    assert choices == {**before, "halve_activations": (False, True)}
 
     def acts(plan: Plan) -> int:
         return plan.micro_batch_size * MiB // (2 if plan.lever("halve_activations") else 1)

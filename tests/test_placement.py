@@ -339,8 +339,8 @@ def test_plan_answers_for_the_target_machine(cache_dir):
 def test_the_verdict_says_what_the_run_will_use():
     """Under ``backend.offload auto`` the verdict is the chosen placement's plan (not the candidate
     table of the engine without offload, which may not fit); otherwise the marked plan on the
-    config's placement, and a faster placement is pointed at. The CPU Adam rate is named with its
-    source."""
+    config's placement, and a faster placement is pointed at; every lever the plan turns on is
+    named. The CPU Adam rate is named with its source."""
     from memtrain.estimate import verdict
 
     placement = {"name": "zero3 optimizer 68%→host", "micro_batch_size": 1, "gradient_accumulation_steps": 16,
@@ -361,6 +361,11 @@ def test_the_verdict_says_what_the_run_will_use():
     words = verdict(fixed)
     assert words.startswith("verdict: micro-batch 4 × accumulation 2 per rank, activation checkpointing on")
     assert "model state ddp:" in words and "fsdp is predicted faster" in words
+    # a lever besides activation checkpointing that the plan turns on is named, not only AC
+    assert "checkpointing on, chunked CE, about" in verdict(
+        {**report, "placements": [{**placement, "levers": {"chunked_cross_entropy": True, "activation_offload": "off"}}]})
+    fixed["candidates"][0]["chunked_cross_entropy"] = True
+    assert "checkpointing on, chunked CE, predicted peak" in verdict(fixed)
 
 
 def test_plan_exits_3_when_nothing_fits(cache_dir):

@@ -22,7 +22,7 @@ LEVERS: tuple[Lever, ...] = (ActivationCheckpointing(), ChunkedCrossEntropy(), A
 """Every lever memtrain has, in the order the OOM recovery escalates them."""
 
 __all__ = ["LEVERS", "Lever", "LeverTarget", "lever", "lever_choices", "allowed_by", "apply_levers", "recompute_fraction",
-           "describe", "lever_events", "first_settings", "restore_settings", "offered_choices"]
+           "describe", "other_lever_words", "lever_events", "first_settings", "restore_settings", "offered_choices"]
 
 
 def lever(name: str) -> Lever:
@@ -108,6 +108,14 @@ def describe(settings: dict[str, Any]) -> str:
     """The settings in words (`` + AC + chunked CE``); empty when every lever is plain."""
     words = [lever(name).describe(setting) for name, setting in settings.items()]
     return "".join(f" {w}" for w in words if w)
+
+
+def other_lever_words(settings: dict[str, Any]) -> str:
+    """The levers besides activation checkpointing that ``settings`` turn on, in words for a
+    sentence (``, chunked CE, activation offload``); empty when none is on."""
+    words = (lever(name).describe(setting) for name, setting in settings.items()
+             if name != "activation_checkpointing" and any(x.name == name for x in LEVERS))
+    return "".join(f", {w.removeprefix('+ ')}" for w in words if w)
 
 
 def lever_events() -> frozenset[str]:
