@@ -29,7 +29,6 @@ import statistics
 import sys
 import threading
 import time
-from typing import Optional
 
 import yaml
 
@@ -48,24 +47,21 @@ CONFIGS = {
 }
 
 
-def shape_args(shape: str, device: str, steps: int, global_batch_size: Optional[int] = None) -> list[str]:
-    """The memtrain arguments of ``shape`` on ``device`` (the recipe's global batch unless one is given)."""
+def shape_args(shape: str, device: str, steps: int) -> list[str]:
     hidden, ffn, layers, heads = SHAPES[shape]
     args = ["--config", str(REPO / "recipes" / "llama_10b.yaml"), "--model.config.hidden_size", str(hidden),
             "--model.config.intermediate_size", str(ffn), "--model.config.num_hidden_layers", str(layers),
             "--model.config.num_attention_heads", str(heads), "--model.config.num_key_value_heads", str(heads),
             "--training.max_steps", str(steps)]
-    if global_batch_size:
-        args += ["--training.global_batch_size", str(global_batch_size)]
     if device == "cpu":  # the tiny shape on a CPU: a small corpus and sequence, fp32
         args += ["--precision", "fp32", "--data.max_bytes", "300000", "--data.vocab_size", "512",
                  "--data.seq_len", "64", "--model.config.max_position_embeddings", "64"]
     return args
 
 
-def plan(shape: str, gpu_gib: float, host_gib: float, extra: list[str], global_batch_size: Optional[int] = None) -> dict:
+def plan(shape: str, gpu_gib: float, host_gib: float, extra: list[str]) -> dict:
     """``memtrain plan --json`` of ``shape`` (with the memtrain arguments ``extra``): the placement rows."""
-    out = run_cli(["plan", *shape_args(shape, "cuda", 20, global_batch_size), "--backend.offload", "auto", "--gpu_memory_gib",
+    out = run_cli(["plan", *shape_args(shape, "cuda", 20), "--backend.offload", "auto", "--gpu_memory_gib",
                    str(gpu_gib), "--host_memory_gib", str(host_gib), *extra, "--json"], ok_codes=(0, 3))  # 3: nothing fits
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     return {"placements": [r for r in rows if r.get("placement")]}
@@ -115,23 +111,20 @@ def limit_args(device: str, gpu_gib: float, host_gib: float) -> list[str]:
     return ["--memory.cuda_memory_cap_gib", str(gpu_gib), "--memory.host_memory_gib", str(host_gib)]
 
 
-def train_once(shape: str, config: str, device: str, steps: int, extra: list[str],
-               global_batch_size: Optional[int] = None) -> dict:
+def train_once(shape: str, config: str, device: str, steps: int, extra: list[str]) -> dict:
     """One run of ``config`` at ``shape``: tokens/s, device and host peaks, memtrain's placement.
     Its folder (the run's export included: ~20 GB for the 10B shape in bf16) is removed after."""
     out = scratch_dir(f"largest-{shape}-{config}")
     try:
-        return _train_in(out, shape, config, device, steps, extra, global_batch_size)
+        return _train_in(out, shape, config, device, steps, extra)
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
 
-def _train_in(out: str, shape: str, config: str, device: str, steps: int, extra: list[str],
-              global_batch_size: Optional[int]) -> dict:
+def _train_in(out: str, shape: str, config: str, device: str, steps: int, extra: list[str]) -> dict:
     with HostPeak() as host:
         try:
-            records = run_memtrain([*shape_args(shape, device, steps, global_batch_size), *CONFIGS[config], *extra],
-                                   out, nproc=1)
+            records = run_memtrain([*shape_args(shape, device, steps), *CONFIGS[config], *extra], out, nproc=1)
         except RunFailed as exc:
             said = [line for line in exc.stderr.splitlines() if line.startswith("memtrain:")]
             return {"failed": exc.returncode, "error": said[-1] if said else exc.stderr.strip()[-300:]}
@@ -166,20 +159,22 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     shapes = args.shapes.split(",")
     batch = args.global_batch_size or recipe_global_batch_size()
+    # the memtrain arguments of every run and plan besides the shape's (a given global batch among them)
+    given = [*args.extra.split(), *(["--training.global_batch_size", str(batch)] if args.global_batch_size else [])]
     if args.plan:
         for shape in shapes:
             emit("largest_model_plan", "cpu", {"shape": shape, "gpu_memory_gib": args.gpu_memory_gib,
                                                 "host_memory_gib": args.host_memory_gib, "extra": args.extra,
                                                 "global_batch_size": batch,
-                                                **plan(shape, args.gpu_memory_gib, args.host_memory_gib,
-                                                       args.extra.split(), args.global_batch_size)}, args.results)
+                                                **plan(shape, args.gpu_memory_gib, args.host_memory_gib, given)},
+                 args.results)
         return 0
-    extra = [*limit_args(args.device, args.gpu_memory_gib, args.host_memory_gib), *args.extra.split()]
+    extra = [*limit_args(args.device, args.gpu_memory_gib, args.host_memory_gib), *given]
     for shape in shapes:
         runs: dict[str, list[dict]] = {c: [] for c in CONFIGS}
         for repeat in range(args.repeats):
             for config in CONFIGS:  # alternating: the machine's drift hits both alike
-                runs[config].append(train_once(shape, config, args.device, args.steps, extra, args.global_batch_size))
+                runs[config].append(train_once(shape, config, args.device, args.steps, extra))
                 emit("largest_model", args.device, {"run": True, "shape": shape, "config": config, "repeat": repeat,
                                                     "steps": args.steps, "global_batch_size": batch,
                                                     **runs[config][-1]}, args.results)

@@ -8,7 +8,7 @@ it, never used to develop it: Mixtral (top-2 of 4 or 8 experts in every block) a
 (routed experts beside a gated shared expert), transformers' fused expert weights.
 
 Each draw is a ``model.config`` dict for ``memtrain --model.config '<json>'``; its positions are
-its samples' tokens (:func:`seq_len`): :data:`SEQ_LEN` for seeds 0 and 1 (the rows published
+its samples' tokens (:func:`_seq_len`): :data:`SEQ_LEN` for seeds 0 and 1 (the rows published
 with them), drawn from :data:`SEQ_LENS` for later seeds.
 """
 

@@ -656,6 +656,7 @@ def test_plan_counts_the_optimizer_state_a_partial_offload_keeps_on_the_device(c
     from memtrain.config import parse_args
     from memtrain.estimate import plan_report
     from memtrain.models import build_model
+    from memtrain.offload_optimizer import PartialOffloadAdamW
 
     def planned_state(ratio):
         cfg = parse_args(TINY_ARGS + ["--data.cache_dir", cache_dir, "--backend.name", "fsdp", "--backend.offload",
@@ -664,8 +665,6 @@ def test_plan_counts_the_optimizer_state_a_partial_offload_keeps_on_the_device(c
         return row["predicted_peak_bytes"] - row["activation_bytes"], cfg
 
     def held_on_device(cfg, ratio):
-        from memtrain.offload_optimizer import PartialOffloadAdamW
-
         net = build_model(cfg.model, 512)
         groups = [{"params": list(net.parameters()), "lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}]
         opt = PartialOffloadAdamW(groups, list(net.parameters()), ratio)

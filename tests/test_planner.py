@@ -338,6 +338,7 @@ def test_a_mixture_of_experts_model_in_fp32_is_traced_as_memtracker_counts_it(ca
     ``aten._grouped_mm`` takes bf16 only (the CUDA kernel's rule), so the trace failed on a model the
     CPU trains; its micro-step now agrees with MemTracker's count of the real one within 10%, with
     activation checkpointing off and on."""
+    from conftest import TINY_BASE_ARGS
     from memtrain.activation import enable_activation_checkpointing
     from memtrain.config import parse_args
     from memtrain.data import build_corpus
@@ -348,8 +349,6 @@ def test_a_mixture_of_experts_model_in_fp32_is_traced_as_memtracker_counts_it(ca
     moe = json.dumps({"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                       "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
                       "num_experts_per_tok": 2, "max_position_embeddings": 32})
-    from conftest import TINY_BASE_ARGS
-
     cfg = parse_args(TINY_BASE_ARGS + ["--data.cache_dir", cache_dir, "--model.config", moe])
     corpus = build_corpus(cfg.data)
     model = build_model(cfg.model, corpus.vocab_size, 0)

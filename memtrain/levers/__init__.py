@@ -113,8 +113,7 @@ def describe(settings: dict[str, Any]) -> str:
 def other_lever_words(settings: dict[str, Any]) -> str:
     """The levers besides activation checkpointing that ``settings`` turn on, in words for a
     sentence (``, chunked CE, activation offload``); empty when none is on."""
-    words = (lever(name).describe(setting) for name, setting in settings.items()
-             if name != "activation_checkpointing" and any(x.name == name for x in LEVERS))
+    words = (lever(name).describe(setting) for name, setting in settings.items() if name != "activation_checkpointing")
     return "".join(f", {w.removeprefix('+ ')}" for w in words if w)
 
 
