@@ -545,11 +545,13 @@ def _require_async_io() -> None:
 def size_buffers(ds_config: dict, shape: ModelShape, trainable: int) -> dict[str, int]:
     """Write into ``ds_config`` the ``zero_optimization`` buffer sizes it leaves unset or ``auto``
     (:func:`memtrain.memory.accounting.deepspeed_buffer_settings`, sized from the model), and
-    return every buffer size the run will use, in elements (the user's own values kept and counted)."""
+    return every buffer size the run will use, in elements (the user's own values kept and counted),
+    and ``reduce_scatter`` (1 or 0: whether ZeRO-3 reduces through a copy of each bucket)."""
     zero = ds_config.setdefault("zero_optimization", {})
     for key, value in deepspeed_buffer_settings(shape, trainable).items():
         if zero.get(key) in (None, "auto"):
             zero[key] = value
     keys = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_max_reuse_distance",
             "stage3_param_persistence_threshold")
-    return {k: int(float(zero[k])) for k in keys if zero.get(k) not in (None, "auto")}
+    return {**{k: int(float(zero[k])) for k in keys if zero.get(k) not in (None, "auto")},
+            "reduce_scatter": int(bool(zero.get("reduce_scatter", True)))}
