@@ -113,7 +113,7 @@ def limit_args(device: str, gpu_gib: float, host_gib: float) -> list[str]:
 
 def train_once(shape: str, config: str, device: str, steps: int, extra: list[str]) -> dict:
     """One run of ``config`` at ``shape``: tokens/s, device and host peaks, memtrain's placement.
-    Its folder (the run's export included: ~20 GB for the 10B shape in bf16) is removed after."""
+    No export (``checkpoint.export false``: ~20 GB for the 10B shape in bf16); its folder is removed after."""
     out = scratch_dir(f"largest-{shape}-{config}")
     try:
         return _train_in(out, shape, config, device, steps, extra)
@@ -124,7 +124,8 @@ def train_once(shape: str, config: str, device: str, steps: int, extra: list[str
 def _train_in(out: str, shape: str, config: str, device: str, steps: int, extra: list[str]) -> dict:
     with HostPeak() as host:
         try:
-            records = run_memtrain([*shape_args(shape, device, steps), *CONFIGS[config], *extra], out, nproc=1)
+            records = run_memtrain([*shape_args(shape, device, steps), *CONFIGS[config], "--checkpoint.export", "false",
+                                    *extra], out, nproc=1)
         except RunFailed as exc:
             said = [line for line in exc.stderr.splitlines() if line.startswith("memtrain:")]
             return {"failed": exc.returncode, "error": said[-1] if said else exc.stderr.strip()[-300:]}

@@ -283,6 +283,9 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
         log.warning("memtrain: checkpoint.async_save applies to backend.name fsdp only; %s saves synchronously",
                     engine.name)
     ck = cfg.checkpoint
+    if not ck.export and not ck.every_steps and process.is_main:
+        log.warning("memtrain: checkpoint.export false and checkpoint.every_steps 0: the trained weights will not "
+                    "be kept (only a stop signal saves a checkpoint)")
     checkpointer = Checkpointer(process, os.path.join(cfg.output_dir, "checkpoints"), ck.keep_last,
                                 (ck.keep_best, ck.keep_best_mode) if ck.keep_best else None, ck.async_save,
                                 {"vocab_size": corpus.vocab_size, "config": to_dict(cfg),

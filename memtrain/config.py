@@ -77,10 +77,10 @@ class DataConfig:
     max_bytes: int = 0
     """Use at most this many bytes of source text (files in sorted order); 0 = all."""
     validation_fraction: float = 0.05
-    """Fraction of the text files' bytes held out for validation, as whole files: in the order of a
-    hash of their paths (deterministic), a file is held out while the held-out bytes stay within
-    the fraction (a few large files: the smallest, with a warning when it is more); rows of a
-    ``datasets`` source without a validation split, by a hash of their index."""
+    """Fraction of the text files' bytes (or a ``datasets`` source's rows) held out for validation.
+    Text files are held out whole, in the order of a hash of their paths (deterministic), while the
+    held-out bytes stay within the fraction (a few large files: the smallest, with a warning when it
+    is more); rows of a ``datasets`` source without a validation split, by a hash of their index."""
     vocab_size: int = 8192
     """Size of the byte-level BPE vocabulary trained on the training split. The model's vocabulary
     is the tokenizer's real size, which differs (with a warning) when the corpus gives fewer merges,
@@ -378,6 +378,10 @@ class CheckpointConfig:
     async_save: bool = False
     """FSDP2: write the torch.distributed.checkpoint shards in a background thread; the commit
     (manifest, rename, ``latest``) happens at the next save or at the end of the run."""
+    export: bool = True
+    """Write the trained model to ``output_dir/model`` at the end (``memtrain export``'s folder).
+    false: no export (a benchmark's run, say); with ``every_steps`` 0 the trained weights are then
+    not kept at all, which the run warns about at its start."""
     max_shard_size: str = "5GB"
     """DDP model files and exports: split ``model.safetensors`` into shards of at most this size
     (with a ``model.safetensors.index.json``), as transformers' ``save_pretrained`` does."""

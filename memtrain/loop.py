@@ -112,8 +112,8 @@ class TrainingLoop(RunOutputs):
 
     def run(self) -> RunResult:
         """Train to ``training.max_steps`` (resuming from a checkpoint when ``resume`` finds one),
-        then export to ``output_dir/model``. A stop signal ends the run after a saved step,
-        without export.
+        then export to ``output_dir/model`` (unless ``checkpoint.export`` is false). A stop signal
+        ends the run after a saved step, without export.
 
         Raises:
             OOMStop: out of memory at micro-batch 1 (with the memory report in the message).
@@ -146,7 +146,7 @@ class TrainingLoop(RunOutputs):
                 preemption.close()
             self.checkpointer.finish()
             elapsed = time.perf_counter() - run_start
-            model_dir = None if stopped_by else self._export_or_save()
+            model_dir = None if stopped_by or not self.cfg.checkpoint.export else self._export_or_save()
             summary = run_summary(self.state, records=records, unit=self.objective.unit,
                                   session_targets=self.state.targets_seen - session_start_targets, elapsed_s=elapsed,
                                   resumed_from=resumed[0] if resumed else None, preempted=stopped_by,

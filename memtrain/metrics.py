@@ -336,7 +336,8 @@ class MetricsLogger:
                           if summary.get("initial_val_loss") is not None and summary.get("final_val_loss") is not None
                           else "")  # no validation examples: no val_loss
             line = ("memtrain: done — {steps} steps in {took}, loss {first_loss:.4f} → {last_loss:.4f}, "
-                    + validation + "{rate:.0f} {unit}/s, model in {model_dir}").format(
+                    + validation + "{rate:.0f} {unit}/s, "
+                    + ("model in {model_dir}" if summary.get("model_dir") else "no export (checkpoint.export false)")).format(
                         **summary, took=duration_words(summary["minutes"]), rate=summary[f"{self.unit}_per_s"],
                         unit=self.unit)
         print(line, flush=True)

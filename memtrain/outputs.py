@@ -20,11 +20,11 @@ class RunOutputs:
     def _unfinished_outputs(self) -> tuple[Optional[dict], list[str]]:
         """Rank 0: the run's ``summary.json`` and which of ``export`` and ``summary.json`` are
         missing or of another step than the state's (an export whose marker names no step, from
-        an older memtrain, counts as made)."""
+        an older memtrain, counts as made; none is missing under ``checkpoint.export`` false)."""
         step = self.state.step
         summary = read_summary(self.cfg.output_dir)
         marker = export_marker(os.path.join(self.cfg.output_dir, "model"))
-        made = {"export": marker is not None and marker.get("step", step) == step,
+        made = {"export": not self.cfg.checkpoint.export or (marker is not None and marker.get("step", step) == step),
                 "summary.json": summary is not None and summary.get("steps") == step}
         return summary, [what for what, done in made.items() if not done]
 

@@ -140,3 +140,22 @@ def test_the_main_job_runs_without_the_extras_and_a_feature_names_its_extra(tmp_
     speech = run("--config", str(REPO / "recipes" / "asr_ctc_wavlm_tiny.yaml"), "--output_dir", str(tmp_path / "sp"))
     assert speech.returncode == 2 and "config error in 'data.kind'" in speech.stderr
     assert "pip install 'memtrain[speech]'" in speech.stderr and not (tmp_path / "sp").exists()
+
+
+def test_checkpoint_export_false_writes_no_export_and_a_rerun_misses_none(tmp_path, cache_dir, caplog):
+    """``checkpoint.export false``: the run writes no ``model/`` (its summary says none), and a rerun
+    of the finished run does not take the export for missing; with ``every_steps`` 0 the run warns
+    at its start that the trained weights will not be kept."""
+    import json
+
+    args = tiny_args(tmp_path, cache_dir, "--training.max_steps", "2", "--checkpoint.export", "false",
+                     "--checkpoint.every_steps", "2")
+    main(args)
+    assert not (tmp_path / "model").exists() and (tmp_path / "checkpoints").is_dir()
+    assert json.loads((tmp_path / "summary.json").read_text())["model_dir"] is None
+    caplog.clear()
+    again = main(args)
+    assert not (tmp_path / "model").exists() and again.records == []
+    assert "already finished" in caplog.text and "making" not in caplog.text
+    main(tiny_args(tmp_path / "b", cache_dir, "--training.max_steps", "1", "--checkpoint.export", "false"))
+    assert "the trained weights will not be kept" in caplog.text and not (tmp_path / "b" / "model").exists()
