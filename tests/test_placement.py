@@ -42,9 +42,11 @@ def test_partial_offload_moves_exactly_the_ratio_of_the_optimizer_state():
     assert half["cpu_offloaded_bytes"] == full["optimizer_bytes"] // 2 + 2 * N + 4 * N // 2
     nvme = model_state_bytes("deepspeed", N, "bf16", 3, "optimizer_and_params", 1, offload_device="nvme", shape=SHAPE)
     # only DeepSpeed's buffers stay on the device, in bf16: the reduce bucket (DeepSpeed's default
-    # 5e8 elements) and the gathered parameters (one module, DeepSpeed's default prefetch of 5e7
-    # elements and up to its default reuse distance of 1e9 elements kept gathered)
-    assert device_state_bytes(nvme) == nvme["buffer_bytes"] == 2 * 500_000_000 + 2 * (N // 96 + 5 * 10**7 + 10**9)
+    # 5e8 elements) and reduce_scatter_coalesced's copy of it while it is reduced in backward (the
+    # model is larger than one bucket), and the gathered parameters (one module, DeepSpeed's default
+    # prefetch of 5e7 elements and up to its default reuse distance of 1e9 elements kept gathered)
+    assert device_state_bytes(nvme) == nvme["buffer_bytes"] == 2 * 2 * 500_000_000 + 2 * (N // 96 + 5 * 10**7 + 10**9)
+    assert nvme["backward_buffer_bytes"] == 2 * 500_000_000
     assert nvme["nvme_offloaded_bytes"] == (12 + 4) * N + 2 * N
     stage1 = model_state_bytes("deepspeed", N, "bf16", 1, "optimizer", 2)
     assert stage1["gradient_bytes"] == 2 * N  # whole 16-bit grads
