@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from memtrain.chunked_loss import cross_entropy_sum, labels_for_head
 from memtrain.data import IGNORE_INDEX
@@ -95,7 +96,10 @@ class CausalLM:
 
 def trim(micro_batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Cut a padded speech micro-batch to its own longest utterance and transcript (a micro-batch
-    cut from a longest-first rank batch is padded to the rank's longest otherwise)."""
+    cut from a longest-first rank batch is padded to the rank's longest otherwise). A batch of
+    fake tensors (the planner's trace, where lengths are not known) is kept whole: an upper bound."""
+    if is_fake(micro_batch["attention_mask"]):
+        return dict(micro_batch)
     frames = int(micro_batch["attention_mask"].sum(1).max())
     chars = int((micro_batch["labels"] != IGNORE_INDEX).sum(1).max())
     return {"input_values": micro_batch["input_values"][:, :frames],
@@ -133,8 +137,10 @@ class CTC:
         return self._ctc(mb, *self._log_probs(model, mb))
 
     def _ctc(self, mb, log_probs, frames):
+        # padded targets [B, S] (the positions past each length unread): the same loss and gradients
+        # as the concatenated ones, and shapes the planner's trace can know
         valid = mb["labels"] != IGNORE_INDEX
-        return F.ctc_loss(log_probs.transpose(0, 1), mb["labels"][valid], frames, valid.sum(-1),
+        return F.ctc_loss(log_probs.transpose(0, 1), mb["labels"].clamp(min=0), frames, valid.sum(-1),
                           blank=self.blank, reduction="sum", zero_infinity=True)
 
     def count(self, batch):

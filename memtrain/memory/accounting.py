@@ -257,8 +257,9 @@ def device_state_bytes(state_bytes: dict[str, int]) -> int:
 def peak_tensor_bytes(device_state: int, peaks: Sequence[Optional[int]], accumulation: int = 0, step: int = 0,
                       block: int = 0, backward: int = 0) -> int:
     """Tensor bytes on a rank's device at its peak, the largest of four moments, from ``peaks`` =
-    (peak, in_block, in_backward) of a traced micro-step (:class:`memtrain.memory.step_trace.StepPeaks`;
-    a None is the peak). ``device_state`` is the model state on the device with every buffer;
+    (peak, in_block, in_backward[, resident]) of a traced micro-step
+    (:class:`memtrain.memory.step_trace.StepPeaks`; a None is the peak; ``resident``, the rank's
+    batch, is held at every moment). ``device_state`` is the model state on the device with every buffer;
     before a micro-step's forward a rank holds it less ``block`` and ``backward``, plus
     ``accumulation`` in a plan that accumulates (gradients kept from the earlier micro-batches):
 
@@ -276,9 +277,10 @@ def peak_tensor_bytes(device_state: int, peaks: Sequence[Optional[int]], accumul
     micro-batch's forward as above and its peak at one of these moments.
     """
     peak = peaks[0]
-    in_block, in_backward = (peak if p is None else p for p in peaks[1:])
+    in_block, in_backward = (peak if p is None else p for p in peaks[1:3])
+    resident = peaks[3] if len(peaks) > 3 else 0
     before_forward = device_state - block - backward + accumulation
-    return max(before_forward + max(peak, in_block + block, in_backward + backward), device_state + step)
+    return max(before_forward + max(peak, in_block + block, in_backward + backward), device_state + step) + resident
 
 
 def peak_terms(state_bytes: Mapping[str, int]) -> dict[str, int]:

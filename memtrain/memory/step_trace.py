@@ -53,6 +53,8 @@ class _LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16 and is_fake(args[0]):
             out = _grouped_mm_in_dtype(func, args, kwargs or {})
+        elif func in _CTC and is_fake(args[0]):
+            out = _CTC[func](*args)
         else:
             out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
@@ -104,6 +106,20 @@ def _grouped_mm_in_dtype(func, args: tuple, kwargs: dict) -> torch.Tensor:
     dtype = args[0].dtype
     cast = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
     return func(*cast, **kwargs).to(dtype)
+
+
+def _ctc_loss(log_probs: torch.Tensor, targets: torch.Tensor, *_) -> tuple[torch.Tensor, torch.Tensor]:
+    """``aten._ctc_loss`` on fake tensors, whose output shapes depend on the target lengths' values:
+    the loss per utterance and the forward variables ``log_alpha`` [B, T, 2 S + 1] at the longest
+    target the padded ``targets`` [B, S] hold (Graves et al. 2006; torch's CPU and CUDA kernels)."""
+    frames, batch = log_probs.shape[:2]
+    longest = targets.shape[-1] if targets.dim() == 2 else targets.numel()
+    return log_probs.new_empty((batch,)), log_probs.new_empty((batch, frames, 2 * longest + 1))
+
+
+_CTC = {torch.ops.aten._ctc_loss.Tensor: _ctc_loss,
+        torch.ops.aten._ctc_loss_backward.Tensor: lambda grad, log_probs, *_: log_probs.new_empty(log_probs.shape)}
+"""CTC's operators on fake tensors (their shapes from the padded targets' length, an upper bound)."""
 
 
 def fake_batch(mode, micro_batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -187,7 +203,8 @@ def _watch_blocks(counter: _LiveBytes, blocks: list[nn.Module]) -> list:
 
 
 class StepPeaks(NamedTuple):
-    """Peak bytes of a micro-step beyond model state (:func:`step_peaks`), at three moments.
+    """Peak bytes of a micro-step beyond model state (:func:`step_peaks`), at three moments, and
+    what is held at all of them.
 
     Attributes:
         peak: at most.
@@ -199,6 +216,9 @@ class StepPeaks(NamedTuple):
             an engine gathers may be held at any moment).
         in_backward: at most from the moment the first parameter gradient arrives: what an engine
             that allocates a gradient buffer then (ZeRO-2's reduce bucket) holds beside it.
+        resident: held through the whole optimizer step beside the model state, at every moment:
+            the rank's batch on the device (the loop moves it there whole and cuts its
+            micro-batches as views), not part of the three above.
     On a small model the peak is often the loss's (the tests' models at micro-batch 4: the
     logits of a 1024-token vocabulary), where neither is held.
     """
@@ -206,6 +226,7 @@ class StepPeaks(NamedTuple):
     peak: int
     in_block: int
     in_backward: int
+    resident: int = 0
 
 
 def step_peaks(model: nn.Module, mode, objective, micro_batch: dict[str, torch.Tensor]) -> StepPeaks:
@@ -237,6 +258,7 @@ def step_peaks(model: nn.Module, mode, objective, micro_batch: dict[str, torch.T
         with mode, fused_attention(device.type == "meta"):
             batch = fake_batch(mode, micro_batch, device)
             with torch.enable_grad(), counter:
+                batch = _in_compute_dtype(model, batch)
                 loss = objective.loss_sum(model, batch)
                 loss.backward()
                 del loss
@@ -247,6 +269,17 @@ def step_peaks(model: nn.Module, mode, objective, micro_batch: dict[str, torch.T
             p.grad = None
     in_block = counter.in_block_peak_bytes if blocks else counter.peak_bytes
     return StepPeaks(counter.peak_bytes, in_block, counter.in_backward_peak_bytes)
+
+
+def _in_compute_dtype(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``batch`` with its floating-point tensors (a speech model's waveform) cast to the 16-bit
+    dtype the model's parameters are held in, as FSDP2's mixed-precision policy
+    (``cast_forward_inputs``) and DeepSpeed's bf16/fp16 engine cast a model's inputs; unchanged
+    for fp32 parameters (autocast engines)."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    if dtype not in (torch.bfloat16, torch.float16):
+        return batch
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
 
 
 def step_peak_bytes(model: nn.Module, mode, objective, micro_batch: dict[str, torch.Tensor]) -> int:
@@ -279,9 +312,13 @@ def fake_model(build: Callable[[], nn.Module], dtype: Optional[torch.dtype] = No
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with torch.device("meta"):
         model = build()
+    config = getattr(model, "config", None)
+    if getattr(config, "apply_spec_augment", False):  # a speech model's SpecAugment draws its masks in NumPy
+        config.apply_spec_augment = False  # from the lengths, unknown here; they hold one bool per frame
     made: dict[int, torch.Tensor] = {}  # by the meta tensor's id: tied parameters stay one parameter
 
     def fake(t: torch.Tensor) -> torch.Tensor:
+        t = t.to("meta")  # a tensor a model makes on the CPU inside its constructor (WavLM's) as well
         t = t.to(dtype) if dtype is not None and t.is_floating_point() else t
         return (mode.fake_tensor_converter.from_meta_and_device(mode, t, device) if device is not None
                 else mode.from_tensor(t))

@@ -157,7 +157,7 @@ def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_s
     n_params = shape.parameters
     half = precision in ("bf16", "fp16")
     p_bytes = 2 if half else 4
-    peaks = (c.activation_bytes, c.in_block_bytes, c.in_backward_bytes)
+    peaks = (c.activation_bytes, c.in_block_bytes, c.in_backward_bytes, c.resident_bytes)
     device = with_allocator_headroom(state_peak_tensor_bytes(state, peaks, c.gradient_accumulation_steps > 1),
                                      machine.device_type)
     optimizer_on_device = state["optimizer_bytes"]

@@ -112,6 +112,8 @@ class Candidate:
             not timed.
         fits: predicted to fit the budget and not refuted by an out-of-memory error.
         chosen: the plan taken.
+        resident_bytes: the rank's batch on the device, held through the whole step
+            (:class:`memtrain.memory.step_trace.StepPeaks`).
     """
 
     plan: Plan
@@ -124,6 +126,7 @@ class Candidate:
     measured_step_s: Optional[float] = None
     fits: bool = True
     chosen: bool = False
+    resident_bytes: int = 0
 
     @property
     def micro_batch_size(self) -> int:
@@ -186,7 +189,7 @@ def make_candidates(per_rank_batch: int, choices: Mapping[str, tuple], state_byt
             accumulation = (terms or {}).get("accumulation", 0) if plan.gradient_accumulation_steps > 1 else 0
             peak = with_allocator_headroom(
                 peak_tensor_bytes(state_bytes, peaks, **{**(terms or {}), "accumulation": accumulation}), device_type)
-            out.append(Candidate(plan, peak, acts, moved, *peaks[1:],
+            out.append(Candidate(plan, peak, acts, moved, *peaks[1:3], resident_bytes=peaks[3] if len(peaks) > 3 else 0,
                                  fits=budget_bytes is None or peak <= budget_bytes))
     return out
 
