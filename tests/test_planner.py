@@ -602,3 +602,30 @@ def test_depth_extrapolation_falls_back_to_the_whole_model():
 
         assert by_depth(m, blocks, 1, trace) == bytes_of(8)
         assert m.layers is full and (seen[-1] == 8) == whole_only and (8 not in seen) == (not whole_only)
+
+
+def test_the_traced_batch_repeats_a_corpus_smaller_than_the_batch():
+    """A rank batch larger than the corpus (the sampler's next epoch fills it) is traced whole: the
+    samples repeated in order, the longest first for a corpus of varying length."""
+    import types
+
+    import numpy as np
+    import torch
+
+    from memtrain.planning.activations import trace_batch
+
+    class Split:
+        def __init__(self, lengths=None):
+            self.lengths = None if lengths is None else np.asarray(lengths)
+
+        def __len__(self):
+            return 3
+
+        def batch(self, indices):
+            return {"index": torch.tensor(indices)}
+
+    fixed = types.SimpleNamespace(train=Split())
+    assert trace_batch(fixed, 5)["index"].tolist() == [0, 1, 2, 0, 1]
+    varying = types.SimpleNamespace(train=Split([7, 9, 8]))
+    assert trace_batch(varying, 2)["index"].tolist() == [1, 2]
+    assert trace_batch(varying, 4)["index"].tolist() == [1, 2, 0, 1]

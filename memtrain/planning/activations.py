@@ -45,13 +45,14 @@ def traced_activation_bytes(model: nn.Module, mode, objective, micro_batch: dict
 
 def trace_batch(corpus, micro_batch_size: int) -> dict[str, torch.Tensor]:
     """The micro-batch the planner traces: the first samples, or for corpora of varying length
-    (speech) the longest ones, so the prediction holds for every step."""
-    lengths = getattr(corpus.train, "lengths", None)
-    if lengths is None:
-        return corpus.train.batch(list(range(micro_batch_size)))
+    (speech) the longest ones, so the prediction holds for every step; a corpus of fewer samples
+    is repeated, as the sampler's next epoch fills a batch."""
     import numpy as np
 
-    return corpus.train.batch([int(i) for i in np.argsort(lengths, kind="stable")[-micro_batch_size:]])
+    lengths = getattr(corpus.train, "lengths", None)
+    n = len(lengths) if lengths is not None else len(corpus.train)
+    order = np.arange(n) if lengths is None else np.argsort(lengths, kind="stable")[::-1]
+    return corpus.train.batch([int(i) for i in np.resize(order, micro_batch_size)])
 
 
 def activation_table(cfg, corpus, objective, precision: str, device_type: str,
