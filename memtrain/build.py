@@ -218,6 +218,13 @@ def make_corpus(cfg: Config, process: ProcessState, inputs: UserInputs):
     return corpus
 
 
+def warn_weights_not_kept(cfg: Config, process: ProcessState) -> None:
+    """Rank 0 warns when the run will keep no trained weights: no export and no checkpoint saved."""
+    if not cfg.checkpoint.export and not cfg.checkpoint.every_steps and process.is_main:
+        log.warning("memtrain: checkpoint.export false and checkpoint.every_steps 0: the trained weights will not "
+                    "be kept (only a stop signal saves a checkpoint)")
+
+
 def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
                   inputs: Optional[UserInputs] = None) -> TrainingLoop:
     """Everything the loop needs, from a validated config and a started process state.
@@ -283,9 +290,7 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
         log.warning("memtrain: checkpoint.async_save applies to backend.name fsdp only; %s saves synchronously",
                     engine.name)
     ck = cfg.checkpoint
-    if not ck.export and not ck.every_steps and process.is_main:
-        log.warning("memtrain: checkpoint.export false and checkpoint.every_steps 0: the trained weights will not "
-                    "be kept (only a stop signal saves a checkpoint)")
+    warn_weights_not_kept(cfg, process)
     checkpointer = Checkpointer(process, os.path.join(cfg.output_dir, "checkpoints"), ck.keep_last,
                                 (ck.keep_best, ck.keep_best_mode) if ck.keep_best else None, ck.async_save,
                                 {"vocab_size": corpus.vocab_size, "config": to_dict(cfg),

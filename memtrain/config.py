@@ -380,8 +380,9 @@ class CheckpointConfig:
     (manifest, rename, ``latest``) happens at the next save or at the end of the run."""
     export: bool = True
     """Write the trained model to ``output_dir/model`` at the end (``memtrain export``'s folder).
-    false: no export (a benchmark's run, say); with ``every_steps`` 0 the trained weights are then
-    not kept at all, which the run warns about at its start."""
+    false: no export (a benchmark's run, say), and the placement planner leaves out its moment
+    (the whole model gathered on rank 0's host); with ``every_steps`` 0 the trained weights are
+    then not kept at all, which the run warns about at its start."""
     max_shard_size: str = "5GB"
     """DDP model files and exports: split ``model.safetensors`` into shards of at most this size
     (with a ``model.safetensors.index.json``), as transformers' ``save_pretrained`` does."""

@@ -257,7 +257,7 @@ def _placements(cfg, shape, n: int, precision: str, world_size: int, device_type
     machine = Machine(budget, host, world_size // nodes, device_type, flops, cpu_adam or cpu_adam_params_per_s(),
                       process_bytes(device_type) if here else PLAN_PROCESS_BYTES, nvme_path,
                       optimizer_params_per_s if here and not gpu_given else None,  # a GPU given: maybe another
-                      None if cpu_adam else host_step_params_per_s(), source)
+                      None if cpu_adam else host_step_params_per_s(), source, exports=cfg.checkpoint.export)
     pool = planning_pool(cfg, nvme_usable(nvme_path))
     own = allowed_pool(cfg, nvme_usable(nvme_path))
     names = {p.name for p in pool if not p.tune_ratio}  # a tuned row's name changes with the ratio it takes

@@ -277,7 +277,8 @@ class TrainingLoop(RunOutputs):
             log.warning("memtrain: %s finished training at step %d, but its %s %s missing or from another step: "
                         "making %s from %s", self.cfg.output_dir, self.state.step, " and ".join(missing),
                         "is" if len(missing) == 1 else "are", "it" if len(missing) == 1 else "them", path)
-        model_dir = self._export(path) if "export" in missing else os.path.join(self.cfg.output_dir, "model")
+        model_dir = (self._export(path) if "export" in missing else
+                     os.path.join(self.cfg.output_dir, "model") if self.cfg.checkpoint.export else None)
         metrics = self._open_metrics((path, 0.0, {}), quiet=True)
         summary = run_summary(self.state, records=[], unit=self.objective.unit, session_targets=0, elapsed_s=0.0,
                               resumed_from=path, preempted=None, model_dir=model_dir, about=self._about(),

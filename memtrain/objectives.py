@@ -124,7 +124,11 @@ class CTC:
         self.blank = blank
 
     def _log_probs(self, model, mb):
-        logits = logits_of(model(input_values=mb["input_values"], attention_mask=mb["attention_mask"]))
+        values = mb["input_values"]
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), values.dtype)
+        if dtype in (torch.bfloat16, torch.float16):  # parameters held in 16 bits (DeepSpeed's bf16/fp16,
+            values = values.to(dtype)  # FSDP2's optimizer offload), which cast no keyword input
+        logits = logits_of(model(input_values=values, attention_mask=mb["attention_mask"]))
         frames = self.output_lengths(mb["attention_mask"].sum(-1)).to(torch.int64)
         if logits.dtype in (torch.float16, torch.bfloat16):  # CTC's forward-backward in half precision loses digits
             logits = logits.float()

@@ -157,5 +157,9 @@ def test_checkpoint_export_false_writes_no_export_and_a_rerun_misses_none(tmp_pa
     again = main(args)
     assert not (tmp_path / "model").exists() and again.records == []
     assert "already finished" in caplog.text and "making" not in caplog.text
+    (tmp_path / "summary.json").unlink()  # a kill before the summary: the rerun makes it, and no export
+    main(args)
+    assert json.loads((tmp_path / "summary.json").read_text())["model_dir"] is None
+    assert not (tmp_path / "model").exists()
     main(tiny_args(tmp_path / "b", cache_dir, "--training.max_steps", "1", "--checkpoint.export", "false"))
     assert "the trained weights will not be kept" in caplog.text and not (tmp_path / "b" / "model").exists()

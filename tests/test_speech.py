@@ -156,7 +156,9 @@ def test_the_planner_traces_a_speech_model_as_memtracker_counts_its_micro_step(s
     objective = make_objective(model, corpus)
     traced = activation_table(cfg, corpus, objective, "fp32", "cpu")
     batch = trace_batch(corpus, 4)
-    assert traced.peaks(P(4, "off", 4)).resident == sum(t.nbytes for t in batch.values())
+    longest = int(corpus.train.lengths.max())  # the rank batch: 4 waveforms (fp32) and masks (int64) padded to it
+    for micro in (4, 2):  # the same rank batch of 4 however it is split (at most its labels' padding apart)
+        assert 4 * longest * (4 + 8) <= traced.peaks(P(micro, "off", 4)).resident <= 4 * longest * (4 + 8) + 4 * 8 * 200
     for ac in ("off", "on"):
         if ac == "on":
             enable_activation_checkpointing(model, repeated_blocks(model))

@@ -546,7 +546,8 @@ def size_buffers(ds_config: dict, shape: ModelShape, trainable: int) -> dict[str
     """Write into ``ds_config`` the ``zero_optimization`` buffer sizes it leaves unset or ``auto``
     (:func:`memtrain.memory.accounting.deepspeed_buffer_settings`, sized from the model), and
     return every buffer size the run will use, in elements (the user's own values kept and counted),
-    and ``reduce_scatter`` (1 or 0: whether ZeRO-3 reduces through a copy of each bucket)."""
+    and ``reduce_scatter`` and ``contiguous_gradients`` (1 or 0: ZeRO-3 reduces a bucket in place
+    only with the second and without the first)."""
     zero = ds_config.setdefault("zero_optimization", {})
     for key, value in deepspeed_buffer_settings(shape, trainable).items():
         if zero.get(key) in (None, "auto"):
@@ -554,4 +555,4 @@ def size_buffers(ds_config: dict, shape: ModelShape, trainable: int) -> dict[str
     keys = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_max_reuse_distance",
             "stage3_param_persistence_threshold")
     return {**{k: int(float(zero[k])) for k in keys if zero.get(k) not in (None, "auto")},
-            "reduce_scatter": int(bool(zero.get("reduce_scatter", True)))}
+            **{k: int(bool(zero.get(k, True))) for k in ("reduce_scatter", "contiguous_gradients")}}

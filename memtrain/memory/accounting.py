@@ -224,7 +224,7 @@ def zero_state_bytes(n_params: int, precision: str, zero_stage: Optional[int], o
         n_params - shape.frozen, precision, zero_stage, offload, max(1, world_size), offload_optimizer_ratio,
         offload_device, settings["reduce_bucket_size"], persistent, zero3_gathered_elements(shape, settings),
         max(shape.trainable if shape.trainable is not None else shape.numels, default=0), shape.frozen,
-        bool(settings.get("reduce_scatter", 1)))}
+        bool(settings.get("reduce_scatter", 1)) or not settings.get("contiguous_gradients", 1))}
 
 
 def fsdp_state_bytes(n_params: int, precision: str, offload: str, world_size: int, shape: ModelShape,
@@ -450,11 +450,12 @@ def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str
     more than without it; on 2 ranks the two terms are equal.
 
     ZeRO-3 reduces a bucket's gradients through DeepSpeed's ``reduce_scatter_coalesced`` (its
-    default ``reduce_scatter``; ``reduce_copy``), which first ``torch.cat``s them, interleaved by
-    rank and padded, into one more buffer of the bucket's size in the parameters' dtype. With one
-    bucket for the whole model (memtrain's sizing) that is at the end of the last backward, beside
-    what the step holds (``step_gradient_bytes``: in 16 bits the fp32 partition is made from the
-    copy's); with more, beside every reduce in backward
+    default ``reduce_scatter``, or without ``contiguous_gradients``; ``reduce_copy``), which first
+    ``torch.cat``s them, interleaved by rank and padded, into one more buffer of the bucket's size
+    (a parameter larger than the bucket: its own) in the parameters' dtype. With one bucket for
+    the whole model (memtrain's sizing) that is at the end of the last backward, beside what the
+    step holds (``step_gradient_bytes``; measured so on 1 and 2 ranks in fp32 and bf16); with
+    more, beside every reduce in backward
     (``backward_buffer_bytes``). MemTracker on a Mistral model of 1.3M parameters (2 ranks, fp32,
     activation checkpointing on): the peak fell by exactly 4 bytes per parameter with a DeepSpeed
     JSON setting ``"reduce_scatter": false``, which reduces the bucket in place. On one rank ZeRO-3
@@ -492,9 +493,11 @@ def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str
     alone = w == 1 and offload != "optimizer_and_params"
     gathered = p_bytes * gathered_elements if stage >= 3 and not alone else 0
     if stage >= 3:  # whole persistent parameters beside their partitions (not on one rank); the gathered ones
-        params += p_bytes * persistent_elements if w > 1 else 0
+        # on one rank without parameter offload the persistent ones are already whole in ``params``
+        params += p_bytes * persistent_elements if w > 1 or offload == "optimizer_and_params" else 0
         buffers += gathered
-        copy = p_bytes * min(n, reduce_bucket_elements) if reduce_copy else 0
+        # a parameter larger than the bucket is reduced alone
+        copy = p_bytes * max(min(n, reduce_bucket_elements), largest_parameter) if reduce_copy else 0
         if n <= reduce_bucket_elements:  # one bucket holds every gradient: reduced at the end of backward
             step += copy
         else:  # beside each reduce in backward (a buffer only then)

@@ -68,6 +68,8 @@ class Machine:
             and tokenizing the data, importing the libraries: :func:`startup_peak_bytes`), a moment
             of the run already measured that the planned host peak is never below; 0 = not this
             run's process (``memtrain plan``).
+        exports: the run writes its export at the end (``checkpoint.export``): its moment, the
+            whole model gathered on rank 0's host, is planned.
     """
 
     device_bytes: Optional[int]
@@ -82,6 +84,7 @@ class Machine:
     host_step_params_per_s: Optional[float] = None
     host_source: Optional[str] = None
     startup_peak_bytes: int = 0
+    exports: bool = True
 
     def as_dict(self) -> dict:
         """The fields as JSON values (the optimizer's rate function as whether there is one)."""

@@ -18,6 +18,7 @@ forward, under the sharded engines the compute dtype). The count is checked agai
 from __future__ import annotations
 
 import contextlib
+import copy
 import weakref
 from typing import Callable, NamedTuple, Optional
 
@@ -55,6 +56,8 @@ class _LiveBytes(TorchDispatchMode):
             out = _grouped_mm_in_dtype(func, args, kwargs or {})
         elif func in _CTC and is_fake(args[0]):
             out = _CTC[func](*args)
+            if func is torch.ops.aten._ctc_loss_backward.Tensor:  # its backward variables, log_alpha's size
+                self._transient(args[6].untyped_storage().nbytes())
         else:
             out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
@@ -75,6 +78,15 @@ class _LiveBytes(TorchDispatchMode):
             self.in_block_peak_bytes = max(self.in_block_peak_bytes, self.live_bytes)
         if self.in_backward:
             self.in_backward_peak_bytes = max(self.in_backward_peak_bytes, self.live_bytes)
+
+    def _transient(self, size: int) -> None:
+        """Count ``size`` bytes an operator allocates and frees inside itself, at this moment."""
+        now = self.live_bytes + size
+        self.peak_bytes = max(self.peak_bytes, now)
+        if self.in_block > 0:
+            self.in_block_peak_bytes = max(self.in_block_peak_bytes, now)
+        if self.in_backward:
+            self.in_backward_peak_bytes = max(self.in_backward_peak_bytes, now)
 
     def to_state(self, key: int) -> None:
         """Storage ``key`` is model state from now on (a gradient accumulated into ``.grad``):
@@ -119,7 +131,8 @@ def _ctc_loss(log_probs: torch.Tensor, targets: torch.Tensor, *_) -> tuple[torch
 
 _CTC = {torch.ops.aten._ctc_loss.Tensor: _ctc_loss,
         torch.ops.aten._ctc_loss_backward.Tensor: lambda grad, log_probs, *_: log_probs.new_empty(log_probs.shape)}
-"""CTC's operators on fake tensors (their shapes from the padded targets' length, an upper bound)."""
+"""CTC's operators on fake tensors (their shapes from the padded targets' length, an upper bound);
+the backward also allocates, and frees inside itself, ``log_beta`` of ``log_alpha``'s size."""
 
 
 def fake_batch(mode, micro_batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -258,7 +271,6 @@ def step_peaks(model: nn.Module, mode, objective, micro_batch: dict[str, torch.T
         with mode, fused_attention(device.type == "meta"):
             batch = fake_batch(mode, micro_batch, device)
             with torch.enable_grad(), counter:
-                batch = _in_compute_dtype(model, batch)
                 loss = objective.loss_sum(model, batch)
                 loss.backward()
                 del loss
@@ -269,17 +281,6 @@ def step_peaks(model: nn.Module, mode, objective, micro_batch: dict[str, torch.T
             p.grad = None
     in_block = counter.in_block_peak_bytes if blocks else counter.peak_bytes
     return StepPeaks(counter.peak_bytes, in_block, counter.in_backward_peak_bytes)
-
-
-def _in_compute_dtype(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``batch`` with its floating-point tensors (a speech model's waveform) cast to the 16-bit
-    dtype the model's parameters are held in, as FSDP2's mixed-precision policy
-    (``cast_forward_inputs``) and DeepSpeed's bf16/fp16 engine cast a model's inputs; unchanged
-    for fp32 parameters (autocast engines)."""
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    if dtype not in (torch.bfloat16, torch.float16):
-        return batch
-    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
 
 
 def step_peak_bytes(model: nn.Module, mode, objective, micro_batch: dict[str, torch.Tensor]) -> int:
@@ -314,7 +315,8 @@ def fake_model(build: Callable[[], nn.Module], dtype: Optional[torch.dtype] = No
         model = build()
     config = getattr(model, "config", None)
     if getattr(config, "apply_spec_augment", False):  # a speech model's SpecAugment draws its masks in NumPy
-        config.apply_spec_augment = False  # from the lengths, unknown here; they hold one bool per frame
+        model.config = copy.copy(config)  # from the lengths, unknown here; they hold one bool per frame
+        model.config.apply_spec_augment = False  # (a copy: a user's function may share its config)
     made: dict[int, torch.Tensor] = {}  # by the meta tensor's id: tied parameters stay one parameter
 
     def fake(t: torch.Tensor) -> torch.Tensor:

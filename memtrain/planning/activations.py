@@ -64,8 +64,8 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
     the host in that micro-batch (each way; 0 without offload), traced alike; ``peaks`` is
     ``plan -> (peak, in_block, in_backward, resident)`` (:class:`memtrain.memory.step_trace.StepPeaks`;
     under a simulated device all three the peak and nothing resident). ``resident`` is the rank's
-    batch (the plan's micro-batch × accumulation samples, the longest of a corpus of varying
-    length, :func:`trace_batch`) on the device: the loop holds it through the whole step, which
+    batch (accumulation × the bytes of the traced micro-batch, the longest samples of a corpus of
+    varying length, :func:`trace_batch`; from shapes, not a batch that large) on the device: the loop holds it through the whole step, which
     MemTracker counts (a speech rank batch of 16 utterances of 2.8 s: 8.6 MB, a third of its peak).
 
     The bytes are the peak of the micro-step's forward and backward beyond model state (saved
@@ -89,12 +89,12 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
     cache: dict[tuple, tuple[step_trace.StepPeaks, int]] = {}
     residents: dict[int, int] = {}
 
-    def resident(plan: Plan) -> int:  # the rank's batch, at its longest (none on a simulated device)
-        samples = plan.micro_batch_size * plan.gradient_accumulation_steps
-        if samples not in residents:
-            residents[samples] = 0 if simulated else sum(
-                t.nbytes for t in trace_batch(corpus, samples).values() if isinstance(t, torch.Tensor))
-        return residents[samples]
+    def resident(plan: Plan) -> int:  # the rank's batch: its micro-batches at their longest (none simulated)
+        micro = plan.micro_batch_size
+        if micro not in residents:
+            residents[micro] = 0 if simulated else sum(
+                t.nbytes for t in trace_batch(corpus, micro).values() if isinstance(t, torch.Tensor))
+        return residents[micro] * plan.gradient_accumulation_steps
 
     def trace(*args) -> tuple[int, int, int]:
         if simulated:  # the simulated device counts saved bytes alone, whatever runs

@@ -176,7 +176,8 @@ def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_s
     p.activation_checkpointing = c.plan.lever("activation_checkpointing")
     p.levers = {name: value for name, value in c.plan.levers if name != "activation_checkpointing"}
     p.device_bytes, p.host_bytes = device, max(per_rank_host * machine.ranks_per_host,
-                                               _export_host_bytes(p, state, n_params, precision, machine),
+                                               _export_host_bytes(p, state, n_params, precision, machine)
+                                               if machine.exports else 0,
                                                machine.startup_peak_bytes * machine.ranks_per_host)
     p.nvme_bytes = state["nvme_offloaded_bytes"]
     margin = int(RATIO_MARGIN * machine.device_bytes) if p.tune_ratio and machine.device_bytes else 0
