@@ -27,9 +27,10 @@ component:
   the offloaded optimizer state; buffers = ``buffer_bytes`` without the gathered parameters + the
   offloaded staging buffers. On a CPU host and device are one memory, so each component is
   compared wherever it lives.
-- **What is not compared here.** Two terms of the accounting are peaks inside the step, not
+- **What is not compared here.** Three terms of the accounting are peaks inside the step, not
   tensors DeepSpeed keeps: the whole gradients of ``step_gradient_bytes`` (DeepSpeed copies each
-  gradient into the reduce bucket and keeps a view, so the census finds them as the bucket) and
+  gradient into the reduce bucket and keeps a view, so the census finds them as the bucket),
+  ZeRO-3's copy of the bucket while it is reduce-scattered (``step_reduce_copy_bytes``) and
   ZeRO-3's gathered parameters (reported as a ``gathered`` row: the accounting's bound against the
   most the coordinator held after a fetch). Both are in the step's peak, which torch's MemTracker
   counts whole in ``benchmarks/memory_accuracy.py``.
@@ -352,7 +353,8 @@ def _write(out: str, backend, counter: Counter, planned: dict) -> None:
 def predicted_components(state: dict, engine: str = "deepspeed", root_bytes: int = 0) -> dict[str, int]:
     """The accounting's bytes per component (see the module docstring) for a plan that accumulates
     (:data:`ACCUMULATION`): what the engine holds, the step's transients apart (DeepSpeed: the
-    whole gradients of ``step_gradient_bytes``, ZeRO-3's gathered parameters; FSDP2: the root's
+    whole gradients of ``step_gradient_bytes`` and ZeRO-3's copy of its reduce bucket there, ZeRO-3's
+    gathered parameters; FSDP2: the root's
     gathered parameters and gradients, ``root_bytes`` each, its two gathered blocks and the
     unsharded gradients of accumulation, all freed by the end of backward)."""
     offloaded = {k: state.get(f"offloaded_{k}_bytes", 0) for k in ("parameter", "gradient", "optimizer", "buffer")}
@@ -362,7 +364,7 @@ def predicted_components(state: dict, engine: str = "deepspeed", root_bytes: int
                 "optimizer_state": state["optimizer_bytes"] + offloaded["optimizer"],
                 "buffers": state["buffer_bytes"] - state["block_buffer_bytes"] + offloaded["buffer"],
                 "other": 0, "gathered": 0}
-    held_step = state["step_gradient_bytes"] - state["step_whole_gradient_bytes"]
+    held_step = state["step_gradient_bytes"] - state["step_whole_gradient_bytes"] - state.get("step_reduce_copy_bytes", 0)
     accumulating = state["accumulation_gradient_bytes"] + state["accumulation_host_bytes"]  # the runs accumulate
     held = max(held_step, accumulating)  # the larger moment (ZeRO-2's partition is both: held to the step)
     return {"parameters": state["parameter_bytes"] + offloaded["parameter"],

@@ -202,10 +202,11 @@ def median_interval(values: list[float], coverage: float = 0.95) -> tuple[float,
     return ordered[k - 1], ordered[n - k], cover(k)
 
 
-POOLED_SINCE = {"ddp": "49fa197"}
-"""Per engine, the commit that last changed the code its timed steps run: only rows measured at
-or after it are pooled (DDP trains unwrapped, with no ``no_sync`` per micro-batch, under OOM
-recovery from 49fa197)."""
+POOLED_SINCE = {"ddp": "4338af9", "fsdp": "4338af9", "zero2": "4338af9"}
+"""Per engine, the commit from which its rows are pooled: the step code every engine runs changed
+in the rounds before it (the OOM protocol's agreements, the records and the console line; DDP
+trained unwrapped from 49fa197, FSDP2 reduces every micro-batch under its optimizer offload from
+966c2d5), so rows measured before it time other code and are left out."""
 
 
 def measured_since(row: dict, commit: str, repo: Path = RESULTS.parents[1]) -> bool:
@@ -548,8 +549,8 @@ def main(argv=None) -> int:
         print(simple[args.benchmark](args.device))
         pooled = overhead_pooled(args.device) if args.benchmark == "overhead" else ""
         if pooled.count("\n") > 1:  # a row under the header
-            print("\nPooled over the runs with the armed variant (DDP: since its step code last changed, "
-                  f"commit {POOLED_SINCE['ddp']}):\n\n" + pooled)
+            since = ", ".join(f"{ENGINE_NAMES[e]} {c}" for e, c in POOLED_SINCE.items())
+            print(f"\nPooled over the runs with the armed variant measured at or after ({since}):\n\n" + pooled)
         return 0
     print("Steady:\n\n" + oom_stress_steady(args.device))
     if newest("oom_stress", args.device, "spike"):

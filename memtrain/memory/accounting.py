@@ -454,7 +454,8 @@ def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str
     ``torch.cat``s them, interleaved by rank and padded, into one more buffer of the bucket's size
     (a parameter larger than the bucket: its own) in the parameters' dtype. With one bucket for
     the whole model (memtrain's sizing) that is at the end of the last backward, beside what the
-    step holds (``step_gradient_bytes``; measured so on 1 and 2 ranks in fp32 and bf16); with
+    step holds (``step_gradient_bytes``, reported apart as ``step_reduce_copy_bytes``; measured so
+    on 1 and 2 ranks in fp32 and bf16); with
     more, beside every reduce in backward
     (``backward_buffer_bytes``). MemTracker on a Mistral model of 1.3M parameters (2 ranks, fp32,
     activation checkpointing on): the peak fell by exactly 4 bytes per parameter with a DeepSpeed
@@ -483,7 +484,7 @@ def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str
         # 16-bit: at the step the whole gradients are gone and an fp32 copy of the partition is there
         # (stage 1, which keeps its 16-bit gradients whole as state, makes it the same way)
         step = max(whole, 4 * n // w)
-    accumulating = backward = 0
+    accumulating = backward = step_copy = 0
     if stage == 2 and offload in (None, "none"):  # the partition lives from the first reduction to the step
         partition = grads + _edge_bytes(p_bytes, largest_parameter, w)
         step, grads, accumulating = step + partition, 0, partition
@@ -499,11 +500,12 @@ def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str
         # a parameter larger than the bucket is reduced alone
         copy = p_bytes * max(min(n, reduce_bucket_elements), largest_parameter) if reduce_copy else 0
         if n <= reduce_bucket_elements:  # one bucket holds every gradient: reduced at the end of backward
-            step += copy
+            step, step_copy = step + copy, copy
         else:  # beside each reduce in backward (a buffer only then)
             buffers, backward = buffers + copy, copy
     return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim,
             "buffer_bytes": buffers, "step_gradient_bytes": step, "step_whole_gradient_bytes": whole,
+            "step_reduce_copy_bytes": step_copy,
             "gathered_parameter_bytes": gathered, "block_buffer_bytes": gathered, "backward_buffer_bytes": backward,
             "accumulation_gradient_bytes": accumulating, **off}
 
