@@ -455,8 +455,7 @@ def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str
     (a parameter larger than the bucket: its own) in the parameters' dtype. With one bucket for
     the whole model (memtrain's sizing) that is at the end of the last backward, beside what the
     step holds (``step_gradient_bytes``, reported apart as ``step_reduce_copy_bytes``; measured so
-    on 1 and 2 ranks in fp32 and bf16); with
-    more, beside every reduce in backward
+    on 1 and 2 ranks in fp32 and bf16); with more, beside every reduce in backward
     (``backward_buffer_bytes``). MemTracker on a Mistral model of 1.3M parameters (2 ranks, fp32,
     activation checkpointing on): the peak fell by exactly 4 bytes per parameter with a DeepSpeed
     JSON setting ``"reduce_scatter": false``, which reduces the bucket in place. On one rank ZeRO-3
@@ -493,8 +492,8 @@ def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str
     # a copy only when the partition is on the host
     alone = w == 1 and offload != "optimizer_and_params"
     gathered = p_bytes * gathered_elements if stage >= 3 and not alone else 0
-    if stage >= 3:  # whole persistent parameters beside their partitions (not on one rank); the gathered ones
-        # on one rank without parameter offload the persistent ones are already whole in ``params``
+    if stage >= 3:  # whole persistent parameters beside their partitions (on one rank without
+        # parameter offload their partitions are whole already); the gathered ones
         params += p_bytes * persistent_elements if w > 1 or offload == "optimizer_and_params" else 0
         buffers += gathered
         # a parameter larger than the bucket is reduced alone
