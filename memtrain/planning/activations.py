@@ -64,9 +64,10 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
     the host in that micro-batch (each way; 0 without offload), traced alike; ``peaks`` is
     ``plan -> (peak, in_block, in_backward, resident)`` (:class:`memtrain.memory.step_trace.StepPeaks`;
     under a simulated device all three the peak and nothing resident). ``resident`` is the rank's
-    batch (accumulation × the bytes of the traced micro-batch, the longest samples of a corpus of
-    varying length, :func:`trace_batch`; from shapes, not a batch that large) on the device: the loop holds it through the whole step, which
-    MemTracker counts (a speech rank batch of 16 utterances of 2.8 s: 8.6 MB, a third of its peak).
+    batch on the device (accumulation × the bytes of the traced micro-batch, the longest samples
+    of a corpus of varying length, :func:`trace_batch`; not a batch that large built): the loop
+    holds it through the whole step, which MemTracker counts (a speech rank batch of 16
+    utterances of 2.8 s: 8.6 MB, a third of its peak).
 
     The bytes are the peak of the micro-step's forward and backward beyond model state (saved
     activations and transients: :func:`memtrain.memory.step_trace.step_peaks`), except under
