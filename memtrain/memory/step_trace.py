@@ -73,14 +73,11 @@ class _LiveBytes(TorchDispatchMode):
         self._sizes[key] = size
         self._refs[key] = weakref.ref(storage, lambda _, key=key: self.release(key))
         self.live_bytes += size
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        if self.in_block > 0:
-            self.in_block_peak_bytes = max(self.in_block_peak_bytes, self.live_bytes)
-        if self.in_backward:
-            self.in_backward_peak_bytes = max(self.in_backward_peak_bytes, self.live_bytes)
+        self._transient(0)
 
     def _transient(self, size: int) -> None:
-        """Count ``size`` bytes an operator allocates and frees inside itself, at this moment."""
+        """Raise the peaks to the live bytes and ``size`` more, which an operator allocates and
+        frees inside itself at this moment (0: the live bytes alone)."""
         now = self.live_bytes + size
         self.peak_bytes = max(self.peak_bytes, now)
         if self.in_block > 0:

@@ -88,14 +88,16 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
     # step_trace.step_peaks read here, at the call: a test's stand-in for it is seen
     simulated = cfg.faults.memory_budget_mib > 0
     cache: dict[tuple, tuple[step_trace.StepPeaks, int]] = {}
-    residents: dict[int, int] = {}
+    batches: dict[int, dict[str, torch.Tensor]] = {}  # by micro-batch size: built once for every lever setting
+
+    def batch_of(micro: int) -> dict[str, torch.Tensor]:
+        if micro not in batches:
+            batches[micro] = trace_batch(corpus, micro)
+        return batches[micro]
 
     def resident(plan: Plan) -> int:  # the rank's batch: its micro-batches at their longest (none simulated)
-        micro = plan.micro_batch_size
-        if micro not in residents:
-            residents[micro] = 0 if simulated else sum(
-                t.nbytes for t in trace_batch(corpus, micro).values() if isinstance(t, torch.Tensor))
-        return residents[micro] * plan.gradient_accumulation_steps
+        micro_bytes = sum(t.nbytes for t in batch_of(plan.micro_batch_size).values() if isinstance(t, torch.Tensor))
+        return 0 if simulated else micro_bytes * plan.gradient_accumulation_steps
 
     def trace(*args) -> tuple[int, int, int]:
         if simulated:  # the simulated device counts saved bytes alone, whatever runs
@@ -108,7 +110,7 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
         key = (plan.micro_batch_size, tuple(settings.items()))
         if key not in cache:
             apply_levers(target, settings)
-            batch = trace_batch(corpus, plan.micro_batch_size)
+            batch = batch_of(plan.micro_batch_size)
             checkpointed = ac_setting(settings.get("activation_checkpointing", "off")) != "off"
             period = cfg.memory.activation_checkpointing_every_n_blocks if checkpointed else 1
             def traced_once() -> tuple[int, int, int, int]:

@@ -40,7 +40,8 @@ def run_machine(cfg, device: torch.device, world_size: int) -> Machine:
     host = run_host_limit(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     return Machine(device_budget_bytes(cfg, device), host.bytes, host.ranks, device_type, device_flops_per_s(device.type),
                    cpu_adam_params_per_s(), process_bytes(device.type), cfg.backend.nvme_path, optimizer_params_per_s,
-                   host_step_params_per_s(), host.source, startup_peak_bytes(device.type), cfg.checkpoint.export)
+                   host_step_params_per_s(), host.source, startup_peak_bytes(device.type),
+                   exports=cfg.checkpoint.export)
 
 
 def resolve(cfg, corpus, process, precision: str, source=None, objective=None):
