@@ -20,6 +20,7 @@ from typing import Literal, Optional, Union
 
 from memtrain.argv import join_negative_numbers, strip_launcher_args
 from memtrain.cli_help import describe
+from memtrain.engine_names import ENGINE_CHOICES
 from memtrain.errors import ConfigError  # raised here; the rest of memtrain imports it from here too
 from memtrain.recipe import check_recipe, explain_parse_error
 
@@ -183,7 +184,7 @@ class OptimizerConfig:
 class BackendConfig:
     """The distributed engine."""
 
-    name: Literal["auto", "ddp", "fsdp", "deepspeed"] = "auto"
+    name: Literal[ENGINE_CHOICES] = "auto"
     """auto = inferred from the launcher (accelerate's FSDP/DeepSpeed environment, or the DeepSpeed
     launcher's --deepspeed FILE), else ddp. ddp also covers a single process."""
     zero_stage: Optional[Literal[1, 2, 3]] = None

@@ -26,7 +26,7 @@ from memtrain.backends.base import Backend
 from memtrain.callbacks import Callbacks, TrainerState
 from memtrain.checkpoint import Checkpointer
 from memtrain.checkpoint.layout import read_manifest, step_dir_name
-from memtrain.checkpoint.compat import TAKES_EFFECT, changed_settings, check_resumable, data_identity
+from memtrain.checkpoint.compat import ResumeRules, data_identity
 from memtrain.collector import StepCollector
 from memtrain.config import Config, ConfigError, to_dict
 from memtrain.data import GlobalBatchSampler
@@ -43,7 +43,7 @@ from memtrain.optim import apply_hyperparameters
 from memtrain.outputs import RunOutputs
 from memtrain.oom import (OOMStop, OOMSync, is_oom, memory_report, memory_that_ran_out, oom_stop_message,
                           peak_memory_bytes, record_escaped_oom, take_escaped_ooms)
-from memtrain.levers import lever, other_lever_words
+from memtrain.levers import lever, other_lever_words, resume_rules
 from memtrain.plan import Plan, PlanChange, PlanController
 from memtrain.precision import NonFiniteGuard
 from memtrain.preemption import Preemption
@@ -199,21 +199,22 @@ class TrainingLoop(RunOutputs):
     # -- the steps of run(), in order ----------------------------------------------------------
     def _resume(self) -> Optional[tuple[str, float, dict]]:
         """Load the checkpoint ``resume`` points at, if any; returns (its path, seconds to load, the
-        settings changed since it was saved: :func:`memtrain.checkpoint.compat.changed_settings`)."""
+        settings changed since it was saved: :meth:`memtrain.checkpoint.compat.ResumeRules.changed`)."""
         path = self.checkpointer.resume_path(self.cfg.resume)
         if path is None:
             return None
         start = time.perf_counter()
         progress(f"resuming from {path}", timed=False, context="")
         manifest = read_manifest(path)
-        check_resumable(path, manifest, to_dict(self.cfg), data_identity(self.corpus))
+        rules = ResumeRules.with_levers(resume_rules())
+        rules.check(path, manifest, to_dict(self.cfg), data_identity(self.corpus))
         switched = manifest.get("backend") != self.engine.name  # written by another engine: converted on load
         if switched and self.process.is_main:
             log.warning("memtrain: resuming a %s checkpoint under %s: the weights and the optimizer state are "
                         "converted; the schedule, data position, plan and random streams carry over as they are",
                         manifest.get("backend"), self.engine.name)
         self.checkpointer.load(path, self.checkpoint_states)
-        changed = changed_settings(manifest, to_dict(self.cfg))
+        changed = rules.changed(manifest, to_dict(self.cfg))
         if switched:  # named in the resume event
             changed["backend.name"] = [manifest.get("backend"), self.engine.name]
         if any(key in changed for key in ("training.weight_decay", "training.adam_beta1", "training.adam_beta2",
@@ -223,7 +224,7 @@ class TrainingLoop(RunOutputs):
                 or any(lever(name).config_key in changed for name in self.controller.choices)):
             self.controller.restart()
         if changed and self.process.is_main:
-            rule = {**TAKES_EFFECT, "backend.name": "converted on load"}  # other keys: as in a new run
+            rule = {**rules.takes_effect, "backend.name": "converted on load"}  # other keys: as in a new run
             log.warning("memtrain: resuming %s with changed settings: %s", path, "; ".join(
                 f"{key} {old!r} → {new!r} ({rule.get(key, 'takes effect')})" for key, (old, new) in changed.items()))
         self._apply_plan()  # the checkpoint's (AC may have been switched on by an OOM before it)

@@ -286,7 +286,10 @@ def test_a_path_that_is_not_one_checkpoint_says_what_was_expected(tmp_path):
 def test_resume_refuses_settings_that_move_the_data_position():
     """Another global batch, seed or seq_len, or other data: refused by name; another world size,
     plan or max_steps: accepted."""
-    from memtrain.checkpoint.compat import check_resumable
+    from memtrain.checkpoint.compat import ResumeRules
+    from memtrain.levers import resume_rules
+
+    check_resumable = ResumeRules.with_levers(resume_rules()).check  # as the loop checks
     from memtrain.config import ConfigError, parse_args, to_dict
 
     base = ["--config", "recipes/code_lm_tiny.yaml"]
@@ -343,7 +346,10 @@ def test_a_full_disk_is_named_with_free_bytes_and_path(tmp_path):
 def test_resume_refuses_another_placement_unless_auto_takes_the_checkpoints():
     """A checkpoint whose config records an offload (a run before the engine spec wrote the auto
     placement there): another explicit offload is refused by name; ``offload: auto`` takes it."""
-    from memtrain.checkpoint.compat import check_resumable
+    from memtrain.checkpoint.compat import ResumeRules
+    from memtrain.levers import resume_rules
+
+    check_resumable = ResumeRules.with_levers(resume_rules()).check  # as the loop checks
     from memtrain.config import ConfigError, parse_args, to_dict
 
     base = ["--config", "recipes/code_lm_tiny.yaml", "--backend.name", "deepspeed", "--backend.zero_stage", "3"]

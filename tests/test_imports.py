@@ -120,3 +120,67 @@ def test_a_plan_reaches_the_engine_in_one_place():
              for node in ast.walk(ast.parse(path.read_text()))
              if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "set_plan"]
     assert len(calls) == 1 and calls[0].startswith("transforms.py:"), calls
+
+
+LOWER_LAYERS = {
+    "memtrain.memory": ("memtrain.backends", "memtrain.planning", "memtrain.levers", "memtrain.checkpoint",
+                        "memtrain.oom", "memtrain.loop"),
+    "memtrain.checkpoint": ("memtrain.backends", "memtrain.planning", "memtrain.levers", "memtrain.oom",
+                            "memtrain.loop"),
+}
+"""Packages and what they must not import: the memory accounting and the checkpoint layer sit below
+the engines, the levers and the planners, which read them."""
+
+
+def test_no_import_runs_back_up():
+    """The accounting and the checkpoint layer import no engine, lever, planner or the loop (the
+    levers' resume rules reach the checkpoint layer as data: ``ResumeRules.with_levers``)."""
+    modules = module_names()
+    found = [f"{name} → {dep}" for name, path in modules.items() for package, above in LOWER_LAYERS.items()
+             if name == package or name.startswith(package + ".")
+             for dep in imports_of(name, path, modules) if dep.startswith(above)]
+    assert not found, found
+
+
+def test_engine_names_are_listed_only_by_the_registry():
+    """No tuple, list or set of engine names outside backends/, the registry
+    (``memtrain/engine_names.py``) and the config: a new engine is one registry line."""
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel.startswith("backends/") or rel in ("config.py", "engine_names.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and sum(
+                    isinstance(e, ast.Constant) and e.value in ENGINE_NAMES for e in node.elts) >= 2:
+                found.append(f"{rel}:{node.lineno}")
+    assert not found, found
+
+
+def test_an_engine_is_checked_when_registered(monkeypatch):
+    """An engine module that misses a name the planner, the validation or the OOM message asks for
+    fails at registration, naming it; the real engines pass, and the config's choices are the
+    registry's."""
+    import types
+    import typing
+
+    import pytest
+
+    import memtrain.backends as backends
+    from memtrain.backends.engine import check_engine
+    from memtrain.config import BackendConfig
+    from memtrain.engine_names import ENGINES
+
+    for name in ENGINES:
+        assert backends.engine_module(name).__name__ == f"memtrain.backends.{name}"
+    ddp = backends.engine_module("ddp")
+    partial = types.ModuleType("memtrain.backends.partial")
+    partial.__dict__.update({k: v for k, v in vars(ddp).items() if k not in ("AUTOCAST_MIXED_PRECISION", "stop_words")})
+    with pytest.raises(TypeError, match="engine 'partial'.*AUTOCAST_MIXED_PRECISION, stop_words"):
+        check_engine(partial, "partial")
+    partial.AUTOCAST_MIXED_PRECISION, partial.stop_words = True, ddp.stop_words
+    partial.VARIANTS = backends.engine_module("fsdp").VARIANTS  # offloading placements ask for more
+    with pytest.raises(TypeError, match="offload_ratio, offload_seconds"):
+        check_engine(partial, "partial")
+    hints = typing.get_type_hints(BackendConfig)
+    assert typing.get_args(hints["name"]) == ("auto", *ENGINES)

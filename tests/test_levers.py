@@ -10,8 +10,11 @@ import pytest
 import torch
 
 import memtrain.levers as levers
-from memtrain.levers import Lever, LeverTarget, apply_levers, lever, lever_choices
-from memtrain.planning.planner import Planner, make_candidates
+from memtrain.levers import Lever, LeverCost, LeverTarget, apply_levers, lever, lever_choices
+from memtrain.memory.accounting import ModelShape
+from memtrain.memory.machine import Machine
+from memtrain.planning.placement import Placement, _size
+from memtrain.planning.planner import Planner, estimated_step_s, make_candidates
 from memtrain.oom import OOMStop
 from memtrain.plan import Plan, PlanController
 
@@ -76,6 +79,56 @@ def test_a_new_lever_is_planned_recovered_and_logged_without_other_changes(with_
     assert change.event == "halve_activations_on" and change.as_dict()["halve_activations"] is True
     with pytest.raises(OOMStop):
         ctl.on_oom("forward")
+
+
+class PinBuffers(Lever):
+    """A stand-in lever with costs the trace cannot see: ``on`` holds 1 MiB more on the device, a
+    2 MiB pageable and a micro-batch × 1 MiB pinned host buffer, and a quarter second of copies
+    per micro-batch where copies are charged."""
+
+    name = "pin_buffers"
+    config_key = "memory.pin_buffers"
+
+    def choices(self, cfg, spec):
+        return ("off", "on")
+
+    def cost(self, setting, facts):
+        if setting != "on":
+            return LeverCost()
+        seconds = facts.gradient_accumulation_steps * 0.25 if facts.copy_bytes_per_s else 0.0
+        return LeverCost(device_bytes=MiB, host_bytes=2 * MiB, pinned_host_bytes=facts.micro_batch_size * MiB,
+                         seconds=seconds)
+
+
+def test_a_lever_declares_its_costs_and_every_prediction_counts_them(monkeypatch):
+    """A lever's own :meth:`Lever.cost` reaches the planner's peak and host room, the FLOP
+    estimate's and the CPU probe's seconds and the placement's device and host bytes, with no other
+    change: each "on" candidate differs from its "off" twin by exactly the declared cost."""
+    monkeypatch.setattr(levers, "LEVERS", levers.LEVERS + (PinBuffers(),))
+    choices = {"pin_buffers": ("off", "on")}
+    candidates = make_candidates(4, choices, MiB, lambda plan: plan.micro_batch_size * MiB, "cpu", None)
+    pairs = [(off, on) for off, on in zip(candidates[::2], candidates[1::2])]
+    assert [(off.micro_batch_size, on.plan.lever("pin_buffers")) for off, on in pairs] == [(4, "on"), (2, "on"), (1, "on")]
+    for off, on in pairs:
+        assert on.predicted_peak_bytes - off.predicted_peak_bytes == MiB
+        extra = [estimated_step_s(c, 1000, 8, 1e9, 0.0, 1e-3, copy_bytes_per_s=1e9) for c in (off, on)]
+        assert extra[1] - extra[0] == pytest.approx(0.25 * on.gradient_accumulation_steps)
+        assert estimated_step_s(on, 1000, 8, 1e9, 0.0, 1e-3) == estimated_step_s(off, 1000, 8, 1e9, 0.0, 1e-3)
+    planner = Planner(candidates, None, lambda c, samples: 1.0)
+    planner.restrict_budget(None, host_room_bytes=2 * MiB + 2 * 2 * MiB)  # pinned blocks at twice their bytes
+    assert [c.fits for c in candidates] == [True, False, True, True, True, True]
+    shape = ModelShape(1000, largest_block=100, largest_module=100)
+    for device_type in ("cpu", "cuda"):
+        machine = Machine(None, None, 1, device_type, 1e12, 1e9, 0)
+        sized = []
+        for c in pairs[1]:
+            p = Placement("ddp", None, "none")
+            _size(p, c, shape, "fp32", 1, machine)
+            sized.append(p)
+        device = sized[1].device_bytes - sized[0].device_bytes  # on CUDA with the allocator's headroom
+        assert device == MiB if device_type == "cpu" else MiB < device < 1.1 * MiB
+        # a CPU run's device is host memory: its device MiB is host memory too
+        assert sized[1].host_bytes - sized[0].host_bytes == (2 + 2) * MiB + (MiB if device_type == "cpu" else 0)
 
 
 def test_activation_checkpointing_lever_wraps_and_unwraps_the_blocks():

@@ -261,17 +261,20 @@ def test_changed_settings_on_resume_take_effect_and_are_recorded(finished_run, t
 
 def test_every_setting_has_a_resume_class():
     """Every key of the config is must-match or takes-effect; none is left unclassified."""
-    from memtrain.checkpoint.compat import MUST_MATCH, TAKES_EFFECT, settings_classes
+    from memtrain.checkpoint.compat import ResumeRules
     from memtrain.config import Config, to_dict
+    from memtrain.levers import LEVERS, resume_rules
 
-    classes = settings_classes(to_dict(Config()))
-    assert set(MUST_MATCH) <= set(classes) and set(TAKES_EFFECT) <= set(classes)
-    assert not set(MUST_MATCH) & set(TAKES_EFFECT)
-    assert {"training.global_batch_size", "data.seq_len", "data.encoding", "backend.name"} <= {
-        k for k, v in classes.items() if v == "must_match"}
+    rules = ResumeRules.with_levers(resume_rules())
+    classes = rules.classes(to_dict(Config()))
+    assert set(rules.must_match) <= set(classes) and set(rules.takes_effect) <= set(classes)
+    assert not set(rules.must_match) & set(rules.takes_effect)
+    assert {"training.global_batch_size", "data.seq_len", "data.encoding", "backend.name",
+            "optimizer.state_dtype"} <= {k for k, v in classes.items() if v == "must_match"}
     assert classes["training.lr"] == classes["checkpoint.every_steps"] == "takes_effect"
+    assert {x.config_key for x in LEVERS if x.on_resume == "restarts_plan"} <= set(rules.takes_effect)
     documented = (REPO / "docs" / "checkpoints.md").read_text()
-    assert all(f"`{key}`" in documented for key in (*MUST_MATCH, *TAKES_EFFECT))  # the docs list both classes
+    assert all(f"`{key}`" in documented for key in (*rules.must_match, *rules.takes_effect))  # the docs list both
 
 
 def test_a_skipped_checkpoint_is_named_with_the_reason(tmp_path, caplog):

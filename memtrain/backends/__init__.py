@@ -18,9 +18,11 @@ from types import ModuleType
 from typing import Mapping, Optional
 
 from memtrain.backends.base import Backend
+from memtrain.backends.engine import check_engine
+from memtrain.engine_names import ENGINES
 from memtrain.memory.accounting import ModelShape
 
-BACKENDS = ("ddp", "fsdp", "deepspeed")
+BACKENDS = ENGINES
 DEFAULT_ENGINE = "ddp"
 """The engine of ``backend.name auto`` when neither the launcher nor the config names one."""
 
@@ -51,15 +53,22 @@ def engine_name(backend) -> str:
 
 
 def engine_module(name: str) -> ModuleType:
-    """The module of engine ``name`` (imported on first use; DeepSpeed itself is imported only
-    when a DeepSpeed engine is built or read).
+    """The module of engine ``name`` (imported on first use and checked against
+    :class:`memtrain.backends.engine.Engine`; DeepSpeed itself is imported only when a DeepSpeed
+    engine is built or read).
 
     Raises:
         ValueError: an unknown engine (names ``backend.name`` and the choices).
+        TypeError: the engine's module misses a name it must define.
     """
     if name not in BACKENDS:
         raise ValueError(f"backend.name: '{name}' is not one of {', '.join(BACKENDS)}")
-    return importlib.import_module(f"memtrain.backends.{name}")
+    if name not in _CHECKED:
+        _CHECKED[name] = check_engine(importlib.import_module(f"memtrain.backends.{name}"), name)
+    return _CHECKED[name]
+
+
+_CHECKED: dict[str, ModuleType] = {}
 
 
 def engine_variants(engines: tuple[str, ...] = BACKENDS) -> list:

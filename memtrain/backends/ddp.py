@@ -40,6 +40,8 @@ SETTINGS = ()
 """The engine settings that are levers (:mod:`memtrain.levers.engine_settings`): none."""
 READS_DEEPSPEED_CONFIG = False
 """Whether ``backend.deepspeed_config`` (the user's DeepSpeed JSON) sets this engine's stage and offload."""
+AUTOCAST_MIXED_PRECISION = True
+"""Mixed precision as the trace computes it: Accelerate's autocast: fp32 parameters, each matrix cast to the compute dtype on use."""
 
 
 def variant_label(zero_stage) -> str:

@@ -59,6 +59,8 @@ SETTINGS = ("offload_optimizer_ratio",)
 """The engine settings that are levers (:mod:`memtrain.levers.engine_settings`)."""
 READS_DEEPSPEED_CONFIG = True
 """Whether ``backend.deepspeed_config`` (the user's DeepSpeed JSON) sets this engine's stage and offload."""
+AUTOCAST_MIXED_PRECISION = False
+"""Mixed precision as the trace computes it: DeepSpeed's bf16/fp16: 16-bit parameters, fp32 masters in the optimizer."""
 STAGING_LIMIT_BYTES = 4 * 10**9
 """The largest flat partition DeepSpeed serialises at once (its default sub-group of 1e9 fp32 elements)."""
 

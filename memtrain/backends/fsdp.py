@@ -52,6 +52,8 @@ SETTINGS = ("reshard_after_forward",)
 """The engine settings that are levers (:mod:`memtrain.levers.engine_settings`)."""
 READS_DEEPSPEED_CONFIG = False
 """Whether ``backend.deepspeed_config`` (the user's DeepSpeed JSON) sets this engine's stage and offload."""
+AUTOCAST_MIXED_PRECISION = False
+"""Mixed precision as the trace computes it: FSDP2's ``MixedPrecisionPolicy``: parameters gathered in the compute dtype."""
 
 
 def offload_ratio(shape: ModelShape, ratio: float) -> float:

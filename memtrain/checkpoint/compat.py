@@ -1,8 +1,8 @@
 """Whether a checkpoint can be resumed by this run, and what a changed setting does on resume.
 
-Every config key is in one of two classes (:data:`MUST_MATCH`, :data:`TAKES_EFFECT`; a test
-checks that every key of :class:`memtrain.config.Config` is in exactly one), never silently
-ignored:
+Every config key is in one of two classes (a :class:`ResumeRules`' ``must_match`` and
+``takes_effect``; a test checks that every key of :class:`memtrain.config.Config` is in exactly
+one), never silently ignored:
 
 * **must match** — refused by name with both values (exit 2). The data position in a
   checkpoint is a cursor ``(epoch, step)`` into a permutation of the training samples
@@ -19,15 +19,18 @@ ignored:
   ``training.micro_batch_size`` or runtime lever setting (each lever's ``on_resume``,
   :class:`memtrain.levers.base.Lever`) restarts the plan there; unchanged, the checkpoint's plan
   (where OOM recovery may have moved it) carries on.
+
+The levers' own rules come in from the caller (:func:`memtrain.levers.resume_rules`, folded in by
+:meth:`ResumeRules.with_levers`), so this module knows no lever.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
 
 from memtrain.config import ConfigError
-from memtrain.levers import LEVERS
 
 DATA_POSITION_KEYS = ("training.global_batch_size", "training.seed", "data.seq_len", "data.kind")
 """Settings the meaning of a saved data position depends on."""
@@ -39,9 +42,10 @@ DATA_KEYS = ("data.files", "data.max_bytes", "data.vocab_size", "data.text_field
 
 MUST_MATCH = DATA_POSITION_KEYS + DATA_KEYS + (
     "data.encoding", "model.pretrained", "model.factory", "backend.name", "backend.zero_stage", "backend.offload",
-    "backend.nvme_path", *(x.config_key for x in LEVERS if x.on_resume == "must_match"))
-"""Settings a resumed run must keep (compared by :func:`check_resumable`; the engine and model
-shapes also by :class:`memtrain.checkpoint.stateful.EngineState` against the manifest)."""
+    "backend.nvme_path")
+"""Settings a resumed run must keep besides the levers' (compared by :meth:`ResumeRules.check`;
+the engine and model shapes also by :class:`memtrain.checkpoint.stateful.EngineState` against
+the manifest)."""
 OLDER_DEFAULTS = {"optimizer.state_dtype": "fp32"}
 """Must-match keys that checkpoints of earlier versions lack, with the value those versions used."""
 ENGINE_KEYS = ("backend.name", "backend.zero_stage")
@@ -63,32 +67,66 @@ TAKES_EFFECT = {
     "training.adam_eps": "written into the restored optimizer",
     "training.micro_batch_size": "the plan restarts at it",
     "memory.levers": "the plan restarts with it",
-    **{x.config_key: "the plan restarts with it" for x in LEVERS if x.on_resume == "restarts_plan"},
 }
-"""Settings whose change on resume needs a rule (the rule, as logged). Every other key that is
-not in :data:`MUST_MATCH` is read from this run's config when the run is built, so its change
-takes effect as it would in a new run (cadences, engine tuning, logging, faults, …)."""
+"""Settings besides the levers' whose change on resume needs a rule (the rule, as logged). Every
+other key that is not must-match is read from this run's config when the run is built, so its
+change takes effect as it would in a new run (cadences, engine tuning, logging, faults, …)."""
+RESTARTS_PLAN = "the plan restarts with it"
+"""The rule of a lever whose ``on_resume`` is ``restarts_plan``."""
 
 
-def settings_classes(config: dict, prefix: str = "") -> dict[str, str]:
+@dataclass(frozen=True)
+class ResumeRules:
+    """The two classes of settings on resume (this module's docstring).
+
+    Attributes:
+        must_match: config keys (``section.key``) a resumed run must keep.
+        takes_effect: config keys whose change needs a rule → the rule, as logged.
+    """
+
+    must_match: tuple[str, ...] = MUST_MATCH
+    takes_effect: Mapping[str, str] = field(default_factory=lambda: dict(TAKES_EFFECT))
+
+    @classmethod
+    def with_levers(cls, lever_rules: Mapping[str, str]) -> "ResumeRules":
+        """The rules with the levers' (``config_key → on_resume``: ``must_match``,
+        ``restarts_plan`` or ``takes_effect``; :func:`memtrain.levers.resume_rules`)."""
+        return cls(MUST_MATCH + tuple(key for key, rule in lever_rules.items() if rule == "must_match"),
+                   {**TAKES_EFFECT, **{key: RESTARTS_PLAN for key, rule in lever_rules.items() if rule == "restarts_plan"}})
+
+    def classes(self, config: dict) -> dict[str, str]:
+        """:func:`settings_classes` under these rules."""
+        return settings_classes(config, self.must_match)
+
+    def changed(self, manifest: dict, config: dict) -> dict[str, list]:
+        """:func:`changed_settings` under these rules."""
+        return changed_settings(manifest, config, self.must_match)
+
+    def check(self, path: str, manifest: dict, config: dict, identity: Optional[str]) -> None:
+        """:func:`check_resumable` under these rules."""
+        check_resumable(path, manifest, config, identity, self.must_match)
+
+
+def settings_classes(config: dict, must_match: tuple[str, ...] = MUST_MATCH, prefix: str = "") -> dict[str, str]:
     """Every leaf key of ``config`` (a :func:`memtrain.config.to_dict`; ``model.config``,
-    ``data.speech`` and the list values are leaves) → ``must_match`` or ``takes_effect``."""
+    ``data.speech`` and the list values are leaves) → ``must_match`` (in ``must_match``) or
+    ``takes_effect``."""
     out = {}
     for key, value in config.items():
         dotted = prefix + key
         if isinstance(value, dict) and dotted not in ("model.config", "data.speech"):
-            out.update(settings_classes(value, dotted + "."))
+            out.update(settings_classes(value, must_match, dotted + "."))
         else:
-            out[dotted] = "must_match" if dotted in MUST_MATCH else "takes_effect"
+            out[dotted] = "must_match" if dotted in must_match else "takes_effect"
     return out
 
 
-def changed_settings(manifest: dict, config: dict) -> dict[str, list]:
-    """The settings that take effect on resume and differ from the checkpoint's:
-    key → ``[checkpoint's value, this run's]`` (``model.config`` keys one by one)."""
+def changed_settings(manifest: dict, config: dict, must_match: tuple[str, ...] = MUST_MATCH) -> dict[str, list]:
+    """The settings that take effect on resume (not in ``must_match``) and differ from the
+    checkpoint's: key → ``[checkpoint's value, this run's]`` (``model.config`` keys one by one)."""
     saved = manifest.get("config") or {}
     saved_keys, changed = _flat_keys(saved), {}
-    for key, kind in settings_classes(config).items():
+    for key, kind in settings_classes(config, must_match).items():
         if kind != "takes_effect" or key in ("resume",):
             continue
         before, now = _get(saved, key), _get(config, key)
@@ -120,14 +158,17 @@ def _get(config: dict, dotted: str) -> Any:
     return config if config != {} else None
 
 
-def check_resumable(path: str, manifest: dict, config: dict, identity: Optional[str]) -> None:
-    """Refuse to resume ``path`` when a setting its data position depends on has changed.
+def check_resumable(path: str, manifest: dict, config: dict, identity: Optional[str],
+                    must_match: tuple[str, ...] = MUST_MATCH) -> None:
+    """Refuse to resume ``path`` when a setting its data position depends on, or another of
+    ``must_match``, has changed.
 
     Args:
         path: the checkpoint (for the message).
         manifest: its manifest (``config`` and ``data_identity`` as saved).
         config: this run's config as a dict (:func:`memtrain.config.to_dict`).
         identity: :func:`data_identity` of this run's corpus.
+        must_match: the must-match keys (:attr:`ResumeRules.must_match`), the data position's first.
 
     Raises:
         ConfigError: naming the changed setting, the saved and the current value.
@@ -143,7 +184,7 @@ def check_resumable(path: str, manifest: dict, config: dict, identity: Optional[
                               "another output_dir)")
     saved_keys = _flat_keys(saved)
     placement_auto = _get(config, "backend.offload") == "auto"
-    for key in MUST_MATCH[len(DATA_POSITION_KEYS) + len(DATA_KEYS):]:
+    for key in must_match[len(DATA_POSITION_KEYS) + len(DATA_KEYS):]:
         if key in ENGINE_KEYS or (placement_auto and key in PLACEMENT_KEYS):
             continue  # compared as resolved: the engine by EngineState, an auto placement is the checkpoint's
         before, now = _get(saved, key), _get(config, key)

@@ -12,7 +12,7 @@ from typing import Any
 from memtrain.errors import ConfigError
 from memtrain.levers.activation_checkpointing import ActivationCheckpointing
 from memtrain.levers.activation_offload import ActivationOffload
-from memtrain.levers.base import Lever, LeverTarget
+from memtrain.levers.base import Lever, LeverCost, LeverTarget, PlanFacts
 from memtrain.levers.chunked_cross_entropy import ChunkedCrossEntropy
 from memtrain.levers.engine_settings import OffloadOptimizerRatio, ReshardAfterForward
 from memtrain.levers.optimizer_state import OptimizerStateDtype
@@ -21,7 +21,7 @@ LEVERS: tuple[Lever, ...] = (ActivationCheckpointing(), ChunkedCrossEntropy(), A
                              ReshardAfterForward(), OffloadOptimizerRatio(), OptimizerStateDtype())
 """Every lever memtrain has, in the order the OOM recovery escalates them."""
 
-__all__ = ["LEVERS", "Lever", "LeverTarget", "lever", "lever_choices", "allowed_by", "apply_levers", "recompute_fraction",
+__all__ = ["LEVERS", "Lever", "LeverCost", "LeverTarget", "PlanFacts", "lever", "plan_cost", "resume_rules", "lever_choices", "allowed_by", "apply_levers", "recompute_fraction",
            "describe", "other_lever_words", "lever_events", "first_settings", "restore_settings", "offered_choices"]
 
 
@@ -102,6 +102,19 @@ def restore_settings(saved: dict[str, Any]) -> dict[str, Any]:
 def recompute_fraction(settings: dict[str, Any], cfg) -> float:
     """Extra forwards per step the settings cost (fraction of one forward, summed over levers)."""
     return sum(lever(name).recompute_fraction(setting, cfg) for name, setting in settings.items())
+
+
+def plan_cost(settings: dict[str, Any], facts: PlanFacts) -> LeverCost:
+    """What the levers' ``settings`` cost the plan of ``facts`` beyond its traced bytes and its
+    recompute, summed over levers (:meth:`Lever.cost`; a lever this version does not have: nothing)."""
+    names = {x.name for x in LEVERS}
+    return sum((lever(name).cost(setting, facts) for name, setting in settings.items() if name in names), LeverCost())
+
+
+def resume_rules() -> dict[str, str]:
+    """``{config key: what its change does on resume}`` of every lever (:attr:`Lever.on_resume`),
+    for :meth:`memtrain.checkpoint.compat.ResumeRules.with_levers`."""
+    return {x.config_key: x.on_resume for x in LEVERS}
 
 
 def describe(settings: dict[str, Any]) -> str:

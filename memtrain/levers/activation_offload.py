@@ -8,7 +8,7 @@ host is its device. Switchable between steps: the planner, the OOM recovery and 
 from __future__ import annotations
 
 from memtrain.activation_offload import disable_activation_offload, enable_activation_offload
-from memtrain.levers.base import Lever, LeverTarget
+from memtrain.levers.base import Lever, LeverCost, LeverTarget, PlanFacts
 
 CHOICES = {"off": ("off",), "on": ("on",), "auto": ("off",)}
 """The settings a plan may take for each ``memory.activation_offload``, fastest first (``auto``
@@ -36,6 +36,16 @@ class ActivationOffload(Lever):
             enable_activation_offload(target.model)
         else:
             disable_activation_offload(target.model)
+
+    def cost(self, setting, facts: PlanFacts) -> LeverCost:
+        """One micro-batch's offloaded activations wait in pinned host memory; each is copied to
+        the host and back (``2 × offloaded_bytes`` per micro-batch), charged at
+        ``facts.copy_bytes_per_s`` as if no copy overlapped compute (None: not charged)."""
+        if setting != "on":
+            return LeverCost()
+        rate = facts.copy_bytes_per_s
+        copies = facts.gradient_accumulation_steps * 2 * facts.offloaded_bytes / rate if rate else 0.0
+        return LeverCost(pinned_host_bytes=facts.offloaded_bytes, seconds=copies)
 
     def event_for(self, setting) -> str:
         return f"activation_offload_{setting}"

@@ -5,7 +5,10 @@ cross-entropy, FSDP2's resharding, the DeepSpeed optimizer-offload ratio, ...). 
 (:class:`memtrain.plan.Plan`) maps each lever of a run to its setting; the planner, the OOM
 recovery, grow-back, checkpoints, ``plan.json`` and the metrics read those settings without
 knowing which levers exist. Adding a lever is one module of this package, its config field and
-its tests (and its name in :data:`memtrain.levers.LEVERS`).
+its tests (and its name in :data:`memtrain.levers.LEVERS`). What a setting costs beyond the bytes
+the planner's trace sees and the forwards it recomputes (host bytes, copies) is the lever's own
+:meth:`Lever.cost`, which the planner, the placements and ``memtrain plan`` read alike
+(:func:`memtrain.planning.planner.lever_cost`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,64 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from torch import nn
+
+
+PINNED_ROUNDING = 2
+"""Host bytes per pinned byte at most: torch's caching host allocator rounds each pinned block up
+to a power of two (and keeps it cached for reuse)."""
+
+
+@dataclass(frozen=True)
+class PlanFacts:
+    """What a lever's cost may depend on: one plan of one rank, as the planner knows it.
+
+    Attributes:
+        micro_batch_size: samples per forward/backward on the rank.
+        gradient_accumulation_steps: micro-batches per optimizer step.
+        offloaded_bytes: bytes of saved activations one micro-batch moves to host memory and back
+            (activation offload), each way, traced (:func:`memtrain.planning.activations.activation_table`).
+        copy_bytes_per_s: the rate host copies are charged at (bytes/s:
+            ``memory.activation_offload_bandwidth_gb_s × 10^9``); None = not charged (a GPU
+            run's probes time the copies themselves).
+    """
+
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    offloaded_bytes: int = 0
+    copy_bytes_per_s: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class LeverCost:
+    """What a lever setting costs one rank beyond what the trace of its micro-step counts and the
+    forwards it recomputes (:meth:`Lever.recompute_fraction`). Costs add up over a plan's levers.
+
+    Attributes:
+        device_bytes: device bytes held at every moment of a step (bytes).
+        host_bytes: host bytes held through a step, pageable (bytes).
+        pinned_host_bytes: host bytes held through a step in pinned blocks (bytes; a host's room
+            for them is checked at :data:`PINNED_ROUNDING` × these).
+        seconds: seconds per optimizer step beyond the compute (host copies, synchronisations).
+    """
+
+    device_bytes: int = 0
+    host_bytes: int = 0
+    pinned_host_bytes: int = 0
+    seconds: float = 0.0
+
+    def __add__(self, other: "LeverCost") -> "LeverCost":
+        return LeverCost(self.device_bytes + other.device_bytes, self.host_bytes + other.host_bytes,
+                         self.pinned_host_bytes + other.pinned_host_bytes, self.seconds + other.seconds)
+
+    @property
+    def held_host_bytes(self) -> int:
+        """Host bytes the setting holds (pageable and pinned)."""
+        return self.host_bytes + self.pinned_host_bytes
+
+    @property
+    def host_room_bytes(self) -> int:
+        """Host bytes of room the setting needs, the pinned blocks rounded up at most."""
+        return self.host_bytes + PINNED_ROUNDING * self.pinned_host_bytes
 
 
 @dataclass
@@ -104,6 +165,11 @@ class Lever:
         """Extra forward passes the setting costs per step, as a fraction of one forward (FLOP
         estimates of :func:`memtrain.planning.planner.estimated_step_s`); 0 = none."""
         return 0.0
+
+    def cost(self, setting, facts: PlanFacts) -> LeverCost:
+        """What ``setting`` costs the plan of ``facts`` beyond its traced bytes and its recompute
+        (bytes the trace cannot see, seconds of copies); the default: nothing."""
+        return LeverCost()
 
     def describe(self, setting) -> str:
         """A few words for messages (``+ AC``); empty when the setting is the plain one."""

@@ -312,8 +312,11 @@ def fake_model(build: Callable[[], nn.Module], dtype: Optional[torch.dtype] = No
         model = build()
     config = getattr(model, "config", None)
     if getattr(config, "apply_spec_augment", False):  # a speech model's SpecAugment draws its masks in NumPy
-        model.config = copy.copy(config)  # from the lengths, unknown here; they hold one bool per frame
-        model.config.apply_spec_augment = False  # (a copy: a user's function may share its config)
+        plain = copy.copy(config)  # from the lengths, unknown here; they hold one bool per frame
+        plain.apply_spec_augment = False  # (a copy: a user's function may share its config)
+        for module in model.modules():  # the inner model (WavLMForCTC.wavlm) reads its own reference
+            if getattr(module, "config", None) is config:
+                module.config = plain
     made: dict[int, torch.Tensor] = {}  # by the meta tensor's id: tied parameters stay one parameter
 
     def fake(t: torch.Tensor) -> torch.Tensor:
@@ -346,11 +349,6 @@ def trace_device(device_type: str) -> torch.device:
 
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-AUTOCAST_ENGINES = ("ddp",)
-"""Engines whose mixed precision is Accelerate's autocast: fp32 parameters and a forward in the
-compute dtype, each matrix cast on use (the copy saved for backward) and norms, softmax and the
-outputs in fp32. The others (FSDP2's ``MixedPrecisionPolicy``, DeepSpeed's bf16/fp16) compute with
-parameters held in the compute dtype."""
 
 
 def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> None:
@@ -369,14 +367,16 @@ def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> 
         model.forward = convert_outputs_to_fp32(torch.autocast(device_type, dtype)(forward))
 
 
-def compute_precision_model(model_build, precision: str, device_type: str, engine: str):
-    """``(model, mode, extra_bytes)``: the fake model as the engine computes with it (see
-    :data:`AUTOCAST_ENGINES`), and bytes to add to each trace where autocast cannot be traced
+def compute_precision_model(model_build, precision: str, device_type: str, autocast: bool):
+    """``(model, mode, extra_bytes)``: the fake model as the engine computes with it — under
+    Accelerate's autocast (``autocast``, the engine's ``AUTOCAST_MIXED_PRECISION``: fp32 parameters
+    and a forward in the compute dtype, each matrix cast on use, the copy saved for backward, and
+    norms, softmax and the outputs in fp32), else with parameters held in the compute dtype — and bytes to add to each trace where autocast cannot be traced
     (a GPU planned from a machine without one traces on meta: fp32 activations, about twice the
     compute dtype's, plus each matrix's cast copy counted here)."""
     dtype = COMPUTE_DTYPES.get(precision)
     device = trace_device(device_type)
-    autocast = dtype is not None and engine in AUTOCAST_ENGINES
+    autocast = dtype is not None and autocast
     model, mode = fake_model(model_build, None if autocast else dtype, device)
     if not autocast:
         return model, mode, 0

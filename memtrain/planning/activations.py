@@ -14,13 +14,13 @@ import torch
 from torch import nn
 
 from memtrain.activation_offload import moved_bytes
-from memtrain.backends import engine_name
+from memtrain.backends import engine_module, engine_name
 from memtrain.levers import LeverTarget, apply_levers, lever
 from memtrain.levers.activation_checkpointing import setting as ac_setting
 from memtrain.memory import step_trace
 from memtrain.memory.depth import by_depth
 from memtrain.memory.simulated import SimulatedMemory
-from memtrain.memory.step_trace import AUTOCAST_ENGINES, compute_precision_model, fake_batch
+from memtrain.memory.step_trace import compute_precision_model, fake_batch
 from memtrain.models import ModelSource, repeated_blocks
 from memtrain.plan import Plan
 
@@ -75,7 +75,7 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
     else: there they are that count (:func:`traced_activation_bytes`), so the planner predicts
     what the simulated device will count. ``source``: the :class:`memtrain.models.ModelSource`
     (None: ``cfg``'s model). ``engine``: whose mixed precision the trace follows (None: ``cfg``'s,
-    :func:`memtrain.backends.engine_name`; see :data:`AUTOCAST_ENGINES`).
+    :func:`memtrain.backends.engine_name`; its ``AUTOCAST_MIXED_PRECISION``).
 
     Raises:
         RuntimeError, NotImplementedError: the model cannot be traced with fake tensors.
@@ -83,7 +83,8 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
     """
     source = source or ModelSource.of(cfg, corpus)
     engine = engine or engine_name(cfg.backend)
-    model, mode, extra = compute_precision_model(source.build_meta, precision, device_type, engine)
+    autocast = engine_module(engine).AUTOCAST_MIXED_PRECISION
+    model, mode, extra = compute_precision_model(source.build_meta, precision, device_type, autocast)
     target = LeverTarget(model, repeated_blocks(model), copy.copy(objective), cfg)
     # step_trace.step_peaks read here, at the call: a test's stand-in for it is seen
     simulated = cfg.faults.memory_budget_mib > 0
@@ -133,11 +134,11 @@ def activation_tables(cfg, corpus, objective, precision: str, device_type: str,
                       source=None) -> Callable[[str], Callable[[Plan], int]]:
     """``engine -> plan -> bytes``: :func:`activation_table` per engine, built on first use and shared
     by engines that compute alike (one table in fp32; in bf16/fp16 one for the autocast engines,
-    :data:`memtrain.memory.step_trace.AUTOCAST_ENGINES`, one for the rest)."""
+    their modules' ``AUTOCAST_MIXED_PRECISION``, one for the rest)."""
     tables: dict[bool, Callable[[Plan], int]] = {}
 
     def for_engine(engine: str) -> Callable[[Plan], int]:
-        autocast = precision in ("bf16", "fp16") and engine in AUTOCAST_ENGINES
+        autocast = precision in ("bf16", "fp16") and engine_module(engine).AUTOCAST_MIXED_PRECISION
         if autocast not in tables:
             tables[autocast] = activation_table(cfg, corpus, objective, precision, device_type, source, engine)
         return tables[autocast]

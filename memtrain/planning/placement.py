@@ -46,11 +46,10 @@ from memtrain.config import ConfigError
 from memtrain.levers import allowed_by, describe, lever_choices, offered_choices
 from memtrain.levers.optimizer_state import (BF16_MAX_BETA2, LOSSY, STATE_DTYPES, choose_charging_steps,
                                              fastest_fitting, planner_dtypes)
-from memtrain.memory.accounting import (ModelShape, device_state_bytes, model_shape, state_peak_tensor_bytes,
-                                        with_allocator_headroom)
+from memtrain.memory.accounting import ModelShape, device_state_bytes, model_shape, peak_terms
 from memtrain.memory.machine import Machine
 from memtrain.planning.activations import activation_tables
-from memtrain.planning.planner import Candidate, estimated_plan_s, make_candidates
+from memtrain.planning.planner import Candidate, candidate_peak_bytes, estimated_plan_s, lever_cost, make_candidates
 from memtrain.models import ModelSource
 from memtrain.objectives import make_objective
 
@@ -157,9 +156,7 @@ def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_s
     n_params = shape.parameters
     half = precision in ("bf16", "fp16")
     p_bytes = 2 if half else 4
-    peaks = (c.activation_bytes, c.in_block_bytes, c.in_backward_bytes, c.resident_bytes)
-    device = with_allocator_headroom(state_peak_tensor_bytes(state, peaks, c.gradient_accumulation_steps > 1),
-                                     machine.device_type)
+    device = candidate_peak_bytes(c, device_state_bytes(state), peak_terms(state), machine.device_type)
     optimizer_on_device = state["optimizer_bytes"]
     staging = engine_module(p.engine).checkpoint_staging_bytes(
         optimizer_on_device, largest_tensor_bytes=4 * shape.largest_module // world_size, async_save=p.async_save)
@@ -169,7 +166,7 @@ def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_s
     per_rank_host += state["accumulation_host_bytes"] if c.gradient_accumulation_steps > 1 else 0
     per_rank_host += NVME_SWAP_BUFFERS_BYTES if p.nvme else 0
     per_rank_host += device if machine.device_type == "cpu" else 0
-    per_rank_host += c.offloaded_bytes  # one micro-batch's offloaded activations wait on the host
+    per_rank_host += lever_cost(c).held_host_bytes  # e.g. one micro-batch's offloaded activations
     if machine.device_type == "cuda":  # torch's pinned allocator rounds a block up to a power of two
         per_rank_host += pinned_rounding_bytes(state.get("pinned_block_bytes", 0))
     p.micro_batch_size, p.gradient_accumulation_steps = c.micro_batch_size, c.gradient_accumulation_steps

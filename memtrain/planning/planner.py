@@ -45,7 +45,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from memtrain.levers import recompute_fraction, restore_settings
+from memtrain.levers import LeverCost, PlanFacts, plan_cost, recompute_fraction, restore_settings
 from memtrain.memory.accounting import device_state_bytes, divisors, peak_tensor_bytes, peak_terms, with_allocator_headroom
 from memtrain.memory.machine import offload_host_room_bytes, run_device_budget
 from memtrain.plan import Plan
@@ -84,11 +84,6 @@ def probe_budget_steps(max_steps: int) -> float:
     :data:`PROBE_RUN_FRACTION` of them, at least :data:`PROBE_MIN_STEPS`, at most
     :data:`PROBE_BUDGET_STEPS`."""
     return min(PROBE_BUDGET_STEPS, max(PROBE_MIN_STEPS, PROBE_RUN_FRACTION * max_steps))
-
-
-PINNED_ROUNDING = 2
-"""Host bytes per offloaded byte at most: torch's caching host allocator rounds each pinned block up
-to a power of two (and keeps it cached for reuse)."""
 
 
 @dataclass
@@ -186,12 +181,34 @@ def make_candidates(per_rank_batch: int, choices: Mapping[str, tuple], state_byt
             acts = activation_bytes(plan)
             moved = activation_bytes.offloaded_bytes(plan) if hasattr(activation_bytes, "offloaded_bytes") else 0
             peaks = activation_bytes.peaks(plan) if hasattr(activation_bytes, "peaks") else (acts, None, None)
-            accumulation = (terms or {}).get("accumulation", 0) if plan.gradient_accumulation_steps > 1 else 0
-            peak = with_allocator_headroom(
-                peak_tensor_bytes(state_bytes, peaks, **{**(terms or {}), "accumulation": accumulation}), device_type)
-            out.append(Candidate(plan, peak, acts, moved, *peaks[1:3], resident_bytes=peaks[3] if len(peaks) > 3 else 0,
-                                 fits=budget_bytes is None or peak <= budget_bytes))
+            c = Candidate(plan, 0, acts, moved, *peaks[1:3], resident_bytes=peaks[3] if len(peaks) > 3 else 0)
+            c.predicted_peak_bytes = candidate_peak_bytes(c, state_bytes, terms or {}, device_type)
+            c.fits = budget_bytes is None or c.predicted_peak_bytes <= budget_bytes
+            out.append(c)
     return out
+
+
+def lever_cost(candidate: Candidate, copy_bytes_per_s: Optional[float] = None) -> LeverCost:
+    """What ``candidate``'s lever settings cost beyond its traced bytes and recompute
+    (:meth:`memtrain.levers.Lever.cost`), host copies charged at ``copy_bytes_per_s`` (bytes/s;
+    None: not charged)."""
+    facts = PlanFacts(candidate.micro_batch_size, candidate.gradient_accumulation_steps, candidate.offloaded_bytes,
+                      copy_bytes_per_s)
+    return plan_cost(candidate.plan.settings(), facts)
+
+
+def candidate_peak_bytes(candidate: Candidate, device_state: int, terms: Mapping[str, int], device_type: str) -> int:
+    """A rank's predicted device peak for ``candidate`` beside ``device_state`` bytes of model
+    state: :func:`memtrain.memory.accounting.peak_tensor_bytes` of its traced peaks and the
+    engine's ``terms`` (:func:`memtrain.memory.accounting.peak_terms`; the accumulation term only
+    in a plan that accumulates), plus the device bytes its levers add
+    (:func:`lever_cost`), plus the allocator's headroom on ``device_type`` — the one composition
+    the planner, the placements and ``memtrain plan`` use (bytes)."""
+    peaks = (candidate.activation_bytes, candidate.in_block_bytes, candidate.in_backward_bytes,
+             candidate.resident_bytes)
+    accumulation = terms.get("accumulation", 0) if candidate.gradient_accumulation_steps > 1 else 0
+    tensors = peak_tensor_bytes(device_state, peaks, **{**terms, "accumulation": accumulation})
+    return with_allocator_headroom(tensors + lever_cost(candidate).device_bytes, device_type)
 
 
 def estimated_step_s(candidate: Candidate, n_params: int, tokens_per_sample: int, flops_per_s: float,
@@ -200,13 +217,13 @@ def estimated_step_s(candidate: Candidate, n_params: int, tokens_per_sample: int
     (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", §2.1), plus the forwards the
     levers recompute (``2 × parameters × tokens × recompute``: activation checkpointing's
     checkpointed fraction of blocks; :func:`memtrain.levers.recompute_fraction`), plus a fixed
-    cost per micro-batch (launch and gradient reduction), plus the host copies of offloaded
-    activations at ``copy_bytes_per_s`` (:func:`copy_s`, as if none overlapped compute; None: not
-    counted)."""
+    cost per micro-batch (launch and gradient reduction), plus the seconds its levers cost beyond
+    that (:func:`lever_cost`: activation offload's host copies at ``copy_bytes_per_s``, as if none
+    overlapped compute; None: not counted)."""
     tokens = candidate.micro_batch_size * tokens_per_sample
     flops = (6 + 2 * recompute) * n_params * tokens
-    copies = copy_s(candidate, copy_bytes_per_s) if copy_bytes_per_s else 0.0
-    return candidate.gradient_accumulation_steps * (flops / flops_per_s + micro_batch_overhead_s) + copies
+    extra = lever_cost(candidate, copy_bytes_per_s).seconds
+    return candidate.gradient_accumulation_steps * (flops / flops_per_s + micro_batch_overhead_s) + extra
 
 
 def estimated_plan_s(candidate: Candidate, cfg, n_params: int, tokens_per_sample: int, flops_per_s: float) -> float:
@@ -216,13 +233,6 @@ def estimated_plan_s(candidate: Candidate, cfg, n_params: int, tokens_per_sample
     return estimated_step_s(candidate, n_params, tokens_per_sample, flops_per_s,
                             recompute_fraction(candidate.plan.settings(), cfg), 1e-3,
                             cfg.memory.activation_offload_bandwidth_gb_s * 1e9)
-
-
-def copy_s(candidate: Candidate, copy_bytes_per_s: float) -> float:
-    """Seconds an optimizer step of ``candidate`` spends copying offloaded activations to the host
-    and back (``2 × offloaded_bytes`` per micro-batch) at ``copy_bytes_per_s`` (bytes/s:
-    ``memory.activation_offload_bandwidth_gb_s × 10^9``)."""
-    return candidate.gradient_accumulation_steps * 2 * candidate.offloaded_bytes / copy_bytes_per_s
 
 
 class Planner:
@@ -242,7 +252,7 @@ class Planner:
             multiply them): the largest fitting micro-batch of each combination, then the other
             micro-batches of the fastest combination only (:meth:`measure_shortlist`).
         copy_bytes_per_s: charge each probe the host copies of offloaded activations at this
-            rate (:func:`copy_s`; bytes/s), where the probe cannot show them (a CPU run, whose
+            rate (:func:`lever_cost`; bytes/s), where the probe cannot show them (a CPU run, whose
             host is its device); None = the probe's time as measured (a GPU run's copies are in it).
         probe_budget_steps: step times of the fastest plan timed that one choice (:meth:`initial`,
             :meth:`after_oom`) may spend probing (:func:`probe_budget_steps`), counted from the
@@ -286,12 +296,12 @@ class Planner:
         """Plan for ``budget_bytes`` (e.g. the smallest of all ranks' budgets) and ``host_room_bytes``
         (host bytes a rank's offloaded activations may take, None = unbounded:
         :func:`memtrain.memory.machine.offload_host_room_bytes`): candidates above either no
-        longer fit. Pinned host copies count :data:`PINNED_ROUNDING` × the offloaded bytes."""
+        longer fit (the host bytes of each candidate's levers, :attr:`memtrain.levers.LeverCost.host_room_bytes`)."""
         self.budget_bytes = self.bound_bytes = budget_bytes
         self.host_room_bytes = host_room_bytes
         for c in self.candidates:
             c.fits = ((budget_bytes is None or c.predicted_peak_bytes <= budget_bytes)
-                      and (host_room_bytes is None or c.offloaded_bytes * PINNED_ROUNDING <= host_room_bytes))
+                      and (host_room_bytes is None or lever_cost(c).host_room_bytes <= host_room_bytes))
 
     def get(self, plan: Plan) -> Optional[Candidate]:
         """The candidate of ``plan``, or None."""
@@ -391,7 +401,7 @@ class Planner:
             return False
         seconds *= self._per_rank_batch() / samples
         if self.copy_bytes_per_s is not None:
-            seconds += copy_s(c, self.copy_bytes_per_s)
+            seconds += lever_cost(c, self.copy_bytes_per_s).seconds
         c.measured_step_s = seconds if c.measured_step_s is None else min(seconds, c.measured_step_s)
         return True
 
@@ -478,8 +488,9 @@ class Planner:
                                for c in self.candidates]}
 
     def _charged(self, c: Candidate) -> float:
-        """The copies charged to ``c``'s measured time at this planner's rate (0 when not measured)."""
-        return copy_s(c, self.copy_bytes_per_s) if self.copy_bytes_per_s and c.measured_step_s is not None else 0.0
+        """The lever seconds (copies) charged to ``c``'s measured time at this planner's rate (0 when
+        not measured)."""
+        return lever_cost(c, self.copy_bytes_per_s).seconds if self.copy_bytes_per_s and c.measured_step_s is not None else 0.0
 
     def _per_rank_batch(self) -> int:
         return self.candidates[0].micro_batch_size * self.candidates[0].gradient_accumulation_steps if self.candidates else 0

@@ -1,0 +1,83 @@
+"""What an engine module must define: the registry checks it when the module is first loaded
+(:func:`memtrain.backends.engine_module`), so an engine that misses a name the planner, the
+validation or the OOM message asks for fails by name at once, not in the middle of a plan.
+
+An engine is a module ``memtrain.backends.NAME`` (its name in :data:`memtrain.engine_names.ENGINES`)
+satisfying :class:`Engine`; one whose ``VARIANTS`` offload state also satisfies
+:class:`OffloadingEngine`, and one that takes lossy optimizer state :class:`LossyStateEngine`.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, Callable, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """The names every engine module defines (see :mod:`memtrain.backends.ddp` for their meaning).
+
+    Attributes:
+        CHECKPOINT_FORMAT: the checkpoint format it writes (:mod:`memtrain.checkpoint.formats`).
+        VARIANTS: its placements (:class:`memtrain.backends.spec.EngineVariant`).
+        LOSSY_OPTIMIZER_STATE: it takes bf16/int8 optimizer state.
+        SHARDS_OPTIMIZER_STATE: each rank holds a shard of the optimizer state.
+        SETTINGS: its engine settings that are levers (:mod:`memtrain.levers.engine_settings`).
+        READS_DEEPSPEED_CONFIG: ``backend.deepspeed_config`` sets its stage and offload.
+        AUTOCAST_MIXED_PRECISION: its bf16/fp16 is Accelerate's autocast (fp32 parameters, each
+            matrix cast on use), not parameters held in the compute dtype — how the planner's
+            trace computes (:func:`memtrain.memory.step_trace.compute_precision_model`).
+    """
+
+    CHECKPOINT_FORMAT: str
+    VARIANTS: tuple
+    LOSSY_OPTIMIZER_STATE: bool
+    SHARDS_OPTIMIZER_STATE: bool
+    SETTINGS: tuple
+    READS_DEEPSPEED_CONFIG: bool
+    AUTOCAST_MIXED_PRECISION: bool
+    build: Callable[..., Any]
+    model_build_context: Callable[..., Any]
+    state_bytes: Callable[..., dict]
+    validate: Callable[[Any], None]
+    variant_label: Callable[[Any], str]
+    stop_words: Callable[..., str]
+    stop_advice: Callable[..., str]
+    takes_selective_checkpointing: Callable[..., bool]
+    checkpoint_staging_bytes: Callable[..., int]
+    export_bytes_per_parameter: Callable[..., int]
+
+
+@runtime_checkable
+class OffloadingEngine(Protocol):
+    """What an engine with offloading placements adds: the host share of the optimizer state it can
+    hold for a ratio asked for, and the seconds a step of an offloading placement spends beyond
+    the device's compute."""
+
+    offload_ratio: Callable[..., float]
+    offload_seconds: Callable[..., Any]
+
+
+@runtime_checkable
+class LossyStateEngine(Protocol):
+    """What an engine that takes lossy optimizer state adds: AdamW's moments per rank in each dtype."""
+
+    optimizer_state_bytes: Callable[..., int]
+
+
+def check_engine(module: ModuleType, name: str) -> ModuleType:
+    """``module`` if it defines what engine ``name`` must.
+
+    Raises:
+        TypeError: naming the engine and every missing name.
+    """
+    required = [Engine]
+    if any(v.offload != "none" for v in getattr(module, "VARIANTS", ())):
+        required.append(OffloadingEngine)
+    if getattr(module, "LOSSY_OPTIMIZER_STATE", False):
+        required.append(LossyStateEngine)
+    missing = [member for protocol in required for member in protocol.__annotations__ if not hasattr(module, member)]
+    if missing:
+        raise TypeError(f"engine '{name}' ({module.__name__}) does not define {', '.join(missing)} "
+                        "(memtrain/backends/engine.py)")
+    return module
