@@ -2,36 +2,44 @@
 
 Each trainer runs a script a user would write (``benchmarks/peer_scripts/``): transformers'
 ``Trainer`` (DDP; its DeepSpeed ZeRO-2/3 integration with ``--engines``), a plain Accelerate loop,
-and ``memtrain.Trainer``. All start from the same weights (one transformers config, one seed),
-read the same token rows (memtrain's corpus of the standard library, written once to an
-``.npz``; examples ``{"input_ids": ids, "labels": ids}``), take the same global batch,
-micro-batch, AdamW settings, warmup + cosine schedule to the same floor, gradient clipping and
-steps, on 2 CPU ranks (gloo, torchrun). Trainers and repeats alternate (the machine's load
-drifts). One JSON row per trainer, engine and repeat:
+PyTorch Lightning (where ``pytorch-lightning`` is installed: the ``bench`` extra) and
+``memtrain.Trainer``. All start from the same weights (one transformers config, one seed), take
+the same settings (:data:`SETTINGS`, printed into every row: global batch, micro-batch, AdamW's
+every hyperparameter, warmup + cosine schedule to the same floor, gradient clipping, fp32, the
+same steps) and the same global batches in the same order (memtrain's sampler draws them from
+memtrain's corpus of the standard library for a ``data_seed``; the others read them in that
+order, unshuffled: ``peer_scripts/shared.py``), on 2 CPU ranks (gloo, torchrun). Each repeat
+draws another data seed and runs every trainer once, in turn (the machine's load drifts). One
+JSON row per trainer, engine and repeat:
 
-    trainer, engine, repeat, tokens_per_s (global batch × tokens per sample ÷ the median optimizer
-    step after the first two, the trainer's own step ends: a callback, the loop, memtrain's
-    records), peak_bytes (the largest ``ru_maxrss`` of the ranks: resident memory, the same
-    counter for every trainer), val_loss (the saved model's mean next-token loss on the same
-    validation rows, computed here by one function for all), user_lines (the trainer's script,
-    without blank lines, comments and docstrings)
+    trainer, engine, repeat, data_seed, tokens_per_s (global batch × tokens per sample ÷ the
+    median optimizer step after the first two, the trainer's own step ends: a callback, the loop,
+    memtrain's records), tokens_per_cpu_s (the tokens of the steps after the first two ÷ the CPU
+    seconds of both ranks' processes over those steps: what the load of other processes cannot
+    shorten or stretch much), peak_bytes (the largest ``ru_maxrss`` of the ranks: resident memory,
+    the same counter for every trainer), val_loss (the saved model's mean next-token loss on the
+    same validation rows, computed here by one function for all), user_lines (the trainer's
+    script, without blank lines, comments and docstrings)
 
-and a ``summary`` row per trainer and engine: min / median / max of each over the repeats.
+a ``summary`` row per trainer and engine: min / median / max of each over the repeats; and a
+``paired`` row per peer and engine: memtrain's tokens_per_cpu_s and tokens_per_s ÷ the peer's in
+the same repeat, min / median / max over repeats.
 
     python benchmarks/peers.py                      # DDP: 3 trainers × 3 repeats, 30 steps
     python benchmarks/peers.py --engines ddp,zero2  # also transformers' and memtrain's ZeRO-2
     python benchmarks/peers.py --quick              # 3 steps, 1 repeat (the tests)
     python benchmarks/peers.py --results            # also append the rows to benchmarks/results/
 
-Not here yet (the issue that asked for this table says what is left): Lightning (not a
-dependency of memtrain), FSDP under transformers' Trainer on CPU, and what each trainer does when
-memory runs out under one budget.
+Not here yet (the issue that asked for this table says what is left): FSDP under transformers'
+Trainer and Lightning's ZeRO on CPU, the memory column broken down, and what each trainer does
+when memory runs out under one budget.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import io
 import json
 import os
@@ -51,9 +59,13 @@ SCRIPTS = Path(__file__).resolve().parent / "peer_scripts"
 sys.path.insert(0, str(SCRIPTS))
 from shared import build_model  # noqa: E402
 
-TRAINERS = {"memtrain": "memtrain_trainer.py", "hf_trainer": "hf_trainer.py", "accelerate": "accelerate_loop.py"}
+TRAINERS = {"memtrain": "memtrain_trainer.py", "hf_trainer": "hf_trainer.py", "accelerate": "accelerate_loop.py",
+            "lightning": "lightning_module.py"}
 """trainer → its script in ``benchmarks/peer_scripts/``."""
-ENGINES_OF = {"memtrain": ("ddp", "fsdp", "zero2", "zero3"), "hf_trainer": ("ddp", "zero2"), "accelerate": ("ddp",)}
+INSTALLED = tuple(t for t in TRAINERS if t != "lightning" or importlib.util.find_spec("pytorch_lightning"))
+"""The trainers run by default: Lightning where ``pytorch-lightning`` is installed (the ``bench`` extra)."""
+ENGINES_OF = {"memtrain": ("ddp", "fsdp", "zero2", "zero3"), "hf_trainer": ("ddp", "zero2"), "accelerate": ("ddp",),
+              "lightning": ("ddp",)}
 """The engines each trainer runs here. Not transformers' ZeRO-3 on CPU ranks: its DeepSpeed config
 is resolved before the process group, so DeepSpeed asserts a train batch of micro-batch ×
 accumulation × 1 rank (transformers 5.24, DeepSpeed 0.19.8); nor its FSDP (not tried yet)."""
@@ -62,19 +74,26 @@ MODEL = {"model_type": "gpt2", "n_layer": 4, "n_embd": 64, "n_head": 4, "n_posit
 """The benchmarks' CPU model (``common.CPU_ARGS``: 0.27M parameters with the 1024-token vocabulary)."""
 SETTINGS = {"seed": 1234, "global_batch_size": 16, "micro_batch_size": 4, "lr": 3e-3, "warmup_steps": 2,
             "min_lr_ratio": 0.1, "weight_decay": 0.1, "max_grad_norm": 1.0, "adam_beta1": 0.9, "adam_beta2": 0.95,
-            "adam_eps": 1e-8}
+            "adam_eps": 1e-8, "precision": "fp32", "schedule": "warmup from 0, cosine to min_lr_ratio",
+            "decay": "matrices only", "threads_per_rank": "torch's default"}
 """What every trainer is given (global batch 16 on 2 ranks: micro-batch 4, accumulation 2); AdamW's
-betas and epsilon too (memtrain's defaults; transformers' and torch's are 0.999 for beta2)."""
+betas and epsilon too (memtrain's defaults; transformers' and torch's are 0.999 for beta2). Each
+script reads its numbers from here; the words say what each script does alike."""
+FIRST_DATA_SEED = 1
+"""Repeat ``r`` draws its global batches with data seed ``FIRST_DATA_SEED + r``."""
 VOCAB, SEQ_LEN, VALIDATION_ROWS = 1024, 64, 64
 
 
-def write_data(folder: str, steps: int, cache_dir: str | None, vocab: int = VOCAB, seq_len: int = SEQ_LEN,
-               global_batch_size: int = SETTINGS["global_batch_size"]) -> str:
+def write_data(folder: str, steps: int, cache_dir: str | None, data_seed: int = FIRST_DATA_SEED, vocab: int = VOCAB,
+               seq_len: int = SEQ_LEN, global_batch_size: int = SETTINGS["global_batch_size"]) -> str:
     """The rows every trainer reads: memtrain's corpus (the standard library, the benchmarks'
-    1 MB slice and a ``vocab``-token tokenizer), ``steps`` global batches of training rows and
-    :data:`VALIDATION_ROWS` validation rows, int32 [N, ``seq_len``] in ``folder/data.npz``."""
+    1 MB slice and a ``vocab``-token tokenizer), ``steps`` global batches of training rows
+    (``train``; ``train_in_order``: the same rows as memtrain's sampler orders them for
+    ``data_seed``, global batch after global batch) and :data:`VALIDATION_ROWS` validation rows,
+    int32 [N, ``seq_len``] in ``folder/data-<data_seed>.npz``."""
     from memtrain.config import parse_args
     from memtrain.data import build_corpus
+    from memtrain.data.sampler import Cursor, GlobalBatchSampler
 
     cfg = parse_args(["--config", str(REPO / "recipes" / "code_lm_tiny.yaml"), "--data.max_bytes", "1000000",
                       "--data.vocab_size", str(vocab), "--data.seq_len", str(seq_len)]
@@ -83,8 +102,11 @@ def write_data(folder: str, steps: int, cache_dir: str | None, vocab: int = VOCA
     n = global_batch_size * steps
     if n > len(corpus.train):
         raise SystemExit(f"--steps {steps}: {n} rows wanted, the corpus has {len(corpus.train)}")
-    path = os.path.join(folder, "data.npz")
-    np.savez(path, train=corpus.train.batch(np.arange(n))["input_ids"].numpy().astype(np.int32),
+    path = os.path.join(folder, f"data-{data_seed}.npz")
+    train = corpus.train.batch(np.arange(n))["input_ids"].numpy().astype(np.int32)
+    sampler = GlobalBatchSampler(n, global_batch_size, data_seed)
+    order = np.concatenate([sampler.global_batch(Cursor(0, step)) for step in range(steps)])
+    np.savez(path, train=train, train_in_order=train[order],
              validation=corpus.validation.batch(np.arange(VALIDATION_ROWS))["input_ids"].numpy().astype(np.int32))
     return path
 
@@ -149,7 +171,10 @@ def run_peer(trainer: str, engine: str, settings: dict, folder: str, timeout: fl
     ends = records[0]["step_end_s"]
     steps = [b - a for a, b in zip(ends, ends[1:])][1:]  # after the first two steps
     tokens = settings["global_batch_size"] * SEQ_LEN
-    return {**row, "steps": len(ends), "tokens_per_s": tokens / statistics.median(steps) if steps else None,
+    cpu = sum(r["step_end_cpu_s"][-1] - r["step_end_cpu_s"][1] for r in records) if len(ends) > 2 else 0.0
+    return {**row, "data_seed": settings["data_seed"], "steps": len(ends),
+            "tokens_per_s": tokens / statistics.median(steps) if steps else None,
+            "tokens_per_cpu_s": tokens * (len(ends) - 2) / cpu if cpu > 0 else None,
             "peak_bytes": max(r["peak_rss_bytes"] for r in records), "peak_counter": "ru_maxrss",
             "val_loss": val_loss(os.path.join(out, "model"), settings["data"]),
             "initial_val_loss": settings["initial_val_loss"]}
@@ -167,16 +192,30 @@ def summary(rows: list[dict]) -> list[dict]:
 
     return [{"benchmark": "peers", "summary": True, "trainer": t, "engine": e, "repeats": len(g),
              "failed": sum("failed" in r for r in g),
-             **{k: measured([r.get(k) for r in g]) for k in ("tokens_per_s", "peak_bytes", "val_loss")},
+             **{k: measured([r.get(k) for r in g]) for k in ("tokens_per_s", "tokens_per_cpu_s", "peak_bytes", "val_loss")},
              "user_lines": g[0]["user_lines"]} for (t, e), g in groups.items()]
+
+
+def paired(rows: list[dict]) -> list[dict]:
+    """memtrain ÷ each peer, per engine, within each repeat (the same data seed, run one after the
+    other): min / median / max over repeats of tokens_per_cpu_s and tokens_per_s."""
+    by = {(r["trainer"], r["engine"], r["repeat"]): r for r in rows if "failed" not in r}
+    out = []
+    for (trainer, engine) in sorted({(t, e) for t, e, _ in by if t != "memtrain"}):
+        pairs = [(by[("memtrain", engine, rep)], by[(trainer, engine, rep)]) for t, e, rep in by
+                 if (t, e) == (trainer, engine) and ("memtrain", engine, rep) in by]
+        ratios = {k: [m[k] / p[k] for m, p in pairs if m.get(k) and p.get(k)] for k in ("tokens_per_cpu_s", "tokens_per_s")}
+        out.append({"benchmark": "peers", "paired": True, "trainer": trainer, "engine": engine, "pairs": len(pairs),
+                    **{f"memtrain_over_peer_{k}": spread(v) if v else None for k, v in ratios.items()}})
+    return out
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 steps, 1 repeat (prints only)")
-    parser.add_argument("--trainers", default=",".join(TRAINERS), help="comma-separated subset of " + ",".join(TRAINERS))
+    parser.add_argument("--trainers", default=",".join(INSTALLED), help="comma-separated subset of " + ",".join(TRAINERS))
     parser.add_argument("--engines", default="ddp", help="comma-separated: ddp, fsdp, zero2, zero3 (where the trainer has it)")
-    parser.add_argument("--repeats", type=int, default=3, help="alternating repeats")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating repeats, each with its own data seed")
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
     parser.add_argument("--results", action="store_true", help="append to benchmarks/results/ (not with --quick)")
     parser.add_argument("--data_cache_dir", default=None, help="a corpus cache to reuse (data.cache_dir)")
@@ -185,18 +224,19 @@ def main(argv=None) -> int:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     folder = scratch_dir("peers")
     try:
-        settings = {**SETTINGS, "model": {**MODEL, "vocab_size": VOCAB}, "max_steps": steps,
-                    "data": write_data(folder, steps, opts.data_cache_dir), **deepspeed_configs(folder)}
-        settings["initial_val_loss"] = initial_val_loss(settings)
+        base = {**SETTINGS, "model": {**MODEL, "vocab_size": VOCAB}, "max_steps": steps, **deepspeed_configs(folder)}
         runs = [(t, e) for e in opts.engines.split(",") for t in opts.trainers.split(",") if e in ENGINES_OF[t]]
         rows = []
         for repeat in range(repeats):
+            seed = FIRST_DATA_SEED + repeat
+            settings = {**base, "data_seed": seed, "data": write_data(folder, steps, opts.data_cache_dir, seed)}
+            settings["initial_val_loss"] = initial_val_loss(settings)
             for trainer, engine in runs:
                 row = {**run_peer(trainer, engine, settings, folder, timeout=1800), "repeat": repeat,
                        "settings": SETTINGS}  # the same for every trainer, printed into its row
                 rows.append(row)
                 emit("peers", "cpu", row, save=opts.results and not opts.quick)
-        for row in summary(rows):
+        for row in summary(rows) + paired(rows):
             emit("peers", "cpu", row, save=opts.results and not opts.quick)
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -139,6 +139,7 @@ class TrainingLoop(RunOutputs):
                 if resumed is None and self.evaluator.active:
                     self.state.initial_val_loss = self.state.val_loss = self.evaluator(self.model)["loss"]
                 session_start_targets, run_start = self.state.targets_seen, time.perf_counter()
+                self._cpu_start = time.process_time()
                 self._callback("on_train_begin")
                 records, stopped_by = self._train(metrics, resumed, preemption, collector, run_start)
             finally:
@@ -457,7 +458,8 @@ class TrainingLoop(RunOutputs):
     def _record(self, outcome: StepOutcome, run_start: float) -> dict[str, Any]:
         """The step's ``metrics.jsonl`` record (:mod:`memtrain.records`), without events yet."""
         record = step_record(self.state, outcome, self.cfg.training.global_batch_size, self.objective.unit,
-                             peak_memory_bytes(self.process.device), time.perf_counter() - run_start)
+                             peak_memory_bytes(self.process.device), time.perf_counter() - run_start,
+                             time.process_time() - self._cpu_start)
         utilisation = mfu(record[f"{self.objective.unit}_per_s"], self.flops_per_token, self.peak_flops,
                           self.process.world_size)
         if utilisation is not None:

@@ -2,7 +2,7 @@
 
 The record contract: ``step``, ``epoch``, ``loss``, ``lr``, ``grad_norm``, ``micro_batch_size``,
 ``gradient_accumulation_steps``, ``global_batch_size``, ``samples_seen``, ``<unit>_seen``,
-``<unit>_per_s``, ``peak_memory_bytes``, ``elapsed_s``, ``batch_fingerprint``; ``val_<metric>``
+``<unit>_per_s``, ``peak_memory_bytes``, ``elapsed_s``, ``cpu_s``, ``batch_fingerprint``; ``val_<metric>``
 on evaluation steps; ``mfu`` (model FLOPs utilisation, :mod:`memtrain.flops`) for a language
 model in bf16/fp16 on a GPU of known peak; ``simulated_peak_bytes`` under ``faults.memory_budget_mib`` (and
 ``simulated_host_peak_bytes``: the activations offloaded to host memory, where any were);
@@ -45,16 +45,19 @@ class StepOutcome:
 
 
 def step_record(state: TrainState, outcome: StepOutcome, global_batch_size: int, unit: str,
-                peak_memory_bytes: int, elapsed_s: float) -> dict[str, Any]:
+                peak_memory_bytes: int, elapsed_s: float, cpu_s: float = 0.0) -> dict[str, Any]:
     """The ``metrics.jsonl`` record of the step ``state`` was just advanced to (without events);
-    the plan that completed it: its split and each lever's setting under the lever's name."""
+    the plan that completed it: its split and each lever's setting under the lever's name.
+    ``elapsed_s`` and ``cpu_s``: wall and process CPU seconds (every thread of this rank's process,
+    ``time.process_time``) since this session's training began."""
     return {
         "step": state.step, "epoch": state.epoch, "loss": outcome.loss, "lr": outcome.lr,
         "grad_norm": outcome.grad_norm, "micro_batch_size": outcome.plan.micro_batch_size,
         "gradient_accumulation_steps": outcome.plan.gradient_accumulation_steps, **outcome.plan.settings(),
         "global_batch_size": global_batch_size, "samples_seen": state.samples_seen,
         f"{unit}_seen": state.targets_seen, f"{unit}_per_s": outcome.count / outcome.seconds,
-        "peak_memory_bytes": peak_memory_bytes, "elapsed_s": elapsed_s, "batch_fingerprint": outcome.fingerprint,
+        "peak_memory_bytes": peak_memory_bytes, "elapsed_s": elapsed_s, "cpu_s": cpu_s,
+        "batch_fingerprint": outcome.fingerprint,
     }
 
 

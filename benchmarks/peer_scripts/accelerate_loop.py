@@ -6,24 +6,16 @@ import os
 import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
-from transformers import get_scheduler
 
-from shared import SETTINGS, StepClock, examples, finish, model
+from shared import SETTINGS, StepClock, examples, finish, model, optimizer_and_schedule
 
 s = SETTINGS
 accumulation = s["global_batch_size"] // (s["micro_batch_size"] * int(os.environ.get("WORLD_SIZE", 1)))
 accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
 net = model()
-decay = [p for p in net.parameters() if p.dim() >= 2]
-no_decay = [p for p in net.parameters() if p.dim() < 2]
-optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": s["weight_decay"]},
-                               {"params": no_decay, "weight_decay": 0.0}], lr=s["lr"],
-                              betas=(s["adam_beta1"], s["adam_beta2"]), eps=s["adam_eps"])
 # a prepared scheduler steps once per process per optimizer step (transformers' run_clm_no_trainer.py)
-scheduler = get_scheduler("cosine_with_min_lr", optimizer, num_warmup_steps=s["warmup_steps"] * accelerator.num_processes,
-                          num_training_steps=s["max_steps"] * accelerator.num_processes,
-                          scheduler_specific_kwargs={"min_lr_rate": s["min_lr_ratio"]})
-loader = DataLoader(examples(), batch_size=s["micro_batch_size"], shuffle=True, drop_last=True)
+optimizer, scheduler = optimizer_and_schedule(net.parameters(), steps_per_step=accelerator.num_processes)
+loader = DataLoader(examples(), batch_size=s["micro_batch_size"], shuffle=False, drop_last=True)  # the shared order
 net, optimizer, loader, scheduler = accelerator.prepare(net, optimizer, loader, scheduler)
 clock, step = StepClock(), 0
 for epoch in range(math.ceil(s["max_steps"] * accumulation / len(loader))):

@@ -4,7 +4,7 @@ import os
 
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from shared import SETTINGS, StepClock, examples, finish, model
+from shared import SETTINGS, StepClock, examples, finish, model, optimizer_and_schedule
 
 s = SETTINGS
 engine = {"ddp": {}, "zero2": {"deepspeed": s.get("deepspeed_zero2")}, "zero3": {"deepspeed": s.get("deepspeed_zero3")},
@@ -16,8 +16,8 @@ args = TrainingArguments(
     gradient_accumulation_steps=s["global_batch_size"] // (s["micro_batch_size"] * world_size),
     learning_rate=s["lr"], weight_decay=s["weight_decay"], max_grad_norm=s["max_grad_norm"],
     adam_beta1=s["adam_beta1"], adam_beta2=s["adam_beta2"], adam_epsilon=s["adam_eps"],
-    lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": s["min_lr_ratio"]},
-    warmup_steps=s["warmup_steps"], logging_steps=1, save_strategy="no", report_to=[], **engine)
+    warmup_steps=s["warmup_steps"], logging_steps=1, save_strategy="no", report_to=[],
+    train_sampling_strategy="sequential", **engine)  # the shared order
 
 
 class Clock(TrainerCallback):
@@ -29,7 +29,10 @@ class Clock(TrainerCallback):
 
 
 clock = Clock()
-trainer = Trainer(model=model(), args=args, train_dataset=examples(), callbacks=[clock])
+net = model()
+# the shared optimizer and schedule under DDP; transformers' DeepSpeed integration builds its own from args
+optimizers = optimizer_and_schedule(net.parameters()) if not engine else (None, None)
+trainer = Trainer(model=net, args=args, train_dataset=examples(), callbacks=[clock], optimizers=optimizers)
 trainer.train()
 trainer.save_model(f"{s['out']}/model")
 finish(clock.clock, args.process_index)

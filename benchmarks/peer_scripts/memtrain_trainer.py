@@ -10,11 +10,12 @@ engine = {"ddp": {"name": "ddp"}, "fsdp": {"name": "fsdp"}, "zero2": {"name": "d
           "zero3": {"name": "deepspeed", "zero_stage": 3}}[os.environ.get("PEERS_ENGINE", "ddp")]
 settings = {"output_dir": s["out"], "precision": "fp32", "backend": engine, "checkpoint": {"every_steps": 0},
             "training": {"global_batch_size": s["global_batch_size"], "micro_batch_size": s["micro_batch_size"],
-                         "max_steps": s["max_steps"], "seed": s["seed"], "lr": s["lr"], "warmup_steps": s["warmup_steps"],
+                         "max_steps": s["max_steps"], "seed": s["data_seed"], "lr": s["lr"], "warmup_steps": s["warmup_steps"],
                          "min_lr_ratio": s["min_lr_ratio"], "weight_decay": s["weight_decay"],
                          "max_grad_norm": s["max_grad_norm"], "adam_beta1": s["adam_beta1"],
                          "adam_beta2": s["adam_beta2"], "adam_eps": s["adam_eps"], "eval_every": 0}}
 clock = StepClock()
-result = memtrain.Trainer(settings, model=model, train_dataset=examples()).fit()
-clock.times += [clock.times[0] + r["elapsed_s"] for r in result.records]  # memtrain's own step clock
+result = memtrain.Trainer(settings, model=model, train_dataset=examples("train")).fit()  # its sampler: the order
+clock.times += [clock.times[0] + r["elapsed_s"] for r in result.records]  # memtrain's own step clocks
+clock.cpu_times += [clock.cpu_times[0] + r["cpu_s"] for r in result.records]
 finish(clock, int(os.environ.get("RANK", 0)))

@@ -2,11 +2,17 @@
 settings (a JSON file named by ``PEERS_SETTINGS``), the data (token rows [N, T] in an ``.npz``
 file, examples ``{"input_ids": ids, "labels": ids}`` in transformers' convention), the model
 (a transformers config built from the same seed) and the record each rank writes at the end.
-Not counted as user code: each trainer needs the same."""
+Not counted as user code: each trainer needs the same.
+
+The data order is one for all: memtrain reads ``train`` and draws its global batches with its
+own sampler (seeded by ``data_seed``); the ``.npz`` also holds those global batches one after
+the other (``train_in_order``), which the other trainers read without shuffling, so every
+trainer's optimizer step ``k`` averages the gradients of the same rows."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import time
@@ -16,14 +22,16 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 SETTINGS = json.load(open(os.environ["PEERS_SETTINGS"])) if "PEERS_SETTINGS" in os.environ else {}
-"""``data`` (.npz with ``train``/``validation``), ``model`` (a transformers config dict), ``seed``,
+"""``data`` (.npz with ``train``, ``train_in_order`` and ``validation``), ``model`` (a transformers
+config dict), ``seed`` (the weights'), ``data_seed`` (the global batches' order),
 ``global_batch_size``, ``micro_batch_size``, ``lr``, ``warmup_steps``, ``min_lr_ratio``,
 ``weight_decay``, ``max_grad_norm``, ``adam_beta1``, ``adam_beta2``, ``adam_eps``, ``max_steps``, ``out``
 (this run's folder)."""
 
 
-def examples(split: str = "train") -> list[dict]:
-    """The split's rows as examples ``{"input_ids": ids, "labels": ids}`` (int64 [T] each)."""
+def examples(split: str = "train_in_order") -> list[dict]:
+    """The split's rows as examples ``{"input_ids": ids, "labels": ids}`` (int64 [T] each): by
+    default the global batches in the order every trainer takes them (read them unshuffled)."""
     rows = np.load(SETTINGS["data"])[split].astype(np.int64)
     return [{"input_ids": torch.from_numpy(r), "labels": torch.from_numpy(r)} for r in rows]
 
@@ -40,20 +48,46 @@ def model() -> torch.nn.Module:
     return build_model(SETTINGS)
 
 
+def optimizer_and_schedule(params, steps_per_step: int = 1):
+    """AdamW with :data:`SETTINGS`' hyperparameters, weight decay on matrices only (biases and norms
+    without), and the schedule every trainer follows, memtrain's (``memtrain/optim.py``): the
+    learning rate of optimizer step ``k + 1`` is ``lr × (k + 1) / warmup_steps`` during warmup,
+    then a cosine from ``lr`` to ``lr × min_lr_ratio`` at ``max_steps``. ``steps_per_step``: times
+    the scheduler is stepped per optimizer step (a prepared Accelerate scheduler: once per process).
+    Returns ``(optimizer, scheduler)``."""
+    s = SETTINGS
+    params = list(params)
+    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": s["weight_decay"]},
+                                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=s["lr"],
+                                  betas=(s["adam_beta1"], s["adam_beta2"]), eps=s["adam_eps"])
+
+    def multiplier(count: int) -> float:
+        k = count // steps_per_step
+        if k < s["warmup_steps"]:
+            return (k + 1) / s["warmup_steps"]
+        progress = min(1.0, (k - s["warmup_steps"]) / max(1, s["max_steps"] - s["warmup_steps"]))
+        return s["min_lr_ratio"] + (1 - s["min_lr_ratio"]) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
+
+
 class StepClock:
-    """Wall-clock seconds at the end of each optimizer step (``tick``), the same clock for every trainer."""
+    """Wall-clock and process CPU seconds (every thread of this rank: ``time.process_time``) at the
+    end of each optimizer step (``tick``), the same clocks for every trainer."""
 
     def __init__(self):
-        self.times = [time.perf_counter()]
+        self.times, self.cpu_times = [time.perf_counter()], [time.process_time()]
 
     def tick(self) -> None:
         self.times.append(time.perf_counter())
+        self.cpu_times.append(time.process_time())
 
 
 def finish(clock: StepClock, rank: int) -> None:
-    """Write this rank's record: its step end times and its peak resident memory (bytes,
-    ``getrusage``'s ``ru_maxrss``: the same counter for every trainer)."""
+    """Write this rank's record: its step end times (wall and CPU) and its peak resident memory
+    (bytes, ``getrusage``'s ``ru_maxrss``: the same counter for every trainer)."""
     record = {"rank": rank, "step_end_s": [t - clock.times[0] for t in clock.times[1:]],
+              "step_end_cpu_s": [t - clock.cpu_times[0] for t in clock.cpu_times[1:]],
               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     os.makedirs(SETTINGS["out"], exist_ok=True)
     with open(os.path.join(SETTINGS["out"], f"record_{rank}.json"), "w") as fh:
