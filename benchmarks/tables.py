@@ -339,20 +339,32 @@ def host_step_rates(device: str) -> str:
 
 def peers(device: str) -> str:
     """``benchmarks/peers.py``: per engine and trainer, the newest summary row (min / median / max
-    over its repeats) and the commit it measured."""
-    rows = newest_by("peers", device, lambda row: (row.get("summary", False), row.get("engine"), row.get("trainer")))
-    out = ["| engine | trainer | repeats (failed) | tokens/s (min / median / max) | peak resident MiB, largest rank "
-           "(min / median / max) | validation loss (min / median / max) | lines of user code | commit |",
-           "|---|---|---|---|---|---|---|---|"]
-    for (summary, engine, trainer), r in sorted(rows.items(), key=lambda kv: (list(ENGINE_NAMES).index(kv[0][1]),
-                                                                          kv[0][2] != "memtrain", kv[0][2])):
+    over its repeats) and the commit it measured; then memtrain's paired ratios to each peer."""
+    rows = newest_by("peers", device, lambda row: (row.get("summary", False), row.get("paired", False),
+                                                   row.get("engine"), row.get("trainer")))
+    order = lambda kv: (list(ENGINE_NAMES).index(kv[0][2]), kv[0][3] != "memtrain", kv[0][3])  # noqa: E731
+    out = ["| engine | trainer | repeats (failed) | tokens/s (min / median / max) | tokens per CPU-second, both "
+           "ranks (min / median / max) | peak resident MiB, largest rank (min / median / max) | validation loss "
+           "(min / median / max) | lines of user code | commit |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for (summary, pair, engine, trainer), r in sorted(rows.items(), key=order):
         if not summary:
             continue
         mib = {k: v / 2**20 for k, v in r["peak_bytes"].items()} if r["peak_bytes"] else None
-        cells = [spread(r[k], f) if r[k] else "n/a" for k, f in (("tokens_per_s", "{:,.0f}"), ("val_loss", "{:.3f}"))]
-        out.append(f"| {ENGINE_NAMES[engine]} | {trainer} | {r['repeats']} ({r['failed']}) | {cells[0]} "
-                   f"| {spread(mib, '{:,.0f}') if mib else 'n/a'} | {cells[1]} | {r['user_lines']} "
+        cells = [spread(r[k], f) if r.get(k) else "n/a" for k, f in (
+            ("tokens_per_s", "{:,.0f}"), ("tokens_per_cpu_s", "{:,.0f}"), ("val_loss", "{:.4f}"))]
+        out.append(f"| {ENGINE_NAMES[engine]} | {trainer} | {r['repeats']} ({r['failed']}) | {cells[0]} | {cells[1]} "
+                   f"| {spread(mib, '{:,.0f}') if mib else 'n/a'} | {cells[2]} | {r['user_lines']} "
                    f"| {(r.get('commit') or 'none')[:7]} |")
+    paired = [(k, r) for k, r in sorted(rows.items(), key=order) if k[1]]
+    if paired:
+        out += ["", "| engine | memtrain ÷ | pairs | tokens per CPU-second (min / median / max) | tokens/s "
+                "(min / median / max) | commit |", "|---|---|---|---|---|---|"]
+        for (_, _, engine, trainer), r in paired:
+            cells = [spread(r[k]) if r.get(k) else "n/a" for k in ("memtrain_over_peer_tokens_per_cpu_s",
+                                                                    "memtrain_over_peer_tokens_per_s")]
+            out.append(f"| {ENGINE_NAMES[engine]} | {trainer} | {r['pairs']} | {cells[0]} | {cells[1]} "
+                       f"| {(r.get('commit') or 'none')[:7]} |")
     return "\n".join(out)
 
 
