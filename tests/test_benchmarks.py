@@ -305,10 +305,11 @@ def test_the_exhaustive_solver_times_each_setting_at_its_largest_fitting_micro_b
                                                "--memory.chunked_cross_entropy", "true"]
 
 
-LOSS_AGREEMENT = 1e-3
-"""How far apart the peers' validation losses may be after the same 3 steps (nats): memtrain, the
-Accelerate loop and Lightning agree to every printed digit, transformers' Trainer within 4e-4;
-Lightning with its own distributed sampler (which shuffles) was 0.011 apart."""
+LOSS_AGREEMENT = 1e-4
+"""How far apart the peers' validation losses may be after the same 3 steps (nats): all agree to
+every printed digit. Lightning with its own distributed sampler (which shuffles) was 0.011 apart,
+and transformers' Trainer 3.1e-4 while the first token's label was not -100 (it averages the loss
+over the count of labels, one per row more than the shifted loss has)."""
 
 
 @pytest.mark.timeout(900)

@@ -33,7 +33,9 @@ def examples(split: str = "train_in_order") -> list[dict]:
     """The split's rows as examples ``{"input_ids": ids, "labels": ids}`` (int64 [T] each): by
     default the global batches in the order every trainer takes them (read them unshuffled)."""
     rows = np.load(SETTINGS["data"])[split].astype(np.int64)
-    return [{"input_ids": torch.from_numpy(r), "labels": torch.from_numpy(r)} for r in rows]
+    labels = rows.copy()
+    labels[:, 0] = -100  # no token predicts the first: transformers' Trainer counts labels to average the loss
+    return [{"input_ids": torch.from_numpy(r), "labels": torch.from_numpy(lab)} for r, lab in zip(rows, labels)]
 
 
 def build_model(settings: dict) -> torch.nn.Module:
