@@ -60,12 +60,16 @@ sys.path.insert(0, str(SCRIPTS))
 from shared import build_model  # noqa: E402
 
 TRAINERS = {"memtrain": "memtrain_trainer.py", "hf_trainer": "hf_trainer.py", "accelerate": "accelerate_loop.py",
-            "lightning": "lightning_module.py"}
-"""trainer → its script in ``benchmarks/peer_scripts/``."""
-INSTALLED = tuple(t for t in TRAINERS if t != "lightning" or importlib.util.find_spec("pytorch_lightning"))
+            "lightning": "lightning_module.py", "memtrain_glibc": "memtrain_trainer.py"}
+"""trainer → its script in ``benchmarks/peer_scripts/``. ``memtrain_glibc`` (not run by default) is
+memtrain with ``memory.host_allocator_thresholds false``: glibc's malloc thresholds left to move as
+they do in the peers' processes, where a CPU run of memtrain fixes them at 128 KiB so that the
+host bytes it plans hold (memtrain/host_allocator.py)."""
+INSTALLED = tuple(t for t in TRAINERS if t != "memtrain_glibc"
+                  and (t != "lightning" or importlib.util.find_spec("pytorch_lightning")))
 """The trainers run by default: Lightning where ``pytorch-lightning`` is installed (the ``bench`` extra)."""
 ENGINES_OF = {"memtrain": ("ddp", "fsdp", "zero2", "zero3"), "hf_trainer": ("ddp", "zero2"), "accelerate": ("ddp",),
-              "lightning": ("ddp",)}
+              "lightning": ("ddp",), "memtrain_glibc": ("ddp", "fsdp", "zero2", "zero3")}
 """The engines each trainer runs here. Not transformers' ZeRO-3 on CPU ranks: its DeepSpeed config
 is resolved before the process group, so DeepSpeed asserts a train batch of micro-batch ×
 accumulation × 1 rank (transformers 5.24, DeepSpeed 0.19.8); nor its FSDP (not tried yet)."""
@@ -159,7 +163,7 @@ def run_peer(trainer: str, engine: str, settings: dict, folder: str, timeout: fl
     path = os.path.join(folder, f"settings-{trainer}-{engine}.json")
     with open(path, "w") as fh:
         json.dump({**settings, "out": out}, fh)
-    env = {"PEERS_SETTINGS": path, "PEERS_ENGINE": engine,
+    env = {"PEERS_SETTINGS": path, "PEERS_ENGINE": engine, "PEERS_TRAINER": trainer,
            "PYTHONPATH": os.pathsep.join([str(SCRIPTS), str(REPO), os.environ.get("PYTHONPATH", "")])}
     script = str(SCRIPTS / TRAINERS[trainer])
     row = {"benchmark": "peers", "trainer": trainer, "engine": engine, "user_lines": user_lines(SCRIPTS / TRAINERS[trainer])}
