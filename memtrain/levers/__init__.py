@@ -21,8 +21,9 @@ LEVERS: tuple[Lever, ...] = (ActivationCheckpointing(), ChunkedCrossEntropy(), A
                              ReshardAfterForward(), OffloadOptimizerRatio(), OptimizerStateDtype())
 """Every lever memtrain has, in the order the OOM recovery escalates them."""
 
-__all__ = ["LEVERS", "Lever", "LeverCost", "LeverTarget", "PlanFacts", "lever", "plan_cost", "resume_rules", "lever_choices", "allowed_by", "apply_levers", "recompute_fraction",
-           "describe", "other_lever_words", "lever_events", "first_settings", "restore_settings", "offered_choices"]
+__all__ = ["LEVERS", "Lever", "LeverCost", "LeverTarget", "PlanFacts", "lever", "lever_choices", "allowed_by",
+           "apply_levers", "recompute_fraction", "plan_cost", "resume_rules", "describe", "other_lever_words",
+           "lever_events", "first_settings", "restore_settings", "offered_choices"]
 
 
 def lever(name: str) -> Lever:
