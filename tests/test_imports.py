@@ -182,5 +182,9 @@ def test_an_engine_is_checked_when_registered(monkeypatch):
     partial.VARIANTS = backends.engine_module("fsdp").VARIANTS  # offloading placements ask for more
     with pytest.raises(TypeError, match="offload_ratio, offload_seconds"):
         check_engine(partial, "partial")
+    monkeypatch.setattr(backends, "_CHECKED", {})  # the registry checks a module it loads
+    monkeypatch.delattr(ddp, "AUTOCAST_MIXED_PRECISION")
+    with pytest.raises(TypeError, match="engine 'ddp'.*AUTOCAST_MIXED_PRECISION"):
+        backends.engine_module("ddp")
     hints = typing.get_type_hints(BackendConfig)
     assert typing.get_args(hints["name"]) == ("auto", *ENGINES)

@@ -27,7 +27,7 @@ The levers' own rules come in from the caller (:func:`memtrain.levers.resume_rul
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from memtrain.config import ConfigError
@@ -84,8 +84,8 @@ class ResumeRules:
         takes_effect: config keys whose change needs a rule → the rule, as logged.
     """
 
-    must_match: tuple[str, ...] = MUST_MATCH
-    takes_effect: Mapping[str, str] = field(default_factory=lambda: dict(TAKES_EFFECT))
+    must_match: tuple[str, ...]
+    takes_effect: Mapping[str, str]
 
     @classmethod
     def with_levers(cls, lever_rules: Mapping[str, str]) -> "ResumeRules":
@@ -107,7 +107,7 @@ class ResumeRules:
         check_resumable(path, manifest, config, identity, self.must_match)
 
 
-def settings_classes(config: dict, must_match: tuple[str, ...] = MUST_MATCH, prefix: str = "") -> dict[str, str]:
+def settings_classes(config: dict, must_match: tuple[str, ...], prefix: str = "") -> dict[str, str]:
     """Every leaf key of ``config`` (a :func:`memtrain.config.to_dict`; ``model.config``,
     ``data.speech`` and the list values are leaves) → ``must_match`` (in ``must_match``) or
     ``takes_effect``."""
@@ -121,7 +121,7 @@ def settings_classes(config: dict, must_match: tuple[str, ...] = MUST_MATCH, pre
     return out
 
 
-def changed_settings(manifest: dict, config: dict, must_match: tuple[str, ...] = MUST_MATCH) -> dict[str, list]:
+def changed_settings(manifest: dict, config: dict, must_match: tuple[str, ...]) -> dict[str, list]:
     """The settings that take effect on resume (not in ``must_match``) and differ from the
     checkpoint's: key → ``[checkpoint's value, this run's]`` (``model.config`` keys one by one)."""
     saved = manifest.get("config") or {}
@@ -140,7 +140,7 @@ def changed_settings(manifest: dict, config: dict, must_match: tuple[str, ...] =
 
 
 def _flat_keys(config: dict) -> set[str]:
-    return set(settings_classes(config))
+    return set(settings_classes(config, ()))  # the leaf keys alone
 
 
 def data_identity(corpus) -> Optional[str]:
@@ -159,7 +159,7 @@ def _get(config: dict, dotted: str) -> Any:
 
 
 def check_resumable(path: str, manifest: dict, config: dict, identity: Optional[str],
-                    must_match: tuple[str, ...] = MUST_MATCH) -> None:
+                    must_match: tuple[str, ...]) -> None:
     """Refuse to resume ``path`` when a setting its data position depends on, or another of
     ``must_match``, has changed.
 

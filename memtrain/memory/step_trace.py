@@ -371,12 +371,12 @@ def compute_precision_model(model_build, precision: str, device_type: str, autoc
     """``(model, mode, extra_bytes)``: the fake model as the engine computes with it — under
     Accelerate's autocast (``autocast``, the engine's ``AUTOCAST_MIXED_PRECISION``: fp32 parameters
     and a forward in the compute dtype, each matrix cast on use, the copy saved for backward, and
-    norms, softmax and the outputs in fp32), else with parameters held in the compute dtype — and bytes to add to each trace where autocast cannot be traced
-    (a GPU planned from a machine without one traces on meta: fp32 activations, about twice the
+    norms, softmax and the outputs in fp32), else with parameters held in the compute dtype — and
+    bytes to add to each trace where autocast cannot be traced (a GPU planned from a machine without one traces on meta: fp32 activations, about twice the
     compute dtype's, plus each matrix's cast copy counted here)."""
     dtype = COMPUTE_DTYPES.get(precision)
     device = trace_device(device_type)
-    autocast = dtype is not None and autocast
+    autocast = autocast and dtype is not None  # fp32: no autocast, whatever the engine
     model, mode = fake_model(model_build, None if autocast else dtype, device)
     if not autocast:
         return model, mode, 0

@@ -97,8 +97,10 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
         return batches[micro]
 
     def resident(plan: Plan) -> int:  # the rank's batch: its micro-batches at their longest (none simulated)
+        if simulated:
+            return 0
         micro_bytes = sum(t.nbytes for t in batch_of(plan.micro_batch_size).values() if isinstance(t, torch.Tensor))
-        return 0 if simulated else micro_bytes * plan.gradient_accumulation_steps
+        return micro_bytes * plan.gradient_accumulation_steps
 
     def trace(*args) -> tuple[int, int, int]:
         if simulated:  # the simulated device counts saved bytes alone, whatever runs
