@@ -5,6 +5,7 @@ The engine is built after the model exists, so that the plan can depend on the m
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Mapping
@@ -35,7 +36,7 @@ from memtrain.loop import TrainingLoop
 from memtrain.memory.accounting import device_state_bytes
 from memtrain.memory.breakdown import MemoryBreakdown
 from memtrain.memory.machine import run_host_limit
-from memtrain.planning.run_placement import resolve as resolve_placement
+from memtrain.planning.run_placement import model_build_device, resolve as resolve_placement
 from memtrain.planning.planner import build_planner
 from memtrain.models import ModelSource, count_parameters
 from memtrain.objectives import make_objective
@@ -251,8 +252,7 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
     breakdown = MemoryBreakdown(cfg.logging.memory_breakdown_step, cfg.output_dir, process.rank).start()
     closing.callback(breakdown.close)  # counts from before the model exists (logging.memory_breakdown_step)
     python_function = inputs.model is not None and not isinstance(inputs.model, torch.nn.Module)
-    with model_build_context(cfg, spec, precision, process.world_size, python_function):
-        model = source.build()
+    model = build_model_for(cfg, spec, precision, process, source, python_function)
     if isinstance(inputs.model, torch.nn.Module):
         check_same_model(model, process)
     preload_export_libraries(model)  # the export's imports: the process's memory from the first plan on
@@ -306,6 +306,16 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
     return TrainingLoop(cfg, process, engine, model, optimizer, scheduler, corpus, objective, sampler, controller, sync,
                    faults, transforms, evaluator, guard, checkpointer, checkpoint_states, state, n_params, spec,
                    layerdrop, *utilisation, breakdown=breakdown, host_limit=host, callbacks=inputs.callbacks)
+
+
+def build_model_for(cfg: Config, spec, precision: str, process: ProcessState, source: ModelSource,
+                    python_function: bool) -> torch.nn.Module:
+    """The run's model (seed first), built in the engine's context (ZeRO-3's partitioned build)
+    and on the device where :func:`memtrain.planning.run_placement.model_build_device` says."""
+    on_device = model_build_device(cfg, spec, precision, process.device, source)
+    with model_build_context(cfg, spec, precision, process.world_size, python_function), \
+            (on_device or contextlib.nullcontext()):  # a torch.device is a context: tensors made there
+        return source.build()
 
 
 def optimizer_builders(cfg: Config, inputs: UserInputs, spec, engine, plan: Plan):

@@ -45,7 +45,7 @@ from memtrain.memory.accounting import device_state_bytes, peak_terms, state_pea
 from memtrain.memory.machine import (DEFAULT_GPU_FLOPS, Machine, PLAN_PROCESS_BYTES, REFERENCE_CPU_ADAM_PARAMS_PER_S,
                                      cpu_adam_params_per_s, device_flops_per_s, optimizer_params_per_s, process_bytes,
                                      run_device_budget, run_host_limit)
-from memtrain.planning.placement import (Placement, allowed_pool, choose, configured_offload, format_placements,
+from memtrain.planning.placement import (Placement, allowed_pool, choose, configured_state_bytes, format_placements,
                                        model_facts, nvme_usable, plan_model, planning_pool, tokens_per_sample,
                                        with_state_dtype)
 from memtrain.planning.activations import activation_tables
@@ -173,13 +173,7 @@ def _model_states(cfg, shape, precision: str, world_size: int) -> tuple[dict, st
                                          state_dtype=dtype if engine_module(v.engine).LOSSY_OPTIMIZER_STATE else "fp32",
                                          deferred_reduction=deferred)
                for v in engine_variants() if not v.tune_ratio and not v.nvme}
-    b = cfg.backend
-    engine = engine_name(b)
-    offload, ratio, on_nvme = configured_offload(cfg)  # the share of the optimizer state the run keeps on the host
-    state = model_state_bytes(engine, n, precision, b.zero_stage, offload or "none", world_size,
-                              offload_optimizer_ratio=ratio, offload_device="nvme" if on_nvme else "cpu", shape=shape,
-                              state_dtype=dtype, deferred_reduction=deferred)
-    return engines, engine, state
+    return engines, engine_name(cfg.backend), configured_state_bytes(cfg, shape, precision, world_size)
 
 
 def _cpu_adam_rate(given: Optional[float], target: bool) -> tuple[Optional[float], str]:

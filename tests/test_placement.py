@@ -297,7 +297,57 @@ def test_host_memory_is_a_budget_and_nvme_is_planned_only_with_a_folder():
     table = plan_placements(candidates(), variants(("deepspeed",), (3,), True), SHAPE, "bf16", 1,
                             dataclasses.replace(machine(device_gib=24, host_gib=32), exports=False))
     chosen = next(p for p in table if p.chosen)
-    assert chosen.nvme and chosen.host_bytes < 4 * SHAPE.parameters <= 32 * GIB
+    # what remains is the build's moment: the fresh model whole in fp32 on the host (NVMe keeps too
+    # little on the device to build it there), below the export's whole model beside the process
+    assert chosen.nvme and chosen.host_bytes == 4 * GIB + 4 * (SHAPE.parameters + SHAPE.largest_module) <= 32 * GIB
+
+
+def test_a_fresh_model_is_built_on_the_device_where_the_engine_keeps_its_bytes_else_the_host_counts_it():
+    """The build's moment (every parameter in fp32, memtrain.models.build_model): on one GPU whose
+    engine keeps at least those bytes on the device (ZeRO-3 all on the device, FSDP2's optimizer
+    offload) the model is built there and the host never holds it; sharded over 8 ranks each
+    rank's state is smaller than the whole model, so every rank builds it in host memory and the
+    placement's host peak is at least 8 whole fp32 copies beside the processes. The run takes the
+    same decision (model_build_device) from its configured engine."""
+    from memtrain.memory.accounting import build_bytes
+
+    whole = 4 * (SHAPE.parameters + SHAPE.largest_module)
+    assert build_bytes(SHAPE) == whole
+    big_host = dataclasses.replace(machine(host_gib=4096), exports=False)  # no export: its moment is whole too
+    alone = plan_placements(candidates(), variants(("deepspeed",), (3,), False), SHAPE, "bf16", 1, big_host)
+    on_device = next(p for p in alone if p.offload == "none")
+    assert on_device.device_bytes >= whole and on_device.host_bytes < whole  # built on the GPU
+    eight = dataclasses.replace(big_host, ranks_per_host=8)
+    sharded = plan_placements(candidates(per_rank=2), variants(("deepspeed",), (3,), False), SHAPE, "bf16", 8, eight)
+    for p in sharded:
+        assert p.host_bytes >= 8 * (4 * GIB + whole), p.name
+
+
+def test_the_run_builds_on_the_device_what_the_placement_planned_there(tmp_path, cache_dir):
+    """model_build_device: on a CUDA device a one-rank fresh model is built there; under FSDP2 on
+    8 ranks (each keeps an eighth) on the host; a CPU run, a pretrained folder and a user's module
+    always on the host."""
+    import torch
+
+    from memtrain.backends.spec import resolve_engine
+    from memtrain.config import parse_args
+    from memtrain.data import build_corpus
+    from memtrain.models import ModelSource
+    from memtrain.planning.run_placement import model_build_device
+
+    cuda = torch.device("cuda", 0)
+
+    def device(*extra, world=1, user=None, on=cuda):
+        cfg = parse_args(tiny_args(tmp_path, cache_dir, *extra))
+        corpus = build_corpus(cfg.data)
+        spec = resolve_engine(cfg.backend, world, 0, None)
+        return model_build_device(cfg, spec, "bf16", on, ModelSource.of(cfg, corpus, user))
+
+    assert device() == cuda
+    assert device("--backend.name", "fsdp", "--backend.offload", "optimizer") == cuda
+    assert device("--backend.name", "fsdp", world=8) is None
+    assert device(on=torch.device("cpu")) is None
+    assert device(user=torch.nn.Linear(4, 4)) is None
 
 
 def test_plan_prints_a_fitting_placement_for_a_10b_llama_on_80gb_and_128gb(cache_dir):

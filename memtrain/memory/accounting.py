@@ -254,6 +254,26 @@ def device_state_bytes(state_bytes: dict[str, int]) -> int:
     return sum(state_bytes.get(k, 0) for k in DEVICE_STATE_KEYS)
 
 
+def build_bytes(shape: ModelShape) -> int:
+    """Bytes of a model while it is built whole (:func:`memtrain.models.build_model`): every
+    parameter in fp32 (4 bytes), plus one largest module's parameters again (4 bytes each: an
+    engine casts or copies the built parameters one at a time, the old copy freed after)."""
+    return 4 * (shape.parameters + shape.largest_module)
+
+
+def builds_on_device(shape: ModelShape, state: dict[str, int], device_type: str) -> bool:
+    """Whether a fresh model is built directly on the device (never whole on the host): on CUDA,
+    when the whole model in fp32 (:func:`build_bytes`) is no more than the model state the engine
+    keeps on each device (``state``: a ``model_state_bytes`` dict), so the build's moment never
+    raises the device's peak. Else it is built in host memory, one whole copy a rank, and moved.
+
+    Where it comes from: torchtitan builds on the meta device and initializes the shards on the
+    GPU; DeepSpeed's ``zero.Init`` partitions each module as it is built. This is the case without
+    either: the engine keeps at least a whole fp32 model's bytes on the device anyway (one rank,
+    or an offload keeping 16-bit parameters and gradients there)."""
+    return device_type == "cuda" and build_bytes(shape) <= device_state_bytes(state)
+
+
 def peak_tensor_bytes(device_state: int, peaks: Sequence[Optional[int]], accumulation: int = 0, step: int = 0,
                       block: int = 0, backward: int = 0) -> int:
     """Tensor bytes on a rank's device at its peak, the largest of four moments, from ``peaks`` =

@@ -46,7 +46,8 @@ from memtrain.config import ConfigError
 from memtrain.levers import allowed_by, describe, lever_choices, offered_choices
 from memtrain.levers.optimizer_state import (BF16_MAX_BETA2, LOSSY, STATE_DTYPES, choose_charging_steps,
                                              fastest_fitting, planner_dtypes)
-from memtrain.memory.accounting import ModelShape, device_state_bytes, model_shape, peak_terms
+from memtrain.memory.accounting import (ModelShape, build_bytes, builds_on_device, device_state_bytes, model_shape,
+                                        peak_terms)
 from memtrain.memory.machine import Machine
 from memtrain.planning.activations import activation_tables
 from memtrain.planning.planner import Candidate, candidate_peak_bytes, estimated_plan_s, lever_cost, make_candidates
@@ -175,6 +176,7 @@ def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_s
     p.device_bytes, p.host_bytes = device, max(per_rank_host * machine.ranks_per_host,
                                                _export_host_bytes(p, state, n_params, precision, machine)
                                                if machine.exports else 0,
+                                               _build_host_bytes(shape, state, machine),
                                                machine.startup_peak_bytes * machine.ranks_per_host)
     p.nvme_bytes = state["nvme_offloaded_bytes"]
     margin = int(RATIO_MARGIN * machine.device_bytes) if p.tune_ratio and machine.device_bytes else 0
@@ -194,6 +196,14 @@ def pinned_rounding_bytes(block: int) -> int:
     """Host bytes torch's caching host allocator adds to a pinned block of ``block`` bytes (it
     rounds each block up to a power of two)."""
     return (1 << (block - 1).bit_length()) - block if block > 0 else 0
+
+
+def _build_host_bytes(shape: ModelShape, state: dict, machine: Machine) -> int:
+    """Host bytes of the machine while every rank builds the model whole in host memory (none
+    when it is built on the device: :func:`memtrain.memory.accounting.builds_on_device`)."""
+    if builds_on_device(shape, state, machine.device_type):
+        return 0
+    return (machine.process_bytes + build_bytes(shape)) * machine.ranks_per_host
 
 
 def _export_host_bytes(p: Placement, state: dict, n_params: int, precision: str, machine: Machine) -> int:
@@ -429,6 +439,19 @@ def configured_offload(cfg) -> tuple[str, float, bool]:
     offload = b.offload if b.offload is not None else json_offload
     ratio = b.offload_optimizer_ratio if b.offload_optimizer_ratio != 1.0 else json_ratio
     return offload, ratio, bool(b.nvme_path) or json_nvme
+
+
+def configured_state_bytes(cfg, shape: ModelShape, precision: str, world_size: int,
+                           state_dtype: Optional[str] = None) -> dict[str, int]:
+    """The model-state bytes per rank (:func:`memtrain.backends.model_state_bytes`) of the engine
+    and placement ``cfg`` configures (:func:`configured_offload`), moments in ``state_dtype``
+    (None: ``optimizer.state_dtype``)."""
+    b = cfg.backend
+    offload, ratio, on_nvme = configured_offload(cfg)
+    return model_state_bytes(engine_name(b), shape.parameters, precision, b.zero_stage, offload or "none", world_size,
+                             offload_optimizer_ratio=ratio, offload_device="nvme" if on_nvme else "cpu", shape=shape,
+                             state_dtype=state_dtype or cfg.optimizer.state_dtype,
+                             deferred_reduction=cfg.memory.oom_recovery)
 
 
 def with_state_dtype(cfg, dtype: str):

@@ -25,8 +25,9 @@ from memtrain.memory.machine import (Machine, cpu_adam_params_per_s, device_budg
                                      optimizer_params_per_s, process_bytes, run_host_limit,
                                      startup_peak_bytes)
 from memtrain.offload_optimizer import host_step_params_per_s
-from memtrain.planning.placement import (Placement, allowed_pool, configured_offload, format_placements, nvme_usable,
-                                         placement_table, with_state_dtype)
+from memtrain.memory.accounting import builds_on_device, model_shape
+from memtrain.planning.placement import (Placement, allowed_pool, configured_offload, configured_state_bytes,
+                                         format_placements, nvme_usable, placement_table, with_state_dtype)
 from memtrain.planning.resumed import resume_placement, resume_state_dtype
 
 
@@ -89,6 +90,25 @@ def resolve(cfg, corpus, process, precision: str, source=None, objective=None):
         log_placement(chosen, "chosen", spec)
         write_table(cfg.output_dir, answer)
     return spec
+
+
+def model_build_device(cfg, spec, precision: str, device: torch.device, source) -> Optional[torch.device]:
+    """Where a run builds its model: ``device`` when it is a CUDA device and the model is built
+    fresh from ``model.config`` or ``model.factory`` (not ``model.pretrained``, not the user's
+    module or function) and the whole model in fp32 is no more than the model state ``spec``'s
+    engine keeps on each device (:func:`memtrain.memory.accounting.builds_on_device`: the
+    placement table counts the same moment); None = in host memory, as the placement's host peak
+    counts (one whole fp32 copy a rank: 41 GB for the 10.2B Llama).
+
+    Args:
+        spec: the run's resolved engine (:func:`resolve`); source: its :class:`memtrain.models.ModelSource`.
+    """
+    if device.type != "cuda" or cfg.faults.memory_budget_mib > 0 or source.user is not None or cfg.model.pretrained:
+        return None
+    shape = model_shape(source.build_meta())
+    state = configured_state_bytes(planned_view(cfg, spec), shape, precision, spec.world_size,
+                                   spec.optimizer_state_dtype)
+    return device if builds_on_device(shape, state, device.type) else None
 
 
 def _chooses_state_dtype(cfg, engine: str) -> bool:
