@@ -127,14 +127,16 @@ def oom_stress_host_limit(device: str) -> str:
     return "\n".join(out)
 
 
-def largest_model_plan() -> str:
-    """The placements ``benchmarks/largest_model.py --plan`` printed, newest row per shape and
-    ``--extra`` (a row planned with extra arguments names them beside its shape)."""
+def largest_model_plan(global_batch_size: int = 64) -> str:
+    """The placements ``benchmarks/largest_model.py --plan`` printed at ``global_batch_size``
+    (``recipes/llama_10b.yaml``'s 64; rows before the key existed planned 16), newest row per shape
+    and ``--extra`` (a row planned with extra arguments names them beside its shape)."""
     rows: dict[tuple, dict] = {}
     with open(RESULTS / "largest_model_plan-cpu.jsonl") as fh:
         for line in fh:
             row = json.loads(line)
-            rows[row["shape"], row.get("extra", "")] = row
+            if row.get("global_batch_size", 16) == global_batch_size:
+                rows[row["shape"], row.get("extra", "")] = row
     out = ["| shape (parameters) | placement | micro × accum | AC | GPU GiB | host GiB | predicted s/step | fits |",
            "|---|---|---|---|---|---|---|---|"]
     for (shape, extra), row in rows.items():
