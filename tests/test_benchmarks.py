@@ -134,6 +134,19 @@ def test_compile_quick_reports_ratio_and_equal_losses(suite):
 
 
 @on_suite
+def test_largest_model_quick_writes_each_run_as_it_ends_with_its_start_up(suite):
+    """The rehearsal of the GPU suite's largest_model step (the tiny shape on this CPU): a row per
+    run (memtrain, then the stock config) with its wall and start-up seconds (the start-up a GPU
+    run's allowance is set beside), then the shape's row pairing their tokens/s."""
+    rows = run_quick(suite, "largest_model")
+    runs = [r for r in rows if r.get("run")]
+    assert [r["config"] for r in runs] == ["memtrain", "stock_optimizer_offload"]
+    assert all(0 < r["startup_s"] < r["wall_s"] and r["tokens_per_s"] > 0 for r in runs), runs
+    (shape,) = [r for r in rows if not r.get("run")]
+    assert shape["shape"] == "tiny" and shape["ratio_tokens_per_s"]["median"] > 0
+
+
+@on_suite
 def test_memory_accuracy_quick_is_checked_against_memtracker(suite):
     """The planner's predicted peak against torch's MemTracker count of a real 2-rank step, on
     every engine: within 3% either way, ZeRO-2 7% (under: an OOM the planner said would not happen;

@@ -180,3 +180,53 @@ def test_a_rehearsal_runs_the_real_gpu_steps_on_cpu_resumes_and_merges_only_else
                             text=True, cwd=REPO, timeout=120, env={**env, RESULTS_DIR_VAR: str(elsewhere)})
     assert merged.returncode == 0, merged.stderr[-2000:]
     assert json.loads(merged.stdout.splitlines()[0])["merged"]["oom_stress-cpu.jsonl"] == len(rows)
+
+
+def _largest_model_step():
+    step = next(s for s in gpu_suite.STEPS if s.name == "largest_model")
+    args = list(step.cuda)
+    value = lambda flag: args[args.index(flag) + 1]  # noqa: E731
+    return step, value("--shapes").split(","), int(value("--steps")), int(value("--global_batch_size")), value
+
+
+def test_largest_model_is_predicted_inside_its_limit_and_compares_with_stock_where_the_host_holds_it():
+    """The GPU step's runs, predicted from the committed plan rows of its shapes on the claimed
+    80 GB + 128 GiB machine at its global batch (each run: the start-up allowance and the plan's
+    step time), end inside the step's limit with the budget given to the script below it; the
+    stock ZeRO-3 offload config runs at the largest of the shapes its planned host peak fits (the
+    comparison) and is refused, not started, at the larger ones."""
+    import largest_model
+
+    step, shapes, steps, batch, value = _largest_model_step()
+    rows = largest_model.plan_rows(80, 128, batch)
+    assert set(shapes) <= set(rows), f"plan rows missing: largest_model.py --plan --shapes {','.join(shapes)} " \
+                                     f"--global_batch_size {batch} --results"
+    predicted = largest_model.predicted_seconds(shapes, steps, 80, 128, batch)
+    assert predicted <= float(value("--budget_s")) < step.limit_s, predicted
+    size = {s: largest_model.planned(rows[s], "memtrain")["parameters"] for s in shapes}
+    refused = {s: largest_model.refusal(largest_model.planned(rows[s], "stock_optimizer_offload"), 80, 128)
+               for s in shapes}
+    held = [s for s in shapes if refused[s] is None]
+    assert held and all(size[h] < size[s] for h in held for s in shapes if refused[s]), refused
+    assert refused["10b"] and "host" in refused["10b"]  # stock ZeRO-3's whole optimizer state: over 128 GiB
+    assert all(largest_model.refusal(largest_model.planned(rows[s], "memtrain"), 80, 128) is None for s in shapes)
+    assert shapes[0] == "10b"  # the flagship first: a later overrun cannot cost its row
+
+
+def test_a_run_the_plan_refuses_or_the_budget_cannot_hold_is_a_row_not_a_start(monkeypatch):
+    """largest_model's Budget: a placement the claimed machine cannot hold is refused with its
+    numbers; a run predicted past the time left is not started; a run's measured start-up raises
+    the next prediction."""
+    import largest_model
+
+    fits = {"name": "fsdp optimizer 80%→host", "chosen": True, "fits_device": True, "fits_host": True,
+            "device_bytes": 77 * 2**30, "host_bytes": 114 * 2**30, "predicted_step_s": 5.0}
+    stock = {**fits, "name": largest_model.STOCK_PLACEMENT, "chosen": False, "fits_host": False,
+             "host_bytes": 212 * 2**30}
+    budget = largest_model.Budget(100.0, {"10b": {"placements": [fits, stock]}})
+    assert "212.0 GiB of host" in budget.why_not("10b", "stock_optimizer_offload", 8, 80, 128)
+    assert budget.why_not("10b", "memtrain", 8, 80, 128) is None  # 40 + 8 x 5 = 80 s <= 100 s
+    assert budget.why_not("tiny", "memtrain", 8, 80, 128) is None  # no plan row: no prediction, run
+    budget.ran({"startup_s": 70.0})
+    assert "predicted 110 s" in budget.why_not("10b", "memtrain", 8, 80, 128)
+    assert largest_model.Budget(None, {"10b": {"placements": [fits]}}).why_not("10b", "memtrain", 800, 80, 128) is None
