@@ -16,6 +16,7 @@ configuration), so the docs show what the code measured and nothing typed by han
     python benchmarks/tables.py placement_accuracy             # the placement accounting vs DeepSpeed's tensors
     python benchmarks/tables.py host_step_rates                # the CPU's optimizer-step rates an offload is charged
     python benchmarks/tables.py stale                          # which results measured code that changed since
+    python benchmarks/tables.py freshness                      # the same as docs/benchmarks.md's markdown table
 
 Every row records the commit it measured (``commit``, ``worktree_clean``: benchmarks/common.py's
 ``provenance``); rows from before that was recorded have neither.
@@ -539,14 +540,35 @@ def staleness(results: Path = RESULTS) -> list[dict]:
     return report
 
 
+FRESHNESS_BEGIN, FRESHNESS_END = "<!-- freshness: begin -->", "<!-- freshness: end -->"
+"""The markers around docs/benchmarks.md's generated freshness table (:func:`freshness`)."""
+
+
+def freshness(results: Path = RESULTS) -> str:
+    """Per results file, from :func:`staleness`: its newest commit and whether the code that
+    measured it changed since (``stale``: its table shows rows older than the code), as the
+    markdown table docs/benchmarks.md carries between :data:`FRESHNESS_BEGIN` and
+    :data:`FRESHNESS_END` (``tests/test_docs.py`` fails when it is not this output)."""
+    words = {False: "no", True: "**yes: stale**", None: "cannot tell (no row records its commit)"}
+    out = ["| results | rows (with their commit) | newest commit | measured code changed since |", "|---|---|---|---|"]
+    for e in staleness(results):
+        commit = e["newest_commit"][:7] if e["newest_commit"] else "-"
+        out.append(f"| `{e['results']}` | {e['rows']} ({e['rows_with_commit']}) | {commit} "
+                   f"| {words[e['code_changed_since']]} |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("benchmark", choices=["oom_stress", "largest_model_plan", "overhead", "memory_accuracy", "solver",
                                               "solver_exhaustive", "lossy_levers", "lossy_step_cost", "seq_len_reach",
                                               "memory_accuracy_levers", "memory_accuracy_families", "peers",
-                                              "placement_accuracy", "host_step_rates", "stale"])
+                                              "placement_accuracy", "host_step_rates", "stale", "freshness"])
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
+    if args.benchmark == "freshness":
+        print(freshness())
+        return 0
     if args.benchmark == "stale":  # JSON lines, one per results file
         for entry in staleness():
             print(json.dumps(entry))

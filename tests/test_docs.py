@@ -1,6 +1,7 @@
 """The front door: README.md stays short, its two set-up commands are the ones CI and a newcomer
 run, and every link in README.md and docs/ points at a file and heading that exist."""
 
+import json
 import re
 from pathlib import Path
 
@@ -243,3 +244,46 @@ def test_the_documented_commands_run_in_order(tmp_path):
     assert (tmp_path / "runs" / "tiny_ckpt" / "model" / "model.safetensors").is_file()
     assert (tmp_path / "exports" / "tiny_ckpt" / "model.safetensors").is_file()
     assert len(ran) >= 15, ran
+
+
+CITED_COMMIT = re.compile(r"(?<![\w/.#-])([0-9a-f]{7,40})(?![\w.-])")
+
+
+def _row_commits() -> set[str]:
+    commits = set()
+    for path in (REPO / "benchmarks" / "results").glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            try:
+                commits.add(json.loads(line).get("commit") or "")
+            except json.JSONDecodeError:
+                pass
+    return commits - {""}
+
+
+def test_every_commit_the_pages_cite_is_one_a_results_row_measured():
+    """A figure in prose comes from a row with its commit: every commit README.md, docs/ and the
+    recipes' headers name is one some row of benchmarks/results/ records (not typed by hand)."""
+    commits = _row_commits()
+    pages = [*PAGES, *sorted((REPO / "recipes").glob("*.yaml"))]
+    cited = [(page.name, m.group(1)) for page in pages for m in CITED_COMMIT.finditer(page.read_text())
+             if re.search("[a-f]", m.group(1)) and re.search("[0-9]", m.group(1))]
+    assert len(cited) > 20  # the pages do cite their rows
+    assert [c for c in cited if not any(full.startswith(c[1]) for full in commits)] == []
+
+
+def test_the_benchmarks_page_says_which_tables_are_older_than_their_code():
+    """docs/benchmarks.md's freshness table is ``tables.py freshness`` at this checkout: a results
+    file whose measured code changed since its newest row is marked stale there, so a changed
+    memtrain/ without the page regenerated fails here."""
+    import subprocess
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from tables import FRESHNESS_BEGIN, FRESHNESS_END, freshness, staleness
+
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True).returncode != 0 or any(
+            e["newest_commit"] and e["code_changed_since"] is None for e in staleness()):
+        pytest.skip("not a git checkout with the rows' commits (a shallow clone): staleness cannot be told")
+    text = (REPO / "docs" / "benchmarks.md").read_text()
+    shown = text.split(FRESHNESS_BEGIN, 1)[1].split(FRESHNESS_END, 1)[0].strip()
+    assert shown == freshness(), "regenerate: python benchmarks/tables.py freshness (into docs/benchmarks.md)"
