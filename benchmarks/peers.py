@@ -60,16 +60,19 @@ sys.path.insert(0, str(SCRIPTS))
 from shared import build_model  # noqa: E402
 
 TRAINERS = {"memtrain": "memtrain_trainer.py", "hf_trainer": "hf_trainer.py", "accelerate": "accelerate_loop.py",
-            "lightning": "lightning_module.py", "memtrain_glibc": "memtrain_trainer.py"}
-"""trainer → its script in ``benchmarks/peer_scripts/``. ``memtrain_glibc`` (not run by default) is
-memtrain with ``memory.host_allocator_thresholds false``: glibc's malloc thresholds left to move as
-they do in the peers' processes, where a CPU run of memtrain fixes them at 128 KiB so that the
-host bytes it plans hold (memtrain/host_allocator.py)."""
-INSTALLED = tuple(t for t in TRAINERS if t != "memtrain_glibc"
+            "lightning": "lightning_module.py", "memtrain_glibc": "memtrain_trainer.py",
+            "memtrain_fast": "memtrain_trainer.py"}
+"""trainer → its script in ``benchmarks/peer_scripts/``. Not run by default, memtrain with its
+CPU run's malloc thresholds changed (memtrain/host_allocator.py: a CPU run fixes them at 128 KiB
+so that the host bytes it plans hold): ``memtrain_glibc``, ``memory.host_allocator_thresholds
+false``, glibc's thresholds left to move as they do in the peers' processes; ``memtrain_fast``,
+``true``, fixed at 32 / 64 MiB, a GPU run's setting (freed blocks kept for the next micro-batch)."""
+VARIANTS = ("memtrain_glibc", "memtrain_fast")
+INSTALLED = tuple(t for t in TRAINERS if t not in VARIANTS
                   and (t != "lightning" or importlib.util.find_spec("pytorch_lightning")))
 """The trainers run by default: Lightning where ``pytorch-lightning`` is installed (the ``bench`` extra)."""
 ENGINES_OF = {"memtrain": ("ddp", "fsdp", "zero2", "zero3"), "hf_trainer": ("ddp", "zero2"), "accelerate": ("ddp",),
-              "lightning": ("ddp",), "memtrain_glibc": ("ddp", "fsdp", "zero2", "zero3")}
+              "lightning": ("ddp",), **{v: ("ddp", "fsdp", "zero2", "zero3") for v in VARIANTS}}
 """The engines each trainer runs here. Not transformers' ZeRO-3 on CPU ranks: its DeepSpeed config
 is resolved before the process group, so DeepSpeed asserts a train batch of micro-batch ×
 accumulation × 1 rank (transformers 5.24, DeepSpeed 0.19.8); nor its FSDP (not tried yet)."""

@@ -1,5 +1,6 @@
 """memtrain's Trainer: the same model and data from Python (the engine by ``PEERS_ENGINE``; with
-``PEERS_TRAINER=memtrain_glibc`` glibc's malloc thresholds left as the peers have them)."""
+``PEERS_TRAINER=memtrain_glibc`` glibc's malloc thresholds left as the peers have them, with
+``memtrain_fast`` fixed at a GPU run's 32 / 64 MiB)."""
 
 import os
 
@@ -10,7 +11,8 @@ s = SETTINGS
 engine = {"ddp": {"name": "ddp"}, "fsdp": {"name": "fsdp"}, "zero2": {"name": "deepspeed", "zero_stage": 2},
           "zero3": {"name": "deepspeed", "zero_stage": 3}}[os.environ.get("PEERS_ENGINE", "ddp")]
 settings = {"output_dir": s["out"], "precision": "fp32", "backend": engine, "checkpoint": {"every_steps": 0},
-            "memory": {"host_allocator_thresholds": False if os.environ.get("PEERS_TRAINER") == "memtrain_glibc" else None},
+            "memory": {"host_allocator_thresholds": {"memtrain_glibc": False, "memtrain_fast": True}.get(
+                os.environ.get("PEERS_TRAINER"))},
             "training": {"global_batch_size": s["global_batch_size"], "micro_batch_size": s["micro_batch_size"],
                          "max_steps": s["max_steps"], "seed": s["data_seed"], "lr": s["lr"], "warmup_steps": s["warmup_steps"],
                          "min_lr_ratio": s["min_lr_ratio"], "weight_decay": s["weight_decay"],
