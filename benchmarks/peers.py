@@ -17,7 +17,10 @@ JSON row per trainer, engine and repeat:
     memtrain's records), tokens_per_cpu_s (the tokens of the steps after the first two ÷ the CPU
     seconds of both ranks' processes over those steps: what the load of other processes cannot
     shorten or stretch much), peak_bytes (the largest ``ru_maxrss`` of the ranks: resident memory,
-    the same counter for every trainer), val_loss (the saved model's mean next-token loss on the
+    the same counter for every trainer), imports_bytes (the largest rank's resident peak once its
+    libraries are imported, before any model or data), above_imports_bytes (the largest of the
+    ranks' peaks minus their import footprints), model_state_bytes (16 bytes a parameter: fp32
+    weights, gradients and AdamW's moments, the same for every trainer on DDP), val_loss (the saved model's mean next-token loss on the
     same validation rows, computed here by one function for all), user_lines (the trainer's
     script, without blank lines, comments and docstrings)
 
@@ -31,8 +34,7 @@ the same repeat, min / median / max over repeats.
     python benchmarks/peers.py --results            # also append the rows to benchmarks/results/
 
 Not here yet (the issue that asked for this table says what is left): FSDP under transformers'
-Trainer and Lightning's ZeRO on CPU, the memory column broken down, and what each trainer does
-when memory runs out under one budget.
+Trainer and Lightning's ZeRO on CPU, and what each trainer does when memory runs out under one budget.
 """
 
 from __future__ import annotations
@@ -183,6 +185,11 @@ def run_peer(trainer: str, engine: str, settings: dict, folder: str, timeout: fl
             "tokens_per_s": tokens / statistics.median(steps) if steps else None,
             "tokens_per_cpu_s": tokens * (len(ends) - 2) / cpu if cpu > 0 else None,
             "peak_bytes": max(r["peak_rss_bytes"] for r in records), "peak_counter": "ru_maxrss",
+            # the memory column broken down: each rank's import footprint, the model state every
+            # trainer holds alike (fp32 weights, gradients, AdamW's two moments), and the rest
+            "imports_bytes": max(r["imports_rss_bytes"] for r in records),
+            "above_imports_bytes": max(r["peak_rss_bytes"] - r["imports_rss_bytes"] for r in records),
+            "model_state_bytes": 16 * settings["parameters"],
             "val_loss": val_loss(os.path.join(out, "model"), settings["data"]),
             "initial_val_loss": settings["initial_val_loss"]}
 
@@ -199,21 +206,32 @@ def summary(rows: list[dict]) -> list[dict]:
 
     return [{"benchmark": "peers", "summary": True, "trainer": t, "engine": e, "repeats": len(g),
              "failed": sum("failed" in r for r in g),
-             **{k: measured([r.get(k) for r in g]) for k in ("tokens_per_s", "tokens_per_cpu_s", "peak_bytes", "val_loss")},
+             **{k: measured([r.get(k) for r in g]) for k in ("tokens_per_s", "tokens_per_cpu_s", "peak_bytes", "val_loss",
+                                                             "imports_bytes", "above_imports_bytes")},
+             "model_state_bytes": g[0].get("model_state_bytes"),
              "user_lines": g[0]["user_lines"]} for (t, e), g in groups.items()]
 
 
 def paired(rows: list[dict]) -> list[dict]:
-    """memtrain ÷ each peer, per engine, within each repeat (the same data seed, run one after the
-    other): min / median / max over repeats of tokens_per_cpu_s and tokens_per_s."""
-    by = {(r["trainer"], r["engine"], r["repeat"]): r for r in rows if "failed" not in r}
+    """Each memtrain (memtrain and its :data:`VARIANTS`) ÷ each other trainer, and memtrain ÷ each
+    variant, per engine, within each repeat (the same data seed, run one after the other): min /
+    median / max over repeats of tokens_per_cpu_s and tokens_per_s (``trainer`` the divisor,
+    ``numerator`` the memtrain divided)."""
+    by = {(r["trainer"], r["engine"], r["repeat"]): r for r in rows if "failed" not in r and "repeat" in r}
+    ours = ("memtrain", *VARIANTS)
     out = []
-    for (trainer, engine) in sorted({(t, e) for t, e, _ in by if t != "memtrain"}):
-        pairs = [(by[("memtrain", engine, rep)], by[(trainer, engine, rep)]) for t, e, rep in by
-                 if (t, e) == (trainer, engine) and ("memtrain", engine, rep) in by]
-        ratios = {k: [m[k] / p[k] for m, p in pairs if m.get(k) and p.get(k)] for k in ("tokens_per_cpu_s", "tokens_per_s")}
-        out.append({"benchmark": "peers", "paired": True, "trainer": trainer, "engine": engine, "pairs": len(pairs),
-                    **{f"memtrain_over_peer_{k}": spread(v) if v else None for k, v in ratios.items()}})
+    for numerator in ours:
+        for (trainer, engine) in sorted({(t, e) for t, e, _ in by if t not in ours or
+                                         (numerator == "memtrain" and t != numerator)}):
+            pairs = [(by[(numerator, engine, rep)], by[(trainer, engine, rep)]) for t, e, rep in by
+                     if (t, e) == (trainer, engine) and (numerator, engine, rep) in by]
+            if not pairs:
+                continue
+            ratios = {k: [m[k] / p[k] for m, p in pairs if m.get(k) and p.get(k)]
+                      for k in ("tokens_per_cpu_s", "tokens_per_s")}
+            out.append({"benchmark": "peers", "paired": True, "numerator": numerator, "trainer": trainer,
+                        "engine": engine, "pairs": len(pairs),
+                        **{f"memtrain_over_peer_{k}": spread(v) if v else None for k, v in ratios.items()}})
     return out
 
 
@@ -232,6 +250,7 @@ def main(argv=None) -> int:
     folder = scratch_dir("peers")
     try:
         base = {**SETTINGS, "model": {**MODEL, "vocab_size": VOCAB}, "max_steps": steps, **deepspeed_configs(folder)}
+        base["parameters"] = sum(p.numel() for p in build_model({**base, "seed": 0}).parameters())
         runs = [(t, e) for e in opts.engines.split(",") for t in opts.trainers.split(",") if e in ENGINES_OF[t]]
         rows = []
         for repeat in range(repeats):

@@ -35,6 +35,7 @@ from typing import Optional
 from memtrain.levers.activation_checkpointing import setting  # results of older versions hold a bool
 from memtrain.levers.optimizer_state import STATE_DTYPES
 from memory_accuracy import error_distribution  # the benchmark's own summary (a sibling: this folder is on the path)
+from peers import paired as peers_paired  # the benchmark's own pairing of repeats
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MEASURED_BY = {"lossy_step_cost": "lossy_levers", "largest_model_plan": "largest_model", "solver_exhaustive": "solver"}
@@ -342,33 +343,48 @@ def host_step_rates(device: str) -> str:
 
 def peers(device: str) -> str:
     """``benchmarks/peers.py``: per engine and trainer, the newest summary row (min / median / max
-    over its repeats) and the commit it measured; then memtrain's paired ratios to each peer."""
+    over its repeats) and the commit it measured; then, per engine from the newest commit's run
+    rows, each memtrain's paired ratios to each peer (:func:`peers.paired`)."""
     rows = newest_by("peers", device, lambda row: (row.get("summary", False), row.get("paired", False),
                                                    row.get("engine"), row.get("trainer")))
     order = lambda kv: (list(ENGINE_NAMES).index(kv[0][2]), kv[0][3] != "memtrain", kv[0][3])  # noqa: E731
     out = ["| engine | trainer | repeats (failed) | tokens/s (min / median / max) | tokens per CPU-second, both "
-           "ranks (min / median / max) | peak resident MiB, largest rank (min / median / max) | validation loss "
-           "(min / median / max) | lines of user code | commit |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "ranks (min / median / max) | peak resident MiB, largest rank (min / median / max) | of it: imports MiB "
+           "(median) | above the imports MiB (median) | model state MiB | validation loss (min / median / max) "
+           "| lines of user code | commit |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (summary, pair, engine, trainer), r in sorted(rows.items(), key=order):
         if not summary:
             continue
         mib = {k: v / 2**20 for k, v in r["peak_bytes"].items()} if r["peak_bytes"] else None
         cells = [spread(r[k], f) if r.get(k) else "n/a" for k, f in (
             ("tokens_per_s", "{:,.0f}"), ("tokens_per_cpu_s", "{:,.0f}"), ("val_loss", "{:.4f}"))]
+        parts = [f"{r[k]['median'] / 2**20:,.0f}" if r.get(k) else "n/a" for k in ("imports_bytes", "above_imports_bytes")]
+        state = f"{r['model_state_bytes'] / 2**20:.1f}" if r.get("model_state_bytes") else "n/a"
         out.append(f"| {ENGINE_NAMES[engine]} | {trainer} | {r['repeats']} ({r['failed']}) | {cells[0]} | {cells[1]} "
-                   f"| {spread(mib, '{:,.0f}') if mib else 'n/a'} | {cells[2]} | {r['user_lines']} "
-                   f"| {(r.get('commit') or 'none')[:7]} |")
-    paired = [(k, r) for k, r in sorted(rows.items(), key=order) if k[1]]
-    if paired:
-        out += ["", "| engine | memtrain ÷ | pairs | tokens per CPU-second (min / median / max) | tokens/s "
-                "(min / median / max) | commit |", "|---|---|---|---|---|---|"]
-        for (_, _, engine, trainer), r in paired:
+                   f"| {spread(mib, '{:,.0f}') if mib else 'n/a'} | {parts[0]} | {parts[1]} | {state} | {cells[2]} "
+                   f"| {r['user_lines']} | {(r.get('commit') or 'none')[:7]} |")
+    out += ["", "| engine | ÷ | pairs | tokens per CPU-second (min / median / max) | tokens/s (min / median / max) "
+            "| commit |", "|---|---|---|---|---|---|"]
+    for engine, (commit, runs) in sorted(newest_runs(device).items(), key=lambda kv: list(ENGINE_NAMES).index(kv[0])):
+        for r in peers_paired(runs):
             cells = [spread(r[k]) if r.get(k) else "n/a" for k in ("memtrain_over_peer_tokens_per_cpu_s",
                                                                     "memtrain_over_peer_tokens_per_s")]
-            out.append(f"| {ENGINE_NAMES[engine]} | {trainer} | {r['pairs']} | {cells[0]} | {cells[1]} "
-                       f"| {(r.get('commit') or 'none')[:7]} |")
+            out.append(f"| {ENGINE_NAMES[engine]} | {r['numerator']} ÷ {r['trainer']} | {r['pairs']} | {cells[0]} "
+                       f"| {cells[1]} | {commit[:7]} |")
     return "\n".join(out)
+
+
+def newest_runs(device: str) -> dict[str, tuple[str, list[dict]]]:
+    """``{engine: (commit, its run rows)}``: per engine the run rows (one per trainer and repeat) of
+    the newest commit that measured that engine, the rows :func:`peers.paired` divides."""
+    by_commit: dict[str, dict[str, list[dict]]] = {}
+    with open(RESULTS / f"peers-{device}.jsonl") as fh:
+        for line in fh:
+            row = json.loads(line)
+            if "repeat" in row and row.get("commit"):
+                by_commit.setdefault(row["engine"], {}).setdefault(row["commit"], []).append(row)
+    return {engine: list(commits.items())[-1] for engine, commits in by_commit.items()}
 
 
 def memory_accuracy_levers(device: str) -> str:

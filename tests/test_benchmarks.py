@@ -332,7 +332,7 @@ def test_peers_quick_trains_one_model_under_each_trainer(cache_dir):
     same order, with the same settings and schedule, for 3 steps on 2 ranks: each run exits
     cleanly, lowers the validation loss of the weights they all start from (one evaluation for
     all) to the same value within float rounding, and reports its tokens per second and per CPU
-    second, peak resident bytes and lines of code; a summary per trainer and memtrain's paired
+    second, peak resident bytes with their import footprint and model state, and lines of code; a summary per trainer and memtrain's paired
     ratio to each peer. Rows are printed, not saved."""
     import importlib.util
 
@@ -349,6 +349,10 @@ def test_peers_quick_trains_one_model_under_each_trainer(cache_dir):
         assert "failed" not in r, (trainer, r.get("failed"))
         assert r["steps"] == 3 and r["tokens_per_s"] > 0 and r["tokens_per_cpu_s"] > 0, r
         assert r["peak_bytes"] > 0 and r["user_lines"] > 0, r
+        assert 0 < r["imports_bytes"] < r["peak_bytes"] and 0 < r["above_imports_bytes"] < r["peak_bytes"], r
+        # GPT-2 at width 64, 4 blocks, 1024 tokens, 64 positions, tied head: 65,536 + 4,096 + 4 × 49,984 + 128
+        # parameters, each with fp32 weight, gradient and two AdamW moments
+        assert r["model_state_bytes"] == 16 * 269_696, r
         assert r["val_loss"] < r["initial_val_loss"], r  # trained, from the same start
         assert r["settings"] == runs["memtrain"]["settings"] and r["data_seed"] == runs["memtrain"]["data_seed"]
     losses = [r["val_loss"] for r in runs.values()]

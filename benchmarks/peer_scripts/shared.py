@@ -85,12 +85,24 @@ class StepClock:
         self.cpu_times.append(time.process_time())
 
 
+def peak_rss_bytes() -> int:
+    """This process's resident peak so far, bytes (``getrusage``'s ``ru_maxrss``: the same counter
+    for every trainer)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+IMPORTS_RSS_BYTES = peak_rss_bytes()
+"""The resident peak when this module is imported: after the script's own imports (its trainer's
+library) and this module's (torch, transformers, numpy), before any model or data: the process's
+import footprint."""
+
+
 def finish(clock: StepClock, rank: int) -> None:
-    """Write this rank's record: its step end times (wall and CPU) and its peak resident memory
-    (bytes, ``getrusage``'s ``ru_maxrss``: the same counter for every trainer)."""
+    """Write this rank's record: its step end times (wall and CPU), its peak resident memory and its
+    import footprint (bytes, :func:`peak_rss_bytes`)."""
     record = {"rank": rank, "step_end_s": [t - clock.times[0] for t in clock.times[1:]],
               "step_end_cpu_s": [t - clock.cpu_times[0] for t in clock.cpu_times[1:]],
-              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+              "peak_rss_bytes": peak_rss_bytes(), "imports_rss_bytes": IMPORTS_RSS_BYTES}
     os.makedirs(SETTINGS["out"], exist_ok=True)
     with open(os.path.join(SETTINGS["out"], f"record_{rank}.json"), "w") as fh:
         json.dump(record, fh)
