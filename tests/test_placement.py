@@ -755,3 +755,43 @@ def test_plan_counts_the_optimizer_state_a_partial_offload_keeps_on_the_device(c
     (half, cfg), (whole, _) = planned_state(0.5), planned_state(1.0)
     expected = held_on_device(cfg, 0.5) - held_on_device(cfg, 1.0)
     assert expected > 0 and half - whole == pytest.approx(expected, rel=0.05)
+
+
+def test_the_plan_counts_the_zero_buffer_sizes_a_users_deepspeed_json_sets(tmp_path, cache_dir):
+    """A user's DeepSpeed JSON that raises ZeRO-3's persistence threshold above every parameter
+    makes DeepSpeed keep each parameter whole on every rank (its ``mark_persistent_parameters``): the
+    plan, `memtrain memory`'s configured state and every placement row, counts them whole too, as
+    the running engine does (the JSON read by the same function); without the JSON the model's
+    largest parameters are partitioned and the plan counts less than the whole model."""
+    import json
+
+    from memtrain.config import parse_args
+    from memtrain.data import build_corpus
+    from memtrain.planning.placement import configured_state_bytes, model_facts, state_bytes, user_zero_settings
+
+    path = tmp_path / "zero3.json"
+    path.write_text(json.dumps({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10**9}}))
+    base = tiny_args(tmp_path / "out", cache_dir, "--backend.name", "deepspeed", "--backend.zero_stage", "3",
+                     "--model.config.n_embd", "256")
+    plain, persistent = parse_args(base), parse_args(base + ["--backend.deepspeed_config", str(path)])
+    shape, _ = model_facts(plain, build_corpus(plain.data))
+    assert max(shape.numels) > 100_000  # DeepSpeed's default threshold partitions the largest
+    assert user_zero_settings(persistent) == {"stage3_param_persistence_threshold": 10**9} and not user_zero_settings(plain)
+    whole = 4 * shape.parameters
+    assert configured_state_bytes(plain, shape, "fp32", 2)["parameter_bytes"] < whole
+    assert configured_state_bytes(persistent, shape, "fp32", 2)["parameter_bytes"] >= whole
+    row = Placement("deepspeed", 3, "none")
+    assert state_bytes(row, shape, "fp32", 2, user_zero_settings(persistent))["parameter_bytes"] >= whole
+    from memtrain.planning.placement import allowed_pool, placement_table
+
+    # the placement table too: a JSON that gathers no more than the module being run (no prefetch,
+    # no reuse) holds fewer gathered parameters than DeepSpeed's defaults
+    narrow = tmp_path / "narrow.json"
+    narrow.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0,
+                                                        "stage3_max_reuse_distance": 0}}))
+    gathering = parse_args(base + ["--backend.deepspeed_config", str(narrow)])
+    corpus = build_corpus(plain.data)
+    planned = {name: placement_table(cfg, corpus, 2, machine(), "fp32", allowed_pool(cfg, False))[0]
+               for name, cfg in (("plain", plain), ("narrow", gathering))}
+    assert planned["narrow"].device_bytes < planned["plain"].device_bytes

@@ -25,7 +25,8 @@ from memtrain.backends import ds_partial_offload
 from memtrain.backends.base import ComputeCollectives
 from memtrain.backends.common import OffloadTime, offload_advice, offload_words, refuse_unsharded_reshard
 from memtrain.backends.common import fp32_export_bytes as export_bytes_per_parameter  # noqa: F401 (registry)
-from memtrain.backends.ds_config import OFFLOAD_DEVICES, build_ds_config, get_path, read_user_json, resolve_zero_stage
+from memtrain.backends.ds_config import (OFFLOAD_DEVICES, ZERO_IN_PLACE_KEYS, build_ds_config, get_path, read_user_json,
+                                        resolve_zero_stage, zero_buffer_settings)
 from memtrain.backends.ds_zero_init import model_build_context  # noqa: F401 (registry)
 from memtrain.backends.op_locks import clear_stale_locks
 from memtrain.backends.spec import EngineVariant
@@ -554,7 +555,4 @@ def size_buffers(ds_config: dict, shape: ModelShape, trainable: int) -> dict[str
     for key, value in deepspeed_buffer_settings(shape, trainable).items():
         if zero.get(key) in (None, "auto"):
             zero[key] = value
-    keys = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_max_reuse_distance",
-            "stage3_param_persistence_threshold")
-    return {**{k: int(float(zero[k])) for k in keys if zero.get(k) not in (None, "auto")},
-            **{k: int(bool(zero.get(k, True))) for k in ("reduce_scatter", "contiguous_gradients")}}
+    return {**zero_buffer_settings(zero), **{k: int(bool(zero.get(k, True))) for k in ZERO_IN_PLACE_KEYS}}

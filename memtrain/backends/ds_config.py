@@ -219,6 +219,21 @@ def resolve_zero_stage(zero_stage: Optional[int], user: dict):
 OFFLOAD_DEVICES = ("cpu", "nvme")
 
 
+ZERO_BUFFER_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_max_reuse_distance",
+                    "stage3_param_persistence_threshold")
+"""The ``zero_optimization`` buffer sizes (elements) the accounting counts as a JSON sets them."""
+ZERO_IN_PLACE_KEYS = ("reduce_scatter", "contiguous_gradients")
+"""The ``zero_optimization`` flags that decide whether ZeRO-3 reduces a bucket in place (1 or 0)."""
+
+
+def zero_buffer_settings(zero: dict) -> dict[str, int]:
+    """The buffer sizes (:data:`ZERO_BUFFER_KEYS`, elements) and in-place flags
+    (:data:`ZERO_IN_PLACE_KEYS`, 1 or 0) a ``zero_optimization`` section sets; unset or ``auto``
+    ones are left out (the accounting's own sizes, DeepSpeed's defaults, stand for them)."""
+    return {**{k: int(float(zero[k])) for k in ZERO_BUFFER_KEYS if zero.get(k) not in (None, "auto")},
+            **{k: int(bool(zero[k])) for k in ZERO_IN_PLACE_KEYS if zero.get(k) is not None}}
+
+
 def offload_in_json(user: dict) -> tuple[str, float, bool]:
     """What a DeepSpeed JSON offloads: ``(none|optimizer|optimizer_and_params, the optimizer
     state's fraction on the host, whether to NVMe)``."""

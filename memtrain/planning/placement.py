@@ -40,7 +40,8 @@ from typing import Optional
 
 from memtrain.backends import BACKENDS, DEFAULT_ENGINE, engine_module, engine_name, engine_variants, model_state_bytes
 from memtrain.backends.deepspeed import async_io_available
-from memtrain.backends.ds_config import get_path, offload_in_json, read_user_json, resolve_zero_stage
+from memtrain.backends.ds_config import (get_path, offload_in_json, read_user_json, resolve_zero_stage,
+                                        zero_buffer_settings)
 from memtrain.backends.spec import resolve_engine
 from memtrain.config import ConfigError
 from memtrain.levers import allowed_by, describe, lever_choices, offered_choices
@@ -142,18 +143,29 @@ def variants(engines: tuple[str, ...], zero_stages: tuple[int, ...], nvme: bool,
             and (not v.state_dtypes or state_dtype in v.state_dtypes)]
 
 
-def state_bytes(p: Placement, shape: ModelShape, precision: str, world_size: int) -> dict[str, int]:
+def state_bytes(p: Placement, shape: ModelShape, precision: str, world_size: int,
+                zero_settings: Optional[dict] = None) -> dict[str, int]:
     """The engine's model-state accounting of ``p`` (:func:`memtrain.backends.model_state_bytes`;
-    DeepSpeed's buffers as memtrain sizes them)."""
+    DeepSpeed's buffers as memtrain sizes them, except those the user's JSON sets: ``zero_settings``,
+    :func:`user_zero_settings`)."""
     return model_state_bytes(p.engine, shape.parameters, precision, p.zero_stage, p.offload, world_size,
                              p.offload_optimizer_ratio, "nvme" if p.nvme else "cpu", shape, state_dtype=p.state_dtype,
-                             deferred_reduction=p.deferred_reduction)
+                             deferred_reduction=p.deferred_reduction, zero_settings=zero_settings)
+
+
+def user_zero_settings(cfg) -> dict[str, int]:
+    """The ``zero_optimization`` buffer sizes and in-place flags the run's DeepSpeed JSON sets
+    (:func:`memtrain.backends.ds_config.zero_buffer_settings`; {} without one, or on another
+    engine), counted by the plan as the engine counts them."""
+    if not engine_module(engine_name(cfg.backend)).READS_DEEPSPEED_CONFIG:
+        return {}
+    return zero_buffer_settings(get_path(read_user_json(cfg.backend.deepspeed_config), "zero_optimization") or {})
 
 
 def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_size: int,
-          machine: Machine) -> None:
-    """Fill ``p``'s bytes and seconds for micro-batch plan ``c``."""
-    state = state_bytes(p, shape, precision, world_size)
+          machine: Machine, zero_settings: Optional[dict] = None) -> None:
+    """Fill ``p``'s bytes and seconds for micro-batch plan ``c`` (``zero_settings``: :func:`state_bytes`)."""
+    state = state_bytes(p, shape, precision, world_size, zero_settings)
     n_params = shape.parameters
     half = precision in ("bf16", "fp16")
     p_bytes = 2 if half else 4
@@ -219,7 +231,8 @@ def _export_host_bytes(p: Placement, state: dict, n_params: int, precision: str,
 
 
 def plan_placements(candidates, pool: list[Placement], shape: ModelShape,
-                    precision: str, world_size: int, machine: Machine) -> list[Placement]:
+                    precision: str, world_size: int, machine: Machine,
+                    zero_settings: Optional[dict] = None) -> list[Placement]:
     """Size and time every placement of ``pool`` at its best micro-batch plan and choose.
 
     Args:
@@ -229,6 +242,7 @@ def plan_placements(candidates, pool: list[Placement], shape: ModelShape,
         pool: from :func:`variants`; a partial-offload entry takes the smallest fitting ratio.
         shape: the model's element counts (:func:`memtrain.memory.accounting.model_shape`).
         precision: ``bf16|fp16|fp32``; world_size: ranks; machine: the budgets and rates.
+        zero_settings: the DeepSpeed buffer sizes the user's JSON sets (:func:`user_zero_settings`).
 
     Returns:
         ``pool``, each with its best plan (the fastest that fits, else the smallest); the one
@@ -241,7 +255,7 @@ def plan_placements(candidates, pool: list[Placement], shape: ModelShape,
         for ratio in ratios:
             trial = dataclasses.replace(p, offload_optimizer_ratio=ratio, state_dtype_s=None)
             for c in plans_of(p):
-                _size(trial, c, shape, precision, world_size, machine)
+                _size(trial, c, shape, precision, world_size, machine, zero_settings)
                 if best is None or _better(trial, best):
                     best = dataclasses.replace(trial)
         for field in dataclasses.fields(Placement):
@@ -366,7 +380,7 @@ def plan_model(cfg, activation_tables, shape: ModelShape, tokens: int, world_siz
             by_table[key] = [c for c in plans if t.micro_batch_size in ("auto", c.micro_batch_size)]
         return by_table[key]
 
-    return plan_placements(candidates, pool, shape, precision, world_size, machine)
+    return plan_placements(candidates, pool, shape, precision, world_size, machine, user_zero_settings(cfg))
 
 
 def placement_table(cfg, corpus, world_size: int, machine: Machine, precision: str,
@@ -451,7 +465,7 @@ def configured_state_bytes(cfg, shape: ModelShape, precision: str, world_size: i
     return model_state_bytes(engine_name(b), shape.parameters, precision, b.zero_stage, offload or "none", world_size,
                              offload_optimizer_ratio=ratio, offload_device="nvme" if on_nvme else "cpu", shape=shape,
                              state_dtype=state_dtype or cfg.optimizer.state_dtype,
-                             deferred_reduction=cfg.memory.oom_recovery)
+                             deferred_reduction=cfg.memory.oom_recovery, zero_settings=user_zero_settings(cfg))
 
 
 def with_state_dtype(cfg, dtype: str):
