@@ -99,15 +99,15 @@ STEPS = (
          ("benchmarks/memory_accuracy.py", "--quick"), 150, "memory_accuracy", part=1),
     # part 2: how fast, against the plain loops, and the largest models
     Step("overhead", ("benchmarks/overhead.py", "--device", "cuda", "--engines", "ddp,fsdp,zero2", "--steps", "10",
-                      "--repeats", "2"), ("benchmarks/overhead.py", "--quick"), 170, "overhead", part=2),
-    Step("compile", ("benchmarks/compile.py", "--device", "cuda", "--steps", "16", "--repeats", "2"),
-         ("benchmarks/compile.py", "--quick"), 110, part=2),
+                      "--repeats", "2"), ("benchmarks/overhead.py", "--quick"), 200, "overhead", part=2),
+    Step("compile", ("benchmarks/compile.py", "--device", "cuda", "--steps", "12", "--repeats", "2"),
+         ("benchmarks/compile.py", "--quick"), 95, part=2),
     # the flagship first, then the stock comparison at the largest shape its host peak fits (plan
-    # rows: 3b); 6 steps (tokens/s from the third), the recipe's global batch of 64 is 4x the step
-    Step("largest_model", ("benchmarks/largest_model.py", "--shapes", "10b,3b", "--steps", "6", "--repeats", "1",
-                           "--global_batch_size", "16", "--budget_s", "185"),
+    # rows: 3b); 5 steps (tokens/s from the third), the recipe's global batch of 64 is 4x the step
+    Step("largest_model", ("benchmarks/largest_model.py", "--shapes", "10b,3b", "--steps", "5", "--repeats", "1",
+                           "--global_batch_size", "16", "--budget_s", "170"),
          ("benchmarks/largest_model.py", "--device", "cpu", "--shapes", "tiny", "--steps", "2", "--repeats", "1"),
-         190, part=2),
+         175, part=2),
     Step("checkpoint_io", ("benchmarks/checkpoint_io.py", "--device", "cuda"), ("benchmarks/checkpoint_io.py", "--quick"),
          70, part=2),
     Step("chunked_loss", None, ("benchmarks/chunked_loss.py", "--quick"), 0),  # a CPU measurement: its plumbing only
