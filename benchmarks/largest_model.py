@@ -5,7 +5,7 @@ DeepSpeed optimizer-offload config, Llama shapes, bf16, sequence 1024, at the re
     python benchmarks/largest_model.py --plan [--results]                 # predictions only, any machine
     python benchmarks/largest_model.py --plan --shapes 13b --extra "--memory.allow_lossy_levers true --memory.levers auto"
     python benchmarks/largest_model.py --shapes 6.7b,10b [--results]      # one GPU: 8 steps each, alternating
-    python benchmarks/largest_model.py --shapes 10b,3b --steps 5 --global_batch_size 16 --budget_s 170   # the GPU suite's
+    python benchmarks/largest_model.py --shapes 3b,6.7b,10b --global_batch_size 16 --budget_s 180   # the GPU suite's
     python benchmarks/largest_model.py --device cpu --shapes tiny         # the same code path on a CPU
 
 ``--plan`` prints, per shape, ``memtrain plan``'s placements for ``--gpu_memory_gib`` /
