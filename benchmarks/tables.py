@@ -35,6 +35,7 @@ from typing import Optional
 from memtrain.levers.activation_checkpointing import setting  # results of older versions hold a bool
 from memtrain.levers.optimizer_state import STATE_DTYPES
 from memory_accuracy import error_distribution  # the benchmark's own summary (a sibling: this folder is on the path)
+from largest_model import recipe_global_batch_size  # the batch the benchmark plans by default
 from peers import paired as peers_paired  # the benchmark's own pairing of repeats
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -129,10 +130,12 @@ def oom_stress_host_limit(device: str) -> str:
     return "\n".join(out)
 
 
-def largest_model_plan(global_batch_size: int = 64) -> str:
+def largest_model_plan(global_batch_size: Optional[int] = None) -> str:
     """The placements ``benchmarks/largest_model.py --plan`` printed at ``global_batch_size``
-    (``recipes/llama_10b.yaml``'s 64; rows before the key existed planned 16), newest row per shape
-    and ``--extra`` (a row planned with extra arguments names them beside its shape)."""
+    (None: ``recipes/llama_10b.yaml``'s, as the benchmark reads it; rows before the key existed
+    planned 16), newest row per shape and ``--extra`` (a row planned with extra arguments names
+    them beside its shape)."""
+    global_batch_size = global_batch_size or recipe_global_batch_size()
     rows: dict[tuple, dict] = {}
     with open(RESULTS / "largest_model_plan-cpu.jsonl") as fh:
         for line in fh:
