@@ -550,9 +550,9 @@ def test_a_deep_model_is_traced_at_a_few_depths_and_extrapolated_exactly(cache_d
     depths = []
     trace = step_trace.step_peaks
 
-    def spy(model, mode, objective, batch):
+    def spy(model, mode, objective, batch, **kw):
         depths.append(len(model.transformer.h))
-        return trace(model, mode, objective, batch)
+        return trace(model, mode, objective, batch, **kw)
 
     monkeypatch.setattr(step_trace, "step_peaks", spy)
     for every, settings, shortened in ((1, ("off", "selective", "on"), {1, 2, 3}), (2, ("on",), {2, 4, 6}),
@@ -629,3 +629,42 @@ def test_the_traced_batch_repeats_a_corpus_smaller_than_the_batch():
     varying = types.SimpleNamespace(train=Split([7, 9, 8]))
     assert trace_batch(varying, 2)["index"].tolist() == [1, 2]
     assert trace_batch(varying, 4)["index"].tolist() == [1, 2, 0, 1]
+
+
+def test_the_trace_keeps_a_parameter_while_autograd_holds_a_view_of_it():
+    """``step_peaks``' kept peaks (ZeRO-3's gathered parameters, which a saved view keeps past their
+    release): an expert's slice of a fused weight and a linear layer's transposed weight keep their
+    whole parameter counted until backward frees the view; a parameter saved as itself (``addmm``'s
+    matrix), or one at or under the threshold, is not kept. The expected bytes are the parameters'
+    sizes, from their shapes."""
+    import torch
+    from torch import nn
+
+    from memtrain.memory.step_trace import fake_model, step_peaks
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.Parameter(torch.zeros(4, 64, 64))  # 16,384 elements: used through a slice
+            self.head = nn.Linear(64, 256, bias=False)  # 16,384: F.linear saves weight.t()
+            self.direct = nn.Parameter(torch.zeros(64, 64))  # 4,096: torch.addmm saves it as itself
+            self.bias = nn.Parameter(torch.zeros(64))  # 64: scales the input, so it needs a gradient
+
+        def forward(self, x):
+            x = torch.addmm(self.bias, (x * self.bias) @ self.experts[1], self.direct)
+            return self.head(x).sum()
+
+    class Loss:
+        def loss_sum(self, model, batch):
+            return model(batch["x"])
+
+    batch = {"x": torch.zeros(512, 64)}  # the head's output and its gradient make the peak, views kept
+    model, mode = fake_model(Experts)
+    plain = step_peaks(model, mode, Loss(), batch)
+    assert plain.kept == ()
+    kept = step_peaks(model, mode, Loss(), batch, kept_numel=4_096)
+    assert kept[:3] == plain[:3]
+    assert kept.kept[0] - plain.peak == 4 * (16_384 + 16_384)  # the slice's and the transpose's parameters
+    everything = step_peaks(model, mode, Loss(), batch, kept_numel=0)
+    assert everything.kept[0] == kept.kept[0]  # the directly saved one and the bias: never kept
+    assert step_peaks(model, mode, Loss(), batch, kept_numel=16_384).kept[0] == plain.peak

@@ -56,6 +56,9 @@ class ModelShape:
         trainable: each parameter's elements that requires gradients (a LoRA model's adapters:
             the gradients and optimizer state are theirs alone); None = every parameter trains.
         frozen_bytes: bytes of the parameters that do not require gradients, in their dtype.
+        first_module_numels: each parameter's elements of the first module that owns parameters
+            (in registration order, the one a forward uses first: the input embeddings), the last
+            one backward uses; () = unknown.
     """
 
     parameters: int
@@ -65,6 +68,7 @@ class ModelShape:
     numels: tuple[int, ...] = ()
     trainable: Optional[tuple[int, ...]] = None
     frozen_bytes: int = 0
+    first_module_numels: tuple[int, ...] = ()
 
     @property
     def trained(self) -> int:
@@ -96,13 +100,15 @@ def model_shape(model) -> ModelShape:
     in_blocks = set().union(*blocks) if blocks else set()
     own = (sum(numel(p) for p in m.parameters(recurse=False)) for m in model.modules())
     frozen = [p for p in unique.values() if not p.requires_grad]
+    first = next((m for m in model.modules() if any(True for _ in m.parameters(recurse=False))), None)
     return ModelShape(parameters=sum(params.values()),
                       largest_block=max((sum(params[i] for i in b) for b in blocks), default=0),
                       largest_module=max(own, default=0),
                       root=sum(n for i, n in params.items() if i not in in_blocks),
                       numels=tuple(params.values()),
                       trainable=tuple(numel(p) for p in unique.values() if p.requires_grad) if frozen else None,
-                      frozen_bytes=sum(numel(p) * p.element_size() for p in frozen))
+                      frozen_bytes=sum(numel(p) * p.element_size() for p in frozen),
+                      first_module_numels=tuple(numel(p) for p in first.parameters(recurse=False)) if first else ())
 
 
 DEEPSPEED_REDUCE_BUCKET_ELEMENTS = 500_000_000
@@ -216,15 +222,35 @@ def zero_state_bytes(n_params: int, precision: str, zero_stage: Optional[int], o
     """Per-rank bytes of DeepSpeed ZeRO's model state (:func:`_zero`), its buffers as memtrain sizes
     them (:func:`deepspeed_buffer_settings`) where ``zero_settings`` (the user's JSON's
     ``zero_optimization`` sizes, elements) does not set them; the keys of
-    :func:`memtrain.backends.model_state_bytes`."""
+    :func:`memtrain.backends.model_state_bytes`.
+
+    Where ZeRO-3 gathers (more than one rank, or parameters offloaded), two more terms from
+    DeepSpeed's ``PartitionedParameterCoordinator`` and ``free_param``, which releases a gathered
+    parameter by pointing it at an empty tensor: ``view_kept_bytes``, every parameter over the
+    persistence threshold, the most that views autograd saved can keep gathered beyond their
+    release (:func:`peak_tensor_bytes`' ``kept``; which ones, and when, the trace counts:
+    :class:`memtrain.memory.step_trace.StepPeaks`' ``kept``); and ``step_gathered_bytes``, the
+    first module's parameters over the threshold (``ModelShape.first_module_numels``: the input
+    embeddings), the last module backward runs and the first the next forward does, so within
+    the reuse distance and held gathered through the optimizer step (MemTracker at the step of
+    Mistral's and GPT-NeoX's 2-rank rows: the parameters' partitions, persistent ones and that one
+    module gathered; no other block's parameters, also on GPT-2 small's 86M)."""
     settings = {**deepspeed_buffer_settings(shape, n_params - shape.frozen), **(zero_settings or {})}
     persistent = zero3_persistent_elements(
         shape.numels, settings.get("stage3_param_persistence_threshold", ZERO3_PERSISTENCE_THRESHOLD))
-    return {**_zero(
+    state = _zero(
         n_params - shape.frozen, precision, zero_stage, offload, max(1, world_size), offload_optimizer_ratio,
         offload_device, settings["reduce_bucket_size"], persistent, zero3_gathered_elements(shape, settings),
         max(shape.trainable if shape.trainable is not None else shape.numels, default=0), shape.frozen,
-        bool(settings.get("reduce_scatter", 1)) or not settings.get("contiguous_gradients", 1))}
+        bool(settings.get("reduce_scatter", 1)) or not settings.get("contiguous_gradients", 1))
+    # every gathered parameter may be kept by a saved view (peak_tensor_bytes' kept); the first
+    # module's stay gathered through the step (its next use is the next forward's first)
+    gathers = state["gathered_parameter_bytes"] > 0
+    p_bytes = 2 if precision in ("bf16", "fp16") else 4
+    threshold = settings.get("stage3_param_persistence_threshold", ZERO3_PERSISTENCE_THRESHOLD)
+    first = p_bytes * sum(n for n in shape.first_module_numels if n > threshold) if gathers else 0
+    return {**state, "view_kept_bytes": p_bytes * (shape.parameters - persistent) if gathers else 0,
+            "step_gathered_bytes": first}
 
 
 def fsdp_state_bytes(n_params: int, precision: str, offload: str, world_size: int, shape: ModelShape,
@@ -274,10 +300,10 @@ def builds_on_device(shape: ModelShape, state: dict[str, int], device_type: str)
     return device_type == "cuda" and build_bytes(shape) <= device_state_bytes(state)
 
 
-def peak_tensor_bytes(device_state: int, peaks: Sequence[Optional[int]], accumulation: int = 0, step: int = 0,
-                      block: int = 0, backward: int = 0) -> int:
+def peak_tensor_bytes(device_state: int, peaks: Sequence, accumulation: int = 0, step: int = 0,
+                      block: int = 0, backward: int = 0, kept: int = 0) -> int:
     """Tensor bytes on a rank's device at its peak, the largest of four moments, from ``peaks`` =
-    (peak, in_block, in_backward[, resident]) of a traced micro-step
+    (peak, in_block, in_backward[, resident[, kept peaks]]) of a traced micro-step
     (:class:`memtrain.memory.step_trace.StepPeaks`; a None is the peak; ``resident``, the rank's
     batch, is held at every moment). ``device_state`` is the model state on the device with every buffer;
     before a micro-step's forward a rank holds it less ``block`` and ``backward``, plus
@@ -289,26 +315,38 @@ def peak_tensor_bytes(device_state: int, peaks: Sequence[Optional[int]], accumul
       gathered parameters), released outside the blocks (at the loss's peak, say);
     - its peak from the first parameter gradient on, beside that and ``backward``, what an engine
       allocates for backward (``backward_buffer_bytes``: ZeRO-2's reduce bucket);
-    - the optimizer step: all of ``device_state`` and ``step`` (``step_gradient_bytes``: the
-      gradients the step reads, which the accumulated ones have become; the activations freed).
+    - the optimizer step: ``device_state`` less ``block`` (nothing is gathered then) and ``step``
+      (``step_gradient_bytes``: the gradients the step reads, which the accumulated ones have
+      become; the activations freed).
+
+    ``kept`` (``view_kept_bytes``: ZeRO-3's parameters that are gathered, on more than one rank)
+    takes the trace's peaks with the gathered parameters a saved view keeps alive
+    (``StepPeaks.kept``) for the three micro-step moments; while a block runs those and ``block``
+    together are never more than ``kept``, all of them.
 
     MemTracker on 2 ranks (``benchmarks/memory_accuracy.py --families``: Llama, Mistral, Qwen2,
-    GPT-NeoX, GPT-2 of 0.6–2M parameters) finds each engine's state before the last
+    GPT-NeoX, GPT-2, Mixtral, Qwen2-MoE of 0.6–2M parameters) finds each engine's state before the last
     micro-batch's forward as above and its peak at one of these moments.
     """
     peak = peaks[0]
     in_block, in_backward = (peak if p is None else p for p in peaks[1:3])
     resident = peaks[3] if len(peaks) > 3 else 0
+    during_block = in_block + block
+    if kept and len(peaks) > 4 and peaks[4]:
+        peak, kept_in_block, in_backward = peaks[4]
+        during_block = min(kept_in_block + block, in_block + kept)
     before_forward = device_state - block - backward + accumulation
-    return max(before_forward + max(peak, in_block + block, in_backward + backward), device_state + step) + resident
+    micro_step = before_forward + max(peak, during_block, in_backward + backward)
+    return max(micro_step, device_state - block + step) + resident
 
 
 def peak_terms(state_bytes: Mapping[str, int]) -> dict[str, int]:
     """The keyword arguments of :func:`peak_tensor_bytes` a ``model_state_bytes`` dict gives
     (``accumulation`` whether or not the plan accumulates)."""
     return {"accumulation": state_bytes.get("accumulation_gradient_bytes", 0),
-            "step": state_bytes.get("step_gradient_bytes", 0), "block": state_bytes.get("block_buffer_bytes", 0),
-            "backward": state_bytes.get("backward_buffer_bytes", 0)}
+            "step": state_bytes.get("step_gradient_bytes", 0) + state_bytes.get("step_gathered_bytes", 0),
+            "block": state_bytes.get("block_buffer_bytes", 0),
+            "backward": state_bytes.get("backward_buffer_bytes", 0), "kept": state_bytes.get("view_kept_bytes", 0)}
 
 
 def state_peak_tensor_bytes(state_bytes: Mapping[str, int], peaks: Sequence[Optional[int]],
@@ -444,8 +482,8 @@ def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str
     small's blocks (86M, fp32, 2 ranks) counts one peak per engine with activation checkpointing
     off and on alike — ZeRO-2 20 bytes per parameter (parameters 4, whole gradients 4, reduce
     bucket 4, gradient partition 2, fp32 master partition 2, AdamW moments 4; on one rank
-    MemTracker's peak equals this prediction to the byte's 1e-5), ZeRO-3 the same beside its
-    gathered parameters. ZeRO-2's gradient partition is counted in that term too, and in the
+    MemTracker's peak equals this prediction to the byte's 1e-5), ZeRO-3 the same with nothing
+    gathered but the first module's parameters (:func:`zero_state_bytes`). ZeRO-2's gradient partition is counted in that term too, and in the
     accumulation term (``accumulation_gradient_bytes``): it lives from the first micro-batch's
     reduction to the step, so the later micro-batches' forward and backward run beside it; its
     reduce bucket is allocated for backward only (``backward_buffer_bytes``, part of

@@ -41,6 +41,8 @@ class _LiveBytes(TorchDispatchMode):
         in_backward_peak_bytes: at most from the first parameter gradient on (``in_backward``).
         in_block: how many blocks are running now (forward, or backward; see :func:`_watch_blocks`).
         in_backward: a parameter's gradient has arrived (:meth:`to_gradient`).
+        kept_bytes: parameters' bytes autograd keeps through a view it saved (:meth:`keep`).
+        view_peaks: [peak, in_block, in_backward] of the live bytes and ``kept_bytes`` together.
     """
 
     def __init__(self):
@@ -50,6 +52,9 @@ class _LiveBytes(TorchDispatchMode):
         self._sizes: dict[int, int] = {}  # storage key -> bytes counted
         self._refs: dict[int, weakref.ref] = {}
         self._state: set[int] = set()  # storages that became model state (never counted again)
+        self.kept_bytes = 0  # parameters kept through a saved view (:meth:`keep`)
+        self.view_peaks = [0, 0, 0]  # peak, in_block, in_backward of live_bytes + kept_bytes
+        self._kept: dict[int, list[int]] = {}  # parameter storage key -> [saved views alive, bytes]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16 and is_fake(args[0]):
@@ -84,6 +89,12 @@ class _LiveBytes(TorchDispatchMode):
             self.in_block_peak_bytes = max(self.in_block_peak_bytes, now)
         if self.in_backward:
             self.in_backward_peak_bytes = max(self.in_backward_peak_bytes, now)
+        kept, views = now + self.kept_bytes, self.view_peaks
+        views[0] = max(views[0], kept)
+        if self.in_block > 0:
+            views[1] = max(views[1], kept)
+        if self.in_backward:
+            views[2] = max(views[2], kept)
 
     def to_state(self, key: int) -> None:
         """Storage ``key`` is model state from now on (a gradient accumulated into ``.grad``):
@@ -98,6 +109,24 @@ class _LiveBytes(TorchDispatchMode):
         if not self.in_backward:
             self.in_backward = True
             self.in_backward_peak_bytes = self.live_bytes
+            self.view_peaks[2] = self.live_bytes + self.kept_bytes
+
+    def keep(self, key: int, size: int) -> None:
+        """Autograd saved a view of the parameter whose storage is ``key`` (``size`` bytes): counted
+        in ``kept_bytes`` until every such view is freed (:meth:`unkeep`)."""
+        entry = self._kept.setdefault(key, [0, size])
+        entry[0] += 1
+        if entry[0] == 1:
+            self.kept_bytes += size
+            self._transient(0)
+
+    def unkeep(self, key: int) -> None:
+        """One saved view of the parameter whose storage is ``key`` was freed."""
+        entry = self._kept[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.kept_bytes -= entry[1]
+            del self._kept[key]
 
     def release(self, key: int) -> None:
         """Stop counting storage ``key`` (freed)."""
@@ -179,6 +208,47 @@ def fused_attention(active: bool):
         F.scaled_dot_product_attention = real
 
 
+class _SavedView:
+    """A saved view of a counted parameter, as autograd holds it (:func:`_kept_views`)."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+def _kept_views(counter: _LiveBytes, params: list[nn.Parameter], kept_numel: Optional[int]):
+    """Saved-tensor hooks that count in ``counter.kept_bytes`` each parameter of more than
+    ``kept_numel`` elements whose *view* autograd saves for backward (a transposed weight a matrix
+    product saves, an expert's slice of a fused expert weight), from the save until autograd frees
+    it; a parameter saved as itself is not counted. None: no hooks.
+
+    Why: DeepSpeed ZeRO-3 gathers a partitioned parameter into a new buffer for its module and
+    releases it after by pointing the parameter at an empty tensor (``free_param``:
+    ``param.data = torch.empty(0)``); a view saved meanwhile still holds the gathered buffer, until
+    backward uses it (memtrain builds ZeRO-3 models with ``memory_efficient_linear`` off, so a
+    linear layer's saved ``weight.t()`` holds too). Parameters at or under the persistence
+    threshold are whole anyway. Inside an activation-checkpointed block torch's own hooks decide
+    what is saved, so nothing there is counted (a recomputed block's parameters are gathered then)."""
+    if kept_numel is None:
+        return contextlib.nullcontext()
+    sizes = {p.untyped_storage()._cdata: p.untyped_storage().nbytes() for p in params if p.numel() > kept_numel}
+
+    def pack(t: torch.Tensor):
+        key = t.untyped_storage()._cdata
+        if key not in sizes or isinstance(t, nn.Parameter):
+            return t
+        saved = _SavedView(t)
+        counter.keep(key, sizes[key])
+        weakref.finalize(saved, counter.unkeep, key)
+        return saved
+
+    def unpack(saved):
+        return saved.tensor if isinstance(saved, _SavedView) else saved
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
 def _first_grad_tensor(values) -> Optional[torch.Tensor]:
     """The first floating-point tensor in ``values`` (nested) that requires grad, or None."""
     return next((t for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor) and t.requires_grad), None)
@@ -229,6 +299,9 @@ class StepPeaks(NamedTuple):
         resident: held through the whole optimizer step beside the model state, at every moment:
             the rank's batch on the device (the loop moves it there whole and cuts its
             micro-batches as views), not part of the three above.
+        kept: (peak, in_block, in_backward) with the parameters autograd keeps through a saved
+            view counted too (:func:`_kept_views`: what DeepSpeed ZeRO-3's gathered parameters
+            hold beyond their release); () when not traced.
     On a small model the peak is often the loss's (the tests' models at micro-batch 4: the
     logits of a 1024-token vocabulary), where neither is held.
     """
@@ -237,11 +310,15 @@ class StepPeaks(NamedTuple):
     in_block: int
     in_backward: int
     resident: int = 0
+    kept: tuple = ()
 
 
-def step_peaks(model: nn.Module, mode, objective, micro_batch: dict[str, torch.Tensor]) -> StepPeaks:
+def step_peaks(model: nn.Module, mode, objective, micro_batch: dict[str, torch.Tensor],
+               kept_numel: Optional[int] = None) -> StepPeaks:
     """Peak bytes of one training forward and backward of ``micro_batch`` beyond model state
-    (:class:`StepPeaks`: at most, while a block runs, from the first parameter gradient on).
+    (:class:`StepPeaks`: at most, while a block runs, from the first parameter gradient on; and
+    with ``kept_numel``, the same with parameters of more elements than that kept through a saved
+    view, ``StepPeaks.kept``: :func:`_kept_views`).
 
     Args:
         model: a fake model (:func:`fake_model`, levers applied).
@@ -267,7 +344,7 @@ def step_peaks(model: nn.Module, mode, objective, micro_batch: dict[str, torch.T
     try:
         with mode, fused_attention(device.type == "meta"):
             batch = fake_batch(mode, micro_batch, device)
-            with torch.enable_grad(), counter:
+            with torch.enable_grad(), counter, _kept_views(counter, params, kept_numel):
                 loss = objective.loss_sum(model, batch)
                 loss.backward()
                 del loss
@@ -277,7 +354,9 @@ def step_peaks(model: nn.Module, mode, objective, micro_batch: dict[str, torch.T
         for p in params:
             p.grad = None
     in_block = counter.in_block_peak_bytes if blocks else counter.peak_bytes
-    return StepPeaks(counter.peak_bytes, in_block, counter.in_backward_peak_bytes)
+    views = counter.view_peaks
+    kept = () if kept_numel is None else (views[0], views[1] if blocks else views[0], views[2])
+    return StepPeaks(counter.peak_bytes, in_block, counter.in_backward_peak_bytes, kept=kept)
 
 
 def step_peak_bytes(model: nn.Module, mode, objective, micro_batch: dict[str, torch.Tensor]) -> int:

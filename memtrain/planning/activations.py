@@ -14,10 +14,11 @@ import torch
 from torch import nn
 
 from memtrain.activation_offload import moved_bytes
-from memtrain.backends import engine_module, engine_name
+from memtrain.backends import engine_module, engine_name, user_zero_settings
 from memtrain.levers import LeverTarget, apply_levers, lever
 from memtrain.levers.activation_checkpointing import setting as ac_setting
 from memtrain.memory import step_trace
+from memtrain.memory.accounting import ZERO3_PERSISTENCE_THRESHOLD
 from memtrain.memory.depth import by_depth
 from memtrain.memory.simulated import SimulatedMemory
 from memtrain.memory.step_trace import compute_precision_model, fake_batch
@@ -62,8 +63,9 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
     cached per micro-batch and model-lever settings). ``objective`` is not changed (a copy is traced).
     Its attribute ``offloaded_bytes`` is ``plan -> bytes`` the plan's activation offload moves to
     the host in that micro-batch (each way; 0 without offload), traced alike; ``peaks`` is
-    ``plan -> (peak, in_block, in_backward, resident)`` (:class:`memtrain.memory.step_trace.StepPeaks`;
-    under a simulated device all three the peak and nothing resident). ``resident`` is the rank's
+    ``plan -> (peak, in_block, in_backward, resident, kept)`` (:class:`memtrain.memory.step_trace.StepPeaks`,
+    ``kept`` traced at the persistence threshold ZeRO-3 runs with; under a simulated device every
+    one the peak and nothing resident). ``resident`` is the rank's
     batch on the device (accumulation × the bytes of the traced micro-batch, the longest samples
     of a corpus of varying length, :func:`trace_batch`; not a batch that large built): the loop
     holds it through the whole step, which MemTracker counts (a speech rank batch of 16
@@ -102,11 +104,16 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
         micro_bytes = sum(t.nbytes for t in batch_of(plan.micro_batch_size).values() if isinstance(t, torch.Tensor))
         return micro_bytes * plan.gradient_accumulation_steps
 
-    def trace(*args) -> tuple[int, int, int]:
+    # the persistence threshold ZeRO-3 runs with: larger parameters are gathered, and kept
+    # through a saved view (StepPeaks.kept; read only for an engine that gathers them)
+    kept_numel = user_zero_settings(cfg).get("stage3_param_persistence_threshold", ZERO3_PERSISTENCE_THRESHOLD)
+
+    def trace(*args) -> tuple[int, ...]:  # peak, in_block, in_backward, then the same with kept views
         if simulated:  # the simulated device counts saved bytes alone, whatever runs
             saved = traced_activation_bytes(*args)
-            return saved, saved, saved
-        return tuple(step_trace.step_peaks(*args))
+            return (saved,) * 6
+        peaks = step_trace.step_peaks(*args, kept_numel=kept_numel)
+        return (*peaks[:3], *peaks.kept)
 
     def traced(plan: Plan) -> tuple[step_trace.StepPeaks, int]:
         settings = {name: setting for name, setting in plan.levers if lever(name).model_lever}
@@ -116,12 +123,13 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
             batch = batch_of(plan.micro_batch_size)
             checkpointed = ac_setting(settings.get("activation_checkpointing", "off")) != "off"
             period = cfg.memory.activation_checkpointing_every_n_blocks if checkpointed else 1
-            def traced_once() -> tuple[int, int, int, int]:
+            def traced_once() -> tuple[int, ...]:
                 moved_bytes(model)  # from 0 (a shortened trace that raised may have counted)
                 return (*trace(model, mode, target.objective, batch), moved_bytes(model))
 
             *peaks, moved = by_depth(model, target.blocks, period, traced_once)
-            cache[key] = (step_trace.StepPeaks(*(extra + p for p in peaks)), moved)
+            peaks = [extra + p for p in peaks]
+            cache[key] = (step_trace.StepPeaks(*peaks[:3], kept=tuple(peaks[3:])), moved)
         return cache[key]
 
     def activation_bytes(plan: Plan) -> int:

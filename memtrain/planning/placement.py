@@ -38,10 +38,10 @@ import dataclasses
 import os
 from typing import Optional
 
-from memtrain.backends import BACKENDS, DEFAULT_ENGINE, engine_module, engine_name, engine_variants, model_state_bytes
+from memtrain.backends import (BACKENDS, DEFAULT_ENGINE, engine_module, engine_name, engine_variants, model_state_bytes,
+                               user_zero_settings)
 from memtrain.backends.deepspeed import async_io_available
-from memtrain.backends.ds_config import (get_path, offload_in_json, read_user_json, resolve_zero_stage,
-                                        zero_buffer_settings)
+from memtrain.backends.ds_config import get_path, offload_in_json, read_user_json, resolve_zero_stage
 from memtrain.backends.spec import resolve_engine
 from memtrain.config import ConfigError
 from memtrain.levers import allowed_by, describe, lever_choices, offered_choices
@@ -151,15 +151,6 @@ def state_bytes(p: Placement, shape: ModelShape, precision: str, world_size: int
     return model_state_bytes(p.engine, shape.parameters, precision, p.zero_stage, p.offload, world_size,
                              p.offload_optimizer_ratio, "nvme" if p.nvme else "cpu", shape, state_dtype=p.state_dtype,
                              deferred_reduction=p.deferred_reduction, zero_settings=zero_settings)
-
-
-def user_zero_settings(cfg) -> dict[str, int]:
-    """The ``zero_optimization`` buffer sizes and in-place flags the run's DeepSpeed JSON sets
-    (:func:`memtrain.backends.ds_config.zero_buffer_settings`; {} without one, or on another
-    engine), counted by the plan as the engine counts them."""
-    if not engine_module(engine_name(cfg.backend)).READS_DEEPSPEED_CONFIG:
-        return {}
-    return zero_buffer_settings(get_path(read_user_json(cfg.backend.deepspeed_config), "zero_optimization") or {})
 
 
 def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_size: int,

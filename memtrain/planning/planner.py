@@ -109,6 +109,8 @@ class Candidate:
         chosen: the plan taken.
         resident_bytes: the rank's batch on the device, held through the whole step
             (:class:`memtrain.memory.step_trace.StepPeaks`).
+        kept_peaks: the three peaks with the gathered parameters a saved view keeps
+            (``StepPeaks.kept``; () = not traced), read for an engine that gathers them.
     """
 
     plan: Plan
@@ -122,6 +124,7 @@ class Candidate:
     fits: bool = True
     chosen: bool = False
     resident_bytes: int = 0
+    kept_peaks: tuple = ()
 
     @property
     def micro_batch_size(self) -> int:
@@ -181,7 +184,8 @@ def make_candidates(per_rank_batch: int, choices: Mapping[str, tuple], state_byt
             acts = activation_bytes(plan)
             moved = activation_bytes.offloaded_bytes(plan) if hasattr(activation_bytes, "offloaded_bytes") else 0
             peaks = activation_bytes.peaks(plan) if hasattr(activation_bytes, "peaks") else (acts, None, None)
-            c = Candidate(plan, 0, acts, moved, *peaks[1:3], resident_bytes=peaks[3] if len(peaks) > 3 else 0)
+            c = Candidate(plan, 0, acts, moved, *peaks[1:3], resident_bytes=peaks[3] if len(peaks) > 3 else 0,
+                          kept_peaks=tuple(peaks[4]) if len(peaks) > 4 else ())
             c.predicted_peak_bytes = candidate_peak_bytes(c, state_bytes, terms or {}, device_type)
             c.fits = budget_bytes is None or c.predicted_peak_bytes <= budget_bytes
             out.append(c)
@@ -205,7 +209,7 @@ def candidate_peak_bytes(candidate: Candidate, device_state: int, terms: Mapping
     (:func:`lever_cost`), plus the allocator's headroom on ``device_type`` — the one composition
     the planner, the placements and ``memtrain plan`` use (bytes)."""
     peaks = (candidate.activation_bytes, candidate.in_block_bytes, candidate.in_backward_bytes,
-             candidate.resident_bytes)
+             candidate.resident_bytes, candidate.kept_peaks)
     accumulation = terms.get("accumulation", 0) if candidate.gradient_accumulation_steps > 1 else 0
     tensors = peak_tensor_bytes(device_state, peaks, **{**terms, "accumulation": accumulation})
     return with_allocator_headroom(tensors + lever_cost(candidate).device_bytes, device_type)
