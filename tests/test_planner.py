@@ -555,7 +555,7 @@ def test_a_deep_model_is_traced_at_a_few_depths_and_extrapolated_exactly(cache_d
         return trace(model, mode, objective, batch, **kw)
 
     monkeypatch.setattr(step_trace, "step_peaks", spy)
-    for every, settings, shortened in ((1, ("off", "selective", "on"), {1, 2, 3}), (2, ("on",), {2, 4, 6}),
+    for every, settings, shortened in ((1, ("off", "selective", "on"), {2, 3, 4}), (2, ("on",), {4, 6, 8}),
                                        (3, ("on",), set())):
         cfg = parse_args(TINY_ARGS + ["--data.cache_dir", cache_dir, "--model.config.n_layer", "14",
                                       "--memory.activation_checkpointing_every_n_blocks", str(every)])
@@ -573,7 +573,7 @@ def test_a_deep_model_is_traced_at_a_few_depths_and_extrapolated_exactly(cache_d
 
 def test_depth_extrapolation_falls_back_to_the_whole_model():
     """``by_depth`` with a stand-in trace (bytes as a function of the blocks present): a linear
-    growth is extrapolated from 1, 2 and 3 blocks; a growth that is not, blocks of different kinds
+    growth is extrapolated from 2, 3 and 4 blocks; a growth that is not, blocks of different kinds
     in the config (``layer_types``), and a model that fails shortened are traced whole, and the
     block list is always restored."""
     from types import SimpleNamespace
@@ -668,3 +668,25 @@ def test_the_trace_keeps_a_parameter_while_autograd_holds_a_view_of_it():
     everything = step_peaks(model, mode, Loss(), batch, kept_numel=0)
     assert everything.kept[0] == kept.kept[0]  # the directly saved one and the bias: never kept
     assert step_peaks(model, mode, Loss(), batch, kept_numel=16_384).kept[0] == plain.peak
+
+
+def test_the_trace_counts_a_blocks_backward_after_another_blocks_ended(cache_dir):
+    """``StepPeaks.in_block_backward``, the moment FSDP2 holds the block before's reduce-scatter:
+    the peak while a block runs its backward once another block's backward has ended — none in a
+    one-block model (its only block's backward is the first), at most the in-block peak in one of
+    two blocks, and at least what that second block's backward holds (above the one-block model's
+    whole-step floor: the first block's saved activations are still there)."""
+    import memtrain.planning.activations as activations
+    from memtrain.config import parse_args
+    from memtrain.data import build_corpus
+    from memtrain.models import ModelSource
+    from memtrain.objectives import make_objective
+
+    peaks = {}
+    for layers in (1, 2):
+        cfg = parse_args(TINY_ARGS + ["--data.cache_dir", cache_dir, "--model.config.n_layer", str(layers)])
+        corpus = build_corpus(cfg.data)
+        objective = make_objective(ModelSource.of(cfg, corpus).build_meta(), corpus)
+        peaks[layers] = activations.activation_table(cfg, corpus, objective, "fp32", "cpu").peaks(P(4, "off"))
+    assert peaks[1].in_block_backward == 0
+    assert 0 < peaks[2].in_block_backward <= peaks[2].in_block

@@ -301,9 +301,9 @@ def builds_on_device(shape: ModelShape, state: dict[str, int], device_type: str)
 
 
 def peak_tensor_bytes(device_state: int, peaks: Sequence, accumulation: int = 0, step: int = 0,
-                      block: int = 0, backward: int = 0, kept: int = 0) -> int:
+                      block: int = 0, backward: int = 0, kept: int = 0, block_backward: int = 0) -> int:
     """Tensor bytes on a rank's device at its peak, the largest of four moments, from ``peaks`` =
-    (peak, in_block, in_backward[, resident[, kept peaks]]) of a traced micro-step
+    (peak, in_block, in_backward[, resident[, kept peaks[, in_block_backward]]]) of a traced micro-step
     (:class:`memtrain.memory.step_trace.StepPeaks`; a None is the peak; ``resident``, the rank's
     batch, is held at every moment). ``device_state`` is the model state on the device with every buffer;
     before a micro-step's forward a rank holds it less ``block`` and ``backward``, plus
@@ -312,7 +312,9 @@ def peak_tensor_bytes(device_state: int, peaks: Sequence, accumulation: int = 0,
     - the micro-step's peak (saved activations and transients) beside that;
     - its peak while a repeated block runs, beside that and ``block``, the part of the state an
       engine holds only then (``block_buffer_bytes``: FSDP2's two gathered blocks, ZeRO-3's
-      gathered parameters), released outside the blocks (at the loss's peak, say);
+      gathered parameters), released outside the blocks (at the loss's peak, say); and its peak
+      while a block runs its backward beside ``block`` and ``block_backward``
+      (``block_backward_buffer_bytes``: FSDP2's reduce-scatter of the block before);
     - its peak from the first parameter gradient on, beside that and ``backward``, what an engine
       allocates for backward (``backward_buffer_bytes``: ZeRO-2's reduce bucket);
     - the optimizer step: ``device_state`` less ``block`` (nothing is gathered then) and ``step``
@@ -331,7 +333,8 @@ def peak_tensor_bytes(device_state: int, peaks: Sequence, accumulation: int = 0,
     peak = peaks[0]
     in_block, in_backward = (peak if p is None else p for p in peaks[1:3])
     resident = peaks[3] if len(peaks) > 3 else 0
-    during_block = in_block + block
+    block_in_backward = peaks[5] if len(peaks) > 5 and peaks[5] is not None else in_block
+    during_block = max(in_block + block, block_in_backward + block + block_backward)
     if kept and len(peaks) > 4 and peaks[4]:
         peak, kept_in_block, in_backward = peaks[4]
         during_block = min(kept_in_block + block, in_block + kept)
@@ -346,7 +349,8 @@ def peak_terms(state_bytes: Mapping[str, int]) -> dict[str, int]:
     return {"accumulation": state_bytes.get("accumulation_gradient_bytes", 0),
             "step": state_bytes.get("step_gradient_bytes", 0) + state_bytes.get("step_gathered_bytes", 0),
             "block": state_bytes.get("block_buffer_bytes", 0),
-            "backward": state_bytes.get("backward_buffer_bytes", 0), "kept": state_bytes.get("view_kept_bytes", 0)}
+            "backward": state_bytes.get("backward_buffer_bytes", 0), "kept": state_bytes.get("view_kept_bytes", 0),
+            "block_backward": state_bytes.get("block_backward_buffer_bytes", 0)}
 
 
 def state_peak_tensor_bytes(state_bytes: Mapping[str, int], peaks: Sequence[Optional[int]],
@@ -394,7 +398,12 @@ def _fsdp(n_params: int, precision: str, offload: str, world_size: int, shape: M
     running and the one prefetched), only while a block runs (``block_buffer_bytes``, part of
     ``buffer_bytes``: :func:`peak_tensor_bytes`; MemTracker on 2 ranks finds none gathered at the
     peak of Llama, Mistral, Qwen2, GPT-NeoX and GPT-2 models of 0.6–2M parameters, which is
-    the loss's: ``benchmarks/memory_accuracy.py --families``). While micro-batches accumulate,
+    the loss's: ``benchmarks/memory_accuracy.py --families``). On more than one rank a block's
+    gradients are reduce-scattered in fp32 (``reduce_dtype``) after its backward, the input held
+    until the next block's reduce-scatter: 4 bytes per parameter of a block beside the gathered
+    ones while a later block runs its backward (``block_backward_buffer_bytes``; MemTracker at the
+    peak of a bf16 Mistral with AC on, 2 ranks: that buffer, one block gathered, 6.0% under
+    without it). While micro-batches accumulate,
     every unsharded gradient is kept in fp32 (``set_requires_gradient_sync(False)``) until the last micro-batch
     reduce-scatters it: 4 bytes per parameter in all. MemTracker on 2 ranks: the tiny recipe's
     model holds 1.08 MB of gradients = 4 × its 0.27M parameters; GPT-2 small's blocks (86M) hold
@@ -412,6 +421,7 @@ def _fsdp(n_params: int, precision: str, offload: str, world_size: int, shape: M
     params, grads = params + u * shape.root, grads + u * min(shape.root, n)
     return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim,
             "buffer_bytes": 2 * u * shape.largest_block, "block_buffer_bytes": 2 * u * shape.largest_block,
+            "block_backward_buffer_bytes": 4 * shape.largest_block if w > 1 else 0,
             "accumulation_gradient_bytes": max(0, 4 * n - grads), "cpu_offloaded_bytes": sum(offloaded.values()),
             **{f"offloaded_{k}_bytes": v for k, v in offloaded.items()}}
 
@@ -455,6 +465,7 @@ def _fsdp_optimizer_offload(n_params: int, precision: str, world_size: int, shap
     params, grads = u * shard + u * shape.root, u * shard + u * shape.root
     return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim - moments_host + master_device,
             "buffer_bytes": 2 * u * shape.largest_block, "block_buffer_bytes": 2 * u * shape.largest_block,
+            "block_backward_buffer_bytes": 4 * shape.largest_block if w > 1 else 0,
             "accumulation_gradient_bytes": 0, "cpu_offloaded_bytes": sum(offloaded.values()),
             "export_released_bytes": offloaded["buffer"], "pinned_block_bytes": offloaded["buffer"],
             **{f"offloaded_{k}_bytes": v for k, v in offloaded.items()}}

@@ -14,15 +14,16 @@ def by_depth(model: nn.Module, blocks: list[nn.Module], period: int, trace: Call
 
     A model of ``L`` alike blocks (same class, same parameter shapes, in one ``nn.ModuleList``, and
     no per-layer kinds in its config: transformers' ``layer_types`` all one) is traced with only its
-    first ``period``, ``2·period`` and ``3·period`` blocks (``period``: the activation-checkpointing
-    pattern, which repeats every ``period`` blocks). When the three peaks grow by the same number
-    of bytes per ``period`` blocks, the peak of all ``L`` is the first plus that step
-    ``L / period − 1`` times: a 48-block model costs three traces of 6 blocks in all instead of
-    one of 48. Otherwise (fewer than ``7·period`` blocks, where the whole trace is as cheap; ``L``
+    first ``2·period``, ``3·period`` and ``4·period`` blocks (``period``: the activation-checkpointing
+    pattern, which repeats every ``period`` blocks; two repetitions at least, so a block's backward
+    after another one's, ``StepPeaks.in_block_backward``, is in every trace). When the three peaks
+    grow by the same number of bytes per ``period`` blocks, the peak of all ``L`` is the first plus
+    that step ``L / period − 2`` times: a 48-block model costs three traces of 9 blocks in all
+    instead of one of 48. Otherwise (fewer than ``7·period`` blocks, where the whole trace is as cheap; ``L``
     not a multiple of ``period``; blocks that differ; a model that cannot run shortened; steps
     that differ) the whole model is traced. The peak is the largest of the step's phases, each
     growing linearly with depth; were a phase that grows faster to overtake the others only past
-    ``3·period`` blocks, the extrapolation would be low — in transformer blocks every phase
+    ``4·period`` blocks, the extrapolation would be low — in transformer blocks every phase
     holds the same saved activations per block, and the results equal the whole trace on GPT-2
     and Llama shapes with AC off, selective and on (tests/test_planner.py, ``memtrain plan``'s
     10B Llama).
@@ -44,7 +45,7 @@ def by_depth(model: nn.Module, blocks: list[nn.Module], period: int, trace: Call
     parent, name, full = holder
     peaks = []
     try:
-        for k in (period, 2 * period, 3 * period):
+        for k in (2 * period, 3 * period, 4 * period):
             setattr(parent, name, full[:k])
             peaks.append(trace())
     except Exception:  # noqa: BLE001 — a model that cannot run shortened is traced whole
@@ -55,7 +56,7 @@ def by_depth(model: nn.Module, blocks: list[nn.Module], period: int, trace: Call
     steps = [tuple(b - a for a, b in zip(x, y)) for x, y in zip(counts, counts[1:])]
     if len(peaks) < 3 or steps[0] != steps[1]:
         return trace()
-    whole = tuple(a + (depth // period - 1) * d for a, d in zip(counts[0], steps[0]))
+    whole = tuple(a + (depth // period - 2) * d for a, d in zip(counts[0], steps[0]))
     return whole if isinstance(peaks[0], tuple) else whole[0]
 
 

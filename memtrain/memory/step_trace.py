@@ -39,6 +39,8 @@ class _LiveBytes(TorchDispatchMode):
         live_bytes, peak_bytes: bytes now and at most.
         in_block_peak_bytes: at most while a repeated block runs (``in_block`` > 0).
         in_backward_peak_bytes: at most from the first parameter gradient on (``in_backward``).
+        in_block_backward_peak_bytes: at most while a repeated block runs its backward after
+            another block's backward ended (``block_backward_done``).
         in_block: how many blocks are running now (forward, or backward; see :func:`_watch_blocks`).
         in_backward: a parameter's gradient has arrived (:meth:`to_gradient`).
         kept_bytes: parameters' bytes autograd keeps through a view it saved (:meth:`keep`).
@@ -48,6 +50,8 @@ class _LiveBytes(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.live_bytes = self.peak_bytes = self.in_block_peak_bytes = self.in_backward_peak_bytes = 0
+        self.in_block_backward_peak_bytes = 0
+        self.block_backward_done = False  # a block's backward has ended
         self.in_block, self.in_backward = 0, False
         self._sizes: dict[int, int] = {}  # storage key -> bytes counted
         self._refs: dict[int, weakref.ref] = {}
@@ -89,6 +93,8 @@ class _LiveBytes(TorchDispatchMode):
             self.in_block_peak_bytes = max(self.in_block_peak_bytes, now)
         if self.in_backward:
             self.in_backward_peak_bytes = max(self.in_backward_peak_bytes, now)
+            if self.in_block > 0 and self.block_backward_done:
+                self.in_block_backward_peak_bytes = max(self.in_block_backward_peak_bytes, now)
         kept, views = now + self.kept_bytes, self.view_peaks
         views[0] = max(views[0], kept)
         if self.in_block > 0:
@@ -265,6 +271,7 @@ def _watch_blocks(counter: _LiveBytes, blocks: list[nn.Module]) -> list:
 
     def leave(*_):
         counter.in_block -= 1
+        counter.block_backward_done = counter.block_backward_done or counter.in_backward
 
     def pre(module, args, kwargs):
         enter()
@@ -302,6 +309,9 @@ class StepPeaks(NamedTuple):
         kept: (peak, in_block, in_backward) with the parameters autograd keeps through a saved
             view counted too (:func:`_kept_views`: what DeepSpeed ZeRO-3's gathered parameters
             hold beyond their release); () when not traced.
+        in_block_backward: at most while a repeated block runs its backward after another
+            block's backward ended: what an engine holds beside a block's gathered parameters only
+            then (FSDP2's reduce-scatter of the block before) is held beside it; None = ``in_block``.
     On a small model the peak is often the loss's (the tests' models at micro-batch 4: the
     logits of a 1024-token vocabulary), where neither is held.
     """
@@ -311,6 +321,7 @@ class StepPeaks(NamedTuple):
     in_backward: int
     resident: int = 0
     kept: tuple = ()
+    in_block_backward: Optional[int] = None
 
 
 def step_peaks(model: nn.Module, mode, objective, micro_batch: dict[str, torch.Tensor],
@@ -356,7 +367,8 @@ def step_peaks(model: nn.Module, mode, objective, micro_batch: dict[str, torch.T
     in_block = counter.in_block_peak_bytes if blocks else counter.peak_bytes
     views = counter.view_peaks
     kept = () if kept_numel is None else (views[0], views[1] if blocks else views[0], views[2])
-    return StepPeaks(counter.peak_bytes, in_block, counter.in_backward_peak_bytes, kept=kept)
+    return StepPeaks(counter.peak_bytes, in_block, counter.in_backward_peak_bytes, kept=kept,
+                     in_block_backward=counter.in_block_backward_peak_bytes if blocks else counter.in_backward_peak_bytes)
 
 
 def step_peak_bytes(model: nn.Module, mode, objective, micro_batch: dict[str, torch.Tensor]) -> int:

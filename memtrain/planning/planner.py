@@ -111,6 +111,8 @@ class Candidate:
             (:class:`memtrain.memory.step_trace.StepPeaks`).
         kept_peaks: the three peaks with the gathered parameters a saved view keeps
             (``StepPeaks.kept``; () = not traced), read for an engine that gathers them.
+        in_block_backward_bytes: the peak while a repeated block runs its backward
+            (``StepPeaks.in_block_backward``); None = ``in_block_bytes``.
     """
 
     plan: Plan
@@ -125,6 +127,7 @@ class Candidate:
     chosen: bool = False
     resident_bytes: int = 0
     kept_peaks: tuple = ()
+    in_block_backward_bytes: Optional[int] = None
 
     @property
     def micro_batch_size(self) -> int:
@@ -185,7 +188,8 @@ def make_candidates(per_rank_batch: int, choices: Mapping[str, tuple], state_byt
             moved = activation_bytes.offloaded_bytes(plan) if hasattr(activation_bytes, "offloaded_bytes") else 0
             peaks = activation_bytes.peaks(plan) if hasattr(activation_bytes, "peaks") else (acts, None, None)
             c = Candidate(plan, 0, acts, moved, *peaks[1:3], resident_bytes=peaks[3] if len(peaks) > 3 else 0,
-                          kept_peaks=tuple(peaks[4]) if len(peaks) > 4 else ())
+                          kept_peaks=tuple(peaks[4]) if len(peaks) > 4 else (),
+                          in_block_backward_bytes=peaks[5] if len(peaks) > 5 else None)
             c.predicted_peak_bytes = candidate_peak_bytes(c, state_bytes, terms or {}, device_type)
             c.fits = budget_bytes is None or c.predicted_peak_bytes <= budget_bytes
             out.append(c)
@@ -209,7 +213,7 @@ def candidate_peak_bytes(candidate: Candidate, device_state: int, terms: Mapping
     (:func:`lever_cost`), plus the allocator's headroom on ``device_type`` — the one composition
     the planner, the placements and ``memtrain plan`` use (bytes)."""
     peaks = (candidate.activation_bytes, candidate.in_block_bytes, candidate.in_backward_bytes,
-             candidate.resident_bytes, candidate.kept_peaks)
+             candidate.resident_bytes, candidate.kept_peaks, candidate.in_block_backward_bytes)
     accumulation = terms.get("accumulation", 0) if candidate.gradient_accumulation_steps > 1 else 0
     tensors = peak_tensor_bytes(device_state, peaks, **{**terms, "accumulation": accumulation})
     return with_allocator_headroom(tensors + lever_cost(candidate).device_bytes, device_type)
