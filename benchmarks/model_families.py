@@ -5,7 +5,8 @@ and GPT-NeoX at seed 0's sizes; they differ where memory does: grouped-query att
 sliding-window mask (Mistral), attention biases and untied embeddings (Qwen2), partial rotary
 embeddings and a parallel residual (GPT-NeoX). Two mixture-of-experts families were added after
 it, never used to develop it: Mixtral (top-2 of 4 or 8 experts in every block) and Qwen2-MoE
-(routed experts beside a gated shared expert), transformers' fused expert weights.
+(routed experts beside a gated shared expert), transformers' fused expert weights; and the
+speech family memtrain's speech recipe trains, WavLM for CTC on raw waveforms.
 
 Each draw is a ``model.config`` dict for ``memtrain --model.config '<json>'``; its positions are
 its samples' tokens (:func:`_seq_len`): :data:`SEQ_LEN` for seeds 0 and 1 (the rows published
@@ -95,8 +96,35 @@ def gpt2(rng: random.Random) -> dict:
             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 
 
+MAX_WORDS = 8
+"""Words per utterance at most of the speech models of seeds 0 and 1 (the speech recipe's)."""
+MAX_WORDS_CHOICES = (5, 8, 12)
+"""Words per utterance at most a speech model of a later seed is drawn with (its audio's length)."""
+
+
+def wavlm(rng: random.Random) -> dict:
+    """WavLM for CTC (the speech recipe's model, :file:`recipes/asr_ctc_wavlm_tiny.yaml`): a 7-layer
+    convolutional feature encoder over the raw 16 kHz waveform, a convolutional position embedding,
+    transformer blocks with gated relative position bias; LayerDrop off (every block runs, as the
+    plan assumes). Its length axis is the utterances' words (``max_words``, read by
+    :func:`model_args`, not a model setting)."""
+    hidden, _, layers, _ = _widths(rng)
+    hidden = min(hidden, 128)
+    heads = rng.choice([h for h in (2, 4) if hidden % h == 0])
+    return {"model_type": "wavlm", "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "intermediate_size": 2 * hidden * rng.choice([1, 2]), "conv_dim": [rng.choice([32, 64])] * 7,
+            "feat_extract_norm": "layer", "do_stable_layer_norm": True,
+            "num_conv_pos_embeddings": rng.choice([16, 32]), "num_conv_pos_embedding_groups": 8 if hidden % 8 == 0 else 4,
+            "num_buckets": 64, "max_bucket_distance": 200, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+            "activation_dropout": 0.0, "feat_proj_dropout": 0.0, "final_dropout": 0.0, "mask_time_prob": 0.05,
+            "layerdrop": 0.0}
+
+
+SPEECH = ("wavlm",)
+"""The families trained on speech (CTC over characters) rather than tokens."""
+
 FAMILIES = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "gpt_neox": gpt_neox, "gpt2": gpt2,
-            "mixtral": mixtral, "qwen2_moe": qwen2_moe}
+            "mixtral": mixtral, "qwen2_moe": qwen2_moe, "wavlm": wavlm}
 """model_type → its draw: ``draw(random.Random) -> model.config dict``."""
 
 
@@ -107,11 +135,18 @@ def draw(model_type: str, seed: int) -> dict:
         KeyError: ``model_type`` is not one of :data:`FAMILIES`.
     """
     config = FAMILIES[model_type](random.Random(f"{model_type}:{seed}"))
+    if model_type in SPEECH:
+        words = MAX_WORDS if seed <= 1 else random.Random(f"{model_type}:{seed}:max_words").choice(MAX_WORDS_CHOICES)
+        return {**config, "max_words": words}
     positions = "n_positions" if "n_positions" in config else "max_position_embeddings"
     return {**config, positions: _seq_len(model_type, seed)}
 
 
 def model_args(config: dict) -> list[str]:
-    """memtrain arguments that build ``config`` on samples of as many tokens as it has positions."""
+    """memtrain arguments that build ``config`` on samples of as many tokens as it has positions,
+    or, for a speech model, on utterances of at most ``config["max_words"]`` words."""
+    if "max_words" in config:
+        model = {k: v for k, v in config.items() if k != "max_words"}
+        return ["--model.config", json.dumps(model), "--data.speech.max_words", str(config["max_words"])]
     tokens = config.get("n_positions", config.get("max_position_embeddings"))
     return ["--model.config", json.dumps(config), "--data.seq_len", str(tokens)]

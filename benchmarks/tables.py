@@ -300,9 +300,10 @@ def memory_accuracy(device: str) -> str:
 
 
 def memory_accuracy_families(device: str) -> str:
-    """``benchmarks/memory_accuracy.py --families``: new sizes of the developed families, the |relative error|'s median,
-    p90 and worst per engine over every family, precision, AC setting and rank count (newest row
-    per configuration), then per family; each row's commit, and the seeds the models were drawn with."""
+    """``benchmarks/memory_accuracy.py --families``: per seed the models were drawn with, the
+    |relative error|'s median, p90 and worst and the most under (the lowest error) per engine over
+    every family, precision, AC setting and rank count (newest row per configuration), then per
+    family; each group's commits."""
     rows = newest_by("memory_accuracy", device, lambda row: (
         row.get("benchmark"), row.get("model_type"), json.dumps(row.get("model_config"), sort_keys=True),
         row.get("engine"), row.get("world_size"), row.get("precision"), row.get("activation_checkpointing")))
@@ -311,18 +312,22 @@ def memory_accuracy_families(device: str) -> str:
     def line(name: str, group: list[dict], other: str) -> str:
         d = error_distribution([r["relative_error"] for r in group])
         commits = ", ".join(sorted({(r.get("commit") or "none")[:7] for r in group}))
+        under = min(r["relative_error"] for r in group)
         return (f"| {name} | {d['rows']} | {len({r[other] for r in group})} | {d['median']:.1%} | {d['p90']:.1%} "
-                f"| {d['worst']:.1%} | {commits} |")
+                f"| {d['worst']:.1%} | {under:+.1%} | {commits} |")
 
-    header = "| {} | rows | {} | \\|error\\| median | p90 | worst | commits |"
-    out = [header.format("engine", "families"), "|---|---|---|---|---|---|---|"]
-    out += [line(name, [r for r in mine if r["engine"] == engine], "model_type")
-            for engine, name in ENGINE_NAMES.items() if any(r["engine"] == engine for r in mine)]
-    out += ["", header.format("family", "engines"), "|---|---|---|---|---|---|---|"]
-    out += [line(family, [r for r in mine if r["model_type"] == family], "engine")
-            for family in sorted({r["model_type"] for r in mine})]
-    seeds = sorted({r["seed"] for r in mine})
-    return "\n".join(out + ["", f"Models drawn with seeds {', '.join(map(str, seeds))} (each row's `model_config`)."])
+    header = "| {} | rows | {} | \\|error\\| median | p90 | worst | lowest | commits |"
+    rule = "|---|---|---|---|---|---|---|---|"
+    out = []
+    for seed in sorted({r["seed"] for r in mine}):
+        drawn = [r for r in mine if r["seed"] == seed]
+        out += [f"Seed {seed}:", "", header.format("engine", "families"), rule]
+        out += [line(name, [r for r in drawn if r["engine"] == engine], "model_type")
+                for engine, name in ENGINE_NAMES.items() if any(r["engine"] == engine for r in drawn)]
+        out += ["", header.format("family", "engines"), rule]
+        out += [line(family, [r for r in drawn if r["model_type"] == family], "engine")
+                for family in sorted({r["model_type"] for r in drawn})] + [""]
+    return "\n".join(out + ["Each row's drawn `model_config` is in the results file; lowest: the most under (negative)."])
 
 
 def host_step_rates(device: str) -> str:
