@@ -536,6 +536,30 @@ def placement_accuracy(device: str) -> str:
     return "\n".join(out)
 
 
+def moment_accuracy(device: str) -> str:
+    """``benchmarks/moment_accuracy.py``: per engine and moment (resume, export), the newest row per
+    rank count and precision: each relative error, the |error| median and worst, and whether the
+    plan's peak covered every count; each group's commits."""
+    rows = newest_by("moment_accuracy", device, lambda row: (
+        row.get("engine"), row.get("resumed_from"), row.get("moment"), row.get("world_size"), row.get("precision")))
+    mine = [r for r in rows.values() if "moment" in r]
+    out = ["| engine | moment | rows | errors (ranks, precision: error) | \|error\| median | worst | lowest "
+           "| within the plan's peak | commits |", "|---|---|---|---|---|---|---|---|---|"]
+    for engine, name in ENGINE_NAMES.items():
+        for moment in ("resume", "export"):
+            group = sorted((r for r in mine if r["engine"] == engine and r["moment"] == moment
+                            and r["resumed_from"] == engine), key=lambda r: (r["world_size"], r["precision"]))
+            if not group:
+                continue
+            d = error_distribution([r["relative_error"] for r in group])
+            cells = ", ".join(f"{r['world_size']} {r['precision']}: {r['relative_error']:+.1%}" for r in group)
+            commits = ", ".join(sorted({(r.get("commit") or "none")[:7] for r in group}))
+            covered = "all" if all(r["covered"] for r in group) else "**not all**"
+            out.append(f"| {name} | {moment} | {d['rows']} | {cells} | {d['median']:.1%} | {d['worst']:.1%} "
+                       f"| {min(r['relative_error'] for r in group):+.1%} | {covered} | {commits} |")
+    return "\n".join(out)
+
+
 def staleness(results: Path = RESULTS) -> list[dict]:
     """Per results file (``<name>-<device>.jsonl``): its rows, how many record the commit they
     measured, the newest such commit, and whether the code it measured — ``memtrain/``,
@@ -587,7 +611,8 @@ def main(argv=None) -> int:
     parser.add_argument("benchmark", choices=["oom_stress", "largest_model_plan", "overhead", "memory_accuracy", "solver",
                                               "solver_exhaustive", "lossy_levers", "lossy_step_cost", "seq_len_reach",
                                               "memory_accuracy_levers", "memory_accuracy_families", "peers",
-                                              "placement_accuracy", "host_step_rates", "stale", "freshness"])
+                                              "placement_accuracy", "host_step_rates", "moment_accuracy", "stale",
+                                              "freshness"])
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     if args.benchmark == "freshness":
@@ -604,7 +629,7 @@ def main(argv=None) -> int:
               "seq_len_reach": seq_len_reach, "placement_accuracy": placement_accuracy,
               "solver_exhaustive": solver_exhaustive, "lossy_step_cost": lossy_step_cost,
               "memory_accuracy_levers": memory_accuracy_levers, "memory_accuracy_families": memory_accuracy_families,
-              "peers": peers, "host_step_rates": host_step_rates}
+              "peers": peers, "host_step_rates": host_step_rates, "moment_accuracy": moment_accuracy}
     if args.benchmark in simple:
         print(simple[args.benchmark](args.device))
         pooled = overhead_pooled(args.device) if args.benchmark == "overhead" else ""

@@ -402,7 +402,9 @@ class LoggingConfig:
     """Count this optimizer step's tensor memory with torch's MemTracker, entered before the model
     is built (every tensor: model state, engine buffers, activations, temporaries), and write its
     peak per rank and category to ``output_dir/memory_breakdown/rank_XXXXX.json``
-    (memtrain/memory/breakdown.py); 0 = off. Slows the steps up to it. Not with
+    (memtrain/memory/breakdown.py), with the peak before the step (the model's build, the
+    engine's set-up, a resume's checkpoint load) and, when it is the run's last step, the
+    export's; 0 = off. Slows the steps up to it. Not with
     optimizer.state_dtype int8 (torch.compile, which its step uses, refuses MemTracker)."""
 
 

@@ -4,6 +4,7 @@ and what a rerun of a finished run finds missing. A mixin of :class:`memtrain.lo
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Optional
 
@@ -59,17 +60,19 @@ class RunOutputs:
         """
         model_dir = os.path.join(self.cfg.output_dir, "model")
         progress("export", timed=False, context="")
-        state_dict = self.engine.full_state_dict(self.model)
-        error, failure = None, None
-        if self.process.is_main:
-            try:
-                export_model(self.engine.unwrap(self.model), state_dict, model_dir, self.corpus.hf_tokenizer(),
-                             self.cfg.checkpoint.max_shard_size,
-                             {"step": self.state.step, **({"checkpoint": checkpoint} if checkpoint else {})},
-                             "output_dir")
-            except Exception as exc:  # noqa: BLE001 — every rank must learn of it, or the others wait
-                failure, error = exc, str(exc) if isinstance(exc, OutputError) else (
-                    f"rank 0: {type(exc).__name__} while exporting the model to {model_dir}: {exc}")
+        counting = self.breakdown.export_moment() if self.breakdown is not None else contextlib.nullcontext()
+        with counting:  # logging.memory_breakdown_step: the export's moment, when it counted the last step
+            state_dict = self.engine.full_state_dict(self.model)
+            error, failure = None, None
+            if self.process.is_main:
+                try:
+                    export_model(self.engine.unwrap(self.model), state_dict, model_dir, self.corpus.hf_tokenizer(),
+                                 self.cfg.checkpoint.max_shard_size,
+                                 {"step": self.state.step, **({"checkpoint": checkpoint} if checkpoint else {})},
+                                 "output_dir")
+                except Exception as exc:  # noqa: BLE001 — every rank must learn of it, or the others wait
+                    failure, error = exc, str(exc) if isinstance(exc, OutputError) else (
+                        f"rank 0: {type(exc).__name__} while exporting the model to {model_dir}: {exc}")
         error = self.process.broadcast_object(error, patient=True)  # rank 0 writes the files: however long that takes
         if failure is not None:
             raise failure

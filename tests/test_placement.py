@@ -95,7 +95,7 @@ def test_zero3_gathered_parameters_at_each_moment_of_the_step():
     assert alone["view_kept_bytes"] == alone["step_gathered_bytes"] == 0  # views of the partitions
     small_first = dataclasses.replace(shape, first_module_numels=(50_000,))  # persistent: whole anyway
     assert model_state_bytes("deepspeed", n, "fp32", 3, "none", 2, shape=small_first)["step_gathered_bytes"] == 0
-    terms = peak_terms(two)
+    terms = peak_terms(two, "cuda")
     assert terms["step"] == two["step_gradient_bytes"] + 4 * embedding and terms["kept"] == two["view_kept_bytes"]
     state, block = device_state_bytes(two), two["block_buffer_bytes"]
     # a small micro-step: the step moment, without the gathered blocks
@@ -126,7 +126,7 @@ def test_fsdp2_holds_the_reduce_scatter_of_the_block_before_while_a_block_runs_b
     two, alone = (model_state_bytes("fsdp", n, "bf16", None, "none", w, shape=shape) for w in (2, 1))
     assert two["block_backward_buffer_bytes"] == 4 * block and alone["block_backward_buffer_bytes"] == 0
     assert two["block_buffer_bytes"] == 2 * 2 * block  # two gathered blocks in bf16
-    terms, state = {**peak_terms(two), "accumulation": 0}, device_state_bytes(two)  # one micro-batch
+    terms, state = {**peak_terms(two, "cuda"), "accumulation": 0}, device_state_bytes(two)  # one micro-batch
     before = state - two["block_buffer_bytes"]
     big, small = 10 * state, state
     # the block's backward moment: the gathered blocks and the reduce-scatter beside it
@@ -857,3 +857,24 @@ def test_the_plan_counts_the_zero_buffer_sizes_a_users_deepspeed_json_sets(tmp_p
     gathered = {name: state_bytes(row, shape, "fp32", 2, user_zero_settings(cfg))["block_buffer_bytes"]
                 for name, cfg in (("plain", plain), ("narrow", gathering))}
     assert 0 < gathered["narrow"] < gathered["plain"]
+
+
+def test_the_plan_covers_the_resume_and_export_moments():
+    """A plan that fits its steps must fit its resume and its export (:mod:`memtrain.memory.moments`):
+    FSDP2 on 8 ranks holds an eighth of the model between steps, but rank 0's export copies every
+    state-dict entry (a tied parameter under each name) in fp32, which on a CPU is device memory
+    and then the peak of a plan with small activations; on a GPU that copy is host memory and the
+    step's moment is the peak. The resume adds the gradient shards torch's optimizer-state
+    initialization makes. Expected bytes from the shapes."""
+    from memtrain.memory.accounting import peak_tensor_bytes, peak_terms
+
+    n, tied = 1_000_000, 50_000
+    shape = ModelShape(n, largest_block=100_000, largest_module=tied, root=100_000, numels=(tied,) * 20, tied=tied)
+    eight = model_state_bytes("fsdp", n, "fp32", None, "none", 8, shape=shape)
+    assert eight["held_bytes"] == 4 * n // 8 + 8 * n // 8  # fp32 parameter shards and AdamW's moments
+    small, state = (10, 10, 10), device_state_bytes(eight)
+    cpu, gpu = ({**peak_terms(eight, device), "accumulation": 0} for device in ("cpu", "cuda"))
+    assert peak_tensor_bytes(state, small, **cpu) == eight["held_bytes"] + 4 * (n + tied)
+    assert peak_tensor_bytes(state, small, **gpu) < eight["held_bytes"] + 4 * (n + tied)
+    assert gpu["resume"] == cpu["resume"] == eight["held_bytes"] + 4 * n // 8
+    assert gpu["export"] == eight["held_bytes"] + 4 * tied  # one parameter gathered at a time

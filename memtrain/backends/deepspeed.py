@@ -318,12 +318,25 @@ class DeepSpeedBackend:
         return model.module if hasattr(model, "module") else model
 
     def full_state_dict(self, model: nn.Module) -> Optional[dict[str, torch.Tensor]]:
+        """The whole model in fp32 on rank 0's host (None elsewhere; a collective under ZeRO-3).
+        ZeRO-3 gathers one module's own parameters at a time, as DeepSpeed's
+        ``_zero3_consolidated_16bit_state_dict`` does, never the whole model on every device
+        (:func:`memtrain.memory.moments.zero_moments`)."""
         import deepspeed
 
         module = self.unwrap(model)
-        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-            sd = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()} if self.process.is_main else None
-        return sd
+        keys, sd, done = set(module.state_dict().keys()), {}, set()  # the same decisions on every rank
+        for prefix, sub in module.named_modules(remove_duplicate=False):  # a shared module under each name
+            own = {f"{prefix}.{name}" if prefix else name: t
+                   for name, t in [*sub._parameters.items(), *sub._buffers.items()] if t is not None}
+            own = {k: t for k, t in own.items() if k in keys and k not in done}
+            if not own:
+                continue
+            done.update(own)
+            with deepspeed.zero.GatheredParameters(list(sub.parameters(recurse=False)), modifier_rank=None):
+                if self.process.is_main:
+                    sd.update((k, t.detach().float().cpu().clone()) for k, t in own.items())
+        return sd if self.process.is_main else None
 
     def save_state(self, model: nn.Module, optimizer, directory: str, max_shard_size: str = "5GB",
                    async_save: bool = False) -> None:

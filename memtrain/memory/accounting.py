@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence
 
+from memtrain.memory.moments import ddp_moments, fsdp_moments, moment_terms, zero_moments
 from memtrain.models import repeated_blocks
 
 ADAM_STATE_BYTES = 8
@@ -59,6 +60,8 @@ class ModelShape:
         first_module_numels: each parameter's elements of the first module that owns parameters
             (in registration order, the one a forward uses first: the input embeddings), the last
             one backward uses; () = unknown.
+        tied: elements a state dict holds again under another name (a tied parameter's later
+            names: GPT-2's output head, the input embeddings).
     """
 
     parameters: int
@@ -69,6 +72,7 @@ class ModelShape:
     trainable: Optional[tuple[int, ...]] = None
     frozen_bytes: int = 0
     first_module_numels: tuple[int, ...] = ()
+    tied: int = 0
 
     @property
     def trained(self) -> int:
@@ -95,6 +99,7 @@ def model_shape(model) -> ModelShape:
         return int(getattr(p, "ds_numel", p.numel()))
 
     unique = {id(p): p for p in model.parameters()}
+    named = [p for _, p in model.named_parameters(remove_duplicate=False)]
     params = {i: numel(p) for i, p in unique.items()}
     blocks = [{id(p) for p in b.parameters()} for b in repeated_blocks(model)]
     in_blocks = set().union(*blocks) if blocks else set()
@@ -108,7 +113,8 @@ def model_shape(model) -> ModelShape:
                       numels=tuple(params.values()),
                       trainable=tuple(numel(p) for p in unique.values() if p.requires_grad) if frozen else None,
                       frozen_bytes=sum(numel(p) * p.element_size() for p in frozen),
-                      first_module_numels=tuple(numel(p) for p in first.parameters(recurse=False)) if first else ())
+                      first_module_numels=tuple(numel(p) for p in first.parameters(recurse=False)) if first else (),
+                      tied=sum(numel(p) for p in named) - sum(params.values()))
 
 
 DEEPSPEED_REDUCE_BUCKET_ELEMENTS = 500_000_000
@@ -250,7 +256,8 @@ def zero_state_bytes(n_params: int, precision: str, zero_stage: Optional[int], o
     threshold = settings.get("stage3_param_persistence_threshold", ZERO3_PERSISTENCE_THRESHOLD)
     first = p_bytes * sum(n for n in shape.first_module_numels if n > threshold) if gathers else 0
     return {**state, "view_kept_bytes": p_bytes * (shape.parameters - persistent) if gathers else 0,
-            "step_gathered_bytes": first}
+            "step_gathered_bytes": first,
+            **zero_moments(state, shape, precision, zero_stage, max(1, world_size), offload)}
 
 
 def fsdp_state_bytes(n_params: int, precision: str, offload: str, world_size: int, shape: ModelShape,
@@ -261,7 +268,8 @@ def fsdp_state_bytes(n_params: int, precision: str, offload: str, world_size: in
     optim = sharded_optimizer_bytes(state_dtype, shape, w)
     state = (_fsdp_optimizer_offload(n_params, precision, w, shape, optim, offload_optimizer_ratio)
              if offload == "optimizer" else _fsdp(n_params, precision, offload, w, shape, optim))
-    return {"nvme_offloaded_bytes": 0, "step_gradient_bytes": 0, "accumulation_host_bytes": 0, **state}
+    return {"nvme_offloaded_bytes": 0, "step_gradient_bytes": 0, "accumulation_host_bytes": 0, **state,
+            **fsdp_moments(state, shape, precision, w, offload)}
 
 
 def ddp_state_bytes(n_params: int, world_size: int, shape: ModelShape, state_dtype: str = "fp32",
@@ -269,10 +277,11 @@ def ddp_state_bytes(n_params: int, world_size: int, shape: ModelShape, state_dty
     """Per-rank bytes of DDP's model state (:func:`_ddp`; ``deferred_reduction``: the all-reduce
     after backward, as with ``memory.oom_recovery`` on); the keys of
     :func:`memtrain.backends.model_state_bytes`."""
-    return {"nvme_offloaded_bytes": 0, "accumulation_gradient_bytes": 0, "accumulation_host_bytes": 0,
-            **_ddp(n_params - shape.frozen, max(1, world_size), replicated_optimizer_bytes(state_dtype, shape),
-                   max(shape.trained_numels, default=shape.largest_module) if deferred_reduction else None,
-                   shape.frozen_bytes)}
+    state = _ddp(n_params - shape.frozen, max(1, world_size), replicated_optimizer_bytes(state_dtype, shape),
+                 max(shape.trained_numels, default=shape.largest_module) if deferred_reduction else None,
+                 shape.frozen_bytes)
+    return {"nvme_offloaded_bytes": 0, "accumulation_gradient_bytes": 0, "accumulation_host_bytes": 0, **state,
+            **ddp_moments(state, shape)}
 
 
 def device_state_bytes(state_bytes: dict[str, int]) -> int:
@@ -301,7 +310,8 @@ def builds_on_device(shape: ModelShape, state: dict[str, int], device_type: str)
 
 
 def peak_tensor_bytes(device_state: int, peaks: Sequence, accumulation: int = 0, step: int = 0,
-                      block: int = 0, backward: int = 0, kept: int = 0, block_backward: int = 0) -> int:
+                      block: int = 0, backward: int = 0, kept: int = 0, block_backward: int = 0,
+                      resume: int = 0, export: int = 0) -> int:
     """Tensor bytes on a rank's device at its peak, the largest of four moments, from ``peaks`` =
     (peak, in_block, in_backward[, resident[, kept peaks[, in_block_backward]]]) of a traced micro-step
     (:class:`memtrain.memory.step_trace.StepPeaks`; a None is the peak; ``resident``, the rank's
@@ -320,6 +330,10 @@ def peak_tensor_bytes(device_state: int, peaks: Sequence, accumulation: int = 0,
     - the optimizer step: ``device_state`` less ``block`` (nothing is gathered then) and ``step``
       (``step_gradient_bytes``: the gradients the step reads, which the accumulated ones have
       become; the activations freed).
+
+    Two moments outside the steps, without activations or a batch, are bytes of their own:
+    ``resume``, the checkpoint's load, and ``export``, the export at the end
+    (:func:`memtrain.memory.moments.moment_terms`).
 
     ``kept`` (``view_kept_bytes``: ZeRO-3's parameters that are gathered, on more than one rank)
     takes the trace's peaks with the gathered parameters a saved view keeps alive
@@ -340,24 +354,24 @@ def peak_tensor_bytes(device_state: int, peaks: Sequence, accumulation: int = 0,
         during_block = min(kept_in_block + block, in_block + kept)
     before_forward = device_state - block - backward + accumulation
     micro_step = before_forward + max(peak, during_block, in_backward + backward)
-    return max(micro_step, device_state - block + step) + resident
+    return max(max(micro_step, device_state - block + step) + resident, resume, export)
 
 
-def peak_terms(state_bytes: Mapping[str, int]) -> dict[str, int]:
-    """The keyword arguments of :func:`peak_tensor_bytes` a ``model_state_bytes`` dict gives
-    (``accumulation`` whether or not the plan accumulates)."""
-    return {"accumulation": state_bytes.get("accumulation_gradient_bytes", 0),
+def peak_terms(state_bytes: Mapping[str, int], device_type: str) -> dict[str, int]:
+    """The keyword arguments of :func:`peak_tensor_bytes` a ``model_state_bytes`` dict gives on
+    ``device_type`` (``accumulation`` whether or not the plan accumulates)."""
+    return {**moment_terms(state_bytes, device_type),"accumulation": state_bytes.get("accumulation_gradient_bytes", 0),
             "step": state_bytes.get("step_gradient_bytes", 0) + state_bytes.get("step_gathered_bytes", 0),
             "block": state_bytes.get("block_buffer_bytes", 0),
             "backward": state_bytes.get("backward_buffer_bytes", 0), "kept": state_bytes.get("view_kept_bytes", 0),
             "block_backward": state_bytes.get("block_backward_buffer_bytes", 0)}
 
 
-def state_peak_tensor_bytes(state_bytes: Mapping[str, int], peaks: Sequence[Optional[int]],
+def state_peak_tensor_bytes(state_bytes: Mapping[str, int], peaks: Sequence[Optional[int]], device_type: str,
                             accumulating: bool = False) -> int:
-    """:func:`peak_tensor_bytes` of a ``model_state_bytes`` dict (its accumulation term when
-    ``accumulating``)."""
-    terms = peak_terms(state_bytes)
+    """:func:`peak_tensor_bytes` of a ``model_state_bytes`` dict on ``device_type`` (its
+    accumulation term when ``accumulating``)."""
+    terms = peak_terms(state_bytes, device_type)
     return peak_tensor_bytes(device_state_bytes(state_bytes), peaks,
                              **{**terms, "accumulation": terms["accumulation"] if accumulating else 0})
 

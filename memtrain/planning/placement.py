@@ -160,7 +160,7 @@ def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_s
     n_params = shape.parameters
     half = precision in ("bf16", "fp16")
     p_bytes = 2 if half else 4
-    device = candidate_peak_bytes(c, device_state_bytes(state), peak_terms(state), machine.device_type)
+    device = candidate_peak_bytes(c, device_state_bytes(state), peak_terms(state, machine.device_type), machine.device_type)
     optimizer_on_device = state["optimizer_bytes"]
     staging = engine_module(p.engine).checkpoint_staging_bytes(
         optimizer_on_device, largest_tensor_bytes=4 * shape.largest_module // world_size, async_save=p.async_save)

@@ -548,7 +548,7 @@ def build_planner(cfg, corpus, objective, precision: str, device: torch.device, 
     acts = activation_table(cfg, corpus, objective, precision, device_type, source, engine)
     budget, host = run_device_budget(cfg, device, state_bytes=device_state_bytes(state))  # a CPU's: the host limit
     planner = Planner(make_candidates(per_rank_batch, choices, device_state_bytes(state), acts, device_type, budget,
-                                      None if simulated else peak_terms(state)), budget, shortlist=cfg.memory.levers == "auto",
+                                      None if simulated else peak_terms(state, device_type)), budget, shortlist=cfg.memory.levers == "auto",
                       copy_bytes_per_s=cfg.memory.activation_offload_bandwidth_gb_s * 1e9 if device.type == "cpu" else None,
                       probe_budget_steps=probe_budget_steps(cfg.training.max_steps))
     planner.restrict_budget(budget, offload_host_room_bytes(cfg, device))  # build.py: every rank's smallest rules

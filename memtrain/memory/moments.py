@@ -1,0 +1,102 @@
+"""The two moments of a run outside its steps: loading a checkpoint on resume and the export at
+the end. Neither holds activations, but each holds more than the state kept between steps, and a
+plan that fits its steps must fit them too (:func:`memtrain.memory.accounting.peak_tensor_bytes`
+takes the largest).
+
+Each engine's ``model_state_bytes`` dict carries five keys from here (bytes per rank):
+
+- ``held_bytes``: the model state a rank's device holds between two steps (the gradients and the
+  activations freed; an engine's buffers that live only in forward and backward left out): what
+  a resumed run holds once its checkpoint is loaded, and what the export runs beside;
+- ``load_bytes`` and ``export_bytes``: what the checkpoint's load and the export hold beside
+  ``held_bytes`` on an accelerator (the files' reads and rank 0's copy of the whole model go to
+  host memory there: :mod:`memtrain.planning.placement` counts them);
+- ``load_cpu_bytes`` and ``export_cpu_bytes``: the same where the device is the CPU, whose memory
+  the reads and the copies share (a copy to the CPU of a tensor there is the tensor itself).
+
+MemTracker (``logging.memory_breakdown_step`` on the first step after a resume, which is the run's
+last: ``before_step_peak_bytes`` and ``export_peak_bytes``; ``benchmarks/memory_accuracy.py
+--moments``) counts both moments on every engine; the allocations here were found by logging every
+tensor of 0.4 MB or more that torch creates during a resume's load, with its caller.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+MOMENT_KEYS = ("held_bytes", "load_bytes", "export_bytes", "load_cpu_bytes", "export_cpu_bytes")
+"""The keys of a ``model_state_bytes`` dict this module adds."""
+
+
+def _moments(held: int, load: int, export: int, load_cpu: int, export_cpu: int) -> dict[str, int]:
+    return dict(zip(MOMENT_KEYS, (held, load, export, load_cpu, export_cpu)))
+
+
+def ddp_moments(state: Mapping[str, int], shape) -> dict[str, int]:
+    """DDP (``state``: :func:`memtrain.memory.accounting._ddp`'s dict; ``shape``: a
+    :class:`memtrain.memory.accounting.ModelShape`). Between steps every rank holds its fp32
+    parameters, AdamW's moments and, with DDP's reducer, its buckets. The load reads the whole
+    weights (4 bytes per parameter of the safetensors file) into host memory, copies them into the
+    parameters and frees them before the optimizer state is read into host memory and moved to the
+    device as the state itself: beside the parameters, the larger of the weights read and the
+    optimizer state. The export copies each fp32 parameter to the host (the parameter itself on a
+    CPU): nothing more on the device."""
+    held = state["parameter_bytes"] + state["optimizer_bytes"] + state["buffer_bytes"]
+    return _moments(held, 0, 0, max(0, 4 * shape.parameters - state["optimizer_bytes"]), 0)
+
+
+def fsdp_moments(state: Mapping[str, int], shape, precision: str, world_size: int, offload: str) -> dict[str, int]:
+    """FSDP2 (``state``: :func:`memtrain.memory.accounting._fsdp`'s dict). Between steps a rank
+    holds its parameter and optimizer shards; the root unit's gathered parameters, the gradients
+    and the gathered blocks are freed. The load first builds the optimizer state as
+    ``torch.distributed.checkpoint.state_dict`` does for an optimizer without one (a step on zero
+    gradients: each rank's fp32 gradient shard, 4 bytes per trained parameter over the ranks;
+    none under ``CPUOffloadPolicy``, which holds the shards on the host, nor under the optimizer
+    offload, whose :class:`memtrain.offload_optimizer.PartialOffloadAdamW` builds its state at
+    start), then reads the shards into place. The export (``get_model_state_dict``, full, offloaded to the CPU) gathers one parameter
+    at a time (the largest: 4 bytes per element; more than one rank) and copies it to rank 0's
+    host; on a CPU the gathered tensor is rank 0's copy: every state-dict entry in fp32, a tied
+    parameter under each of its names (on one rank the shard is the whole parameter: nothing is
+    gathered or copied)."""
+    u = 2 if precision in ("bf16", "fp16") else 4
+    held = state["parameter_bytes"] - u * shape.root + state["optimizer_bytes"]
+    load = 4 * shape.trained // world_size if offload in (None, "none") else 0
+    gathered = 4 * max(shape.numels or (shape.largest_module,)) if world_size > 1 else 0
+    copies = 4 * (shape.parameters + shape.tied) if world_size > 1 else 0
+    return _moments(held, load, gathered, load, max(gathered, copies))
+
+
+def zero_moments(state: Mapping[str, int], shape, precision: str, zero_stage, world_size: int,
+                 offload: str) -> dict[str, int]:
+    """DeepSpeed ZeRO (``state``: :func:`memtrain.memory.accounting._zero`'s dict). Between
+    steps a rank holds its parameters (partitions and ZeRO-3's persistent ones), its optimizer
+    partition and the buffers DeepSpeed keeps (ZeRO-3's gradient partition and reduce bucket),
+    not ZeRO-3's gathered parameters nor ZeRO-2's backward bucket. DeepSpeed's load reads the
+    module's file and the rank's ZeRO file (its fp32 master partition and AdamW's moments) into
+    host memory; torch's ``Optimizer.load_state_dict`` moves the moments to the device as the
+    state itself, the master partition is copied into place. On a CPU the read master partition
+    (4 bytes per element of the partition) is held beside the state: exactly so under ZeRO-1/2;
+    under ZeRO-3 an upper bound (MemTracker counts the three tensors read beside a state that does
+    not yet hold all it holds after a step: 0.8 to 0 of a master partition less). The export gathers one module's own
+    parameters at a time (ZeRO-3 on more than one rank: the largest module's, in the parameters'
+    dtype); rank 0 copies every state-dict entry to its host in fp32 (a 16-bit one cast first,
+    on the device: the largest parameter, 4 bytes per element)."""
+    stage = 2 if zero_stage is None else zero_stage
+    p_bytes = 2 if precision in ("bf16", "fp16") else 4
+    held = (state["parameter_bytes"] + state["optimizer_bytes"] + state["gradient_bytes"] + state["buffer_bytes"]
+            - state["block_buffer_bytes"] - state["backward_buffer_bytes"])
+    master = 4 * shape.trained // world_size if offload in (None, "none") and stage >= 1 else 0
+    gathered = p_bytes * shape.largest_module if stage >= 3 and world_size > 1 else 0
+    cast = 4 * max(shape.numels or (shape.largest_module,)) if p_bytes == 2 else 0
+    return _moments(held, 0, gathered + cast, master, gathered + cast + 4 * (shape.parameters + shape.tied))
+
+
+def moment_terms(state_bytes: Mapping[str, int], device_type: str) -> dict[str, int]:
+    """``resume`` and ``export``: the device bytes of the two moments, ``held_bytes`` and what
+    each adds on ``device_type`` (its ``*_cpu_bytes`` where that is ``"cpu"``); 0 where
+    ``state_bytes`` has none of these keys."""
+    if "held_bytes" not in state_bytes:
+        return {"resume": 0, "export": 0}
+    cpu = "_cpu" if device_type == "cpu" else ""
+    held = state_bytes["held_bytes"]
+    return {"resume": held + state_bytes[f"load{cpu}_bytes"], "export": held + state_bytes[f"export{cpu}_bytes"]}
