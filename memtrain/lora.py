@@ -3,7 +3,7 @@ the adapters of ``model.lora_rank`` added to a built model, and a peft model's t
 merged model ``transformers`` loads, or the adapter folder ``peft`` loads).
 
 Only the adapters require gradients; the engines, the optimizer builders and the accounting
-(:class:`memtrain.memory.accounting.ModelShape`'s ``trainable``) read ``requires_grad``, so the
+(:class:`memtrain.memory.shape.ModelShape`'s ``trainable``) read ``requires_grad``, so the
 gradients and optimizer state of a LoRA run are the adapters' alone and the frozen base is held
 in its dtype. ``peft`` is imported only here, and only for a LoRA run (it takes seconds).
 """

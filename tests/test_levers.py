@@ -11,7 +11,7 @@ import torch
 
 import memtrain.levers as levers
 from memtrain.levers import Lever, LeverCost, LeverTarget, apply_levers, lever, lever_choices
-from memtrain.memory.accounting import ModelShape
+from memtrain.memory.shape import ModelShape
 from memtrain.memory.machine import Machine
 from memtrain.planning.placement import Placement, _size
 from memtrain.planning.planner import Planner, estimated_step_s, make_candidates

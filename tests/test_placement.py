@@ -8,7 +8,8 @@ import pytest
 
 from conftest import REPO, run_cli, tiny_args
 from memtrain.backends import model_state_bytes
-from memtrain.memory.accounting import ModelShape, device_state_bytes
+from memtrain.memory.accounting import device_state_bytes
+from memtrain.memory.shape import ModelShape
 from memtrain.memory.machine import Machine
 from memtrain.planning.placement import RATIO_STEP, Placement, plan_placements, variants
 from memtrain.planning.planner import Candidate
@@ -183,7 +184,7 @@ def test_a_ddp_placement_counts_the_reducer_buckets_only_without_oom_recovery():
     from torch import nn
 
     from memtrain.config import parse_args
-    from memtrain.memory.accounting import model_shape
+    from memtrain.memory.shape import model_shape
     from memtrain.planning.placement import allowed_pool, planning_pool, state_bytes
 
     model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 8))
@@ -763,7 +764,7 @@ def test_fsdp_partial_offload_is_planned_named_and_run_at_the_share_whole_parame
     parameters) holds exactly, and its name says that share — never a nominal 72% that runs as 100%."""
     import torch
 
-    from memtrain.memory.accounting import model_shape
+    from memtrain.memory.shape import model_shape
     from memtrain.offload_optimizer import host_split
     from memtrain.planning import placement
 

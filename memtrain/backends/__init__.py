@@ -21,7 +21,7 @@ from memtrain.backends.base import Backend
 from memtrain.backends.ds_config import get_path, read_user_json, zero_buffer_settings
 from memtrain.backends.engine import check_engine
 from memtrain.engine_names import ENGINES
-from memtrain.memory.accounting import ModelShape
+from memtrain.memory.shape import ModelShape
 
 BACKENDS = ENGINES
 DEFAULT_ENGINE = "ddp"

@@ -24,8 +24,9 @@ from memtrain.backends.spec import EngineVariant
 from memtrain.checkpoint.formats import format_module
 from memtrain.distributed import ProcessState
 from memtrain.errors import ConfigError
-from memtrain.memory.accounting import (DEFERRED_REDUCE_BUCKET_BYTES, ModelShape, ddp_state_bytes, model_shape,
-                                        replicated_optimizer_bytes, with_optimizer_element_bytes)
+from memtrain.memory.accounting import (DEFERRED_REDUCE_BUCKET_BYTES, ddp_state_bytes, replicated_optimizer_bytes,
+                                        with_optimizer_element_bytes)
+from memtrain.memory.shape import ModelShape, model_shape
 
 CHECKPOINT_FORMAT = "safetensors"
 """The checkpoint format this engine writes (:mod:`memtrain.checkpoint.formats`)."""

@@ -33,7 +33,8 @@ from memtrain.backends.spec import EngineVariant
 from memtrain.checkpoint.formats import format_module
 from memtrain.distributed import ProcessState
 from memtrain.errors import CheckpointError, ConfigError
-from memtrain.memory.accounting import ModelShape, deepspeed_buffer_settings, model_shape, zero_state_bytes
+from memtrain.memory.accounting import deepspeed_buffer_settings, zero_state_bytes
+from memtrain.memory.shape import ModelShape, model_shape
 from memtrain.memory.machine import (HOST_DEVICE_BYTES_PER_S, NVME_BYTES_PER_S, Machine, cpu_adam_built,
                                      deepspeed_op_built)
 

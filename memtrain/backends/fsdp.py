@@ -25,8 +25,9 @@ from memtrain.backends.spec import EngineVariant
 from memtrain.checkpoint.formats import format_module
 from memtrain.distributed import ProcessState
 from memtrain.errors import ConfigError
-from memtrain.memory.accounting import (ModelShape, fsdp_state_bytes, model_shape, offloaded_parameter_count,
-                                       sharded_optimizer_bytes, with_optimizer_element_bytes)
+from memtrain.memory.accounting import (fsdp_state_bytes, offloaded_parameter_count, sharded_optimizer_bytes,
+                                        with_optimizer_element_bytes)
+from memtrain.memory.shape import ModelShape, model_shape
 from memtrain.memory.machine import HOST_DEVICE_BYTES_PER_S, Machine
 from memtrain.models import repeated_blocks
 from memtrain.offload_optimizer import from_optimizer

@@ -34,7 +34,7 @@ def _moments(held: int, load: int, export: int, load_cpu: int, export_cpu: int) 
 
 def ddp_moments(state: Mapping[str, int], shape) -> dict[str, int]:
     """DDP (``state``: :func:`memtrain.memory.accounting._ddp`'s dict; ``shape``: a
-    :class:`memtrain.memory.accounting.ModelShape`). Between steps every rank holds its fp32
+    :class:`memtrain.memory.shape.ModelShape`). Between steps every rank holds its fp32
     parameters, AdamW's moments and, with DDP's reducer, its buckets. The load reads the whole
     weights (4 bytes per parameter of the safetensors file) into host memory, copies them into the
     parameters and frees them before the optimizer state is read into host memory and moved to the
@@ -76,10 +76,10 @@ def zero_moments(state: Mapping[str, int], shape, precision: str, zero_stage, wo
     host memory; torch's ``Optimizer.load_state_dict`` moves the moments to the device as the
     state itself, the master partition is copied into place. On a CPU the read master partition
     (4 bytes per element of the partition) is held beside the state: exactly so under ZeRO-1/2;
-    under ZeRO-3 an upper bound (MemTracker counts the three tensors read beside a state that does
-    not yet hold all it holds after a step: 0.8 to 0 of a master partition less). The export gathers one module's own
-    parameters at a time (ZeRO-3 on more than one rank: the largest module's, in the parameters'
-    dtype); rank 0 copies every state-dict entry to its host in fp32 (a 16-bit one cast first,
+    under ZeRO-3 an upper bound (the three tensors are read beside a state that does not yet hold
+    all a step makes it hold: MemTracker counts up to 0.8 of a master partition less). The export
+    gathers one module's own parameters at a time (ZeRO-3 on more than one rank: the largest
+    module's, in the parameters' dtype); rank 0 copies every state-dict entry to its host in fp32 (a 16-bit one cast first,
     on the device: the largest parameter, 4 bytes per element)."""
     stage = 2 if zero_stage is None else zero_stage
     p_bytes = 2 if precision in ("bf16", "fp16") else 4

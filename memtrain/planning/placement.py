@@ -47,8 +47,8 @@ from memtrain.config import ConfigError
 from memtrain.levers import allowed_by, describe, lever_choices, offered_choices
 from memtrain.levers.optimizer_state import (BF16_MAX_BETA2, LOSSY, STATE_DTYPES, choose_charging_steps,
                                              fastest_fitting, planner_dtypes)
-from memtrain.memory.accounting import (ModelShape, build_bytes, builds_on_device, device_state_bytes, model_shape,
-                                        peak_terms)
+from memtrain.memory.accounting import build_bytes, builds_on_device, device_state_bytes, peak_terms
+from memtrain.memory.shape import ModelShape, model_shape
 from memtrain.memory.machine import Machine
 from memtrain.planning.activations import activation_tables
 from memtrain.planning.planner import Candidate, candidate_peak_bytes, estimated_plan_s, lever_cost, make_candidates
@@ -231,7 +231,7 @@ def plan_placements(candidates, pool: list[Placement], shape: ModelShape,
             ``predicted_step_s`` set (:func:`micro_batch_candidates`): a list, or
             ``placement -> list`` (each engine's traced as it computes).
         pool: from :func:`variants`; a partial-offload entry takes the smallest fitting ratio.
-        shape: the model's element counts (:func:`memtrain.memory.accounting.model_shape`).
+        shape: the model's element counts (:func:`memtrain.memory.shape.model_shape`).
         precision: ``bf16|fp16|fp32``; world_size: ranks; machine: the budgets and rates.
         zero_settings: the DeepSpeed buffer sizes the user's JSON sets (:func:`user_zero_settings`).
 
@@ -354,7 +354,7 @@ def plan_model(cfg, activation_tables, shape: ModelShape, tokens: int, world_siz
 
     Args:
         activation_tables: ``engine -> plan -> bytes`` (:func:`memtrain.planning.activations.activation_tables`).
-        shape: the model's element counts (:func:`memtrain.memory.accounting.model_shape`).
+        shape: the model's element counts (:func:`memtrain.memory.shape.model_shape`).
         tokens: tokens per sample (:func:`tokens_per_sample`).
         choices: the model levers' choices (None: :func:`memtrain.levers.lever_choices`).
     """

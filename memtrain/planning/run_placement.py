@@ -25,7 +25,8 @@ from memtrain.memory.machine import (Machine, cpu_adam_params_per_s, device_budg
                                      optimizer_params_per_s, process_bytes, run_host_limit,
                                      startup_peak_bytes)
 from memtrain.offload_optimizer import host_step_params_per_s
-from memtrain.memory.accounting import builds_on_device, model_shape
+from memtrain.memory.accounting import builds_on_device
+from memtrain.memory.shape import model_shape
 from memtrain.planning.placement import (Placement, allowed_pool, configured_offload, configured_state_bytes,
                                          format_placements, nvme_usable, placement_table, with_state_dtype)
 from memtrain.planning.resumed import resume_placement, resume_state_dtype
