@@ -114,6 +114,7 @@ STEPS = (
     Step("lossy_levers", None, ("benchmarks/lossy_levers.py", "--quick"), 0),  # CPU measurements: their plumbing only
     Step("seq_len_reach", None, ("benchmarks/seq_len_reach.py", "--quick"), 0),
     Step("placement_accuracy", None, ("benchmarks/placement_accuracy.py", "--quick"), 0),
+    Step("moment_accuracy", None, ("benchmarks/moment_accuracy.py", "--quick"), 0),
     Step("offload_overlap", None, ("benchmarks/offload_overlap.py", "--quick"), 0),
 )
 PARTS = (1, 2)

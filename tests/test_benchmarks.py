@@ -194,20 +194,16 @@ def test_zero3_prediction_is_never_under_on_one_and_two_ranks():
         assert -0.02 <= r["relative_error"] <= 0.10, r
 
 
-@pytest.mark.timeout(600)
-def test_resume_and_export_moments_are_predicted_on_every_engine():
+@on_suite
+def test_resume_and_export_moments_are_predicted_on_every_engine(suite):
     """``moment_accuracy.py --quick``: on every engine a 2-rank run resumed from its checkpoint
     and exported (a model wide enough that ZeRO-3 partitions its blocks), MemTracker's peak while
     the checkpoint loads and while the export runs against the predicted moments
     (:mod:`memtrain.memory.moments`): never under by more than 2%, never over by more than 10%,
     and both within the plan's predicted peak. Without the moments FSDP2's resume (the gradient
     shards torch's optimizer-state initialization makes) and rank 0's export copy are under; with
-    ZeRO-3's export gathering the whole model at once, its export is."""
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "moment_accuracy.py"), "--quick"],
-                          capture_output=True, text=True, timeout=560, cwd=REPO,
-                          env={**os.environ, FORK_SERVER_VAR: fork_server_address()})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [r for r in map(json.loads, (l for l in proc.stdout.splitlines() if l.startswith("{"))) if "moment" in r]
+    ZeRO-3's export gathering the whole model at once, its export is. Rows are printed, not saved."""
+    rows = [r for r in run_quick(suite, "moment_accuracy") if "moment" in r]
     assert sorted((r["engine"], r["moment"]) for r in rows) == sorted(
         (e, m) for e in ("ddp", "fsdp", "zero2", "zero3") for m in ("resume", "export"))
     for r in rows:
