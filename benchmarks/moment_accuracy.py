@@ -18,10 +18,12 @@ bounds): per moment |error| median ≤ 2%, p90 ≤ 4%, worst over ≤ 10%, none 
     python benchmarks/moment_accuracy.py                  # 4 engines × fp32/bf16 × 1 and 2 ranks
     python benchmarks/moment_accuracy.py --quick          # the tests' tiny model, 2 ranks fp32 (prints only)
     python benchmarks/moment_accuracy.py --results        # also append the rows to benchmarks/results/
+    python benchmarks/moment_accuracy.py --switch --results   # the engine switch: another engine's checkpoint
 
-What it leaves out: a checkpoint of another engine (the engine switch reads the whole weights
-and optimizer state on every rank, which this prediction does not count); GPU runs, where the
-files' reads and rank 0's copy are host memory.
+``--switch``: each pair of :data:`SWITCHES` (the checkpoint written under the first engine,
+resumed under the second; 2 ranks, fp32). The engine switch reads the whole weights and
+optimizer state on every rank, which the prediction does not count yet: these rows show by how
+much. Not measured here: GPU runs, where the files' reads and rank 0's copy are host memory.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ from memory_accuracy import error_distribution  # noqa: E402
 # so ZeRO-3 partitions and gathers them (at width 64 it keeps every block parameter whole)
 MODEL_ARGS = CPU_ARGS + ["--model.config.n_embd", "256", "--training.global_batch_size", "8",
                          "--training.micro_batch_size", "4"]
+SWITCHES = (("ddp", "fsdp"), ("fsdp", "ddp"), ("ddp", "zero2"), ("ddp", "zero3"), ("zero2", "ddp"))
+"""(the engine that writes the checkpoint, the engine that resumes it) for ``--switch``."""
 QUICK_ARGS = TINY_ARGS + ["--model.config.n_embd", "256", "--model.config.n_head", "4"]
 
 
@@ -114,13 +118,18 @@ def main(argv=None) -> int:
     parser.add_argument("--precisions", default="fp32,bf16", help="comma-separated precisions")
     parser.add_argument("--world_sizes", default="1,2", help="comma-separated rank counts")
     parser.add_argument("--results", action="store_true", help="append to benchmarks/results/ (not with --quick)")
+    parser.add_argument("--switch", action="store_true", help="the engine switch (SWITCHES), 2 ranks, fp32")
     opts = parser.parse_args(argv)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the CPU: one memory for the device and the host
     args = QUICK_ARGS if opts.quick else MODEL_ARGS
     sizes, precisions = ([2], ["fp32"]) if opts.quick else ([int(w) for w in opts.world_sizes.split(",")],
                                                             opts.precisions.split(","))
     results = []
-    for row in rows(args, opts.engines.split(","), sizes, precisions):
+    pairs = [(dst, src) for src, dst in SWITCHES] if opts.switch else [(e, None) for e in opts.engines.split(",")]
+    every = (row for engine, source in pairs
+             for row in rows(args, [engine], [2] if opts.switch else sizes, ["fp32"] if opts.switch else precisions,
+                             source))
+    for row in every:
         results.append(row)
         emit("moment_accuracy", "cpu", row, save=opts.results and not opts.quick)
     emit("moment_accuracy", "cpu", summary(results), save=opts.results and not opts.quick)

@@ -557,6 +557,15 @@ def moment_accuracy(device: str) -> str:
             covered = "all" if all(r["covered"] for r in group) else "**not all**"
             out.append(f"| {name} | {moment} | {d['rows']} | {cells} | {d['median']:.1%} | {d['worst']:.1%} "
                        f"| {min(r['relative_error'] for r in group):+.1%} | {covered} | {commits} |")
+    switches = sorted((r for r in mine if r["resumed_from"] != r["engine"] and r["moment"] == "resume"),
+                      key=lambda r: (r["resumed_from"], r["engine"]))
+    if switches:
+        out += ["", "The engine switch (another engine's checkpoint resumed; 2 ranks, fp32):", "",
+                "| checkpoint of | resumed under | predicted | counted | error | within the plan's peak | commit |",
+                "|---|---|---|---|---|---|---|"]
+        out += [f"| {ENGINE_NAMES[r['resumed_from']]} | {ENGINE_NAMES[r['engine']]} | {r['predicted_bytes'] / 1e6:.1f} MB "
+                f"| {r['measured_bytes'] / 1e6:.1f} MB | {r['relative_error']:+.1%} | {'yes' if r['covered'] else '**no**'} "
+                f"| {(r.get('commit') or 'none')[:7]} |" for r in switches]
     return "\n".join(out)
 
 
