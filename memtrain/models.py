@@ -125,6 +125,7 @@ def _fresh(model_cfg: ModelConfig, vocab_size: int, seed: int, eos_token_id: Opt
             model = AutoModelForCTC.from_config(hf_config)
 
             install_layerdrop(model, seed)
+            no_waveform_gradient(model)
         else:
             if eos_token_id is not None:
                 hf_config.bos_token_id = hf_config.eos_token_id = eos_token_id
@@ -133,6 +134,23 @@ def _fresh(model_cfg: ModelConfig, vocab_size: int, seed: int, eos_token_id: Opt
             hf_config.pad_token_id = None
             model = AutoModelForCausalLM.from_config(hf_config)
     return model.float().train()
+
+
+def no_waveform_gradient(model: nn.Module) -> None:
+    """Stop a transformers speech model's feature encoder from computing the waveform's gradient.
+
+    Its feature encoder (``Wav2Vec2FeatureEncoder`` and its copies: WavLM, HuBERT, …) marks the
+    waveform view it convolves as requiring a gradient when training, so that transformers'
+    reentrant checkpointing of its convolutions gets one (``_requires_grad``). memtrain's
+    activation checkpointing is non-reentrant and nothing reads that gradient: it costs a backward
+    convolution into a [B, samples] fp32 tensor per micro-batch, and those tensors outlive their
+    micro-batch until Python's cycle collector runs (MemTracker counted the four micro-batches' of
+    one step alive when the next began; the speech family's rows were up to 7.9% under).
+    With the flag off the encoder's parameters train as before — the same loss and gradients,
+    bitwise — and its convolutions are not checkpointed. A frozen encoder's flag is off already."""
+    for module in model.modules():
+        if type(module).__name__.endswith("FeatureEncoder") and hasattr(module, "_requires_grad"):
+            module._requires_grad = False
 
 
 def _from_pretrained(model_cfg: ModelConfig, vocab_size: int, seed: int) -> nn.Module:
@@ -169,6 +187,7 @@ def _from_pretrained(model_cfg: ModelConfig, vocab_size: int, seed: int) -> nn.M
                           f"'{path}' cannot be loaded with these settings: {str(exc).splitlines()[0]}") from None
     if ctc:
         install_layerdrop(model, seed)
+        no_waveform_gradient(model)
     if any(hasattr(p, "ds_id") for p in model.parameters()):  # built partitioned by ZeRO-3, in its precision
         return model.train()
     return model.float().train()
