@@ -9,8 +9,9 @@ step's peak (forward, backward and optimizer update of every micro-batch) is wri
 ``OUTPUT_DIR/memory_breakdown/rank_XXXXX.json``, beside two other moments of the run: the peak
 before the step began (the model's build, the engine's set-up and, on a resume, the checkpoint's
 load: the start-up moment when the counted step is the first the process runs) and, when the
-counted step is the run's last, the export's peak (the consolidated model gathered and written). Nothing here comes from memtrain's own
-accounting: ``benchmarks/memory_accuracy.py`` sets the two side by side.
+counted step is the run's last, the export's peak (the consolidated model gathered and written).
+Nothing here comes from memtrain's own accounting: ``benchmarks/memory_accuracy.py`` and
+``benchmarks/moment_accuracy.py`` set the two side by side.
 
 What it does not see (torch's limits): memory allocated outside torch's operators (a C++
 library's own buffers, pinned host staging of DeepSpeed's CPU Adam), and on CUDA the caching
@@ -82,10 +83,10 @@ class MemoryBreakdown:
 
         Returns:
             ``{"step", "rank", "device", "peak_bytes", "peak_by_category", "before_step_bytes",
-            "before_step_peak_bytes", "before_step_peak_by_category", "cuda_max_memory_allocated"}`` (bytes; categories are
-            MemTracker's: Parameter, Buffer, Gradient, Activation, Temp, Optimstate, Other;
-            ``before_step_peak_bytes`` and ``before_step_peak_by_category``: the peak from before
-            the model's build until the step began), or None.
+            "before_step_peak_bytes", "before_step_peak_by_category", "cuda_max_memory_allocated"}``
+            (bytes; categories are MemTracker's: Parameter, Buffer, Gradient, Activation, Temp,
+            Optimstate, Other; ``before_step_peak_*``: the peak from before the model's build
+            until the step began), or None.
         """
         if self._tracker is None or step != self.step:
             return None

@@ -10,14 +10,17 @@ Each engine's ``model_state_bytes`` dict carries five keys from here (bytes per 
   a resumed run holds once its checkpoint is loaded, and what the export runs beside;
 - ``load_bytes`` and ``export_bytes``: what the checkpoint's load and the export hold beside
   ``held_bytes`` on an accelerator (the files' reads and rank 0's copy of the whole model go to
-  host memory there: :mod:`memtrain.planning.placement` counts them);
+  host memory there: :mod:`memtrain.planning.placement` counts the export's copy, not yet the
+  reads);
 - ``load_cpu_bytes`` and ``export_cpu_bytes``: the same where the device is the CPU, whose memory
   the reads and the copies share (a copy to the CPU of a tensor there is the tensor itself).
 
 MemTracker (``logging.memory_breakdown_step`` on the first step after a resume, which is the run's
-last: ``before_step_peak_bytes`` and ``export_peak_bytes``; ``benchmarks/memory_accuracy.py
---moments``) counts both moments on every engine; the allocations here were found by logging every
-tensor of 0.4 MB or more that torch creates during a resume's load, with its caller.
+last: ``before_step_peak_bytes`` and ``export_peak_bytes``; ``benchmarks/moment_accuracy.py``)
+counts both moments on every engine; the allocations here were found by logging every tensor of
+0.4 MB or more that torch creates during a resume's load, with its caller. Not counted: a resume
+from another engine's checkpoint (the engine switch reads the whole weights and optimizer state
+on every rank; ``moment_accuracy.py --switch`` measures by how much).
 """
 
 from __future__ import annotations
@@ -46,18 +49,18 @@ def ddp_moments(state: Mapping[str, int], shape) -> dict[str, int]:
 
 
 def fsdp_moments(state: Mapping[str, int], shape, precision: str, world_size: int, offload: str) -> dict[str, int]:
-    """FSDP2 (``state``: :func:`memtrain.memory.accounting._fsdp`'s dict). Between steps a rank
-    holds its parameter and optimizer shards; the root unit's gathered parameters, the gradients
-    and the gathered blocks are freed. The load first builds the optimizer state as
+    """FSDP2 (``state``: :func:`memtrain.memory.accounting._fsdp`'s dict). Between steps a rank holds
+    its parameter and optimizer shards; the root unit's gathered parameters, the gradients and the
+    gathered blocks are freed. The load first builds the optimizer state as
     ``torch.distributed.checkpoint.state_dict`` does for an optimizer without one (a step on zero
-    gradients: each rank's fp32 gradient shard, 4 bytes per trained parameter over the ranks;
-    none under ``CPUOffloadPolicy``, which holds the shards on the host, nor under the optimizer
-    offload, whose :class:`memtrain.offload_optimizer.PartialOffloadAdamW` builds its state at
-    start), then reads the shards into place. The export (``get_model_state_dict``, full, offloaded to the CPU) gathers one parameter
-    at a time (the largest: 4 bytes per element; more than one rank) and copies it to rank 0's
-    host; on a CPU the gathered tensor is rank 0's copy: every state-dict entry in fp32, a tied
-    parameter under each of its names (on one rank the shard is the whole parameter: nothing is
-    gathered or copied)."""
+    gradients: each rank's fp32 gradient shard, 4 bytes per trained parameter over the ranks; none
+    under ``CPUOffloadPolicy``, which holds the shards on the host, nor under the optimizer offload,
+    whose :class:`memtrain.offload_optimizer.PartialOffloadAdamW` builds its state at start), then
+    reads the shards into place. The export (``get_model_state_dict``, full, offloaded to the CPU)
+    gathers one parameter at a time (the largest: 4 bytes per element; more than one rank) and
+    copies it to rank 0's host; on a CPU the gathered tensor is rank 0's copy: every state-dict
+    entry in fp32, a tied parameter under each of its names (on one rank the shard is the whole
+    parameter: nothing is gathered or copied)."""
     u = 2 if precision in ("bf16", "fp16") else 4
     held = state["parameter_bytes"] - u * shape.root + state["optimizer_bytes"]
     load = 4 * shape.trained // world_size if offload in (None, "none") else 0
@@ -68,19 +71,19 @@ def fsdp_moments(state: Mapping[str, int], shape, precision: str, world_size: in
 
 def zero_moments(state: Mapping[str, int], shape, precision: str, zero_stage, world_size: int,
                  offload: str) -> dict[str, int]:
-    """DeepSpeed ZeRO (``state``: :func:`memtrain.memory.accounting._zero`'s dict). Between
-    steps a rank holds its parameters (partitions and ZeRO-3's persistent ones), its optimizer
-    partition and the buffers DeepSpeed keeps (ZeRO-3's gradient partition and reduce bucket),
-    not ZeRO-3's gathered parameters nor ZeRO-2's backward bucket. DeepSpeed's load reads the
-    module's file and the rank's ZeRO file (its fp32 master partition and AdamW's moments) into
-    host memory; torch's ``Optimizer.load_state_dict`` moves the moments to the device as the
-    state itself, the master partition is copied into place. On a CPU the read master partition
-    (4 bytes per element of the partition) is held beside the state: exactly so under ZeRO-1/2;
-    under ZeRO-3 an upper bound (the three tensors are read beside a state that does not yet hold
-    all a step makes it hold: MemTracker counts up to 0.8 of a master partition less). The export
-    gathers one module's own parameters at a time (ZeRO-3 on more than one rank: the largest
-    module's, in the parameters' dtype); rank 0 copies every state-dict entry to its host in fp32 (a 16-bit one cast first,
-    on the device: the largest parameter, 4 bytes per element)."""
+    """DeepSpeed ZeRO (``state``: :func:`memtrain.memory.accounting._zero`'s dict). Between steps a
+    rank holds its parameters (partitions and ZeRO-3's persistent ones), its optimizer partition and
+    the buffers DeepSpeed keeps (ZeRO-3's gradient partition and reduce bucket), not ZeRO-3's
+    gathered parameters nor ZeRO-2's backward bucket. DeepSpeed's load reads the module's file and
+    the rank's ZeRO file (its fp32 master partition and AdamW's moments) into host memory; torch's
+    ``Optimizer.load_state_dict`` moves the moments to the device as the state itself, the master
+    partition is copied into place. On a CPU the read master partition (4 bytes per element of the
+    partition) is held beside the state: exactly so under ZeRO-1/2; under ZeRO-3 an upper bound (the
+    three tensors are read beside a state that does not yet hold all a step makes it hold:
+    MemTracker counts up to 0.8 of a master partition less). The export gathers one module's own
+    parameters at a time (ZeRO-3 on more than one rank: the largest module's, in the parameters'
+    dtype); rank 0 copies every state-dict entry to its host in fp32 (a 16-bit one cast first, on
+    the device: the largest parameter, 4 bytes per element)."""
     stage = 2 if zero_stage is None else zero_stage
     p_bytes = 2 if precision in ("bf16", "fp16") else 4
     held = (state["parameter_bytes"] + state["optimizer_bytes"] + state["gradient_bytes"] + state["buffer_bytes"]
