@@ -6,8 +6,9 @@ and MemTracker, entered before the model is built, also gives the peak before th
 (the model's build, the engine's set-up and the checkpoint's load: the resume moment) and the
 export's peak (:class:`memtrain.memory.breakdown.MemoryBreakdown`). The prediction is the
 engine's ``held_bytes`` and what each moment adds on the CPU
-(:func:`memtrain.memory.moments.moment_terms`); ``plan_peak_bytes`` is the plan's whole predicted
-peak, which must cover both counts (``covered``). The count is the highest rank's (rank 0 holds
+(:func:`memtrain.memory.moments.moment_terms`); ``plan_peak_bytes`` is what the plan was fitted
+to (its steps' peak and the larger moment: ``Candidate.planned_bytes``), which must cover both
+counts (``covered``). The count is the highest rank's (rank 0 holds
 the export's copy).
 
 Rows ``moment_accuracy``: engine, ``resumed_from`` (the engine that wrote the checkpoint),
@@ -78,7 +79,8 @@ def predicted(args: list[str], engine: str, world_size: int) -> dict:
     report = plan_report(parse_args(args + ENGINES[engine]), world_size)
     moments = moment_terms(report["model_state_bytes"][engine], "cpu")
     chosen = next(c for c in report["candidates"] if c.get("chosen"))
-    return {**moments, "plan_peak_bytes": without_allocator_headroom(chosen["predicted_peak_bytes"], "cpu")}
+    planned = max(chosen["predicted_peak_bytes"], chosen["moment_bytes"])  # what the plan was fitted to
+    return {**moments, "plan_peak_bytes": without_allocator_headroom(planned, "cpu")}
 
 
 def rows(args: list[str], engines: list[str], world_sizes: list[int], precisions: list[str], resumed_from=None):

@@ -543,7 +543,7 @@ def moment_accuracy(device: str) -> str:
     rows = newest_by("moment_accuracy", device, lambda row: (
         row.get("engine"), row.get("resumed_from"), row.get("moment"), row.get("world_size"), row.get("precision")))
     mine = [r for r in rows.values() if "moment" in r]
-    out = ["| engine | moment | rows | errors (ranks, precision: error) | \|error\| median | worst | lowest "
+    out = ["| engine | moment | rows | errors (ranks, precision: error) | \\|error\\| median | worst | lowest "
            "| within the plan's peak | commits |", "|---|---|---|---|---|---|---|---|---|"]
     for engine, name in ENGINE_NAMES.items():
         for moment in ("resume", "export"):

@@ -42,6 +42,7 @@ from memtrain.levers import LEVERS, first_settings, lever_choices, other_lever_w
 from memtrain.levers.activation_checkpointing import setting
 from memtrain.levers.optimizer_state import STATE_DTYPES, choose_charging_steps
 from memtrain.memory.accounting import device_state_bytes, peak_terms, state_peak_tensor_bytes
+from memtrain.memory.moments import largest_moment_bytes
 from memtrain.memory.machine import (DEFAULT_GPU_FLOPS, Machine, PLAN_PROCESS_BYTES, REFERENCE_CPU_ADAM_PARAMS_PER_S,
                                      cpu_adam_params_per_s, device_flops_per_s, optimizer_params_per_s, process_bytes,
                                      run_device_budget, run_host_limit)
@@ -137,8 +138,10 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     cfg = with_state_dtype(cfg, run.state_dtype) if run is not None and run.state_dtype != cfg.optimizer.state_dtype else cfg
     engines, engine, state = _model_states(cfg, shape, precision, world_size)
     acts, per_rank, state_on_device = tables(engine), cfg.training.global_batch_size // world_size, device_state_bytes(state)
-    terms = None if cfg.faults.memory_budget_mib > 0 else peak_terms(state, device_type)  # a simulated device: state + saved
-    planner = Planner(make_candidates(per_rank, choices, state_on_device, acts, device_type, budget, terms), budget)
+    simulated = cfg.faults.memory_budget_mib > 0  # a simulated device: state + saved
+    terms, moments = (None, 0) if simulated else (peak_terms(state), largest_moment_bytes(state, device_type))
+    planner = Planner(make_candidates(per_rank, choices, state_on_device, acts, device_type, budget, terms, moments),
+                      budget)
     for c in planner.candidates:
         c.predicted_step_s = estimated_plan_s(c, cfg, n, tokens, flops)
     chosen = run_plan(planner, cfg, choices)
@@ -157,7 +160,7 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
         "machine": machine.as_dict(),
         "cpu_adam_source": adam_source, "placement_decides": cfg.backend.offload == "auto",
         "budget_source": host_limit.source if host_limit is not None else "the GPU given" if gpu_memory_gib else "the device",
-        "per_rank_total_bytes": _per_rank_totals(engines, tables, choices, micro, per_rank, device_type),
+        "per_rank_total_bytes": _per_rank_totals(engines, tables, choices, micro, per_rank),
         "optimizer_state_dtype": cfg.optimizer.state_dtype,
         "optimizer_state_bytes": {d: engine_module(engine).optimizer_state_bytes(d, shape, world_size)
                                   for d in STATE_DTYPES} if engine_module(engine).LOSSY_OPTIMIZER_STATE else {},
@@ -209,14 +212,13 @@ def _planned_precision(precision: str, device_type: str) -> str:
         return "bf16" if precision == "auto" else precision
 
 
-def _per_rank_totals(engines: dict, tables, choices: dict, micro: int, per_rank: int,
-                     device_type: str) -> dict[str, dict[str, int]]:
+def _per_rank_totals(engines: dict, tables, choices: dict, micro: int, per_rank: int) -> dict[str, dict[str, int]]:
     """``{variant: {"off"|"on": bytes}}``: each engine variant's device state and its engine's traced
-    activations (AC off / on) at their peak on ``device_type``
-    (:func:`memtrain.memory.accounting.state_peak_tensor_bytes`, no accumulation term)."""
+    activations (AC off / on) at their peak (:func:`memtrain.memory.accounting.state_peak_tensor_bytes`,
+    no accumulation term)."""
     engine_of = {v.name: v.engine for v in engine_variants()}
     acts = functools.lru_cache(lambda engine: _activation_bytes_by_ac(tables(engine), choices, micro, per_rank))
-    return {name: {ac: state_peak_tensor_bytes(e, acts(engine_of[name])[ac], device_type) for ac in ("off", "on")}
+    return {name: {ac: state_peak_tensor_bytes(e, acts(engine_of[name])[ac]) for ac in ("off", "on")}
             for name, e in engines.items()}
 
 

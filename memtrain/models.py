@@ -140,16 +140,23 @@ def no_waveform_gradient(model: nn.Module) -> None:
     """Stop a transformers speech model's feature encoder from computing the waveform's gradient.
 
     Its feature encoder (``Wav2Vec2FeatureEncoder`` and its copies: WavLM, HuBERT, …) marks the
-    waveform view it convolves as requiring a gradient when training, so that transformers'
-    reentrant checkpointing of its convolutions gets one (``_requires_grad``). memtrain's
-    activation checkpointing is non-reentrant and nothing reads that gradient: it costs a backward
-    convolution into a [B, samples] fp32 tensor per micro-batch, and those tensors outlive their
-    micro-batch until Python's cycle collector runs (MemTracker counted the four micro-batches' of
-    one step alive when the next began; the speech family's rows were up to 7.9% under).
-    With the flag off the encoder's parameters train as before — the same loss and gradients,
-    bitwise — and its convolutions are not checkpointed. A frozen encoder's flag is off already."""
+    waveform view it convolves as requiring a gradient when training (``_requires_grad``), for
+    reentrant checkpointing. memtrain's activation checkpointing is non-reentrant and nothing reads
+    that gradient: it costs a backward convolution into a [B, samples] fp32 tensor per
+    micro-batch, and those tensors outlive their micro-batch until Python's cycle collector runs
+    (MemTracker counted the four micro-batches' of one step alive when the next began; the speech
+    family's rows were up to 7.9% under). The flag is turned off only where the convolutions are
+    checkpointed whatever it says (transformers' ``GradientCheckpointingLayer``, since 5.0; before,
+    the flag also gated their checkpointing): the encoder's parameters train as before, the same
+    loss and gradients bitwise. A frozen encoder's flag is off already."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # an older transformers: the flag gates the convolutions' checkpointing too
+        return
     for module in model.modules():
-        if type(module).__name__.endswith("FeatureEncoder") and hasattr(module, "_requires_grad"):
+        layers = getattr(module, "conv_layers", None)
+        if (type(module).__name__.endswith("FeatureEncoder") and hasattr(module, "_requires_grad") and layers
+                and all(isinstance(layer, GradientCheckpointingLayer) for layer in layers)):
             module._requires_grad = False
 
 

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from memtrain.memory.accounting import fsdp_state_bytes
-
 from memtrain.memory.shape import model_shape
 from memtrain.offload_optimizer import PartialOffloadAdamW, host_split
 from memtrain.optim import weight_decay_groups

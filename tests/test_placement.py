@@ -96,7 +96,7 @@ def test_zero3_gathered_parameters_at_each_moment_of_the_step():
     assert alone["view_kept_bytes"] == alone["step_gathered_bytes"] == 0  # views of the partitions
     small_first = dataclasses.replace(shape, first_module_numels=(50_000,))  # persistent: whole anyway
     assert model_state_bytes("deepspeed", n, "fp32", 3, "none", 2, shape=small_first)["step_gathered_bytes"] == 0
-    terms = peak_terms(two, "cuda")
+    terms = peak_terms(two)
     assert terms["step"] == two["step_gradient_bytes"] + 4 * embedding and terms["kept"] == two["view_kept_bytes"]
     state, block = device_state_bytes(two), two["block_buffer_bytes"]
     # a small micro-step: the step moment, without the gathered blocks
@@ -127,7 +127,7 @@ def test_fsdp2_holds_the_reduce_scatter_of_the_block_before_while_a_block_runs_b
     two, alone = (model_state_bytes("fsdp", n, "bf16", None, "none", w, shape=shape) for w in (2, 1))
     assert two["block_backward_buffer_bytes"] == 4 * block and alone["block_backward_buffer_bytes"] == 0
     assert two["block_buffer_bytes"] == 2 * 2 * block  # two gathered blocks in bf16
-    terms, state = {**peak_terms(two, "cuda"), "accumulation": 0}, device_state_bytes(two)  # one micro-batch
+    terms, state = {**peak_terms(two), "accumulation": 0}, device_state_bytes(two)  # one micro-batch
     before = state - two["block_buffer_bytes"]
     big, small = 10 * state, state
     # the block's backward moment: the gathered blocks and the reduce-scatter beside it
@@ -860,22 +860,42 @@ def test_the_plan_counts_the_zero_buffer_sizes_a_users_deepspeed_json_sets(tmp_p
     assert 0 < gathered["narrow"] < gathered["plain"]
 
 
-def test_the_plan_covers_the_resume_and_export_moments():
+def test_the_plan_fits_the_resume_and_export_moments_beside_its_steps():
     """A plan that fits its steps must fit its resume and its export (:mod:`memtrain.memory.moments`):
     FSDP2 on 8 ranks holds an eighth of the model between steps, but rank 0's export copies every
-    state-dict entry (a tied parameter under each name) in fp32, which on a CPU is device memory
-    and then the peak of a plan with small activations; on a GPU that copy is host memory and the
-    step's moment is the peak. The resume adds the gradient shards torch's optimizer-state
-    initialization makes. Expected bytes from the shapes."""
-    from memtrain.memory.accounting import peak_tensor_bytes, peak_terms
+    state-dict entry (a tied parameter under each name) in fp32, which on a CPU is device memory,
+    more than any step here; on a GPU that copy is host memory. The resume adds the gradient shards
+    torch's optimizer-state initialization makes. The moment decides whether a plan fits, never
+    which one is smaller: every plan keeps its own step peak, so the planner still finds a smaller
+    one after an out-of-memory error. Expected bytes from the shapes."""
+    from memtrain.memory.accounting import peak_terms
+    from memtrain.memory.moments import largest_moment_bytes, moment_terms
+    from memtrain.planning.planner import Planner, make_candidates
 
     n, tied = 1_000_000, 50_000
     shape = ModelShape(n, largest_block=100_000, largest_module=tied, root=100_000, numels=(tied,) * 20, tied=tied)
     eight = model_state_bytes("fsdp", n, "fp32", None, "none", 8, shape=shape)
-    assert eight["held_bytes"] == 4 * n // 8 + 8 * n // 8  # fp32 parameter shards and AdamW's moments
-    small, state = (10, 10, 10), device_state_bytes(eight)
-    cpu, gpu = ({**peak_terms(eight, device), "accumulation": 0} for device in ("cpu", "cuda"))
-    assert peak_tensor_bytes(state, small, **cpu) == eight["held_bytes"] + 4 * (n + tied)
-    assert peak_tensor_bytes(state, small, **gpu) < eight["held_bytes"] + 4 * (n + tied)
-    assert gpu["resume"] == cpu["resume"] == eight["held_bytes"] + 4 * n // 8
-    assert gpu["export"] == eight["held_bytes"] + 4 * tied  # one parameter gathered at a time
+    held = eight["held_bytes"]
+    assert held == 4 * n // 8 + 8 * n // 8  # fp32 parameter shards and AdamW's moments
+    cpu, gpu = moment_terms(eight, "cpu"), moment_terms(eight, "cuda")
+    assert gpu["resume"] == cpu["resume"] == held + 4 * n // 8
+    assert cpu["export"] == held + 4 * (n + tied) and gpu["export"] == held + 4 * tied  # one parameter gathered
+
+    def acts(plan):
+        return 1000 * plan.micro_batch_size
+
+    assert largest_moment_bytes(eight, "cpu") == cpu["export"] and largest_moment_bytes(eight, "cuda") == gpu["resume"]
+    steps = make_candidates(8, {}, device_state_bytes(eight), acts, "cpu", None, peak_terms(eight))
+    peaks = [c.predicted_peak_bytes for c in steps]
+    moment = 2 * max(peaks)  # a moment above every step's peak
+    candidates = make_candidates(8, {}, device_state_bytes(eight), acts, "cpu", None, peak_terms(eight), moment)
+    assert [c.predicted_peak_bytes for c in candidates] == peaks and len(set(peaks)) == len(peaks)
+    assert all(c.moment_bytes == moment and c.planned_bytes == moment for c in candidates)
+    between = make_candidates(8, {}, device_state_bytes(eight), acts, "cpu", max(peaks), peak_terms(eight), moment)
+    assert not any(c.fits for c in between)  # every step fits, the moment does not
+    roomy = Planner(make_candidates(8, {}, device_state_bytes(eight), acts, "cpu", moment, peak_terms(eight), moment),
+                    moment)
+    assert all(c.fits for c in roomy.candidates)
+    largest = max(roomy.candidates, key=lambda c: c.predicted_peak_bytes)
+    smaller = roomy.after_oom(largest.plan)
+    assert smaller is not None and smaller.predicted_peak_bytes < largest.predicted_peak_bytes

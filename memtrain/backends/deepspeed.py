@@ -337,6 +337,11 @@ class DeepSpeedBackend:
             with deepspeed.zero.GatheredParameters(list(sub.parameters(recurse=False)), modifier_rank=None):
                 if self.process.is_main:
                     sd.update((k, t.detach().float().cpu().clone()) for k, t in own.items())
+        if keys - done:  # entries a module's own state-dict hook makes: the whole model gathered, as before
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+                if self.process.is_main:
+                    sd.update((k, v.detach().float().cpu().clone()) for k, v in module.state_dict().items()
+                              if k in keys - done)
         return sd if self.process.is_main else None
 
     def save_state(self, model: nn.Module, optimizer, directory: str, max_shard_size: str = "5GB",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Optional, Sequence
 
-from memtrain.memory.moments import ddp_moments, fsdp_moments, moment_terms, zero_moments
+from memtrain.memory.moments import ddp_moments, fsdp_moments, with_optimizer_bytes, zero_moments
 from memtrain.memory.shape import ModelShape
 
 ADAM_STATE_BYTES = 8
@@ -100,7 +100,7 @@ def with_optimizer_element_bytes(state: dict[str, int], element_bytes: Optional[
     (a Python caller's: :func:`memtrain.optim.state_bytes_per_element`); None = ``state``."""
     if element_bytes is None:
         return state
-    return {**state, "optimizer_bytes": round(state["optimizer_bytes"] * element_bytes / ADAM_STATE_BYTES)}
+    return with_optimizer_bytes(state, round(state["optimizer_bytes"] * element_bytes / ADAM_STATE_BYTES))
 
 
 def zero_reduce_bucket_elements(n_params: int) -> int:
@@ -233,8 +233,7 @@ def builds_on_device(shape: ModelShape, state: dict[str, int], device_type: str)
 
 
 def peak_tensor_bytes(device_state: int, peaks: Sequence, accumulation: int = 0, step: int = 0,
-                      block: int = 0, backward: int = 0, kept: int = 0, block_backward: int = 0,
-                      resume: int = 0, export: int = 0) -> int:
+                      block: int = 0, backward: int = 0, kept: int = 0, block_backward: int = 0) -> int:
     """Tensor bytes on a rank's device at its peak, the largest of four moments, from ``peaks`` =
     (peak, in_block, in_backward[, resident[, kept peaks[, in_block_backward]]]) of a traced micro-step
     (:class:`memtrain.memory.step_trace.StepPeaks`; a None is the peak; ``resident``, the rank's
@@ -253,10 +252,6 @@ def peak_tensor_bytes(device_state: int, peaks: Sequence, accumulation: int = 0,
     - the optimizer step: ``device_state`` less ``block`` (nothing is gathered then) and ``step``
       (``step_gradient_bytes``: the gradients the step reads, which the accumulated ones have
       become; the activations freed).
-
-    Two moments outside the steps, without activations or a batch, are bytes of their own:
-    ``resume``, the checkpoint's load, and ``export``, the export at the end
-    (:func:`memtrain.memory.moments.moment_terms`).
 
     ``kept`` (``view_kept_bytes``: ZeRO-3's parameters that are gathered, on more than one rank)
     takes the trace's peaks with the gathered parameters a saved view keeps alive
@@ -277,24 +272,24 @@ def peak_tensor_bytes(device_state: int, peaks: Sequence, accumulation: int = 0,
         during_block = min(kept_in_block + block, in_block + kept)
     before_forward = device_state - block - backward + accumulation
     micro_step = before_forward + max(peak, during_block, in_backward + backward)
-    return max(max(micro_step, device_state - block + step) + resident, resume, export)
+    return max(micro_step, device_state - block + step) + resident
 
 
-def peak_terms(state_bytes: Mapping[str, int], device_type: str) -> dict[str, int]:
-    """The keyword arguments of :func:`peak_tensor_bytes` a ``model_state_bytes`` dict gives on
-    ``device_type`` (``accumulation`` whether or not the plan accumulates)."""
-    return {**moment_terms(state_bytes, device_type),"accumulation": state_bytes.get("accumulation_gradient_bytes", 0),
+def peak_terms(state_bytes: Mapping[str, int]) -> dict[str, int]:
+    """The keyword arguments of :func:`peak_tensor_bytes` a ``model_state_bytes`` dict gives
+    (``accumulation`` whether or not the plan accumulates)."""
+    return {"accumulation": state_bytes.get("accumulation_gradient_bytes", 0),
             "step": state_bytes.get("step_gradient_bytes", 0) + state_bytes.get("step_gathered_bytes", 0),
             "block": state_bytes.get("block_buffer_bytes", 0),
             "backward": state_bytes.get("backward_buffer_bytes", 0), "kept": state_bytes.get("view_kept_bytes", 0),
             "block_backward": state_bytes.get("block_backward_buffer_bytes", 0)}
 
 
-def state_peak_tensor_bytes(state_bytes: Mapping[str, int], peaks: Sequence[Optional[int]], device_type: str,
+def state_peak_tensor_bytes(state_bytes: Mapping[str, int], peaks: Sequence[Optional[int]],
                             accumulating: bool = False) -> int:
-    """:func:`peak_tensor_bytes` of a ``model_state_bytes`` dict on ``device_type`` (its
-    accumulation term when ``accumulating``)."""
-    terms = peak_terms(state_bytes, device_type)
+    """:func:`peak_tensor_bytes` of a ``model_state_bytes`` dict (its accumulation term when
+    ``accumulating``)."""
+    terms = peak_terms(state_bytes)
     return peak_tensor_bytes(device_state_bytes(state_bytes), peaks,
                              **{**terms, "accumulation": terms["accumulation"] if accumulating else 0})
 

@@ -13,7 +13,10 @@ Each engine's ``model_state_bytes`` dict carries five keys from here (bytes per 
   host memory there: :mod:`memtrain.planning.placement` counts the export's copy, not yet the
   reads);
 - ``load_cpu_bytes`` and ``export_cpu_bytes``: the same where the device is the CPU, whose memory
-  the reads and the copies share (a copy to the CPU of a tensor there is the tensor itself).
+  the reads and the copies share (a copy to the CPU of a tensor there is the tensor itself);
+- ``weights_read_bytes``: the whole weights a load reads before it reads the optimizer state and
+  frees after (DDP's safetensors file; 0 where they are read into place), which
+  :func:`with_optimizer_bytes` needs.
 
 MemTracker (``logging.memory_breakdown_step`` on the first step after a resume, which is the run's
 last: ``before_step_peak_bytes`` and ``export_peak_bytes``; ``benchmarks/moment_accuracy.py``)
@@ -27,12 +30,32 @@ from __future__ import annotations
 
 from typing import Mapping
 
-MOMENT_KEYS = ("held_bytes", "load_bytes", "export_bytes", "load_cpu_bytes", "export_cpu_bytes")
+MOMENT_KEYS = ("held_bytes", "load_bytes", "export_bytes", "load_cpu_bytes", "export_cpu_bytes", "weights_read_bytes")
 """The keys of a ``model_state_bytes`` dict this module adds."""
 
 
-def _moments(held: int, load: int, export: int, load_cpu: int, export_cpu: int) -> dict[str, int]:
-    return dict(zip(MOMENT_KEYS, (held, load, export, load_cpu, export_cpu)))
+def _moments(held: int, load: int, export: int, load_cpu: int, export_cpu: int,
+             weights_read: int = 0) -> dict[str, int]:
+    return dict(zip(MOMENT_KEYS, (held, load, export, load_cpu, export_cpu, weights_read)))
+
+
+def with_optimizer_bytes(state: Mapping[str, int], optimizer_bytes: int) -> dict[str, int]:
+    """``state`` (a ``model_state_bytes`` dict with this module's keys) with ``optimizer_bytes`` of
+    optimizer state on the device instead (a Python caller's optimizer): what is held between
+    steps changes by the difference, and a load that reads the weights before the optimizer state
+    holds beside the parameters the larger of the two."""
+    out = {**state, "optimizer_bytes": optimizer_bytes}
+    if "held_bytes" in state:
+        out["held_bytes"] = state["held_bytes"] + optimizer_bytes - state["optimizer_bytes"]
+        if state.get("weights_read_bytes"):
+            out["load_cpu_bytes"] = max(0, state["weights_read_bytes"] - optimizer_bytes)
+    return out
+
+
+def largest_moment_bytes(state_bytes: Mapping[str, int], device_type: str) -> int:
+    """The device bytes of the larger of the two moments on ``device_type`` (:func:`moment_terms`),
+    which a plan must fit beside its steps' peak; 0 where ``state_bytes`` has none of these keys."""
+    return max(moment_terms(state_bytes, device_type).values())
 
 
 def ddp_moments(state: Mapping[str, int], shape) -> dict[str, int]:
@@ -45,7 +68,8 @@ def ddp_moments(state: Mapping[str, int], shape) -> dict[str, int]:
     optimizer state. The export copies each fp32 parameter to the host (the parameter itself on a
     CPU): nothing more on the device."""
     held = state["parameter_bytes"] + state["optimizer_bytes"] + state["buffer_bytes"]
-    return _moments(held, 0, 0, max(0, 4 * shape.parameters - state["optimizer_bytes"]), 0)
+    weights = 4 * shape.parameters
+    return _moments(held, 0, 0, max(0, weights - state["optimizer_bytes"]), 0, weights)
 
 
 def fsdp_moments(state: Mapping[str, int], shape, precision: str, world_size: int, offload: str) -> dict[str, int]:
@@ -81,15 +105,17 @@ def zero_moments(state: Mapping[str, int], shape, precision: str, zero_stage, wo
     partition) is held beside the state: exactly so under ZeRO-1/2; under ZeRO-3 an upper bound (the
     three tensors are read beside a state that does not yet hold all a step makes it hold:
     MemTracker counts up to 0.8 of a master partition less). The export gathers one module's own
-    parameters at a time (ZeRO-3 on more than one rank: the largest module's, in the parameters'
-    dtype); rank 0 copies every state-dict entry to its host in fp32 (a 16-bit one cast first, on
-    the device: the largest parameter, 4 bytes per element)."""
+    parameters at a time (ZeRO-3: the largest module's, in the parameters' dtype; on one rank only
+    with the parameters offloaded, the others being views of their partitions); rank 0 copies every
+    state-dict entry to its host in fp32 (a 16-bit one cast first, on the device: the largest
+    parameter, 4 bytes per element)."""
     stage = 2 if zero_stage is None else zero_stage
     p_bytes = 2 if precision in ("bf16", "fp16") else 4
     held = (state["parameter_bytes"] + state["optimizer_bytes"] + state["gradient_bytes"] + state["buffer_bytes"]
             - state["block_buffer_bytes"] - state["backward_buffer_bytes"])
     master = 4 * shape.trained // world_size if offload in (None, "none") and stage >= 1 else 0
-    gathered = p_bytes * shape.largest_module if stage >= 3 and world_size > 1 else 0
+    alone = world_size == 1 and offload != "optimizer_and_params"  # views of the partitions, as in _zero
+    gathered = p_bytes * shape.largest_module if stage >= 3 and not alone else 0
     cast = 4 * max(shape.numels or (shape.largest_module,)) if p_bytes == 2 else 0
     return _moments(held, 0, gathered + cast, master, gathered + cast + 4 * (shape.parameters + shape.tied))
 

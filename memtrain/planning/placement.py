@@ -47,7 +47,9 @@ from memtrain.config import ConfigError
 from memtrain.levers import allowed_by, describe, lever_choices, offered_choices
 from memtrain.levers.optimizer_state import (BF16_MAX_BETA2, LOSSY, STATE_DTYPES, choose_charging_steps,
                                              fastest_fitting, planner_dtypes)
-from memtrain.memory.accounting import build_bytes, builds_on_device, device_state_bytes, peak_terms
+from memtrain.memory.accounting import (build_bytes, builds_on_device, device_state_bytes, peak_terms,
+                                       with_allocator_headroom)
+from memtrain.memory.moments import largest_moment_bytes
 from memtrain.memory.shape import ModelShape, model_shape
 from memtrain.memory.machine import Machine
 from memtrain.planning.activations import activation_tables
@@ -160,7 +162,8 @@ def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_s
     n_params = shape.parameters
     half = precision in ("bf16", "fp16")
     p_bytes = 2 if half else 4
-    device = candidate_peak_bytes(c, device_state_bytes(state), peak_terms(state, machine.device_type), machine.device_type)
+    device = max(candidate_peak_bytes(c, device_state_bytes(state), peak_terms(state), machine.device_type),
+                 with_allocator_headroom(largest_moment_bytes(state, machine.device_type), machine.device_type))
     optimizer_on_device = state["optimizer_bytes"]
     staging = engine_module(p.engine).checkpoint_staging_bytes(
         optimizer_on_device, largest_tensor_bytes=4 * shape.largest_module // world_size, async_save=p.async_save)

@@ -47,6 +47,7 @@ import torch
 
 from memtrain.levers import LeverCost, PlanFacts, plan_cost, recompute_fraction, restore_settings
 from memtrain.memory.accounting import device_state_bytes, divisors, peak_tensor_bytes, peak_terms, with_allocator_headroom
+from memtrain.memory.moments import largest_moment_bytes
 from memtrain.memory.machine import offload_host_room_bytes, run_device_budget
 from memtrain.plan import Plan
 from memtrain.planning.activations import activation_table
@@ -113,6 +114,9 @@ class Candidate:
             (``StepPeaks.kept``; () = not traced), read for an engine that gathers them.
         in_block_backward_bytes: the peak while a repeated block runs its backward
             (``StepPeaks.in_block_backward``); None = ``in_block_bytes``.
+        moment_bytes: the run's largest moment outside its steps, with the allocator's headroom
+            (a resume's checkpoint load, the export: :mod:`memtrain.memory.moments`); the same for
+            every plan, so it decides whether a plan fits, never which plan is smaller or faster.
     """
 
     plan: Plan
@@ -128,6 +132,12 @@ class Candidate:
     resident_bytes: int = 0
     kept_peaks: tuple = ()
     in_block_backward_bytes: Optional[int] = None
+    moment_bytes: int = 0
+
+    @property
+    def planned_bytes(self) -> int:
+        """What the plan must fit: its step's peak and the run's moments outside the steps."""
+        return max(self.predicted_peak_bytes, self.moment_bytes)
 
     @property
     def micro_batch_size(self) -> int:
@@ -160,7 +170,8 @@ def lever_combinations(choices: Mapping[str, tuple]) -> list[dict[str, Any]]:
 
 def make_candidates(per_rank_batch: int, choices: Mapping[str, tuple], state_bytes: int,
                     activation_bytes: Callable[[Plan], int], device_type: str,
-                    budget_bytes: Optional[int], terms: Optional[Mapping[str, int]] = None) -> list[Candidate]:
+                    budget_bytes: Optional[int], terms: Optional[Mapping[str, int]] = None,
+                    moments: int = 0) -> list[Candidate]:
     """Every candidate plan with its predicted peak.
 
     Args:
@@ -176,6 +187,9 @@ def make_candidates(per_rank_batch: int, choices: Mapping[str, tuple], state_byt
             block runs or only in backward, counted beside ``activation_bytes.peaks``
             (:func:`memtrain.memory.accounting.peak_tensor_bytes`). None: none (a simulated
             device counts state and saved bytes alone).
+        moments: the device bytes of the run's largest moment outside its steps (a resume's
+            checkpoint load, the export: :func:`memtrain.memory.moments.largest_moment_bytes`),
+            which a plan must fit beside its peak (``Candidate.moment_bytes``); 0 = none.
 
     Returns:
         Candidates, largest micro-batch first, then the levers' combinations fastest first.
@@ -191,7 +205,8 @@ def make_candidates(per_rank_batch: int, choices: Mapping[str, tuple], state_byt
                           kept_peaks=tuple(peaks[4]) if len(peaks) > 4 else (),
                           in_block_backward_bytes=peaks[5] if len(peaks) > 5 else None)
             c.predicted_peak_bytes = candidate_peak_bytes(c, state_bytes, terms or {}, device_type)
-            c.fits = budget_bytes is None or c.predicted_peak_bytes <= budget_bytes
+            c.moment_bytes = with_allocator_headroom(moments, device_type) if moments else 0
+            c.fits = budget_bytes is None or c.planned_bytes <= budget_bytes
             out.append(c)
     return out
 
@@ -308,7 +323,7 @@ class Planner:
         self.budget_bytes = self.bound_bytes = budget_bytes
         self.host_room_bytes = host_room_bytes
         for c in self.candidates:
-            c.fits = ((budget_bytes is None or c.predicted_peak_bytes <= budget_bytes)
+            c.fits = ((budget_bytes is None or c.planned_bytes <= budget_bytes)
                       and (host_room_bytes is None or lever_cost(c).host_room_bytes <= host_room_bytes))
 
     def get(self, plan: Plan) -> Optional[Candidate]:
@@ -548,7 +563,8 @@ def build_planner(cfg, corpus, objective, precision: str, device: torch.device, 
     acts = activation_table(cfg, corpus, objective, precision, device_type, source, engine)
     budget, host = run_device_budget(cfg, device, state_bytes=device_state_bytes(state))  # a CPU's: the host limit
     planner = Planner(make_candidates(per_rank_batch, choices, device_state_bytes(state), acts, device_type, budget,
-                                      None if simulated else peak_terms(state, device_type)), budget, shortlist=cfg.memory.levers == "auto",
+                                      None if simulated else peak_terms(state),
+                                      0 if simulated else largest_moment_bytes(state, device_type)), budget, shortlist=cfg.memory.levers == "auto",
                       copy_bytes_per_s=cfg.memory.activation_offload_bandwidth_gb_s * 1e9 if device.type == "cpu" else None,
                       probe_budget_steps=probe_budget_steps(cfg.training.max_steps))
     planner.restrict_budget(budget, offload_host_room_bytes(cfg, device))  # build.py: every rank's smallest rules
