@@ -27,6 +27,7 @@ from memtrain.distributed import ProcessState
 from memtrain.errors import ConfigError
 from memtrain.memory.accounting import (fsdp_state_bytes, offloaded_parameter_count, sharded_optimizer_bytes,
                                         with_optimizer_element_bytes)
+from memtrain.memory.moments import parameter_element_bytes
 from memtrain.memory.shape import ModelShape, model_shape
 from memtrain.memory.machine import HOST_DEVICE_BYTES_PER_S, Machine
 from memtrain.models import repeated_blocks
@@ -126,7 +127,7 @@ def checkpoint_staging_bytes(optimizer_bytes: int, largest_tensor_bytes: int = 0
 def export_bytes_per_parameter(precision: str, offload: str) -> int:
     """Bytes per parameter of the whole model the export gathers on rank 0's host: the sharded
     parameters' dtype (fp32, or the compute dtype under the optimizer offload)."""
-    return 2 if offload == "optimizer" and precision in ("bf16", "fp16") else 4
+    return parameter_element_bytes(precision) if offload == "optimizer" else 4
 
 
 def offload_seconds(p, n_params: int, p_bytes: int, world_size: int, machine: Machine) -> OffloadTime:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Optional, Sequence
 
-from memtrain.memory.moments import ddp_moments, fsdp_moments, with_optimizer_bytes, zero_moments
+from memtrain.memory.moments import (ddp_moments, fsdp_moments, parameter_element_bytes, with_optimizer_bytes,
+                                     zero_moments)
 from memtrain.memory.shape import ModelShape
 
 ADAM_STATE_BYTES = 8
@@ -176,7 +177,7 @@ def zero_state_bytes(n_params: int, precision: str, zero_stage: Optional[int], o
     # every gathered parameter may be kept by a saved view (peak_tensor_bytes' kept); the first
     # module's stay gathered through the step (its next use is the next forward's first)
     gathers = state["gathered_parameter_bytes"] > 0
-    p_bytes = 2 if precision in ("bf16", "fp16") else 4
+    p_bytes = parameter_element_bytes(precision)
     first = p_bytes * sum(n for n in shape.first_module_numels if n > threshold) if gathers else 0
     return {**state, "view_kept_bytes": p_bytes * (shape.parameters - persistent) if gathers else 0,
             "step_gathered_bytes": first,
@@ -344,7 +345,7 @@ def _fsdp(n_params: int, precision: str, offload: str, world_size: int, shape: M
     sharded in their own dtype (``shape.frozen_bytes``) and have no gradient or optimizer state;
     the root's gradients are counted for at most the parameters that train."""
     w, n = world_size, n_params - shape.frozen
-    u = 2 if precision in ("bf16", "fp16") else 4
+    u = parameter_element_bytes(precision)
     params, grads = (4 * n + shape.frozen_bytes) // w, 4 * n // w
     offloaded = {"parameter": 0, "gradient": 0, "optimizer": 0, "buffer": 0}  # CPUOffloadPolicy: all three
     if offload not in (None, "none"):
@@ -385,7 +386,7 @@ def _fsdp_optimizer_offload(n_params: int, precision: str, world_size: int, shap
     The host part is whole parameters, the last of the model (:func:`offloaded_parameter_count` of ``shape.numels``; ``ratio`` itself without them).
     Reported by component: ``offloaded_*_bytes``."""
     n, w = n_params, world_size
-    u = 2 if precision in ("bf16", "fp16") else 4
+    u = parameter_element_bytes(precision)
     shard = n // w
     last = offloaded_parameter_count(shape.numels, ratio)  # whole parameters: the share they hold
     share = sum(shape.numels[len(shape.numels) - last:]) / max(1, sum(shape.numels)) if shape.numels else ratio
@@ -470,7 +471,7 @@ def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str
     optimizer flattens only the parameters it steps), with no gradient or optimizer state."""
     n, w = n_params, world_size
     stage = 2 if zero_stage is None else zero_stage
-    p_bytes = 2 if precision in ("bf16", "fp16") else 4
+    p_bytes = parameter_element_bytes(precision)
     master = 4 if p_bytes == 2 or stage >= 1 else 0
     params = p_bytes * n // (w if stage >= 3 else 1) + p_bytes * frozen // (w if stage >= 3 else 1)
     grads = p_bytes * n // (w if stage >= 2 else 1)

@@ -30,6 +30,12 @@ from __future__ import annotations
 
 from typing import Mapping
 
+def parameter_element_bytes(precision: str) -> int:
+    """Bytes per element of a parameter in the compute dtype of ``precision`` (``bf16``/``fp16``:
+    2, else 4): what a 16-bit engine holds its parameters and gathers them in."""
+    return 2 if precision in ("bf16", "fp16") else 4
+
+
 MOMENT_KEYS = ("held_bytes", "load_bytes", "export_bytes", "load_cpu_bytes", "export_cpu_bytes", "weights_read_bytes")
 """The keys of a ``model_state_bytes`` dict this module adds."""
 
@@ -85,7 +91,7 @@ def fsdp_moments(state: Mapping[str, int], shape, precision: str, world_size: in
     copies it to rank 0's host; on a CPU the gathered tensor is rank 0's copy: every state-dict
     entry in fp32, a tied parameter under each of its names (on one rank the shard is the whole
     parameter: nothing is gathered or copied)."""
-    u = 2 if precision in ("bf16", "fp16") else 4
+    u = parameter_element_bytes(precision)
     held = state["parameter_bytes"] - u * shape.root + state["optimizer_bytes"]
     load = 4 * shape.trained // world_size if offload in (None, "none") else 0
     gathered = 4 * max(shape.numels or (shape.largest_module,)) if world_size > 1 else 0
@@ -110,7 +116,7 @@ def zero_moments(state: Mapping[str, int], shape, precision: str, zero_stage, wo
     state-dict entry to its host in fp32 (a 16-bit one cast first, on the device: the largest
     parameter, 4 bytes per element)."""
     stage = 2 if zero_stage is None else zero_stage
-    p_bytes = 2 if precision in ("bf16", "fp16") else 4
+    p_bytes = parameter_element_bytes(precision)
     held = (state["parameter_bytes"] + state["optimizer_bytes"] + state["gradient_bytes"] + state["buffer_bytes"]
             - state["block_buffer_bytes"] - state["backward_buffer_bytes"])
     master = 4 * shape.trained // world_size if offload in (None, "none") and stage >= 1 else 0
