@@ -57,13 +57,19 @@ def test_manifests_from_before_formats_and_specs_read_with_both(tmp_path):
         read_manifest(str(tmp_path / "missing"))
 
 
+@pytest.mark.parametrize("loader", ["set_state_dict", "replicated"])
 @pytest.mark.parametrize("name", ["safetensors", "dcp"])
-def test_full_state_is_keyed_by_name_and_loads_into_another_model(tmp_path, name):
+def test_full_state_is_keyed_by_name_and_loads_into_another_model(tmp_path, name, loader):
     """``read_full_state`` gives the weights and the optimizer state keyed by parameter name;
     loaded into a fresh model and optimizer through torch's state-dict API (what an engine switch
-    does), the next optimizer step matches the original's exactly: Adam's moments and step count
-    came across."""
+    to FSDP2 does) or ``load_full_state_replicated`` (a switch to DDP), the next optimizer step
+    matches the original's exactly: Adam's moments and step count came across. The replicated
+    load never steps the optimizer (torch's steps once on zero gradients to build a state it then
+    replaces: the moments twice and a gradient per parameter), and keeps the read tensors as the
+    optimizer's state."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    from memtrain.backends.common import load_full_state_replicated
 
     def trained():
         net = model()
@@ -86,9 +92,41 @@ def test_full_state_is_keyed_by_name_and_loads_into_another_model(tmp_path, name
     fresh, fresh_opt = trained()
     weights, optim = format_module(name).read_full_state(str(tmp_path), fresh)
     assert set(optim["state"]) == {n for n, _ in net.named_parameters()}
-    set_state_dict(fresh, fresh_opt, model_state_dict=weights, optim_state_dict=optim,
-                   options=StateDictOptions(full_state_dict=True))
+    steps, fresh_step = [], fresh_opt.step
+    fresh_opt.step = lambda *a, **k: steps.append(1) or fresh_step(*a, **k)
+    if loader == "replicated":
+        read = {n: s["exp_avg"] for n, s in optim["state"].items()}
+        load_full_state_replicated(fresh, fresh_opt, weights, optim)
+        assert not steps
+        assert all(fresh_opt.state[p]["exp_avg"] is read[n] for n, p in fresh.named_parameters())
+    else:
+        set_state_dict(fresh, fresh_opt, model_state_dict=weights, optim_state_dict=optim,
+                       options=StateDictOptions(full_state_dict=True))
+        assert steps == [1]
     step(net, opt)
     step(fresh, fresh_opt)
     for (n, a), b in zip(net.named_parameters(), fresh.parameters()):
         assert torch.equal(a, b), n
+
+
+def test_a_replicated_load_refuses_other_groups_and_weights_by_name(tmp_path):
+    """A switch to DDP whose optimizer groups the parameters otherwise, or whose weights miss an
+    entry, is refused with what differs; a tied parameter loaded under one of its names is not
+    missing."""
+    from memtrain.backends.common import load_full_state_replicated
+
+    net = model()
+    opt = torch.optim.AdamW(net.parameters())
+    safetensors.save(net, opt.state_dict(), None, str(tmp_path), "5GB")
+    weights, optim = safetensors.read_full_state(str(tmp_path), net)
+    split = torch.optim.AdamW([{"params": list(net.parameters())[:2]}, {"params": list(net.parameters())[2:]}])
+    with pytest.raises(CheckpointError, match="parameter group 0 holds other parameters"):
+        load_full_state_replicated(net, split, weights, optim)
+    with pytest.raises(CheckpointError, match=r"missing \['2.bias'\]"):
+        load_full_state_replicated(net, opt, {k: v for k, v in weights.items() if k != "2.bias"}, optim)
+    tied = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4, bias=False))
+    tied[1].weight = tied[0].weight
+    tied_opt = torch.optim.AdamW(tied.parameters())
+    load_full_state_replicated(tied, tied_opt, {"0.weight": torch.ones(4, 4)},
+                               {"state": {}, "param_groups": [{**tied_opt.param_groups[0], "params": ["0.weight"]}]})
+    assert torch.equal(tied[1].weight, torch.ones(4, 4))

@@ -124,26 +124,73 @@ def whole_model_build_context(cfg, spec, precision: str, world_size: int, python
     return contextlib.nullcontext()
 
 
-def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, weights: dict[str, torch.Tensor],
-                    optimizer_state: dict) -> None:
-    """Load whole-model ``weights`` and a full, name-keyed ``optimizer_state`` into ``model`` (a
-    plain module or an FSDP2-sharded one, which takes its shards) and its ``optimizer`` through
-    torch's ``set_state_dict`` (``full_state_dict=True``): the engine switch on resume. Group
-    settings the other engine's optimizer had and this one has not are dropped.
+def _own_settings(optimizer: torch.optim.Optimizer, optimizer_state: dict) -> dict:
+    """``optimizer_state`` with the group settings of ``optimizer`` only (another engine's
+    optimizer may have had more).
 
     Raises:
         memtrain.errors.CheckpointError: the optimizer is torchao's (``optimizer.state_dtype int8``):
             its quantized moments do not cross engines (FSDP2 cannot shard them whole; a DCP
             checkpoint holds them dequantized, which would stay fp32).
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
     if type(getattr(optimizer, "optimizer", optimizer)).__module__.startswith("torchao"):  # Accelerate's wrapper
         raise CheckpointError("optimizer.state_dtype int8 cannot resume under another engine: its quantized moments "
                               "do not cross between DDP and FSDP2. Resume with the engine that saved the checkpoint")
-
     keys = set().union(*(group.keys() for group in optimizer.param_groups))  # this optimizer's settings only
-    optimizer_state = {**optimizer_state, "param_groups": [{k: v for k, v in group.items() if k in keys}
-                                                           for group in optimizer_state["param_groups"]]}
-    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optimizer_state,
+    return {**optimizer_state, "param_groups": [{k: v for k, v in group.items() if k in keys}
+                                                for group in optimizer_state["param_groups"]]}
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, weights: dict[str, torch.Tensor],
+                    optimizer_state: dict) -> None:
+    """Load whole-model ``weights`` and a full, name-keyed ``optimizer_state`` into an FSDP2-sharded
+    ``model``, which takes its shards, and its ``optimizer`` through torch's ``set_state_dict``
+    (``full_state_dict=True``): the engine switch on resume. Group settings the other engine's
+    optimizer had and this one has not are dropped.
+
+    Raises:
+        memtrain.errors.CheckpointError: the optimizer is torchao's (:func:`_own_settings`).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=_own_settings(optimizer, optimizer_state),
                    options=StateDictOptions(full_state_dict=True))
+
+
+def load_full_state_replicated(module: nn.Module, optimizer: torch.optim.Optimizer, weights: dict[str, torch.Tensor],
+                               optimizer_state: dict) -> None:
+    """:func:`load_full_state` into a plain (replicated) ``module``: the weights copied into its
+    parameters, and the name-keyed optimizer state numbered as ``optimizer`` orders its
+    parameters and given to its own ``load_state_dict``, which keeps the read tensors as its
+    state. torch's ``set_state_dict`` first builds an optimizer state by a step on zero gradients
+    (``_init_optim_state``), which held the moments twice and a zero gradient per parameter
+    beside the read state: 12 bytes a parameter more at the switch's peak (fp32 AdamW).
+
+    Raises:
+        memtrain.errors.CheckpointError: the optimizer is torchao's (:func:`_own_settings`); the
+            weights miss an entry of the module (a tied parameter under one of its names counts)
+            or hold one it has not; or the optimizer's parameter groups hold other parameters than
+            the checkpoint's (names the first group).
+    """
+    optimizer_state = _own_settings(optimizer, optimizer_state)
+    result, entries = module.load_state_dict(weights, strict=False), module.state_dict(keep_vars=True)
+    loaded = {entries[k].data_ptr() for k in weights if k in entries}
+    missing = [k for k in result.missing_keys if entries[k].data_ptr() not in loaded]
+    if missing or result.unexpected_keys:  # a tied parameter under one of its names is loaded
+        raise CheckpointError(f"the checkpoint's weights do not match this model: missing {missing[:3]}, "
+                              f"unexpected {result.unexpected_keys[:3]}")
+    names = {id(p): name for name, p in module.named_parameters()}
+    current = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    saved = [group["params"] for group in optimizer_state["param_groups"]]
+    if [sorted(g) for g in current] != [sorted(g) for g in saved]:
+        group = next(i for i, (a, b) in enumerate(zip(current, saved + [[]] * len(current))) if sorted(a) != sorted(b))
+        raise CheckpointError(f"the checkpoint's optimizer parameter group {group} holds other parameters than this "
+                              "run's; resume it with the engine that saved it")
+    index = {name: i for i, name in enumerate(n for group in current for n in group)}
+    state = {index[name]: value for name, value in optimizer_state["state"].items() if name in index}
+    groups, start = [], 0
+    for group, names_of_group in zip(optimizer_state["param_groups"], current):
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": list(range(start, start + len(names_of_group)))})
+        start += len(names_of_group)
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
