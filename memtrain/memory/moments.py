@@ -23,7 +23,10 @@ last: ``before_step_peak_bytes`` and ``export_peak_bytes``; ``benchmarks/moment_
 counts both moments on every engine; the allocations here were found by logging every tensor of
 0.4 MB or more that torch creates during a resume's load, with its caller. Not counted: a resume
 from another engine's checkpoint (the engine switch reads the whole weights and optimizer state
-on every rank; ``moment_accuracy.py --switch`` measures by how much).
+on every rank, DeepSpeed's format converts through its universal checkpoint first;
+``moment_accuracy.py --switch`` measures by how much). A switch to DDP loads the read state
+into the optimizer as it is (:func:`memtrain.backends.common.load_full_state_replicated`), so on
+an accelerator its device holds no more than between steps.
 """
 
 from __future__ import annotations
