@@ -57,19 +57,19 @@ def test_manifests_from_before_formats_and_specs_read_with_both(tmp_path):
         read_manifest(str(tmp_path / "missing"))
 
 
-@pytest.mark.parametrize("loader", ["set_state_dict", "replicated"])
+@pytest.mark.parametrize("loader", ["set_state_dict", "as_read"])
 @pytest.mark.parametrize("name", ["safetensors", "dcp"])
 def test_full_state_is_keyed_by_name_and_loads_into_another_model(tmp_path, name, loader):
     """``read_full_state`` gives the weights and the optimizer state keyed by parameter name;
-    loaded into a fresh model and optimizer through torch's state-dict API (what an engine switch
-    to FSDP2 does) or ``load_full_state_replicated`` (a switch to DDP), the next optimizer step
-    matches the original's exactly: Adam's moments and step count came across. The replicated
-    load never steps the optimizer (torch's steps once on zero gradients to build a state it then
-    replaces: the moments twice and a gradient per parameter), and keeps the read tensors as the
-    optimizer's state."""
+    loaded into a fresh model and optimizer through torch's state-dict API (a switch to FSDP2 with
+    an offload) or ``load_full_state_as_read`` (to DDP, or FSDP2 without offload), the next
+    optimizer step matches the original's exactly: Adam's moments and step count came across.
+    ``load_full_state_as_read`` never steps the optimizer (torch's steps once on zero gradients to
+    build a state it then replaces: the moments twice and a gradient per parameter), and keeps the
+    read tensors as the optimizer's state."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    from memtrain.backends.common import load_full_state_replicated
+    from memtrain.backends.common import load_full_state_as_read
 
     def trained():
         net = model()
@@ -94,9 +94,9 @@ def test_full_state_is_keyed_by_name_and_loads_into_another_model(tmp_path, name
     assert set(optim["state"]) == {n for n, _ in net.named_parameters()}
     steps, fresh_step = [], fresh_opt.step
     fresh_opt.step = lambda *a, **k: steps.append(1) or fresh_step(*a, **k)
-    if loader == "replicated":
+    if loader == "as_read":
         read = {n: s["exp_avg"] for n, s in optim["state"].items()}
-        load_full_state_replicated(fresh, fresh_opt, weights, optim)
+        load_full_state_as_read(fresh, fresh_opt, weights, optim)
         assert not steps
         assert all(fresh_opt.state[p]["exp_avg"] is read[n] for n, p in fresh.named_parameters())
     else:
@@ -109,11 +109,11 @@ def test_full_state_is_keyed_by_name_and_loads_into_another_model(tmp_path, name
         assert torch.equal(a, b), n
 
 
-def test_a_replicated_load_refuses_other_groups_and_weights_by_name(tmp_path):
+def test_a_load_as_read_refuses_other_groups_and_weights_by_name(tmp_path):
     """A switch to DDP whose optimizer groups the parameters otherwise, or whose weights miss an
     entry, is refused with what differs; a tied parameter loaded under one of its names is not
     missing."""
-    from memtrain.backends.common import load_full_state_replicated
+    from memtrain.backends.common import load_full_state_as_read
 
     net = model()
     opt = torch.optim.AdamW(net.parameters())
@@ -121,12 +121,12 @@ def test_a_replicated_load_refuses_other_groups_and_weights_by_name(tmp_path):
     weights, optim = safetensors.read_full_state(str(tmp_path), net)
     split = torch.optim.AdamW([{"params": list(net.parameters())[:2]}, {"params": list(net.parameters())[2:]}])
     with pytest.raises(CheckpointError, match="parameter group 0 holds other parameters"):
-        load_full_state_replicated(net, split, weights, optim)
+        load_full_state_as_read(net, split, weights, optim)
     with pytest.raises(CheckpointError, match=r"missing \['2.bias'\]"):
-        load_full_state_replicated(net, opt, {k: v for k, v in weights.items() if k != "2.bias"}, optim)
+        load_full_state_as_read(net, opt, {k: v for k, v in weights.items() if k != "2.bias"}, optim)
     tied = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4, bias=False))
     tied[1].weight = tied[0].weight
     tied_opt = torch.optim.AdamW(tied.parameters())
-    load_full_state_replicated(tied, tied_opt, {"0.weight": torch.ones(4, 4)},
+    load_full_state_as_read(tied, tied_opt, {"0.weight": torch.ones(4, 4)},
                                {"state": {}, "param_groups": [{**tied_opt.param_groups[0], "params": ["0.weight"]}]})
     assert torch.equal(tied[1].weight, torch.ones(4, 4))

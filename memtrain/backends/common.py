@@ -157,14 +157,17 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, weights:
                    options=StateDictOptions(full_state_dict=True))
 
 
-def load_full_state_replicated(module: nn.Module, optimizer: torch.optim.Optimizer, weights: dict[str, torch.Tensor],
-                               optimizer_state: dict) -> None:
-    """:func:`load_full_state` into a plain (replicated) ``module``: the weights copied into its
-    parameters, and the name-keyed optimizer state numbered as ``optimizer`` orders its
-    parameters and given to its own ``load_state_dict``, which keeps the read tensors as its
+def load_full_state_as_read(module: nn.Module, optimizer: torch.optim.Optimizer, weights: dict[str, torch.Tensor],
+                            optimizer_state: dict) -> None:
+    """:func:`load_full_state` without building an optimizer state first, into a plain
+    (replicated) ``module`` or an FSDP2-sharded one (parameters that are DTensors): the weights
+    copied into the parameters (an FSDP2 module's through torch's ``set_model_state_dict``, which
+    cuts each rank's shard), and the name-keyed optimizer state numbered as ``optimizer`` orders
+    its parameters (each moment of a sharded parameter cut to this rank's shard, as the parameter
+    is) and given to the optimizer's own ``load_state_dict``, which keeps those tensors as its
     state. torch's ``set_state_dict`` first builds an optimizer state by a step on zero gradients
-    (``_init_optim_state``), which held the moments twice and a zero gradient per parameter
-    beside the read state: 12 bytes a parameter more at the switch's peak (fp32 AdamW).
+    (``_init_optim_state``) and then replaces it: the rank's moments twice and a zero gradient per
+    parameter beside the read state (12 bytes a parameter more at a switch to DDP, fp32 AdamW).
 
     Raises:
         memtrain.errors.CheckpointError: the optimizer is torchao's (:func:`_own_settings`); the
@@ -172,22 +175,53 @@ def load_full_state_replicated(module: nn.Module, optimizer: torch.optim.Optimiz
             or hold one it has not; or the optimizer's parameter groups hold other parameters than
             the checkpoint's (names the first group).
     """
+    from torch.distributed.tensor import DTensor
+
     optimizer_state = _own_settings(optimizer, optimizer_state)
+    if any(isinstance(p, DTensor) for p in module.parameters()):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(module, weights, options=StateDictOptions(full_state_dict=True))
+    else:
+        _load_weights_strictly(module, weights)
+    _load_optimizer_by_name(module, optimizer, optimizer_state)
+
+
+def _load_weights_strictly(module: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Copy ``weights`` into a plain ``module``; every entry of its state dict must be there, a
+    tied parameter under one of its names (:func:`load_full_state_as_read` raises)."""
     result, entries = module.load_state_dict(weights, strict=False), module.state_dict(keep_vars=True)
     loaded = {entries[k].data_ptr() for k in weights if k in entries}
     missing = [k for k in result.missing_keys if entries[k].data_ptr() not in loaded]
-    if missing or result.unexpected_keys:  # a tied parameter under one of its names is loaded
+    if missing or result.unexpected_keys:
         raise CheckpointError(f"the checkpoint's weights do not match this model: missing {missing[:3]}, "
                               f"unexpected {result.unexpected_keys[:3]}")
-    names = {id(p): name for name, p in module.named_parameters()}
+
+
+def _load_optimizer_by_name(module: nn.Module, optimizer: torch.optim.Optimizer, optimizer_state: dict) -> None:
+    """Give the name-keyed ``optimizer_state`` to ``optimizer.load_state_dict``, numbered in its
+    parameters' order; a moment of a DTensor parameter is cut to this rank's shard (each rank holds
+    the whole read state: no communication). Raises as :func:`load_full_state_as_read`."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    parameters = dict(module.named_parameters())
+    names = {id(p): name for name, p in parameters.items()}
     current = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
     saved = [group["params"] for group in optimizer_state["param_groups"]]
     if [sorted(g) for g in current] != [sorted(g) for g in saved]:
         group = next(i for i, (a, b) in enumerate(zip(current, saved + [[]] * len(current))) if sorted(a) != sorted(b))
         raise CheckpointError(f"the checkpoint's optimizer parameter group {group} holds other parameters than this "
                               "run's; resume it with the engine that saved it")
+
+    def as_parameter(name: str, value):
+        p = parameters[name]
+        if isinstance(p, DTensor) and isinstance(value, torch.Tensor) and value.shape == p.shape:
+            return distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
+        return value
+
     index = {name: i for i, name in enumerate(n for group in current for n in group)}
-    state = {index[name]: value for name, value in optimizer_state["state"].items() if name in index}
+    state = {index[name]: {k: as_parameter(name, v) for k, v in value.items()}
+             for name, value in optimizer_state["state"].items() if name in index}
     groups, start = [], 0
     for group, names_of_group in zip(optimizer_state["param_groups"], current):
         groups.append({**{k: v for k, v in group.items() if k != "params"},

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from memtrain.backends.base import ComputeCollectives
-from memtrain.backends.common import load_full_state_replicated, refuse_deepspeed_settings, refuse_unsharded_reshard
+from memtrain.backends.common import load_full_state_as_read, refuse_deepspeed_settings, refuse_unsharded_reshard
 from memtrain.backends.common import all_checkpoint_staged as checkpoint_staging_bytes  # noqa: F401 (registry)
 from memtrain.backends.common import fp32_export_bytes as export_bytes_per_parameter  # noqa: F401 (registry)
 from memtrain.backends.common import selective_checkpointing_works as takes_selective_checkpointing  # noqa: F401
@@ -315,7 +315,7 @@ class DDPBackend:
     def load_full_state(self, model: nn.Module, optimizer, weights, optimizer_state, directory: str) -> None:
         """Another engine's state (:meth:`memtrain.backends.base.Backend.load_full_state`) into the
         replicated module; the fp16 GradScaler, which other engines do not save, starts afresh."""
-        load_full_state_replicated(self.unwrap(model), optimizer, weights, optimizer_state)
+        load_full_state_as_read(self.unwrap(model), optimizer, weights, optimizer_state)
 
     def replicated_tensors(self, model: nn.Module):
         module = self.unwrap(model)

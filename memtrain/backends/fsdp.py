@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from memtrain.backends.base import ComputeCollectives
-from memtrain.backends.common import (OffloadTime, load_full_state, offload_advice, offload_words,
-                                      refuse_deepspeed_settings)
+from memtrain.backends.common import (OffloadTime, load_full_state, load_full_state_as_read, offload_advice,
+                                      offload_words, refuse_deepspeed_settings)
 from memtrain.backends.common import selective_checkpointing_works as takes_selective_checkpointing  # noqa: F401
 from memtrain.backends.common import whole_model_build_context as model_build_context  # noqa: F401 (registry)
 from memtrain.backends.spec import EngineVariant
@@ -353,9 +353,15 @@ class FSDPBackend:
 
     def load_full_state(self, model: nn.Module, optimizer, weights, optimizer_state, directory: str) -> None:
         """Another engine's state (:meth:`memtrain.backends.base.Backend.load_full_state`): every
-        rank keeps its shard of the whole weights and optimizer state."""
+        rank keeps its shard of the whole weights and optimizer state; without offload the read
+        moments are cut and given to the optimizer as they are (no optimizer state built first:
+        :func:`memtrain.backends.common.load_full_state_as_read`), with it through torch's
+        ``set_state_dict``."""
         self._settle()
-        load_full_state(model, optimizer, weights, optimizer_state)
+        if self.offload == "none" and self.offload_optimizer is None:
+            load_full_state_as_read(model, optimizer, weights, optimizer_state)
+        else:
+            load_full_state(model, optimizer, weights, optimizer_state)
         if self.offload_optimizer is not None and not any("master" in s for s in optimizer_state.get("state", {}).values()):
             self.offload_optimizer.masters_from_parameters()  # another engine's AdamW keeps no master
 

@@ -24,9 +24,10 @@ counts both moments on every engine; the allocations here were found by logging 
 0.4 MB or more that torch creates during a resume's load, with its caller. Not counted: a resume
 from another engine's checkpoint (the engine switch reads the whole weights and optimizer state
 on every rank, DeepSpeed's format converts through its universal checkpoint first;
-``moment_accuracy.py --switch`` measures by how much). A switch to DDP loads the read state
-into the optimizer as it is (:func:`memtrain.backends.common.load_full_state_replicated`), so on
-an accelerator its device holds no more than between steps.
+``moment_accuracy.py --switch`` measures by how much). A switch to DDP, or to FSDP2 without
+offload, gives the read moments to the optimizer as they are (cut to the rank's shards under
+FSDP2: :func:`memtrain.backends.common.load_full_state_as_read`), with no optimizer state built
+first.
 """
 
 from __future__ import annotations
