@@ -95,7 +95,8 @@ def test_one_rank_recovers_and_auto_plans_inside_the_limit(tmp_path, cache_dir, 
     the 2-rank reference), and ``micro_batch_size auto`` plans against the limit (named as the
     budget's source) and trains without running out at all: the plan's predicted peak holds
     because under a hard limit what a micro-batch frees goes back to the OS
-    (memtrain/host_allocator.py ``return_freed``; with the heap keeping it, the plan chosen ran out)."""
+    (memtrain/host_allocator.py ``return_freed``; with the heap keeping it, the plan chosen ran out);
+    the largest plan predicted to fit, given as a fixed micro-batch, trains inside the limit too."""
     records_ref, limit = reference
 
     def limited(*args):
@@ -115,3 +116,11 @@ def test_one_rank_recovers_and_auto_plans_inside_the_limit(tmp_path, cache_dir, 
     records = read_metrics(tmp_path / "auto")
     assert not [c for r in records for c in r.get("plan_changes", []) if c["event"].startswith("oom")]
     _same_training(records, records_ref)
+    # whichever plan the timing chose: the largest the plan calls fitting holds under the limit too
+    # (with the budget read before the planner's trace, 17 MiB too high here, a micro-batch of 128
+    # fitted in some runs, by up to 6 MiB, and ran out)
+    largest = max(c["micro_batch_size"] for c in plan["candidates"] if c["fits"])
+    edge = limited(*_job(tmp_path / "edge", cache_dir), "--training.micro_batch_size", str(largest))
+    assert edge.returncode == 0, edge.stderr[-3000:]
+    assert not [c for r in read_metrics(tmp_path / "edge") for c in r.get("plan_changes", [])
+                if c["event"].startswith("oom")], largest

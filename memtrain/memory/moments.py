@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+
 def parameter_element_bytes(precision: str) -> int:
     """Bytes per element of a parameter in the compute dtype of ``precision`` (``bf16``/``fp16``:
     2, else 4): what a 16-bit engine holds its parameters and gathers them in."""
