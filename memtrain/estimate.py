@@ -41,8 +41,7 @@ from memtrain.launcher import apply_accelerate_settings
 from memtrain.levers import LEVERS, first_settings, lever_choices, other_lever_words
 from memtrain.levers.activation_checkpointing import setting
 from memtrain.levers.optimizer_state import STATE_DTYPES, choose_charging_steps
-from memtrain.memory.accounting import device_state_bytes, peak_terms, state_peak_tensor_bytes
-from memtrain.memory.moments import largest_moment_bytes
+from memtrain.memory.accounting import device_state_bytes, state_peak_tensor_bytes
 from memtrain.memory.machine import (DEFAULT_GPU_FLOPS, Machine, PLAN_PROCESS_BYTES, REFERENCE_CPU_ADAM_PARAMS_PER_S,
                                      cpu_adam_params_per_s, device_flops_per_s, optimizer_params_per_s, process_bytes,
                                      run_device_budget, run_host_limit)
@@ -50,7 +49,7 @@ from memtrain.planning.placement import (Placement, allowed_pool, choose, config
                                        model_facts, nvme_usable, plan_model, planning_pool, tokens_per_sample,
                                        with_state_dtype)
 from memtrain.planning.activations import activation_tables
-from memtrain.planning.planner import Planner, estimated_plan_s, make_candidates
+from memtrain.planning.planner import Planner, estimated_plan_s, make_candidates, state_terms
 from memtrain.memory.simulated import SimulatedMemory
 from memtrain.objectives import CausalLM
 from memtrain.offload_optimizer import host_step_params_per_s
@@ -138,10 +137,8 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     cfg = with_state_dtype(cfg, run.state_dtype) if run is not None and run.state_dtype != cfg.optimizer.state_dtype else cfg
     engines, engine, state = _model_states(cfg, shape, precision, world_size)
     acts, per_rank, state_on_device = tables(engine), cfg.training.global_batch_size // world_size, device_state_bytes(state)
-    simulated = cfg.faults.memory_budget_mib > 0  # a simulated device: state + saved
-    terms, moments = (None, 0) if simulated else (peak_terms(state), largest_moment_bytes(state, device_type))
-    planner = Planner(make_candidates(per_rank, choices, state_on_device, acts, device_type, budget, terms, moments),
-                      budget)
+    terms = state_terms(state, device_type, simulated=cfg.faults.memory_budget_mib > 0)
+    planner = Planner(make_candidates(per_rank, choices, state_on_device, acts, device_type, budget, *terms), budget)
     for c in planner.candidates:
         c.predicted_step_s = estimated_plan_s(c, cfg, n, tokens, flops)
     chosen = run_plan(planner, cfg, choices)

@@ -47,13 +47,13 @@ from memtrain.config import ConfigError
 from memtrain.levers import allowed_by, describe, lever_choices, offered_choices
 from memtrain.levers.optimizer_state import (BF16_MAX_BETA2, LOSSY, STATE_DTYPES, choose_charging_steps,
                                              fastest_fitting, planner_dtypes)
-from memtrain.memory.accounting import (build_bytes, builds_on_device, device_state_bytes, peak_terms,
-                                       with_allocator_headroom)
-from memtrain.memory.moments import largest_moment_bytes
+from memtrain.memory.accounting import build_bytes, builds_on_device, device_state_bytes, peak_terms
+from memtrain.memory.moments import largest_moment_bytes, parameter_element_bytes
 from memtrain.memory.shape import ModelShape, model_shape
 from memtrain.memory.machine import Machine
 from memtrain.planning.activations import activation_tables
-from memtrain.planning.planner import Candidate, candidate_peak_bytes, estimated_plan_s, lever_cost, make_candidates
+from memtrain.planning.planner import (Candidate, candidate_peak_bytes, estimated_plan_s, lever_cost, make_candidates,
+                                      moment_fit_bytes)
 from memtrain.models import ModelSource
 from memtrain.objectives import make_objective
 
@@ -160,10 +160,9 @@ def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_s
     """Fill ``p``'s bytes and seconds for micro-batch plan ``c`` (``zero_settings``: :func:`state_bytes`)."""
     state = state_bytes(p, shape, precision, world_size, zero_settings)
     n_params = shape.parameters
-    half = precision in ("bf16", "fp16")
-    p_bytes = 2 if half else 4
+    p_bytes = parameter_element_bytes(precision)
     device = max(candidate_peak_bytes(c, device_state_bytes(state), peak_terms(state), machine.device_type),
-                 with_allocator_headroom(largest_moment_bytes(state, machine.device_type), machine.device_type))
+                 moment_fit_bytes(largest_moment_bytes(state, machine.device_type), machine.device_type))
     optimizer_on_device = state["optimizer_bytes"]
     staging = engine_module(p.engine).checkpoint_staging_bytes(
         optimizer_on_device, largest_tensor_bytes=4 * shape.largest_module // world_size, async_save=p.async_save)

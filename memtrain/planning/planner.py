@@ -168,6 +168,20 @@ def lever_combinations(choices: Mapping[str, tuple]) -> list[dict[str, Any]]:
     return [dict(zip(names, combo)) for combo in itertools.product(*(choices[n] for n in names))]
 
 
+def moment_fit_bytes(moments: int, device_type: str) -> int:
+    """The device bytes a plan must fit for the run's largest moment outside its steps
+    (``moments``: :func:`memtrain.memory.moments.largest_moment_bytes`, bytes), with the
+    allocator's headroom on ``device_type``; 0 where there is none."""
+    return with_allocator_headroom(moments, device_type) if moments else 0
+
+
+def state_terms(state: Mapping[str, int], device_type: str, simulated: bool) -> tuple[Optional[dict], int]:
+    """``(terms, moments)`` :func:`make_candidates` takes from a ``model_state_bytes`` dict: its
+    peak terms (:func:`memtrain.memory.accounting.peak_terms`) and its largest moment outside the
+    steps; ``(None, 0)`` on a simulated device, which counts state and saved bytes alone."""
+    return (None, 0) if simulated else (peak_terms(state), largest_moment_bytes(state, device_type))
+
+
 def make_candidates(per_rank_batch: int, choices: Mapping[str, tuple], state_bytes: int,
                     activation_bytes: Callable[[Plan], int], device_type: str,
                     budget_bytes: Optional[int], terms: Optional[Mapping[str, int]] = None,
@@ -205,7 +219,7 @@ def make_candidates(per_rank_batch: int, choices: Mapping[str, tuple], state_byt
                           kept_peaks=tuple(peaks[4]) if len(peaks) > 4 else (),
                           in_block_backward_bytes=peaks[5] if len(peaks) > 5 else None)
             c.predicted_peak_bytes = candidate_peak_bytes(c, state_bytes, terms or {}, device_type)
-            c.moment_bytes = with_allocator_headroom(moments, device_type) if moments else 0
+            c.moment_bytes = moment_fit_bytes(moments, device_type)
             c.fits = budget_bytes is None or c.planned_bytes <= budget_bytes
             out.append(c)
     return out
@@ -562,8 +576,7 @@ def build_planner(cfg, corpus, objective, precision: str, device: torch.device, 
     device_type = "cpu" if simulated else device.type
     acts = activation_table(cfg, corpus, objective, precision, device_type, source, engine)
     candidates = make_candidates(per_rank_batch, choices, device_state_bytes(state), acts, device_type, None,
-                                 None if simulated else peak_terms(state),
-                                 0 if simulated else largest_moment_bytes(state, device_type))
+                                 *state_terms(state, device_type, simulated))
     # read after the trace: on a CPU what the trace leaves in the process (17 MiB on the tiny GPT-2 of
     # tests/test_host_oom.py) stays for the run and is not the plan's to use
     budget, host = run_device_budget(cfg, device, state_bytes=device_state_bytes(state))  # a CPU's: the host limit
