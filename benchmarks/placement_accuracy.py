@@ -240,14 +240,14 @@ def worker(out: str) -> None:
 
     def recorded_table(*args, **kwargs):  # the run's own planning of its placement (its host check)
         rows = table(*args, **kwargs)
-        planned["host_bytes"] = rows[0].host_bytes // args[3].ranks_per_host  # (cfg, corpus, world_size, machine, ...)
+        planned["host_bytes"] = rows[0].host_bytes // args[4].ranks_per_host  # (cfg, spec, corpus, world_size, machine, ...)
         return rows
 
     def recorded_resolve(cfg, corpus, process, precision, source=None, objective=None):
         spec = resolve(cfg, corpus, process, precision, source, objective)
         view = planning.planned_view(cfg, spec)
         if planning.configured_offload(view)[0] == "none":  # the run checks no host then (every rank alike)
-            planning._plan_on_main(view, corpus, process, precision, source, objective)  # planned as it would
+            planning._plan_on_main(view, spec, corpus, process, precision, source, objective)  # planned as it would
         return spec
 
     planning.placement_table, build.resolve_placement = recorded_table, recorded_resolve

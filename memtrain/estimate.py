@@ -124,14 +124,15 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     corpus = build_corpus(cfg.data)
     shape, objective = model_facts(cfg, corpus)  # on the meta device: nothing allocated
     n = shape.parameters
-    choices = lever_choices(cfg, resolve_engine(cfg.backend, world_size, 0), model_only=True)  # engine's: state bytes
+    spec = resolve_engine(cfg.backend, world_size, 0)
+    choices = lever_choices(cfg, spec, model_only=True)  # engine's: state bytes
     budget, host_limit = ((int(gpu_memory_gib * 2**30), None) if gpu_memory_gib else
                           run_device_budget(cfg, torch.device(device_type), world_size // nodes))
     tables = activation_tables(cfg, corpus, objective, precision, device_type)
     flops = _target_flops(gpu_tflops, device_type)
     tokens = tokens_per_sample(cfg, corpus)
     adam, adam_source = _cpu_adam_rate(cpu_adam_params_per_s, gpu_memory_gib is not None or host_memory_gib is not None)
-    machine, placements = _placements(cfg, shape, n, precision, world_size, device_type, budget, flops, tables, tokens,
+    machine, placements = _placements(cfg, spec, shape, n, precision, world_size, device_type, budget, flops, tables, tokens,
                                       host_memory_gib, nvme_path, gpu_memory_gib is not None, adam, nodes)
     run = next((p for p in placements if p.chosen), None)  # its optimizer state dtype, where the planner chose it
     cfg = with_state_dtype(cfg, run.state_dtype) if run is not None and run.state_dtype != cfg.optimizer.state_dtype else cfg
@@ -229,12 +230,12 @@ def _activation_bytes_by_ac(acts, choices: dict, micro: int, per_rank: int) -> d
     return {ac: acts.peaks(plan) for ac, plan in plans.items()}
 
 
-def _placements(cfg, shape, n: int, precision: str, world_size: int, device_type: str, budget, flops: float,
+def _placements(cfg, spec, shape, n: int, precision: str, world_size: int, device_type: str, budget, flops: float,
                 tables, tokens: int, host_memory_gib: Optional[float], nvme_path: Optional[str], gpu_given: bool,
                 cpu_adam: Optional[float] = None, nodes: int = 1):
     """The placement table (:mod:`memtrain.planning.placement`) of :func:`plan_report`: every placement of
     :func:`memtrain.planning.placement.planning_pool` (and the config's own, when it names one the
-    pool lacks), the one the run will use marked ``chosen``: the fastest fitting under
+    pool lacks; ``spec`` the engine as configured), the one the run will use marked ``chosen``: the fastest fitting under
     ``backend.offload auto``, else the config's (fitting or not). A GPU given without its host's memory
     (``gpu_given``, no ``host_memory_gib`` here or in the config) plans an unbounded host: each
     placement shows the host memory it needs. ``cpu_adam``: the target's CPU Adam rate (None:
@@ -256,7 +257,7 @@ def _placements(cfg, shape, n: int, precision: str, world_size: int, device_type
     own = allowed_pool(cfg, nvme_usable(nvme_path))
     names = {p.name for p in pool if not p.tune_ratio}  # a tuned row's name changes with the ratio it takes
     extra = [p for p in own if p.name not in names and not p.tune_ratio]  # auto: own is the pool
-    table = plan_model(cfg, tables, shape, tokens, world_size, machine, precision, pool + extra)
+    table = plan_model(cfg, spec, tables, shape, tokens, world_size, machine, precision, pool + extra)
     if cfg.backend.offload != "auto":  # the run takes the config's placement (the dtype it chooses), whatever is faster
         own_names = {p.name for p in own}
         rows = [p for p in table if any(p is q for q in extra) or (p.name in own_names and not p.tune_ratio)]

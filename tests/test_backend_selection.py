@@ -49,6 +49,36 @@ def test_a_zero_stage_under_auto_is_deepspeed_and_refused_under_an_fsdp_launcher
         _validate_values(cfg)
 
 
+
+def test_the_spec_folds_the_deepspeed_json_in_and_the_engine_builds_what_it_says(tmp_path):
+    """The user's DeepSpeed JSON is read once (``configured_engine``) and its stage, offload and
+    partial-offload ratio become the spec's fields: no field means "whatever the JSON says", and the
+    DeepSpeed config the engine builds from the spec's JSON holds the same values. The config's own
+    settings win; the spec's JSON stays out of ``summary.json`` and the manifests (``as_dict``)."""
+    from memtrain.backends.spec import configured_engine, resolve_engine
+    from memtrain.config import parse_args
+
+    path = tmp_path / "partial.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": 1000,
+                                                      "offload_optimizer": {"device": "cpu", "ratio": 0.25}}}))
+    cfg = parse_args(["--config", str(REPO / "recipes" / "code_lm_tiny.yaml"), "--backend.deepspeed_config", str(path)])
+    spec = resolve_engine(cfg.backend, world_size=2, rank=1)
+    assert (spec.name, spec.zero_stage, spec.offload, spec.offload_optimizer_ratio) == ("deepspeed", 3, "optimizer", 0.25)
+    assert configured_engine(cfg.backend).zero_settings == {"reduce_bucket_size": 1000}
+    assert "deepspeed_json" not in spec.as_dict() and json.dumps(spec.as_dict())
+    built = build_ds_config(dict(spec.deepspeed_json), str(path), **{**PLAN, "zero_stage": spec.zero_stage,
+                            "offload": spec.offload, "offload_optimizer_ratio": spec.offload_optimizer_ratio})
+    assert built["zero_optimization"]["stage"] == 3 and built["zero_optimization"]["offload_optimizer"]["ratio"] == 0.25
+    # the config's own settings win over the JSON's; without a JSON DeepSpeed builds stage 2 and no offload
+    own = parse_args(["--config", str(REPO / "recipes" / "code_lm_tiny.yaml"), "--backend.deepspeed_config", str(path),
+                      "--backend.offload_optimizer_ratio", "0.5"])
+    assert resolve_engine(own.backend, 2, 0).offload_optimizer_ratio == 0.5
+    bare = parse_args(["--config", str(REPO / "recipes" / "code_lm_tiny.yaml"), "--backend.name", "deepspeed"])
+    bare_spec = resolve_engine(bare.backend, 2, 0)
+    assert (bare_spec.zero_stage, bare_spec.offload, dict(bare_spec.deepspeed_json)) == (2, "none", {})
+    ddp = resolve_engine(parse_args(["--config", str(REPO / "recipes" / "code_lm_tiny.yaml")]).backend, 2, 0)
+    assert (ddp.name, ddp.zero_stage, ddp.offload) == ("ddp", None, "none")
+
 def test_auto_values_are_filled_from_memtrain():
     with open("ds_configs/zero3_offload.json") as fh:
         user = json.load(fh)

@@ -825,9 +825,10 @@ def test_the_plan_counts_the_zero_buffer_sizes_a_users_deepspeed_json_sets(tmp_p
     largest parameters are partitioned and the plan counts less than the whole model."""
     import json
 
+    from memtrain.backends.spec import user_zero_settings
     from memtrain.config import parse_args
     from memtrain.data import build_corpus
-    from memtrain.planning.placement import configured_state_bytes, model_facts, state_bytes, user_zero_settings
+    from memtrain.planning.placement import configured_state_bytes, model_facts, state_bytes
 
     path = tmp_path / "zero3.json"
     path.write_text(json.dumps({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
@@ -843,6 +844,7 @@ def test_the_plan_counts_the_zero_buffer_sizes_a_users_deepspeed_json_sets(tmp_p
     assert configured_state_bytes(persistent, shape, "fp32", 2)["parameter_bytes"] >= whole
     row = Placement("deepspeed", 3, "none")
     assert state_bytes(row, shape, "fp32", 2, user_zero_settings(persistent))["parameter_bytes"] >= whole
+    from memtrain.backends.spec import resolve_engine
     from memtrain.planning.placement import allowed_pool, placement_table
 
     # the placement table too: a JSON that gathers no more than the module being run (no prefetch,
@@ -852,13 +854,38 @@ def test_the_plan_counts_the_zero_buffer_sizes_a_users_deepspeed_json_sets(tmp_p
                                                         "stage3_max_reuse_distance": 0}}))
     gathering = parse_args(base + ["--backend.deepspeed_config", str(narrow)])
     corpus = build_corpus(plain.data)
-    planned = {name: placement_table(cfg, corpus, 2, machine(), "fp32", allowed_pool(cfg, False))[0]
+    planned = {name: placement_table(cfg, resolve_engine(cfg.backend, 2, 0), corpus, 2, machine(), "fp32",
+                                     allowed_pool(cfg, False))[0]
                for name, cfg in (("plain", plain), ("narrow", gathering))}
     assert planned["narrow"].device_bytes <= planned["plain"].device_bytes
     gathered = {name: state_bytes(row, shape, "fp32", 2, user_zero_settings(cfg))["block_buffer_bytes"]
                 for name, cfg in (("plain", plain), ("narrow", gathering))}
     assert 0 < gathered["narrow"] < gathered["plain"]
 
+
+
+def test_a_stage_a_users_deepspeed_json_sets_is_the_stage_planned(tmp_path):
+    """A DeepSpeed JSON that sets ZeRO-3 without ``backend.zero_stage`` is planned as ZeRO-3, the
+    stage the engine builds: the same model-state bytes as ``--backend.zero_stage 3`` (it was planned
+    as ZeRO-2, the accounting's default for an unset stage, which at a small micro-batch is below
+    what ZeRO-3 holds). Its offload and ratio are the JSON's too."""
+    from memtrain.config import parse_args
+    from memtrain.planning.placement import allowed_pool, configured_state_bytes
+
+    path = tmp_path / "zero3.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}))
+    base = ["--config", str(REPO / "recipes" / "code_lm_tiny.yaml")]
+    from_json = parse_args(base + ["--backend.deepspeed_config", str(path)])
+    from_flags = parse_args(base + ["--backend.name", "deepspeed", "--backend.zero_stage", "3", "--backend.offload",
+                                    "optimizer", "--backend.offload_optimizer_ratio", "0.5"])
+    shape = ModelShape(2_000_000, largest_block=400_000, largest_module=200_000, root=400_000,
+                       numels=(200_000,) * 9 + (1_000,) * 200)
+    assert configured_state_bytes(from_json, shape, "fp32", 2) == configured_state_bytes(from_flags, shape, "fp32", 2)
+    assert configured_state_bytes(from_json, shape, "fp32", 2) != configured_state_bytes(
+        parse_args(base + ["--backend.name", "deepspeed", "--backend.zero_stage", "2", "--backend.offload", "optimizer"]),
+        shape, "fp32", 2)
+    (row,) = {(p.engine, p.zero_stage, p.offload, p.offload_optimizer_ratio) for p in allowed_pool(from_json, False)}
+    assert row == ("deepspeed", 3, "optimizer", 0.5)
 
 def test_the_plan_fits_the_resume_and_export_moments_beside_its_steps():
     """A plan that fits its steps must fit its resume and its export (:mod:`memtrain.memory.moments`):

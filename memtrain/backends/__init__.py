@@ -18,7 +18,6 @@ from types import ModuleType
 from typing import Mapping, Optional
 
 from memtrain.backends.base import Backend
-from memtrain.backends.ds_config import get_path, read_user_json, zero_buffer_settings
 from memtrain.backends.engine import check_engine
 from memtrain.engine_names import ENGINES
 from memtrain.memory.shape import ModelShape
@@ -142,11 +141,3 @@ def model_build_context(cfg, spec, precision: str, world_size: int, python_funct
     already partitioned; else none)."""
     return engine_module(spec.name).model_build_context(cfg, spec, precision, world_size, python_function)
 
-
-def user_zero_settings(cfg) -> dict[str, int]:
-    """The ``zero_optimization`` buffer sizes and in-place flags the run's DeepSpeed JSON sets
-    (:func:`memtrain.backends.ds_config.zero_buffer_settings`; {} without one, or on another
-    engine), counted by the plan as the engine counts them."""
-    if not engine_module(engine_name(cfg.backend)).READS_DEEPSPEED_CONFIG:
-        return {}
-    return zero_buffer_settings(get_path(read_user_json(cfg.backend.deepspeed_config), "zero_optimization") or {})

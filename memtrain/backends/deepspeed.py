@@ -14,6 +14,7 @@ AdamW memtrain builds, its ``scheduler`` section the schedule :mod:`memtrain.opt
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 from typing import Callable, Mapping, Optional
@@ -25,8 +26,8 @@ from memtrain.backends import ds_partial_offload
 from memtrain.backends.base import ComputeCollectives
 from memtrain.backends.common import OffloadTime, offload_advice, offload_words, refuse_unsharded_reshard
 from memtrain.backends.common import fp32_export_bytes as export_bytes_per_parameter  # noqa: F401 (registry)
-from memtrain.backends.ds_config import (OFFLOAD_DEVICES, ZERO_IN_PLACE_KEYS, build_ds_config, get_path, read_user_json,
-                                        resolve_zero_stage, zero_buffer_settings)
+from memtrain.backends.ds_config import (OFFLOAD_DEVICES, ZERO_IN_PLACE_KEYS, build_ds_config, get_path,
+                                        zero_buffer_settings)
 from memtrain.backends.ds_zero_init import model_build_context  # noqa: F401 (registry)
 from memtrain.backends.op_locks import clear_stale_locks
 from memtrain.backends.spec import EngineVariant
@@ -87,9 +88,9 @@ def checkpoint_staging_bytes(optimizer_bytes: int, **save) -> int:
 
 def takes_selective_checkpointing(spec) -> bool:
     """Whether torch's selective activation checkpointing works under engine ``spec``: not under
-    ZeRO-3 (its stage given, or its DeepSpeed JSON's), whose parameter gathers inside a block
-    differ between the forward and the recompute."""
-    return resolve_zero_stage(spec.zero_stage, read_user_json(spec.deepspeed_config)) != 3
+    ZeRO-3 (``spec.zero_stage``: the config's, the placement's or the DeepSpeed JSON's), whose
+    parameter gathers inside a block differ between the forward and the recompute."""
+    return spec.zero_stage != 3
 
 
 def state_bytes(n_params: int, precision: str, *, zero_stage: Optional[int], offload: str, world_size: int,
@@ -151,8 +152,9 @@ class DeepSpeedBackend:
     Args:
         process: the process state (its group is started here when plain ``python`` has none).
         precision: resolved ``bf16|fp16|fp32``; precision_requested: the ``precision`` setting.
-        ds_config_path: the user's DeepSpeed JSON, or None.
-        zero_stage, offload: None = from the JSON (defaults 2, none).
+        ds_config_path: the user's DeepSpeed JSON's path, or None (named in errors).
+        user_json: that JSON as read (:attr:`memtrain.backends.spec.EngineSpec.deepspeed_json`; None or {}: none).
+        zero_stage, offload: the spec's (the JSON's folded in); None = from the JSON (defaults 2, none).
         offload_optimizer_ratio: ZeRO-3 partial offload (:mod:`memtrain.backends.ds_partial_offload`).
         nvme_path: offload to NVMe files in this folder (DeepSpeed's async_io op is needed).
         global_batch_size, max_grad_norm: from ``training``.
@@ -168,13 +170,14 @@ class DeepSpeedBackend:
     _TAG = checkpoint_format.TAG
 
     def __init__(self, process: ProcessState, precision: str, precision_requested: str, ds_config_path: Optional[str],
+                 user_json: Optional[dict],
                  zero_stage: Optional[int], offload: Optional[str], global_batch_size: int, max_grad_norm: float,
                  plan, training=None, offload_optimizer_ratio: float = 1.0, nvme_path: Optional[str] = None):
         self.process = process
         self.world_size = process.world_size
         self.device = process.device
         process.ensure_group()  # plain `python`: a one-rank group (and the variables DeepSpeed reads)
-        user = read_user_json(ds_config_path) if ds_config_path else None
+        user = copy.deepcopy(dict(user_json)) if user_json else None
         self.ds_config = build_ds_config(
             user, ds_config_path or "the DeepSpeed config", global_batch_size=global_batch_size,
             micro_batch_size=plan.micro_batch_size, gradient_accumulation_steps=plan.gradient_accumulation_steps,
@@ -542,6 +545,7 @@ def build(cfg, spec, process: ProcessState, precision: str, plan) -> DeepSpeedBa
     """
     t = cfg.training
     return DeepSpeedBackend(process, precision, cfg.precision, ds_config_path=spec.deepspeed_config,
+                            user_json=spec.deepspeed_json,
                             zero_stage=spec.zero_stage, offload=spec.offload,
                             global_batch_size=t.global_batch_size, max_grad_norm=t.max_grad_norm, plan=plan,
                             training=t, offload_optimizer_ratio=spec.offload_optimizer_ratio, nvme_path=spec.nvme_path)

@@ -9,14 +9,6 @@ from __future__ import annotations
 
 import contextlib
 
-from memtrain.backends.ds_config import read_user_json, resolve_zero_stage
-
-
-def _zero_stage_and_json(spec) -> tuple[int, dict]:
-    """(ZeRO stage, the user's JSON or {}) as :func:`build` will resolve them."""
-    user = read_user_json(spec.deepspeed_config)
-    return resolve_zero_stage(spec.zero_stage, user), user
-
 
 @contextlib.contextmanager
 def model_build_context(cfg, spec, precision: str, world_size: int, python_function: bool = False):
@@ -27,7 +19,7 @@ def model_build_context(cfg, spec, precision: str, world_size: int, python_funct
     function runs inside ``deepspeed.zero.Init``, which partitions each submodule's parameters as
     soon as it is built (every rank builds the same values from the same seed, then keeps its
     part). Otherwise nothing changes."""
-    stage, user = _zero_stage_and_json(spec) if cfg.model.pretrained or python_function else (0, {})
+    stage, user = (spec.zero_stage, spec.deepspeed_json) if cfg.model.pretrained or python_function else (0, {})
     if stage != 3:
         yield
         return

@@ -390,7 +390,7 @@ def build(cfg, spec, process: ProcessState, precision: str, plan) -> FSDPBackend
         ValueError: fp16.
     """
     return FSDPBackend(process, precision, reshard_after_forward=spec.reshard_after_forward,
-                       offload=spec.offload or "none",
+                       offload=spec.offload,
                        optimizer_state_dtype=plan.settings().get("optimizer_state_dtype", "fp32"),
                        offload_optimizer_ratio=spec.offload_optimizer_ratio,
                        host_step_overlap=(cfg.backend.host_step_overlap if cfg.backend.host_step_overlap is not None

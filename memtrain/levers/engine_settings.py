@@ -8,7 +8,6 @@ device; the placement planner chooses the ratio under ``backend.offload auto``."
 from __future__ import annotations
 
 from memtrain.backends import engine_module
-from memtrain.backends.ds_config import offload_in_json, read_user_json
 from memtrain.levers.base import Lever
 
 
@@ -58,9 +57,5 @@ class OffloadOptimizerRatio(EngineSetting):
 
 
 def _offload(cfg, spec) -> tuple[str, float]:
-    """``(offload, ratio)`` of the engine: the spec's, else its DeepSpeed JSON's."""
-    if spec.offload is not None:
-        return spec.offload, float(spec.offload_optimizer_ratio)
-
-    offload, ratio, _ = offload_in_json(read_user_json(spec.deepspeed_config))
-    return offload, float(spec.offload_optimizer_ratio if spec.offload_optimizer_ratio != 1.0 else ratio)
+    """``(offload, ratio)`` of the engine ``spec`` (its DeepSpeed JSON's folded in: :func:`memtrain.backends.spec.resolve_engine`)."""
+    return spec.offload, float(spec.offload_optimizer_ratio)

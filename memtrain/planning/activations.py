@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from memtrain.activation_offload import moved_bytes
-from memtrain.backends import engine_module, engine_name, user_zero_settings
+from memtrain.backends import engine_module, engine_name
+from memtrain.backends.spec import user_zero_settings
 from memtrain.levers import LeverTarget, apply_levers, lever
 from memtrain.levers.activation_checkpointing import setting as ac_setting
 from memtrain.memory import step_trace

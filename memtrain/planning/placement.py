@@ -38,11 +38,9 @@ import dataclasses
 import os
 from typing import Optional
 
-from memtrain.backends import (BACKENDS, DEFAULT_ENGINE, engine_module, engine_name, engine_variants, model_state_bytes,
-                               user_zero_settings)
+from memtrain.backends import BACKENDS, DEFAULT_ENGINE, engine_module, engine_variants, model_state_bytes
 from memtrain.backends.deepspeed import async_io_available
-from memtrain.backends.ds_config import get_path, offload_in_json, read_user_json, resolve_zero_stage
-from memtrain.backends.spec import resolve_engine
+from memtrain.backends.spec import configured_engine, user_zero_settings
 from memtrain.config import ConfigError
 from memtrain.levers import allowed_by, describe, lever_choices, offered_choices
 from memtrain.levers.optimizer_state import (BF16_MAX_BETA2, LOSSY, STATE_DTYPES, choose_charging_steps,
@@ -349,12 +347,14 @@ def model_facts(cfg, corpus, source=None, objective=None) -> tuple[ModelShape, o
     return model_shape(meta), objective or make_objective(meta, corpus)
 
 
-def plan_model(cfg, activation_tables, shape: ModelShape, tokens: int, world_size: int,
+def plan_model(cfg, spec, activation_tables, shape: ModelShape, tokens: int, world_size: int,
                machine: Machine, precision: str, pool: list[Placement], choices: Optional[dict] = None) -> list[Placement]:
     """:func:`plan_placements` over the micro-batch plans of ``cfg`` (a numeric
     ``training.micro_batch_size`` is kept; ``auto`` lets each placement take its best).
 
     Args:
+        spec: the run's :class:`memtrain.backends.spec.EngineSpec` as configured; each placement
+            is planned with its own engine and stage over it (:meth:`~memtrain.backends.spec.EngineSpec.with_placement`).
         activation_tables: ``engine -> plan -> bytes`` (:func:`memtrain.planning.activations.activation_tables`).
         shape: the model's element counts (:func:`memtrain.memory.shape.model_shape`).
         tokens: tokens per sample (:func:`tokens_per_sample`).
@@ -364,8 +364,8 @@ def plan_model(cfg, activation_tables, shape: ModelShape, tokens: int, world_siz
     by_table: dict[tuple, list[Candidate]] = {}
 
     def candidates(p: Placement) -> list[Candidate]:  # the model levers as its engine takes them
-        spec = resolve_engine(cfg.backend, world_size, 0, placement={"name": p.engine, "zero_stage": p.zero_stage})
-        table, options = activation_tables(p.engine), allowed_by(choices, cfg, spec)
+        options = allowed_by(choices, cfg, spec.with_placement({"name": p.engine, "zero_stage": p.zero_stage}))
+        table = activation_tables(p.engine)
         key = (id(table), tuple(options.items()))
         if key not in by_table:
             plans = micro_batch_candidates(cfg, t.global_batch_size // world_size, table, shape.parameters, tokens,
@@ -376,10 +376,10 @@ def plan_model(cfg, activation_tables, shape: ModelShape, tokens: int, world_siz
     return plan_placements(candidates, pool, shape, precision, world_size, machine, user_zero_settings(cfg))
 
 
-def placement_table(cfg, corpus, world_size: int, machine: Machine, precision: str,
+def placement_table(cfg, spec, corpus, world_size: int, machine: Machine, precision: str,
                     pool: list[Placement], source=None, objective=None) -> list[Placement]:
     """Plan ``pool`` for ``cfg``'s model (or ``source``'s, with ``objective``: :func:`model_facts`;
-    :func:`plan_model`), tracing it with fake tensors.
+    :func:`plan_model`, ``spec`` the engine as configured), tracing it with fake tensors.
 
     Raises:
         RuntimeError, NotImplementedError: the model cannot be traced with fake tensors.
@@ -387,7 +387,7 @@ def placement_table(cfg, corpus, world_size: int, machine: Machine, precision: s
     user_objective = objective
     shape, objective = model_facts(cfg, corpus, source, objective)
     tables = activation_tables(cfg, corpus, objective, precision, machine.device_type, source)
-    return plan_model(cfg, tables, shape, tokens_per_sample(cfg, corpus), world_size, machine, precision, pool,
+    return plan_model(cfg, spec, tables, shape, tokens_per_sample(cfg, corpus), world_size, machine, precision, pool,
                       offered_choices(cfg, None, source, user_objective))
 
 
@@ -400,17 +400,14 @@ def planning_pool(cfg, nvme: bool) -> list[Placement]:
         memtrain.config.ConfigError: ``backend.offload auto`` with a DeepSpeed JSON that sets an
             offload of its own (two answers to one question).
     """
-    b = cfg.backend
-    engine = engine_name(b)
-    user = read_user_json(b.deepspeed_config) if engine_module(engine).READS_DEEPSPEED_CONFIG else {}
-    if b.offload == "auto" and offload_in_json(user)[0] != "none":
+    b, configured = cfg.backend, configured_engine(cfg.backend)
+    engine, stage = configured.name, configured.zero_stage
+    if b.offload == "auto" and configured.json_offload != "none":
         raise ConfigError("backend.offload", f"auto, but {b.deepspeed_config} sets an offload of its own: drop one")
     engines = (engine,) if b.name != "auto" or engine != DEFAULT_ENGINE else BACKENDS  # auto with no launcher's: all
     dtype = cfg.optimizer.state_dtype
     if dtype in LOSSY:  # DeepSpeed keeps fp32 optimizer partitions (memtrain/levers/optimizer_state.py)
         engines = tuple(e for e in engines if engine_module(e).LOSSY_OPTIMIZER_STATE)
-    json_stage = get_path(user, "zero_optimization.stage")
-    stage = b.zero_stage if b.zero_stage is not None else json_stage if json_stage in (1, 2, 3) else None
     pool = []
     for d in dict.fromkeys(d for e in engines for d in planner_dtypes(cfg, e)):  # the least lossy first: it wins ties
         pool += variants(tuple(e for e in engines if d in planner_dtypes(cfg, e)), (stage,) if stage else (1, 2, 3),
@@ -424,28 +421,20 @@ def allowed_pool(cfg, nvme: bool) -> list[Placement]:
     """The placements a run may take: under ``backend.offload auto`` :func:`planning_pool`,
     otherwise the one placement the config (and its DeepSpeed JSON) names, in each optimizer
     state dtype the planner may choose (:func:`memtrain.levers.optimizer_state.planner_dtypes`)."""
-    b = cfg.backend
-    if b.offload == "auto":
+    if cfg.backend.offload == "auto":
         return planning_pool(cfg, nvme)
-    engine = engine_name(b)
+    configured = configured_engine(cfg.backend)
     offload, ratio, on_nvme = configured_offload(cfg)
-    stage = (resolve_zero_stage(b.zero_stage, read_user_json(b.deepspeed_config))
-             if engine_module(engine).READS_DEEPSPEED_CONFIG else None)
-    return [Placement(engine, stage, offload, ratio, nvme=on_nvme, state_dtype=d, deferred_reduction=cfg.memory.oom_recovery,
-                      async_save=cfg.checkpoint.async_save)
-            for d in planner_dtypes(cfg, engine)]
+    return [Placement(configured.name, configured.built_zero_stage, offload, ratio, nvme=on_nvme, state_dtype=d,
+                      deferred_reduction=cfg.memory.oom_recovery, async_save=cfg.checkpoint.async_save)
+            for d in planner_dtypes(cfg, configured.name)]
 
 
 def configured_offload(cfg) -> tuple[str, float, bool]:
     """``(offload, optimizer fraction on the host, NVMe)`` a run will use: ``backend.*``, else its
-    DeepSpeed JSON's (:func:`memtrain.backends.ds_config.offload_in_json`)."""
-    b = cfg.backend
-    json_offload, json_ratio, json_nvme = ("none", 1.0, False)
-    if engine_module(engine_name(b)).READS_DEEPSPEED_CONFIG:
-        json_offload, json_ratio, json_nvme = offload_in_json(read_user_json(b.deepspeed_config))
-    offload = b.offload if b.offload is not None else json_offload
-    ratio = b.offload_optimizer_ratio if b.offload_optimizer_ratio != 1.0 else json_ratio
-    return offload, ratio, bool(b.nvme_path) or json_nvme
+    DeepSpeed JSON's (:func:`memtrain.backends.spec.configured_engine`)."""
+    c = configured_engine(cfg.backend)
+    return c.offload, c.offload_optimizer_ratio, c.offload_device == "nvme"
 
 
 def configured_state_bytes(cfg, shape: ModelShape, precision: str, world_size: int,
@@ -453,12 +442,11 @@ def configured_state_bytes(cfg, shape: ModelShape, precision: str, world_size: i
     """The model-state bytes per rank (:func:`memtrain.backends.model_state_bytes`) of the engine
     and placement ``cfg`` configures (:func:`configured_offload`), moments in ``state_dtype``
     (None: ``optimizer.state_dtype``)."""
-    b = cfg.backend
-    offload, ratio, on_nvme = configured_offload(cfg)
-    return model_state_bytes(engine_name(b), shape.parameters, precision, b.zero_stage, offload or "none", world_size,
-                             offload_optimizer_ratio=ratio, offload_device="nvme" if on_nvme else "cpu", shape=shape,
-                             state_dtype=state_dtype or cfg.optimizer.state_dtype,
-                             deferred_reduction=cfg.memory.oom_recovery, zero_settings=user_zero_settings(cfg))
+    c = configured_engine(cfg.backend)
+    return model_state_bytes(c.name, shape.parameters, precision, c.built_zero_stage, c.offload, world_size,
+                             offload_optimizer_ratio=c.offload_optimizer_ratio, offload_device=c.offload_device,
+                             shape=shape, state_dtype=state_dtype or cfg.optimizer.state_dtype,
+                             deferred_reduction=cfg.memory.oom_recovery, zero_settings=c.zero_settings)
 
 
 def with_state_dtype(cfg, dtype: str):

@@ -59,7 +59,8 @@ def resolve(cfg, corpus, process, precision: str, source=None, objective=None):
             holds the numbers.
     """
     kept = resume_placement(cfg) if cfg.backend.offload == "auto" else None
-    spec = resolve_engine(cfg.backend, process.world_size, process.rank, kept)
+    configured = resolve_engine(cfg.backend, process.world_size, process.rank)
+    spec = configured.with_placement(kept) if kept is not None else configured
     if kept is not None and process.is_main:
         log_placement(None, "kept from the checkpoint", spec)
     view = planned_view(cfg, spec) if kept is not None else cfg
@@ -72,7 +73,7 @@ def resolve(cfg, corpus, process, precision: str, source=None, objective=None):
         view = with_state_dtype(view, spec.optimizer_state_dtype or cfg.optimizer.state_dtype)
     if view.backend.offload != "auto" and configured_offload(view)[0] == "none" and not choose_dtype:
         return spec
-    answer = _plan_on_main(view, corpus, process, precision, source, objective)
+    answer = _plan_on_main(view, spec, corpus, process, precision, source, objective)
     if answer is None:
         return spec
     answer, host_budget = answer["table"], answer["host_bytes"]
@@ -82,7 +83,7 @@ def resolve(cfg, corpus, process, precision: str, source=None, objective=None):
     if chosen is None:
         raise ConfigError("backend.offload", "auto: no placement fits this model in the device and host memory "
                           "(memory.host_memory_gib, or backend.nvme_path for NVMe offload):\n" + format_placements(answer))
-    spec = resolve_engine(cfg.backend, process.world_size, process.rank, {
+    spec = configured.with_placement({
         "name": chosen.engine, "zero_stage": chosen.zero_stage, "offload": chosen.offload,
         "offload_optimizer_ratio": chosen.offload_optimizer_ratio,
         "nvme_path": cfg.backend.nvme_path if chosen.nvme else None,
@@ -147,8 +148,8 @@ def planned_view(cfg, spec):
     return dataclasses.replace(cfg, backend=backend_view(cfg.backend, spec))
 
 
-def _plan_on_main(cfg, corpus, process, precision: str, source=None, objective=None) -> Optional[dict]:
-    """Rank 0's placement table for ``cfg`` (``{"table", "host_bytes"}``), broadcast to every rank;
+def _plan_on_main(cfg, spec, corpus, process, precision: str, source=None, objective=None) -> Optional[dict]:
+    """Rank 0's placement table for ``cfg`` and its engine ``spec`` (``{"table", "host_bytes"}``), broadcast to every rank;
     None when the model cannot be traced and the placement is the user's (only warned about).
 
     Raises:
@@ -159,7 +160,7 @@ def _plan_on_main(cfg, corpus, process, precision: str, source=None, objective=N
         try:
             machine = run_machine(cfg, process.device, process.world_size)
             pool = allowed_pool(cfg, nvme_usable(b.nvme_path))
-            table = placement_table(cfg, corpus, process.world_size, machine, precision, pool, source, objective)
+            table = placement_table(cfg, spec, corpus, process.world_size, machine, precision, pool, source, objective)
             answer = {"table": table, "host_bytes": machine.host_bytes}
         except ConfigError as exc:
             answer = (exc.field, str(exc).split(": ", 1)[1])
@@ -196,7 +197,7 @@ def _gib(n: int) -> str:
 
 def log_placement(p: Optional[Placement], how: str, spec) -> None:
     """One line on the placement a run trains with."""
-    what = p.name if p is not None else Placement(spec.name, spec.zero_stage, spec.offload or "none",
+    what = p.name if p is not None else Placement(spec.name, spec.zero_stage, spec.offload,
                                                    spec.offload_optimizer_ratio, bool(spec.nvme_path),
                                                    state_dtype=spec.optimizer_state_dtype or "fp32").name
     detail = (f" (predicted: device {_gib(p.device_bytes)} GiB per rank, host {_gib(p.host_bytes)} GiB, "
