@@ -39,7 +39,7 @@ def _model(vocab: int, layers: int, width: int, seq: int, chunked: bool):
                      eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     model = GPT2LMHeadModel(cfg).float()
     if chunked:
-        from memtrain.chunked_loss import install_chunked_head
+        from memtrain.levers.chunked_cross_entropy import install_chunked_head
 
         install_chunked_head(model)
     return model, CausalLM(chunked=chunked)
@@ -65,7 +65,7 @@ def loss_only_bytes(model, objective, batch) -> int:
     hidden.requires_grad_(True)
     head = model.lm_head
     if objective.chunked:
-        from memtrain.chunked_loss import chunked_cross_entropy_sum
+        from memtrain.levers.chunked_cross_entropy import chunked_cross_entropy_sum
 
         return saved_bytes(lambda: chunked_cross_entropy_sum(hidden, head.weight, head.bias, batch["labels"]),
                            model.parameters())

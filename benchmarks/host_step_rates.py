@@ -9,7 +9,7 @@ alike); a method's time is the best of 3 steps after one untimed step, its CPU s
 process's user + system time over those 3 steps) beside the wall seconds:
 
 - ``offload_host_step``: FSDP2's optimizer offload's own host step
-  (:func:`memtrain.offload_optimizer.host_step_params_per_s`: the bf16 gradient read, the fp32
+  (:func:`memtrain.backends.optimizer_offload.host_step_params_per_s`: the bf16 gradient read, the fp32
   AdamW update, the bf16 value written back) — what the placement planner charges a run here;
 - ``torch_adamw_fused``, ``torch_adamw_foreach``: torch's AdamW on fp32 parameters and gradients
   (the fused CPU kernel, and the multi-tensor one);
@@ -37,7 +37,7 @@ import torch  # noqa: E402
 from common import emit, spread  # noqa: E402
 
 from memtrain.memory.machine import REFERENCE_CPU_ADAM_PARAMS_PER_S, cpu_adam_built  # noqa: E402
-from memtrain.offload_optimizer import host_step_params_per_s  # noqa: E402
+from memtrain.backends.optimizer_offload import host_step_params_per_s  # noqa: E402
 
 
 def _timed_steps(step: Callable[[], None]) -> tuple[float, float]:

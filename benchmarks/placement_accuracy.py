@@ -136,7 +136,7 @@ def _walk(obj, path: str, found: dict, seen: dict, depth: int = 0) -> None:
         for v in obj:
             _walk(v, f"{path}[]", found, seen, depth + 1)
     elif (hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module)
-          and type(obj).__module__.startswith(("deepspeed", "torch.optim", "memtrain.offload_optimizer"))):
+          and type(obj).__module__.startswith(("deepspeed", "torch.optim", "memtrain.backends.optimizer_offload"))):
         for k, v in list(vars(obj).items()):
             _walk(v, f"{path}.{k}", found, seen, depth + 1)
 

@@ -42,7 +42,7 @@ from common import CPU_ARGS, ENGINES, emit, run_cli, run_memtrain, scratch_dir, 
 
 NO_OFFLOAD = ["--memory.activation_offload", "off"]
 """The solver's goals are measured without the activation-offload lever: on a CPU its copies are
-charged at a stated bandwidth, not timed (memtrain/activation_offload.py)."""
+charged at a stated bandwidth, not timed (memtrain/levers/activation_offload.py)."""
 MODES = {"off": ["--memory.levers", "off"], "auto": ["--memory.levers", "auto", *NO_OFFLOAD]}
 OFFLOAD_MODE = {"auto_offload": ["--memory.levers", "auto", "--memory.activation_offload", "auto"]}
 """``memory.levers auto`` that may also offload activations (reported beside, not in the goals)."""

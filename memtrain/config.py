@@ -194,7 +194,7 @@ class BackendConfig:
     """Move optimizer state (and parameters) to host memory: DeepSpeed ZeRO offload; under FSDP2
     ``optimizer`` is memtrain's optimizer offload (parameters and gradients stay sharded on the
     device in the compute dtype, the fp32 master weights and Adam moments move, stepped on the CPU
-    beside the next forward: memtrain/offload_optimizer.py) and ``optimizer_and_params`` torch's
+    beside the next forward: memtrain/backends/optimizer_offload.py) and ``optimizer_and_params`` torch's
     CPUOffloadPolicy (everything on the host). auto = the placement
     planner chooses ZeRO stage, what is offloaded and ``offload_optimizer_ratio`` for this model,
     the device memory and ``memory.host_memory_gib`` (memtrain/planning/placement.py; DeepSpeed, or FSDP2
@@ -272,10 +272,10 @@ class MemoryConfig:
     chunked_cross_entropy: bool = False
     """Language models: the output layer computes the cross-entropy a chunk of tokens at a time,
     recomputing each chunk's logits in backward, so the [tokens, vocab] logits are never held
-    (memtrain/chunked_loss.py; gpt2, llama, mistral, qwen2, qwen3). Saves vocab × 4 bytes per
+    (memtrain/levers/chunked_cross_entropy.py; gpt2, llama, mistral, qwen2, qwen3). Saves vocab × 4 bytes per
     token of activations for one more output-layer matmul per token."""
     activation_offload: Literal["off", "on", "auto"] = "auto"
-    """Saved activations wait for backward in host memory. Lossless (memtrain/activation_offload.py:
+    """Saved activations wait for backward in host memory. Lossless (memtrain/levers/activation_offload.py:
     on CUDA copied to pinned memory on a side stream, overlapping compute). auto = off, unless
     memory.levers auto chooses it."""
     activation_offload_bandwidth_gb_s: float = 25.0

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from memtrain.activation import enable_activation_checkpointing
+from memtrain.levers.activation_checkpointing import enable_activation_checkpointing
 from memtrain.backends import engine_module, engine_name, engine_variants, model_state_bytes
 from memtrain.models import repeated_blocks
 from memtrain.backends.spec import resolve_engine
@@ -52,7 +52,7 @@ from memtrain.planning.activations import activation_tables
 from memtrain.planning.planner import Planner, estimated_plan_s, make_candidates, state_terms
 from memtrain.memory.simulated import SimulatedMemory
 from memtrain.objectives import CausalLM
-from memtrain.offload_optimizer import host_step_params_per_s
+from memtrain.backends.optimizer_offload import host_step_params_per_s
 from memtrain.plan import Plan
 from memtrain.precision import resolve_precision
 from memtrain.validation import validate

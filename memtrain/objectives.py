@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-from memtrain.chunked_loss import cross_entropy_sum, labels_for_head
+from memtrain.levers.chunked_cross_entropy import cross_entropy_sum, labels_for_head
 from memtrain.data import IGNORE_INDEX
 from memtrain.data.speech import decode_ids
 from memtrain.errors import ConfigError
@@ -63,7 +63,7 @@ class CausalLM:
 
     Args:
         chunked: the model's output layer computes the loss in chunks of tokens
-            (:mod:`memtrain.chunked_loss`, ``memory.chunked_cross_entropy``).
+            (:mod:`memtrain.levers.chunked_cross_entropy`, ``memory.chunked_cross_entropy``).
         no_cache: call the model with ``use_cache=False`` (a transformers model whose config keeps
             a KV cache: training needs none, and under activation checkpointing transformers
             would warn that it drops it).

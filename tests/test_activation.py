@@ -74,7 +74,7 @@ def test_selective_checkpointing_keeps_gradients_bitwise_and_the_matmul_outputs(
     from toy_models import make_stack
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from memtrain.activation import enable_activation_checkpointing
+    from memtrain.levers.activation_checkpointing import enable_activation_checkpointing
     from memtrain.models import repeated_blocks
     from memtrain.memory.simulated import SimulatedMemory
 
@@ -132,7 +132,7 @@ def test_compiled_blocks_train_like_eager_and_stay_compiled(model):
 
     from torch._dynamo.utils import counters
 
-    from memtrain.activation import disable_activation_checkpointing, enable_activation_checkpointing
+    from memtrain.levers.activation_checkpointing import disable_activation_checkpointing, enable_activation_checkpointing
     from memtrain.models import repeated_blocks
     from memtrain.transforms import compile_forwards
 

@@ -1,4 +1,4 @@
-"""Activation offload (memtrain/activation_offload.py, ``memory.activation_offload``): the same
+"""Activation offload (memtrain/levers/activation_offload.py, ``memory.activation_offload``): the same
 losses and gradients as without it; what it moves leaves the simulated device for host memory;
 the planner predicts the device bytes the simulated device counts and the bytes moved, charges
 the copies at the stated bandwidth on a CPU run, and the solver turns it on only under
@@ -49,8 +49,8 @@ def test_offload_keeps_losses_and_gradients_bitwise_and_moves_activations_to_hos
     and every gradient are bitwise those without it; the simulated device holds far less, the bytes
     moved are those autograd saves (the test's own count; with AC on only the checkpoints'
     inputs move), and nothing counted outlives backward. Switched off again, nothing moves."""
-    from memtrain.activation import enable_activation_checkpointing
-    from memtrain.activation_offload import disable_activation_offload, enable_activation_offload, moved_bytes
+    from memtrain.levers.activation_checkpointing import enable_activation_checkpointing
+    from memtrain.levers.activation_offload import disable_activation_offload, enable_activation_offload, moved_bytes
     from memtrain.models import repeated_blocks
     from memtrain.memory.simulated import SimulatedMemory
 
@@ -88,7 +88,7 @@ def test_offload_keeps_losses_and_gradients_bitwise_and_moves_activations_to_hos
 def test_model_state_stays_and_a_tensor_saved_twice_moves_once():
     """Under autocast (DDP's bf16) the weight's cast copy is model state and stays on the device;
     an activation that two operators save (one input of two layers) moves once."""
-    from memtrain.activation_offload import enable_activation_offload, moved_bytes
+    from memtrain.levers.activation_offload import enable_activation_offload, moved_bytes
 
     class Two(torch.nn.Module):
         def __init__(self):
@@ -114,10 +114,10 @@ def test_the_planner_predicts_what_the_simulated_device_counts_and_what_moves(ca
     the plan moves are what the real hooks moved (never fewer; more by at most one mask per block); both with AC off and on. The trace of the
     whole micro-step (a GPU's count: transients, and each reload while its backward runs) also
     drops with the offload on."""
-    from memtrain.activation_offload import enable_activation_offload, moved_bytes
+    from memtrain.levers.activation_offload import enable_activation_offload, moved_bytes
     from memtrain.config import parse_args
     from memtrain.data import build_corpus
-    from memtrain.activation import enable_activation_checkpointing
+    from memtrain.levers.activation_checkpointing import enable_activation_checkpointing
     from memtrain.models import repeated_blocks
     from memtrain.planning.activations import activation_table, trace_batch
     from memtrain.memory.simulated import SimulatedMemory

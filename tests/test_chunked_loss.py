@@ -57,7 +57,7 @@ def test_gradient_equals_the_plain_loss_and_logits_are_not_saved():
 
 
 def test_chunks_cover_every_token_once():
-    from memtrain.chunked_loss import chunk_tokens, chunked_cross_entropy_sum
+    from memtrain.levers.chunked_cross_entropy import chunk_tokens, chunked_cross_entropy_sum
 
     assert chunk_tokens(50304) == 333 and chunk_tokens(8192, max_bytes=2**20) == 32  # fp32 logits per chunk
     hidden = torch.randn(3, 7, 16, dtype=torch.float64)
@@ -76,7 +76,7 @@ def test_planner_counts_it_as_a_memory_lever(cache_dir, monkeypatch):
     again when a plan switches it off. The step's peak drops once the logits span several chunks
     (chunks of 32 tokens here; at the default 64 MiB a chunk holds all of the tiny model's
     logits, so only what autograd saves drops: the simulated device's count)."""
-    import memtrain.chunked_loss
+    import memtrain.levers.chunked_cross_entropy
     from memtrain.config import parse_args
     from memtrain.data import build_corpus
     from memtrain.models import build_model
@@ -91,7 +91,7 @@ def test_planner_counts_it_as_a_memory_lever(cache_dir, monkeypatch):
     logits_bytes = 4 * cfg.data.seq_len * corpus.vocab_size * 4
     for config in (simulated, cfg):
         if config is cfg:
-            monkeypatch.setattr(memtrain.chunked_loss, "chunk_tokens", lambda vocab_size, max_bytes=0: 32)
+            monkeypatch.setattr(memtrain.levers.chunked_cross_entropy, "chunk_tokens", lambda vocab_size, max_bytes=0: 32)
         traced = activation_table(config, corpus, objective, "fp32", "cpu")
 
         def acts(chunked: bool, ac: bool) -> int:

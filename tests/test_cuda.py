@@ -63,7 +63,7 @@ def test_activation_offload_on_cuda_keeps_the_gradients_and_lowers_the_peak():
 
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from memtrain.activation_offload import enable_activation_offload, moved_bytes
+    from memtrain.levers.activation_offload import enable_activation_offload, moved_bytes
 
     torch.manual_seed(0)
     net = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=256, n_head=4, n_positions=256, vocab_size=512,
@@ -88,7 +88,7 @@ def test_activation_offload_on_cuda_keeps_the_gradients_and_lowers_the_peak():
     assert peak1 < peak0 and moved > (peak0 - peak1)
 
 
-# FSDP2's optimizer offload (memtrain/offload_optimizer.py) on CUDA streams: what only a GPU's
+# FSDP2's optimizer offload (memtrain/backends/optimizer_offload.py) on CUDA streams: what only a GPU's
 # asynchronous copies can get wrong. Each test names the synchronisation it checks and what fails
 # without it.
 N_BIG = 1 << 25  # 32M fp32 elements (128 MiB): copies long enough for a missing wait to be seen
@@ -108,7 +108,7 @@ HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
 
 def _offload(params, ratio=1.0, overlap=True):
-    from memtrain.offload_optimizer import PartialOffloadAdamW
+    from memtrain.backends.optimizer_offload import PartialOffloadAdamW
 
     return PartialOffloadAdamW([{"params": list(params), **HYPER}], list(params), ratio, overlap=overlap)
 

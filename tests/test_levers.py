@@ -137,7 +137,7 @@ def test_activation_checkpointing_lever_wraps_and_unwraps_the_blocks():
     the plain forward, with the same output."""
     from toy_models import make_stack
 
-    from memtrain.activation import selective_context
+    from memtrain.levers.activation_checkpointing import selective_context
     from memtrain.models import repeated_blocks
 
     model = make_stack(32)

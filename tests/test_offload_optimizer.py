@@ -1,4 +1,4 @@
-"""FSDP2's optimizer offload (memtrain/offload_optimizer.py) in one process: the same update as
+"""FSDP2's optimizer offload (memtrain/backends/optimizer_offload.py) in one process: the same update as
 torch's AdamW whatever share is on the host, the host step overlapping the next forward without a
 forward ever reading a stale parameter, exact state round trips, and its host bytes against the
 placement planner's accounting."""
@@ -13,7 +13,7 @@ from torch import nn
 
 from memtrain.memory.accounting import fsdp_state_bytes
 from memtrain.memory.shape import model_shape
-from memtrain.offload_optimizer import PartialOffloadAdamW, host_split
+from memtrain.backends.optimizer_offload import PartialOffloadAdamW, host_split
 from memtrain.optim import weight_decay_groups
 
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)

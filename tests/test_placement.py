@@ -765,7 +765,7 @@ def test_fsdp_partial_offload_is_planned_named_and_run_at_the_share_whole_parame
     import torch
 
     from memtrain.memory.shape import model_shape
-    from memtrain.offload_optimizer import host_split
+    from memtrain.backends.optimizer_offload import host_split
     from memtrain.planning import placement
 
     model = torch.nn.Sequential(torch.nn.Embedding(1000, 64), *[torch.nn.Linear(64, 64) for _ in range(4)])
@@ -795,7 +795,7 @@ def test_plan_counts_the_optimizer_state_a_partial_offload_keeps_on_the_device(c
     from memtrain.config import parse_args
     from memtrain.estimate import plan_report
     from memtrain.models import build_model
-    from memtrain.offload_optimizer import PartialOffloadAdamW
+    from memtrain.backends.optimizer_offload import PartialOffloadAdamW
 
     def planned_state(ratio):
         cfg = parse_args(TINY_ARGS + ["--data.cache_dir", cache_dir, "--backend.name", "fsdp", "--backend.offload",

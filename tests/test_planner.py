@@ -306,7 +306,7 @@ def test_fake_trace_predicts_what_memtracker_counts_in_a_real_micro_step(cache_d
     model state): the bytes above parameters and gradients agree within 10%, with activation
     checkpointing off, selective and on; under a simulated device the trace is what autograd saves, which is
     all that device counts (less)."""
-    from memtrain.activation import disable_activation_checkpointing, enable_activation_checkpointing
+    from memtrain.levers.activation_checkpointing import disable_activation_checkpointing, enable_activation_checkpointing
     from memtrain.models import repeated_blocks
     from memtrain.config import parse_args
     from memtrain.data import build_corpus
@@ -339,7 +339,7 @@ def test_a_mixture_of_experts_model_in_fp32_is_traced_as_memtracker_counts_it(ca
     CPU trains; its micro-step now agrees with MemTracker's count of the real one within 10%, with
     activation checkpointing off and on."""
     from conftest import TINY_BASE_ARGS
-    from memtrain.activation import enable_activation_checkpointing
+    from memtrain.levers.activation_checkpointing import enable_activation_checkpointing
     from memtrain.config import parse_args
     from memtrain.data import build_corpus
     from memtrain.models import build_model, repeated_blocks
@@ -371,7 +371,7 @@ def test_the_trace_finds_the_peaks_inside_blocks_and_in_backward_that_memtracker
     both MemTracker and the trace put outside the blocks and before the first gradient."""
     from torch.distributed._tools.mem_tracker import MemTracker, _ModState
 
-    from memtrain.activation import enable_activation_checkpointing
+    from memtrain.levers.activation_checkpointing import enable_activation_checkpointing
     from memtrain.config import parse_args
     from memtrain.data import build_corpus
     from memtrain.models import build_model, repeated_blocks
@@ -448,7 +448,7 @@ def test_a_bf16_trace_holds_what_autocast_holds(cache_dir):
 
     from accelerate.utils import convert_outputs_to_fp32
 
-    from memtrain.activation import enable_activation_checkpointing
+    from memtrain.levers.activation_checkpointing import enable_activation_checkpointing
     from memtrain.models import repeated_blocks
     from memtrain.config import parse_args
     from memtrain.data import build_corpus

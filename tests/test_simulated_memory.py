@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from memtrain.activation import enable_activation_checkpointing
+from memtrain.levers.activation_checkpointing import enable_activation_checkpointing
 from memtrain.models import repeated_blocks
 from memtrain.memory.simulated import SimulatedMemory
 

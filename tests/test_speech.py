@@ -143,7 +143,7 @@ def test_the_planner_traces_a_speech_model_as_memtracker_counts_its_micro_step(s
     batch is counted beside the trace (``resident``): it is on the device for the whole step."""
     from test_planner import P, memtracker_micro_step_bytes
 
-    from memtrain.activation import enable_activation_checkpointing
+    from memtrain.levers.activation_checkpointing import enable_activation_checkpointing
     from memtrain.config import parse_args
     from memtrain.data import build_corpus
     from memtrain.models import build_model, repeated_blocks

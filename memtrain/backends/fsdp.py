@@ -31,20 +31,20 @@ from memtrain.memory.moments import parameter_element_bytes
 from memtrain.memory.shape import ModelShape, model_shape
 from memtrain.memory.machine import HOST_DEVICE_BYTES_PER_S, Machine
 from memtrain.models import repeated_blocks
-from memtrain.offload_optimizer import from_optimizer
+from memtrain.backends.optimizer_offload import from_optimizer
 
 CHECKPOINT_FORMAT = "dcp"
 """The checkpoint format this engine writes (:mod:`memtrain.checkpoint.formats`)."""
 checkpoint_format = format_module(CHECKPOINT_FORMAT)
 OFFLOAD_STATE_DTYPES = ("fp32", "bf16")
-"""The optimizer state dtypes the optimizer offload keeps (:mod:`memtrain.offload_optimizer`)."""
+"""The optimizer state dtypes the optimizer offload keeps (:mod:`memtrain.backends.optimizer_offload`)."""
 VARIANTS = (EngineVariant("fsdp", "fsdp"),
             EngineVariant("fsdp_offload_optimizer", "fsdp", offload="optimizer", state_dtypes=OFFLOAD_STATE_DTYPES),
             EngineVariant("fsdp_offload_optimizer_partial", "fsdp", offload="optimizer", offload_optimizer_ratio=0.5,
                           tune_ratio=True, state_dtypes=OFFLOAD_STATE_DTYPES),
             EngineVariant("fsdp_offload", "fsdp", offload="optimizer_and_params"))
 """FSDP2's placements: sharded on the device; the optimizer state on the host, all of it or the
-fraction the placement planner chooses (:mod:`memtrain.offload_optimizer`); everything on the host
+fraction the placement planner chooses (:mod:`memtrain.backends.optimizer_offload`); everything on the host
 (``CPUOffloadPolicy``)."""
 LOSSY_OPTIMIZER_STATE = True
 """FSDP2 takes bf16 and int8 optimizer state (:mod:`memtrain.levers.optimizer_state`)."""
@@ -137,7 +137,7 @@ def offload_seconds(p, n_params: int, p_bytes: int, world_size: int, machine: Ma
 
     - ``optimizer_and_params`` (``CPUOffloadPolicy``): torch's AdamW on the host at the machine's
       CPU Adam rate, parameters to the device and gradients back each micro-batch; nothing overlapped.
-    - ``optimizer`` (:mod:`memtrain.offload_optimizer`): the host part (``offload_optimizer_ratio``
+    - ``optimizer`` (:mod:`memtrain.backends.optimizer_offload`): the host part (``offload_optimizer_ratio``
       of the rank's shard) stepped at ``machine.host_step_params_per_s`` (the machine's ranks share
       its cores), its gradients out and parameters back; up to the next forward's time
       (:data:`FORWARD_SHARE` of the compute over the accumulation steps: the first micro-batch's)
@@ -180,7 +180,7 @@ class FSDPBackend:
         precision: ``bf16|fp32`` (parameters cast to it for compute; gradients reduced in fp32).
         reshard_after_forward: free gathered parameters after forward (less memory).
         offload: ``none``; ``optimizer``: memtrain's optimizer offload
-            (:class:`memtrain.offload_optimizer.PartialOffloadAdamW`, ``offload_optimizer_ratio`` of
+            (:class:`memtrain.backends.optimizer_offload.PartialOffloadAdamW`, ``offload_optimizer_ratio`` of
             it on the host, its CPU step overlapped with the next forward with ``host_step_overlap``);
             ``optimizer_and_params``: CPUOffloadPolicy (parameters, gradients and optimizer state
             live in CPU memory; the optimizer steps on CPU).
@@ -218,7 +218,7 @@ class FSDPBackend:
 
     def prepare(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]):
         """Shard every repeated block, then the root, as torchtitan does; ``offload optimizer``:
-        the parameters in the compute dtype and :class:`memtrain.offload_optimizer.PartialOffloadAdamW`
+        the parameters in the compute dtype and :class:`memtrain.backends.optimizer_offload.PartialOffloadAdamW`
         over them, waiting in each unit's forward for the unit's host-stepped parameters."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 

@@ -373,7 +373,7 @@ def offloaded_parameter_count(numels: Sequence[int], ratio: float) -> int:
 
 def _fsdp_optimizer_offload(n_params: int, precision: str, world_size: int, shape: ModelShape, optim: int,
                             ratio: float) -> dict[str, int]:
-    """FSDP2 with memtrain's optimizer offload (:class:`memtrain.offload_optimizer.PartialOffloadAdamW`):
+    """FSDP2 with memtrain's optimizer offload (:class:`memtrain.backends.optimizer_offload.PartialOffloadAdamW`):
     parameters and gradients sharded in the compute dtype (``u`` bytes; 16-bit under bf16, so no
     fp32 copy on the device) with the root and two blocks gathered as in :func:`_fsdp`; AdamW's
     moments (``optim`` bytes per rank) and an fp32 master copy split by ``ratio`` — on the device

@@ -59,7 +59,7 @@ class Machine:
             on first use); None when the machine is not this one (``memtrain plan`` for another):
             a lossier dtype's slower step is then not counted.
         host_step_params_per_s: parameters per second FSDP2's optimizer offload steps on this
-            host (:func:`memtrain.offload_optimizer.host_step_params_per_s`, all cores); None =
+            host (:func:`memtrain.backends.optimizer_offload.host_step_params_per_s`, all cores); None =
             ``cpu_adam_params_per_s``.
         host_source: what sets ``host_bytes`` (:attr:`memtrain.memory.host_limit.HostLimit.source`:
             ``available memory``, ``memory.host_memory_gib``, ``RLIMIT_DATA``, a cgroup, or

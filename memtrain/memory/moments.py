@@ -90,7 +90,7 @@ def fsdp_moments(state: Mapping[str, int], shape, precision: str, world_size: in
     ``torch.distributed.checkpoint.state_dict`` does for an optimizer without one (a step on zero
     gradients: each rank's fp32 gradient shard, 4 bytes per trained parameter over the ranks; none
     under ``CPUOffloadPolicy``, which holds the shards on the host, nor under the optimizer offload,
-    whose :class:`memtrain.offload_optimizer.PartialOffloadAdamW` builds its state at start), then
+    whose :class:`memtrain.backends.optimizer_offload.PartialOffloadAdamW` builds its state at start), then
     reads the shards into place. The export (``get_model_state_dict``, full, offloaded to the CPU)
     gathers one parameter at a time (the largest: 4 bytes per element; more than one rank) and
     copies it to rank 0's host; on a CPU the gathered tensor is rank 0's copy: every state-dict

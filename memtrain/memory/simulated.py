@@ -8,9 +8,9 @@ saved (each storage once; parameters are not counted twice) and released when au
 them. A save that would take the count past the budget raises a real ``torch.OutOfMemoryError``,
 which takes the same path as a CUDA one. Activation checkpointing lowers the count because inside
 a checkpointed region torch keeps nothing for backward; under selective checkpointing the outputs
-the policy keeps (:mod:`memtrain.activation`) are counted from the moment they are kept until
+the policy keeps (:mod:`memtrain.levers.activation_checkpointing`) are counted from the moment they are kept until
 their storage is freed. Activations the offload lever moves to host memory
-(:mod:`memtrain.activation_offload`) are counted as host bytes instead (:attr:`SimulatedMemory.host_bytes`),
+(:mod:`memtrain.levers.activation_offload`) are counted as host bytes instead (:attr:`SimulatedMemory.host_bytes`),
 from the save until autograd frees them. Not counted: transient tensors that are
 never saved for backward (a block's intermediate results between two saves, the recompute inside
 a checkpointed block during backward, communication buffers).

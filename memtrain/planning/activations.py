@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from memtrain.activation_offload import moved_bytes
+from memtrain.levers.activation_offload import moved_bytes
 from memtrain.backends import engine_module, engine_name
 from memtrain.backends.spec import user_zero_settings
 from memtrain.levers import LeverTarget, apply_levers, lever

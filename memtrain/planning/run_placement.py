@@ -24,7 +24,7 @@ from memtrain.levers.optimizer_state import planner_dtypes
 from memtrain.memory.machine import (Machine, cpu_adam_params_per_s, device_budget_bytes, device_flops_per_s,
                                      optimizer_params_per_s, process_bytes, run_host_limit,
                                      startup_peak_bytes)
-from memtrain.offload_optimizer import host_step_params_per_s
+from memtrain.backends.optimizer_offload import host_step_params_per_s
 from memtrain.memory.accounting import builds_on_device
 from memtrain.memory.shape import model_shape
 from memtrain.planning.placement import (Placement, allowed_pool, configured_offload, configured_state_bytes,
