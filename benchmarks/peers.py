@@ -22,19 +22,24 @@ JSON row per trainer, engine and repeat:
     ranks' peaks minus their import footprints), model_state_bytes (16 bytes a parameter: fp32
     weights, gradients and AdamW's moments, the same for every trainer on DDP), val_loss (the saved model's mean next-token loss on the
     same validation rows, computed here by one function for all), user_lines (the trainer's
-    script, without blank lines, comments and docstrings)
+    script, without blank lines, comments and docstrings); a run that fails is a row with
+    ``failed``: the exception that stopped it (:func:`failure_cause`), what a user of that trainer
+    would meet
+
 
 a ``summary`` row per trainer and engine: min / median / max of each over the repeats; and a
 ``paired`` row per peer and engine: memtrain's tokens_per_cpu_s and tokens_per_s ÷ the peer's in
 the same repeat, min / median / max over repeats.
 
     python benchmarks/peers.py                      # DDP: 3 trainers × 3 repeats, 30 steps
-    python benchmarks/peers.py --engines ddp,zero2  # also transformers' and memtrain's ZeRO-2
+    python benchmarks/peers.py --engines ddp,fsdp,zero2,zero3  # every engine each trainer offers
     python benchmarks/peers.py --quick              # 3 steps, 1 repeat (the tests)
     python benchmarks/peers.py --results            # also append the rows to benchmarks/results/
 
-Not here yet (the issue that asked for this table says what is left): FSDP under transformers'
-Trainer and Lightning's ZeRO on CPU, and what each trainer does when memory runs out under one budget.
+Each trainer is run on every engine it offers (:data:`ENGINES_OF`), on CPU ranks whether or not it
+supports them there: Lightning's FSDP and DeepSpeed strategies and transformers' ZeRO-3 stop on CPU
+ranks, and their rows say why. Not here yet: what each trainer does when memory runs out under
+one budget.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -73,11 +79,12 @@ VARIANTS = ("memtrain_glibc", "memtrain_fast")
 INSTALLED = tuple(t for t in TRAINERS if t not in VARIANTS
                   and (t != "lightning" or importlib.util.find_spec("pytorch_lightning")))
 """The trainers run by default: Lightning where ``pytorch-lightning`` is installed (the ``bench`` extra)."""
-ENGINES_OF = {"memtrain": ("ddp", "fsdp", "zero2", "zero3"), "hf_trainer": ("ddp", "zero2"), "accelerate": ("ddp",),
-              "lightning": ("ddp",), **{v: ("ddp", "fsdp", "zero2", "zero3") for v in VARIANTS}}
-"""The engines each trainer runs here. Not transformers' ZeRO-3 on CPU ranks: its DeepSpeed config
-is resolved before the process group, so DeepSpeed asserts a train batch of micro-batch ×
-accumulation × 1 rank (transformers 5.24, DeepSpeed 0.19.8); nor its FSDP (not tried yet)."""
+ENGINES_OF = {"memtrain": ("ddp", "fsdp", "zero2", "zero3"), "hf_trainer": ("ddp", "fsdp", "zero2", "zero3"),
+              "accelerate": ("ddp",), "lightning": ("ddp", "fsdp", "zero2", "zero3"), **{v: ("ddp", "fsdp", "zero2", "zero3") for v in VARIANTS}}
+"""The engines each trainer offers. On CPU ranks transformers' ZeRO-3 stops (its DeepSpeed config is
+resolved before the process group, so DeepSpeed asserts a train batch of micro-batch × accumulation
+× 1 rank: transformers 5.24, DeepSpeed 0.19.8) and Lightning's FSDP and DeepSpeed strategies ask for
+a GPU (pytorch-lightning 2.6); their rows are failures that say so."""
 MODEL = {"model_type": "gpt2", "n_layer": 4, "n_embd": 64, "n_head": 4, "n_positions": 64, "resid_pdrop": 0.0,
          "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 0, "eos_token_id": 0}
 """The benchmarks' CPU model (``common.CPU_ARGS``: 0.27M parameters with the 1024-token vocabulary)."""
@@ -175,7 +182,7 @@ def run_peer(trainer: str, engine: str, settings: dict, folder: str, timeout: fl
     try:
         run_memtrain([], out, nproc=2, timeout=timeout, env=env, script=script, metrics=False)
     except RunFailed as failed:  # a row that says so: what a user of that trainer would meet
-        return {**row, "failed": failed.stderr[-1500:]}
+        return {**row, "failed": failure_cause(failed.stderr)}
     records = [json.load(open(os.path.join(out, f"record_{rank}.json"))) for rank in range(2)]
     ends = records[0]["step_end_s"]
     steps = [b - a for a, b in zip(ends, ends[1:])][1:]  # after the first two steps
@@ -192,6 +199,15 @@ def run_peer(trainer: str, engine: str, settings: dict, folder: str, timeout: fl
             "model_state_bytes": 16 * settings["parameters"],
             "val_loss": val_loss(os.path.join(out, "model"), settings["data"]),
             "initial_val_loss": settings["initial_val_loss"]}
+
+
+def failure_cause(stderr: str) -> str:
+    """What stopped a failed run: the last exception a rank raised (``SomeError: message``, the
+    torchrun summary after it left out), else the tail of its standard error."""
+    causes = [line.strip() for line in stderr.splitlines()
+              if re.match(r"^\s*(\[rank\d+\]:\s*)?[A-Za-z_.]*(Error|Exception)\b", line)
+              and "ChildFailedError" not in line and "elastic" not in line]
+    return causes[-1][:600] if causes else stderr[-600:]
 
 
 def summary(rows: list[dict]) -> list[dict]:

@@ -1,4 +1,5 @@
-"""PyTorch Lightning: a LightningModule around the same transformers model, its Trainer on DDP."""
+"""PyTorch Lightning: a LightningModule around the same transformers model, its Trainer on DDP, or
+its FSDP / DeepSpeed ZeRO-2/3 strategy by one argument (``PEERS_ENGINE``)."""
 
 import os
 
@@ -9,6 +10,8 @@ from shared import SETTINGS, StepClock, examples, finish, model, optimizer_and_s
 
 s = SETTINGS
 world_size = int(os.environ.get("WORLD_SIZE", 1))
+strategy = {"ddp": "ddp" if world_size > 1 else "auto", "fsdp": "fsdp", "zero2": "deepspeed_stage_2",
+            "zero3": "deepspeed_stage_3"}[os.environ.get("PEERS_ENGINE", "ddp")]
 
 
 class CausalLM(pl.LightningModule):
@@ -41,7 +44,7 @@ class Clock(pl.Callback):
 
 pl.seed_everything(s["seed"])
 clock = Clock()
-trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy="ddp" if world_size > 1 else "auto",
+trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy,
                      max_steps=s["max_steps"], accumulate_grad_batches=s["global_batch_size"] // (s["micro_batch_size"] * world_size),
                      gradient_clip_val=s["max_grad_norm"], precision="32-true", callbacks=[clock], logger=False,
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
