@@ -21,7 +21,9 @@ JSON row per trainer, engine and repeat:
     libraries are imported, before any model or data), above_imports_bytes (the largest of the
     ranks' peaks minus their import footprints), model_state_bytes (16 bytes a parameter: fp32
     weights, gradients and AdamW's moments, the same for every trainer on DDP), val_loss (the saved model's mean next-token loss on the
-    same validation rows, computed here by one function for all), user_lines (the trainer's
+    same validation rows, computed here by one function for all), ran (what the trainer's script
+    says it ran, where it can: transformers' Trainer its Accelerate distributed type and the
+    modules FSDP sharded; a run asked for FSDP that sharded nothing is a failed row), user_lines (the trainer's
     script, without blank lines, comments and docstrings); a run that fails is a row with
     ``failed``: the exception that stopped it (:func:`failure_cause`), what a user of that trainer
     would meet
@@ -38,7 +40,8 @@ the same repeat, min / median / max over repeats.
 
 Each trainer is run on every engine it offers (:data:`ENGINES_OF`), on CPU ranks whether or not it
 supports them there: Lightning's FSDP and DeepSpeed strategies and transformers' ZeRO-3 stop on CPU
-ranks, and their rows say why. Not here yet: what each trainer does when memory runs out under
+ranks, and their rows say why; transformers' FSDP on CPU ranks trains DDP without a word
+(Accelerate's ``MULTI_CPU``, no module sharded), and its row says so as a failure. Not here yet: what each trainer does when memory runs out under
 one budget.
 """
 
@@ -83,8 +86,9 @@ ENGINES_OF = {"memtrain": ("ddp", "fsdp", "zero2", "zero3"), "hf_trainer": ("ddp
               "accelerate": ("ddp",), "lightning": ("ddp", "fsdp", "zero2", "zero3"), **{v: ("ddp", "fsdp", "zero2", "zero3") for v in VARIANTS}}
 """The engines each trainer offers. On CPU ranks transformers' ZeRO-3 stops (its DeepSpeed config is
 resolved before the process group, so DeepSpeed asserts a train batch of micro-batch × accumulation
-× 1 rank: transformers 5.24, DeepSpeed 0.19.8) and Lightning's FSDP and DeepSpeed strategies ask for
-a GPU (pytorch-lightning 2.6); their rows are failures that say so."""
+× 1 rank: transformers 5.24, DeepSpeed 0.19.8), its FSDP trains DDP (nothing sharded), and
+Lightning's FSDP and DeepSpeed strategies ask for a GPU (pytorch-lightning 2.6); their rows are
+failures that say so."""
 MODEL = {"model_type": "gpt2", "n_layer": 4, "n_embd": 64, "n_head": 4, "n_positions": 64, "resid_pdrop": 0.0,
          "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 0, "eos_token_id": 0}
 """The benchmarks' CPU model (``common.CPU_ARGS``: 0.27M parameters with the 1024-token vocabulary)."""
@@ -184,6 +188,10 @@ def run_peer(trainer: str, engine: str, settings: dict, folder: str, timeout: fl
     except RunFailed as failed:  # a row that says so: what a user of that trainer would meet
         return {**row, "failed": failure_cause(failed.stderr)}
     records = [json.load(open(os.path.join(out, f"record_{rank}.json"))) for rank in range(2)]
+    ran = records[0].get("ran") or {}
+    if engine == "fsdp" and ran.get("sharded_units") == 0:  # asked for FSDP, trained without it: not an FSDP row
+        return {**row, "ran": ran, "failed": f"trained without sharding ({ran.get('distributed_type')}, no FSDP "
+                "unit): asked for FSDP on CPU ranks, the trainer ran DDP and said nothing"}
     ends = records[0]["step_end_s"]
     steps = [b - a for a, b in zip(ends, ends[1:])][1:]  # after the first two steps
     tokens = settings["global_batch_size"] * SEQ_LEN
@@ -197,7 +205,7 @@ def run_peer(trainer: str, engine: str, settings: dict, folder: str, timeout: fl
             "imports_bytes": max(r["imports_rss_bytes"] for r in records),
             "above_imports_bytes": max(r["peak_rss_bytes"] - r["imports_rss_bytes"] for r in records),
             "model_state_bytes": 16 * settings["parameters"],
-            "val_loss": val_loss(os.path.join(out, "model"), settings["data"]),
+            "val_loss": val_loss(os.path.join(out, "model"), settings["data"]), "ran": ran or None,
             "initial_val_loss": settings["initial_val_loss"]}
 
 

@@ -4,7 +4,7 @@ import os
 
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from shared import SETTINGS, StepClock, examples, finish, model, optimizer_and_schedule
+from shared import SETTINGS, StepClock, examples, finish, model, optimizer_and_schedule, sharded_units
 
 s = SETTINGS
 engine = {"ddp": {}, "zero2": {"deepspeed": s.get("deepspeed_zero2")}, "zero3": {"deepspeed": s.get("deepspeed_zero3")},
@@ -30,9 +30,11 @@ class Clock(TrainerCallback):
 
 clock = Clock()
 net = model()
-# the shared optimizer and schedule under DDP; transformers' DeepSpeed integration builds its own from args
+# the shared optimizer and schedule under DDP; its DeepSpeed and FSDP integrations build their own from args
 optimizers = optimizer_and_schedule(net.parameters()) if not engine else (None, None)
 trainer = Trainer(model=net, args=args, train_dataset=examples(), callbacks=[clock], optimizers=optimizers)
 trainer.train()
 trainer.save_model(f"{s['out']}/model")
-finish(clock.clock, args.process_index)
+# what it ran: Accelerate's distributed type, and how many modules FSDP sharded
+finish(clock.clock, args.process_index, distributed_type=str(trainer.accelerator.distributed_type),
+       sharded_units=sharded_units(trainer.model_wrapped))

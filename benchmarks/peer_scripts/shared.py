@@ -97,12 +97,21 @@ library) and this module's (torch, transformers, numpy), before any model or dat
 import footprint."""
 
 
-def finish(clock: StepClock, rank: int) -> None:
+def sharded_units(model: torch.nn.Module) -> int:
+    """How many modules of ``model`` FSDP shards (FSDP2's ``fully_shard`` units and FSDP1's
+    wrappers): 0 when the trainer did not shard it, whatever engine it was asked for."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return sum(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
+
+
+def finish(clock: StepClock, rank: int, **ran) -> None:
     """Write this rank's record: its step end times (wall and CPU), its peak resident memory and its
-    import footprint (bytes, :func:`peak_rss_bytes`)."""
+    import footprint (bytes, :func:`peak_rss_bytes`), and ``ran``: what the trainer says it ran
+    (e.g. ``sharded_units``)."""
     record = {"rank": rank, "step_end_s": [t - clock.times[0] for t in clock.times[1:]],
               "step_end_cpu_s": [t - clock.cpu_times[0] for t in clock.cpu_times[1:]],
-              "peak_rss_bytes": peak_rss_bytes(), "imports_rss_bytes": IMPORTS_RSS_BYTES}
+              "peak_rss_bytes": peak_rss_bytes(), "imports_rss_bytes": IMPORTS_RSS_BYTES, "ran": ran}
     os.makedirs(SETTINGS["out"], exist_ok=True)
     with open(os.path.join(SETTINGS["out"], f"record_{rank}.json"), "w") as fh:
         json.dump(record, fh)
