@@ -68,8 +68,12 @@ GC_EVERY_STEPS = 50
 """memtrain's default ``training.gc_every_steps``."""
 
 
-def plain_accelerate_loop(memtrain_args: list[str], out_file: str, engine: str = "ddp", same: bool = False) -> None:
+def plain_accelerate_loop(memtrain_args: list[str], out_file: str, engine: str = "ddp", same: bool = False) -> tuple:
     """A hand-written training loop of ``engine`` (runs under torchrun); writes its step times.
+    Returns the engine's objects (model, optimizer, ...) for the caller to hold until it exits:
+    freed here, DDP's reducer destroys its gloo group, whose destructor can wait forever on the
+    group's worker threads (a rank of ``--quick``'s plain loop hung so, torchrun gone, its pipe
+    open, until the suite's time limit).
 
     Only the model and the token blocks come from memtrain (so both loops train the same
     thing); everything else is what a user writes from Accelerate's docs. ``same``: memtrain's
@@ -121,8 +125,8 @@ def plain_accelerate_loop(memtrain_args: list[str], out_file: str, engine: str =
         gc.disable()
         gc.collect(1)
     if engine != "ddp":
-        plain_sharded_loop(engine, model, plain_optimizer, accelerator.prepare(loader), t, accumulation, out_file, same)
-        return
+        return plain_sharded_loop(engine, model, plain_optimizer, accelerator.prepare(loader), t, accumulation,
+                                  out_file, same), accelerator
     optimizer, scheduler = plain_optimizer(model)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     model.train()
@@ -152,15 +156,17 @@ def plain_accelerate_loop(memtrain_args: list[str], out_file: str, engine: str =
         with open(out_file, "w") as fh:
             json.dump(times, fh)
     accelerator.end_training()
+    return model, optimizer, loader, scheduler, accelerator
 
 
 def plain_sharded_loop(engine: str, model, plain_optimizer, loader, t, accumulation: int, out_file: str,
-                       same: bool = False) -> None:
+                       same: bool = False) -> tuple:
     """FSDP2 (``fully_shard`` per block, then the root) or DeepSpeed ZeRO-2 (``deepspeed.initialize``),
     each stepped as its documentation shows; writes the step times (rank 0). ``plain_optimizer(model)``
     gives ``(optimizer, scheduler)``: built after ``fully_shard`` (on its sharded parameters), before
     ``deepspeed.initialize`` (which takes the optimizer); ``same``: the collector every
-    :data:`GC_EVERY_STEPS` steps (turned off by the caller)."""
+    :data:`GC_EVERY_STEPS` steps (turned off by the caller). Returns the engine's objects, held
+    by the caller until it exits (:func:`plain_accelerate_loop`)."""
     import gc
 
     import torch
@@ -217,6 +223,7 @@ def plain_sharded_loop(engine: str, model, plain_optimizer, loader, t, accumulat
     if dist.get_rank() == 0:
         with open(out_file, "w") as fh:
             json.dump(times, fh)
+    return model, optimizer, loader
 
 
 def run_plain(args: list[str], nproc: int, engine: str = "ddp", same: bool = False,
@@ -240,7 +247,7 @@ def run_plain(args: list[str], nproc: int, engine: str = "ddp", same: bool = Fal
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:  # inside torchrun: the plain loop (--worker OUT ENGINE same|default -- ARGS)
-        plain_accelerate_loop(argv[5:], argv[1], argv[2], argv[3] == "same")
+        held = plain_accelerate_loop(argv[5:], argv[1], argv[2], argv[3] == "same")  # noqa: F841 (freed by the exit)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)  # skip finalisation, which can abort a gloo process at exit (memtrain/train.py, _exit_now)
