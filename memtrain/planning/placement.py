@@ -423,11 +423,11 @@ def allowed_pool(cfg, nvme: bool) -> list[Placement]:
     state dtype the planner may choose (:func:`memtrain.levers.optimizer_state.planner_dtypes`)."""
     if cfg.backend.offload == "auto":
         return planning_pool(cfg, nvme)
-    configured = configured_engine(cfg.backend)
-    offload, ratio, on_nvme = configured_offload(cfg)
-    return [Placement(configured.name, configured.built_zero_stage, offload, ratio, nvme=on_nvme, state_dtype=d,
+    c = configured_engine(cfg.backend)
+    return [Placement(c.name, c.built_zero_stage, c.offload, c.offload_optimizer_ratio, nvme=c.offload_device == "nvme",
+                      state_dtype=d,
                       deferred_reduction=cfg.memory.oom_recovery, async_save=cfg.checkpoint.async_save)
-            for d in planner_dtypes(cfg, configured.name)]
+            for d in planner_dtypes(cfg, c.name)]
 
 
 def configured_offload(cfg) -> tuple[str, float, bool]:
