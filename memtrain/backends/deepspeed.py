@@ -325,11 +325,14 @@ class DeepSpeedBackend:
         """The whole model in fp32 on rank 0's host (None elsewhere; a collective under ZeRO-3).
         ZeRO-3 gathers one module's own parameters at a time, as DeepSpeed's
         ``_zero3_consolidated_16bit_state_dict`` does, never the whole model on every device
-        (:func:`memtrain.memory.moments.zero_moments`)."""
+        (:func:`memtrain.memory.moments.zero_moments`). A tied parameter (GPT-2's ``lm_head.weight``
+        = ``transformer.wte.weight``) is gathered and copied once and is one tensor under each of
+        its names, so the export stores it once, as DDP's and FSDP2's do."""
         import deepspeed
 
         module = self.unwrap(model)
         keys, sd, done = set(module.state_dict().keys()), {}, set()  # the same decisions on every rank
+        copies: dict[int, torch.Tensor] = {}  # id(parameter or buffer) → its copy (rank 0's; the ids on every rank)
         for prefix, sub in module.named_modules(remove_duplicate=False):  # a shared module under each name
             own = {f"{prefix}.{name}" if prefix else name: t
                    for name, t in [*sub._parameters.items(), *sub._buffers.items()] if t is not None}
@@ -337,9 +340,13 @@ class DeepSpeedBackend:
             if not own:
                 continue
             done.update(own)
-            with deepspeed.zero.GatheredParameters(list(sub.parameters(recurse=False)), modifier_rank=None):
-                if self.process.is_main:
-                    sd.update((k, t.detach().float().cpu().clone()) for k, t in own.items())
+            fresh = {id(t): t for t in own.values() if id(t) not in copies}
+            with deepspeed.zero.GatheredParameters([p for p in sub.parameters(recurse=False) if id(p) in fresh],
+                                                   modifier_rank=None):
+                copies.update((i, t.detach().float().cpu().clone() if self.process.is_main else None)
+                              for i, t in fresh.items())
+            if self.process.is_main:
+                sd.update((k, copies[id(t)]) for k, t in own.items())
         if keys - done:  # entries a module's own state-dict hook makes: the whole model gathered, as before
             with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
                 if self.process.is_main:
