@@ -149,13 +149,39 @@ def _run(cmd: list[str], train_args: list[str], env: dict, timeout: float, nproc
     return proc
 
 
+def kill_tree(pid: int) -> list[int]:
+    """SIGKILL process ``pid``, its process group and every descendant, found before the kill by
+    parent (psutil), so children that started sessions of their own (torchrun's ranks, a
+    launcher's) go too instead of living on and holding memory or a GPU for what runs next.
+    Returns the pids signalled (gone already: skipped)."""
+    import signal
+
+    import psutil
+
+    try:
+        tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    killed = []
+    for proc in tree:
+        try:
+            proc.kill()
+            killed.append(proc.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return killed
+
+
 def _run_limited(cmd: list[str], env: dict, timeout: float, rlimit_data: int) -> subprocess.CompletedProcess:
     """``cmd`` in a session of its own under ``RLIMIT_DATA`` = ``rlimit_data`` bytes; past
     ``timeout`` seconds the launcher is sent SIGTERM (torchrun ends its ranks, which run in
     sessions of their own: a hung rank must not outlive the run), then its session SIGKILL, and
     ``subprocess.TimeoutExpired`` is raised."""
     import resource
-    import signal
 
     limit = (rlimit_data, rlimit_data)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
@@ -167,7 +193,7 @@ def _run_limited(cmd: list[str], env: dict, timeout: float, rlimit_data: int) ->
         try:
             proc.communicate(timeout=60)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
             proc.communicate()
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

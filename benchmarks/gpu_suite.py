@@ -52,7 +52,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -61,7 +60,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from common import FORK_SERVER_VAR, REPO, RESULTS, RESULTS_DIR_VAR, device_name, fork_server, provenance
+from common import (FORK_SERVER_VAR, REPO, RESULTS, RESULTS_DIR_VAR, device_name, fork_server, kill_tree,
+                    provenance)
 from memtrain.backends.op_locks import JIT_BUILDERS, clear_stale_locks
 from tables import staleness
 
@@ -144,15 +144,15 @@ def run_step(step: Step, cmd: list[str], limit_s: float, env: Optional[dict] = N
                                  cwd=str(REPO), timeout=limit_s, torchrun=False)
         out, err, code, timed_out = done.stdout, done.stderr, done.returncode, done.returncode is None
     else:
-        # a process group of its own: at the time limit the whole group goes (torchrun's workers
-        # would otherwise live on and hold the GPU for the next step)
+        # a process group of its own: at the time limit the whole group goes, and every descendant
+        # in a session of its own (torchrun's ranks would otherwise live on and hold the GPU for the next step)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                                 start_new_session=True, env=env)
         try:
             out, err = proc.communicate(timeout=limit_s)
             code, timed_out = proc.returncode, False
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
             out, err = proc.communicate()
             code, timed_out = None, True
             # a DeepSpeed op build the kill stopped leaves its lock, on which every later step would wait

@@ -140,6 +140,33 @@ def test_a_step_cut_at_its_limit_leaves_no_deepspeed_build_lock(tmp_path, monkey
     assert folder.is_dir() and not (folder / "lock").exists()
 
 
+def test_a_step_cut_at_its_limit_leaves_no_process_behind(tmp_path, monkeypatch):
+    """A step's process that started another in a session of its own (as torchrun starts its
+    ranks) is cut at the limit: both are gone after the cut, not only the step's process group,
+    and the suite goes on at once instead of waiting for the other to close the step's output."""
+    import time
+
+    import psutil
+
+    pid_file = tmp_path / "child.pid"
+    starts = ("-c", "import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; "
+                    f"time.sleep(120)'], start_new_session=True); open({str(pid_file)!r}, 'w').write(str(child.pid)); "
+                    "time.sleep(60)")
+    monkeypatch.setattr(gpu_suite, "STEPS", (Step("starts", None, starts, 400, part=1),))
+    out = tmp_path / "out"
+    assert main(["--device", "cpu", "--quick", "--part", "1", "--out", str(out), "--budget_s", "6"]) == 1
+    ended = [json.loads(line) for line in (out / STATUS).read_text().splitlines()][-1]
+    child = int(pid_file.read_text())
+    deadline = time.time() + 10
+    while psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE and time.time() < deadline:
+        time.sleep(0.1)
+    alive = psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE
+    if alive:
+        psutil.Process(child).kill()
+    assert not alive, "the step's child in a session of its own outlived the cut"
+    assert ended["timed_out"] and ended["wall_s"] < 60, ended
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.xdist_group("gpu_suite")  # beside test_benchmarks' quick suite, never during it: its scratch check
