@@ -239,13 +239,6 @@ class MemoryConfig:
     """On out-of-memory, all ranks agree, halve micro_batch_size, double accumulation and retry
     the same samples. Also defers DDP's gradient all-reduce until every rank finished its
     micro-batches, so an OOM on one rank never leaves another waiting in a collective."""
-    levers: Literal["off", "auto"] = "off"
-    """auto = the planner (training.micro_batch_size auto) and out-of-memory recovery also choose
-    among the lossless levers left at their defaults: activation checkpointing off, selective or on
-    (when memory.activation_checkpointing is auto), activation offload (when
-    memory.activation_offload is auto) and chunked cross-entropy (a config's language model, when
-    memory.chunked_cross_entropy is false); off = only the micro-batch and activation
-    checkpointing off/on, as configured."""
     allow_lossy_levers: bool = False
     """With memory.levers auto and optimizer.state_dtype fp32: the placement planner may also keep
     AdamW's moments in bf16 or int8 (DDP and FSDP2; int8 needs torchao) where that lets a faster
@@ -253,10 +246,6 @@ class MemoryConfig:
     faster than a less lossy one that fits), kept on resume, recorded in plan.json, placement.json
     and the checkpoint's engine spec. Lossy: the moments are rounded every step. ``memtrain plan``
     shows each dtype's bytes either way."""
-    activation_checkpointing: Literal["off", "on", "selective", "auto"] = "auto"
-    """Recompute block activations in backward: on = all of each block's; selective = keep the
-    matmul and attention outputs, recompute pointwise ops and norms (same losses as off, less than
-    half of off's activation memory on GPT-2); auto = off until an OOM at micro-batch 1 asks for on."""
     cuda_memory_cap_gib: float = 0.0
     """Cap this process's CUDA memory (torch.cuda.set_per_process_memory_fraction) to this many
     GiB, to reproduce a smaller GPU; 0 = no cap. Ignored on CPU."""
@@ -264,24 +253,6 @@ class MemoryConfig:
     """Host memory (GiB) the run's ranks on this machine may use together: a placement predicted
     to need more (offloaded state, pinned buffers, the processes themselves) is refused before
     the model is built; 0 = the memory available when the run starts."""
-    activation_checkpointing_every_n_blocks: int = 1
-    """With activation checkpointing on: recompute every n-th block (1 = all; 2 = half the
-    blocks, less recompute, more memory)."""
-    checkpoint_every: Optional[int] = None
-    """Deprecated name of ``activation_checkpointing_every_n_blocks``."""
-    chunked_cross_entropy: bool = False
-    """Language models: the output layer computes the cross-entropy a chunk of tokens at a time,
-    recomputing each chunk's logits in backward, so the [tokens, vocab] logits are never held
-    (memtrain/levers/chunked_cross_entropy.py; gpt2, llama, mistral, qwen2, qwen3). Saves vocab × 4 bytes per
-    token of activations for one more output-layer matmul per token."""
-    activation_offload: Literal["off", "on", "auto"] = "auto"
-    """Saved activations wait for backward in host memory. Lossless (memtrain/levers/activation_offload.py:
-    on CUDA copied to pinned memory on a side stream, overlapping compute). auto = off, unless
-    memory.levers auto chooses it."""
-    activation_offload_bandwidth_gb_s: float = 25.0
-    """Copy rate (GB/s) charged for offloaded activations. The planner charges the copies at this
-    rate (10^9 bytes/s) where it cannot time them: a CPU run (host and device are one memory) and
-    memtrain plan. Default: PCIe 4.0 x16 (31.5 GB/s raw; ~25 GB/s for pinned copies)."""
     grow_back_window: int = 50
     """After this many OOM-free optimizer steps, try the previous (2×) micro-batch again; the
     window doubles after each failed try. 0 = never grow back."""
@@ -296,6 +267,38 @@ class MemoryConfig:
     run's speed, its resident set then above the plan); false: glibc left alone. The user's own
     ``MALLOC_*`` threshold variables, a ``glibc.malloc`` tunable or a preloaded
     jemalloc/tcmalloc/mimalloc always win."""
+    # generated from the levers' declarations (memtrain/levers/): python -m memtrain.levers rewrites them
+    levers: Literal["off", "auto"] = "off"
+    """auto = the planner (training.micro_batch_size auto) and out-of-memory recovery also choose
+    among the lossless levers left at their defaults: activation checkpointing off, selective or on
+    (when memory.activation_checkpointing is auto), chunked cross-entropy (a config's language
+    model, when memory.chunked_cross_entropy is false) and activation offload (when
+    memory.activation_offload is auto); off = only the micro-batch and activation checkpointing
+    off/on, as configured."""
+    activation_checkpointing: Literal["off", "on", "selective", "auto"] = "auto"
+    """Recompute block activations in backward: on = all of each block's; selective = keep the
+    matmul and attention outputs, recompute pointwise ops and norms (same losses as off, less than
+    half of off's activation memory on GPT-2); auto = off until an OOM at micro-batch 1 asks for
+    on."""
+    activation_checkpointing_every_n_blocks: int = 1
+    """With activation checkpointing on: recompute every n-th block (1 = all; 2 = half the blocks,
+    less recompute, more memory)."""
+    checkpoint_every: Optional[int] = None
+    """Deprecated name of ``activation_checkpointing_every_n_blocks``."""
+    chunked_cross_entropy: bool = False
+    """Language models: the output layer computes the cross-entropy a chunk of tokens at a time,
+    recomputing each chunk's logits in backward, so the [tokens, vocab] logits are never held
+    (memtrain/levers/chunked_cross_entropy.py; gpt2, llama, mistral, qwen2, qwen3). Saves vocab × 4
+    bytes per token of activations for one more output-layer matmul per token."""
+    activation_offload: Literal["off", "on", "auto"] = "auto"
+    """Saved activations wait for backward in host memory. Lossless
+    (memtrain/levers/activation_offload.py: on CUDA copied to pinned memory on a side stream,
+    overlapping compute). auto = off, unless memory.levers auto chooses it."""
+    activation_offload_bandwidth_gb_s: float = 25.0
+    """Copy rate (GB/s) charged for offloaded activations. The planner charges the copies at this
+    rate (10^9 bytes/s) where it cannot time them: a CPU run (host and device are one memory) and
+    memtrain plan. Default: PCIe 4.0 x16 (31.5 GB/s raw; ~25 GB/s for pinned copies)."""
+    # end of the levers' fields
 
 
 @dataclass

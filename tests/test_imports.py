@@ -188,3 +188,14 @@ def test_an_engine_is_checked_when_registered(monkeypatch):
         backends.engine_module("ddp")
     hints = typing.get_type_hints(BackendConfig)
     assert typing.get_args(hints["name"]) == ("auto", *ENGINES)
+
+
+def test_the_config_imports_no_torch():
+    """The config (and so ``memtrain --help``) loads without torch: the levers' fields are written
+    into it as source (memtrain/levers/generated.py), not read from the levers when it is imported."""
+    import subprocess
+    import sys
+
+    probe = "import sys, memtrain.config, memtrain.train; print(sorted(m for m in ('torch', 'memtrain.levers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

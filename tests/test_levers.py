@@ -11,6 +11,7 @@ import torch
 
 import memtrain.levers as levers
 from memtrain.levers import Lever, LeverCost, LeverTarget, apply_levers, lever, lever_choices
+from memtrain.levers.base import ConfigField
 from memtrain.memory.shape import ModelShape
 from memtrain.memory.machine import Machine
 from memtrain.planning.placement import Placement, _size
@@ -27,6 +28,10 @@ class HalveActivations(Lever):
     name = "halve_activations"
     config_key = "memory.halve_activations"
     escalate_event = "halve_activations_on"
+    config_fields = (ConfigField("halve_activations", "bool", False, "Halve each micro-batch's activations (a "
+                                 "stand-in lever of the tests)."),)
+    auto_words = "halved activations (when memory.halve_activations is false)"
+    by_hand = "true"
 
     def choices(self, cfg, spec):
         return (False, True)
@@ -79,6 +84,44 @@ def test_a_new_lever_is_planned_recovered_and_logged_without_other_changes(with_
     assert change.event == "halve_activations_on" and change.as_dict()["halve_activations"] is True
     with pytest.raises(OOMStop):
         ctl.on_oom("forward")
+
+
+def test_a_new_levers_config_field_help_and_docs_rows_are_written_from_its_declaration(with_stand_in, tmp_path,
+                                                                                        monkeypatch):
+    """The stand-in's declared field, rewritten into a copy of memtrain/config.py by the levers'
+    generator, is a config key the command line parses (type and default as declared, its help
+    line from its declaration), ``memory.levers``' help names it, and the resume table's and the
+    README's rows list it; the repository's own files hold what the real levers declare."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from memtrain.levers.generated import rewrites, stale
+
+    repo = Path(__file__).resolve().parents[1]
+    assert stale(repo) == ["memtrain/config.py", "docs/checkpoints.md", "README.md"]  # the stand-in is missing
+    path = tmp_path / "rewritten_config.py"
+    path.write_text(rewrites()["memtrain/config.py"]((repo / "memtrain/config.py").read_text()))
+    spec = importlib.util.spec_from_file_location("rewritten_config", path)
+    config = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "rewritten_config", config)
+    spec.loader.exec_module(config)
+    assert config.MemoryConfig().halve_activations is False
+    args = ["--model.config.model_type", "gpt2"]
+    assert config.parse_args(args + ["--memory.halve_activations", "true"]).memory.halve_activations is True
+    with pytest.raises(config.ConfigError, match="memory.halve_activations"):
+        config.parse_args(args + ["--memory.halve_activations", "sometimes"])
+    from memtrain.cli_help import field_docs
+
+    docs = field_docs(config.Config)
+    assert docs["memory.halve_activations"].startswith("Halve each micro-batch's activations")
+    assert "halved activations (when memory.halve_activations is false)" in " ".join(docs["memory.levers"].split())
+    checkpoints = rewrites()["docs/checkpoints.md"]((repo / "docs/checkpoints.md").read_text())
+    readme = rewrites()["README.md"]((repo / "README.md").read_text())
+    assert "`memory.halve_activations` | the plan restarts" in checkpoints
+    assert "`--memory.halve_activations true`, … |" in readme
+    monkeypatch.setattr(levers, "LEVERS", with_stand_in)
+    assert stale(repo) == [], "python -m memtrain.levers rewrites them"
 
 
 class PinBuffers(Lever):

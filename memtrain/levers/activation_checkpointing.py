@@ -35,7 +35,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from memtrain.backends import engine_module
 from memtrain.errors import ConfigError
-from memtrain.levers.base import Lever, LeverTarget
+from memtrain.levers.base import ConfigField, Lever, LeverTarget
 from memtrain.memory.simulated import note_kept
 
 MODES = ("on", "selective")
@@ -155,6 +155,18 @@ class ActivationCheckpointing(Lever):
     column = "AC"
     config_key = "memory.activation_checkpointing"
     escalate_event = "activation_checkpointing_on"
+    config_fields = (
+        ConfigField("activation_checkpointing", "Literal[" + ", ".join(f'"{c}"' for c in CHOICES) + "]", "auto",
+                    "Recompute block activations in backward: on = all of each block's; selective = keep the matmul "
+                    "and attention outputs, recompute pointwise ops and norms (same losses as off, less than half of "
+                    "off's activation memory on GPT-2); auto = off until an OOM at micro-batch 1 asks for on."),
+        ConfigField("activation_checkpointing_every_n_blocks", "int", 1,
+                    "With activation checkpointing on: recompute every n-th block (1 = all; 2 = half the blocks, less "
+                    "recompute, more memory)."),
+        ConfigField("checkpoint_every", "Optional[int]", None,
+                    "Deprecated name of ``activation_checkpointing_every_n_blocks``."))
+    auto_words = "activation checkpointing off, selective or on (when memory.activation_checkpointing is auto)"
+    by_hand = "on|selective"
 
     def choices(self, cfg, spec) -> tuple:
         ac = cfg.memory.activation_checkpointing

@@ -44,7 +44,7 @@ import weakref
 import torch
 from torch import nn
 
-from memtrain.levers.base import Lever, LeverCost, LeverTarget, PlanFacts
+from memtrain.levers.base import ConfigField, Lever, LeverCost, LeverTarget, PlanFacts
 from memtrain.memory.simulated import counting, storage_key
 from memtrain.memory.simulated import unpack as unpack_counted
 
@@ -217,6 +217,17 @@ class ActivationOffload(Lever):
     column = "offload act"
     config_key = "memory.activation_offload"
     escalate_event = "activation_offload_on"
+    config_fields = (
+        ConfigField("activation_offload", "Literal[" + ", ".join(f'"{c}"' for c in CHOICES) + "]", "auto",
+                    "Saved activations wait for backward in host memory. Lossless (memtrain/levers/activation_offload.py: "
+                    "on CUDA copied to pinned memory on a side stream, overlapping compute). auto = off, unless "
+                    "memory.levers auto chooses it."),
+        ConfigField("activation_offload_bandwidth_gb_s", "float", 25.0,
+                    "Copy rate (GB/s) charged for offloaded activations. The planner charges the copies at this rate "
+                    "(10^9 bytes/s) where it cannot time them: a CPU run (host and device are one memory) and memtrain "
+                    "plan. Default: PCIe 4.0 x16 (31.5 GB/s raw; ~25 GB/s for pinned copies)."))
+    auto_words = "activation offload (when memory.activation_offload is auto)"
+    by_hand = "on"
 
     def choices(self, cfg, spec) -> tuple:
         value = getattr(cfg.memory, "activation_offload", "off")

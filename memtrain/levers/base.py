@@ -4,8 +4,9 @@ A lever is one way of trading seconds for bytes (activation checkpointing, chunk
 cross-entropy, FSDP2's resharding, the DeepSpeed optimizer-offload ratio, ...). A plan
 (:class:`memtrain.plan.Plan`) maps each lever of a run to its setting; the planner, the OOM
 recovery, grow-back, checkpoints, ``plan.json`` and the metrics read those settings without
-knowing which levers exist. Adding a lever is one module of this package, its config field and
-its tests (and its name in :data:`memtrain.levers.LEVERS`). What a setting costs beyond the bytes
+knowing which levers exist. Adding a lever is one module of this package (its config fields
+declared in it: :class:`ConfigField`), its name in :data:`memtrain.levers.LEVERS` and its tests;
+``python -m memtrain.levers`` then writes its fields into the config and its name into the docs. What a setting costs beyond the bytes
 the planner's trace sees and the forwards it recomputes (host bytes, copies) is the lever's own
 :meth:`Lever.cost`, which the planner, the placements and ``memtrain plan`` read alike
 (:func:`memtrain.planning.planner.lever_cost`).
@@ -22,6 +23,27 @@ from torch import nn
 PINNED_ROUNDING = 2
 """Host bytes per pinned byte at most: torch's caching host allocator rounds each pinned block up
 to a power of two (and keeps it cached for reuse)."""
+
+
+@dataclass(frozen=True)
+class ConfigField:
+    """A ``memory`` config field a lever declares: its type, default and help live with the lever,
+    and :class:`memtrain.config.MemoryConfig`'s lever fields are generated from them
+    (:func:`memtrain.levers.config_source`; ``python -m memtrain.levers`` rewrites them), so the
+    config stays free of torch and ``memtrain --help`` instant.
+
+    Attributes:
+        name: the key under ``memory`` (the field ``memory.<name>``).
+        annotation: its type as Python source (``Literal["off", "on", "auto"]``, ``bool``, ``float``).
+        default: its default (a str, bool, int, float or None).
+        doc: its help, one paragraph (reST ````literals````); its first sentence is the line
+            ``memtrain train --help`` shows.
+    """
+
+    name: str
+    annotation: str
+    default: Any
+    doc: str
 
 
 @dataclass(frozen=True)
@@ -120,6 +142,12 @@ class Lever:
             (:mod:`memtrain.checkpoint.compat`): ``restarts_plan`` (the plan restarts with it),
             ``must_match`` (refused: the checkpoint's state depends on it) or ``takes_effect``
             (read when the engine is built, as in a new run).
+        config_fields: the ``memory`` fields the lever declares (:class:`ConfigField`); an engine
+            setting's field is its engine section's.
+        auto_words: what ``memory.levers auto`` may choose through the lever, in words for that
+            field's help; empty = the planner does not choose it.
+        by_hand: the setting a user turns it on with (``on|selective``), for the README's row of
+            levers turned on by hand; empty = not listed there.
     """
 
     name: str = ""
@@ -129,6 +157,9 @@ class Lever:
     runtime: bool = True
     escalate_event: Optional[str] = None
     on_resume: str = "restarts_plan"
+    config_fields: tuple[ConfigField, ...] = ()
+    auto_words: str = ""
+    by_hand: str = ""
 
     def applies(self, cfg, spec) -> bool:
         """Whether the run of ``cfg`` on engine ``spec`` (a :class:`memtrain.backends.spec.EngineSpec`)

@@ -37,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from memtrain.data import IGNORE_INDEX
 from memtrain.errors import ConfigError
-from memtrain.levers.base import Lever, LeverTarget
+from memtrain.levers.base import ConfigField, Lever, LeverTarget
 
 SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
 """transformers causal LMs whose logits are exactly ``lm_head(hidden_states)`` (no scaling,
@@ -158,6 +158,14 @@ class ChunkedCrossEntropy(Lever):
     escalate_event = "chunked_cross_entropy_on"
     column = "chunked CE"
     config_key = "memory.chunked_cross_entropy"
+    config_fields = (
+        ConfigField("chunked_cross_entropy", "bool", False,
+                    "Language models: the output layer computes the cross-entropy a chunk of tokens at a time, "
+                    "recomputing each chunk's logits in backward, so the [tokens, vocab] logits are never held "
+                    f"(memtrain/levers/chunked_cross_entropy.py; {', '.join(SUPPORTED_MODEL_TYPES)}). Saves vocab × 4 "
+                    "bytes per token of activations for one more output-layer matmul per token."),)
+    auto_words = "chunked cross-entropy (a config's language model, when memory.chunked_cross_entropy is false)"
+    by_hand = "true"
 
     def choices(self, cfg, spec) -> tuple:
         if cfg.memory.chunked_cross_entropy and cfg.data.kind == "speech":

@@ -104,6 +104,7 @@ class OptimizerStateDtype(EngineSetting):
     column = "optimizer state"
     config_key = "optimizer.state_dtype"
     on_resume = "must_match"
+    by_hand = "bf16|int8"
 
     def choices(self, cfg, spec) -> tuple:
         dtype = getattr(spec, "optimizer_state_dtype", None) or cfg.optimizer.state_dtype  # the planner's, else the config's
