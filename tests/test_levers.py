@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import memtrain.levers as levers
+from memtrain.config import MemoryConfig
 from memtrain.levers import Lever, LeverCost, LeverTarget, apply_levers, lever, lever_choices
 from memtrain.levers.base import ConfigField
 from memtrain.memory.shape import ModelShape
@@ -49,8 +50,8 @@ def with_stand_in(monkeypatch):
 
 
 def cfg(ac: str = "auto", chunked: bool = False):
-    return SimpleNamespace(memory=SimpleNamespace(activation_checkpointing=ac, chunked_cross_entropy=chunked,
-                                                  activation_checkpointing_every_n_blocks=1),
+    """A config with the ``memory`` section's defaults (every lever's field, however many) but these."""
+    return SimpleNamespace(memory=MemoryConfig(activation_checkpointing=ac, chunked_cross_entropy=chunked),
                            data=SimpleNamespace(kind="text"), optimizer=SimpleNamespace(state_dtype="fp32"))
 
 
