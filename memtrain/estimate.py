@@ -38,7 +38,7 @@ from memtrain.config import ConfigError, parse_args
 from memtrain.data import build_corpus
 from memtrain.distributed import prepare_libraries
 from memtrain.launcher import apply_accelerate_settings
-from memtrain.levers import LEVERS, first_settings, lever_choices, other_lever_words
+from memtrain.levers import LEVERS, first_settings, lever_choices, plan_words
 from memtrain.levers.activation_checkpointing import setting
 from memtrain.levers.optimizer_state import STATE_DTYPES, choose_charging_steps
 from memtrain.memory.accounting import device_state_bytes, state_peak_tensor_bytes
@@ -338,9 +338,8 @@ def verdict(report: dict) -> str:
                     "--nvme_path, memory.activation_checkpointing selective or on, or a shorter data.seq_len")
         return (f"verdict: backend.offload auto places model state as {placed['name']}, micro-batch "
                 f"{placed['micro_batch_size']} × accumulation {placed['gradient_accumulation_steps']} per rank, "
-                f"activation checkpointing {placed['activation_checkpointing']}"
-                f"{other_lever_words(placed.get('levers') or {})}, about {placed['predicted_step_s']:.2f} "
-                f"s per step" + _bound(placed) + _where(report, placed))
+                f"{plan_words({**(placed.get('levers') or {}), 'activation_checkpointing': placed['activation_checkpointing']})}"
+                f", about {placed['predicted_step_s']:.2f} s per step" + _bound(placed) + _where(report, placed))
     chosen = next((c for c in report["candidates"] if c["chosen"]), None)
     budget = report["budget_bytes"]
     if chosen is None:
@@ -348,8 +347,7 @@ def verdict(report: dict) -> str:
                 " with this engine; try another engine or offload (the placements above), more ranks, "
                 "memory.activation_checkpointing selective or on, or a shorter data.seq_len")
     words = (f"verdict: micro-batch {chosen['micro_batch_size']} × accumulation {chosen['gradient_accumulation_steps']}"
-             f" per rank, activation checkpointing {chosen['activation_checkpointing']}"
-             f"{other_lever_words({x.name: chosen[x.name] for x in LEVERS if x.name in chosen})}"
+             f" per rank, {plan_words({x.name: chosen[x.name] for x in LEVERS if x.name in chosen})}"
              f"{' (the config fixes the micro-batch)' if report.get('micro_batch_given') else ''}, predicted "
              f"peak {chosen['predicted_peak_bytes'] / 2**30:.2f} GiB per rank")
     if not chosen["fits"]:

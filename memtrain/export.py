@@ -35,7 +35,7 @@ from memtrain.folders import (check_export_target, check_max_shard_size, is_disk
                               replace_export, write_error)
 from memtrain.lora import is_peft_model, merged, save_adapter
 from memtrain.models import build_model
-from memtrain.weights import load_into, save_weights
+from memtrain.weights import load_into, save_weights, share_tied
 
 log = logging.getLogger("memtrain")
 
@@ -105,7 +105,8 @@ def preload_export_libraries(model: nn.Module) -> None:
 
 
 def _write_export(model: nn.Module, state_dict: dict[str, torch.Tensor], tmp: str, tokenizer, max_shard_size: str):
-    """The export's files, into the new folder ``tmp``."""
+    """The export's files, into the new folder ``tmp`` (a tied parameter stored once: :func:`memtrain.weights.share_tied`)."""
+    state_dict = share_tied(model, state_dict)
     if hasattr(model, "save_pretrained"):
         # memtrain took the config's LayerDrop over (memtrain.layerdrop.install_layerdrop, which
         # sets it to 0 in the live model); the exported config carries the user's value again.

@@ -57,7 +57,9 @@ class FaultInjector:
 
     Attributes:
         step: the optimizer step being run (set by the loop).
-        activation_checkpointing: whether activation checkpointing is on (set by the activation checkpointing lever).
+        keeps_one_block: whether a micro-batch keeps one block's activations at a time, so the
+            injected OOM counts its tokens ÷ the blocks as held (set by a lever: full activation
+            checkpointing).
     """
 
     def __init__(self, faults, rank: int, output_dir: Optional[str] = None):
@@ -65,7 +67,7 @@ class FaultInjector:
         self.rank = rank
         self.marker_dir = os.path.join(output_dir, "faults_fired") if output_dir else None
         self.step = 0
-        self.activation_checkpointing = False
+        self.keeps_one_block = False
         self.num_blocks = 1
         self.memory: Optional[SimulatedMemory] = None
 
@@ -106,7 +108,7 @@ class FaultInjector:
             return False
         if f.oom_at_steps is not None and self.step not in f.oom_at_steps:
             return False
-        held = tokens / self.num_blocks if self.activation_checkpointing else tokens
+        held = tokens / self.num_blocks if self.keeps_one_block else tokens
         return held > f.oom_above_tokens
 
     def _maybe_oom(self, where: str, shape) -> None:

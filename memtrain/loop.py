@@ -43,7 +43,7 @@ from memtrain.optim import apply_hyperparameters
 from memtrain.outputs import RunOutputs
 from memtrain.oom import (OOMStop, OOMSync, is_oom, memory_report, memory_that_ran_out, oom_stop_message,
                           peak_memory_bytes, record_escaped_oom, take_escaped_ooms)
-from memtrain.levers import lever, other_lever_words, resume_rules
+from memtrain.levers import lever, plan_words, resume_rules
 from memtrain.plan import Plan, PlanChange, PlanController
 from memtrain.precision import NonFiniteGuard
 from memtrain.preemption import Preemption
@@ -378,15 +378,13 @@ class TrainingLoop(RunOutputs):
                             f"{resumed[1]:.2f} s), plan {self.controller.plan}")
         t = self.cfg.training
         plan = self.controller.plan
-        ac = plan.lever("activation_checkpointing", "off")
-        levers = other_lever_words(dict(plan.levers))
         per_step = (f"{t.global_batch_size * self.cfg.data.seq_len:,} tokens" if self.corpus.kind == "text"
                     else f"{t.global_batch_size} utterances" if self.corpus.kind == "speech" else "")
         epochs = t.max_steps * t.global_batch_size / max(1, len(self.corpus.train))
         trained = trained_words(self.n_params, count_parameters(self.engine.unwrap(self.model), trainable=True))
         metrics.message(f"memtrain: {self.engine.name} × {self.process.world_size} rank(s) on {self.process.device}, "
                         f"{self.engine.precision}, {parameter_words(self.n_params)} parameters{trained}; plan {plan} (micro-batch × "
-                        f"accumulation), activation checkpointing {ac}{levers}; steps {self.state.step + 1}–{t.max_steps}"
+                        f"accumulation), {plan_words(dict(plan.levers))}; steps {self.state.step + 1}–{t.max_steps}"
                         f" of {t.global_batch_size} samples{f' ({per_step})' if per_step else ''} each, {epochs:.3g} "
                         f"epochs of {self.corpus.describe()}; "
                         + (f"{self.host_limit.describe()}; " if self.host_limit is not None else "")

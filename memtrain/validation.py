@@ -19,7 +19,7 @@ from memtrain.data.hf_datasets import is_dataset_source
 from memtrain.data.tokens import cache_setting, default_cache_dir
 from memtrain.extras import require
 from memtrain.folders import check_export_target, check_max_shard_size, nearest_existing
-from memtrain.levers import lever
+from memtrain.levers import lever, validate as validate_levers
 from memtrain.levers.optimizer_state import BF16_MAX_BETA2
 from memtrain.metrics import check_tracker_names
 from memtrain.models import build_model, check_model_type, ctc_model_types
@@ -231,9 +231,6 @@ def _validate_python_inputs(cfg: Config, python: Collection[str]) -> None:
     if "train_dataset" in python and (cfg.data.files is not None or cfg.data.kind != "text"):
         key = "data.files" if cfg.data.files is not None else "data.kind"
         raise ConfigError(key, "is set, and a train_dataset is given from Python too; drop one")
-    if "objective" in python and cfg.memory.chunked_cross_entropy:
-        raise ConfigError("memory.chunked_cross_entropy", "is for memtrain's causal-LM objective; a Python objective "
-                          "computes its own loss (set it false)")
     if ("train_dataset" in python and not {"model", "tokenizer"} & set(python) and not cfg.model.pretrained
             and "vocab_size" not in (cfg.model.config or {})):
         raise ConfigError("model.config.vocab_size", "is needed: the config's model takes its vocabulary from a "
@@ -328,12 +325,7 @@ def validate(cfg: Config, world_size: int, python: Collection[str] = ()) -> None
         read_user_json(ds)  # a comment or trailing comma is named now, with its line
     _validate_files_and_sizes(cfg)
     _validate_values(cfg)
-    every = cfg.memory.activation_checkpointing_every_n_blocks
-    if every < 1:
-        raise ConfigError("memory.activation_checkpointing_every_n_blocks", f"must be >= 1 (1 = every block), got {every}")
-    if cfg.memory.activation_offload_bandwidth_gb_s <= 0:
-        raise ConfigError("memory.activation_offload_bandwidth_gb_s", "must be > 0 (GB/s of host<->device copies), "
-                          f"got {cfg.memory.activation_offload_bandwidth_gb_s}")
+    validate_levers(cfg, frozenset(python))  # each lever's own fields
     if t.gc_every_steps < 0:
         raise ConfigError("training.gc_every_steps", f"must be >= 0 (0 = Python's automatic garbage collector), "
                           f"got {t.gc_every_steps}")

@@ -38,6 +38,20 @@ def save_weights(state_dict: dict[str, torch.Tensor], directory: str, max_shard_
     return sorted(set(os.listdir(directory)) - before)
 
 
+def share_tied(module: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state_dict`` with the names of each parameter ``module`` ties (one parameter under two
+    names: GPT-2's ``lm_head.weight`` and ``transformer.wte.weight``) pointing at one tensor, the
+    first name's, so the files store it once however the engine gathered it (FSDP2's full state
+    dict and a ZeRO-3 gather give each name a copy of its own)."""
+    first: dict[int, str] = {}
+    shared = dict(state_dict)
+    for name, param in module.named_parameters(remove_duplicate=False):
+        head = first.setdefault(id(param), name)
+        if head != name and head in shared and name in shared:
+            shared[name] = shared[head]
+    return shared
+
+
 def weight_files(directory: str) -> list[str]:
     """The safetensors files of a weights directory (the index's shards, or the single file).
 

@@ -53,6 +53,9 @@ def test_manifests_from_before_formats_and_specs_read_with_both(tmp_path):
     assert manifest["checkpoint_format"] == "dcp"
     assert manifest["engine_spec"]["name"] == "fsdp" and manifest["engine_spec"]["offload"] == "optimizer_and_params"
     assert json.loads((tmp_path / "manifest.json").read_text()) == old
+    for engine, written in (("ddp", "safetensors"), ("deepspeed", "deepspeed"), ("another", None)):
+        (tmp_path / "manifest.json").write_text(json.dumps({**old, "backend": engine}))
+        assert read_manifest(str(tmp_path)).get("checkpoint_format") == written
     with pytest.raises(CheckpointError, match="missing does not exist"):
         read_manifest(str(tmp_path / "missing"))
 

@@ -186,20 +186,20 @@ def test_activation_checkpointing_lever_wraps_and_unwraps_the_blocks():
 
     model = make_stack(32)
     blocks = repeated_blocks(model)
-    faults = SimpleNamespace(activation_checkpointing=False)
+    faults = SimpleNamespace(keeps_one_block=False)
     target = LeverTarget(model, blocks, None, cfg("auto"), faults)
     ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
     model.eval()
     before = model(ids)
     apply_levers(target, {"activation_checkpointing": "on"})
-    assert all(b._memtrain_checkpointed for b in blocks) and faults.activation_checkpointing
+    assert all(b._memtrain_checkpointed for b in blocks) and faults.keeps_one_block
     assert all("context_fn" not in b.forward.keywords for b in blocks)
     apply_levers(target, {"activation_checkpointing": "selective"})
     assert all(b.forward.keywords["context_fn"] is selective_context for b in blocks)
-    assert not faults.activation_checkpointing  # the injected-OOM model divides tokens only under full AC
+    assert not faults.keeps_one_block  # the injected-OOM model divides tokens only under full AC
     assert torch.equal(model(ids), before)
     apply_levers(target, {"activation_checkpointing": "off"})
-    assert not any(b._memtrain_checkpointed for b in blocks) and not faults.activation_checkpointing
+    assert not any(b._memtrain_checkpointed for b in blocks) and not faults.keeps_one_block
     assert all("forward" not in b.__dict__ for b in blocks)
     assert torch.equal(model(ids), before)
 

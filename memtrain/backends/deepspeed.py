@@ -326,8 +326,8 @@ class DeepSpeedBackend:
         ZeRO-3 gathers one module's own parameters at a time, as DeepSpeed's
         ``_zero3_consolidated_16bit_state_dict`` does, never the whole model on every device
         (:func:`memtrain.memory.moments.zero_moments`). A tied parameter (GPT-2's ``lm_head.weight``
-        = ``transformer.wte.weight``) is gathered and copied once and is one tensor under each of
-        its names, so the export stores it once, as DDP's and FSDP2's do."""
+        = ``transformer.wte.weight``) is gathered and copied once, one tensor under each of its
+        names (rank 0's host holds it once; the export stores it once)."""
         import deepspeed
 
         module = self.unwrap(model)

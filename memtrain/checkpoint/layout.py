@@ -25,6 +25,7 @@ import shutil
 from typing import Any, Optional
 
 from memtrain.config import ConfigError
+from memtrain.checkpoint.formats import format_written_by
 from memtrain.errors import CheckpointError
 from memtrain.folders import ESCAPED_OOM_PREFIX, LOCK_FILE
 
@@ -103,10 +104,6 @@ def _not_a_checkpoint(path: str) -> str:
     return f"{path} is not a memtrain checkpoint (no {MANIFEST}; expected OUTPUT_DIR/checkpoints/step_NNNNNNNN)"
 
 
-FORMAT_OF_ENGINE = {"ddp": "safetensors", "fsdp": "dcp", "deepspeed": "deepspeed"}
-"""The checkpoint format each engine wrote before manifests named it (``checkpoint_format``)."""
-
-
 def read_manifest(path: str) -> dict[str, Any]:
     """The one reader of ``path/manifest.json`` (resume, the placement a resumed run keeps, export,
     the engines' loads), with today's fields filled in for manifests of earlier memtrain versions:
@@ -126,8 +123,10 @@ def read_manifest(path: str) -> dict[str, Any]:
         raise CheckpointError(f"{manifest_path} is unreadable: {exc}") from None
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{manifest_path} is malformed: not a JSON object")
-    if "checkpoint_format" not in manifest and manifest.get("backend") in FORMAT_OF_ENGINE:
-        manifest["checkpoint_format"] = FORMAT_OF_ENGINE[manifest["backend"]]
+    if "checkpoint_format" not in manifest and isinstance(manifest.get("backend"), str):
+        written = format_written_by(manifest["backend"])  # the format that engine wrote then
+        if written is not None:
+            manifest["checkpoint_format"] = written
     if "engine_spec" not in manifest and isinstance(manifest.get("config"), dict):
         manifest["engine_spec"] = {**(manifest["config"].get("backend") or {}), "name": manifest.get("backend")}
     return manifest

@@ -22,7 +22,7 @@ LEVERS: tuple[Lever, ...] = (ActivationCheckpointing(), ChunkedCrossEntropy(), A
 """Every lever memtrain has, in the order the OOM recovery escalates them."""
 
 __all__ = ["LEVERS", "Lever", "LeverCost", "LeverTarget", "PlanFacts", "lever", "lever_choices", "allowed_by",
-           "apply_levers", "recompute_fraction", "plan_cost", "resume_rules", "describe", "other_lever_words",
+           "apply_levers", "validate", "recompute_fraction", "plan_cost", "resume_rules", "describe", "plan_words",
            "lever_events", "first_settings", "restore_settings", "offered_choices"]
 
 
@@ -72,6 +72,16 @@ def offered_choices(cfg, spec, source=None, objective=None) -> dict[str, tuple]:
     if "chunked_cross_entropy" in choices and (user or (objective is not None and not hasattr(objective, "chunked"))):
         choices["chunked_cross_entropy"] = choices["chunked_cross_entropy"][:1]
     return choices
+
+
+def validate(cfg, python: frozenset = frozenset()) -> None:
+    """Every lever's :meth:`Lever.validate` of ``cfg`` (``python``: what a Python caller passed).
+
+    Raises:
+        memtrain.errors.ConfigError: a lever's field asks for what it cannot mean (names the field).
+    """
+    for x in LEVERS:
+        x.validate(cfg, python)
 
 
 def first_settings(choices: dict[str, tuple]) -> dict[str, Any]:
@@ -124,11 +134,15 @@ def describe(settings: dict[str, Any]) -> str:
     return "".join(f" {w}" for w in words if w)
 
 
-def other_lever_words(settings: dict[str, Any]) -> str:
-    """The levers besides activation checkpointing that ``settings`` turn on, in words for a
-    sentence (``, chunked CE, activation offload``); empty when none is on."""
-    words = (lever(name).describe(setting) for name, setting in settings.items() if name != "activation_checkpointing")
-    return "".join(f", {w.removeprefix('+ ')}" for w in words if w)
+def plan_words(settings: dict[str, Any]) -> str:
+    """A plan's levers in words for a sentence: each lever named whatever its setting
+    (:attr:`Lever.named_as`: ``activation checkpointing off``), then every other one that
+    ``settings`` turn on (``chunked CE``), comma-separated (``activation checkpointing off, chunked
+    CE, activation offload``); a named lever missing from ``settings`` is said at its first choice."""
+    words = [f"{x.named_as} {x.restore(settings.get(x.name, 'off'))}" for x in LEVERS if x.named_as]
+    words += [lever(name).describe(setting).removeprefix("+ ") for name, setting in settings.items()
+              if name in {x.name for x in LEVERS if not x.named_as}]
+    return ", ".join(w for w in words if w)
 
 
 def lever_events() -> frozenset[str]:

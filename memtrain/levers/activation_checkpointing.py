@@ -165,8 +165,15 @@ class ActivationCheckpointing(Lever):
                     "recompute, more memory)."),
         ConfigField("checkpoint_every", "Optional[int]", None,
                     "Deprecated name of ``activation_checkpointing_every_n_blocks``."))
+    named_as = "activation checkpointing"
     auto_words = "activation checkpointing off, selective or on (when memory.activation_checkpointing is auto)"
     by_hand = "on|selective"
+
+    def validate(self, cfg, python: frozenset = frozenset()) -> None:
+        every = cfg.memory.activation_checkpointing_every_n_blocks
+        if every < 1:
+            raise ConfigError("memory.activation_checkpointing_every_n_blocks",
+                              f"must be >= 1 (1 = every block), got {every}")
 
     def choices(self, cfg, spec) -> tuple:
         ac = cfg.memory.activation_checkpointing
@@ -190,7 +197,7 @@ class ActivationCheckpointing(Lever):
                                                 target.cfg.memory.activation_checkpointing_every_n_blocks, value)
         target.model._memtrain_activation_checkpointing = value
         if target.faults is not None:
-            target.faults.activation_checkpointing = value == "on"
+            target.faults.keeps_one_block = value == "on"
 
     def event_for(self, value) -> str:
         return f"activation_checkpointing_{setting(value)}"  # _on, _selective (and _off for a move back)

@@ -44,6 +44,7 @@ import weakref
 import torch
 from torch import nn
 
+from memtrain.errors import ConfigError
 from memtrain.levers.base import ConfigField, Lever, LeverCost, LeverTarget, PlanFacts
 from memtrain.memory.simulated import counting, storage_key
 from memtrain.memory.simulated import unpack as unpack_counted
@@ -228,6 +229,11 @@ class ActivationOffload(Lever):
                     "plan. Default: PCIe 4.0 x16 (31.5 GB/s raw; ~25 GB/s for pinned copies)."))
     auto_words = "activation offload (when memory.activation_offload is auto)"
     by_hand = "on"
+
+    def validate(self, cfg, python: frozenset = frozenset()) -> None:
+        if cfg.memory.activation_offload_bandwidth_gb_s <= 0:
+            raise ConfigError("memory.activation_offload_bandwidth_gb_s", "must be > 0 (GB/s of host<->device "
+                              f"copies), got {cfg.memory.activation_offload_bandwidth_gb_s}")
 
     def choices(self, cfg, spec) -> tuple:
         value = getattr(cfg.memory, "activation_offload", "off")

@@ -144,6 +144,9 @@ class Lever:
             (read when the engine is built, as in a new run).
         config_fields: the ``memory`` fields the lever declares (:class:`ConfigField`); an engine
             setting's field is its engine section's.
+        named_as: its name in a sentence naming a plan's levers even when off (``activation
+            checkpointing off``: :func:`memtrain.levers.plan_words`); empty = named only when on
+            (:meth:`describe`).
         auto_words: what ``memory.levers auto`` may choose through the lever, in words for that
             field's help; empty = the planner does not choose it.
         by_hand: the setting a user turns it on with (``on|selective``), for the README's row of
@@ -158,6 +161,7 @@ class Lever:
     escalate_event: Optional[str] = None
     on_resume: str = "restarts_plan"
     config_fields: tuple[ConfigField, ...] = ()
+    named_as: str = ""
     auto_words: str = ""
     by_hand: str = ""
 
@@ -165,6 +169,11 @@ class Lever:
         """Whether the run of ``cfg`` on engine ``spec`` (a :class:`memtrain.backends.spec.EngineSpec`)
         has this lever at all (e.g. resharding only under FSDP2)."""
         return True
+
+    def validate(self, cfg, python: frozenset = frozenset()) -> None:
+        """Refuse what the lever's config fields cannot mean, before anything is built
+        (:func:`memtrain.validation.validate`; ``python``: what a Python caller passed, e.g.
+        ``{"objective"}``). Raises :class:`memtrain.errors.ConfigError` naming the field."""
 
     def choices(self, cfg, spec) -> tuple:
         """The settings a plan may take, fastest first (the first is where a run starts; each

@@ -167,6 +167,11 @@ class ChunkedCrossEntropy(Lever):
     auto_words = "chunked cross-entropy (a config's language model, when memory.chunked_cross_entropy is false)"
     by_hand = "true"
 
+    def validate(self, cfg, python: frozenset = frozenset()) -> None:
+        if "objective" in python and cfg.memory.chunked_cross_entropy:
+            raise ConfigError("memory.chunked_cross_entropy", "is for memtrain's causal-LM objective; a Python "
+                              "objective computes its own loss (set it false)")
+
     def choices(self, cfg, spec) -> tuple:
         if cfg.memory.chunked_cross_entropy and cfg.data.kind == "speech":
             raise ConfigError("memory.chunked_cross_entropy", "is for causal language models; the CTC loss has no "

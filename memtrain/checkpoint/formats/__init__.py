@@ -3,6 +3,7 @@
 Each format is one module of this package with:
 
 * ``NAME``: its ``checkpoint_format`` value;
+* ``WRITTEN_BY``: the engine whose manifests meant it before manifests named their format;
 * ``expected_files(world_size, **details) -> list[str]``: the glob patterns a complete save holds;
 * ``read_full_weights(path) -> dict[str, Tensor]``: the whole model's weights (CPU) read in one
   process without a process group (``memtrain export``);
@@ -35,6 +36,12 @@ def format_module(name: str) -> ModuleType:
     if name not in FORMATS:
         raise CheckpointError(f"checkpoint format '{name}' is not one of {', '.join(FORMATS)}")
     return importlib.import_module(f"memtrain.checkpoint.formats.{name}")
+
+
+def format_written_by(engine: str):
+    """The format ``engine`` wrote before manifests named their format (each format's
+    ``WRITTEN_BY``), or None for an engine no format names."""
+    return next((name for name in FORMATS if format_module(name).WRITTEN_BY == engine), None)
 
 
 def read_full_state(path: str, manifest: dict, module) -> tuple[dict[str, torch.Tensor], dict]:

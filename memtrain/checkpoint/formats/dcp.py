@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 NAME = "dcp"
+WRITTEN_BY = "fsdp"
+"""The engine whose manifests meant this format before manifests named their format."""
 FOLDER = "dcp"
 
 

@@ -16,6 +16,8 @@ from torch import nn
 from memtrain.optim import weight_decay_groups
 
 NAME = "deepspeed"
+WRITTEN_BY = "deepspeed"
+"""The engine whose manifests meant this format before manifests named their format."""
 TAG = "zero"
 
 

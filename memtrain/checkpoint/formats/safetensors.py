@@ -14,6 +14,8 @@ from memtrain.optim import weight_decay_groups
 from memtrain.weights import load_into, load_weights, save_weights
 
 NAME = "safetensors"
+WRITTEN_BY = "ddp"
+"""The engine whose manifests meant this format before manifests named their format."""
 OPTIMIZER_FILE = "optimizer.pt"
 
 
