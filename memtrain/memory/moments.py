@@ -118,8 +118,8 @@ def zero_moments(state: Mapping[str, int], shape, precision: str, zero_stage, wo
     MemTracker counts up to 0.8 of a master partition less). The export gathers one module's own
     parameters at a time (ZeRO-3: the largest module's, in the parameters' dtype; on one rank only
     with the parameters offloaded, the others being views of their partitions); rank 0 copies every
-    state-dict entry to its host in fp32 (a 16-bit one cast first, on the device: the largest
-    parameter, 4 bytes per element)."""
+    parameter to its host in fp32, a tied one once (a 16-bit one cast first, on the device: the
+    largest parameter, 4 bytes per element)."""
     stage = 2 if zero_stage is None else zero_stage
     p_bytes = parameter_element_bytes(precision)
     held = (state["parameter_bytes"] + state["optimizer_bytes"] + state["gradient_bytes"] + state["buffer_bytes"]
@@ -128,7 +128,7 @@ def zero_moments(state: Mapping[str, int], shape, precision: str, zero_stage, wo
     alone = world_size == 1 and offload != "optimizer_and_params"  # views of the partitions, as in _zero
     gathered = p_bytes * shape.largest_module if stage >= 3 and not alone else 0
     cast = 4 * max(shape.numels or (shape.largest_module,)) if p_bytes == 2 else 0
-    return _moments(held, 0, gathered + cast, master, gathered + cast + 4 * (shape.parameters + shape.tied))
+    return _moments(held, 0, gathered + cast, master, gathered + cast + 4 * shape.parameters)
 
 
 def moment_terms(state_bytes: Mapping[str, int], device_type: str) -> dict[str, int]:
