@@ -143,60 +143,99 @@ def _run(cmd: list[str], train_args: list[str], env: dict, timeout: float, nproc
         if proc.returncode is None:
             raise subprocess.TimeoutExpired(cmd, timeout, proc.stdout, proc.stderr)
     else:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+        proc = run_killable(cmd, env, timeout, terminate_s=30)  # torchrun's ranks go with it at the limit
     if proc.returncode not in ok_codes:
         raise RunFailed(proc.returncode, proc.stderr)
     return proc
 
 
-def kill_tree(pid: int) -> list[int]:
-    """SIGKILL process ``pid``, its process group and every descendant, found before the kill by
-    parent (psutil), so children that started sessions of their own (torchrun's ranks, a
-    launcher's) go too instead of living on and holding memory or a GPU for what runs next.
-    Returns the pids signalled (gone already: skipped)."""
+KILL_TAG_VAR = "MEMTRAIN_KILL_TAG"
+"""Set in the environment of a command :func:`run_killable` starts (every process it starts
+inherits it), so :func:`kill_tree` finds them all, whoever their parent is by then."""
+
+
+def kill_tree(pid: int, tag: Optional[str] = None) -> list[int]:
+    """SIGKILL process ``pid``, its process group, every descendant (psutil, found before the
+    kill) and, with ``tag``, every process whose environment carries ``KILL_TAG_VAR=tag``: those
+    that started sessions of their own (torchrun's ranks) and those whose parent exited and init
+    took over go too, instead of living on and holding memory, a GPU or the caller's pipe for what
+    runs next. Returns the pids signalled (gone already: skipped)."""
     import signal
 
     import psutil
 
+    found: dict[int, psutil.Process] = {}
     try:
-        tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        tree = []
+        root = psutil.Process(pid)
+        found = {pid: root, **{p.pid: p for p in root.children(recursive=True)}}
+    except psutil.Error:
+        pass
+    if tag is not None:
+        for proc in psutil.process_iter():
+            try:
+                if proc.environ().get(KILL_TAG_VAR) == tag:
+                    found[proc.pid] = proc
+            except psutil.Error:  # gone, a zombie, or another user's
+                continue
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     killed = []
-    for proc in tree:
+    for proc in found.values():
         try:
             proc.kill()
             killed.append(proc.pid)
-        except psutil.NoSuchProcess:
+        except psutil.Error:
             pass
     return killed
 
 
+def run_killable(cmd: list[str], env: dict, timeout: float, terminate_s: float = 0.0,
+                 preexec_fn=None) -> subprocess.CompletedProcess:
+    """``cmd`` from the repository root in a session of its own, its environment tagged
+    (:data:`KILL_TAG_VAR`). Past ``timeout`` seconds: SIGTERM and up to ``terminate_s`` seconds
+    to end (torchrun then ends its ranks), then :func:`kill_tree` of everything it started, and
+    ``subprocess.TimeoutExpired`` (with what it printed) is raised; the pipes are read for at most
+    30 s more, so a process that escaped cannot keep the caller waiting. Ctrl-C in the caller
+    kills it the same way (its session does not hear the terminal)."""
+    import uuid
+
+    tag = uuid.uuid4().hex
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**env, KILL_TAG_VAR: tag}, start_new_session=True, preexec_fn=preexec_fn)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        pass
+    except KeyboardInterrupt:  # its own session does not hear the terminal's Ctrl-C: it goes with the caller
+        kill_tree(proc.pid, tag)
+        raise
+    if terminate_s > 0:
+        proc.terminate()
+        try:
+            proc.wait(timeout=terminate_s)
+        except subprocess.TimeoutExpired:
+            pass
+    kill_tree(proc.pid, tag)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = "", ""
+    raise subprocess.TimeoutExpired(cmd, timeout, out, err)
+
+
 def _run_limited(cmd: list[str], env: dict, timeout: float, rlimit_data: int) -> subprocess.CompletedProcess:
-    """``cmd`` in a session of its own under ``RLIMIT_DATA`` = ``rlimit_data`` bytes; past
-    ``timeout`` seconds the launcher is sent SIGTERM (torchrun ends its ranks, which run in
-    sessions of their own: a hung rank must not outlive the run), then its session SIGKILL, and
-    ``subprocess.TimeoutExpired`` is raised."""
+    """``cmd`` under ``RLIMIT_DATA`` = ``rlimit_data`` bytes (:func:`run_killable`: past
+    ``timeout`` seconds the launcher is sent SIGTERM, so torchrun ends its ranks, then everything
+    it started is killed and ``subprocess.TimeoutExpired`` is raised)."""
     import resource
 
     limit = (rlimit_data, rlimit_data)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
-                            start_new_session=True, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_DATA, limit))
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.terminate()
-        try:
-            proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            kill_tree(proc.pid)
-            proc.communicate()
-        raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return run_killable(cmd, env, timeout, terminate_s=60,
+                        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_DATA, limit))
 
 
 def read_metrics(output_dir: str) -> list[dict]:

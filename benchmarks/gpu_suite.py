@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from common import (FORK_SERVER_VAR, REPO, RESULTS, RESULTS_DIR_VAR, device_name, fork_server, kill_tree,
+from common import (FORK_SERVER_VAR, REPO, RESULTS, RESULTS_DIR_VAR, device_name, fork_server, run_killable,
                     provenance)
 from memtrain.backends.op_locks import JIT_BUILDERS, clear_stale_locks
 from tables import staleness
@@ -144,17 +144,13 @@ def run_step(step: Step, cmd: list[str], limit_s: float, env: Optional[dict] = N
                                  cwd=str(REPO), timeout=limit_s, torchrun=False)
         out, err, code, timed_out = done.stdout, done.stderr, done.returncode, done.returncode is None
     else:
-        # a process group of its own: at the time limit the whole group goes, and every descendant
-        # in a session of its own (torchrun's ranks would otherwise live on and hold the GPU for the next step)
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                                start_new_session=True, env=env)
+        # a session of its own: at the time limit everything it started goes (torchrun's ranks in
+        # sessions of their own would otherwise live on and hold the GPU for the next step)
         try:
-            out, err = proc.communicate(timeout=limit_s)
-            code, timed_out = proc.returncode, False
-        except subprocess.TimeoutExpired:
-            kill_tree(proc.pid)
-            out, err = proc.communicate()
-            code, timed_out = None, True
+            done = run_killable(cmd, env, limit_s)
+            out, err, code, timed_out = done.stdout, done.stderr, done.returncode, False
+        except subprocess.TimeoutExpired as cut:
+            out, err, code, timed_out = cut.stdout or "", cut.stderr or "", None, True
             # a DeepSpeed op build the kill stopped leaves its lock, on which every later step would wait
             cleared = clear_stale_locks(JIT_BUILDERS, grace_s=0)
             err += "".join(f"\ngpu_suite: removed {lock}, left by a build the time limit stopped" for lock in cleared)

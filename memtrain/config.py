@@ -239,34 +239,6 @@ class MemoryConfig:
     """On out-of-memory, all ranks agree, halve micro_batch_size, double accumulation and retry
     the same samples. Also defers DDP's gradient all-reduce until every rank finished its
     micro-batches, so an OOM on one rank never leaves another waiting in a collective."""
-    allow_lossy_levers: bool = False
-    """With memory.levers auto and optimizer.state_dtype fp32: the placement planner may also keep
-    AdamW's moments in bf16 or int8 (DDP and FSDP2; int8 needs torchao) where that lets a faster
-    plan fit — chosen before the model is built (a lossier dtype only where predicted more than 5%
-    faster than a less lossy one that fits), kept on resume, recorded in plan.json, placement.json
-    and the checkpoint's engine spec. Lossy: the moments are rounded every step. ``memtrain plan``
-    shows each dtype's bytes either way."""
-    cuda_memory_cap_gib: float = 0.0
-    """Cap this process's CUDA memory (torch.cuda.set_per_process_memory_fraction) to this many
-    GiB, to reproduce a smaller GPU; 0 = no cap. Ignored on CPU."""
-    host_memory_gib: float = 0.0
-    """Host memory (GiB) the run's ranks on this machine may use together: a placement predicted
-    to need more (offloaded state, pinned buffers, the processes themselves) is refused before
-    the model is built; 0 = the memory available when the run starts."""
-    grow_back_window: int = 50
-    """After this many OOM-free optimizer steps, try the previous (2×) micro-batch again; the
-    window doubles after each failed try. 0 = never grow back."""
-    host_allocator_thresholds: Optional[bool] = None
-    """glibc (Linux) malloc's mmap and trim thresholds (memtrain/host_allocator.py). null
-    (default): a CPU run fixes both at glibc's starting 128 KiB in any process, so what a step
-    frees goes back to the OS and the resident set follows the host bytes the plan counts (at the
-    price of page-faulting activations in again every step); a GPU run run by the ``memtrain``
-    command fixes them at 32 / 64 MiB, so freed blocks stay for the next micro-batch (up to 64 MiB
-    free at the top of each malloc arena), and one run by ``memtrain.Trainer`` in a user's process
-    leaves them alone (glibc cannot read back or undo them). true: 32 / 64 MiB on any run (a CPU
-    run's speed, its resident set then above the plan); false: glibc left alone. The user's own
-    ``MALLOC_*`` threshold variables, a ``glibc.malloc`` tunable or a preloaded
-    jemalloc/tcmalloc/mimalloc always win."""
     # generated from the levers' declarations (memtrain/levers/): python -m memtrain.levers rewrites them
     levers: Literal["off", "auto"] = "off"
     """auto = the planner (training.micro_batch_size auto) and out-of-memory recovery also choose
@@ -299,6 +271,34 @@ class MemoryConfig:
     rate (10^9 bytes/s) where it cannot time them: a CPU run (host and device are one memory) and
     memtrain plan. Default: PCIe 4.0 x16 (31.5 GB/s raw; ~25 GB/s for pinned copies)."""
     # end of the levers' fields
+    allow_lossy_levers: bool = False
+    """With memory.levers auto and optimizer.state_dtype fp32: the placement planner may also keep
+    AdamW's moments in bf16 or int8 (DDP and FSDP2; int8 needs torchao) where that lets a faster
+    plan fit — chosen before the model is built (a lossier dtype only where predicted more than 5%
+    faster than a less lossy one that fits), kept on resume, recorded in plan.json, placement.json
+    and the checkpoint's engine spec. Lossy: the moments are rounded every step. ``memtrain plan``
+    shows each dtype's bytes either way."""
+    cuda_memory_cap_gib: float = 0.0
+    """Cap this process's CUDA memory (torch.cuda.set_per_process_memory_fraction) to this many
+    GiB, to reproduce a smaller GPU; 0 = no cap. Ignored on CPU."""
+    host_memory_gib: float = 0.0
+    """Host memory (GiB) the run's ranks on this machine may use together: a placement predicted
+    to need more (offloaded state, pinned buffers, the processes themselves) is refused before
+    the model is built; 0 = the memory available when the run starts."""
+    grow_back_window: int = 50
+    """After this many OOM-free optimizer steps, try the previous (2×) micro-batch again; the
+    window doubles after each failed try. 0 = never grow back."""
+    host_allocator_thresholds: Optional[bool] = None
+    """glibc (Linux) malloc's mmap and trim thresholds (memtrain/host_allocator.py). null
+    (default): a CPU run fixes both at glibc's starting 128 KiB in any process, so what a step
+    frees goes back to the OS and the resident set follows the host bytes the plan counts (at the
+    price of page-faulting activations in again every step); a GPU run run by the ``memtrain``
+    command fixes them at 32 / 64 MiB, so freed blocks stay for the next micro-batch (up to 64 MiB
+    free at the top of each malloc arena), and one run by ``memtrain.Trainer`` in a user's process
+    leaves them alone (glibc cannot read back or undo them). true: 32 / 64 MiB on any run (a CPU
+    run's speed, its resident set then above the plan); false: glibc left alone. The user's own
+    ``MALLOC_*`` threshold variables, a ``glibc.malloc`` tunable or a preloaded
+    jemalloc/tcmalloc/mimalloc always win."""
 
 
 @dataclass

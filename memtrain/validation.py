@@ -215,8 +215,7 @@ def _validate_keep_best(cfg: Config) -> None:
 
 def _validate_python_inputs(cfg: Config, python: Collection[str]) -> None:
     """A model or data given from Python leaves the config's own unset (two models, or two
-    datasets, named at once is refused, not one silently ignored); a Python objective computes
-    its own loss (no chunked cross-entropy); examples without a tokenizer give the config's
+    datasets, named at once is refused, not one silently ignored); examples without a tokenizer give the config's
     model no vocabulary size; an optimizer factory runs where its optimizer is stepped as it is
     (:func:`_validate_user_optimizer`)."""
     if "optimizer_factory" in python:
@@ -315,6 +314,7 @@ def validate(cfg: Config, world_size: int, python: Collection[str] = ()) -> None
                 raise ConfigError("data.files", f"'{pattern}' is a folder; give its files, e.g. "
                                   f"'{os.path.join(pattern, '**', '*.txt')}'")
     _validate_python_inputs(cfg, python)
+    validate_levers(cfg, frozenset(python))  # each lever's own fields
     if "model" not in python:
         _validate_speech(cfg)
         _validate_model(cfg)
@@ -325,7 +325,6 @@ def validate(cfg: Config, world_size: int, python: Collection[str] = ()) -> None
         read_user_json(ds)  # a comment or trailing comma is named now, with its line
     _validate_files_and_sizes(cfg)
     _validate_values(cfg)
-    validate_levers(cfg, frozenset(python))  # each lever's own fields
     if t.gc_every_steps < 0:
         raise ConfigError("training.gc_every_steps", f"must be >= 0 (0 = Python's automatic garbage collector), "
                           f"got {t.gc_every_steps}")

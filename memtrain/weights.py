@@ -42,10 +42,12 @@ def share_tied(module: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[s
     """``state_dict`` with the names of each parameter ``module`` ties (one parameter under two
     names: GPT-2's ``lm_head.weight`` and ``transformer.wte.weight``) pointing at one tensor, the
     first name's, so the files store it once however the engine gathered it (FSDP2's full state
-    dict and a ZeRO-3 gather give each name a copy of its own)."""
+    dict gives each name a copy of its own). Names are the state dict's (a compiled module's
+    ``_orig_mod.`` left out); ``state_dict`` itself is not changed."""
     first: dict[int, str] = {}
     shared = dict(state_dict)
     for name, param in module.named_parameters(remove_duplicate=False):
+        name = name.replace("_orig_mod.", "")
         head = first.setdefault(id(param), name)
         if head != name and head in shared and name in shared:
             shared[name] = shared[head]

@@ -133,3 +133,27 @@ def test_a_load_as_read_refuses_other_groups_and_weights_by_name(tmp_path):
     load_full_state_as_read(tied, tied_opt, {"0.weight": torch.ones(4, 4)},
                                {"state": {}, "param_groups": [{**tied_opt.param_groups[0], "params": ["0.weight"]}]})
     assert torch.equal(tied[1].weight, torch.ones(4, 4))
+
+
+def test_an_export_stores_a_tied_parameter_once_however_it_was_gathered(tmp_path):
+    """A state dict whose tied names hold copies of their own (as FSDP2's full state dict gives
+    them, and a compiled module's names carry ``_orig_mod.``) is exported with GPT-2's head and
+    embedding stored once, as transformers saves the model itself; the caller's dict is untouched."""
+    from safetensors import safe_open
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from memtrain.export import export_model
+    from memtrain.weights import share_tied
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=32, n_positions=16))
+    copies = {k: v.clone() for k, v in gpt2.state_dict().items()}  # each name a tensor of its own
+    compiled = torch.nn.Module()
+    compiled._orig_mod = gpt2  # torch.compile's wrapper names the parameters so
+    shared = share_tied(compiled, copies)
+    assert shared["lm_head.weight"] is shared["transformer.wte.weight"]
+    assert copies["lm_head.weight"] is not copies["transformer.wte.weight"]
+    export_model(gpt2, copies, str(tmp_path / "model"))
+    with safe_open(str(tmp_path / "model" / "model.safetensors"), "pt") as fh:
+        names = set(fh.keys())
+    assert "transformer.wte.weight" in names and "lm_head.weight" not in names

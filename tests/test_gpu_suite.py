@@ -142,16 +142,16 @@ def test_a_step_cut_at_its_limit_leaves_no_deepspeed_build_lock(tmp_path, monkey
 
 def test_a_step_cut_at_its_limit_leaves_no_process_behind(tmp_path, monkeypatch):
     """A step's process that started another in a session of its own (as torchrun starts its
-    ranks) is cut at the limit: both are gone after the cut, not only the step's process group,
-    and the suite goes on at once instead of waiting for the other to close the step's output."""
+    ranks) and then ended, so that init took the other over, is cut at the limit: the other is
+    gone after the cut, found by the step's tag, not by its parent, and the suite goes on at once
+    instead of waiting for it to close the step's output."""
     import time
 
     import psutil
 
     pid_file = tmp_path / "child.pid"
-    starts = ("-c", "import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; "
-                    f"time.sleep(120)'], start_new_session=True); open({str(pid_file)!r}, 'w').write(str(child.pid)); "
-                    "time.sleep(60)")
+    starts = ("-c", "import subprocess, sys; child = subprocess.Popen([sys.executable, '-c', 'import time; "
+                    f"time.sleep(120)'], start_new_session=True); open({str(pid_file)!r}, 'w').write(str(child.pid))")
     monkeypatch.setattr(gpu_suite, "STEPS", (Step("starts", None, starts, 400, part=1),))
     out = tmp_path / "out"
     assert main(["--device", "cpu", "--quick", "--part", "1", "--out", str(out), "--budget_s", "6"]) == 1

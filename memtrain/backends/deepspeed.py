@@ -343,15 +343,13 @@ class DeepSpeedBackend:
             fresh = {id(t): t for t in own.values() if id(t) not in copies}
             with deepspeed.zero.GatheredParameters([p for p in sub.parameters(recurse=False) if id(p) in fresh],
                                                    modifier_rank=None):
-                copies.update((i, t.detach().float().cpu().clone() if self.process.is_main else None)
-                              for i, t in fresh.items())
+                copies.update((i, _host_copy(t) if self.process.is_main else None) for i, t in fresh.items())
             if self.process.is_main:
                 sd.update((k, copies[id(t)]) for k, t in own.items())
         if keys - done:  # entries a module's own state-dict hook makes: the whole model gathered, as before
             with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
                 if self.process.is_main:
-                    sd.update((k, v.detach().float().cpu().clone()) for k, v in module.state_dict().items()
-                              if k in keys - done)
+                    sd.update((k, _host_copy(v)) for k, v in module.state_dict().items() if k in keys - done)
         return sd if self.process.is_main else None
 
     def save_state(self, model: nn.Module, optimizer, directory: str, max_shard_size: str = "5GB",
@@ -586,3 +584,9 @@ def size_buffers(ds_config: dict, shape: ModelShape, trainable: int) -> dict[str
         if zero.get(key) in (None, "auto"):
             zero[key] = value
     return {**zero_buffer_settings(zero), **{k: int(bool(zero.get(k, True))) for k in ZERO_IN_PLACE_KEYS}}
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` on the host: a floating one in fp32 (the export's dtype), an integer or
+    bool buffer as it is (DDP's and FSDP2's exports keep, e.g., a step count an integer)."""
+    return (tensor.detach().float() if tensor.is_floating_point() else tensor.detach()).cpu().clone()

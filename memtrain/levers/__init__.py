@@ -138,7 +138,7 @@ def plan_words(settings: dict[str, Any]) -> str:
     """A plan's levers in words for a sentence: each lever named whatever its setting
     (:attr:`Lever.named_as`: ``activation checkpointing off``), then every other one that
     ``settings`` turn on (``chunked CE``), comma-separated (``activation checkpointing off, chunked
-    CE, activation offload``); a named lever missing from ``settings`` is said at its first choice."""
+    CE, activation offload``); a named lever missing from ``settings`` is said ``off``."""
     words = [f"{x.named_as} {x.restore(settings.get(x.name, 'off'))}" for x in LEVERS if x.named_as]
     words += [lever(name).describe(setting).removeprefix("+ ") for name, setting in settings.items()
               if name in {x.name for x in LEVERS if not x.named_as}]

@@ -16,6 +16,8 @@ def main(argv=None) -> int:
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 when a file is stale")
     opts = parser.parse_args(argv)
     root = Path(__file__).resolve().parents[2]
+    if not (root / "pyproject.toml").is_file():
+        parser.error(f"{root} is not a source checkout (no pyproject.toml): nothing to rewrite")
     changed = stale(root)
     for rel in changed:
         print(f"{rel}: {'stale' if opts.check else 'rewritten'}")

@@ -29,7 +29,7 @@ to a power of two (and keeps it cached for reuse)."""
 class ConfigField:
     """A ``memory`` config field a lever declares: its type, default and help live with the lever,
     and :class:`memtrain.config.MemoryConfig`'s lever fields are generated from them
-    (:func:`memtrain.levers.config_source`; ``python -m memtrain.levers`` rewrites them), so the
+    (:func:`memtrain.levers.generated.config_source`; ``python -m memtrain.levers`` rewrites them), so the
     config stays free of torch and ``memtrain --help`` instant.
 
     Attributes:

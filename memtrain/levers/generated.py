@@ -11,6 +11,7 @@ of them differs from what the levers declare (``tests/test_levers.py``).
 
 from __future__ import annotations
 
+import json
 import textwrap
 from pathlib import Path
 from typing import Any, Callable
@@ -20,7 +21,7 @@ from memtrain.checkpoint.compat import ResumeRules
 from memtrain.levers.base import ConfigField
 
 WIDTH = 100
-"""Longest line of the generated config source."""
+"""Longest line of a generated field or docstring (the marker lines aside)."""
 BEGIN = "    # generated from the levers' declarations (memtrain/levers/): python -m memtrain.levers rewrites them"
 END = "    # end of the levers' fields"
 LEVERS_DOC = ("auto = the planner (training.micro_batch_size auto) and out-of-memory recovery also choose among the "
@@ -43,7 +44,7 @@ def config_fields() -> tuple[ConfigField, ...]:
 
 
 def _literal(value: Any) -> str:
-    return f'"{value}"' if isinstance(value, str) else repr(value)
+    return json.dumps(value) if isinstance(value, str) else repr(value)
 
 
 def config_source() -> str:
@@ -51,6 +52,8 @@ def config_source() -> str:
     (both included): each field with its docstring, as written by hand elsewhere in the config."""
     lines = [BEGIN]
     for f in config_fields():
+        if '"""' in f.doc or f.doc.endswith('"'):
+            raise ValueError(f"memory.{f.name}: a help text that ends a docstring early (its quotes)")
         lines.append(f"    {f.name}: {f.annotation} = {_literal(f.default)}")
         lines += textwrap.wrap(f'"""{f.doc}"""', WIDTH, initial_indent="    ", subsequent_indent="    ",
                                break_long_words=False, break_on_hyphens=False)

@@ -3,7 +3,8 @@
 Each format is one module of this package with:
 
 * ``NAME``: its ``checkpoint_format`` value;
-* ``WRITTEN_BY``: the engine whose manifests meant it before manifests named their format;
+* ``WRITTEN_BY`` (optional): the engine whose manifests meant it before manifests named their
+  format (a format newer than that field leaves it out);
 * ``expected_files(world_size, **details) -> list[str]``: the glob patterns a complete save holds;
 * ``read_full_weights(path) -> dict[str, Tensor]``: the whole model's weights (CPU) read in one
   process without a process group (``memtrain export``);
@@ -41,7 +42,7 @@ def format_module(name: str) -> ModuleType:
 def format_written_by(engine: str):
     """The format ``engine`` wrote before manifests named their format (each format's
     ``WRITTEN_BY``), or None for an engine no format names."""
-    return next((name for name in FORMATS if format_module(name).WRITTEN_BY == engine), None)
+    return next((name for name in FORMATS if getattr(format_module(name), "WRITTEN_BY", None) == engine), None)
 
 
 def read_full_state(path: str, manifest: dict, module) -> tuple[dict[str, torch.Tensor], dict]:
