@@ -17,14 +17,16 @@ relative_error = (predicted − measured) / measured, plan_peak_bytes, covered. 
 bounds): per moment |error| median ≤ 2%, p90 ≤ 4%, worst over ≤ 10%, none under by more than 2%.
 
     python benchmarks/moment_accuracy.py                  # 4 engines × fp32/bf16 × 1 and 2 ranks
-    python benchmarks/moment_accuracy.py --quick          # the tests' tiny model, 2 ranks fp32 (prints only)
+    python benchmarks/moment_accuracy.py --quick          # the tests' tiny model, 2 ranks fp32, and QUICK_SWITCHES (prints only)
     python benchmarks/moment_accuracy.py --results        # also append the rows to benchmarks/results/
     python benchmarks/moment_accuracy.py --switch --results   # the engine switch: another engine's checkpoint
 
 ``--switch``: each pair of :data:`SWITCHES` (the checkpoint written under the first engine,
 resumed under the second; 2 ranks, fp32). The engine switch reads the whole weights and
-optimizer state on every rank, which the prediction does not count yet: these rows show by how
-much. Not measured here: GPU runs, where the files' reads and rank 0's copy are host memory.
+optimizer state on every rank; the prediction is the switch's
+(:func:`memtrain.memory.moments.switch_resume_bytes`), which ``memtrain plan`` makes when the
+checkpoint it would resume was written by another engine. Not measured here: GPU runs, where the
+files' reads and rank 0's copy are host memory.
 """
 
 from __future__ import annotations
@@ -44,18 +46,24 @@ from memory_accuracy import error_distribution  # noqa: E402
 # so ZeRO-3 partitions and gathers them (at width 64 it keeps every block parameter whole)
 MODEL_ARGS = CPU_ARGS + ["--model.config.n_embd", "256", "--training.global_batch_size", "8",
                          "--training.micro_batch_size", "4"]
-SWITCHES = (("ddp", "fsdp"), ("fsdp", "ddp"), ("ddp", "zero2"), ("ddp", "zero3"), ("zero2", "ddp"))
+SWITCHES = (("ddp", "fsdp"), ("fsdp", "ddp"), ("ddp", "zero2"), ("ddp", "zero3"), ("zero2", "ddp"),
+            ("fsdp", "zero2"), ("zero2", "fsdp"), ("zero3", "ddp"), ("zero3", "fsdp"))
 """(the engine that writes the checkpoint, the engine that resumes it) for ``--switch``."""
+QUICK_SWITCHES = (("fsdp", "zero2"), ("zero3", "fsdp"))
+"""The switches ``--quick`` adds: torch.distributed.checkpoint's read into ZeRO's universal load,
+DeepSpeed's conversion into FSDP2's shards."""
 QUICK_ARGS = TINY_ARGS + ["--model.config.n_embd", "256", "--model.config.n_head", "4"]
 
 
-def measured(args: list[str], engine: str, world_size: int, resumed_from: str) -> dict:
+def measured(args: list[str], engine: str, world_size: int, resumed_from: str) -> tuple[dict, dict]:
     """The highest rank's counts: ``resume`` (MemTracker's peak before the resumed run's step)
-    and ``export`` (the export's peak), bytes."""
+    and ``export`` (the export's peak), bytes; and the prediction (:func:`predicted`) made as
+    ``memtrain plan`` makes it before the resume, with the checkpoint in place."""
     out = scratch_dir(f"moments-{engine}")
     try:
         run_memtrain(args + ENGINES[resumed_from] + ["--training.max_steps", "1", "--checkpoint.every_steps", "1"],
                      out, nproc=world_size, timeout=900)
+        guess = predicted(args + ["--output_dir", out], engine, world_size)
         run_memtrain(args + ENGINES[engine] + ["--training.max_steps", "2", "--checkpoint.every_steps", "1",
                                                "--logging.memory_breakdown_step", "2"],
                      out, nproc=world_size, timeout=900)
@@ -64,7 +72,7 @@ def measured(args: list[str], engine: str, world_size: int, resumed_from: str) -
             with open(os.path.join(out, "memory_breakdown", f"rank_{rank:05d}.json")) as fh:
                 counts.append(json.load(fh))
         return {"resume": max(c["before_step_peak_bytes"] for c in counts),
-                "export": max(c["export_peak_bytes"] for c in counts)}
+                "export": max(c["export_peak_bytes"] for c in counts)}, guess
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
@@ -91,7 +99,7 @@ def rows(args: list[str], engines: list[str], world_sizes: list[int], precisions
             run_args[run_args.index("--precision") + 1] = precision
             for engine in engines:
                 source = resumed_from or engine
-                count, guess = measured(run_args, engine, world_size, source), predicted(run_args, engine, world_size)
+                count, guess = measured(run_args, engine, world_size, source)
                 for moment in ("resume", "export"):
                     yield {"benchmark": "moment_accuracy", "engine": engine, "resumed_from": source,
                            "world_size": world_size, "precision": precision, "moment": moment,
@@ -128,9 +136,9 @@ def main(argv=None) -> int:
                                                             opts.precisions.split(","))
     results = []
     pairs = [(dst, src) for src, dst in SWITCHES] if opts.switch else [(e, None) for e in opts.engines.split(",")]
+    pairs += [(dst, src) for src, dst in QUICK_SWITCHES] if opts.quick else []
     every = (row for engine, source in pairs
-             for row in rows(args, [engine], [2] if opts.switch else sizes, ["fp32"] if opts.switch else precisions,
-                             source))
+             for row in rows(args, [engine], [2] if source else sizes, ["fp32"] if source else precisions, source))
     for row in every:
         results.append(row)
         emit("moment_accuracy", "cpu", row, save=opts.results and not opts.quick)

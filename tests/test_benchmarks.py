@@ -202,10 +202,16 @@ def test_resume_and_export_moments_are_predicted_on_every_engine(suite):
     (:mod:`memtrain.memory.moments`): never under by more than 2%, never over by more than 10%,
     and both within the plan's predicted peak. Without the moments FSDP2's resume (the gradient
     shards torch's optimizer-state initialization makes) and rank 0's export copy are under; with
-    ZeRO-3's export gathering the whole model at once, its export is. Rows are printed, not saved."""
+    ZeRO-3's export gathering the whole model at once, its export is.
+
+    Two engine switches too (an FSDP2 checkpoint resumed under ZeRO-2, a ZeRO-3 one under FSDP2),
+    predicted as ``memtrain plan`` predicts them with the checkpoint in place: without the
+    switch's moment (:func:`memtrain.memory.moments.switch_resume_bytes`) both resumes are 50%
+    under. Rows are printed, not saved."""
     rows = [r for r in run_quick(suite, "moment_accuracy") if "moment" in r]
-    assert sorted((r["engine"], r["moment"]) for r in rows) == sorted(
-        (e, m) for e in ("ddp", "fsdp", "zero2", "zero3") for m in ("resume", "export"))
+    assert sorted((r["resumed_from"], r["engine"], r["moment"]) for r in rows) == sorted(
+        [(e, e, m) for e in ("ddp", "fsdp", "zero2", "zero3") for m in ("resume", "export")]
+        + [(s, e, m) for s, e in (("fsdp", "zero2"), ("zero3", "fsdp")) for m in ("resume", "export")])
     for r in rows:
         assert r["measured_bytes"] > 0 and -0.02 <= r["relative_error"] <= 0.10 and r["covered"], r
 

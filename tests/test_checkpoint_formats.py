@@ -9,9 +9,10 @@ import json
 import pytest
 import torch
 
-from memtrain.checkpoint.formats import dcp, format_module, read_full_weights, safetensors
+from memtrain.checkpoint.formats import SavedRun, dcp, format_module, read_full_weights, safetensors
 from memtrain.checkpoint.layout import read_manifest
 from memtrain.errors import CheckpointError
+from memtrain.memory.shape import model_shape
 
 
 def model() -> torch.nn.Module:
@@ -69,7 +70,8 @@ def test_full_state_is_keyed_by_name_and_loads_into_another_model(tmp_path, name
     optimizer step matches the original's exactly: Adam's moments and step count came across.
     ``load_full_state_as_read`` never steps the optimizer (torch's steps once on zero gradients to
     build a state it then replaces: the moments twice and a gradient per parameter), and keeps the
-    read tensors as the optimizer's state."""
+    read tensors as the optimizer's state. The format's ``full_state_read_bytes`` (the engine
+    switch's resume moment) is the bytes of the tensors ``read_full_state`` returned."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     from memtrain.backends.common import load_full_state_as_read
@@ -95,6 +97,11 @@ def test_full_state_is_keyed_by_name_and_loads_into_another_model(tmp_path, name
     fresh, fresh_opt = trained()
     weights, optim = format_module(name).read_full_state(str(tmp_path), fresh)
     assert set(optim["state"]) == {n for n, _ in net.named_parameters()}
+    # what the engine switch's moment counts the read as: the bytes of the tensors it returned
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*weights.values(), *(v for s in optim["state"].values() for k, v in s.items() if k != "step")]}
+    read_bytes, read_peak = format_module(name).full_state_read_bytes(model_shape(fresh), SavedRun(world_size=1))
+    assert read_bytes == sum(storages.values()) and read_peak >= read_bytes
     steps, fresh_step = [], fresh_opt.step
     fresh_opt.step = lambda *a, **k: steps.append(1) or fresh_step(*a, **k)
     if loader == "as_read":

@@ -21,13 +21,18 @@ Each engine's ``model_state_bytes`` dict carries five keys from here (bytes per 
 MemTracker (``logging.memory_breakdown_step`` on the first step after a resume, which is the run's
 last: ``before_step_peak_bytes`` and ``export_peak_bytes``; ``benchmarks/moment_accuracy.py``)
 counts both moments on every engine; the allocations here were found by logging every tensor of
-0.4 MB or more that torch creates during a resume's load, with its caller. Not counted: a resume
-from another engine's checkpoint (the engine switch reads the whole weights and optimizer state
-on every rank, DeepSpeed's format converts through its universal checkpoint first;
-``moment_accuracy.py --switch`` measures by how much). A switch to DDP, or to FSDP2 without
-offload, gives the read moments to the optimizer as they are (cut to the rank's shards under
-FSDP2: :func:`memtrain.backends.common.load_full_state_as_read`), with no optimizer state built
-first.
+0.4 MB or more that torch creates during a resume's load, with its caller.
+
+A resume from another engine's checkpoint (the engine switch) has a moment of its own
+(:func:`switch_resume_bytes`, from :data:`SWITCH_KEYS` and what the checkpoint's format reads:
+its ``full_state_read_bytes``): every rank reads the whole weights and optimizer state (DeepSpeed's
+format through its universal checkpoint) and holds them until the engine has taken its share. A
+switch to DDP, or to FSDP2 without offload, gives the read moments to the optimizer as they are
+(cut to the rank's shards under FSDP2: :func:`memtrain.backends.common.load_full_state_as_read`),
+with no optimizer state built first; ZeRO builds its partition's moments and writes the read
+state as a universal checkpoint its own loader reads. ``memtrain plan`` counts it when the
+checkpoint it would resume was written by another engine
+(:func:`memtrain.planning.resumed.switch_read`; ``moment_accuracy.py --switch`` checks it).
 """
 
 from __future__ import annotations
@@ -43,11 +48,34 @@ def parameter_element_bytes(precision: str) -> int:
 
 MOMENT_KEYS = ("held_bytes", "load_bytes", "export_bytes", "load_cpu_bytes", "export_cpu_bytes", "weights_read_bytes")
 """The keys of a ``model_state_bytes`` dict this module adds."""
+SWITCH_KEYS = ("switch_before_bytes", "switch_shared_bytes", "switch_take_bytes")
+"""The keys an engine's accounting adds for a resume from another engine's checkpoint
+(:func:`switch_resume_bytes`): what a rank holds when the read begins, what of ``held_bytes`` the
+read optimizer state itself becomes, and what the engine adds while it takes its share."""
 
 
-def _moments(held: int, load: int, export: int, load_cpu: int, export_cpu: int,
-             weights_read: int = 0) -> dict[str, int]:
-    return dict(zip(MOMENT_KEYS, (held, load, export, load_cpu, export_cpu, weights_read)))
+def _moments(held: int, load: int, export: int, load_cpu: int, export_cpu: int, weights_read: int = 0,
+             switch: tuple[int, int, int] = (0, 0, 0)) -> dict[str, int]:
+    return {**dict(zip(MOMENT_KEYS, (held, load, export, load_cpu, export_cpu, weights_read))),
+            **dict(zip(SWITCH_KEYS, switch))}
+
+
+def switch_resume_bytes(state: Mapping[str, int], read_bytes: int, read_peak_bytes: int, device_type: str) -> int:
+    """The device bytes of a resume from another engine's checkpoint (the engine switch:
+    :meth:`memtrain.backends.base.Backend.load_full_state`), from ``state``'s :data:`SWITCH_KEYS`
+    and what the checkpoint's format reads (``read_bytes``: the whole weights and optimizer
+    state its ``read_full_state`` returns; ``read_peak_bytes``: the most it holds while reading;
+    the format's ``full_state_read_bytes``).
+
+    On a CPU the read is the device's memory: the larger of the read (``switch_before_bytes`` +
+    ``read_peak_bytes``) and the take (``held_bytes`` − ``switch_shared_bytes`` + ``read_bytes`` +
+    ``switch_take_bytes``: the read is held until the engine has its share). On an accelerator
+    the read is host memory, and the device holds ``held_bytes`` + ``switch_take_bytes``."""
+    held = state["held_bytes"]
+    if device_type != "cpu":
+        return held + state["switch_take_bytes"]
+    return max(state["switch_before_bytes"] + read_peak_bytes,
+               held - state["switch_shared_bytes"] + read_bytes + state["switch_take_bytes"])
 
 
 def with_optimizer_bytes(state: Mapping[str, int], optimizer_bytes: int) -> dict[str, int]:
@@ -58,6 +86,8 @@ def with_optimizer_bytes(state: Mapping[str, int], optimizer_bytes: int) -> dict
     out = {**state, "optimizer_bytes": optimizer_bytes}
     if "held_bytes" in state:
         out["held_bytes"] = state["held_bytes"] + optimizer_bytes - state["optimizer_bytes"]
+        if state.get("switch_shared_bytes"):  # the read moments become this optimizer's state
+            out["switch_shared_bytes"] = optimizer_bytes
         if state.get("weights_read_bytes"):
             out["load_cpu_bytes"] = max(0, state["weights_read_bytes"] - optimizer_bytes)
     return out
@@ -80,7 +110,10 @@ def ddp_moments(state: Mapping[str, int], shape) -> dict[str, int]:
     CPU): nothing more on the device."""
     held = state["parameter_bytes"] + state["optimizer_bytes"] + state["buffer_bytes"]
     weights = 4 * shape.parameters
-    return _moments(held, 0, 0, max(0, weights - state["optimizer_bytes"]), 0, weights)
+    # the switch: the read moments become the optimizer's state as they are, the weights are
+    # copied into the parameters
+    switch = (held - state["optimizer_bytes"], state["optimizer_bytes"], 0)
+    return _moments(held, 0, 0, max(0, weights - state["optimizer_bytes"]), 0, weights, switch)
 
 
 def fsdp_moments(state: Mapping[str, int], shape, precision: str, world_size: int, offload: str) -> dict[str, int]:
@@ -101,7 +134,15 @@ def fsdp_moments(state: Mapping[str, int], shape, precision: str, world_size: in
     load = 4 * shape.trained // world_size if offload in (None, "none") else 0
     gathered = 4 * max(shape.numels or (shape.largest_module,)) if world_size > 1 else 0
     copies = 4 * (shape.parameters + shape.tied) if world_size > 1 else 0
-    return _moments(held, load, gathered, load, max(gathered, copies))
+    # the switch: torch's set_model_state_dict keeps each rank's cut of the read weights in the
+    # read dict (4 bytes per parameter over the ranks); without offload the moments are cut to the
+    # rank's shards as views of the read ones, which the optimizer keeps as its state; with one,
+    # torch's set_state_dict first builds the state by a step on a zero gradient shard
+    if offload in (None, "none"):
+        switch = (held - state["optimizer_bytes"], state["optimizer_bytes"], 4 * shape.parameters // world_size)
+    else:
+        switch = (held, 0, 4 * shape.parameters // world_size + 4 * shape.trained // world_size)
+    return _moments(held, load, gathered, load, max(gathered, copies), switch=switch)
 
 
 def zero_moments(state: Mapping[str, int], shape, precision: str, zero_stage, world_size: int,
@@ -127,8 +168,18 @@ def zero_moments(state: Mapping[str, int], shape, precision: str, zero_stage, wo
     master = 4 * shape.trained // world_size if offload in (None, "none") and stage >= 1 else 0
     alone = world_size == 1 and offload != "optimizer_and_params"  # views of the partitions, as in _zero
     gathered = p_bytes * shape.largest_module if stage >= 3 and not alone else 0
-    cast = 4 * max(shape.numels or (shape.largest_module,)) if p_bytes == 2 else 0
-    return _moments(held, 0, gathered + cast, master, gathered + cast + 4 * shape.parameters)
+    largest = 4 * max(shape.numels or (shape.largest_module,))
+    cast = largest if p_bytes == 2 else 0
+    # the switch: DeepSpeed's universal load (:meth:`memtrain.backends.deepspeed.DeepSpeedBackend.load_full_state`)
+    # builds AdamW's moments in the rank's partition (8 bytes per trained parameter over the
+    # ranks, where they are on the device), ZeRO-1/2 by a step on a zero fp32 gradient partition
+    # beside it (``initialize_optimizer_states``); ZeRO-3 steps on the gradient partition it holds,
+    # and is counted one fp32 parameter beside it (MemTracker: 0.9 MB on the 1 MB of the
+    # benchmark model's largest)
+    moments = 8 * shape.trained // world_size if offload in (None, "none") else 0
+    take = 4 * shape.trained // world_size if stage < 3 else largest
+    return _moments(held, 0, gathered + cast, master, gathered + cast + 4 * shape.parameters,
+                    switch=(held - moments, 0, take))
 
 
 def moment_terms(state_bytes: Mapping[str, int], device_type: str) -> dict[str, int]:
@@ -139,4 +190,14 @@ def moment_terms(state_bytes: Mapping[str, int], device_type: str) -> dict[str, 
         return {"resume": 0, "export": 0}
     cpu = "_cpu" if device_type == "cpu" else ""
     held = state_bytes["held_bytes"]
-    return {"resume": held + state_bytes[f"load{cpu}_bytes"], "export": held + state_bytes[f"export{cpu}_bytes"]}
+    read = state_bytes.get("switch_read_bytes")
+    resume = (held + state_bytes[f"load{cpu}_bytes"] if read is None else
+              switch_resume_bytes(state_bytes, read, state_bytes["switch_read_peak_bytes"], device_type))
+    return {"resume": resume, "export": held + state_bytes[f"export{cpu}_bytes"]}
+
+
+def with_switch(state_bytes: Mapping[str, int], read_bytes: int, read_peak_bytes: int) -> dict[str, int]:
+    """``state_bytes`` of a run that resumes another engine's checkpoint: its resume moment is
+    the switch's (:func:`switch_resume_bytes`; ``read_bytes`` and ``read_peak_bytes`` from the
+    checkpoint's format, ``full_state_read_bytes``), not its own load's."""
+    return {**state_bytes, "switch_read_bytes": read_bytes, "switch_read_peak_bytes": read_peak_bytes}

@@ -8,8 +8,10 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from memtrain.checkpoint.formats import full_state_read_bytes
 from memtrain.checkpoint.layout import complete_checkpoints, latest_checkpoint, read_manifest
 from memtrain.errors import CheckpointError, ConfigError
+from memtrain.memory.moments import with_switch
 
 
 def resumed_manifest(cfg) -> Optional[dict]:
@@ -60,3 +62,26 @@ def resume_state_dtype(cfg, chooses: bool) -> Optional[str]:
                           "int8 optimizer moments (chosen under memory.allow_lossy_levers), whose compiled step "
                           "torch.compile refuses to run under MemTracker; set it to 0")
     return dtype
+
+
+def switch_read(cfg, shape) -> Optional[tuple[str, int, int]]:
+    """``(the engine that wrote it, read_bytes, read_peak_bytes)`` of the checkpoint the run will
+    resume, as another engine would read it (its format's ``full_state_read_bytes``, for a model
+    of ``shape``: a :class:`memtrain.memory.shape.ModelShape`); None when there is none or its
+    manifest names no known format."""
+    manifest = resumed_manifest(cfg)
+    if not manifest or not manifest.get("backend"):
+        return None
+    try:
+        return (manifest["backend"], *full_state_read_bytes(manifest, shape))
+    except CheckpointError:
+        return None
+
+
+def with_resumed_switch(state: dict, engine: str, switch: Optional[tuple[str, int, int]]) -> dict:
+    """``state`` (engine ``engine``'s ``model_state_bytes`` dict) with the engine switch's resume
+    moment when the checkpoint ``switch`` describes (:func:`switch_read`) was written by another
+    engine (:func:`memtrain.memory.moments.with_switch`); else ``state`` itself."""
+    if switch is None or switch[0] == engine or "held_bytes" not in state:
+        return state
+    return with_switch(state, switch[1], switch[2])

@@ -10,6 +10,10 @@ Each format is one module of this package with:
   process without a process group (``memtrain export``);
 * ``read_full_state(path, module)`` where the format can: the weights and the optimizer state
   keyed by parameter name, for resuming under another engine;
+* ``full_state_read_bytes(shape, saved) -> (read_bytes, read_peak_bytes)``: what its
+  ``read_full_state`` returns and the most it holds while reading, for a model of ``shape``
+  (:class:`memtrain.memory.shape.ModelShape`) saved by the run ``saved`` (:class:`SavedRun`):
+  the engine switch's resume moment (:func:`memtrain.memory.moments.switch_resume_bytes`);
 * its own ``save``/``load`` for the objects it stores (an engine names the format it writes,
   ``CHECKPOINT_FORMAT`` in its module, and calls them through :func:`format_module`).
 
@@ -19,13 +23,54 @@ A new format is one module here and its name in :data:`FORMATS`.
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from types import ModuleType
+from typing import Optional
 
 import torch
 
 from memtrain.errors import CheckpointError
 
 FORMATS = ("safetensors", "dcp", "deepspeed")
+
+
+@dataclass(frozen=True)
+class SavedRun:
+    """What a checkpoint's manifest says of the run that wrote it, for its format's read sizes.
+
+    Attributes:
+        world_size: the ranks that wrote it.
+        zero_stage: DeepSpeed's ZeRO stage (None: not DeepSpeed).
+        parameter_element_bytes: bytes per element of the module's parameters as saved (2 under
+            bf16/fp16 where the engine holds them so, else 4; unknown: 4).
+        state_element_bytes: bytes per element of each AdamW moment (4 fp32, 2 bf16).
+    """
+
+    world_size: int
+    zero_stage: Optional[int] = None
+    parameter_element_bytes: int = 4
+    state_element_bytes: int = 4
+
+    @classmethod
+    def of(cls, manifest: dict) -> "SavedRun":
+        """From a manifest (:func:`memtrain.checkpoint.layout.read_manifest`); what it leaves out
+        is taken at its largest."""
+        config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
+        spec = manifest.get("engine_spec") or {}
+        dtype = spec.get("optimizer_state_dtype") or (config.get("optimizer") or {}).get("state_dtype", "fp32")
+        stage = manifest.get("zero_stage")
+        half = manifest.get("backend") == "deepspeed" and config.get("precision") in ("bf16", "fp16")
+        return cls(int(manifest.get("world_size") or 1), stage, 2 if half else 4, 2 if dtype == "bf16" else 4)
+
+
+def full_state_read_bytes(manifest: dict, shape) -> tuple[int, int]:
+    """``(read_bytes, read_peak_bytes)`` of :func:`read_full_state` for checkpoint ``manifest`` and
+    a model of ``shape`` (its format's ``full_state_read_bytes``).
+
+    Raises:
+        CheckpointError: the manifest names no known format.
+    """
+    return format_module(manifest.get("checkpoint_format") or "").full_state_read_bytes(shape, SavedRun.of(manifest))
 
 
 def format_module(name: str) -> ModuleType:

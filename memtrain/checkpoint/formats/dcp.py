@@ -48,6 +48,16 @@ def load(model: nn.Module, optimizer, directory: str) -> None:
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
+def full_state_read_bytes(shape, saved) -> tuple[int, int]:
+    """What :func:`read_full_state` returns and holds at most (bytes): the fp32 weights, a tied
+    parameter under each of its names (FSDP2's full state dict gives every name its own copy), and
+    AdamW's two moments of each trained parameter; while reading, one fp32 parameter more (the
+    largest: MemTracker counts it during ``dcp_to_torch_save``). ``shape``: a
+    :class:`memtrain.memory.shape.ModelShape`; ``saved``: a :class:`memtrain.checkpoint.formats.SavedRun`."""
+    read = 4 * (shape.parameters + shape.tied) + 2 * saved.state_element_bytes * shape.trained
+    return read, read + 4 * max(shape.numels or (shape.largest_module,))
+
+
 def read_full_state(path: str, module: nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
     """The whole model's weights and the full optimizer state keyed by parameter name, read in
     this process without a process group (torch's ``dcp_to_torch_save`` into a temporary file in

@@ -13,6 +13,7 @@ import os
 import torch
 from torch import nn
 
+from memtrain.memory.accounting import ZERO3_PERSISTENCE_THRESHOLD, zero3_persistent_elements
 from memtrain.optim import weight_decay_groups
 
 NAME = "deepspeed"
@@ -103,12 +104,32 @@ def write_universal(out: str, weights: dict[str, torch.Tensor], optimizer_state:
                os.path.join(out, TAG, states))
 
 
+def full_state_read_bytes(shape, saved) -> tuple[int, int]:
+    """What :func:`read_full_state` returns and holds at most (bytes; ``shape``: a
+    :class:`memtrain.memory.shape.ModelShape`; ``saved``: a :class:`memtrain.checkpoint.formats.SavedRun`).
+
+    It returns the fp32 weights and fp32 AdamW moments of the universal checkpoint (12 bytes per
+    trained parameter, 4 per frozen one), and holds at most the larger of: that and one parameter's
+    copy as it is read (the largest, fp32); and ``ds_to_universal``'s conversion, which reads the
+    module's weights from the model-states file (ZeRO-1/2: every parameter in the saved dtype;
+    ZeRO-3: the persistent ones it keeps whole) and one rank's optimizer file at a time (its fp32
+    master partition and two moments: 12 bytes per trained parameter over the saving ranks)."""
+    read = 4 * shape.parameters + 8 * shape.trained
+    module = shape.parameters if (saved.zero_stage or 0) < 3 else zero3_persistent_elements(
+        shape.numels, ZERO3_PERSISTENCE_THRESHOLD)
+    conversion = saved.parameter_element_bytes * module + 12 * shape.trained // max(1, saved.world_size)
+    return read, max(read + 4 * max(shape.numels or (shape.largest_module,)), conversion)
+
+
 def read_full_state(path: str, module: nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
-    """The whole model's fp32 weights (:func:`read_full_weights`) and the optimizer state keyed by
-    parameter name, from DeepSpeed's universal checkpoint made in a temporary folder (removed
-    again; the checkpoint is not touched): each parameter's ``exp_avg`` / ``exp_avg_sq``, the step
-    count of the saved optimizer, and its parameter groups in the order memtrain built them
-    (:func:`memtrain.optim.weight_decay_groups`). ``module`` is this run's model (names and shapes)."""
+    """The whole model's fp32 weights and the optimizer state keyed by parameter name, from
+    DeepSpeed's universal checkpoint made in a temporary folder (removed again; the checkpoint is
+    not touched): each parameter's ``fp32`` / ``exp_avg`` / ``exp_avg_sq``, the step count of the
+    saved optimizer, and its parameter groups in the order memtrain built them
+    (:func:`memtrain.optim.weight_decay_groups`); the module's buffers from its model-states file.
+    ``module`` is this run's model (names and shapes). The weights are read one parameter at a
+    time, not by :func:`read_full_weights` (DeepSpeed's ``zero_to_fp32``, which loads every
+    rank's optimizer partition and holds them beside the weights it builds)."""
     import shutil
     import tempfile
 
@@ -119,12 +140,15 @@ def read_full_state(path: str, module: nn.Module) -> tuple[dict[str, torch.Tenso
         saved = torch.load(os.path.join(folder, "optimizer_state.pt"), map_location="cpu", weights_only=False)
         # ZeRO-3 keeps the step count in its optimizer state, ZeRO-1/2 in each parameter's folder
         steps = [s["step"] for s in (saved.get("optimizer_state_dict") or {}).get("state", {}).values() if "step" in s]
+        saved_groups = saved["param_groups"]
+        del saved  # ZeRO-3's holds rank 0's whole optimizer partition: not beside the tensors read next
         names = {id(p): name for name, p in module.named_parameters()}
         groups = [[names[id(p)] for p in g["params"]] for g in weight_decay_groups(module, 0.0)]
-        state = {}
+        state, weights = {}, _buffers(path, {name for name, _ in module.named_buffers()})
         for name, param in module.named_parameters():
             shape = getattr(param, "ds_shape", param.shape)
             read = lambda key: _universal_tensor(os.path.join(folder, name, f"{key}.pt"))  # noqa: E731
+            weights[name] = read("fp32").reshape(shape).clone()
             step = read("step") if os.path.exists(os.path.join(folder, name, "step.pt")) else (steps[0] if steps else 0.0)
             state[name] = {"step": torch.as_tensor(step, dtype=torch.float32).clone(),
                            "exp_avg": read("exp_avg").reshape(shape).clone(),
@@ -132,13 +156,25 @@ def read_full_state(path: str, module: nn.Module) -> tuple[dict[str, torch.Tenso
     finally:
         shutil.rmtree(work, ignore_errors=True)
     param_groups = [{k: v for k, v in g.items() if k != "params"} | {"params": names_of_group}
-                    for g, names_of_group in zip(saved["param_groups"], groups)]
-    with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 prints its progress
-        weights = read_full_weights(path)
+                    for g, names_of_group in zip(saved_groups, groups)]
     return weights, {"state": state, "param_groups": param_groups}
 
 
+def _buffers(path: str, names: set[str]) -> dict[str, torch.Tensor]:
+    """The module's buffers ``names`` from the checkpoint's model-states file (copies: the file
+    is read mapped, its parameters never loaded)."""
+    if not names:
+        return {}
+    import glob
+
+    files = sorted(glob.glob(os.path.join(path, TAG, "*model_states.pt")))
+    saved = torch.load(files[0], map_location="cpu", mmap=True, weights_only=False)["module"]
+    return {name: saved[name].clone() for name in names if name in saved}
+
+
 def _universal_tensor(file: str) -> torch.Tensor:
-    """One tensor of a universal checkpoint's parameter folder (saved bare, or as ``{"param": tensor}``)."""
+    """One tensor of a universal checkpoint's parameter folder (saved bare, or as ``{"param": tensor}``),
+    detached: ``ds_to_universal`` saves the fp32 weights as tensors that require gradients, and a
+    copy made of one would keep the read tensor alive through its autograd graph."""
     value = torch.load(file, map_location="cpu", weights_only=False)
-    return value["param"] if isinstance(value, dict) else value
+    return (value["param"] if isinstance(value, dict) else value).detach()

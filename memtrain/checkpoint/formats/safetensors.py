@@ -39,6 +39,15 @@ def load(module: nn.Module, directory: str) -> dict[str, Any]:
     return torch.load(os.path.join(directory, OPTIMIZER_FILE), map_location="cpu", weights_only=True)
 
 
+def full_state_read_bytes(shape, saved) -> tuple[int, int]:
+    """What :func:`read_full_state` returns and holds at most (bytes): the replicated fp32
+    weights (a tied parameter once) and AdamW's two moments of each trained parameter; nothing
+    beside them (``shape``: a :class:`memtrain.memory.shape.ModelShape`; ``saved``: a
+    :class:`memtrain.checkpoint.formats.SavedRun`)."""
+    read = 4 * shape.parameters + 2 * saved.state_element_bytes * shape.trained
+    return read, read
+
+
 def read_full_state(path: str, module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The whole model's weights and the optimizer state keyed by parameter name (the layout of
     ``torch.distributed.checkpoint.state_dict``'s full optimizer state dict), for another engine.
