@@ -35,7 +35,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from memtrain.backends import engine_module
 from memtrain.errors import ConfigError
-from memtrain.levers.base import ConfigField, Lever, LeverTarget
+from memtrain.levers.base import ConfigField, Lever, LeverTarget, choices_annotation
 from memtrain.memory.simulated import note_kept
 
 MODES = ("on", "selective")
@@ -156,7 +156,7 @@ class ActivationCheckpointing(Lever):
     config_key = "memory.activation_checkpointing"
     escalate_event = "activation_checkpointing_on"
     config_fields = (
-        ConfigField("activation_checkpointing", "Literal[" + ", ".join(f'"{c}"' for c in CHOICES) + "]", "auto",
+        ConfigField("activation_checkpointing", choices_annotation(CHOICES), "auto",
                     "Recompute block activations in backward: on = all of each block's; selective = keep the matmul "
                     "and attention outputs, recompute pointwise ops and norms (same losses as off, less than half of "
                     "off's activation memory on GPT-2); auto = off until an OOM at micro-batch 1 asks for on."),

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from memtrain.errors import ConfigError
-from memtrain.levers.base import ConfigField, Lever, LeverCost, LeverTarget, PlanFacts
+from memtrain.levers.base import ConfigField, Lever, LeverCost, LeverTarget, PlanFacts, choices_annotation
 from memtrain.memory.simulated import counting, storage_key
 from memtrain.memory.simulated import unpack as unpack_counted
 
@@ -219,7 +219,7 @@ class ActivationOffload(Lever):
     config_key = "memory.activation_offload"
     escalate_event = "activation_offload_on"
     config_fields = (
-        ConfigField("activation_offload", "Literal[" + ", ".join(f'"{c}"' for c in CHOICES) + "]", "auto",
+        ConfigField("activation_offload", choices_annotation(CHOICES), "auto",
                     "Saved activations wait for backward in host memory. Lossless (memtrain/levers/activation_offload.py: "
                     "on CUDA copied to pinned memory on a side stream, overlapping compute). auto = off, unless "
                     "memory.levers auto chooses it."),

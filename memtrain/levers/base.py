@@ -46,6 +46,12 @@ class ConfigField:
     doc: str
 
 
+def choices_annotation(choices) -> str:
+    """``Literal[...]`` of ``choices`` (strings) as Python source: a :class:`ConfigField`'s
+    ``annotation`` for a setting with those values, e.g. ``Literal["off", "on", "auto"]``."""
+    return "Literal[" + ", ".join(f'"{c}"' for c in choices) + "]"
+
+
 @dataclass(frozen=True)
 class PlanFacts:
     """What a lever's cost may depend on: one plan of one rank, as the planner knows it.

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import memtrain.levers as levers  # its LEVERS as registered when called (the tests register stand-ins)
 from memtrain.checkpoint.compat import ResumeRules
-from memtrain.levers.base import ConfigField
+from memtrain.levers.base import ConfigField, choices_annotation
 
 WIDTH = 100
 """Longest line of a generated field or docstring (the marker lines aside)."""
@@ -39,7 +39,7 @@ def config_fields() -> tuple[ConfigField, ...]:
     """Every ``memory`` field the levers declare, ``memory.levers`` first."""
     words = [x.auto_words for x in levers.LEVERS if x.auto_words]
     listed = ", ".join(words[:-1]) + " and " + words[-1] if len(words) > 1 else "".join(words)
-    return (ConfigField("levers", 'Literal["off", "auto"]', "off", LEVERS_DOC.format(levers=listed)),
+    return (ConfigField("levers", choices_annotation(("off", "auto")), "off", LEVERS_DOC.format(levers=listed)),
             *(f for x in levers.LEVERS for f in x.config_fields))
 
 
