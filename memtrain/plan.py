@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from memtrain.levers import describe, lever, restore_settings
+from memtrain.levers import describe, lever, restore_settings, saved_plan_levers
 from memtrain.memory.accounting import divisors
 from memtrain.oom import OOMStop
 
@@ -302,15 +302,13 @@ class PlanController:
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s plan. On another world size the per-rank batch may change:
         the largest micro-batch dividing it, at most the saved one, is taken. A saved lever setting
-        this run cannot take (its config changed) is replaced by the configured one. Checkpoints
-        written before levers existed hold ``activation_checkpointing`` / ``grown_from_ac``."""
-        old_ac = {"activation_checkpointing": state["activation_checkpointing"]} if "activation_checkpointing" in state else {}
-        levers = state.get("levers", old_ac)
+        this run cannot take (its config changed) is replaced by the configured one; checkpoints
+        written before levers existed are read too (:func:`memtrain.levers.saved_plan_levers`)."""
+        levers, grown_levers = saved_plan_levers(state)
         self.plan = self._restored(state["micro_batch_size"], levers)
         self.trying_grow = state.get("trying_grow", False)  # absent in checkpoints of memtrain 0.1.0
-        grown_levers = state.get("grown_from_levers", {"activation_checkpointing": state["grown_from_ac"]}
-                                 if "grown_from_ac" in state else levers)
-        self.grown_from = self._restored(state.get("grown_from", self.plan.micro_batch_size), grown_levers)
+        self.grown_from = self._restored(state.get("grown_from", self.plan.micro_batch_size),
+                                         levers if grown_levers is None else grown_levers)
         self.window, self.ok_steps = state["window"], state["ok_steps"]
         if self.planner is not None and state.get("planner"):
             self.planner.load_state_dict(state["planner"])

@@ -7,7 +7,7 @@ micro-batch floor moves the first lever that has a more memory-saving choice lef
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from memtrain.errors import ConfigError
 from memtrain.levers.activation_checkpointing import ActivationCheckpointing
@@ -103,11 +103,24 @@ def apply_levers(target: LeverTarget, settings: dict[str, Any], model_levers: bo
             x.apply(target, setting)
 
 
-def restore_settings(saved: dict[str, Any]) -> dict[str, Any]:
+def restore_settings(saved: Any) -> dict[str, Any]:
     """A checkpoint's ``{lever: setting}`` as this version names the settings (levers this
-    version does not have are kept as they are)."""
+    version does not have are kept as they are); a planner table written before levers existed
+    holds activation checkpointing's setting alone (not a dict)."""
+    if not isinstance(saved, dict):
+        saved = {ActivationCheckpointing.name: saved}
     names = {x.name for x in LEVERS}
     return {name: lever(name).restore(value) if name in names else value for name, value in saved.items()}
+
+
+def saved_plan_levers(state: dict) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
+    """``(the plan's {lever: setting}, the grown-from plan's or None)`` of a checkpoint's plan
+    state (:meth:`memtrain.plan.PlanController.state_dict`); one written before levers existed
+    holds activation checkpointing's alone, under its name and ``grown_from_ac``."""
+    ac = ActivationCheckpointing.name
+    levers = state.get("levers", {ac: state[ac]} if ac in state else {})
+    grown = state.get("grown_from_levers", {ac: state["grown_from_ac"]} if "grown_from_ac" in state else None)
+    return levers, grown
 
 
 def recompute_fraction(settings: dict[str, Any], cfg) -> float:

@@ -545,7 +545,7 @@ class Planner:
         if saved is not None:
             self.bound_bytes = saved if self.bound_bytes is None else min(saved, self.bound_bytes)
         for micro, settings, seconds, measured, fits in state.get("candidates", []):
-            settings = restore_settings(settings if isinstance(settings, dict) else {"activation_checkpointing": settings})
+            settings = restore_settings(settings)
             c = next((c for c in self.candidates if c.micro_batch_size == micro
                       and all(c.plan.lever(k) == v for k, v in settings.items())), None)
             if c is not None:
