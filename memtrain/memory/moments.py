@@ -170,12 +170,15 @@ def zero_moments(state: Mapping[str, int], shape, precision: str, zero_stage, wo
     gathered = p_bytes * shape.largest_module if stage >= 3 and not alone else 0
     largest = 4 * max(shape.numels or (shape.largest_module,))
     cast = largest if p_bytes == 2 else 0
-    # the switch: DeepSpeed's universal load (:meth:`memtrain.backends.deepspeed.DeepSpeedBackend.load_full_state`)
-    # builds AdamW's moments in the rank's partition (8 bytes per trained parameter over the
-    # ranks, where they are on the device), ZeRO-1/2 by a step on a zero fp32 gradient partition
-    # beside it (``initialize_optimizer_states``); ZeRO-3 steps on the gradient partition it holds,
-    # and is counted one fp32 parameter beside it (MemTracker: 0.9 MB on the 1 MB of the
-    # benchmark model's largest)
+    # the switch: ZeRO-1/2 builds AdamW's moments in the rank's partition during DeepSpeed's
+    # universal load (:meth:`memtrain.backends.deepspeed.DeepSpeedBackend.load_full_state`; 8 bytes
+    # per trained parameter over the ranks, where they are on the device), by a step on a zero
+    # fp32 gradient partition beside them (``initialize_optimizer_states``). ZeRO-3 builds its
+    # moments when the engine is set up; when the read begins it holds less than ``held`` by
+    # buffers it allocates later (MemTracker on the 2-rank benchmark model: 10.0 bytes per
+    # parameter against held's 14.3), so held less the moments bounds it there, and the load
+    # adds a transient counted as one fp32 parameter, a bound not traced to its allocation
+    # (MemTracker: 0.9 MB against the 1 MB of that model's largest parameter)
     moments = 8 * shape.trained // world_size if offload in (None, "none") else 0
     take = 4 * shape.trained // world_size if stage < 3 else largest
     return _moments(held, 0, gathered + cast, master, gathered + cast + 4 * shape.parameters,
