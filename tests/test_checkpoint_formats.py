@@ -164,3 +164,24 @@ def test_an_export_stores_a_tied_parameter_once_however_it_was_gathered(tmp_path
     with safe_open(str(tmp_path / "model" / "model.safetensors"), "pt") as fh:
         names = set(fh.keys())
     assert "transformer.wte.weight" in names and "lm_head.weight" not in names
+
+
+def test_the_switch_read_is_sized_from_what_the_manifest_says_of_the_saving_run():
+    """``SavedRun.of`` takes from a manifest what the read sizes depend on: the saving world size,
+    the ZeRO stage, a DeepSpeed run's 16-bit module weights under bf16, the moments' dtype; what a
+    manifest leaves out is taken at its largest (fp32, one rank). DeepSpeed's conversion reads one
+    rank's optimizer file at a time, so fewer saving ranks make a larger read peak."""
+    from memtrain.memory.shape import ModelShape
+
+    ds = SavedRun.of({"backend": "deepspeed", "world_size": 4, "zero_stage": 2, "config": {"precision": "bf16"}})
+    assert (ds.world_size, ds.zero_stage, ds.parameter_element_bytes, ds.state_element_bytes) == (4, 2, 2, 4)
+    bf16_moments = SavedRun.of({"backend": "ddp", "world_size": 2, "engine_spec": {"optimizer_state_dtype": "bf16"}})
+    assert (bf16_moments.parameter_element_bytes, bf16_moments.state_element_bytes) == (4, 2)
+    assert SavedRun.of({}) == SavedRun(world_size=1)
+    shape = ModelShape(parameters=1000, largest_module=400, numels=(400, 300, 300))
+    assert safetensors.full_state_read_bytes(shape, SavedRun(1)) == (12_000, 12_000)
+    assert safetensors.full_state_read_bytes(shape, bf16_moments)[0] == 8_000
+    assert dcp.full_state_read_bytes(shape, SavedRun(1)) == (12_000, 12_000 + 4 * 400)
+    deepspeed = format_module("deepspeed")
+    one, four = (deepspeed.full_state_read_bytes(shape, SavedRun(n, 2)) for n in (1, 4))
+    assert one[0] == four[0] == 12_000 and one[1] == 4 * 1000 + 12 * 1000 > four[1] == 12_000 + 4 * 400
