@@ -291,13 +291,14 @@ def test_a_model_function_is_built_partitioned_under_zero3(monkeypatch):
     """Under ZeRO-3 a Python caller's model function runs inside ``deepspeed.zero.Init``: each
     parameter leaves the build as this rank's partition (DeepSpeed's ``ds_numel`` the whole
     size, the tensor itself empty), never whole; under DDP it is built whole. The process keeps
-    torch's own ``F.linear`` (DeepSpeed swaps in its own for the process and never puts it back),
-    and a ZeRO-3 engine's close puts it back after the engine swapped it."""
+    torch's own ``F.linear`` through the build (DeepSpeed swaps in its own for the process and never
+    puts it back); the engine then runs DeepSpeed's memory-efficient linear, as it does for a model
+    built whole, and its close puts torch's back."""
     import torch.distributed as dist
     import torch.nn.functional as F
-    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
+    from deepspeed.runtime.zero.partition_parameters import zero3_linear_wrap
 
-    from memtrain.backends.deepspeed import restore_torch_linear
+    from memtrain.backends.ds_zero_init import restore_torch_linear, use_memory_efficient_linear
 
     from conftest import _free_port
     from memtrain.backends import model_build_context
@@ -316,8 +317,8 @@ def test_a_model_function_is_built_partitioned_under_zero3(monkeypatch):
             with model_build_context(cfg, spec, "fp32", 1, python_function=True):
                 built[spec.name] = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
         assert F.linear is torch._C._nn.linear
-        InsertPostInitMethodToModuleSubClasses(mem_efficient_linear=True)._enable_mem_efficient_linear()  # as the engine does
-        assert F.linear is not torch._C._nn.linear
+        use_memory_efficient_linear()  # as the engine does after deepspeed.initialize
+        assert F.linear is zero3_linear_wrap
         restore_torch_linear()
         assert F.linear is torch._C._nn.linear
     finally:

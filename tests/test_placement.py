@@ -111,6 +111,12 @@ def test_zero3_gathered_parameters_at_each_moment_of_the_step():
         state - block + big + 5 + block)
     assert peak_tensor_bytes(state, (big, small, small, 0, (big + 7, small, small)), **{**terms, "kept": 0}) == (
         state - block + big)  # another engine: the kept peaks are not read
+    # forward: the coalesced prefetch buffer (up to every gathered parameter) beside the copies not
+    # yet released, never more copies than every gathered parameter
+    forward = peak_tensor_bytes(state, (small, small, small, 0, (small, small, small, small + 5), None, small), **terms)
+    assert forward == state - block + block + small + 5
+    assert peak_tensor_bytes(state, (small, small, small, 0, (small, small, small, big), None, small), **terms) == (
+        state - block + block + small + terms["kept"])
 
 
 def test_fsdp2_holds_the_reduce_scatter_of_the_block_before_while_a_block_runs_backward():

@@ -633,10 +633,11 @@ def test_the_traced_batch_repeats_a_corpus_smaller_than_the_batch():
 
 def test_the_trace_keeps_a_parameter_while_autograd_holds_a_view_of_it():
     """``step_peaks``' kept peaks (ZeRO-3's gathered parameters, which a saved view keeps past their
-    release): an expert's slice of a fused weight and a linear layer's transposed weight keep their
-    whole parameter counted until backward frees the view; a parameter saved as itself (``addmm``'s
-    matrix), or one at or under the threshold, is not kept. The expected bytes are the parameters'
-    sizes, from their shapes."""
+    release): an expert's slice of a fused weight keeps its whole parameter counted until backward
+    frees the view, and so does a linear layer's transposed weight where torch's linear runs
+    (``linear_saves_weight`` False; DeepSpeed's memory-efficient linear saves the weight itself);
+    a parameter saved as itself (``addmm``'s matrix), or one at or under the threshold, is not
+    kept. The expected bytes are the parameters' sizes, from their shapes."""
     import torch
     from torch import nn
 
@@ -662,12 +663,45 @@ def test_the_trace_keeps_a_parameter_while_autograd_holds_a_view_of_it():
     model, mode = fake_model(Experts)
     plain = step_peaks(model, mode, Loss(), batch)
     assert plain.kept == ()
-    kept = step_peaks(model, mode, Loss(), batch, kept_numel=4_096)
+    kept = step_peaks(model, mode, Loss(), batch, kept_numel=4_096, linear_saves_weight=False)
     assert kept[:3] == plain[:3]
     assert kept.kept[0] - plain.peak == 4 * (16_384 + 16_384)  # the slice's and the transpose's parameters
-    everything = step_peaks(model, mode, Loss(), batch, kept_numel=0)
+    everything = step_peaks(model, mode, Loss(), batch, kept_numel=0, linear_saves_weight=False)
     assert everything.kept[0] == kept.kept[0]  # the directly saved one and the bias: never kept
     assert step_peaks(model, mode, Loss(), batch, kept_numel=16_384).kept[0] == plain.peak
+    # DeepSpeed's linear: the head's weight is saved as itself, the experts' slice still kept
+    assert step_peaks(model, mode, Loss(), batch, kept_numel=4_096).kept[0] - plain.peak == 4 * 16_384
+
+
+def test_the_trace_holds_a_parameter_until_its_module_has_run_its_forward():
+    """``StepPeaks.kept``'s forward peak: ZeRO-3's coalesced prefetch copies every parameter out
+    of its buffer when the first is claimed, and a module's forward releases its own; so in
+    forward the trace holds each parameter over the threshold until its module's forward ends.
+    Two 64×64 linear layers in a row on 512 rows: at the second's output both outputs (512×64 fp32
+    each) and the second's weight are held. The expected bytes are from the shapes."""
+    import torch
+    from torch import nn
+
+    from memtrain.memory.step_trace import fake_model, step_peaks
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False)
+
+        def forward(self, x):
+            return self.second(self.first(x)).sum()
+
+    class Loss:
+        def loss_sum(self, model, batch):
+            return model(batch["x"])
+
+    model, mode = fake_model(Two)
+    batch = {"x": torch.zeros(512, 64)}
+    held = step_peaks(model, mode, Loss(), batch, kept_numel=1_000).kept[3]
+    whole = step_peaks(model, mode, Loss(), batch, kept_numel=4_096).kept[3]  # at the threshold: whole anyway
+    assert held == 2 * 4 * 512 * 64 + 4 * 64 * 64  # the second's weight beside both outputs
+    assert 2 * 4 * 512 * 64 <= whole < held
 
 
 def test_the_trace_counts_a_blocks_backward_after_another_blocks_ended(cache_dir):

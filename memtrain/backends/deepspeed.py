@@ -26,9 +26,10 @@ from memtrain.backends import ds_partial_offload
 from memtrain.backends.base import ComputeCollectives
 from memtrain.backends.common import OffloadTime, offload_advice, offload_words, refuse_unsharded_reshard
 from memtrain.backends.common import fp32_export_bytes as export_bytes_per_parameter  # noqa: F401 (registry)
-from memtrain.backends.ds_config import (OFFLOAD_DEVICES, ZERO_IN_PLACE_KEYS, build_ds_config, get_path,
+from memtrain.backends.ds_config import (OFFLOAD_DEVICES, ZERO_IN_PLACE_KEYS, ZERO_LINEAR_KEY, build_ds_config, get_path,
                                         zero_buffer_settings)
 from memtrain.backends.ds_zero_init import model_build_context  # noqa: F401 (registry)
+from memtrain.backends.ds_zero_init import restore_torch_linear, use_memory_efficient_linear
 from memtrain.backends.op_locks import clear_stale_locks
 from memtrain.backends.spec import EngineVariant
 from memtrain.checkpoint.formats import format_module
@@ -234,6 +235,8 @@ class DeepSpeedBackend:
                             "DeepSpeed run on this machine only; about a minute)")
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config,
                                                     dist_init_required=False)
+        if self.zero_stage == 3 and get_path(self.ds_config, f"zero_optimization.{ZERO_LINEAR_KEY}") is not False:
+            use_memory_efficient_linear()
         bucket = getattr(self.engine.optimizer, "reduce_bucket_size", None)  # ZeRO-1/2's, in elements
         self._one_bucket = bucket is not None and trainable <= bucket
         on_device, groups = ds_partial_offload.prepare(self.engine.optimizer, self.device.type)
@@ -507,21 +510,6 @@ class DeepSpeedBackend:
         if self.engine is not None and hasattr(self.engine, "destroy"):
             self.engine.destroy()
         restore_torch_linear()
-
-
-def restore_torch_linear() -> None:
-    """Put torch's ``torch.nn.functional.linear`` back where ZeRO-3 replaced it. DeepSpeed's
-    ``zero.Init`` (which its ZeRO-3 engine enters too) swaps in its memory-efficient linear
-    (``zero3_linear_wrap``, a custom autograd function) for the whole process and never restores
-    it (DeepSpeed 0.19, ``InsertPostInitMethodToModuleSubClasses.linear_bk`` keeps the original),
-    so a Python caller's later code — another engine's run, or their own — would run DeepSpeed's
-    linear. Nothing happens when DeepSpeed was never imported or left it alone."""
-    import sys
-
-    module = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
-    saved = getattr(getattr(module, "InsertPostInitMethodToModuleSubClasses", None), "linear_bk", None)
-    if saved is not None and torch.nn.functional.linear is getattr(module, "zero3_linear_wrap", None):
-        torch.nn.functional.linear = saved  # only DeepSpeed's own swap: a caller's later one stays
 
 
 def _by_first_name(module: nn.Module, weights: dict[str, torch.Tensor], optimizer_state: dict) -> tuple[dict, dict]:

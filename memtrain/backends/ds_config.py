@@ -224,14 +224,18 @@ ZERO_BUFFER_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3
 """The ``zero_optimization`` buffer sizes (elements) the accounting counts as a JSON sets them."""
 ZERO_IN_PLACE_KEYS = ("reduce_scatter", "contiguous_gradients")
 """The ``zero_optimization`` flags that decide whether ZeRO-3 reduces a bucket in place (1 or 0)."""
+ZERO_LINEAR_KEY = "memory_efficient_linear"
+"""The ``zero_optimization`` flag (default on) by which ZeRO-3 runs its own linear, which saves a
+layer's weight itself for backward, not a view that would keep it gathered
+(:func:`memtrain.backends.ds_zero_init.use_memory_efficient_linear`)."""
 
 
 def zero_buffer_settings(zero: dict) -> dict[str, int]:
-    """The buffer sizes (:data:`ZERO_BUFFER_KEYS`, elements) and in-place flags
-    (:data:`ZERO_IN_PLACE_KEYS`, 1 or 0) a ``zero_optimization`` section sets; unset or ``auto``
+    """The buffer sizes (:data:`ZERO_BUFFER_KEYS`, elements) and flags (:data:`ZERO_IN_PLACE_KEYS`,
+    :data:`ZERO_LINEAR_KEY`; 1 or 0) a ``zero_optimization`` section sets; unset or ``auto``
     ones are left out (the accounting's own sizes, DeepSpeed's defaults, stand for them)."""
     return {**{k: int(float(zero[k])) for k in ZERO_BUFFER_KEYS if zero.get(k) not in (None, "auto")},
-            **{k: int(bool(zero[k])) for k in ZERO_IN_PLACE_KEYS if zero.get(k) is not None}}
+            **{k: int(bool(zero[k])) for k in (*ZERO_IN_PLACE_KEYS, ZERO_LINEAR_KEY) if zero.get(k) is not None}}
 
 
 def offload_in_json(user: dict) -> tuple[str, float, bool]:

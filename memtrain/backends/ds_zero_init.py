@@ -2,12 +2,16 @@
 partitioned — ``model.pretrained`` through transformers' DeepSpeed integration
 (``HfDeepSpeedConfig``: rank 0 reads the weights and hands each rank its partition), a Python
 caller's model function inside ``deepspeed.zero.Init`` — so no rank holds the whole model;
-otherwise the model is built as it would be without DeepSpeed.
+otherwise the model is built as it would be without DeepSpeed. And which linear a ZeRO-3 run
+computes with (DeepSpeed's memory-efficient one, whichever way the model was built), given back
+at the engine's close.
 """
 
 from __future__ import annotations
 
 import contextlib
+
+import torch
 
 
 @contextlib.contextmanager
@@ -60,3 +64,35 @@ def _transformers_zero3(settings: dict):
         unset_hf_deepspeed_config()
         del keep
 
+
+def use_memory_efficient_linear() -> None:
+    """Run ZeRO-3's own linear (``zero3_linear_wrap``) in place of torch's, as DeepSpeed's ZeRO-3
+    engine does itself when it partitions a model built whole (``zero_optimization.
+    memory_efficient_linear``, on by default): it saves a layer's weight itself for backward, where
+    torch's linear saves a view (``weight.t()``) that keeps the gathered weight alive after its
+    release until backward. A model built already partitioned (``deepspeed.zero.Init``, where
+    memtrain turns it off for the build: :mod:`memtrain.backends.ds_zero_init`) gets it here, so
+    both hold the same bytes (:func:`memtrain.memory.step_trace.step_peaks`' ``linear_saves_weight``).
+    :func:`restore_torch_linear` gives torch's back at the engine's close."""
+    from deepspeed.runtime.zero import partition_parameters as pp
+
+    holder = pp.InsertPostInitMethodToModuleSubClasses
+    if not hasattr(holder, "linear_bk"):
+        holder.linear_bk = torch.nn.functional.linear
+    if torch.nn.functional.linear is holder.linear_bk:
+        torch.nn.functional.linear = pp.zero3_linear_wrap
+
+
+def restore_torch_linear() -> None:
+    """Put torch's ``torch.nn.functional.linear`` back where ZeRO-3 replaced it. DeepSpeed's
+    ``zero.Init`` (which its ZeRO-3 engine enters too) swaps in its memory-efficient linear
+    (``zero3_linear_wrap``, a custom autograd function) for the whole process and never restores
+    it (DeepSpeed 0.19, ``InsertPostInitMethodToModuleSubClasses.linear_bk`` keeps the original),
+    so a Python caller's later code — another engine's run, or their own — would run DeepSpeed's
+    linear. Nothing happens when DeepSpeed was never imported or left it alone."""
+    import sys
+
+    module = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    saved = getattr(getattr(module, "InsertPostInitMethodToModuleSubClasses", None), "linear_bk", None)
+    if saved is not None and torch.nn.functional.linear is getattr(module, "zero3_linear_wrap", None):
+        torch.nn.functional.linear = saved  # only DeepSpeed's own swap: a caller's later one stays

@@ -165,7 +165,19 @@ def zero_state_bytes(n_params: int, precision: str, zero_stage: Optional[int], o
     embeddings), the last module backward runs and the first the next forward does, so within
     the reuse distance and held gathered through the optimizer step (MemTracker at the step of
     Mistral's and GPT-NeoX's 2-rank rows: the parameters' partitions, persistent ones and that one
-    module gathered; no other block's parameters, also on GPT-2 small's 86M)."""
+    module gathered; no other block's parameters, also on GPT-2 small's 86M).
+
+    In forward the gathered parameters are held twice over (:func:`peak_tensor_bytes`' ZeRO-3
+    forward moment): once a step's parameter trace is complete (from the second micro-batch on),
+    fetching a module prefetches the parameters used next, up to ``stage3_prefetch_bucket_size``
+    elements, in one ``all_gather_coalesced`` into one flat buffer; the first of them a module
+    claims copies every one out of it (``AllGatherCoalescedHandle.wait``: a ``torch.cat`` of its
+    ranks' parts), and the buffer is held until the last of them is claimed (the coordinator's
+    in-flight registry keeps the handle per parameter) — for a small model until the head, the
+    copies beside it until each module's forward releases its own (DeepSpeed 0.19.8). Found with
+    MemTracker at the peak of Mixtral's 2-rank rows (7.9M parameters, fp32): a 30.2 MB buffer of
+    every expert weight and the head beside the same weights' copies, inside the last layer's
+    experts."""
     settings = {**deepspeed_buffer_settings(shape, n_params - shape.frozen), **(zero_settings or {})}
     threshold = settings.get("stage3_param_persistence_threshold", ZERO3_PERSISTENCE_THRESHOLD)
     persistent = zero3_persistent_elements(shape.numels, threshold)
@@ -236,7 +248,7 @@ def builds_on_device(shape: ModelShape, state: dict[str, int], device_type: str)
 def peak_tensor_bytes(device_state: int, peaks: Sequence, accumulation: int = 0, step: int = 0,
                       block: int = 0, backward: int = 0, kept: int = 0, block_backward: int = 0) -> int:
     """Tensor bytes on a rank's device at its peak, the largest of four moments, from ``peaks`` =
-    (peak, in_block, in_backward[, resident[, kept peaks[, in_block_backward]]]) of a traced micro-step
+    (peak, in_block, in_backward[, resident[, kept peaks[, in_block_backward[, in_block_forward]]]]) of a traced micro-step
     (:class:`memtrain.memory.step_trace.StepPeaks`; a None is the peak; ``resident``, the rank's
     batch, is held at every moment). ``device_state`` is the model state on the device with every buffer;
     before a micro-step's forward a rank holds it less ``block`` and ``backward``, plus
@@ -257,7 +269,13 @@ def peak_tensor_bytes(device_state: int, peaks: Sequence, accumulation: int = 0,
     ``kept`` (``view_kept_bytes``: ZeRO-3's parameters that are gathered, on more than one rank)
     takes the trace's peaks with the gathered parameters a saved view keeps alive
     (``StepPeaks.kept``) for the three micro-step moments; while a block runs those and ``block``
-    together are never more than ``kept``, all of them.
+    together are never more than ``kept``, all of them. And a moment of ZeRO-3's forward: from
+    the second micro-batch on, DeepSpeed gathers the parameters used next in one coalesced
+    buffer (up to ``block``) and copies each out of it, the buffer held until the last is claimed
+    (:func:`zero_state_bytes`); so while a block runs its forward, ``block`` is held beside the
+    trace's forward peak with the copies not yet released (``StepPeaks.kept``'s fourth: the
+    parameters kept by a view and those whose module has not yet run), never more than
+    ``block_in_forward + kept``.
 
     MemTracker on 2 ranks (``benchmarks/memory_accuracy.py --families``: Llama, Mistral, Qwen2,
     GPT-NeoX, GPT-2, Mixtral, Qwen2-MoE of 0.6–2M parameters) finds each engine's state before the last
@@ -269,8 +287,11 @@ def peak_tensor_bytes(device_state: int, peaks: Sequence, accumulation: int = 0,
     block_in_backward = peaks[5] if len(peaks) > 5 and peaks[5] is not None else in_block
     during_block = max(in_block + block, block_in_backward + block + block_backward)
     if kept and len(peaks) > 4 and peaks[4]:
-        peak, kept_in_block, in_backward = peaks[4]
+        peak, kept_in_block, in_backward, *forward = peaks[4]
+        block_in_forward = peaks[6] if len(peaks) > 6 and peaks[6] is not None else in_block
         during_block = min(kept_in_block + block, in_block + kept)
+        if forward:  # ZeRO-3's forward: the coalesced buffer beside the copies not yet released
+            during_block = max(during_block, block + min(forward[0], block_in_forward + kept))
     before_forward = device_state - block - backward + accumulation
     micro_step = before_forward + max(peak, during_block, in_backward + backward)
     return max(micro_step, device_state - block + step) + resident

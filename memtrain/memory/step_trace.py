@@ -41,24 +41,32 @@ class _LiveBytes(TorchDispatchMode):
         in_backward_peak_bytes: at most from the first parameter gradient on (``in_backward``).
         in_block_backward_peak_bytes: at most while a repeated block runs its backward after
             another block's backward ended (``block_backward_done``).
+        in_block_forward_peak_bytes: at most while a repeated block runs its forward
+            (``in_block`` > 0 and ``in_forward``: the loss's backward has not begun).
         in_block: how many blocks are running now (forward, or backward; see :func:`_watch_blocks`).
         in_backward: a parameter's gradient has arrived (:meth:`to_gradient`).
         kept_bytes: parameters' bytes autograd keeps through a view it saved (:meth:`keep`).
-        view_peaks: [peak, in_block, in_backward] of the live bytes and ``kept_bytes`` together.
+        pending_bytes: parameters' bytes whose module has not yet run its forward (:meth:`pend`,
+            :meth:`claim`): ZeRO-3's copies out of its coalesced prefetch.
+        view_peaks: [peak, in_block, in_backward] of the live bytes and ``kept_bytes`` together,
+            and [in_block_forward, forward] of those and ``pending_bytes``.
     """
 
     def __init__(self):
         super().__init__()
         self.live_bytes = self.peak_bytes = self.in_block_peak_bytes = self.in_backward_peak_bytes = 0
-        self.in_block_backward_peak_bytes = 0
+        self.in_block_backward_peak_bytes = self.in_block_forward_peak_bytes = 0
         self.block_backward_done = False  # a block's backward has ended
         self.in_block, self.in_backward = 0, False
+        self.in_forward = True  # until the loss's backward begins (step_peaks)
         self._sizes: dict[int, int] = {}  # storage key -> bytes counted
         self._refs: dict[int, weakref.ref] = {}
         self._state: set[int] = set()  # storages that became model state (never counted again)
         self.kept_bytes = 0  # parameters kept through a saved view (:meth:`keep`)
-        self.view_peaks = [0, 0, 0]  # peak, in_block, in_backward of live_bytes + kept_bytes
+        self.view_peaks = [0, 0, 0, 0, 0]  # peak, in_block, in_backward of live + kept; in_block_forward, forward of live + kept + pending
         self._kept: dict[int, list[int]] = {}  # parameter storage key -> [saved views alive, bytes]
+        self.pending_bytes = 0
+        self._pending: dict[int, int] = {}  # parameter storage key -> bytes, until its module's forward ends
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16 and is_fake(args[0]):
@@ -91,14 +99,20 @@ class _LiveBytes(TorchDispatchMode):
         self.peak_bytes = max(self.peak_bytes, now)
         if self.in_block > 0:
             self.in_block_peak_bytes = max(self.in_block_peak_bytes, now)
+            if self.in_forward:
+                self.in_block_forward_peak_bytes = max(self.in_block_forward_peak_bytes, now)
         if self.in_backward:
             self.in_backward_peak_bytes = max(self.in_backward_peak_bytes, now)
             if self.in_block > 0 and self.block_backward_done:
                 self.in_block_backward_peak_bytes = max(self.in_block_backward_peak_bytes, now)
         kept, views = now + self.kept_bytes, self.view_peaks
         views[0] = max(views[0], kept)
+        if self.in_forward:
+            views[4] = max(views[4], kept + self.pending_bytes)
         if self.in_block > 0:
             views[1] = max(views[1], kept)
+            if self.in_forward:
+                views[3] = max(views[3], kept + self.pending_bytes)
         if self.in_backward:
             views[2] = max(views[2], kept)
 
@@ -119,11 +133,12 @@ class _LiveBytes(TorchDispatchMode):
 
     def keep(self, key: int, size: int) -> None:
         """Autograd saved a view of the parameter whose storage is ``key`` (``size`` bytes): counted
-        in ``kept_bytes`` until every such view is freed (:meth:`unkeep`)."""
+        in ``kept_bytes`` until every such view is freed (:meth:`unkeep`), no longer pending."""
         entry = self._kept.setdefault(key, [0, size])
         entry[0] += 1
         if entry[0] == 1:
             self.kept_bytes += size
+            self.pending_bytes -= self._pending.pop(key, 0)
             self._transient(0)
 
     def unkeep(self, key: int) -> None:
@@ -133,6 +148,18 @@ class _LiveBytes(TorchDispatchMode):
         if entry[0] == 0:
             self.kept_bytes -= entry[1]
             del self._kept[key]
+
+    def pend(self, sizes: dict[int, int]) -> None:
+        """The parameters of ``sizes`` (storage key -> bytes) are held until their module's forward
+        ends (:meth:`claim`)."""
+        self._pending = dict(sizes)
+        self.pending_bytes = sum(sizes.values())
+
+    def claim(self, key: int) -> None:
+        """The forward of the module of the parameter whose storage is ``key`` ended: no longer
+        pending. Nothing once backward began (a recomputed forward)."""
+        if self.in_forward:
+            self.pending_bytes -= self._pending.pop(key, 0)
 
     def release(self, key: int) -> None:
         """Stop counting storage ``key`` (freed)."""
@@ -223,26 +250,45 @@ class _SavedView:
         self.tensor = tensor
 
 
-def _kept_views(counter: _LiveBytes, params: list[nn.Parameter], kept_numel: Optional[int]):
-    """Saved-tensor hooks that count in ``counter.kept_bytes`` each parameter of more than
-    ``kept_numel`` elements whose *view* autograd saves for backward (a transposed weight a matrix
-    product saves, an expert's slice of a fused expert weight), from the save until autograd frees
-    it; a parameter saved as itself is not counted. None: no hooks.
+def _linear_transpose(t: torch.Tensor, shapes: dict[int, tuple]) -> bool:
+    """Whether ``t`` is the whole transpose of a 2-D parameter (``shapes``: storage key ->
+    (shape, stride, offset)): what torch's linear saves of its weight (``addmm``'s ``mat2``)."""
+    shape, stride, offset = shapes[t.untyped_storage()._cdata]
+    return (len(shape) == 2 and tuple(t.shape) == shape[::-1] and tuple(t.stride()) == stride[::-1]
+            and t.storage_offset() == offset)
+
+
+@contextlib.contextmanager
+def _kept_views(counter: _LiveBytes, model: nn.Module, params: list[nn.Parameter], kept_numel: Optional[int],
+                linear_saves_weight: bool = True):
+    """While inside, count in ``counter.kept_bytes`` each parameter of more than ``kept_numel``
+    elements whose *view* autograd saves for backward (an expert's slice of a fused expert
+    weight, a transposed weight a matrix product saves), from the save until autograd frees it,
+    and in ``counter.pending_bytes`` each such parameter until its module's first forward ends; a
+    parameter saved as itself is not counted. None: nothing counted.
 
     Why: DeepSpeed ZeRO-3 gathers a partitioned parameter into a new buffer for its module and
-    releases it after by pointing the parameter at an empty tensor (``free_param``:
-    ``param.data = torch.empty(0)``); a view saved meanwhile still holds the gathered buffer, until
-    backward uses it (memtrain builds ZeRO-3 models with ``memory_efficient_linear`` off, so a
-    linear layer's saved ``weight.t()`` holds too). Parameters at or under the persistence
-    threshold are whole anyway. Inside an activation-checkpointed block torch's own hooks decide
-    what is saved, so nothing there is counted (a recomputed block's parameters are gathered then)."""
+    releases it after the module's forward by pointing the parameter at an empty tensor
+    (``free_param``: ``param.data = torch.empty(0)``); a view saved meanwhile still holds the
+    gathered buffer, until backward uses it. Its coalesced prefetch copies every parameter out of
+    the prefetch buffer when the first of them is claimed, so until a module's forward ends its
+    parameters' copies are held (:func:`memtrain.memory.accounting.zero_state_bytes`). With
+    ``linear_saves_weight`` (DeepSpeed's ``memory_efficient_linear``, its default, which its
+    ZeRO-3 engine puts in place of torch's linear for the run: ``zero3_linear_wrap`` saves the
+    weight itself) a linear layer's saved ``weight.t()`` is not counted. Parameters at or under
+    the persistence threshold are whole anyway. Inside an activation-checkpointed block torch's
+    own hooks decide what is saved, so nothing there is counted (a recomputed block's parameters
+    are gathered then)."""
     if kept_numel is None:
-        return contextlib.nullcontext()
-    sizes = {p.untyped_storage()._cdata: p.untyped_storage().nbytes() for p in params if p.numel() > kept_numel}
+        yield
+        return
+    large = [p for p in params if p.numel() > kept_numel]
+    sizes = {p.untyped_storage()._cdata: p.untyped_storage().nbytes() for p in large}
+    shapes = {p.untyped_storage()._cdata: (tuple(p.shape), tuple(p.stride()), p.storage_offset()) for p in large}
 
     def pack(t: torch.Tensor):
         key = t.untyped_storage()._cdata
-        if key not in sizes or isinstance(t, nn.Parameter):
+        if key not in sizes or isinstance(t, nn.Parameter) or (linear_saves_weight and _linear_transpose(t, shapes)):
             return t
         saved = _SavedView(t)
         counter.keep(key, sizes[key])
@@ -252,7 +298,19 @@ def _kept_views(counter: _LiveBytes, params: list[nn.Parameter], kept_numel: Opt
     def unpack(saved):
         return saved.tensor if isinstance(saved, _SavedView) else saved
 
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    def claim(module, *_):
+        for p in module.parameters(recurse=False):
+            counter.claim(p.untyped_storage()._cdata)
+
+    owners = [m for m in model.modules() if any(p.numel() > kept_numel for p in m.parameters(recurse=False))]
+    hooks = [m.register_forward_hook(claim) for m in owners]
+    counter.pend(sizes)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def _first_grad_tensor(values) -> Optional[torch.Tensor]:
@@ -308,10 +366,16 @@ class StepPeaks(NamedTuple):
             micro-batches as views), not part of the three above.
         kept: (peak, in_block, in_backward) with the parameters autograd keeps through a saved
             view counted too (:func:`_kept_views`: what DeepSpeed ZeRO-3's gathered parameters
-            hold beyond their release); () when not traced.
+            hold beyond their release), and in_block_forward with those and the parameters whose
+            module has not yet run its forward (ZeRO-3's copies out of its coalesced prefetch);
+            () when not traced.
         in_block_backward: at most while a repeated block runs its backward after another
             block's backward ended: what an engine holds beside a block's gathered parameters only
             then (FSDP2's reduce-scatter of the block before) is held beside it; None = ``in_block``.
+        in_block_forward: at most while a repeated block runs its forward (before the loss's
+            backward; a block recomputed in backward is not counted): what an engine
+            holds beside a block's gathered parameters only in forward (ZeRO-3's coalesced
+            prefetch buffer) is held beside it; None = ``in_block``.
     On a small model the peak is often the loss's (the tests' models at micro-batch 4: the
     logits of a 1024-token vocabulary), where neither is held.
     """
@@ -322,10 +386,11 @@ class StepPeaks(NamedTuple):
     resident: int = 0
     kept: tuple = ()
     in_block_backward: Optional[int] = None
+    in_block_forward: Optional[int] = None
 
 
 def step_peaks(model: nn.Module, mode, objective, micro_batch: dict[str, torch.Tensor],
-               kept_numel: Optional[int] = None) -> StepPeaks:
+               kept_numel: Optional[int] = None, linear_saves_weight: bool = True) -> StepPeaks:
     """Peak bytes of one training forward and backward of ``micro_batch`` beyond model state
     (:class:`StepPeaks`: at most, while a block runs, from the first parameter gradient on; and
     with ``kept_numel``, the same with parameters of more elements than that kept through a saved
@@ -333,6 +398,9 @@ def step_peaks(model: nn.Module, mode, objective, micro_batch: dict[str, torch.T
 
     Args:
         model: a fake model (:func:`fake_model`, levers applied).
+        kept_numel: ZeRO-3's persistence threshold (elements); None = no kept peaks.
+        linear_saves_weight: a linear layer saves its weight itself (DeepSpeed's
+            ``memory_efficient_linear``), not a view of it.
         mode: its ``FakeTensorMode``.
         objective: the run's objective (:mod:`memtrain.objectives`); its ``loss_sum`` is traced.
         micro_batch: tensors [B, …] on any device (made fakes on the model's device here).
@@ -355,8 +423,9 @@ def step_peaks(model: nn.Module, mode, objective, micro_batch: dict[str, torch.T
     try:
         with mode, fused_attention(device.type == "meta"):
             batch = fake_batch(mode, micro_batch, device)
-            with torch.enable_grad(), counter, _kept_views(counter, params, kept_numel):
+            with torch.enable_grad(), counter, _kept_views(counter, model, params, kept_numel, linear_saves_weight):
                 loss = objective.loss_sum(model, batch)
+                counter.in_forward = False
                 loss.backward()
                 del loss
     finally:
@@ -366,9 +435,11 @@ def step_peaks(model: nn.Module, mode, objective, micro_batch: dict[str, torch.T
             p.grad = None
     in_block = counter.in_block_peak_bytes if blocks else counter.peak_bytes
     views = counter.view_peaks
-    kept = () if kept_numel is None else (views[0], views[1] if blocks else views[0], views[2])
+    kept = () if kept_numel is None else (views[0], views[1] if blocks else views[0], views[2],
+                                          views[3] if blocks else views[4])
     return StepPeaks(counter.peak_bytes, in_block, counter.in_backward_peak_bytes, kept=kept,
-                     in_block_backward=counter.in_block_backward_peak_bytes if blocks else counter.in_backward_peak_bytes)
+                     in_block_backward=counter.in_block_backward_peak_bytes if blocks else counter.in_backward_peak_bytes,
+                     in_block_forward=counter.in_block_forward_peak_bytes if blocks else counter.peak_bytes)
 
 
 def step_peak_bytes(model: nn.Module, mode, objective, micro_batch: dict[str, torch.Tensor]) -> int:

@@ -15,6 +15,7 @@ from torch import nn
 
 from memtrain.levers.activation_offload import moved_bytes
 from memtrain.backends import engine_module, engine_name
+from memtrain.backends.ds_config import ZERO_LINEAR_KEY
 from memtrain.backends.spec import user_zero_settings
 from memtrain.levers import LeverTarget, apply_levers, lever
 from memtrain.levers.activation_checkpointing import setting as ac_setting
@@ -64,7 +65,7 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
     cached per micro-batch and model-lever settings). ``objective`` is not changed (a copy is traced).
     Its attribute ``offloaded_bytes`` is ``plan -> bytes`` the plan's activation offload moves to
     the host in that micro-batch (each way; 0 without offload), traced alike; ``peaks`` is
-    ``plan -> (peak, in_block, in_backward, resident, kept, in_block_backward)`` (:class:`memtrain.memory.step_trace.StepPeaks`,
+    ``plan -> (peak, in_block, in_backward, resident, kept, in_block_backward, in_block_forward)`` (:class:`memtrain.memory.step_trace.StepPeaks`,
     ``kept`` traced at the persistence threshold ZeRO-3 runs with; under a simulated device every
     one the peak and nothing resident). ``resident`` is the rank's
     batch on the device (accumulation × the bytes of the traced micro-batch, the longest samples
@@ -107,14 +108,16 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
 
     # the persistence threshold ZeRO-3 runs with: larger parameters are gathered, and kept
     # through a saved view (StepPeaks.kept; read only for an engine that gathers them)
-    kept_numel = user_zero_settings(cfg).get("stage3_param_persistence_threshold", ZERO3_PERSISTENCE_THRESHOLD)
+    zero = user_zero_settings(cfg)
+    kept_numel = zero.get("stage3_param_persistence_threshold", ZERO3_PERSISTENCE_THRESHOLD)
+    linear_saves_weight = bool(zero.get(ZERO_LINEAR_KEY, 1))  # DeepSpeed's memory-efficient linear
 
-    def trace(*args) -> tuple[int, ...]:  # peak, in_block, in_backward, in_block_backward, then kept views
+    def trace(*args) -> tuple[int, ...]:  # peak, in_block, in_backward, in_block_backward, in_block_forward, kept views
         if simulated:  # the simulated device counts saved bytes alone, whatever runs
             saved = traced_activation_bytes(*args)
-            return (saved,) * 7
-        peaks = step_trace.step_peaks(*args, kept_numel=kept_numel)
-        return (*peaks[:3], peaks.in_block_backward, *peaks.kept)
+            return (saved,) * 9
+        peaks = step_trace.step_peaks(*args, kept_numel=kept_numel, linear_saves_weight=linear_saves_weight)
+        return (*peaks[:3], peaks.in_block_backward, peaks.in_block_forward, *peaks.kept)
 
     def traced(plan: Plan) -> tuple[step_trace.StepPeaks, int]:
         settings = {name: setting for name, setting in plan.levers if lever(name).model_lever}
@@ -130,7 +133,8 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
 
             *peaks, moved = by_depth(model, target.blocks, period, traced_once)
             peaks = [extra + p for p in peaks]
-            cache[key] = (step_trace.StepPeaks(*peaks[:3], kept=tuple(peaks[4:]), in_block_backward=peaks[3]), moved)
+            cache[key] = (step_trace.StepPeaks(*peaks[:3], kept=tuple(peaks[5:]), in_block_backward=peaks[3],
+                                               in_block_forward=peaks[4]), moved)
         return cache[key]
 
     def activation_bytes(plan: Plan) -> int:

@@ -114,6 +114,8 @@ class Candidate:
             (``StepPeaks.kept``; () = not traced), read for an engine that gathers them.
         in_block_backward_bytes: the peak while a repeated block runs its backward
             (``StepPeaks.in_block_backward``); None = ``in_block_bytes``.
+        in_block_forward_bytes: the peak while a repeated block runs its forward
+            (``StepPeaks.in_block_forward``); None = ``in_block_bytes``.
         moment_bytes: the run's largest moment outside its steps, with the allocator's headroom
             (a resume's checkpoint load, the export: :mod:`memtrain.memory.moments`); the same for
             every plan, so it decides whether a plan fits, never which plan is smaller or faster.
@@ -133,6 +135,7 @@ class Candidate:
     kept_peaks: tuple = ()
     in_block_backward_bytes: Optional[int] = None
     moment_bytes: int = 0
+    in_block_forward_bytes: Optional[int] = None
 
     @property
     def planned_bytes(self) -> int:
@@ -217,7 +220,8 @@ def make_candidates(per_rank_batch: int, choices: Mapping[str, tuple], state_byt
             peaks = activation_bytes.peaks(plan) if hasattr(activation_bytes, "peaks") else (acts, None, None)
             c = Candidate(plan, 0, acts, moved, *peaks[1:3], resident_bytes=peaks[3] if len(peaks) > 3 else 0,
                           kept_peaks=tuple(peaks[4]) if len(peaks) > 4 else (),
-                          in_block_backward_bytes=peaks[5] if len(peaks) > 5 else None)
+                          in_block_backward_bytes=peaks[5] if len(peaks) > 5 else None,
+                          in_block_forward_bytes=peaks[6] if len(peaks) > 6 else None)
             c.predicted_peak_bytes = candidate_peak_bytes(c, state_bytes, terms or {}, device_type)
             c.moment_bytes = moment_fit_bytes(moments, device_type)
             c.fits = budget_bytes is None or c.planned_bytes <= budget_bytes
@@ -242,7 +246,8 @@ def candidate_peak_bytes(candidate: Candidate, device_state: int, terms: Mapping
     (:func:`lever_cost`), plus the allocator's headroom on ``device_type`` — the one composition
     the planner, the placements and ``memtrain plan`` use (bytes)."""
     peaks = (candidate.activation_bytes, candidate.in_block_bytes, candidate.in_backward_bytes,
-             candidate.resident_bytes, candidate.kept_peaks, candidate.in_block_backward_bytes)
+             candidate.resident_bytes, candidate.kept_peaks, candidate.in_block_backward_bytes,
+             candidate.in_block_forward_bytes)
     accumulation = terms.get("accumulation", 0) if candidate.gradient_accumulation_steps > 1 else 0
     tensors = peak_tensor_bytes(device_state, peaks, **{**terms, "accumulation": accumulation})
     return with_allocator_headroom(tensors + lever_cost(candidate).device_bytes, device_type)
