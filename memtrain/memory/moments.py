@@ -132,7 +132,7 @@ def fsdp_moments(state: Mapping[str, int], shape, precision: str, world_size: in
     u = parameter_element_bytes(precision)
     held = state["parameter_bytes"] - u * shape.root + state["optimizer_bytes"]
     load = 4 * shape.trained // world_size if offload in (None, "none") else 0
-    gathered = 4 * max(shape.numels or (shape.largest_module,)) if world_size > 1 else 0
+    gathered = 4 * shape.largest_parameter if world_size > 1 else 0
     copies = 4 * (shape.parameters + shape.tied) if world_size > 1 else 0
     # the switch: torch's set_model_state_dict keeps each rank's cut of the read weights in the
     # read dict (4 bytes per parameter over the ranks); without offload the moments are cut to the
@@ -168,7 +168,7 @@ def zero_moments(state: Mapping[str, int], shape, precision: str, zero_stage, wo
     master = 4 * shape.trained // world_size if offload in (None, "none") and stage >= 1 else 0
     alone = world_size == 1 and offload != "optimizer_and_params"  # views of the partitions, as in _zero
     gathered = p_bytes * shape.largest_module if stage >= 3 and not alone else 0
-    largest = 4 * max(shape.numels or (shape.largest_module,))
+    largest = 4 * shape.largest_parameter
     cast = largest if p_bytes == 2 else 0
     # the switch: ZeRO-1/2 builds AdamW's moments in the rank's partition during DeepSpeed's
     # universal load (:meth:`memtrain.backends.deepspeed.DeepSpeedBackend.load_full_state`; 8 bytes

@@ -55,6 +55,12 @@ class ModelShape:
         return self.numels or (self.parameters,)
 
     @property
+    def largest_parameter(self) -> int:
+        """Elements of the largest parameter (``largest_module`` when ``numels`` is not known: a
+        module's parameters are at least its largest one)."""
+        return max(self.numels or (self.largest_module,))
+
+    @property
     def frozen(self) -> int:
         """Elements of the parameters that do not train."""
         return self.parameters - self.trained

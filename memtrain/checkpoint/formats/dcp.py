@@ -55,7 +55,7 @@ def full_state_read_bytes(shape, saved) -> tuple[int, int]:
     largest: MemTracker counts it during ``dcp_to_torch_save``). ``shape``: a
     :class:`memtrain.memory.shape.ModelShape`; ``saved``: a :class:`memtrain.checkpoint.formats.SavedRun`."""
     read = 4 * (shape.parameters + shape.tied) + 2 * saved.state_element_bytes * shape.trained
-    return read, read + 4 * max(shape.numels or (shape.largest_module,))
+    return read, read + 4 * shape.largest_parameter
 
 
 def read_full_state(path: str, module: nn.Module) -> tuple[dict[str, torch.Tensor], dict]:

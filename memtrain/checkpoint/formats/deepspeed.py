@@ -118,7 +118,7 @@ def full_state_read_bytes(shape, saved) -> tuple[int, int]:
     module = shape.parameters if (saved.zero_stage or 0) < 3 else zero3_persistent_elements(
         shape.numels, ZERO3_PERSISTENCE_THRESHOLD)
     conversion = saved.parameter_element_bytes * module + 12 * shape.trained // max(1, saved.world_size)
-    return read, max(read + 4 * max(shape.numels or (shape.largest_module,)), conversion)
+    return read, max(read + 4 * shape.largest_parameter, conversion)
 
 
 def read_full_state(path: str, module: nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
