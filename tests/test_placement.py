@@ -117,6 +117,9 @@ def test_zero3_gathered_parameters_at_each_moment_of_the_step():
     assert forward == state - block + block + small + 5
     assert peak_tensor_bytes(state, (small, small, small, 0, (small, small, small, big), None, small), **terms) == (
         state - block + block + small + terms["kept"])
+    # a large model's: the copies not yet released are never more than the gathered bytes
+    wide_forward = peak_tensor_bytes(state, (small, small, small, 0, (small, small, small, big), None, small), **wide)
+    assert wide_forward == state - block + block + small + block
 
 
 def test_fsdp2_holds_the_reduce_scatter_of_the_block_before_while_a_block_runs_backward():

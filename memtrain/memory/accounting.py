@@ -275,7 +275,9 @@ def peak_tensor_bytes(device_state: int, peaks: Sequence, accumulation: int = 0,
     (:func:`zero_state_bytes`); so while a block runs its forward, ``block`` is held beside the
     trace's forward peak with the copies not yet released (``StepPeaks.kept``'s fourth: the
     parameters kept by a view and those whose module has not yet run), never more than
-    ``block_in_forward + kept``.
+    ``block_in_forward + kept``, nor the copies not yet released more than ``block`` (the most
+    DeepSpeed keeps gathered: a large model's prefetch reaches ``stage3_prefetch_bucket_size``
+    elements ahead, not the whole model).
 
     MemTracker on 2 ranks (``benchmarks/memory_accuracy.py --families``: Llama, Mistral, Qwen2,
     GPT-NeoX, GPT-2, Mixtral, Qwen2-MoE of 0.6–2M parameters) finds each engine's state before the last
@@ -291,7 +293,7 @@ def peak_tensor_bytes(device_state: int, peaks: Sequence, accumulation: int = 0,
         block_in_forward = peaks[6] if len(peaks) > 6 and peaks[6] is not None else in_block
         during_block = min(kept_in_block + block, in_block + kept)
         if forward:  # ZeRO-3's forward: the coalesced buffer beside the copies not yet released
-            during_block = max(during_block, block + min(forward[0], block_in_forward + kept))
+            during_block = max(during_block, block + min(forward[0], block_in_forward + kept, kept_in_block + block))
     before_forward = device_state - block - backward + accumulation
     micro_step = before_forward + max(peak, during_block, in_backward + backward)
     return max(micro_step, device_state - block + step) + resident
