@@ -35,8 +35,11 @@ counted step holds the longest micro-batch, the one the planner traces), each at
 from ``--seed`` (recorded in every row with the drawn ``model_config``; from seed 2 on the
 sequence length, a speech model's words per utterance, is drawn too, :mod:`model_families`), ×
 the 4 engines × activation checkpointing off/selective/on ×
-fp32/bf16 × 1 and 2 ranks (``--engines``, ``--ac``, ``--precisions``, ``--world_sizes`` pick a subset). Rows ``memory_accuracy_families`` carry
-``model_type``, ``seed`` and the commit; the summary gives, per engine and per family, the
+fp32/bf16 × 1 and 2 ranks (``--engines``, ``--ac``, ``--precisions``, ``--world_sizes`` pick a
+subset), at a global batch of 16 (micro-batches of 4: accumulation 2 on 2 ranks, 4 on 1), or
+``--accumulation`` micro-batches per step (1: a plan that does not accumulate, the planner's
+first candidate). Rows ``memory_accuracy_families`` carry ``model_type``, ``seed``,
+``gradient_accumulation_steps`` and the commit; the summary gives, per engine and per family, the
 median, p90 and worst |relative error| (goal: ≤ 2%, ≤ 4%, ≤ 10%, and no row under by more than
 2%). The count is the highest rank's (:func:`measured`).
 
@@ -50,12 +53,14 @@ without it: the bytes it saves, predicted and counted by MemTracker (rows
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
 import statistics
 import sys
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import CPU_ARGS, ENGINES, REPO, TINY_ARGS, emit, run_memtrain, scratch_dir  # noqa: E402
@@ -177,30 +182,42 @@ FAMILY_MICRO_BATCH = 4  # global batch 16: accumulation 2 on 2 ranks, 4 on 1
 AC_SETTINGS = ("off", "selective", "on")
 
 
+def accumulation_args(family: str, world_size: int, accumulation: Optional[int]) -> list[str]:
+    """The arguments that make a family's runs accumulate ``accumulation`` micro-batches of
+    :data:`FAMILY_MICRO_BATCH` per step on ``world_size`` ranks (a speech family's utterances one
+    global batch of them); None = the global batch of 16 (accumulation 2 on 2 ranks, 4 on 1)."""
+    if accumulation is None:
+        return []
+    batch = str(FAMILY_MICRO_BATCH * world_size * accumulation)
+    return ["--training.global_batch_size", batch] + (["--data.speech.train_utterances", batch]
+                                                      if family in SPEECH else [])
+
+
 def family_rows(families: list[str], seed: int, engines: list[str], acs: list[str], precisions: list[str],
-                world_sizes: list[int], data_args: list[str]):
-    """New sizes (``--families``): one row per family × engine × AC × precision × ranks, the
-    family's model drawn with ``seed`` (:func:`model_families.draw`); ZeRO-3 refuses selective AC
-    by name, so that combination is left out."""
-    for family in families:
+                world_sizes: list[int], data_args: list[str], accumulations: tuple = (None,)):
+    """New sizes (``--families``): one row per family × engine × AC × precision × ranks (× the
+    ``accumulations``: :func:`accumulation_args`), the family's model drawn with ``seed``
+    (:func:`model_families.draw`); ZeRO-3 refuses selective AC by name, so that combination is
+    left out."""
+    for family, world_size, accumulation in itertools.product(families, world_sizes, accumulations):
         config = draw(family, seed)
-        for world_size in world_sizes:
-            for precision in precisions:
-                base = SPEECH_FAMILY_ARGS if family in SPEECH else FAMILY_ARGS
-                args = base + data_args + model_args(config) + ["--precision", precision]
-                for engine in engines:
-                    for ac in acs:
-                        if engine == "zero3" and ac == "selective":
-                            continue
-                        count = measured(args, engine, FAMILY_MICRO_BATCH, ac, world_size)
-                        guess = predicted(args + ENGINES[engine], FAMILY_MICRO_BATCH, ac, world_size)
-                        yield {"benchmark": "memory_accuracy_families", "model_type": family, "seed": seed,
-                               "model_config": config, "engine": engine, "world_size": world_size,
-                               "precision": precision, "micro_batch_size": FAMILY_MICRO_BATCH,
-                               "activation_checkpointing": ac, **guess, "measured_bytes": count["peak_bytes"],
-                               "measured_by_category": count["peak_by_category"],
-                               "relative_error": (guess["predicted_tensor_bytes"] - count["peak_bytes"])
-                               / count["peak_bytes"]}
+        for precision in precisions:
+            base = SPEECH_FAMILY_ARGS if family in SPEECH else FAMILY_ARGS
+            args = (base + data_args + model_args(config) + ["--precision", precision]
+                    + accumulation_args(family, world_size, accumulation))
+            for engine in engines:
+                for ac in acs:
+                    if engine == "zero3" and ac == "selective":
+                        continue
+                    count = measured(args, engine, FAMILY_MICRO_BATCH, ac, world_size)
+                    guess = predicted(args + ENGINES[engine], FAMILY_MICRO_BATCH, ac, world_size)
+                    yield {"benchmark": "memory_accuracy_families", "model_type": family, "seed": seed,
+                           "model_config": config, "engine": engine, "world_size": world_size,
+                           "precision": precision, "micro_batch_size": FAMILY_MICRO_BATCH,
+                           "activation_checkpointing": ac, **guess, "measured_bytes": count["peak_bytes"],
+                           "measured_by_category": count["peak_by_category"],
+                           "relative_error": (guess["predicted_tensor_bytes"] - count["peak_bytes"])
+                           / count["peak_bytes"]}
 
 
 def error_distribution(errors: list[float]) -> dict:
@@ -250,13 +267,16 @@ def main(argv=None) -> int:
     parser.add_argument("--ac", default=",".join(AC_SETTINGS), help="--families: activation checkpointing settings")
     parser.add_argument("--precisions", default="fp32,bf16", help="--families: precisions")
     parser.add_argument("--world_sizes", default="1,2", help="--families: ranks")
+    parser.add_argument("--accumulation", default=None, help="--families: gradient accumulation steps of "
+                        f"micro-batches of {FAMILY_MICRO_BATCH} (comma-separated; default: a global batch of 16)")
     opts = parser.parse_args(argv)
     if opts.families:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         extra = ["--data.cache_dir", opts.data_cache_dir] if opts.data_cache_dir else []
         results = []
         for row in family_rows(opts.families.split(","), opts.seed, opts.engines.split(","), opts.ac.split(","),
-                               opts.precisions.split(","), [int(w) for w in opts.world_sizes.split(",")], extra):
+                               opts.precisions.split(","), [int(w) for w in opts.world_sizes.split(",")], extra,
+                               tuple(int(a) for a in opts.accumulation.split(",")) if opts.accumulation else (None,)):
             results.append(row)
             emit("memory_accuracy", "cpu", row, save=opts.results)
         emit("memory_accuracy", "cpu", family_summary(results, opts.seed), save=opts.results)

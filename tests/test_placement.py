@@ -86,7 +86,7 @@ def test_zero3_gathered_parameters_at_each_moment_of_the_step():
     module's parameters (the input embeddings, reused at once by the next forward: Mistral's and
     GPT-NeoX's AC-on rows were 2-3% under without them, and GPT-2 small's 86M-parameter row 18%
     over with every gathered parameter counted there). Expected bytes from the shapes."""
-    from memtrain.memory.accounting import peak_tensor_bytes, peak_terms
+    from memtrain.memory.accounting import peak_tensor_bytes, peak_terms, plan_terms
 
     n, embedding = 1_000_000, 200_000
     shape = ModelShape(n, largest_block=n // 4, largest_module=embedding, numels=(embedding, 50_000, n - embedding - 50_000),
@@ -96,7 +96,7 @@ def test_zero3_gathered_parameters_at_each_moment_of_the_step():
     assert alone["view_kept_bytes"] == alone["step_gathered_bytes"] == 0  # views of the partitions
     small_first = dataclasses.replace(shape, first_module_numels=(50_000,))  # persistent: whole anyway
     assert model_state_bytes("deepspeed", n, "fp32", 3, "none", 2, shape=small_first)["step_gathered_bytes"] == 0
-    terms = peak_terms(two)
+    terms = plan_terms(peak_terms(two), accumulating=True)
     assert terms["step"] == two["step_gradient_bytes"] + 4 * embedding and terms["kept"] == two["view_kept_bytes"]
     state, block = device_state_bytes(two), two["block_buffer_bytes"]
     # a small micro-step: the step moment, without the gathered blocks
@@ -129,20 +129,54 @@ def test_fsdp2_holds_the_reduce_scatter_of_the_block_before_while_a_block_runs_b
     gathered blocks (6.0% under without it). It is counted beside the trace's peak while a block
     runs its backward after another one's ended (``StepPeaks.in_block_backward``), on more than
     one rank only; not at the forward's moments. Expected bytes from the shapes."""
-    from memtrain.memory.accounting import peak_tensor_bytes, peak_terms
+    from memtrain.memory.accounting import peak_tensor_bytes, peak_terms, plan_terms
 
     n, block = 1_000_000, 200_000
     shape = ModelShape(n, largest_block=block, largest_module=block // 4, root=100_000)
     two, alone = (model_state_bytes("fsdp", n, "bf16", None, "none", w, shape=shape) for w in (2, 1))
     assert two["block_backward_buffer_bytes"] == 4 * block and alone["block_backward_buffer_bytes"] == 0
     assert two["block_buffer_bytes"] == 2 * 2 * block  # two gathered blocks in bf16
-    terms, state = {**peak_terms(two), "accumulation": 0}, device_state_bytes(two)  # one micro-batch
+    terms, state = plan_terms(peak_terms(two), accumulating=False), device_state_bytes(two)  # one micro-batch
     before = state - two["block_buffer_bytes"]
     big, small = 10 * state, state
     # the block's backward moment: the gathered blocks and the reduce-scatter beside it
     assert peak_tensor_bytes(state, (small, big, small, 0, (), big), **terms) == before + big + 4 * block + 4 * block
     # a forward-only block peak (the backward's block moment lower): no reduce-scatter
     assert peak_tensor_bytes(state, (small, big, small, 0, (), small), **terms) == before + big + 4 * block
+
+
+def test_a_plan_that_accumulates_or_not_holds_its_own_gradients():
+    """What the gradients hold depends on whether a plan accumulates. One that does not: DDP and
+    FSDP2 set them to None after each step, so the micro-step's peak before the first gradient
+    (forward, the loss) holds none (MemTracker, 2 ranks, one micro-batch per step: GPT-NeoX bf16
+    with AC 22% over with them counted). One that does, under FSDP2: the last micro-batch copies a
+    block's fp32 accumulated gradients into its reduce-scatter input and frees them, so a later
+    block's backward holds beside them the block's output shard and, in bf16, the running
+    block's new 16-bit gradients, not a whole fp32 input more (Mixtral fp32, AC off: 4.5% over).
+    DeepSpeed on a CPU zeroes its gradients in place: nothing released. Expected bytes from the
+    shapes."""
+    from memtrain.memory.accounting import peak_tensor_bytes, peak_terms, plan_terms
+
+    n, block, root = 1_000_000, 200_000, 100_000
+    shape = ModelShape(n, largest_block=block, largest_module=block // 4, root=root)
+    fp32, bf16 = (model_state_bytes("fsdp", n, p, None, "none", 2, shape=shape) for p in ("fp32", "bf16"))
+    assert plan_terms(peak_terms(fp32), accumulating=True)["block_backward"] == 4 * block // 2
+    assert plan_terms(peak_terms(bf16), accumulating=True)["block_backward"] == 4 * block // 2 + 2 * block
+    one = plan_terms(peak_terms(fp32), accumulating=False)
+    assert one["block_backward"] == 4 * block and one["accumulation"] == 0
+    assert one["released"] == 4 * n // 2 + 4 * root  # the shards and the root's whole gradients
+    assert plan_terms(peak_terms(fp32), accumulating=True)["released"] == 0
+    state, gathered = device_state_bytes(fp32), fp32["block_buffer_bytes"]
+    big, small = 10 * state, state // 100
+    # the loss's peak: no gradient yet in a plan that does not accumulate; all of them in one that does
+    assert peak_tensor_bytes(state, (big, small, small), **one) == state - gathered + big - one["released"]
+    accumulating = plan_terms(peak_terms(fp32), accumulating=True)
+    assert peak_tensor_bytes(state, (big, small, small), **accumulating) == (
+        state - gathered + fp32["accumulation_gradient_bytes"] + big)
+    # from the first gradient on: all of them
+    assert peak_tensor_bytes(state, (big, small, big), **one) == state - gathered + big
+    assert model_state_bytes("ddp", n, "fp32", None, "none", 2, shape=shape)["released_gradient_bytes"] == 4 * n
+    assert model_state_bytes("deepspeed", n, "fp32", 2, "none", 2, shape=shape).get("released_gradient_bytes", 0) == 0
 
 
 def test_deepspeed_json_partial_and_nvme_offload_are_checked():

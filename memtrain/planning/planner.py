@@ -46,7 +46,8 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from memtrain.levers import LeverCost, PlanFacts, plan_cost, recompute_fraction, restore_settings
-from memtrain.memory.accounting import device_state_bytes, divisors, peak_tensor_bytes, peak_terms, with_allocator_headroom
+from memtrain.memory.accounting import (device_state_bytes, divisors, peak_tensor_bytes, peak_terms, plan_terms,
+                                        with_allocator_headroom)
 from memtrain.memory.moments import largest_moment_bytes
 from memtrain.memory.machine import offload_host_room_bytes, run_device_budget
 from memtrain.plan import Plan
@@ -241,15 +242,14 @@ def lever_cost(candidate: Candidate, copy_bytes_per_s: Optional[float] = None) -
 def candidate_peak_bytes(candidate: Candidate, device_state: int, terms: Mapping[str, int], device_type: str) -> int:
     """A rank's predicted device peak for ``candidate`` beside ``device_state`` bytes of model
     state: :func:`memtrain.memory.accounting.peak_tensor_bytes` of its traced peaks and the
-    engine's ``terms`` (:func:`memtrain.memory.accounting.peak_terms`; the accumulation term only
-    in a plan that accumulates), plus the device bytes its levers add
+    engine's ``terms`` (:func:`memtrain.memory.accounting.peak_terms`, for a plan that accumulates
+    or not: :func:`memtrain.memory.accounting.plan_terms`), plus the device bytes its levers add
     (:func:`lever_cost`), plus the allocator's headroom on ``device_type`` — the one composition
     the planner, the placements and ``memtrain plan`` use (bytes)."""
     peaks = (candidate.activation_bytes, candidate.in_block_bytes, candidate.in_backward_bytes,
              candidate.resident_bytes, candidate.kept_peaks, candidate.in_block_backward_bytes,
              candidate.in_block_forward_bytes)
-    accumulation = terms.get("accumulation", 0) if candidate.gradient_accumulation_steps > 1 else 0
-    tensors = peak_tensor_bytes(device_state, peaks, **{**terms, "accumulation": accumulation})
+    tensors = peak_tensor_bytes(device_state, peaks, **plan_terms(terms, candidate.gradient_accumulation_steps > 1))
     return with_allocator_headroom(tensors + lever_cost(candidate).device_bytes, device_type)
 
 
