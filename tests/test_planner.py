@@ -671,6 +671,13 @@ def test_the_trace_keeps_a_parameter_while_autograd_holds_a_view_of_it():
     assert step_peaks(model, mode, Loss(), batch, kept_numel=16_384).kept[0] == plain.peak
     # DeepSpeed's linear: the head's weight is saved as itself, the experts' slice still kept
     assert step_peaks(model, mode, Loss(), batch, kept_numel=4_096).kept[0] - plain.peak == 4 * 16_384
+    # the engine and the trace read a DeepSpeed JSON's setting alike: 0 and false are off (as
+    # DeepSpeed's own config reads them), unset is on
+    from memtrain.backends.ds_config import linear_saves_weight, zero_buffer_settings
+
+    assert [linear_saves_weight(zero_buffer_settings(z)) for z in (
+        {}, {"memory_efficient_linear": 0}, {"memory_efficient_linear": False}, {"memory_efficient_linear": True})] == [
+        True, False, False, True]
 
 
 def test_the_trace_holds_a_parameter_until_its_module_has_run_its_forward():

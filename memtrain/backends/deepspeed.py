@@ -26,8 +26,8 @@ from memtrain.backends import ds_partial_offload
 from memtrain.backends.base import ComputeCollectives
 from memtrain.backends.common import OffloadTime, offload_advice, offload_words, refuse_unsharded_reshard
 from memtrain.backends.common import fp32_export_bytes as export_bytes_per_parameter  # noqa: F401 (registry)
-from memtrain.backends.ds_config import (OFFLOAD_DEVICES, ZERO_IN_PLACE_KEYS, ZERO_LINEAR_KEY, build_ds_config, get_path,
-                                        zero_buffer_settings)
+from memtrain.backends.ds_config import (OFFLOAD_DEVICES, ZERO_IN_PLACE_KEYS, build_ds_config, get_path,
+                                        linear_saves_weight, zero_buffer_settings)
 from memtrain.backends.ds_zero_init import model_build_context  # noqa: F401 (registry)
 from memtrain.backends.ds_zero_init import restore_torch_linear, use_memory_efficient_linear
 from memtrain.backends.op_locks import clear_stale_locks
@@ -235,7 +235,8 @@ class DeepSpeedBackend:
                             "DeepSpeed run on this machine only; about a minute)")
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config,
                                                     dist_init_required=False)
-        if self.zero_stage == 3 and get_path(self.ds_config, f"zero_optimization.{ZERO_LINEAR_KEY}") is not False:
+        if self.zero_stage == 3 and linear_saves_weight(zero_buffer_settings(get_path(self.ds_config,
+                                                                                   "zero_optimization") or {})):
             use_memory_efficient_linear()
         bucket = getattr(self.engine.optimizer, "reduce_bucket_size", None)  # ZeRO-1/2's, in elements
         self._one_bucket = bucket is not None and trainable <= bucket

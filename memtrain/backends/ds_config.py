@@ -19,7 +19,7 @@ import copy
 import functools
 import json
 import os
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from memtrain.config import ConfigError, TrainingConfig
 
@@ -228,6 +228,13 @@ ZERO_LINEAR_KEY = "memory_efficient_linear"
 """The ``zero_optimization`` flag (default on) by which ZeRO-3 runs its own linear, which saves a
 layer's weight itself for backward, not a view that would keep it gathered
 (:func:`memtrain.backends.ds_zero_init.use_memory_efficient_linear`)."""
+
+
+def linear_saves_weight(settings: Mapping[str, int]) -> bool:
+    """Whether ZeRO-3 runs DeepSpeed's memory-efficient linear (:data:`ZERO_LINEAR_KEY`: on unless
+    the section turns it off; ``0`` and ``false`` alike), from :func:`zero_buffer_settings`' output:
+    the one reading the engine and the plan's trace share."""
+    return bool(settings.get(ZERO_LINEAR_KEY, 1))
 
 
 def zero_buffer_settings(zero: dict) -> dict[str, int]:

@@ -15,7 +15,7 @@ from torch import nn
 
 from memtrain.levers.activation_offload import moved_bytes
 from memtrain.backends import engine_module, engine_name
-from memtrain.backends.ds_config import ZERO_LINEAR_KEY
+from memtrain.backends.ds_config import linear_saves_weight
 from memtrain.backends.spec import user_zero_settings
 from memtrain.levers import LeverTarget, apply_levers, lever
 from memtrain.levers.activation_checkpointing import setting as ac_setting
@@ -110,13 +110,13 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
     # through a saved view (StepPeaks.kept; read only for an engine that gathers them)
     zero = user_zero_settings(cfg)
     kept_numel = zero.get("stage3_param_persistence_threshold", ZERO3_PERSISTENCE_THRESHOLD)
-    linear_saves_weight = bool(zero.get(ZERO_LINEAR_KEY, 1))  # DeepSpeed's memory-efficient linear
+    saves_weight = linear_saves_weight(zero)  # DeepSpeed's memory-efficient linear
 
     def trace(*args) -> tuple[int, ...]:  # peak, in_block, in_backward, in_block_backward, in_block_forward, kept views
         if simulated:  # the simulated device counts saved bytes alone, whatever runs
             saved = traced_activation_bytes(*args)
             return (saved,) * 9
-        peaks = step_trace.step_peaks(*args, kept_numel=kept_numel, linear_saves_weight=linear_saves_weight)
+        peaks = step_trace.step_peaks(*args, kept_numel=kept_numel, linear_saves_weight=saves_weight)
         return (*peaks[:3], peaks.in_block_backward, peaks.in_block_forward, *peaks.kept)
 
     def traced(plan: Plan) -> tuple[step_trace.StepPeaks, int]:
