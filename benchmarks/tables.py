@@ -300,13 +300,14 @@ def memory_accuracy(device: str) -> str:
 
 
 def memory_accuracy_families(device: str) -> str:
-    """``benchmarks/memory_accuracy.py --families``: per seed the models were drawn with, the
-    |relative error|'s median, p90 and worst and the most under (the lowest error) per engine over
-    every family, precision, AC setting and rank count (newest row per configuration), then per
-    family; each group's commits."""
+    """``benchmarks/memory_accuracy.py --families``: per seed the models were drawn with, and apart
+    the plans that do not accumulate (``--accumulation 1``), the |relative error|'s median, p90
+    and worst and the most under (the lowest error) per engine over every family, precision, AC
+    setting and rank count (newest row per configuration), then per family; each group's commits."""
     rows = newest_by("memory_accuracy", device, lambda row: (
         row.get("benchmark"), row.get("model_type"), json.dumps(row.get("model_config"), sort_keys=True),
-        row.get("engine"), row.get("world_size"), row.get("precision"), row.get("activation_checkpointing")))
+        row.get("engine"), row.get("world_size"), row.get("precision"), row.get("activation_checkpointing"),
+        row.get("gradient_accumulation_steps")))
     mine = [r for (kind, *_), r in rows.items() if kind == "memory_accuracy_families" and "engine" in r]
 
     def line(name: str, group: list[dict], other: str) -> str:
@@ -319,9 +320,11 @@ def memory_accuracy_families(device: str) -> str:
     header = "| {} | rows | {} | \\|error\\| median | p90 | worst | lowest | commits |"
     rule = "|---|---|---|---|---|---|---|---|"
     out = []
-    for seed in sorted({r["seed"] for r in mine}):
-        drawn = [r for r in mine if r["seed"] == seed]
-        out += [f"Seed {seed}:", "", header.format("engine", "families"), rule]
+    groups = sorted({(r["seed"], r.get("gradient_accumulation_steps", 2) == 1) for r in mine})
+    for seed, alone in groups:
+        drawn = [r for r in mine if r["seed"] == seed and (r.get("gradient_accumulation_steps", 2) == 1) == alone]
+        title = f"Seed {seed}, one micro-batch per step (`--accumulation 1`):" if alone else f"Seed {seed}:"
+        out += [title, "", header.format("engine", "families"), rule]
         out += [line(name, [r for r in drawn if r["engine"] == engine], "model_type")
                 for engine, name in ENGINE_NAMES.items() if any(r["engine"] == engine for r in drawn)]
         out += ["", header.format("family", "engines"), rule]

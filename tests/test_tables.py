@@ -13,6 +13,7 @@ from conftest import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from common import emit  # noqa: E402
+import tables  # noqa: E402
 from tables import median_interval, overhead_pooled, staleness  # noqa: E402
 
 needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
@@ -107,3 +108,20 @@ def test_an_emitted_row_records_the_commit_it_measured(capsys):
     row = json.loads(capsys.readouterr().out)
     assert row["commit"] == head.stdout.strip() and row["ratio_median"] == 1.0
     assert isinstance(row["worktree_clean"], bool)
+
+
+def test_the_families_table_keeps_plans_that_do_not_accumulate_apart(tmp_path, monkeypatch):
+    """``tables.py memory_accuracy_families``: a row of a plan that does not accumulate
+    (``--accumulation 1``) is its own configuration, shown in its own group, not the newest of the
+    same model, engine and AC setting at the default global batch."""
+    def row(accumulation, error):
+        return {"benchmark": "memory_accuracy_families", "model_type": "llama", "seed": 7, "model_config": {"a": 1},
+                "engine": "ddp", "world_size": 2, "precision": "fp32", "activation_checkpointing": "on",
+                "gradient_accumulation_steps": accumulation, "relative_error": error, "commit": "abcdef0"}
+
+    (tmp_path / "memory_accuracy-cpu.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (row(2, 0.01), row(1, 0.2))))
+    monkeypatch.setattr(tables, "RESULTS", tmp_path)
+    text = tables.memory_accuracy_families("cpu")
+    accumulating, alone = text.split("one micro-batch per step")
+    assert "Seed 7:" in accumulating and "| DDP | 1 | 1 | 1.0% | 1.0% | 1.0% | +1.0% | abcdef0 |" in accumulating
+    assert "| DDP | 1 | 1 | 20.0% | 20.0% | 20.0% | +20.0% | abcdef0 |" in alone
