@@ -216,12 +216,13 @@ def _planned_precision(precision: str, device_type: str) -> str:
 
 def _per_rank_totals(engines: dict, tables, choices: dict, micro: int, per_rank: int) -> dict[str, dict[str, int]]:
     """``{variant: {"off"|"on": bytes}}``: each engine variant's device state and its engine's traced
-    activations (AC off / on) at their peak (:func:`memtrain.memory.accounting.state_peak_tensor_bytes`,
-    no accumulation term)."""
+    activations (AC off / on) at their peak (:func:`memtrain.memory.accounting.state_peak_tensor_bytes`)
+    in the plan of ``micro``-sample micro-batches, which accumulates where ``micro < per_rank``."""
     engine_of = {v.name: v.engine for v in engine_variants()}
     acts = functools.lru_cache(lambda engine: _activation_bytes_by_ac(tables(engine), choices, micro, per_rank))
-    return {name: {ac: state_peak_tensor_bytes(e, acts(engine_of[name])[ac]) for ac in ("off", "on")}
-            for name, e in engines.items()}
+    accumulating = per_rank // micro > 1
+    return {name: {ac: state_peak_tensor_bytes(e, acts(engine_of[name])[ac], accumulating=accumulating)
+                   for ac in ("off", "on")} for name, e in engines.items()}
 
 
 def _activation_bytes_by_ac(acts, choices: dict, micro: int, per_rank: int) -> dict[str, tuple[int, int, int]]:

@@ -53,6 +53,7 @@ def test_only_the_adapters_train_and_the_accounting_counts_the_optimizers_tensor
     assert zero2["optimizer_bytes"] == (moments + grads) // 2  # the moments and an fp32 master, sharded
     full = model_shape(build_model(ModelConfig(config=dict(GPT2)), 512))
     assert ddp_state_bytes(total, 1, full)["optimizer_bytes"] > 20 * moments
+    assert full.blocks == GPT2["n_layer"]  # FSDP2's units besides the root
 
 
 @pytest.mark.parametrize("bad, field", [

@@ -153,7 +153,7 @@ def test_a_plan_that_accumulates_or_not_holds_its_own_gradients():
     block's fp32 accumulated gradients into its reduce-scatter input and frees them, so a later
     block's backward holds beside them the block's output shard and, in bf16, the running
     block's new 16-bit gradients, not a whole fp32 input more (Mixtral fp32, AC off: 4.5% over).
-    DeepSpeed on a CPU zeroes its gradients in place: nothing released. Expected bytes from the
+    DeepSpeed on a CPU zeroes its gradients in place: nothing is made anew. Expected bytes from the
     shapes."""
     from memtrain.memory.accounting import peak_tensor_bytes, peak_terms, plan_terms
 
@@ -164,19 +164,32 @@ def test_a_plan_that_accumulates_or_not_holds_its_own_gradients():
     assert plan_terms(peak_terms(bf16), accumulating=True)["block_backward"] == 4 * block // 2 + 2 * block
     one = plan_terms(peak_terms(fp32), accumulating=False)
     assert one["block_backward"] == 4 * block and one["accumulation"] == 0
-    assert one["released"] == 4 * n // 2 + 4 * root  # the shards and the root's whole gradients
-    assert plan_terms(peak_terms(fp32), accumulating=True)["released"] == 0
+    assert one["fresh"] == 4 * n // 2 + 4 * root  # the shards and the root's whole gradients
+    assert plan_terms(peak_terms(fp32), accumulating=True)["fresh"] == 0
+    # bf16, accumulating: every gradient in fp32 and, from the head's gradient on, the root's new
+    # 16-bit ones beside them (made anew: not at the loss's peak)
+    assert bf16["accumulation_gradient_bytes"] + bf16["gradient_bytes"] == 4 * n + 2 * root
+    assert plan_terms(peak_terms(bf16), accumulating=True)["fresh"] == 2 * root
+    assert fp32["accumulation_gradient_bytes"] + fp32["gradient_bytes"] == 4 * n  # fp32: added in place
+    # two blocks: the later one's backward has nothing left to prefetch, one block gathered, not two
+    pair = dataclasses.replace(shape, blocks=2)
+    for precision, u in (("fp32", 4), ("bf16", 2)):
+        both = model_state_bytes("fsdp", n, precision, None, "none", 2, shape=pair)
+        more = model_state_bytes("fsdp", n, precision, None, "none", 2, shape=dataclasses.replace(shape, blocks=3))
+        assert more["block_backward_buffer_bytes"] - both["block_backward_buffer_bytes"] == u * block
+        assert more["accumulated_block_backward_buffer_bytes"] - both["accumulated_block_backward_buffer_bytes"] == (
+            u * block)
     state, gathered = device_state_bytes(fp32), fp32["block_buffer_bytes"]
     big, small = 10 * state, state // 100
     # the loss's peak: no gradient yet in a plan that does not accumulate; all of them in one that does
-    assert peak_tensor_bytes(state, (big, small, small), **one) == state - gathered + big - one["released"]
+    assert peak_tensor_bytes(state, (big, small, small), **one) == state - gathered + big - one["fresh"]
     accumulating = plan_terms(peak_terms(fp32), accumulating=True)
     assert peak_tensor_bytes(state, (big, small, small), **accumulating) == (
         state - gathered + fp32["accumulation_gradient_bytes"] + big)
     # from the first gradient on: all of them
     assert peak_tensor_bytes(state, (big, small, big), **one) == state - gathered + big
-    assert model_state_bytes("ddp", n, "fp32", None, "none", 2, shape=shape)["released_gradient_bytes"] == 4 * n
-    assert model_state_bytes("deepspeed", n, "fp32", 2, "none", 2, shape=shape).get("released_gradient_bytes", 0) == 0
+    assert model_state_bytes("ddp", n, "fp32", None, "none", 2, shape=shape)["fresh_gradient_bytes"] == 4 * n
+    assert model_state_bytes("deepspeed", n, "fp32", 2, "none", 2, shape=shape).get("fresh_gradient_bytes", 0) == 0
 
 
 def test_deepspeed_json_partial_and_nvme_offload_are_checked():

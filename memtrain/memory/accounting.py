@@ -247,7 +247,7 @@ def builds_on_device(shape: ModelShape, state: dict[str, int], device_type: str)
 
 def peak_tensor_bytes(device_state: int, peaks: Sequence, accumulation: int = 0, step: int = 0,
                       block: int = 0, backward: int = 0, kept: int = 0, block_backward: int = 0,
-                      released: int = 0) -> int:
+                      fresh: int = 0) -> int:
     """Tensor bytes on a rank's device at its peak, the largest of four moments, from ``peaks`` =
     (peak, in_block, in_backward[, resident[, kept peaks[, in_block_backward[, in_block_forward]]]]) of a traced micro-step
     (:class:`memtrain.memory.step_trace.StepPeaks`; a None is the peak; ``resident``, the rank's
@@ -263,10 +263,9 @@ def peak_tensor_bytes(device_state: int, peaks: Sequence, accumulation: int = 0,
       (``block_backward_buffer_bytes``: FSDP2's reduce-scatter of the block before; in a plan
       that accumulates, ``accumulated_block_backward_buffer_bytes``: :func:`plan_terms`);
     - its peak from the first parameter gradient on, beside that and ``backward``, what an engine
-      allocates for backward (``backward_buffer_bytes``: ZeRO-2's reduce bucket); before it, in a
-      plan that does not accumulate, the state holds ``released`` bytes less
-      (``released_gradient_bytes``: the gradients an engine sets to None after each step, so
-      its micro-step's peak in forward or at the loss holds none);
+      allocates for backward (``backward_buffer_bytes``: ZeRO-2's reduce bucket); before it the
+      state holds ``fresh`` bytes less, the gradients a micro-step makes anew (:func:`plan_terms`),
+      so the micro-step's own peak in forward or at the loss does not count them;
     - the optimizer step: ``device_state`` less ``block`` (nothing is gathered then) and ``step``
       (``step_gradient_bytes``: the gradients the step reads, which the accumulated ones have
       become; the activations freed).
@@ -300,7 +299,7 @@ def peak_tensor_bytes(device_state: int, peaks: Sequence, accumulation: int = 0,
         if forward:  # ZeRO-3's forward: the coalesced buffer beside the copies not yet released
             during_block = max(during_block, block + min(forward[0], block_in_forward + kept, kept_in_block + block))
     before_forward = device_state - block - backward + accumulation
-    micro_step = before_forward + max(peak - released, during_block, in_backward + backward)
+    micro_step = before_forward + max(peak - fresh, during_block, in_backward + backward)
     return max(micro_step, device_state - block + step) + resident
 
 
@@ -314,24 +313,27 @@ def peak_terms(state_bytes: Mapping[str, int]) -> dict[str, int]:
             "backward": state_bytes.get("backward_buffer_bytes", 0), "kept": state_bytes.get("view_kept_bytes", 0),
             "block_backward": block_backward,
             "accumulated_block_backward": state_bytes.get("accumulated_block_backward_buffer_bytes", block_backward),
-            "released": state_bytes.get("released_gradient_bytes", 0)}
+            "fresh": state_bytes.get("fresh_gradient_bytes", 0),
+            "accumulated_fresh": state_bytes.get("accumulated_fresh_gradient_bytes", 0)}
 
 
 def plan_terms(terms: Mapping[str, int], accumulating: bool) -> dict[str, int]:
     """The keyword arguments of :func:`peak_tensor_bytes` from :func:`peak_terms`' ``terms`` for a
-    plan that accumulates (``gradient_accumulation_steps > 1``: the accumulated gradients, and the
-    block-backward term that holds beside them) or does not (no accumulated gradients, the
-    released ones absent before the first gradient)."""
-    out = {k: v for k, v in terms.items() if k != "accumulated_block_backward"}
+    plan that accumulates (``gradient_accumulation_steps > 1``: the accumulated gradients, the
+    block-backward term that holds beside them, and as ``fresh`` the gradients made anew beside
+    them, ``accumulated_fresh_gradient_bytes``) or does not (no accumulated gradients; as
+    ``fresh`` every gradient an engine sets to None after a step, ``fresh_gradient_bytes``)."""
+    out = {k: v for k, v in terms.items() if not k.startswith("accumulated_")}
     if accumulating:
-        out.update(block_backward=terms.get("accumulated_block_backward", out.get("block_backward", 0)), released=0)
+        out.update(block_backward=terms.get("accumulated_block_backward", out.get("block_backward", 0)),
+                   fresh=terms.get("accumulated_fresh", 0))
     else:
         out["accumulation"] = 0
     return out
 
 
-def state_peak_tensor_bytes(state_bytes: Mapping[str, int], peaks: Sequence[Optional[int]],
-                            accumulating: bool = False) -> int:
+def state_peak_tensor_bytes(state_bytes: Mapping[str, int], peaks: Sequence[Optional[int]], *,
+                            accumulating: bool) -> int:
     """:func:`peak_tensor_bytes` of a ``model_state_bytes`` dict for a plan that accumulates or not."""
     return peak_tensor_bytes(device_state_bytes(state_bytes), peaks, **plan_terms(peak_terms(state_bytes), accumulating))
 
@@ -354,14 +356,14 @@ def _ddp(n_params: int, world_size: int, optim: int, largest_parameter: Optional
     MemTracker: 1.08 MB for a 0.27M-parameter model on 2 ranks). ``n_params`` counts the
     parameters that train; the frozen ones (a LoRA model's base) are ``frozen_bytes`` of
     parameters in their own dtype, with no gradient or optimizer state. The gradients are set to
-    None after each step (``released_gradient_bytes``: :func:`peak_tensor_bytes`)."""
+    None after each step (``fresh_gradient_bytes``: :func:`plan_terms`)."""
     n = n_params
     deferred = world_size > 1 and largest_parameter is not None
     reducer = world_size > 1 and largest_parameter is None
     bucket = min(4 * n, DEFERRED_REDUCE_BUCKET_BYTES + 4 * largest_parameter) if deferred else 0
     return {"parameter_bytes": 4 * n + frozen_bytes, "gradient_bytes": 4 * n, "optimizer_bytes": optim,
             "buffer_bytes": 4 * n if reducer else 0, "cpu_offloaded_bytes": 0, "step_gradient_bytes": bucket,
-            "released_gradient_bytes": 4 * n}
+            "fresh_gradient_bytes": 4 * n}
 
 
 def _fsdp(n_params: int, precision: str, offload: str, world_size: int, shape: ModelShape,
@@ -379,17 +381,23 @@ def _fsdp(n_params: int, precision: str, offload: str, world_size: int, shape: M
     until the next block's reduce-scatter: 4 bytes per parameter of a block beside the gathered
     ones while a later block runs its backward (``block_backward_buffer_bytes``; MemTracker at the
     peak of a bf16 Mistral with AC on, 2 ranks: that buffer, one block gathered, 6.0% under
-    without it). While micro-batches accumulate,
+    without it). In a model of two blocks the later one is the last, with nothing left to
+    prefetch: one block gathered then, not two (less ``u`` bytes per parameter of a block in
+    that term; MemTracker, Mistral with AC on, 2 ranks: one gathered at the second block's
+    backward, and 7.4% over with two). While micro-batches accumulate,
     every unsharded gradient is kept in fp32 (``set_requires_gradient_sync(False)``) until the last micro-batch
     reduces it: 4 bytes per parameter in all. There the reduce-scatter input is copied from a
     block's accumulated gradients, which are then freed, so a later block's backward holds beside
     them only that block's output shard (4 bytes per parameter of a block over the ranks) and,
     under a 16-bit compute dtype, the running block's new gradients before they are added to the
-    fp32 ones (``u`` bytes per parameter of a block; in fp32 they are added in place):
+    fp32 ones (``u`` bytes per parameter of a block; in fp32 they are added in place), as the root's
+    are from the head's gradient on to the end of backward (``u`` bytes per root parameter beside
+    the fp32 ones in ``accumulation_gradient_bytes``):
     ``accumulated_block_backward_buffer_bytes`` (torch's ``FSDPParamGroup.post_backward``;
     MemTracker, fp32, 2 ranks, accumulating: Mixtral 4.5% and Qwen2 6.6% over with the input
-    counted beside them). A plan that does not accumulate sets the gradients to None after each
-    step (``released_gradient_bytes``: :func:`peak_tensor_bytes`; MemTracker, 2 ranks, one
+    counted beside them). The root's new 16-bit gradients are not there before backward
+    (``accumulated_fresh_gradient_bytes``). A plan that does not accumulate sets the gradients to
+    None after each step (``fresh_gradient_bytes``: :func:`plan_terms`; MemTracker, 2 ranks, one
     micro-batch per step: GPT-NeoX 18–26% and Mixtral 7–8% over with them counted at the loss). MemTracker on 2 ranks: the tiny recipe's
     model holds 1.08 MB of gradients = 4 × its 0.27M parameters; GPT-2 small's blocks (86M) hold
     one block gathered beside the root at the peak, and 2–2.5 blocks' bytes of gathered and
@@ -403,13 +411,18 @@ def _fsdp(n_params: int, precision: str, offload: str, world_size: int, shape: M
     if offload not in (None, "none"):
         offloaded.update(parameter=params, gradient=grads, optimizer=optim)
         params, grads, optim = 0, 0, 0
+    shards = grads
+    alone = u * shape.largest_block if shape.blocks == 2 else 0  # a later block: nothing left to prefetch
     params, grads = params + u * shape.root, grads + u * min(shape.root, n)
+    # accumulating: every gradient in fp32, and in 16 bits the root's new ones beside them
+    accumulated = 4 * n - (shards if u < 4 else grads)
     return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim,
             "buffer_bytes": 2 * u * shape.largest_block, "block_buffer_bytes": 2 * u * shape.largest_block,
-            "block_backward_buffer_bytes": 4 * shape.largest_block if w > 1 else 0,
+            "block_backward_buffer_bytes": (4 * shape.largest_block if w > 1 else 0) - alone,
             "accumulated_block_backward_buffer_bytes": (4 * shape.largest_block // w if w > 1 else 0) + (
-                u * shape.largest_block if u < 4 else 0), "released_gradient_bytes": grads,
-            "accumulation_gradient_bytes": max(0, 4 * n - grads), "cpu_offloaded_bytes": sum(offloaded.values()),
+                u * shape.largest_block if u < 4 else 0) - alone, "fresh_gradient_bytes": grads,
+            "accumulated_fresh_gradient_bytes": u * min(shape.root, n) if u < 4 else 0,
+            "accumulation_gradient_bytes": max(0, accumulated), "cpu_offloaded_bytes": sum(offloaded.values()),
             **{f"offloaded_{k}_bytes": v for k, v in offloaded.items()}}
 
 
@@ -437,7 +450,7 @@ def _fsdp_optimizer_offload(n_params: int, precision: str, world_size: int, shap
     freed for the export: ``export_released_bytes``). Every micro-batch reduce-scatters into the
     sharded gradients (:attr:`memtrain.backends.fsdp.FSDPBackend.reduces_every_micro_batch`), so
     accumulating holds nothing beyond them: no accumulation term; they are set to None after each
-    step (``released_gradient_bytes``, as in :func:`_fsdp`).
+    step (``fresh_gradient_bytes``, as in :func:`_fsdp`).
     The host part is whole parameters, the last of the model (:func:`offloaded_parameter_count` of ``shape.numels``; ``ratio`` itself without them).
     Reported by component: ``offloaded_*_bytes``."""
     n, w = n_params, world_size
@@ -451,10 +464,11 @@ def _fsdp_optimizer_offload(n_params: int, precision: str, world_size: int, shap
     offloaded = {"parameter": 0, "gradient": 0, "optimizer": moments_host + 4 * host_elements,
                  "buffer": u * host_elements}
     params, grads = u * shard + u * shape.root, u * shard + u * shape.root
+    alone = u * shape.largest_block if shape.blocks == 2 else 0  # as in _fsdp
     return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim - moments_host + master_device,
             "buffer_bytes": 2 * u * shape.largest_block, "block_buffer_bytes": 2 * u * shape.largest_block,
-            "block_backward_buffer_bytes": 4 * shape.largest_block if w > 1 else 0,
-            "accumulation_gradient_bytes": 0, "released_gradient_bytes": grads,
+            "block_backward_buffer_bytes": (4 * shape.largest_block if w > 1 else 0) - alone,
+            "accumulation_gradient_bytes": 0, "fresh_gradient_bytes": grads,
             "cpu_offloaded_bytes": sum(offloaded.values()), "export_released_bytes": offloaded["buffer"], "pinned_block_bytes": offloaded["buffer"],
             **{f"offloaded_{k}_bytes": v for k, v in offloaded.items()}}
 

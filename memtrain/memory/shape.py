@@ -30,6 +30,7 @@ class ModelShape:
             one backward uses; () = unknown.
         tied: elements a state dict holds again under another name (a tied parameter's later
             names: GPT-2's output head, the input embeddings).
+        blocks: how many repeated blocks (0 = none, or not known).
     """
 
     parameters: int
@@ -41,6 +42,7 @@ class ModelShape:
     frozen_bytes: int = 0
     first_module_numels: tuple[int, ...] = ()
     tied: int = 0
+    blocks: int = 0
 
     @property
     def trained(self) -> int:
@@ -88,4 +90,4 @@ def model_shape(model) -> ModelShape:
                       trainable=tuple(numel(p) for p in unique.values() if p.requires_grad) if frozen else None,
                       frozen_bytes=sum(numel(p) * p.element_size() for p in frozen),
                       first_module_numels=tuple(numel(p) for p in first.parameters(recurse=False)) if first else (),
-                      tied=sum(numel(p) for p in named) - sum(params.values()))
+                      tied=sum(numel(p) for p in named) - sum(params.values()), blocks=len(blocks))
