@@ -120,7 +120,11 @@ def test_memory_report_cli(cache_dir, capsys):
     # parameter offload moves the partitioned parameters; the whole small ones stay on the device
     assert states["zero3_offload_all"]["parameter_bytes"] == 4 * n and states["zero3_offload_all"]["cpu_offloaded_bytes"] > 0
     assert report["activation_bytes"]["on"] < report["activation_bytes"]["selective"] < report["activation_bytes"]["off"]
-    assert report["per_rank_total_bytes"]["zero3"]["off"] < report["per_rank_total_bytes"]["ddp"]["off"]
+    # every engine's peak with AC on at most its peak with it off (the optimizer step may be the
+    # peak of both); not ZeRO-3 below DDP: with every parameter whole beside its partition this
+    # model holds more under ZeRO-3, and DDP's gradients are not yet there at its loss's peak
+    totals = report["per_rank_total_bytes"]
+    assert all(t["on"] <= t["off"] for t in totals.values()) and totals["ddp"]["on"] < totals["ddp"]["off"]
 
 
 @pytest.mark.parametrize("model", ["gpt2", "plain"])
