@@ -51,6 +51,15 @@ def _column_weights(name: str, width: int, device: torch.device) -> torch.Tensor
     return _weights[key][:width]
 
 
+def weight_bytes(micro_batch: dict[str, torch.Tensor]) -> int:
+    """Bytes of the column weights :func:`micro_batch_digest` keeps on the micro-batch's device
+    for ``micro_batch`` (tensors [B, …]): int64 [columns] per tensor name (8 bytes per value of a
+    sample), kept through the whole run at the widest asked — for a speech batch 16 bytes per
+    audio sample of its longest utterance (the values and the attention mask). The planner counts
+    them with the rank's batch (:func:`memtrain.planning.activations.activation_table`'s ``resident``)."""
+    return sum(8 * t.reshape(t.shape[0], -1).shape[1] for t in micro_batch.values() if isinstance(t, torch.Tensor))
+
+
 def _as_int64(name: str, t: torch.Tensor) -> torch.Tensor:
     """Values of ``t`` [B, …] as int64 [B, N]: integers shifted so that labels' -100 (padding) is 0
     and every real value is non-zero; floats by their bit pattern (0.0 → 0)."""

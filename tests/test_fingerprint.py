@@ -34,3 +34,15 @@ def test_column_weights_are_the_seeded_draw_whatever_was_asked_before(monkeypatc
     fingerprint._column_weights("input_values", 70_000, torch.device("cpu"))
     assert torch.equal(fingerprint._column_weights("input_values", 5, torch.device("cpu")), fresh)
     assert len(fingerprint._weights) == 1  # not one per width
+
+
+def test_the_planner_counts_the_column_weights_the_digest_keeps(monkeypatch):
+    """``weight_bytes`` (counted by the planner with the rank's batch, held for the whole run) is
+    what ``micro_batch_digest`` keeps alive for a speech-like micro-batch: the bytes of the column
+    weights' storages, read from the kept tensors themselves."""
+    monkeypatch.setattr(fingerprint, "_weights", {})
+    batch = {"input_values": torch.randn(4, 10_001), "attention_mask": torch.ones(4, 10_001, dtype=torch.int64),
+             "labels": torch.randint(0, 30, (4, 17))}
+    fingerprint.micro_batch_digest(batch)
+    kept = sum(w.untyped_storage().nbytes() for w in fingerprint._weights.values())
+    assert kept > 2 * 10_001 * 8 and fingerprint.weight_bytes(batch) == kept

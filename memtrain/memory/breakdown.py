@@ -163,10 +163,29 @@ _NO_HOOK = _NoHook()
 def _tracker():
     """A ``MemTracker`` that counts a whole run: it forgets its per-module statistics when the
     root module is called again (each micro-batch, each evaluation), where the stock one stops
-    with ``NotImplementedError``; tensor counts, categories and peaks are untouched."""
+    with ``NotImplementedError``; tensor counts, categories and peaks are untouched.
+
+    Its module tracker is not shown a module's inputs that are parameters (leaf tensors that
+    require a gradient: a weight-norm parametrization's, called with its ``original0`` and
+    ``original1``, as wav2vec2's and WavLM's positional convolution is). torch 2.13's
+    ``ModTracker`` registers a gradient hook of mode ``all`` on a module's grad-requiring inputs
+    at every forward (``register_multi_grad_hook``); on a parameter the hook lives as long as the
+    parameter and its buffer keeps the gradient of every backward whose other gradients never
+    reach it: memory the tracker holds, not the run (a WavLM of 0.5M parameters under ZeRO-3 in
+    bf16: three copies of its positional convolution's gradient, 393 kB, 1.5% of its peak)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class RunTracker(MemTracker):
+        def __init__(self):
+            super().__init__()
+            module_pre_hook = self._mod_tracker._fw_pre_hook
+
+            def without_parameters(module, args):
+                return module_pre_hook(module, tuple(a for a in args if not (isinstance(a, torch.Tensor) and a.is_leaf
+                                                                              and a.requires_grad)))
+
+            self._mod_tracker._fw_pre_hook = without_parameters  # read when the tracker is entered
+
         def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
             # a frozen parameter (a LoRA model's base) gets no gradient hook: the stock tracker
             # registers one on every parameter, which torch refuses for these

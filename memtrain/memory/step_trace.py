@@ -363,7 +363,8 @@ class StepPeaks(NamedTuple):
             that allocates a gradient buffer then (ZeRO-2's reduce bucket) holds beside it.
         resident: held through the whole optimizer step beside the model state, at every moment:
             the rank's batch on the device (the loop moves it there whole and cuts its
-            micro-batches as views), not part of the three above.
+            micro-batches as views) and the data fingerprint's column weights
+            (:func:`memtrain.fingerprint.weight_bytes`), not part of the three above.
         kept: (peak, in_block, in_backward) with the parameters autograd keeps through a saved
             view counted too (:func:`_kept_views`: what DeepSpeed ZeRO-3's gathered parameters
             hold beyond their release), and in_block_forward with those and the parameters whose

@@ -13,11 +13,12 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from memtrain.levers.activation_offload import moved_bytes
 from memtrain.backends import engine_module, engine_name
 from memtrain.backends.ds_config import linear_saves_weight
 from memtrain.backends.spec import user_zero_settings
+from memtrain.fingerprint import weight_bytes as fingerprint_weight_bytes
 from memtrain.levers import LeverTarget, apply_levers, lever
+from memtrain.levers.activation_offload import moved_bytes
 from memtrain.levers.activation_checkpointing import setting as ac_setting
 from memtrain.memory import step_trace
 from memtrain.memory.accounting import ZERO3_PERSISTENCE_THRESHOLD
@@ -71,7 +72,8 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
     batch on the device (accumulation × the bytes of the traced micro-batch, the longest samples
     of a corpus of varying length, :func:`trace_batch`; not a batch that large built): the loop
     holds it through the whole step, which MemTracker counts (a speech rank batch of 16
-    utterances of 2.8 s: 8.6 MB, a third of its peak).
+    utterances of 2.8 s: 8.6 MB, a third of its peak); and the data fingerprint's column weights
+    for that micro-batch, held through the whole run (:func:`memtrain.fingerprint.weight_bytes`).
 
     The bytes are the peak of the micro-step's forward and backward beyond model state (saved
     activations and transients: :func:`memtrain.memory.step_trace.step_peaks`), except under
@@ -100,11 +102,12 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
             batches[micro] = trace_batch(corpus, micro)
         return batches[micro]
 
-    def resident(plan: Plan) -> int:  # the rank's batch: its micro-batches at their longest (none simulated)
+    def resident(plan: Plan) -> int:  # the rank's batch at its longest and the fingerprint's weights (none simulated)
         if simulated:
             return 0
-        micro_bytes = sum(t.nbytes for t in batch_of(plan.micro_batch_size).values() if isinstance(t, torch.Tensor))
-        return micro_bytes * plan.gradient_accumulation_steps
+        batch = batch_of(plan.micro_batch_size)
+        micro_bytes = sum(t.nbytes for t in batch.values() if isinstance(t, torch.Tensor))
+        return micro_bytes * plan.gradient_accumulation_steps + fingerprint_weight_bytes(batch)
 
     # the persistence threshold ZeRO-3 runs with: larger parameters are gathered, and kept
     # through a saved view (StepPeaks.kept; read only for an engine that gathers them)

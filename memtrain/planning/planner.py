@@ -109,8 +109,8 @@ class Candidate:
             not timed.
         fits: predicted to fit the budget and not refuted by an out-of-memory error.
         chosen: the plan taken.
-        resident_bytes: the rank's batch on the device, held through the whole step
-            (:class:`memtrain.memory.step_trace.StepPeaks`).
+        resident_bytes: the rank's batch on the device, held through the whole step, and the
+            data fingerprint's weights (:class:`memtrain.memory.step_trace.StepPeaks`).
         kept_peaks: the three peaks with the gathered parameters a saved view keeps
             (``StepPeaks.kept``; () = not traced), read for an engine that gathers them.
         in_block_backward_bytes: the peak while a repeated block runs its backward
