@@ -46,3 +46,8 @@ def test_the_planner_counts_the_column_weights_the_digest_keeps(monkeypatch):
     fingerprint.micro_batch_digest(batch)
     kept = sum(w.untyped_storage().nbytes() for w in fingerprint._weights.values())
     assert kept > 2 * 10_001 * 8 and fingerprint.weight_bytes(batch) == kept
+    # a narrower batch after it leaves the wider weights kept: the planner sizes them from the
+    # widest batch it traces (the longest utterances), not from the batch at hand
+    narrow = {name: t[:, :5_000] if name != "labels" else t for name, t in batch.items()}
+    fingerprint.micro_batch_digest(narrow)
+    assert sum(w.untyped_storage().nbytes() for w in fingerprint._weights.values()) == kept > fingerprint.weight_bytes(narrow)
