@@ -41,7 +41,8 @@ from memtrain.launcher import apply_accelerate_settings
 from memtrain.levers import LEVERS, first_settings, lever_choices, plan_words
 from memtrain.levers.activation_checkpointing import setting
 from memtrain.levers.optimizer_state import STATE_DTYPES, choose_charging_steps
-from memtrain.memory.accounting import device_state_bytes, state_peak_tensor_bytes
+from memtrain.memory.accounting import device_state_bytes
+from memtrain.memory.peak import state_peak_tensor_bytes
 from memtrain.memory.machine import (DEFAULT_GPU_FLOPS, Machine, PLAN_PROCESS_BYTES, REFERENCE_CPU_ADAM_PARAMS_PER_S,
                                      cpu_adam_params_per_s, device_flops_per_s, optimizer_params_per_s, process_bytes,
                                      run_device_budget, run_host_limit)
@@ -216,7 +217,7 @@ def _planned_precision(precision: str, device_type: str) -> str:
 
 def _per_rank_totals(engines: dict, tables, choices: dict, micro: int, per_rank: int) -> dict[str, dict[str, int]]:
     """``{variant: {"off"|"on": bytes}}``: each engine variant's device state and its engine's traced
-    activations (AC off / on) at their peak (:func:`memtrain.memory.accounting.state_peak_tensor_bytes`)
+    activations (AC off / on) at their peak (:func:`memtrain.memory.peak.state_peak_tensor_bytes`)
     in the plan of ``micro``-sample micro-batches, which accumulates where ``micro < per_rank``."""
     engine_of = {v.name: v.engine for v in engine_variants()}
     acts = functools.lru_cache(lambda engine: _activation_bytes_by_ac(tables(engine), choices, micro, per_rank))

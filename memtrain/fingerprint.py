@@ -51,6 +51,13 @@ def _column_weights(name: str, width: int, device: torch.device) -> torch.Tensor
     return _weights[key][:width]
 
 
+def release_weights() -> None:
+    """Forget the column weights kept so far (the next digest draws them again, the same): a run
+    starts without an earlier run's in the same process, and exports without its own (the
+    export's moment counts none: :mod:`memtrain.memory.moments`)."""
+    _weights.clear()
+
+
 def weight_bytes(micro_batch: dict[str, torch.Tensor]) -> int:
     """Bytes of the column weights :func:`micro_batch_digest` keeps on the micro-batch's device
     for ``micro_batch`` (tensors [B, …]): int64 [columns] per tensor name (8 bytes per value of a

@@ -34,7 +34,7 @@ from memtrain.distributed import ProcessState
 from memtrain.evaluate import Evaluator
 from memtrain.faults import FaultInjector
 from memtrain.folders import write_atomic
-from memtrain.fingerprint import hex_of
+from memtrain.fingerprint import hex_of, release_weights
 from memtrain.flops import mfu
 from memtrain.metrics import MetricsLogger
 from memtrain.models import count_parameters
@@ -125,6 +125,7 @@ class TrainingLoop(RunOutputs):
         self.sync.stop_source = lambda: preemption.requested  # agreed in each step's closing agreement
         collector = StepCollector(t.gc_every_steps)  # no automatic collection inside steps and probes
         metrics = None
+        release_weights()  # an earlier run's in this process (their width its widest batch's)
         try:
             try:
                 collector.start()
@@ -147,6 +148,8 @@ class TrainingLoop(RunOutputs):
                 preemption.close()
             self.checkpointer.finish()
             elapsed = time.perf_counter() - run_start
+            self.probe_batch = None  # the export's moment holds neither the last rank batch nor the digest's weights
+            release_weights()
             model_dir = None if stopped_by or not self.cfg.checkpoint.export else self._export_or_save()
             summary = run_summary(self.state, records=records, unit=self.objective.unit,
                                   session_targets=self.state.targets_seen - session_start_targets, elapsed_s=elapsed,

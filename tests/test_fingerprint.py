@@ -51,3 +51,32 @@ def test_the_planner_counts_the_column_weights_the_digest_keeps(monkeypatch):
     narrow = {name: t[:, :5_000] if name != "labels" else t for name, t in batch.items()}
     fingerprint.micro_batch_digest(narrow)
     assert sum(w.untyped_storage().nbytes() for w in fingerprint._weights.values()) == kept > fingerprint.weight_bytes(narrow)
+
+
+def test_a_run_keeps_only_its_own_weights_and_exports_without_them(monkeypatch, tmp_path):
+    """A second run in one process starts without the first one's weights (a wider batch's, which
+    its planner never counted), keeps its own while it trains (the digest's), and exports without
+    them (the export's moment counts none): what the callbacks see at each moment."""
+    import memtrain
+    from memtrain.callbacks import TrainerCallback
+
+    monkeypatch.setattr(fingerprint, "_weights", {})
+    fingerprint.micro_batch_digest({"x": torch.ones(2, 50)})  # an earlier run's, 50 columns wide
+    seen = []
+
+    class Look(TrainerCallback):
+        def on_train_begin(self, state):
+            seen.append(("begin", max((w.numel() for w in fingerprint._weights.values()), default=0)))
+
+        def on_step_end(self, state):
+            seen.append(("step", max((w.numel() for w in fingerprint._weights.values()), default=0)))
+
+        def on_train_end(self, state):
+            seen.append(("end", len(fingerprint._weights)))
+
+    examples = [{"x": torch.full((2,), float(i % 7))} for i in range(16)]
+    settings = {"output_dir": str(tmp_path / "run"), "checkpoint": {"every_steps": 0},
+                "training": {"global_batch_size": 4, "micro_batch_size": 2, "max_steps": 2, "eval_every": 0}}
+    memtrain.Trainer(settings, model=lambda: torch.nn.Linear(2, 1), train_dataset=examples,
+                     objective=lambda m, mb: m(mb["x"]).pow(2).sum(), callbacks=[Look()]).fit()
+    assert seen == [("begin", 0), ("step", 2), ("step", 2), ("end", 0)]

@@ -159,7 +159,7 @@ def zero_state_bytes(n_params: int, precision: str, zero_stage: Optional[int], o
     DeepSpeed's ``PartitionedParameterCoordinator`` and ``free_param``, which releases a gathered
     parameter by pointing it at an empty tensor: ``view_kept_bytes``, every parameter over the
     persistence threshold, the most that views autograd saved can keep gathered beyond their
-    release (:func:`peak_tensor_bytes`' ``kept``; which ones, and when, the trace counts:
+    release (:func:`memtrain.memory.peak.peak_tensor_bytes`' ``kept``; which ones, and when, the trace counts:
     :class:`memtrain.memory.step_trace.StepPeaks`' ``kept``); and ``step_gathered_bytes``, the
     first module's parameters over the threshold (``ModelShape.first_module_numels``: the input
     embeddings), the last module backward runs and the first the next forward does, so within
@@ -167,7 +167,7 @@ def zero_state_bytes(n_params: int, precision: str, zero_stage: Optional[int], o
     Mistral's and GPT-NeoX's 2-rank rows: the parameters' partitions, persistent ones and that one
     module gathered; no other block's parameters, also on GPT-2 small's 86M).
 
-    In forward the gathered parameters are held twice over (:func:`peak_tensor_bytes`' ZeRO-3
+    In forward the gathered parameters are held twice over (:func:`memtrain.memory.peak.peak_tensor_bytes`' ZeRO-3
     forward moment): once a step's parameter trace is complete (from the second micro-batch on),
     fetching a module prefetches the parameters used next, up to ``stage3_prefetch_bucket_size``
     elements, in one ``all_gather_coalesced`` into one flat buffer; the first of them a module
@@ -245,99 +245,6 @@ def builds_on_device(shape: ModelShape, state: dict[str, int], device_type: str)
     return device_type == "cuda" and build_bytes(shape) <= device_state_bytes(state)
 
 
-def peak_tensor_bytes(device_state: int, peaks: Sequence, accumulation: int = 0, step: int = 0,
-                      block: int = 0, backward: int = 0, kept: int = 0, block_backward: int = 0,
-                      fresh: int = 0) -> int:
-    """Tensor bytes on a rank's device at its peak, the largest of four moments, from ``peaks`` =
-    (peak, in_block, in_backward[, resident[, kept peaks[, in_block_backward[, in_block_forward]]]]) of a traced micro-step
-    (:class:`memtrain.memory.step_trace.StepPeaks`; a None is the peak; ``resident``, the rank's
-    batch, is held at every moment). ``device_state`` is the model state on the device with every buffer;
-    before a micro-step's forward a rank holds it less ``block`` and ``backward``, plus
-    ``accumulation`` in a plan that accumulates (gradients kept from the earlier micro-batches):
-
-    - the micro-step's peak (saved activations and transients) beside that;
-    - its peak while a repeated block runs, beside that and ``block``, the part of the state an
-      engine holds only then (``block_buffer_bytes``: FSDP2's two gathered blocks, ZeRO-3's
-      gathered parameters), released outside the blocks (at the loss's peak, say); and its peak
-      while a block runs its backward beside ``block`` and ``block_backward``
-      (``block_backward_buffer_bytes``: FSDP2's reduce-scatter of the block before; in a plan
-      that accumulates, ``accumulated_block_backward_buffer_bytes``: :func:`plan_terms`);
-    - its peak from the first parameter gradient on, beside that and ``backward``, what an engine
-      allocates for backward (``backward_buffer_bytes``: ZeRO-2's reduce bucket); before it the
-      state holds ``fresh`` bytes less, the gradients a micro-step makes anew (:func:`plan_terms`),
-      so the micro-step's own peak in forward or at the loss does not count them;
-    - the optimizer step: ``device_state`` less ``block`` (nothing is gathered then) and ``step``
-      (``step_gradient_bytes``: the gradients the step reads, which the accumulated ones have
-      become; the activations freed).
-
-    ``kept`` (``view_kept_bytes``: ZeRO-3's parameters that are gathered, on more than one rank)
-    takes the trace's peaks with the gathered parameters a saved view keeps alive
-    (``StepPeaks.kept``) for the three micro-step moments; while a block runs those and ``block``
-    together are never more than ``kept``, all of them. And a moment of ZeRO-3's forward: from
-    the second micro-batch on, DeepSpeed gathers the parameters used next in one coalesced
-    buffer (up to ``block``) and copies each out of it, the buffer held until the last is claimed
-    (:func:`zero_state_bytes`); so while a block runs its forward, ``block`` is held beside the
-    trace's forward peak with the copies not yet released (``StepPeaks.kept``'s fourth: the
-    parameters kept by a view and those whose module has not yet run), never more than
-    ``block_in_forward + kept``, nor the copies not yet released more than ``block`` (the most
-    DeepSpeed keeps gathered: a large model's prefetch reaches ``stage3_prefetch_bucket_size``
-    elements ahead, not the whole model).
-
-    MemTracker on 2 ranks (``benchmarks/memory_accuracy.py --families``: Llama, Mistral, Qwen2,
-    GPT-NeoX, GPT-2, Mixtral, Qwen2-MoE of 0.6–2M parameters) finds each engine's state before the last
-    micro-batch's forward as above and its peak at one of these moments.
-    """
-    peak = peaks[0]
-    in_block, in_backward = (peak if p is None else p for p in peaks[1:3])
-    resident = peaks[3] if len(peaks) > 3 else 0
-    block_in_backward = peaks[5] if len(peaks) > 5 and peaks[5] is not None else in_block
-    during_block = max(in_block + block, block_in_backward + block + block_backward)
-    if kept and len(peaks) > 4 and peaks[4]:
-        peak, kept_in_block, in_backward, *forward = peaks[4]
-        block_in_forward = peaks[6] if len(peaks) > 6 and peaks[6] is not None else in_block
-        during_block = min(kept_in_block + block, in_block + kept)
-        if forward:  # ZeRO-3's forward: the coalesced buffer beside the copies not yet released
-            during_block = max(during_block, block + min(forward[0], block_in_forward + kept, kept_in_block + block))
-    before_forward = device_state - block - backward + accumulation
-    micro_step = before_forward + max(peak - fresh, during_block, in_backward + backward)
-    return max(micro_step, device_state - block + step) + resident
-
-
-def peak_terms(state_bytes: Mapping[str, int]) -> dict[str, int]:
-    """An engine's terms of the peak from a ``model_state_bytes`` dict, for a plan that accumulates
-    and one that does not alike (:func:`plan_terms` picks)."""
-    block_backward = state_bytes.get("block_backward_buffer_bytes", 0)
-    return {"accumulation": state_bytes.get("accumulation_gradient_bytes", 0),
-            "step": state_bytes.get("step_gradient_bytes", 0) + state_bytes.get("step_gathered_bytes", 0),
-            "block": state_bytes.get("block_buffer_bytes", 0),
-            "backward": state_bytes.get("backward_buffer_bytes", 0), "kept": state_bytes.get("view_kept_bytes", 0),
-            "block_backward": block_backward,
-            "accumulated_block_backward": state_bytes.get("accumulated_block_backward_buffer_bytes", block_backward),
-            "fresh": state_bytes.get("fresh_gradient_bytes", 0),
-            "accumulated_fresh": state_bytes.get("accumulated_fresh_gradient_bytes", 0)}
-
-
-def plan_terms(terms: Mapping[str, int], accumulating: bool) -> dict[str, int]:
-    """The keyword arguments of :func:`peak_tensor_bytes` from :func:`peak_terms`' ``terms`` for a
-    plan that accumulates (``gradient_accumulation_steps > 1``: the accumulated gradients, the
-    block-backward term that holds beside them, and as ``fresh`` the gradients made anew beside
-    them, ``accumulated_fresh_gradient_bytes``) or does not (no accumulated gradients; as
-    ``fresh`` every gradient an engine sets to None after a step, ``fresh_gradient_bytes``)."""
-    out = {k: v for k, v in terms.items() if not k.startswith("accumulated_")}
-    if accumulating:
-        out.update(block_backward=terms.get("accumulated_block_backward", out.get("block_backward", 0)),
-                   fresh=terms.get("accumulated_fresh", 0))
-    else:
-        out["accumulation"] = 0
-    return out
-
-
-def state_peak_tensor_bytes(state_bytes: Mapping[str, int], peaks: Sequence[Optional[int]], *,
-                            accumulating: bool) -> int:
-    """:func:`peak_tensor_bytes` of a ``model_state_bytes`` dict for a plan that accumulates or not."""
-    return peak_tensor_bytes(device_state_bytes(state_bytes), peaks, **plan_terms(peak_terms(state_bytes), accumulating))
-
-
 DEFERRED_REDUCE_BUCKET_BYTES = 64 * 2**20
 """DDP with OOM recovery: the gradients are all-reduced after backward in flat buckets of about
 this many bytes (``memtrain.backends.ddp``), one bucket alive at a time."""
@@ -356,7 +263,7 @@ def _ddp(n_params: int, world_size: int, optim: int, largest_parameter: Optional
     MemTracker: 1.08 MB for a 0.27M-parameter model on 2 ranks). ``n_params`` counts the
     parameters that train; the frozen ones (a LoRA model's base) are ``frozen_bytes`` of
     parameters in their own dtype, with no gradient or optimizer state. The gradients are set to
-    None after each step (``fresh_gradient_bytes``: :func:`plan_terms`)."""
+    None after each step (``fresh_gradient_bytes``: :func:`memtrain.memory.peak.plan_terms`)."""
     n = n_params
     deferred = world_size > 1 and largest_parameter is not None
     reducer = world_size > 1 and largest_parameter is None
@@ -372,21 +279,22 @@ def _fsdp(n_params: int, precision: str, offload: str, world_size: int, shape: M
     ranks (FSDP2's mixed-precision policy casts for compute); CPUOffloadPolicy moves all three to host memory. On the device
     beside them, in the compute dtype: the root unit's parameters (embeddings, head, final norm),
     gathered from its forward to the end of backward (memtrain does not reshard the root), and
-    their unsharded gradients through the backward; two blocks' parameters gathered (the one
-    running and the one prefetched), only while a block runs (``block_buffer_bytes``, part of
-    ``buffer_bytes``: :func:`peak_tensor_bytes`; MemTracker on 2 ranks finds none gathered at the
-    peak of Llama, Mistral, Qwen2, GPT-NeoX and GPT-2 models of 0.6–2M parameters, which is
-    the loss's: ``benchmarks/memory_accuracy.py --families``). On more than one rank a block's
-    gradients are reduce-scattered in fp32 (``reduce_dtype``) after its backward, the input held
-    until the next block's reduce-scatter: 4 bytes per parameter of a block beside the gathered
-    ones while a later block runs its backward (``block_backward_buffer_bytes``; MemTracker at the
-    peak of a bf16 Mistral with AC on, 2 ranks: that buffer, one block gathered, 6.0% under
-    without it). In a model of two blocks the later one is the last, with nothing left to
-    prefetch: one block gathered then, not two (less ``u`` bytes per parameter of a block in
-    that term; MemTracker, Mistral with AC on, 2 ranks: one gathered at the second block's
-    backward, and 7.4% over with two). While micro-batches accumulate,
+    their unsharded gradients through the backward; a block's parameters gathered, two on more
+    than one rank (the one running and the one prefetched), only while a block runs
+    (:func:`_fsdp_gathered_bytes`; ``block_buffer_bytes``, part of ``buffer_bytes``:
+    :func:`memtrain.memory.peak.peak_tensor_bytes`; MemTracker on 2 ranks finds none gathered at the peak of Llama,
+    Mistral, Qwen2, GPT-NeoX and GPT-2 models of 0.6–2M parameters, which is the loss's:
+    ``benchmarks/memory_accuracy.py --families``). A block's gradients are reduce-scattered in
+    fp32 (``reduce_dtype``) after its backward (on one rank copied from the same input into the
+    same output buffer: torch's ``foreach_reduce``), the input held until the next block's
+    reduce-scatter: 4 bytes per parameter of a block beside the gathered ones while a later block
+    runs its backward (``block_backward_buffer_bytes``; MemTracker at the peak of a bf16 Mistral
+    with AC on, 2 ranks: that buffer, one block gathered, 6.0% under without it; of an fp32 Qwen2
+    with AC on, 1 rank: 2.1 MB of it, one block's). While micro-batches accumulate,
     every unsharded gradient is kept in fp32 (``set_requires_gradient_sync(False)``) until the last micro-batch
-    reduces it: 4 bytes per parameter in all. There the reduce-scatter input is copied from a
+    reduces it: 4 bytes per parameter in all, the root's among them (``accumulation_gradient_bytes``
+    is what they hold beyond ``gradient_bytes``: less than none on one rank, where that counts the
+    root's twice; MemTracker, fp32, 1 rank: 4 bytes per parameter of gradients at the peak). There the reduce-scatter input is copied from a
     block's accumulated gradients, which are then freed, so a later block's backward holds beside
     them only that block's output shard (4 bytes per parameter of a block over the ranks) and,
     under a 16-bit compute dtype, the running block's new gradients before they are added to the
@@ -397,7 +305,7 @@ def _fsdp(n_params: int, precision: str, offload: str, world_size: int, shape: M
     MemTracker, fp32, 2 ranks, accumulating: Mixtral 4.5% and Qwen2 6.6% over with the input
     counted beside them). The root's new 16-bit gradients are not there before backward
     (``accumulated_fresh_gradient_bytes``). A plan that does not accumulate sets the gradients to
-    None after each step (``fresh_gradient_bytes``: :func:`plan_terms`; MemTracker, 2 ranks, one
+    None after each step (``fresh_gradient_bytes``: :func:`memtrain.memory.peak.plan_terms`; MemTracker, 2 ranks, one
     micro-batch per step: GPT-NeoX 18–26% and Mixtral 7–8% over with them counted at the loss). MemTracker on 2 ranks: the tiny recipe's
     model holds 1.08 MB of gradients = 4 × its 0.27M parameters; GPT-2 small's blocks (86M) hold
     one block gathered beside the root at the peak, and 2–2.5 blocks' bytes of gathered and
@@ -412,17 +320,17 @@ def _fsdp(n_params: int, precision: str, offload: str, world_size: int, shape: M
         offloaded.update(parameter=params, gradient=grads, optimizer=optim)
         params, grads, optim = 0, 0, 0
     shards = grads
-    alone = u * shape.largest_block if shape.blocks == 2 else 0  # a later block: nothing left to prefetch
+    gathered, alone = _fsdp_gathered_bytes(u, shape, w)
     params, grads = params + u * shape.root, grads + u * min(shape.root, n)
     # accumulating: every gradient in fp32, and in 16 bits the root's new ones beside them
     accumulated = 4 * n - (shards if u < 4 else grads)
     return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim,
-            "buffer_bytes": 2 * u * shape.largest_block, "block_buffer_bytes": 2 * u * shape.largest_block,
-            "block_backward_buffer_bytes": (4 * shape.largest_block if w > 1 else 0) - alone,
-            "accumulated_block_backward_buffer_bytes": (4 * shape.largest_block // w if w > 1 else 0) + (
+            "buffer_bytes": gathered, "block_buffer_bytes": gathered,
+            "block_backward_buffer_bytes": 4 * shape.largest_block - alone,
+            "accumulated_block_backward_buffer_bytes": 4 * shape.largest_block // w + (
                 u * shape.largest_block if u < 4 else 0) - alone, "fresh_gradient_bytes": grads,
             "accumulated_fresh_gradient_bytes": u * min(shape.root, n) if u < 4 else 0,
-            "accumulation_gradient_bytes": max(0, accumulated), "cpu_offloaded_bytes": sum(offloaded.values()),
+            "accumulation_gradient_bytes": accumulated, "cpu_offloaded_bytes": sum(offloaded.values()),
             **{f"offloaded_{k}_bytes": v for k, v in offloaded.items()}}
 
 
@@ -464,10 +372,10 @@ def _fsdp_optimizer_offload(n_params: int, precision: str, world_size: int, shap
     offloaded = {"parameter": 0, "gradient": 0, "optimizer": moments_host + 4 * host_elements,
                  "buffer": u * host_elements}
     params, grads = u * shard + u * shape.root, u * shard + u * shape.root
-    alone = u * shape.largest_block if shape.blocks == 2 else 0  # as in _fsdp
+    gathered, alone = _fsdp_gathered_bytes(u, shape, w)
     return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim - moments_host + master_device,
-            "buffer_bytes": 2 * u * shape.largest_block, "block_buffer_bytes": 2 * u * shape.largest_block,
-            "block_backward_buffer_bytes": (4 * shape.largest_block if w > 1 else 0) - alone,
+            "buffer_bytes": gathered, "block_buffer_bytes": gathered,
+            "block_backward_buffer_bytes": 4 * shape.largest_block - alone,
             "accumulation_gradient_bytes": 0, "fresh_gradient_bytes": grads,
             "cpu_offloaded_bytes": sum(offloaded.values()), "export_released_bytes": offloaded["buffer"], "pinned_block_bytes": offloaded["buffer"],
             **{f"offloaded_{k}_bytes": v for k, v in offloaded.items()}}
@@ -629,6 +537,21 @@ def _zero_offload(n: int, w: int, stage: int, p_bytes: int, offload: str, ratio:
     return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim, "cpu_offloaded_bytes": host,
             "nvme_offloaded_bytes": files, "staging_bytes": staging, "accumulation_host_bytes": accumulating,
             **{f"offloaded_{k}_bytes": v for k, v in offloaded.items()}}
+
+
+def _fsdp_gathered_bytes(u: int, shape: ModelShape, world_size: int) -> tuple[int, int]:
+    """FSDP2's gathered blocks in the compute dtype (``u`` bytes per element): (the most held while
+    a block runs, ``block_buffer_bytes``; how many fewer while a later block of a two-block model
+    runs its backward). On more than one rank two blocks, the one running and the one prefetched;
+    in a model of two blocks the later one is the last, with nothing left to prefetch, so one
+    (MemTracker, Mistral with AC on, 2 ranks: one gathered at the second block's backward). On one
+    rank one block, and nothing prefetched: torch's ``FSDPParamGroup.unshard`` returns before any
+    all-gather there, and ``wait_for_unshard`` copies the shard into the running block's
+    parameters (MemTracker, Qwen2 fp32, 1 rank: one block's parameters at the peak)."""
+    block = u * shape.largest_block
+    if world_size <= 1:
+        return block, 0
+    return 2 * block, block if shape.blocks == 2 else 0
 
 
 def _edge_bytes(p_bytes: int, largest_parameter: int, world_size: int) -> int:

@@ -1,7 +1,7 @@
 """The two moments of a run outside its steps: loading a checkpoint on resume and the export at
 the end. Neither holds activations, but each holds more than the state kept between steps, and a
-plan that fits its steps must fit them too (:func:`memtrain.memory.accounting.peak_tensor_bytes`
-takes the largest).
+plan that fits its steps must fit them too (:func:`largest_moment_bytes`; a planner's candidate
+plans the larger of it and its step peak: ``Candidate.planned_bytes``).
 
 Each engine's ``model_state_bytes`` dict carries five keys from here (bytes per rank):
 

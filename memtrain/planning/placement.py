@@ -45,8 +45,9 @@ from memtrain.config import ConfigError
 from memtrain.levers import allowed_by, describe, lever_choices, offered_choices
 from memtrain.levers.optimizer_state import (BF16_MAX_BETA2, LOSSY, STATE_DTYPES, choose_charging_steps,
                                              fastest_fitting, planner_dtypes)
-from memtrain.memory.accounting import build_bytes, builds_on_device, device_state_bytes, peak_terms
+from memtrain.memory.accounting import build_bytes, builds_on_device, device_state_bytes
 from memtrain.memory.moments import largest_moment_bytes, parameter_element_bytes
+from memtrain.memory.peak import peak_terms
 from memtrain.memory.shape import ModelShape, model_shape
 from memtrain.memory.machine import Machine
 from memtrain.planning.activations import activation_tables

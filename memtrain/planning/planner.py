@@ -46,9 +46,9 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from memtrain.levers import LeverCost, PlanFacts, plan_cost, recompute_fraction, restore_settings
-from memtrain.memory.accounting import (device_state_bytes, divisors, peak_tensor_bytes, peak_terms, plan_terms,
-                                        with_allocator_headroom)
+from memtrain.memory.accounting import device_state_bytes, divisors, with_allocator_headroom
 from memtrain.memory.moments import largest_moment_bytes
+from memtrain.memory.peak import peak_tensor_bytes, peak_terms, plan_terms
 from memtrain.memory.machine import offload_host_room_bytes, run_device_budget
 from memtrain.plan import Plan
 from memtrain.planning.activations import activation_table
@@ -181,7 +181,7 @@ def moment_fit_bytes(moments: int, device_type: str) -> int:
 
 def state_terms(state: Mapping[str, int], device_type: str, simulated: bool) -> tuple[Optional[dict], int]:
     """``(terms, moments)`` :func:`make_candidates` takes from a ``model_state_bytes`` dict: its
-    peak terms (:func:`memtrain.memory.accounting.peak_terms`) and its largest moment outside the
+    peak terms (:func:`memtrain.memory.peak.peak_terms`) and its largest moment outside the
     steps; ``(None, 0)`` on a simulated device, which counts state and saved bytes alone."""
     return (None, 0) if simulated else (peak_terms(state), largest_moment_bytes(state, device_type))
 
@@ -199,11 +199,11 @@ def make_candidates(per_rank_batch: int, choices: Mapping[str, tuple], state_byt
         activation_bytes: ``plan -> bytes`` one micro-batch saves (e.g. :func:`activation_table`).
         device_type: ``cuda`` or ``cpu``.
         budget_bytes: device bytes a rank may use; None = unbounded.
-        terms: the engine's other terms of the peak (:func:`memtrain.memory.accounting.peak_terms`
+        terms: the engine's other terms of the peak (:func:`memtrain.memory.peak.peak_terms`
             of its state): more state in plans that accumulate (gradient_accumulation_steps > 1),
             more at the optimizer step, and the parts of ``state_bytes`` held only while a repeated
             block runs or only in backward, counted beside ``activation_bytes.peaks``
-            (:func:`memtrain.memory.accounting.peak_tensor_bytes`). None: none (a simulated
+            (:func:`memtrain.memory.peak.peak_tensor_bytes`). None: none (a simulated
             device counts state and saved bytes alone).
         moments: the device bytes of the run's largest moment outside its steps (a resume's
             checkpoint load, the export: :func:`memtrain.memory.moments.largest_moment_bytes`),
@@ -241,9 +241,9 @@ def lever_cost(candidate: Candidate, copy_bytes_per_s: Optional[float] = None) -
 
 def candidate_peak_bytes(candidate: Candidate, device_state: int, terms: Mapping[str, int], device_type: str) -> int:
     """A rank's predicted device peak for ``candidate`` beside ``device_state`` bytes of model
-    state: :func:`memtrain.memory.accounting.peak_tensor_bytes` of its traced peaks and the
-    engine's ``terms`` (:func:`memtrain.memory.accounting.peak_terms`, for a plan that accumulates
-    or not: :func:`memtrain.memory.accounting.plan_terms`), plus the device bytes its levers add
+    state: :func:`memtrain.memory.peak.peak_tensor_bytes` of its traced peaks and the
+    engine's ``terms`` (:func:`memtrain.memory.peak.peak_terms`, for a plan that accumulates
+    or not: :func:`memtrain.memory.peak.plan_terms`), plus the device bytes its levers add
     (:func:`lever_cost`), plus the allocator's headroom on ``device_type`` — the one composition
     the planner, the placements and ``memtrain plan`` use (bytes)."""
     peaks = (candidate.activation_bytes, candidate.in_block_bytes, candidate.in_backward_bytes,
