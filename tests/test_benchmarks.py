@@ -222,6 +222,18 @@ def test_fsdp2_prediction_follows_whether_a_plan_accumulates():
         assert -0.02 <= r["relative_error"] <= 0.03, r
 
 
+@pytest.mark.timeout(600)
+def test_ddp_prediction_counts_the_gradients_made_so_far():
+    """DDP on 2 ranks, one micro-batch per step, against MemTracker's count: a moment of backward
+    holds only the gradients made so far (``StepPeaks.made``): Qwen2 fp32 with AC off (12.9% over
+    with every gradient counted at every backward moment) and Mistral with AC on (9.3% over):
+    never under by more than 2%, over by at most 3%."""
+    rows = family_rows(("qwen2", 7, "ddp", "off", "fp32", "2", 1), ("mistral", 7, "ddp", "on", "fp32", "2", 1))
+    assert [(r["model_type"], r["gradient_accumulation_steps"]) for r in rows] == [("qwen2", 1), ("mistral", 1)]
+    for r in rows:
+        assert -0.02 <= r["relative_error"] <= 0.03, r
+
+
 @on_suite
 def test_resume_and_export_moments_are_predicted_on_every_engine(suite):
     """``moment_accuracy.py --quick``: on every engine a 2-rank run resumed from its checkpoint

@@ -263,14 +263,16 @@ def _ddp(n_params: int, world_size: int, optim: int, largest_parameter: Optional
     MemTracker: 1.08 MB for a 0.27M-parameter model on 2 ranks). ``n_params`` counts the
     parameters that train; the frozen ones (a LoRA model's base) are ``frozen_bytes`` of
     parameters in their own dtype, with no gradient or optimizer state. The gradients are set to
-    None after each step (``fresh_gradient_bytes``: :func:`memtrain.memory.peak.plan_terms`)."""
+    None after each step (``fresh_gradient_bytes``: :func:`memtrain.memory.peak.plan_terms`), so a
+    moment of backward holds those made so far, 4 bytes per element (``made_gradient_slack_bytes``
+    none beyond)."""
     n = n_params
     deferred = world_size > 1 and largest_parameter is not None
     reducer = world_size > 1 and largest_parameter is None
     bucket = min(4 * n, DEFERRED_REDUCE_BUCKET_BYTES + 4 * largest_parameter) if deferred else 0
     return {"parameter_bytes": 4 * n + frozen_bytes, "gradient_bytes": 4 * n, "optimizer_bytes": optim,
             "buffer_bytes": 4 * n if reducer else 0, "cpu_offloaded_bytes": 0, "step_gradient_bytes": bucket,
-            "fresh_gradient_bytes": 4 * n}
+            "fresh_gradient_bytes": 4 * n, "made_gradient_slack_bytes": 0}
 
 
 def _fsdp(n_params: int, precision: str, offload: str, world_size: int, shape: ModelShape,
@@ -306,7 +308,10 @@ def _fsdp(n_params: int, precision: str, offload: str, world_size: int, shape: M
     counted beside them). The root's new 16-bit gradients are not there before backward
     (``accumulated_fresh_gradient_bytes``). A plan that does not accumulate sets the gradients to
     None after each step (``fresh_gradient_bytes``: :func:`memtrain.memory.peak.plan_terms`; MemTracker, 2 ranks, one
-    micro-batch per step: GPT-NeoX 18–26% and Mixtral 7–8% over with them counted at the loss). MemTracker on 2 ranks: the tiny recipe's
+    micro-batch per step: GPT-NeoX 18–26% and Mixtral 7–8% over with them counted at the loss),
+    so a moment of its backward holds those made so far, at most 4 bytes per element, a
+    block's as shards (``block_gradient_shards``), and beside them what
+    :func:`_fsdp_made_slack_bytes` bounds (``made_gradient_slack_bytes``). MemTracker on 2 ranks: the tiny recipe's
     model holds 1.08 MB of gradients = 4 × its 0.27M parameters; GPT-2 small's blocks (86M) hold
     one block gathered beside the root at the peak, and 2–2.5 blocks' bytes of gathered and
     reduce-scatter buffers. Frozen parameters (``shape.frozen``: a LoRA model's base) are
@@ -329,6 +334,7 @@ def _fsdp(n_params: int, precision: str, offload: str, world_size: int, shape: M
             "block_backward_buffer_bytes": 4 * shape.largest_block - alone,
             "accumulated_block_backward_buffer_bytes": 4 * shape.largest_block // w + (
                 u * shape.largest_block if u < 4 else 0) - alone, "fresh_gradient_bytes": grads,
+            "made_gradient_slack_bytes": _fsdp_made_slack_bytes(shape, w), "block_gradient_shards": w,
             "accumulated_fresh_gradient_bytes": u * min(shape.root, n) if u < 4 else 0,
             "accumulation_gradient_bytes": accumulated, "cpu_offloaded_bytes": sum(offloaded.values()),
             **{f"offloaded_{k}_bytes": v for k, v in offloaded.items()}}
@@ -377,6 +383,7 @@ def _fsdp_optimizer_offload(n_params: int, precision: str, world_size: int, shap
             "buffer_bytes": gathered, "block_buffer_bytes": gathered,
             "block_backward_buffer_bytes": 4 * shape.largest_block - alone,
             "accumulation_gradient_bytes": 0, "fresh_gradient_bytes": grads,
+            "made_gradient_slack_bytes": _fsdp_made_slack_bytes(shape, w), "block_gradient_shards": w,
             "cpu_offloaded_bytes": sum(offloaded.values()), "export_released_bytes": offloaded["buffer"], "pinned_block_bytes": offloaded["buffer"],
             **{f"offloaded_{k}_bytes": v for k, v in offloaded.items()}}
 
@@ -552,6 +559,16 @@ def _fsdp_gathered_bytes(u: int, shape: ModelShape, world_size: int) -> tuple[in
     if world_size <= 1:
         return block, 0
     return 2 * block, block if shape.blocks == 2 else 0
+
+
+def _fsdp_made_slack_bytes(shape: ModelShape, world_size: int) -> int:
+    """What FSDP2 holds at a moment of backward beyond the gradients made so far counted as
+    shards (4 bytes per element over the ranks) and the gathered blocks: the running block's
+    whole gradients before their reduce-scatter (4 bytes per element at most, less the shard
+    counted) and one reduce-scatter input (4 bytes per element of a block: torch's
+    ``FSDPParamGroup.post_backward`` frees the block before's, ``reduce_scatter_max_input_buffers``
+    1, before it allocates a block's). Bytes."""
+    return 4 * shape.largest_block + 4 * shape.largest_block - 4 * shape.largest_block // max(1, world_size)
 
 
 def _edge_bytes(p_bytes: int, largest_parameter: int, world_size: int) -> int:

@@ -14,9 +14,9 @@ from memtrain.memory.accounting import device_state_bytes
 
 def peak_tensor_bytes(device_state: int, peaks: Sequence, accumulation: int = 0, step: int = 0,
                       block: int = 0, backward: int = 0, kept: int = 0, block_backward: int = 0,
-                      fresh: int = 0) -> int:
+                      fresh: int = 0, made_slack: Optional[int] = None, block_gradient_shards: int = 1) -> int:
     """Tensor bytes on a rank's device at its peak, the largest of four moments, from ``peaks`` =
-    (peak, in_block, in_backward[, resident[, kept peaks[, in_block_backward[, in_block_forward]]]]) of a traced micro-step
+    (peak, in_block, in_backward[, resident[, kept peaks[, in_block_backward[, in_block_forward[, made]]]]]) of a traced micro-step
     (:class:`memtrain.memory.step_trace.StepPeaks`; a None is the peak; ``resident``, the rank's
     batch, is held at every moment). ``device_state`` is the model state on the device with every buffer;
     before a micro-step's forward a rank holds it less ``block`` and ``backward``, plus
@@ -50,6 +50,15 @@ def peak_tensor_bytes(device_state: int, peaks: Sequence, accumulation: int = 0,
     DeepSpeed keeps gathered: a large model's prefetch reaches ``stage3_prefetch_bucket_size``
     elements ahead, not the whole model).
 
+    A plan that does not accumulate holds, at a moment of backward, only the gradients made so far
+    (``made_slack`` given, not None: :func:`plan_terms`): at most 4 bytes per element of the
+    parameters whose gradient has arrived, a repeated block's over ``block_gradient_shards``
+    (FSDP2 keeps them as shards), plus ``made_slack`` (FSDP2: the running block's whole
+    gradients, its reduce-scatter input), and never more than ``fresh``. With the trace's
+    ``made`` peaks (``StepPeaks.made``: the live bytes plus 4 bytes per made element, per window
+    of backward) each backward moment is counted with those instead of every gradient, and a
+    block's forward with none (:func:`_made_so_far`).
+
     MemTracker on 2 ranks (``benchmarks/memory_accuracy.py --families``: Llama, Mistral, Qwen2,
     GPT-NeoX, GPT-2, Mixtral, Qwen2-MoE of 0.6–2M parameters) finds each engine's state before the last
     micro-batch's forward as above and its peak at one of these moments.
@@ -65,9 +74,40 @@ def peak_tensor_bytes(device_state: int, peaks: Sequence, accumulation: int = 0,
         during_block = min(kept_in_block + block, in_block + kept)
         if forward:  # ZeRO-3's forward: the coalesced buffer beside the copies not yet released
             during_block = max(during_block, block + min(forward[0], block_in_forward + kept, kept_in_block + block))
+    made = peaks[7] if len(peaks) > 7 and peaks[7] else ()
+    if made and made_slack is not None and fresh > 0 and not (kept and len(peaks) > 4 and peaks[4]):
+        block_in_forward = peaks[6] if len(peaks) > 6 and peaks[6] is not None else in_block
+        windows = [outside - (outside - every) // max(1, block_gradient_shards)  # rounded up
+                   for every, outside in zip(made[:4], made[4:])]
+        during_block, in_backward = _made_so_far(windows, made_slack, fresh, block, block_backward, in_block,
+                                                 block_in_forward, block_in_backward, in_backward)
     before_forward = device_state - block - backward + accumulation
     micro_step = before_forward + max(peak - fresh, during_block, in_backward + backward)
     return max(micro_step, device_state - block + step) + resident
+
+
+def _made_so_far(made: Sequence[int], slack: int, fresh: int, block: int, block_backward: int, in_block: int,
+                 block_in_forward: int, block_in_backward: int, in_backward: int) -> tuple[int, int]:
+    """:func:`peak_tensor_bytes`' terms while a block runs and from the first gradient on, beyond
+    the state before forward (which holds every gradient, ``fresh``), for a plan that does not
+    accumulate, from ``made`` = the (before the blocks', the first block's, the later blocks',
+    between and after them) peaks of backward's live bytes plus the gradients made (at most: 4
+    bytes per element, a block's over its shards: ``StepPeaks.made`` has the peaks with every
+    made element and with those outside the blocks: at any moment the live bytes plus 4 bytes
+    per made element outside the blocks and 4/shards per one inside are a mix of the two, so
+    never more than the same mix of their peaks). A moment's gradients are the made ones (plus
+    ``slack``), never more than ``fresh``: each window counts the smaller of its live peak beside
+    every gradient and its made peak beside those alone; a block's forward holds none; between
+    the blocks ``block`` may be held too (FSDP2's prefetched block while the block before is
+    reduced).
+
+    Returns:
+        (while a block runs, from the first gradient on), bytes.
+    """
+    head, first, later, tail = (m + slack - fresh for m in made)
+    during_block = max(block_in_forward - fresh + block, min(in_block, max(first, later)) + block,
+                       min(block_in_backward, later) + block + block_backward)
+    return during_block, min(in_backward, max(head, first, later, tail) + block)
 
 
 def peak_terms(state_bytes: Mapping[str, int]) -> dict[str, int]:
@@ -81,7 +121,9 @@ def peak_terms(state_bytes: Mapping[str, int]) -> dict[str, int]:
             "block_backward": block_backward,
             "accumulated_block_backward": state_bytes.get("accumulated_block_backward_buffer_bytes", block_backward),
             "fresh": state_bytes.get("fresh_gradient_bytes", 0),
-            "accumulated_fresh": state_bytes.get("accumulated_fresh_gradient_bytes", 0)}
+            "accumulated_fresh": state_bytes.get("accumulated_fresh_gradient_bytes", 0),
+            "made_slack": state_bytes.get("made_gradient_slack_bytes", 0),
+            "block_gradient_shards": state_bytes.get("block_gradient_shards", 1)}
 
 
 def plan_terms(terms: Mapping[str, int], accumulating: bool) -> dict[str, int]:
@@ -89,11 +131,13 @@ def plan_terms(terms: Mapping[str, int], accumulating: bool) -> dict[str, int]:
     plan that accumulates (``gradient_accumulation_steps > 1``: the accumulated gradients, the
     block-backward term that holds beside them, and as ``fresh`` the gradients made anew beside
     them, ``accumulated_fresh_gradient_bytes``) or does not (no accumulated gradients; as
-    ``fresh`` every gradient an engine sets to None after a step, ``fresh_gradient_bytes``)."""
+    ``fresh`` every gradient an engine sets to None after a step, ``fresh_gradient_bytes``, of
+    which a moment of backward holds those made so far and ``made_slack``,
+    ``made_gradient_slack_bytes``; a plan that accumulates is counted with every one)."""
     out = {k: v for k, v in terms.items() if not k.startswith("accumulated_")}
     if accumulating:
         out.update(block_backward=terms.get("accumulated_block_backward", out.get("block_backward", 0)),
-                   fresh=terms.get("accumulated_fresh", 0))
+                   fresh=terms.get("accumulated_fresh", 0), made_slack=None)
     else:
         out["accumulation"] = 0
     return out

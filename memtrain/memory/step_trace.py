@@ -50,6 +50,12 @@ class _LiveBytes(TorchDispatchMode):
             :meth:`claim`): ZeRO-3's copies out of its coalesced prefetch.
         view_peaks: [peak, in_block, in_backward] of the live bytes and ``kept_bytes`` together,
             and [in_block_forward, forward] of those and ``pending_bytes``.
+        made_elements, made_outside_elements: elements of the parameters whose gradient has
+            arrived (:meth:`arrive`), all of them and those outside the repeated blocks.
+        made_peaks: from the loss's backward on, the live bytes plus 4 bytes per made element
+            at most, in four windows of backward (``StepPeaks.made``): before any block's
+            backward, in the first block's, in a later block's, between and after the blocks';
+            then the same with 4 bytes per made element outside the blocks alone.
     """
 
     def __init__(self):
@@ -67,6 +73,9 @@ class _LiveBytes(TorchDispatchMode):
         self._kept: dict[int, list[int]] = {}  # parameter storage key -> [saved views alive, bytes]
         self.pending_bytes = 0
         self._pending: dict[int, int] = {}  # parameter storage key -> bytes, until its module's forward ends
+        self.made_elements = self.made_outside_elements = 0
+        self.made_peaks = [0] * 8
+        self._arrived: set[int] = set()  # ids of the parameters whose gradient has arrived
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16 and is_fake(args[0]):
@@ -105,6 +114,14 @@ class _LiveBytes(TorchDispatchMode):
             self.in_backward_peak_bytes = max(self.in_backward_peak_bytes, now)
             if self.in_block > 0 and self.block_backward_done:
                 self.in_block_backward_peak_bytes = max(self.in_block_backward_peak_bytes, now)
+        if not self.in_forward:  # the loss's backward on (a block's before any gradient: a LoRA model's)
+            if not self.block_backward_done:  # before any block's backward, or in the first block's
+                window = 1 if self.in_block > 0 else 0
+            else:  # in a later block's, or between and after the blocks'
+                window = 2 if self.in_block > 0 else 3
+            made = self.made_peaks
+            made[window] = max(made[window], now + 4 * self.made_elements)
+            made[4 + window] = max(made[4 + window], now + 4 * self.made_outside_elements)
         kept, views = now + self.kept_bytes, self.view_peaks
         views[0] = max(views[0], kept)
         if self.in_forward:
@@ -130,6 +147,16 @@ class _LiveBytes(TorchDispatchMode):
             self.in_backward = True
             self.in_backward_peak_bytes = self.live_bytes
             self.view_peaks[2] = self.live_bytes + self.kept_bytes
+
+    def arrive(self, param: torch.Tensor, outside: bool) -> None:
+        """The first gradient of ``param`` arrived: its elements are made (counted once, whatever
+        number of gradients a tied parameter receives); ``outside``: a parameter outside the
+        repeated blocks."""
+        if id(param) not in self._arrived:
+            self._arrived.add(id(param))
+            self.made_elements += param.numel()
+            self.made_outside_elements += param.numel() if outside else 0
+            self._transient(0)
 
     def keep(self, key: int, size: int) -> None:
         """Autograd saved a view of the parameter whose storage is ``key`` (``size`` bytes): counted
@@ -377,6 +404,20 @@ class StepPeaks(NamedTuple):
             backward; a block recomputed in backward is not counted): what an engine
             holds beside a block's gathered parameters only in forward (ZeRO-3's coalesced
             prefetch buffer) is held beside it; None = ``in_block``.
+        made: from the loss's backward on, the live bytes plus 4 bytes per element of
+            the parameters whose gradient has arrived, at most, in four windows of backward:
+            before any block's backward (the loss's and the head's), in the first block's, in a
+            later block's, and between and after the blocks' (the embeddings'); a window with no
+            moment 0. A plan that does not accumulate holds only the gradients made so far, at most
+            4 bytes per element each (fp32; 16-bit or a shard less), so these bound a backward
+            moment's gradients better than all of them (:func:`memtrain.memory.peak.peak_tensor_bytes`).
+            With alike blocks each window grows linearly with depth: at a later block the live
+            bytes fall by a block's activations and the made ones rise by a block's gradients,
+            so the most is at the second block or the last, whichever grows faster with depth, the
+            same at every depth (:mod:`memtrain.memory.depth` extrapolates them). Then the four
+            again with 4 bytes per made element outside the repeated blocks alone (an engine that
+            holds a block's gradients as shards counts between the two). In a model without
+            repeated blocks each window is the whole backward's. () = not traced.
     On a small model the peak is often the loss's (the tests' models at micro-batch 4: the
     logits of a 1024-token vocabulary), where neither is held.
     """
@@ -388,6 +429,7 @@ class StepPeaks(NamedTuple):
     kept: tuple = ()
     in_block_backward: Optional[int] = None
     in_block_forward: Optional[int] = None
+    made: tuple = ()
 
 
 def step_peaks(model: nn.Module, mode, objective, micro_batch: dict[str, torch.Tensor],
@@ -415,10 +457,18 @@ def step_peaks(model: nn.Module, mode, objective, micro_batch: dict[str, torch.T
     params = [p for p in model.parameters() if p.requires_grad]
     # the gradient autograd hands over, and the copy AccumulateGrad makes of it when its layout
     # differs from the parameter's (a transposed Linear weight's): both are the gradient
-    hooks = [p.register_hook(lambda grad: counter.to_gradient(grad.untyped_storage()._cdata)) for p in params]
+    blocks = repeated_blocks(model)
+    inside = {id(p) for block in blocks for p in block.parameters()}
+
+    def arrived(p: nn.Parameter):
+        def hook(grad: torch.Tensor) -> None:
+            counter.to_gradient(grad.untyped_storage()._cdata)
+            counter.arrive(p, id(p) not in inside)
+        return hook
+
+    hooks = [p.register_hook(arrived(p)) for p in params]
     hooks += [p.register_post_accumulate_grad_hook(lambda p: counter.to_gradient(p.grad.untyped_storage()._cdata))
               for p in params]
-    blocks = repeated_blocks(model)
     hooks += _watch_blocks(counter, blocks)
     device = next(model.parameters()).device
     try:
@@ -440,7 +490,8 @@ def step_peaks(model: nn.Module, mode, objective, micro_batch: dict[str, torch.T
                                           views[3] if blocks else views[4])
     return StepPeaks(counter.peak_bytes, in_block, counter.in_backward_peak_bytes, kept=kept,
                      in_block_backward=counter.in_block_backward_peak_bytes if blocks else counter.in_backward_peak_bytes,
-                     in_block_forward=counter.in_block_forward_peak_bytes if blocks else counter.peak_bytes)
+                     in_block_forward=counter.in_block_forward_peak_bytes if blocks else counter.peak_bytes,
+                     made=tuple(counter.made_peaks) if blocks else (counter.made_peaks[0],) * 4 + (counter.made_peaks[4],) * 4)
 
 
 def step_peak_bytes(model: nn.Module, mode, objective, micro_batch: dict[str, torch.Tensor]) -> int:

@@ -66,7 +66,7 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
     cached per micro-batch and model-lever settings). ``objective`` is not changed (a copy is traced).
     Its attribute ``offloaded_bytes`` is ``plan -> bytes`` the plan's activation offload moves to
     the host in that micro-batch (each way; 0 without offload), traced alike; ``peaks`` is
-    ``plan -> (peak, in_block, in_backward, resident, kept, in_block_backward, in_block_forward)`` (:class:`memtrain.memory.step_trace.StepPeaks`,
+    ``plan -> (peak, in_block, in_backward, resident, kept, in_block_backward, in_block_forward, made)`` (:class:`memtrain.memory.step_trace.StepPeaks`,
     ``kept`` traced at the persistence threshold ZeRO-3 runs with; under a simulated device every
     one the peak and nothing resident). ``resident`` is the rank's
     batch on the device (accumulation × the bytes of the traced micro-batch, the longest samples
@@ -115,12 +115,12 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
     kept_numel = zero.get("stage3_param_persistence_threshold", ZERO3_PERSISTENCE_THRESHOLD)
     saves_weight = linear_saves_weight(zero)  # DeepSpeed's memory-efficient linear
 
-    def trace(*args) -> tuple[int, ...]:  # peak, in_block, in_backward, in_block_backward, in_block_forward, kept views
-        if simulated:  # the simulated device counts saved bytes alone, whatever runs
+    def trace(*args) -> tuple[int, ...]:  # peak, in_block, in_backward, in_block_backward, in_block_forward, made, kept views
+        if simulated:  # the simulated device counts saved bytes alone, whatever runs (no made windows)
             saved = traced_activation_bytes(*args)
-            return (saved,) * 9
+            return (saved,) * 5 + (0,) * 8 + (saved,) * 4
         peaks = step_trace.step_peaks(*args, kept_numel=kept_numel, linear_saves_weight=saves_weight)
-        return (*peaks[:3], peaks.in_block_backward, peaks.in_block_forward, *peaks.kept)
+        return (*peaks[:3], peaks.in_block_backward, peaks.in_block_forward, *peaks.made, *peaks.kept)
 
     def traced(plan: Plan) -> tuple[step_trace.StepPeaks, int]:
         settings = {name: setting for name, setting in plan.levers if lever(name).model_lever}
@@ -135,9 +135,10 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
                 return (*trace(model, mode, target.objective, batch), moved_bytes(model))
 
             *peaks, moved = by_depth(model, target.blocks, period, traced_once)
+            made = tuple(extra + p for p in peaks[5:13]) if peaks[5] else ()
             peaks = [extra + p for p in peaks]
-            cache[key] = (step_trace.StepPeaks(*peaks[:3], kept=tuple(peaks[5:]), in_block_backward=peaks[3],
-                                               in_block_forward=peaks[4]), moved)
+            cache[key] = (step_trace.StepPeaks(*peaks[:3], kept=tuple(peaks[13:]), in_block_backward=peaks[3],
+                                               in_block_forward=peaks[4], made=made), moved)
         return cache[key]
 
     def activation_bytes(plan: Plan) -> int:

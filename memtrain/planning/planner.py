@@ -117,6 +117,8 @@ class Candidate:
             (``StepPeaks.in_block_backward``); None = ``in_block_bytes``.
         in_block_forward_bytes: the peak while a repeated block runs its forward
             (``StepPeaks.in_block_forward``); None = ``in_block_bytes``.
+        made_peaks: the backward's peaks with the gradients made so far (``StepPeaks.made``;
+            () = not traced), read for a plan that does not accumulate.
         moment_bytes: the run's largest moment outside its steps, with the allocator's headroom
             (a resume's checkpoint load, the export: :mod:`memtrain.memory.moments`); the same for
             every plan, so it decides whether a plan fits, never which plan is smaller or faster.
@@ -137,6 +139,7 @@ class Candidate:
     in_block_backward_bytes: Optional[int] = None
     moment_bytes: int = 0
     in_block_forward_bytes: Optional[int] = None
+    made_peaks: tuple = ()
 
     @property
     def planned_bytes(self) -> int:
@@ -222,7 +225,8 @@ def make_candidates(per_rank_batch: int, choices: Mapping[str, tuple], state_byt
             c = Candidate(plan, 0, acts, moved, *peaks[1:3], resident_bytes=peaks[3] if len(peaks) > 3 else 0,
                           kept_peaks=tuple(peaks[4]) if len(peaks) > 4 else (),
                           in_block_backward_bytes=peaks[5] if len(peaks) > 5 else None,
-                          in_block_forward_bytes=peaks[6] if len(peaks) > 6 else None)
+                          in_block_forward_bytes=peaks[6] if len(peaks) > 6 else None,
+                          made_peaks=tuple(peaks[7]) if len(peaks) > 7 else ())
             c.predicted_peak_bytes = candidate_peak_bytes(c, state_bytes, terms or {}, device_type)
             c.moment_bytes = moment_fit_bytes(moments, device_type)
             c.fits = budget_bytes is None or c.planned_bytes <= budget_bytes
@@ -248,7 +252,7 @@ def candidate_peak_bytes(candidate: Candidate, device_state: int, terms: Mapping
     the planner, the placements and ``memtrain plan`` use (bytes)."""
     peaks = (candidate.activation_bytes, candidate.in_block_bytes, candidate.in_backward_bytes,
              candidate.resident_bytes, candidate.kept_peaks, candidate.in_block_backward_bytes,
-             candidate.in_block_forward_bytes)
+             candidate.in_block_forward_bytes, candidate.made_peaks)
     tensors = peak_tensor_bytes(device_state, peaks, **plan_terms(terms, candidate.gradient_accumulation_steps > 1))
     return with_allocator_headroom(tensors + lever_cost(candidate).device_bytes, device_type)
 
