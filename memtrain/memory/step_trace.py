@@ -408,15 +408,13 @@ class StepPeaks(NamedTuple):
             the parameters whose gradient has arrived, at most, in four windows of backward:
             before any block's backward (the loss's and the head's), in the first block's, in a
             later block's, and between and after the blocks' (the embeddings'); a window with no
-            moment 0. A plan that does not accumulate holds only the gradients made so far, at most
-            4 bytes per element each (fp32; 16-bit or a shard less), so these bound a backward
-            moment's gradients better than all of them (:func:`memtrain.memory.peak.peak_tensor_bytes`).
-            With alike blocks each window grows linearly with depth: at a later block the live
-            bytes fall by a block's activations and the made ones rise by a block's gradients,
-            so the most is at the second block or the last, whichever grows faster with depth, the
-            same at every depth (:mod:`memtrain.memory.depth` extrapolates them). Then the four
-            again with 4 bytes per made element outside the repeated blocks alone (an engine that
-            holds a block's gradients as shards counts between the two). In a model without
+            moment 0; then the four with the elements outside the repeated blocks alone (an engine
+            holding a block's gradients as shards counts between the two). A plan that does not
+            accumulate holds only the gradients made so far, at most 4 bytes per element
+            (:func:`memtrain.memory.peak.peak_tensor_bytes`). With alike blocks each window grows
+            linearly with depth (at a later block the live bytes fall by a block's activations,
+            the made ones rise by a block's gradients: the most is at the second block or the
+            last, whichever grows faster, at every depth; :mod:`memtrain.memory.depth`). Without
             repeated blocks each window is the whole backward's. () = not traced.
     On a small model the peak is often the loss's (the tests' models at micro-batch 4: the
     logits of a 1024-token vocabulary), where neither is held.
