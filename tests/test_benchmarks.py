@@ -208,16 +208,19 @@ def family_rows(*cases) -> list[dict]:
 def test_fsdp2_prediction_follows_whether_a_plan_accumulates():
     """FSDP2 against MemTracker's count, on 2 ranks on a plan that does not accumulate (GPT-NeoX,
     bf16, AC on, one micro-batch per step: 22.4% over when the gradients, set to None after each
-    step, were counted at the loss) and one that does (Mixtral, fp32, AC off: 4.5% over when a
+    step, were counted at the loss; Qwen2, fp32, AC off: 11.0% over when a moment of backward
+    counted the running block's gradients as whole beside a reduce-scatter input held before any
+    block's reduce, and the others' as shards beside the running block's whole ones again) and
+    one that does (Mixtral, fp32, AC off: 4.5% over when a
     whole fp32 reduce-scatter input was counted beside the accumulated gradients it is copied
     from), and on one rank (Qwen2, fp32, AC off and on, accumulating: 10.0% over with two blocks
     gathered, as on two ranks, and the root's gradients beside every accumulated one; 5.1% under
     with one block and without the reduce-scatter input the copy into the shards holds there):
     never under by more than 2%, over by at most 3%."""
-    rows = family_rows(("gpt_neox", 7, "fsdp", "on", "bf16", "2", 1), ("mixtral", 7, "fsdp", "off", "fp32", "2", 2),
-                       ("qwen2", 7, "fsdp", "off,on", "fp32", "1", None))
+    rows = family_rows(("gpt_neox", 7, "fsdp", "on", "bf16", "2", 1), ("qwen2", 7, "fsdp", "off", "fp32", "2", 1),
+                       ("mixtral", 7, "fsdp", "off", "fp32", "2", 2), ("qwen2", 7, "fsdp", "off,on", "fp32", "1", None))
     assert [(r["model_type"], r["world_size"], r["gradient_accumulation_steps"]) for r in rows] == [
-        ("gpt_neox", 2, 1), ("mixtral", 2, 2), ("qwen2", 1, 4), ("qwen2", 1, 4)]
+        ("gpt_neox", 2, 1), ("qwen2", 2, 1), ("mixtral", 2, 2), ("qwen2", 1, 4), ("qwen2", 1, 4)]
     for r in rows:
         assert -0.02 <= r["relative_error"] <= 0.03, r
 

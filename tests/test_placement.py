@@ -205,9 +205,9 @@ def test_a_plan_that_does_not_accumulate_holds_the_gradients_made_so_far():
     of backward, and the same with the elements outside the blocks alone) DDP counts each
     backward moment with those (4 bytes per element) and a block's forward with none (MemTracker,
     2 ranks, one micro-batch per step: Qwen2 fp32 AC off 12.9% over with every gradient counted);
-    FSDP2 counts a block's made gradients as shards, 4 bytes per element over the ranks, and
-    beside them the running block's whole gradients and a reduce-scatter input (and, between
-    blocks, the gathered ones). Never more than every gradient; a plan that accumulates, and one
+    FSDP2 counts a block's made gradients as shards, 4 bytes per element over the ranks, but the
+    running block's whole, and beside them a reduce-scatter input from the first block's end on
+    (and the gathered blocks). Never more than every gradient; a plan that accumulates, and one
     without the made peaks, as before. Expected bytes from the shapes."""
     from memtrain.memory.peak import peak_tensor_bytes, peak_terms, plan_terms
 
@@ -218,7 +218,7 @@ def test_a_plan_that_does_not_accumulate_holds_the_gradients_made_so_far():
     fresh = 4 * n
     live, fwd = 3 * fresh, 2 * fresh  # the backward's live peak; a block's forward peak
     made_elements = n // 10  # the head's gradients made at the backward's live peak
-    made = (live + 4 * made_elements,) * 4 + (live + 4 * made_elements,) * 4  # every window alike
+    made = (live + 4 * made_elements,) * 14  # every window alike, and a block's end
     peaks = (live, live, live, 0, (), live, fwd)
     before = peak_tensor_bytes(state, peaks, **one)
     assert before == state + live  # every gradient beside the live peak
@@ -227,17 +227,36 @@ def test_a_plan_that_does_not_accumulate_holds_the_gradients_made_so_far():
     accumulating = plan_terms(peak_terms(ddp), accumulating=True)
     assert peak_tensor_bytes(state, (*peaks, made), **accumulating) == peak_tensor_bytes(state, peaks, **accumulating)
     # made ones beyond every gradient: never more than all of them
-    assert peak_tensor_bytes(state, (*peaks, (live + 2 * fresh,) * 8), **one) == before
+    assert peak_tensor_bytes(state, (*peaks, (live + 2 * fresh,) * 14), **one) == before
 
     fsdp = model_state_bytes("fsdp", n, "fp32", None, "none", 2, shape=shape)
     terms, fsdp_state = plan_terms(peak_terms(fsdp), accumulating=False), device_state_bytes(fsdp)
-    gathered, held = fsdp["block_buffer_bytes"], fsdp["block_backward_buffer_bytes"]
-    assert terms["made_slack"] == 4 * block + 4 * block - 4 * block // 2 and terms["block_gradient_shards"] == 2
-    outside, inside = n // 20, n // 10  # made elements outside the blocks and in them
-    made = (live + 4 * (outside + inside),) * 4 + (live + 4 * outside,) * 4
-    shards = live + 4 * outside + 4 * inside // 2 + terms["made_slack"] - fsdp["fresh_gradient_bytes"]
-    expected = fsdp_state - gathered + max(shards + gathered + held, shards + gathered)
+    gathered, fresh = fsdp["block_buffer_bytes"], fsdp["fresh_gradient_bytes"]
+    assert terms["made_slack"] == 4 * block and terms["block_gradient_shards"] == 2  # a reduce-scatter input
+    assert terms["made_tail_slack"] == 4 * max(block, root)  # the last block's, or the root's
+    outside, inside, running = n // 20, n // 10, n // 40  # made elements outside the blocks, in them, in the running one
+
+    def made_peaks(head: int, first: int, later: int, tail: int, end: int, end_block: int) -> tuple:
+        """The trace's made peaks of live bytes (per window, and at a block's end of ``end_block``
+        elements) with every made element, those outside, those outside and the running block's."""
+        live_of = (head, first, later, tail)
+        return (*(b + 4 * (outside + inside) for b in live_of), *(b + 4 * outside for b in live_of),
+                *(b + 4 * (outside + running) for b in live_of), end + 4 * (outside + inside),
+                end + 4 * (outside + end_block))
+
+    # the later blocks' window highest: the running block's whole, the others' as shards, one
+    # reduce-scatter input; a block's end lower
+    shards = 4 * outside + 4 * running + 4 * (inside - running) // 2
+    made = made_peaks(live // 2, live // 2, live, live // 2, live // 4, block)
+    expected = fsdp_state + live + shards + 4 * block - fresh
     assert peak_tensor_bytes(fsdp_state, (*peaks, made), **terms) == expected < peak_tensor_bytes(fsdp_state, peaks, **terms)
+    # before the blocks (no reduce-scatter input yet) highest: the gathered blocks beside the made ones alone
+    made = made_peaks(live, live // 2, live // 2, live // 2, live // 4, block)
+    assert peak_tensor_bytes(fsdp_state, (*peaks, made), **terms) == fsdp_state + live + shards - fresh
+    # a block's end highest: its whole gradients and its reduce-scatter input beside the gathered blocks
+    made = made_peaks(live // 2, live // 2, live // 2, live // 2, live, block)
+    at_end = 4 * outside + 4 * block + 4 * (inside - block) // 2
+    assert peak_tensor_bytes(fsdp_state, (*peaks, made), **terms) == fsdp_state + live + at_end + 4 * block - fresh
 
 
 def test_deepspeed_json_partial_and_nvme_offload_are_checked():

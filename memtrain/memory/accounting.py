@@ -283,7 +283,7 @@ def _fsdp(n_params: int, precision: str, offload: str, world_size: int, shape: M
     gathered from its forward to the end of backward (memtrain does not reshard the root), and
     their unsharded gradients through the backward; a block's parameters gathered, two on more
     than one rank (the one running and the one prefetched), only while a block runs
-    (:func:`_fsdp_gathered_bytes`; ``block_buffer_bytes``, part of ``buffer_bytes``:
+    (:func:`_fsdp_block_terms`; ``block_buffer_bytes``, part of ``buffer_bytes``:
     :func:`memtrain.memory.peak.peak_tensor_bytes`; MemTracker on 2 ranks finds none gathered at the peak of Llama,
     Mistral, Qwen2, GPT-NeoX and GPT-2 models of 0.6–2M parameters, which is the loss's:
     ``benchmarks/memory_accuracy.py --families``). A block's gradients are reduce-scattered in
@@ -311,7 +311,7 @@ def _fsdp(n_params: int, precision: str, offload: str, world_size: int, shape: M
     micro-batch per step: GPT-NeoX 18–26% and Mixtral 7–8% over with them counted at the loss),
     so a moment of its backward holds those made so far, at most 4 bytes per element, a
     block's as shards (``block_gradient_shards``), and beside them what
-    :func:`_fsdp_made_slack_bytes` bounds (``made_gradient_slack_bytes``). MemTracker on 2 ranks: the tiny recipe's
+    :func:`_fsdp_block_terms` bounds (``made_gradient_slack_bytes``). MemTracker on 2 ranks: the tiny recipe's
     model holds 1.08 MB of gradients = 4 × its 0.27M parameters; GPT-2 small's blocks (86M) hold
     one block gathered beside the root at the peak, and 2–2.5 blocks' bytes of gathered and
     reduce-scatter buffers. Frozen parameters (``shape.frozen``: a LoRA model's base) are
@@ -325,16 +325,14 @@ def _fsdp(n_params: int, precision: str, offload: str, world_size: int, shape: M
         offloaded.update(parameter=params, gradient=grads, optimizer=optim)
         params, grads, optim = 0, 0, 0
     shards = grads
-    gathered, alone = _fsdp_gathered_bytes(u, shape, w)
+    blocks = _fsdp_block_terms(u, shape, w, n)
+    alone = 4 * shape.largest_block - blocks["block_backward_buffer_bytes"]
     params, grads = params + u * shape.root, grads + u * min(shape.root, n)
     # accumulating: every gradient in fp32, and in 16 bits the root's new ones beside them
     accumulated = 4 * n - (shards if u < 4 else grads)
-    return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim,
-            "buffer_bytes": gathered, "block_buffer_bytes": gathered,
-            "block_backward_buffer_bytes": 4 * shape.largest_block - alone,
+    return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim, **blocks,
             "accumulated_block_backward_buffer_bytes": 4 * shape.largest_block // w + (
                 u * shape.largest_block if u < 4 else 0) - alone, "fresh_gradient_bytes": grads,
-            "made_gradient_slack_bytes": _fsdp_made_slack_bytes(shape, w), "block_gradient_shards": w,
             "accumulated_fresh_gradient_bytes": u * min(shape.root, n) if u < 4 else 0,
             "accumulation_gradient_bytes": accumulated, "cpu_offloaded_bytes": sum(offloaded.values()),
             **{f"offloaded_{k}_bytes": v for k, v in offloaded.items()}}
@@ -378,12 +376,8 @@ def _fsdp_optimizer_offload(n_params: int, precision: str, world_size: int, shap
     offloaded = {"parameter": 0, "gradient": 0, "optimizer": moments_host + 4 * host_elements,
                  "buffer": u * host_elements}
     params, grads = u * shard + u * shape.root, u * shard + u * shape.root
-    gathered, alone = _fsdp_gathered_bytes(u, shape, w)
     return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim - moments_host + master_device,
-            "buffer_bytes": gathered, "block_buffer_bytes": gathered,
-            "block_backward_buffer_bytes": 4 * shape.largest_block - alone,
-            "accumulation_gradient_bytes": 0, "fresh_gradient_bytes": grads,
-            "made_gradient_slack_bytes": _fsdp_made_slack_bytes(shape, w), "block_gradient_shards": w,
+            **_fsdp_block_terms(u, shape, w, n), "accumulation_gradient_bytes": 0, "fresh_gradient_bytes": grads,
             "cpu_offloaded_bytes": sum(offloaded.values()), "export_released_bytes": offloaded["buffer"], "pinned_block_bytes": offloaded["buffer"],
             **{f"offloaded_{k}_bytes": v for k, v in offloaded.items()}}
 
@@ -546,29 +540,34 @@ def _zero_offload(n: int, w: int, stage: int, p_bytes: int, offload: str, ratio:
             **{f"offloaded_{k}_bytes": v for k, v in offloaded.items()}}
 
 
-def _fsdp_gathered_bytes(u: int, shape: ModelShape, world_size: int) -> tuple[int, int]:
-    """FSDP2's gathered blocks in the compute dtype (``u`` bytes per element): (the most held while
-    a block runs, ``block_buffer_bytes``; how many fewer while a later block of a two-block model
-    runs its backward). On more than one rank two blocks, the one running and the one prefetched;
-    in a model of two blocks the later one is the last, with nothing left to prefetch, so one
-    (MemTracker, Mistral with AC on, 2 ranks: one gathered at the second block's backward). On one
-    rank one block, and nothing prefetched: torch's ``FSDPParamGroup.unshard`` returns before any
-    all-gather there, and ``wait_for_unshard`` copies the shard into the running block's
-    parameters (MemTracker, Qwen2 fp32, 1 rank: one block's parameters at the peak)."""
+def _fsdp_block_terms(u: int, shape: ModelShape, world_size: int, trained: int) -> dict[str, int]:
+    """FSDP2's terms for its blocks, with and without the optimizer offload, in bytes
+    (``u`` bytes per element of the compute dtype; ``trained``: the parameters that train).
+
+    - Gathered blocks in the compute dtype (``buffer_bytes``, ``block_buffer_bytes``): on more
+      than one rank two, the one running and the one prefetched; on one rank one, nothing
+      prefetched (torch's ``FSDPParamGroup.unshard`` returns before any all-gather there, and
+      ``wait_for_unshard`` copies the shard into the running block's parameters; MemTracker,
+      Qwen2 fp32, 1 rank: one block's parameters at the peak).
+    - ``block_backward_buffer_bytes``: a block's reduce-scatter input (4 bytes per element of a
+      block), held while a later block runs its backward, less one gathered block where there
+      is nothing left to prefetch (a model of two blocks on more than one rank, its later block
+      the last; MemTracker, Mistral with AC on, 2 ranks: one gathered at the second block's backward).
+    - A plan that does not accumulate (:func:`memtrain.memory.peak.peak_tensor_bytes`): a
+      block's made gradients held as shards (``block_gradient_shards``), the running block's
+      whole, and beside them one block's reduce-scatter input while a block runs its backward
+      (``made_gradient_slack_bytes``: torch's ``FSDPParamGroup.post_backward`` frees the block
+      before's, ``reduce_scatter_max_input_buffers`` 1, before it allocates a block's, and the
+      running block's gradients after copying them in), and after the blocks the last one's or
+      the root's, reduced at the end of backward (``made_gradient_tail_slack_bytes``).
+    """
     block = u * shape.largest_block
-    if world_size <= 1:
-        return block, 0
-    return 2 * block, block if shape.blocks == 2 else 0
-
-
-def _fsdp_made_slack_bytes(shape: ModelShape, world_size: int) -> int:
-    """What FSDP2 holds at a moment of backward beyond the gradients made so far counted as
-    shards (4 bytes per element over the ranks) and the gathered blocks: the running block's
-    whole gradients before their reduce-scatter (4 bytes per element at most, less the shard
-    counted) and one reduce-scatter input (4 bytes per element of a block: torch's
-    ``FSDPParamGroup.post_backward`` frees the block before's, ``reduce_scatter_max_input_buffers``
-    1, before it allocates a block's). Bytes."""
-    return 4 * shape.largest_block + 4 * shape.largest_block - 4 * shape.largest_block // max(1, world_size)
+    gathered, alone = (block, 0) if world_size <= 1 else (2 * block, block if shape.blocks == 2 else 0)
+    reduce_input = 4 * shape.largest_block
+    return {"buffer_bytes": gathered, "block_buffer_bytes": gathered,
+            "block_backward_buffer_bytes": reduce_input - alone, "made_gradient_slack_bytes": reduce_input,
+            "made_gradient_tail_slack_bytes": max(reduce_input, 4 * min(shape.root, trained)),
+            "block_gradient_shards": world_size}
 
 
 def _edge_bytes(p_bytes: int, largest_parameter: int, world_size: int) -> int:

@@ -14,7 +14,8 @@ from memtrain.memory.accounting import device_state_bytes
 
 def peak_tensor_bytes(device_state: int, peaks: Sequence, accumulation: int = 0, step: int = 0,
                       block: int = 0, backward: int = 0, kept: int = 0, block_backward: int = 0,
-                      fresh: int = 0, made_slack: Optional[int] = None, block_gradient_shards: int = 1) -> int:
+                      fresh: int = 0, made_slack: Optional[int] = None, made_tail_slack: int = 0,
+                      block_gradient_shards: int = 1) -> int:
     """Tensor bytes on a rank's device at its peak, the largest of four moments, from ``peaks`` =
     (peak, in_block, in_backward[, resident[, kept peaks[, in_block_backward[, in_block_forward[, made]]]]]) of a traced micro-step
     (:class:`memtrain.memory.step_trace.StepPeaks`; a None is the peak; ``resident``, the rank's
@@ -53,11 +54,12 @@ def peak_tensor_bytes(device_state: int, peaks: Sequence, accumulation: int = 0,
     A plan that does not accumulate holds, at a moment of backward, only the gradients made so far
     (``made_slack`` given, not None: :func:`plan_terms`): at most 4 bytes per element of the
     parameters whose gradient has arrived, a repeated block's over ``block_gradient_shards``
-    (FSDP2 keeps them as shards), plus ``made_slack`` (FSDP2: the running block's whole
-    gradients, its reduce-scatter input), and never more than ``fresh``. With the trace's
-    ``made`` peaks (``StepPeaks.made``: the live bytes plus 4 bytes per made element, per window
-    of backward) each backward moment is counted with those instead of every gradient, and a
-    block's forward with none (:func:`_made_so_far`).
+    (FSDP2 keeps them as shards) but the running block's whole, plus ``made_slack`` from the
+    first block's reduce on (FSDP2: a block's reduce-scatter input) and ``made_tail_slack``
+    after the blocks (the last block's or the root's), and never more than ``fresh``. With the
+    trace's ``made`` peaks (``StepPeaks.made``: the live bytes plus 4 bytes per made element,
+    per window of backward and at a block's end) each backward moment is counted with those
+    instead of every gradient, and a block's forward with none (:func:`_made_so_far`).
 
     MemTracker on 2 ranks (``benchmarks/memory_accuracy.py --families``: Llama, Mistral, Qwen2,
     GPT-NeoX, GPT-2, Mixtral, Qwen2-MoE of 0.6–2M parameters) finds each engine's state before the last
@@ -77,36 +79,46 @@ def peak_tensor_bytes(device_state: int, peaks: Sequence, accumulation: int = 0,
     made = peaks[7] if len(peaks) > 7 and peaks[7] else ()
     if made and made_slack is not None and fresh > 0 and not (kept and len(peaks) > 4 and peaks[4]):
         block_in_forward = peaks[6] if len(peaks) > 6 and peaks[6] is not None else in_block
-        windows = [outside - (outside - every) // max(1, block_gradient_shards)  # rounded up
-                   for every, outside in zip(made[:4], made[4:])]
-        during_block, in_backward = _made_so_far(windows, made_slack, fresh, block, block_backward, in_block,
-                                                 block_in_forward, block_in_backward, in_backward)
+        shards = max(1, block_gradient_shards)
+        # a moment's live bytes, made elements outside the blocks and the running block's at 4
+        # bytes, the other blocks' at 4 over the shards: the same mix of the two peaks, rounded up
+        windows = [running - (running - every) // shards
+                   for every, running in zip((*made[:4], made[12]), (*made[8:12], made[13]))]
+        during_block, in_backward = _made_so_far(windows, (made_slack, made_tail_slack), fresh, block,
+                                                 block_backward, in_block, block_in_forward, block_in_backward,
+                                                 in_backward)
     before_forward = device_state - block - backward + accumulation
     micro_step = before_forward + max(peak - fresh, during_block, in_backward + backward)
     return max(micro_step, device_state - block + step) + resident
 
 
-def _made_so_far(made: Sequence[int], slack: int, fresh: int, block: int, block_backward: int, in_block: int,
-                 block_in_forward: int, block_in_backward: int, in_backward: int) -> tuple[int, int]:
+def _made_so_far(made: Sequence[int], slacks: tuple[int, int], fresh: int, block: int, block_backward: int,
+                 in_block: int, block_in_forward: int, block_in_backward: int, in_backward: int) -> tuple[int, int]:
     """:func:`peak_tensor_bytes`' terms while a block runs and from the first gradient on, beyond
     the state before forward (which holds every gradient, ``fresh``), for a plan that does not
     accumulate, from ``made`` = the (before the blocks', the first block's, the later blocks',
-    between and after them) peaks of backward's live bytes plus the gradients made (at most: 4
-    bytes per element, a block's over its shards: ``StepPeaks.made`` has the peaks with every
-    made element and with those outside the blocks: at any moment the live bytes plus 4 bytes
-    per made element outside the blocks and 4/shards per one inside are a mix of the two, so
-    never more than the same mix of their peaks). A moment's gradients are the made ones (plus
-    ``slack``), never more than ``fresh``: each window counts the smaller of its live peak beside
-    every gradient and its made peak beside those alone; a block's forward holds none; between
-    the blocks ``block`` may be held too (FSDP2's prefetched block while the block before is
-    reduced).
+    between and after them, at a block's end) peaks of backward's live bytes plus the gradients
+    made (at most: 4 bytes per element, the blocks' but the running one's over their shards:
+    ``StepPeaks.made`` has the peaks with every made element and with those outside the blocks
+    and in the running one: at any moment the live bytes plus 4 bytes per made element outside
+    the blocks or in the running one and 4/shards per other one are a mix of the two, so never
+    more than the same mix of their peaks). ``slacks`` = (beside a block's backward from the
+    first block's reduce on, after the blocks): what an engine holds beyond the made gradients
+    (FSDP2's reduce-scatter input, allocated at a block's end). A moment's gradients are the
+    made ones (plus the slack), never more than ``fresh``: each window counts the smaller of its
+    live peak beside every gradient and its made peak beside those alone; a block's forward
+    holds none; between the blocks ``block`` may be held too (FSDP2's prefetched block while the
+    block before is reduced).
 
     Returns:
         (while a block runs, from the first gradient on), bytes.
     """
-    head, first, later, tail = (m + slack - fresh for m in made)
-    during_block = max(block_in_forward - fresh + block, min(in_block, max(first, later)) + block,
-                       min(block_in_backward, later) + block + block_backward)
+    slack, tail_slack = slacks
+    head, first, later, tail, end = made
+    head, later, tail = head - fresh, later + slack - fresh, tail + tail_slack - fresh
+    first = max(first, end + slack) - fresh
+    during_block = max(block_in_forward - fresh + block, min(in_block, max(first, later - slack)) + block,
+                       min(block_in_backward, later - slack) + block + block_backward)
     return during_block, min(in_backward, max(head, first, later, tail) + block)
 
 
@@ -123,6 +135,7 @@ def peak_terms(state_bytes: Mapping[str, int]) -> dict[str, int]:
             "fresh": state_bytes.get("fresh_gradient_bytes", 0),
             "accumulated_fresh": state_bytes.get("accumulated_fresh_gradient_bytes", 0),
             "made_slack": state_bytes.get("made_gradient_slack_bytes", 0),
+            "made_tail_slack": state_bytes.get("made_gradient_tail_slack_bytes", 0),
             "block_gradient_shards": state_bytes.get("block_gradient_shards", 1)}
 
 
@@ -132,8 +145,8 @@ def plan_terms(terms: Mapping[str, int], accumulating: bool) -> dict[str, int]:
     block-backward term that holds beside them, and as ``fresh`` the gradients made anew beside
     them, ``accumulated_fresh_gradient_bytes``) or does not (no accumulated gradients; as
     ``fresh`` every gradient an engine sets to None after a step, ``fresh_gradient_bytes``, of
-    which a moment of backward holds those made so far and ``made_slack``,
-    ``made_gradient_slack_bytes``; a plan that accumulates is counted with every one)."""
+    which a moment of backward holds those made so far and the slacks, ``made_gradient_slack_bytes``
+    and ``made_gradient_tail_slack_bytes``; a plan that accumulates is counted with every one)."""
     out = {k: v for k, v in terms.items() if not k.startswith("accumulated_")}
     if accumulating:
         out.update(block_backward=terms.get("accumulated_block_backward", out.get("block_backward", 0)),

@@ -23,13 +23,18 @@ import weakref
 from typing import Callable, NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from memtrain.memory.fake_ops import CTC, fused_attention, grouped_mm_in_dtype
 from memtrain.models import repeated_blocks
+
+
+MADE_PEAKS = 14
+"""How many peaks ``StepPeaks.made`` holds: four windows of backward with every made element,
+with those outside the blocks, with those and the running block's; two at a block's end."""
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -52,10 +57,14 @@ class _LiveBytes(TorchDispatchMode):
             and [in_block_forward, forward] of those and ``pending_bytes``.
         made_elements, made_outside_elements: elements of the parameters whose gradient has
             arrived (:meth:`arrive`), all of them and those outside the repeated blocks.
+        made_running_elements: those of the block whose backward runs now (since the last
+            block's backward ended: :meth:`block_ended`).
         made_peaks: from the loss's backward on, the live bytes plus 4 bytes per made element
             at most, in four windows of backward (``StepPeaks.made``): before any block's
             backward, in the first block's, in a later block's, between and after the blocks';
-            then the same with 4 bytes per made element outside the blocks alone.
+            then the same with 4 bytes per made element outside the blocks alone; then with
+            those outside the blocks and in the running block; then, at the moments a block's
+            backward ends, with every made element and with those outside and in that block.
     """
 
     def __init__(self):
@@ -73,15 +82,15 @@ class _LiveBytes(TorchDispatchMode):
         self._kept: dict[int, list[int]] = {}  # parameter storage key -> [saved views alive, bytes]
         self.pending_bytes = 0
         self._pending: dict[int, int] = {}  # parameter storage key -> bytes, until its module's forward ends
-        self.made_elements = self.made_outside_elements = 0
-        self.made_peaks = [0] * 8
+        self.made_elements = self.made_outside_elements = self.made_running_elements = 0
+        self.made_peaks = [0] * MADE_PEAKS
         self._arrived: set[int] = set()  # ids of the parameters whose gradient has arrived
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16 and is_fake(args[0]):
-            out = _grouped_mm_in_dtype(func, args, kwargs or {})
-        elif func in _CTC and is_fake(args[0]):
-            out = _CTC[func](*args)
+            out = grouped_mm_in_dtype(func, args, kwargs or {})
+        elif func in CTC and is_fake(args[0]):
+            out = CTC[func](*args)
             if func is torch.ops.aten._ctc_loss_backward.Tensor:  # its backward variables, log_alpha's size
                 self._transient(args[6].untyped_storage().nbytes())
         else:
@@ -119,9 +128,10 @@ class _LiveBytes(TorchDispatchMode):
                 window = 1 if self.in_block > 0 else 0
             else:  # in a later block's, or between and after the blocks'
                 window = 2 if self.in_block > 0 else 3
-            made = self.made_peaks
+            made, outside = self.made_peaks, now + 4 * self.made_outside_elements
             made[window] = max(made[window], now + 4 * self.made_elements)
-            made[4 + window] = max(made[4 + window], now + 4 * self.made_outside_elements)
+            made[4 + window] = max(made[4 + window], outside)
+            made[8 + window] = max(made[8 + window], outside + 4 * self.made_running_elements)
         kept, views = now + self.kept_bytes, self.view_peaks
         views[0] = max(views[0], kept)
         if self.in_forward:
@@ -156,7 +166,17 @@ class _LiveBytes(TorchDispatchMode):
             self._arrived.add(id(param))
             self.made_elements += param.numel()
             self.made_outside_elements += param.numel() if outside else 0
+            self.made_running_elements += 0 if outside else param.numel()
             self._transient(0)
+
+    def block_ended(self) -> None:
+        """A block's backward ended (the gradient of its input arrived): its made elements are no
+        longer the running block's; the moment's live bytes with every made element and with
+        those outside the blocks and in that block raise ``made_peaks``' last two."""
+        made, now = self.made_peaks, self.live_bytes
+        made[12] = max(made[12], now + 4 * self.made_elements)
+        made[13] = max(made[13], now + 4 * (self.made_outside_elements + self.made_running_elements))
+        self.made_running_elements = 0
 
     def keep(self, key: int, size: int) -> None:
         """Autograd saved a view of the parameter whose storage is ``key`` (``size`` bytes): counted
@@ -196,76 +216,10 @@ class _LiveBytes(TorchDispatchMode):
             self.live_bytes -= size
 
 
-def _grouped_mm_in_dtype(func, args: tuple, kwargs: dict) -> torch.Tensor:
-    """``aten._grouped_mm`` of fp32 (or fp16) inputs on fake tensors: torch's meta kernel checks
-    for the CUDA kernel's bf16, while the CPU kernel takes fp32 (transformers' fused MoE experts
-    in an fp32 run, Mixtral's and Qwen2-MoE's ``grouped_mm``): the bf16 call's output, in the
-    inputs' dtype (the casts are not counted: they happen below this mode)."""
-    dtype = args[0].dtype
-    cast = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-    return func(*cast, **kwargs).to(dtype)
-
-
-def _ctc_loss(log_probs: torch.Tensor, targets: torch.Tensor, *_) -> tuple[torch.Tensor, torch.Tensor]:
-    """``aten._ctc_loss`` on fake tensors, whose output shapes depend on the target lengths' values:
-    the loss per utterance and the forward variables ``log_alpha`` [B, T, 2 S + 1] at the longest
-    target the padded ``targets`` [B, S] hold (Graves et al. 2006; torch's CPU and CUDA kernels)."""
-    frames, batch = log_probs.shape[:2]
-    longest = targets.shape[-1] if targets.dim() == 2 else targets.numel()
-    return log_probs.new_empty((batch,)), log_probs.new_empty((batch, frames, 2 * longest + 1))
-
-
-_CTC = {torch.ops.aten._ctc_loss.Tensor: _ctc_loss,
-        torch.ops.aten._ctc_loss_backward.Tensor: lambda grad, log_probs, *_: log_probs.new_empty(log_probs.shape)}
-"""CTC's operators on fake tensors (their shapes from the padded targets' length, an upper bound);
-the backward also allocates, and frees inside itself, ``log_beta`` of ``log_alpha``'s size."""
-
-
 def fake_batch(mode, micro_batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """``micro_batch`` as fake tensors of ``mode`` on ``device`` (no memory)."""
     return {k: mode.fake_tensor_converter.from_meta_and_device(mode, v.to("meta"), device)
             for k, v in micro_batch.items()}
-
-
-class _FusedAttention(torch.autograd.Function):
-    """What a GPU's fused attention (FlashAttention's or the memory-efficient SDPA kernel) holds:
-    its output and a float32 log-sum-exp per query saved for backward, beside the inputs autograd
-    keeps anyway; never the [batch, heads, queries, keys] weights nor a dropout mask (the kernel
-    draws the mask again from its RNG state in backward). Source: Dao et al., "FlashAttention"
-    (2022), section 3.1; torch's ``_scaled_dot_product_flash_attention`` returns the same."""
-
-    @staticmethod
-    def forward(ctx, query, key, value):
-        out = query.new_empty((*query.shape[:-1], value.shape[-1]))
-        logsumexp = query.new_empty(query.shape[:-1], dtype=torch.float32)
-        ctx.save_for_backward(query, key, value, out, logsumexp)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        query, key, value, _, _ = ctx.saved_tensors
-        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
-
-
-@contextlib.contextmanager
-def fused_attention(active: bool):
-    """Within the block, ``torch.nn.functional.scaled_dot_product_attention`` holds what a GPU's
-    fused kernel holds (:class:`_FusedAttention`) when ``active``: a GPU planned on a machine
-    without one traces on the meta device, where attention would take the math path (its weights,
-    and with dropout its mask and the pre-dropout weights, saved: +48 GiB of a 121 GiB micro-step
-    at 16 × 1024 tokens of GPT-2 medium with attn_pdrop 0.1)."""
-    if not active:
-        yield
-        return
-    real = F.scaled_dot_product_attention
-
-    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        return _FusedAttention.apply(query, key, value)
-    F.scaled_dot_product_attention = sdpa
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = real
 
 
 class _SavedView:
@@ -358,11 +312,15 @@ def _watch_blocks(counter: _LiveBytes, blocks: list[nn.Module]) -> list:
         counter.in_block -= 1
         counter.block_backward_done = counter.block_backward_done or counter.in_backward
 
+    def backward_ended(*_):
+        counter.block_ended()
+        leave()
+
     def pre(module, args, kwargs):
         enter()
         first = _first_grad_tensor((args, kwargs))
         if first is not None:
-            first.register_hook(leave)
+            first.register_hook(backward_ended)
 
     def post(module, args, kwargs, output):
         leave()
@@ -408,8 +366,12 @@ class StepPeaks(NamedTuple):
             the parameters whose gradient has arrived, at most, in four windows of backward:
             before any block's backward (the loss's and the head's), in the first block's, in a
             later block's, and between and after the blocks' (the embeddings'); a window with no
-            moment 0; then the four with the elements outside the repeated blocks alone (an engine
-            holding a block's gradients as shards counts between the two). A plan that does not
+            moment 0; then the four with the elements outside the repeated blocks alone; then the
+            four with those outside and the running block's (an engine holding the blocks'
+            gradients as shards, the running block's whole, counts between the first four and
+            these); then, at the moments a block's backward ends (an engine's reduce of that
+            block's gradients), the live bytes with every made element and with those outside and
+            in that block (:data:`MADE_PEAKS` in all). A plan that does not
             accumulate holds only the gradients made so far, at most 4 bytes per element
             (:func:`memtrain.memory.peak.peak_tensor_bytes`). With alike blocks each window grows
             linearly with depth (at a later block the live bytes fall by a block's activations,
@@ -483,13 +445,13 @@ def step_peaks(model: nn.Module, mode, objective, micro_batch: dict[str, torch.T
         for p in params:
             p.grad = None
     in_block = counter.in_block_peak_bytes if blocks else counter.peak_bytes
-    views = counter.view_peaks
+    views, made = counter.view_peaks, counter.made_peaks
     kept = () if kept_numel is None else (views[0], views[1] if blocks else views[0], views[2],
                                           views[3] if blocks else views[4])
     return StepPeaks(counter.peak_bytes, in_block, counter.in_backward_peak_bytes, kept=kept,
                      in_block_backward=counter.in_block_backward_peak_bytes if blocks else counter.in_backward_peak_bytes,
                      in_block_forward=counter.in_block_forward_peak_bytes if blocks else counter.peak_bytes,
-                     made=tuple(counter.made_peaks) if blocks else (counter.made_peaks[0],) * 4 + (counter.made_peaks[4],) * 4)
+                     made=tuple(made) if blocks else (made[0],) * 4 + (made[4],) * 8 + (0, 0))
 
 
 def step_peak_bytes(model: nn.Module, mode, objective, micro_batch: dict[str, torch.Tensor]) -> int:
@@ -507,7 +469,7 @@ def fake_model(build: Callable[[], nn.Module], dtype: Optional[torch.dtype] = No
     saves its output and a log-sum-exp, while on the meta device it would fall back to the math
     path, which saves the ``[B, heads, T, T]`` attention weights of every layer (the tiny recipe's
     model at micro-batch 16: 4.2 MB, 10%, more than a real CPU run holds); a meta trace therefore
-    stands the fused kernel in (:func:`fused_attention`).
+    stands the fused kernel in (:func:`memtrain.memory.fake_ops.fused_attention`).
 
     Args:
         build: builds the model (called under ``torch.device("meta")``).
@@ -554,7 +516,7 @@ def fake_model(build: Callable[[], nn.Module], dtype: Optional[torch.dtype] = No
 def trace_device(device_type: str) -> torch.device:
     """The device a planner's fake tensors claim: the run's own when this machine has it (its
     kernels are the run's), else meta (a GPU planned from a machine without one: attention as a
-    fused kernel holds it, :func:`fused_attention`; other operators as their meta functions say)."""
+    fused kernel holds it, :func:`memtrain.memory.fake_ops.fused_attention`; other operators as their meta functions say)."""
     if device_type == "cpu" or (device_type == "cuda" and torch.cuda.is_available()):
         return torch.device(device_type)
     return torch.device("meta")

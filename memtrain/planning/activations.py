@@ -59,6 +59,14 @@ def trace_batch(corpus, micro_batch_size: int) -> dict[str, torch.Tensor]:
     return corpus.train.batch([int(i) for i in np.resize(order, micro_batch_size)])
 
 
+def resident_bytes(micro_batch: dict[str, torch.Tensor], gradient_accumulation_steps: int) -> int:
+    """Bytes a rank holds through a whole step beside the model state: its batch on the device
+    (``gradient_accumulation_steps`` × the bytes of ``micro_batch``'s tensors [B, …]) and the
+    data fingerprint's column weights for that micro-batch (:func:`memtrain.fingerprint.weight_bytes`)."""
+    micro_bytes = sum(t.nbytes for t in micro_batch.values() if isinstance(t, torch.Tensor))
+    return micro_bytes * gradient_accumulation_steps + fingerprint_weight_bytes(micro_batch)
+
+
 def activation_table(cfg, corpus, objective, precision: str, device_type: str,
                      source=None, engine: Optional[str] = None) -> Callable[[Plan], int]:
     """``plan -> traced activation bytes`` of one micro-batch for ``cfg``'s model (built fake here,
@@ -102,13 +110,6 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
             batches[micro] = trace_batch(corpus, micro)
         return batches[micro]
 
-    def resident(plan: Plan) -> int:  # the rank's batch at its longest and the fingerprint's weights (none simulated)
-        if simulated:
-            return 0
-        batch = batch_of(plan.micro_batch_size)
-        micro_bytes = sum(t.nbytes for t in batch.values() if isinstance(t, torch.Tensor))
-        return micro_bytes * plan.gradient_accumulation_steps + fingerprint_weight_bytes(batch)
-
     # the persistence threshold ZeRO-3 runs with: larger parameters are gathered, and kept
     # through a saved view (StepPeaks.kept; read only for an engine that gathers them)
     zero = user_zero_settings(cfg)
@@ -118,7 +119,7 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
     def trace(*args) -> tuple[int, ...]:  # peak, in_block, in_backward, in_block_backward, in_block_forward, made, kept views
         if simulated:  # the simulated device counts saved bytes alone, whatever runs (no made windows)
             saved = traced_activation_bytes(*args)
-            return (saved,) * 5 + (0,) * 8 + (saved,) * 4
+            return (saved,) * 5 + (0,) * step_trace.MADE_PEAKS + (saved,) * 4
         peaks = step_trace.step_peaks(*args, kept_numel=kept_numel, linear_saves_weight=saves_weight)
         return (*peaks[:3], peaks.in_block_backward, peaks.in_block_forward, *peaks.made, *peaks.kept)
 
@@ -135,16 +136,18 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
                 return (*trace(model, mode, target.objective, batch), moved_bytes(model))
 
             *peaks, moved = by_depth(model, target.blocks, period, traced_once)
-            made = tuple(extra + p for p in peaks[5:13]) if peaks[5] else ()
+            kept_at = 5 + step_trace.MADE_PEAKS
+            made = tuple(extra + p for p in peaks[5:kept_at]) if peaks[5] else ()
             peaks = [extra + p for p in peaks]
-            cache[key] = (step_trace.StepPeaks(*peaks[:3], kept=tuple(peaks[13:]), in_block_backward=peaks[3],
+            cache[key] = (step_trace.StepPeaks(*peaks[:3], kept=tuple(peaks[kept_at:]), in_block_backward=peaks[3],
                                                in_block_forward=peaks[4], made=made), moved)
         return cache[key]
 
     def activation_bytes(plan: Plan) -> int:
         return traced(plan)[0][0]
 
-    activation_bytes.peaks = lambda plan: traced(plan)[0]._replace(resident=resident(plan))
+    activation_bytes.peaks = lambda plan: traced(plan)[0]._replace(
+        resident=0 if simulated else resident_bytes(batch_of(plan.micro_batch_size), plan.gradient_accumulation_steps))
     activation_bytes.offloaded_bytes = lambda plan: traced(plan)[1]
     return activation_bytes
 
