@@ -126,8 +126,9 @@ def peak_terms(state_bytes: Mapping[str, int]) -> dict[str, int]:
     """An engine's terms of the peak from a ``model_state_bytes`` dict, for a plan that accumulates
     and one that does not alike (:func:`plan_terms` picks)."""
     block_backward = state_bytes.get("block_backward_buffer_bytes", 0)
+    step = state_bytes.get("step_gradient_bytes", 0) + state_bytes.get("step_gathered_bytes", 0)
     return {"accumulation": state_bytes.get("accumulation_gradient_bytes", 0),
-            "step": state_bytes.get("step_gradient_bytes", 0) + state_bytes.get("step_gathered_bytes", 0),
+            "step": step - state_bytes.get("step_accumulated_partition_bytes", 0), "accumulated_step": step,
             "block": state_bytes.get("block_buffer_bytes", 0),
             "backward": state_bytes.get("backward_buffer_bytes", 0), "kept": state_bytes.get("view_kept_bytes", 0),
             "block_backward": block_backward,
@@ -143,13 +144,15 @@ def plan_terms(terms: Mapping[str, int], accumulating: bool) -> dict[str, int]:
     """The keyword arguments of :func:`peak_tensor_bytes` from :func:`peak_terms`' ``terms`` for a
     plan that accumulates (``gradient_accumulation_steps > 1``: the accumulated gradients, the
     block-backward term that holds beside them, and as ``fresh`` the gradients made anew beside
-    them, ``accumulated_fresh_gradient_bytes``) or does not (no accumulated gradients; as
+    them, ``accumulated_fresh_gradient_bytes``, and at the step the gradients it holds then,
+    ``step_accumulated_partition_bytes`` more) or does not (no accumulated gradients; as
     ``fresh`` every gradient an engine sets to None after a step, ``fresh_gradient_bytes``, of
     which a moment of backward holds those made so far and the slacks, ``made_gradient_slack_bytes``
     and ``made_gradient_tail_slack_bytes``; a plan that accumulates is counted with every one)."""
     out = {k: v for k, v in terms.items() if not k.startswith("accumulated_")}
     if accumulating:
         out.update(block_backward=terms.get("accumulated_block_backward", out.get("block_backward", 0)),
+                   step=terms.get("accumulated_step", out.get("step", 0)),
                    fresh=terms.get("accumulated_fresh", 0), made_slack=None)
     else:
         out["accumulation"] = 0
