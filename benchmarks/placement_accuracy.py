@@ -353,7 +353,8 @@ def _write(out: str, backend, counter: Counter, planned: dict) -> None:
 def predicted_components(state: dict, engine: str = "deepspeed", root_bytes: int = 0) -> dict[str, int]:
     """The accounting's bytes per component (see the module docstring) for a plan that accumulates
     (:data:`ACCUMULATION`): what the engine holds, the step's transients apart (DeepSpeed: the
-    whole gradients of ``step_gradient_bytes`` and ZeRO-3's copy of its reduce bucket there, ZeRO-3's
+    whole gradients of ``step_gradient_bytes``, ZeRO-2's second partition and ZeRO-3's copy of its
+    reduce bucket there, ZeRO-3's
     gathered parameters; FSDP2: the root's
     gathered parameters and gradients, ``root_bytes`` each, its two gathered blocks and the
     unsharded gradients of accumulation, all freed by the end of backward)."""
@@ -364,7 +365,8 @@ def predicted_components(state: dict, engine: str = "deepspeed", root_bytes: int
                 "optimizer_state": state["optimizer_bytes"] + offloaded["optimizer"],
                 "buffers": state["buffer_bytes"] - state["block_buffer_bytes"] + offloaded["buffer"],
                 "other": 0, "gathered": 0}
-    held_step = state["step_gradient_bytes"] - state["step_whole_gradient_bytes"] - state.get("step_reduce_copy_bytes", 0)
+    held_step = (state["step_gradient_bytes"] - state["step_whole_gradient_bytes"] - state.get("step_reduce_copy_bytes", 0)
+                 - state.get("step_accumulated_partition_bytes", 0))
     accumulating = state["accumulation_gradient_bytes"] + state["accumulation_host_bytes"]  # the runs accumulate
     held = max(held_step, accumulating)  # the larger moment (ZeRO-2's partition is both: held to the step)
     return {"parameters": state["parameter_bytes"] + offloaded["parameter"],

@@ -198,16 +198,19 @@ def test_a_plan_that_accumulates_or_not_holds_its_own_gradients():
     assert peak_tensor_bytes(state, (big, small, big), **one) == state - gathered + big
     assert model_state_bytes("ddp", n, "fp32", None, "none", 2, shape=shape)["fresh_gradient_bytes"] == 4 * n
     assert model_state_bytes("deepspeed", n, "fp32", 2, "none", 2, shape=shape).get("fresh_gradient_bytes", 0) == 0
-    # ZeRO-2 in fp32: a plan that accumulates holds one gradient partition more at its step (the
-    # earlier micro-batches' beside the buffer allocated anew for the last); in bf16 the same
-    for precision, extra in (("fp32", 4 * n // 2), ("bf16", 0)):
+    # ZeRO-2: the last micro-batch's partition buffer is allocated while the reduce's flattened copy
+    # of the whole gradients may still be held (every plan); a plan that accumulates holds the
+    # earlier micro-batches' partition beside it, one more (u bytes per element over the 2 ranks)
+    for precision, u in (("fp32", 4), ("bf16", 2)):
         zero2 = model_state_bytes("deepspeed", n, precision, 2, "none", 2, shape=shape)
+        partition = u * n // 2
         steps = [plan_terms(peak_terms(zero2), accumulating=a)["step"] for a in (True, False)]
-        assert steps[0] == zero2["step_gradient_bytes"] and steps[0] - steps[1] == extra
+        assert steps[0] == zero2["step_gradient_bytes"] and steps[0] - steps[1] == partition
+        assert steps[1] == max(u * n, 4 * n // 2) + partition  # the copy (or bf16's fp32 partition) and the buffer
         peaks = (small, small, small)  # the step is the peak
         assert (peak_tensor_bytes(device_state_bytes(zero2), peaks, **plan_terms(peak_terms(zero2), accumulating=True))
                 - peak_tensor_bytes(device_state_bytes(zero2), peaks, **plan_terms(peak_terms(zero2), accumulating=False))
-                ) == extra
+                ) == partition
 
 
 def test_a_plan_that_does_not_accumulate_holds_the_gradients_made_so_far():
