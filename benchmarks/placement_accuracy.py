@@ -353,7 +353,7 @@ def _write(out: str, backend, counter: Counter, planned: dict) -> None:
 def predicted_components(state: dict, engine: str = "deepspeed", root_bytes: int = 0) -> dict[str, int]:
     """The accounting's bytes per component (see the module docstring) for a plan that accumulates
     (:data:`ACCUMULATION`): what the engine holds, the step's transients apart (DeepSpeed: the
-    whole gradients of ``step_gradient_bytes``, ZeRO-2's second partition and ZeRO-3's copy of its
+    whole gradients' bytes or 16-bit's fp32 partition copy in ``step_gradient_bytes``, ZeRO-2's second partition and ZeRO-3's copy of its
     reduce bucket there, ZeRO-3's
     gathered parameters; FSDP2: the root's
     gathered parameters and gradients, ``root_bytes`` each, its two gathered blocks and the

@@ -79,6 +79,25 @@ def test_the_spec_folds_the_deepspeed_json_in_and_the_engine_builds_what_it_says
     ddp = resolve_engine(parse_args(["--config", str(REPO / "recipes" / "code_lm_tiny.yaml")]).backend, 2, 0)
     assert (ddp.name, ddp.zero_stage, ddp.offload) == ("ddp", None, "none")
 
+def test_zero2_reduces_in_place_unless_the_json_says_otherwise():
+    """Under ZeRO-2 memtrain turns DeepSpeed's ``reduce_scatter`` off where the JSON leaves it unset
+    (or ``auto``), so the bucket is all-reduced in place instead of through a flattened copy; a
+    JSON's own value is kept, ZeRO-3 keeps DeepSpeed's default, and what the run reports (the
+    accounting's input) is what the config holds."""
+    from memtrain.backends.deepspeed import size_buffers
+    from memtrain.memory.shape import ModelShape
+
+    shape = ModelShape(1000, largest_block=100, largest_module=50)
+    for stage, json_value, written in ((2, None, False), (2, "auto", False), (2, True, True), (2, False, False),
+                                       (3, None, None), (1, None, None)):
+        zero = {"stage": stage, **({} if json_value is None else {"reduce_scatter": json_value})}
+        cfg = {"zero_optimization": zero}
+        settings = size_buffers(cfg, shape, 1000)
+        assert cfg["zero_optimization"].get("reduce_scatter") is written, (stage, json_value)
+        assert settings["reduce_scatter"] == int(written if written is not None else True)
+        assert settings["reduce_bucket_size"] == 1000
+
+
 def test_auto_values_are_filled_from_memtrain():
     with open("ds_configs/zero3_offload.json") as fh:
         user = json.load(fh)

@@ -198,15 +198,21 @@ def test_a_plan_that_accumulates_or_not_holds_its_own_gradients():
     assert peak_tensor_bytes(state, (big, small, big), **one) == state - gathered + big
     assert model_state_bytes("ddp", n, "fp32", None, "none", 2, shape=shape)["fresh_gradient_bytes"] == 4 * n
     assert model_state_bytes("deepspeed", n, "fp32", 2, "none", 2, shape=shape).get("fresh_gradient_bytes", 0) == 0
-    # ZeRO-2: the last micro-batch's partition buffer is allocated while the reduce's flattened copy
-    # of the whole gradients may still be held (every plan); a plan that accumulates holds the
-    # earlier micro-batches' partition beside it, one more (u bytes per element over the 2 ranks)
+    # ZeRO-2: the last micro-batch allocates its partition buffer at the step's moment; a plan that
+    # accumulates holds the earlier micro-batches' partition beside it, one more (u bytes per
+    # element over the 2 ranks). memtrain's default reduces the bucket in place: nothing else in
+    # fp32, bf16's fp32 copy of the partition for the step. A JSON's "reduce_scatter": true (or no
+    # contiguous_gradients) reduces through a flattened copy of the whole gradients, which may still
+    # be held then (gloo's worker drops it late)
     for precision, u in (("fp32", 4), ("bf16", 2)):
-        zero2 = model_state_bytes("deepspeed", n, precision, 2, "none", 2, shape=shape)
-        partition = u * n // 2
-        steps = [plan_terms(peak_terms(zero2), accumulating=a)["step"] for a in (True, False)]
-        assert steps[0] == zero2["step_gradient_bytes"] and steps[0] - steps[1] == partition
-        assert steps[1] == max(u * n, 4 * n // 2) + partition  # the copy (or bf16's fp32 partition) and the buffer
+        fp32_partition = 4 * n // 2 if precision == "bf16" else 0
+        for json, copy in (({}, 0), ({"reduce_scatter": 1}, u * n), ({"contiguous_gradients": 0}, u * n),
+                           ({"reduce_scatter": 0}, 0)):
+            zero2 = model_state_bytes("deepspeed", n, precision, 2, "none", 2, shape=shape, zero_settings=json)
+            partition = u * n // 2
+            steps = [plan_terms(peak_terms(zero2), accumulating=a)["step"] for a in (True, False)]
+            assert steps[0] == zero2["step_gradient_bytes"] and steps[0] - steps[1] == partition
+            assert steps[1] == max(copy, fp32_partition) + partition, json
         peaks = (small, small, small)  # the step is the peak
         assert (peak_tensor_bytes(device_state_bytes(zero2), peaks, **plan_terms(peak_terms(zero2), accumulating=True))
                 - peak_tensor_bytes(device_state_bytes(zero2), peaks, **plan_terms(peak_terms(zero2), accumulating=False))

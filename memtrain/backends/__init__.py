@@ -107,8 +107,9 @@ def model_state_bytes(engine: str, n_params: int, precision: str, zero_stage: Op
         ``nvme_offloaded_bytes`` in NVMe files (all per rank); DeepSpeed's also the offloaded
         bytes (host and NVMe together) by component: ``offloaded_parameter_bytes``,
         ``offloaded_gradient_bytes``, ``offloaded_optimizer_bytes``, ``offloaded_buffer_bytes``
-        (their sum is the two above), ``step_whole_gradient_bytes``, the whole gradients of
-        ``step_gradient_bytes``, ``step_reduce_copy_bytes``, ZeRO-3's copy of its reduce bucket in
+        (their sum is the two above), ``step_whole_gradient_bytes``, the transient in
+        ``step_gradient_bytes`` (the whole gradients' bytes again, or in 16-bit the fp32 copy of
+        the gradient partition, the larger), ``step_reduce_copy_bytes``, ZeRO-3's copy of its reduce bucket in
         it, and ``gathered_parameter_bytes``, ZeRO-3's gathered parameters of ``buffer_bytes``
         (``benchmarks/placement_accuracy.py`` compares the components with the tensors DeepSpeed
         holds; these three are peaks inside the step, which MemTracker checks).

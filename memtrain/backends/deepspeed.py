@@ -563,15 +563,16 @@ def _require_async_io() -> None:
 
 
 def size_buffers(ds_config: dict, shape: ModelShape, trainable: int) -> dict[str, int]:
-    """Write into ``ds_config`` the ``zero_optimization`` buffer sizes it leaves unset or ``auto``
-    (:func:`memtrain.memory.accounting.deepspeed_buffer_settings`, sized from the model), and
-    return every buffer size the run will use, in elements (the user's own values kept and counted),
-    and ``reduce_scatter`` and ``contiguous_gradients`` (1 or 0: ZeRO-3 reduces a bucket in place
-    only with the second and without the first)."""
+    """Write into ``ds_config`` the ``zero_optimization`` buffer sizes and flags it leaves unset or
+    ``auto`` (:func:`memtrain.memory.accounting.deepspeed_buffer_settings`, sized from the model;
+    under ZeRO-2 ``reduce_scatter`` off), and return every buffer size the run will use, in
+    elements (the user's own values kept and counted), and ``reduce_scatter`` and
+    ``contiguous_gradients`` (1 or 0: ZeRO-2 and ZeRO-3 reduce a bucket in place only with the
+    second and without the first)."""
     zero = ds_config.setdefault("zero_optimization", {})
-    for key, value in deepspeed_buffer_settings(shape, trainable).items():
+    for key, value in deepspeed_buffer_settings(shape, trainable, zero.get("stage")).items():
         if zero.get(key) in (None, "auto"):
-            zero[key] = value
+            zero[key] = bool(value) if key in ZERO_IN_PLACE_KEYS else value
     return {**zero_buffer_settings(zero), **{k: int(bool(zero.get(k, True))) for k in ZERO_IN_PLACE_KEYS}}
 
 

@@ -223,7 +223,7 @@ ZERO_BUFFER_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3
                     "stage3_param_persistence_threshold")
 """The ``zero_optimization`` buffer sizes (elements) the accounting counts as a JSON sets them."""
 ZERO_IN_PLACE_KEYS = ("reduce_scatter", "contiguous_gradients")
-"""The ``zero_optimization`` flags that decide whether ZeRO-3 reduces a bucket in place (1 or 0)."""
+"""The ``zero_optimization`` flags that decide whether ZeRO-2 and ZeRO-3 reduce a bucket in place (1 or 0)."""
 ZERO_LINEAR_KEY = "memory_efficient_linear"
 """The ``zero_optimization`` flag (default on) by which ZeRO-3 runs its own linear, which saves a
 layer's weight itself for backward, not a view that would keep it gathered

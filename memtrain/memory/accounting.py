@@ -113,10 +113,18 @@ def zero_reduce_bucket_elements(n_params: int) -> int:
     return max(1, min(DEEPSPEED_REDUCE_BUCKET_ELEMENTS, n_params))
 
 
-def deepspeed_buffer_settings(shape: ModelShape, trainable: int) -> dict[str, int]:
-    """The ``zero_optimization`` buffer sizes (elements) memtrain writes into a DeepSpeed config
-    that does not set them, so that :func:`memtrain.backends.model_state_bytes` counts what DeepSpeed allocates:
-    ``reduce_bucket_size`` = :func:`zero_reduce_bucket_elements` of the ``trainable`` parameters.
+def deepspeed_buffer_settings(shape: ModelShape, trainable: int, zero_stage: Optional[int] = None) -> dict[str, int]:
+    """The ``zero_optimization`` buffer sizes (elements) and flags (1 or 0) memtrain writes into a
+    DeepSpeed config that does not set them, so that :func:`memtrain.backends.model_state_bytes`
+    counts what DeepSpeed allocates: ``reduce_bucket_size`` = :func:`zero_reduce_bucket_elements`
+    of the ``trainable`` parameters; under ZeRO-2 (``zero_stage`` None is 2) ``reduce_scatter`` 0,
+    which all-reduces the bucket in place (``gradient_reduction_w_predivide``). DeepSpeed's default
+    (``reduce_scatter`` on, ``use_multi_rank_bucket_allreduce``) all-reduces the same bucket's
+    elements, but through a flattened copy of it (``allreduce_bucket``: the whole gradients'
+    bytes more at the end of backward; :func:`_zero`), so the communication is the same and the
+    peak lower: MemTracker, GPT-NeoX of 1.3M parameters, activation checkpointing on, fp32, 2 CPU
+    ranks, 4,801,820 bytes against 5,145,752 (DeepSpeed 0.19.8). ZeRO-3's default stays: its
+    ``reduce_scatter`` is a real reduce-scatter, half an all-reduce's communication.
 
     ZeRO-3's gather limits stay at DeepSpeed's defaults and are counted
     (:func:`zero3_gathered_elements`): ``stage3_prefetch_bucket_size`` 5e7 and
@@ -126,7 +134,8 @@ def deepspeed_buffer_settings(shape: ModelShape, trainable: int) -> dict[str, in
     evaluation, or the export after training with activation checkpointing) with DeepSpeed's
     "Cannot partition a param in flight". A user's JSON may set them; they are counted as set.
     """
-    return {"reduce_bucket_size": zero_reduce_bucket_elements(trainable)}
+    in_place = {"reduce_scatter": 0} if zero_stage in (None, 2) else {}
+    return {"reduce_bucket_size": zero_reduce_bucket_elements(trainable), **in_place}
 
 
 def zero3_persistent_elements(numels: Iterable[int], threshold: int = ZERO3_PERSISTENCE_THRESHOLD) -> int:
@@ -178,7 +187,7 @@ def zero_state_bytes(n_params: int, precision: str, zero_stage: Optional[int], o
     MemTracker at the peak of Mixtral's 2-rank rows (7.9M parameters, fp32): a 30.2 MB buffer of
     every expert weight and the head beside the same weights' copies, inside the last layer's
     experts."""
-    settings = {**deepspeed_buffer_settings(shape, n_params - shape.frozen), **(zero_settings or {})}
+    settings = {**deepspeed_buffer_settings(shape, n_params - shape.frozen, zero_stage), **(zero_settings or {})}
     threshold = settings.get("stage3_param_persistence_threshold", ZERO3_PERSISTENCE_THRESHOLD)
     persistent = zero3_persistent_elements(shape.numels, threshold)
     state = _zero(
@@ -399,64 +408,26 @@ def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str
     on every rank's device beside their partition, never offloaded; ZeRO-3's gathered parameters
     (``gathered_elements``: :func:`zero3_gathered_elements`) in the parameters' dtype.
 
-    ZeRO-2 and ZeRO-3 hold every parameter's whole gradient from the end of the last backward to
-    the step, beside their buckets and partitions (``step_gradient_bytes``): MemTracker on GPT-2
-    small's blocks (86M, fp32, 2 ranks) counts one peak per engine with activation checkpointing
-    off and on alike — ZeRO-2 20 bytes per parameter (parameters 4, whole gradients 4, reduce
-    bucket 4, gradient partition 2, fp32 master partition 2, AdamW moments 4; on one rank
-    MemTracker's peak equals this prediction to the byte's 1e-5), ZeRO-3 the same with nothing
-    gathered but the first module's parameters (:func:`zero_state_bytes`). ZeRO-2's gradient partition is counted in that term too, and in the
-    accumulation term (``accumulation_gradient_bytes``): it lives from the first micro-batch's
-    reduction to the step, so the later micro-batches' forward and backward run beside it; its
-    reduce bucket is allocated for backward only (``backward_buffer_bytes``, part of
-    ``buffer_bytes``). MemTracker on 2 ranks before the last micro-batch's forward counts
-    parameters, moments, master partition and gradient partition and no bucket (Llama, GPT-NeoX of
-    0.6–1.4M parameters, fp32: equal to the byte's 1e-3), the bucket from backward on. ZeRO-3's
-    gathered parameters are held while blocks run (``block_buffer_bytes``). DeepSpeed copies the
-    partition's gradients into a buffer of the whole parameters it holds (``grads_in_partition``),
-    so a parameter across the partition's edge counts whole (``largest_parameter`` elements at
-    most, per edge). Under offload, where the gradient
-    partitions go to the host, this term is not counted (not measured there). The whole
-    gradients are not a tensor of their own in DeepSpeed: it copies each gradient into the reduce
-    bucket and keeps a view (``step_whole_gradient_bytes`` reports them apart; the tensor census
-    of ``benchmarks/placement_accuracy.py`` finds the bucket, and MemTracker's step peak holds the
-    same bytes again during the reduction). They are held with the optimizer state on the host
-    too: on 2 CPU ranks (a 25.8M GPT-2, fp32, ZeRO-2 and ZeRO-3 with the optimizer on the host) a
-    rank's resident peak rose 200 MiB during each forward and backward, and the host bytes
-    planned were 15% under it without them, 6-7% with them (``benchmarks/placement_accuracy.py``).
-    With 16-bit parameters the optimizer step holds an fp32 copy of the rank's gradient partition
-    instead of the whole gradients (the larger of the two counts): MemTracker on GPT-2 small's
-    blocks in bf16 on one rank counts 24 bytes per parameter under ZeRO-3 and 22 under ZeRO-2, 2
-    more than without it; on 2 ranks the two terms are equal. The last micro-batch's
-    ``copy_grads_in_partition`` allocates the partition buffer (``grads_in_partition``) right after
-    the bucket's reduction, whose flattened copy (``allreduce_bucket``; the whole gradients' bytes)
-    lives until the collective's work is released: on CPU, gloo's worker thread drops it a moment
-    after the caller's ``wait`` returns, so in about a third of the calls the copy is still held
-    when the partition buffer is allocated (a 2-rank ``all_reduce`` of a 4 MB tensor: its storage
-    was alive after the caller's last reference went in 83 and 102 of 300 calls). A plan that
-    accumulates holds one more partition there (``step_accumulated_partition_bytes``):
-    ``independent_gradient_partition_epilogue`` keeps the earlier micro-batches' partition
-    gradients (``all_grad_tensors``, views into the buffer they were copied into) while
-    ``_release_ipg_buffers`` drops that buffer, so the last micro-batch's copy allocates another.
-    MemTracker, Qwen2 with AC on, fp32, 2 ranks: one micro-batch per step, 28,911,256 bytes when
-    the copy was still held (a third of the runs), 26,996,060 (a moment of backward) when it was
-    not; two, 31,806,296 and 29,891,100. The prediction is 2.7% and 4.9% over the held counts
-    (the parameter across the partition's edge counted whole: 0.8 MB here, 3 kB of it held).
-
-    ZeRO-3 reduces a bucket's gradients through DeepSpeed's ``reduce_scatter_coalesced`` (its
-    default ``reduce_scatter``, or without ``contiguous_gradients``; ``reduce_copy``), which first
-    ``torch.cat``s them, interleaved by rank and padded, into one more buffer of the bucket's size
-    (a parameter larger than the bucket: its own) in the parameters' dtype. With one bucket for
-    the whole model (memtrain's sizing) that is at the end of the last backward, beside what the
-    step holds (``step_gradient_bytes``, reported apart as ``step_reduce_copy_bytes``; measured so
-    on 1 and 2 ranks in fp32 and bf16); with more, beside every reduce in backward
-    (``backward_buffer_bytes``). MemTracker on a Mistral model of 1.3M parameters (2 ranks, fp32,
-    activation checkpointing on): the peak fell by exactly 4 bytes per parameter with a DeepSpeed
-    JSON setting ``"reduce_scatter": false``, which reduces the bucket in place. On one rank ZeRO-3
-    gathers nothing: DeepSpeed's ``_no_gather_coalesced`` makes each parameter a view of its
-    partition (a copy to the device when the partition is on the host), so neither the persistent
-    parameters nor the gathered ones are held twice; MemTracker on one rank counts the parameters
-    once (4 bytes each in fp32) at the end of backward.
+    From the end of the last backward to the step ZeRO-2 and ZeRO-3 hold the whole gradients'
+    bytes once more beside their buckets and partitions (``step_gradient_bytes``; DeepSpeed copies
+    each gradient into the reduce bucket and keeps a view, and MemTracker's step peak holds the
+    same bytes again during the reduction): under ZeRO-2 the bucket's flattened copy, none where
+    it is reduced in place (``reduce_copy`` false; :func:`_zero2_partition_terms`); under ZeRO-3
+    also in place, beside its reduce copy (:func:`_zero3_reduce_copy`). ``step_whole_gradient_bytes``
+    reports that transient apart (the tensor census of ``benchmarks/placement_accuracy.py`` finds
+    the bucket). MemTracker on GPT-2
+    small's blocks (86M, fp32, 2 ranks, the copy made) counts one peak with activation
+    checkpointing off and on alike: ZeRO-2 20 bytes per parameter (parameters 4, copy 4, bucket 4,
+    gradient partition 2, fp32 master partition 2, moments 4; on one rank equal to the byte's
+    1e-5), ZeRO-3 the same with nothing gathered but the first module's parameters
+    (:func:`zero_state_bytes`). With the optimizer on the host the whole gradients are held too:
+    on 2 CPU ranks (a 25.8M GPT-2) the host bytes planned were 15% under the resident peak without
+    them, 6-7% with them. With 16-bit parameters the optimizer step holds an fp32 copy of the
+    rank's gradient partition (the larger of it and the copy counts): MemTracker on GPT-2 small's
+    blocks in bf16 on one rank, 24 bytes per parameter under ZeRO-3 and 22 under ZeRO-2.
+    ZeRO-3's gathered parameters are held while blocks run (``block_buffer_bytes``). On one rank
+    ZeRO-3 gathers nothing: ``_no_gather_coalesced`` makes each parameter a view of its partition
+    (a copy when the partition is on the host); MemTracker counts the parameters once.
 
     ``n_params`` counts the parameters that train; ``frozen`` more (a LoRA model's base) are held
     in the parameters' dtype, partitioned under ZeRO-3 and whole on every rank below it (ZeRO's
@@ -472,20 +443,19 @@ def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str
                         params, grads, optim)
     params, grads, optim = off.pop("parameter_bytes"), off.pop("gradient_bytes"), off.pop("optimizer_bytes")
     buffers = p_bytes * reduce_bucket_elements + off.pop("staging_bytes")
-    step = whole = p_bytes * n if stage >= 2 else 0  # under offload too (see above)
-    if p_bytes == 2 and offload in (None, "none") and stage >= 1:
+    whole = p_bytes * n if stage >= 2 else 0  # under offload too (see above)
+    on_device = offload in (None, "none")
+    # ZeRO-2 reducing in place (memtrain's default, deepspeed_buffer_settings) makes no flattened copy
+    step = 0 if stage == 2 and on_device and not reduce_copy else whole
+    if p_bytes == 2 and on_device and stage >= 1:
         # 16-bit: at the step the whole gradients are gone and an fp32 copy of the partition is there
         # (stage 1, which keeps its 16-bit gradients whole as state, makes it the same way)
-        step = max(whole, 4 * n // w)
-    accumulating = backward = step_copy = step_accumulated = 0
-    if stage == 2 and offload in (None, "none"):  # the partition lives from the first reduction to the step
-        partition = grads + _edge_bytes(p_bytes, largest_parameter, w)
-        step, grads, accumulating = step + partition, 0, partition
-        backward = p_bytes * reduce_bucket_elements
-        # a plan that accumulates: the earlier micro-batches' partition gradients (all_grad_tensors)
-        # kept beside the buffer copy_grads_in_partition allocates anew for the last one
-        step_accumulated = partition
-        step += step_accumulated
+        step = max(step, 4 * n // w)
+    transient, accumulating, backward, step_copy, step_accumulated = step, 0, 0, 0, 0
+    if stage == 2 and on_device:
+        partition, backward = _zero2_partition_terms(grads, p_bytes, largest_parameter, w, reduce_bucket_elements)
+        # held from the first reduction to the step; at the step of a plan that accumulates, twice
+        step, grads, accumulating, step_accumulated = step + 2 * partition, 0, partition, partition
     # on one rank a "gathered" parameter is a view of its partition (DeepSpeed's _no_gather_coalesced),
     # a copy only when the partition is on the host
     alone = w == 1 and offload != "optimizer_and_params"
@@ -495,13 +465,13 @@ def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str
         params += p_bytes * persistent_elements if w > 1 or offload == "optimizer_and_params" else 0
         buffers += gathered
         # a parameter larger than the bucket is reduced alone
-        copy = p_bytes * max(min(n, reduce_bucket_elements), largest_parameter) if reduce_copy else 0
+        copy = _zero3_reduce_copy(p_bytes, n, reduce_bucket_elements, largest_parameter) if reduce_copy else 0
         if n <= reduce_bucket_elements:  # one bucket holds every gradient: reduced at the end of backward
             step, step_copy = step + copy, copy
         else:  # beside each reduce in backward (a buffer only then)
             buffers, backward = buffers + copy, copy
     return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer_bytes": optim,
-            "buffer_bytes": buffers, "step_gradient_bytes": step, "step_whole_gradient_bytes": whole,
+            "buffer_bytes": buffers, "step_gradient_bytes": step, "step_whole_gradient_bytes": transient,
             "step_reduce_copy_bytes": step_copy, "step_accumulated_partition_bytes": step_accumulated,
             "gathered_parameter_bytes": gathered, "block_buffer_bytes": gathered, "backward_buffer_bytes": backward,
             "accumulation_gradient_bytes": accumulating, **off}
@@ -586,6 +556,41 @@ def _fsdp_block_terms(u: int, shape: ModelShape, world_size: int, trained: int) 
             "block_backward_buffer_bytes": reduce_input - alone, "made_gradient_slack_bytes": reduce_input,
             "made_gradient_tail_slack_bytes": max(reduce_input, 4 * min(shape.root, trained)),
             "block_gradient_shards": world_size}
+
+
+def _zero2_partition_terms(grads: int, p_bytes: int, largest_parameter: int, world_size: int,
+                           reduce_bucket_elements: int) -> tuple[int, int]:
+    """ZeRO-2's ``(gradient partition, reduce bucket)`` bytes on the device (:func:`_zero`).
+
+    The partition buffer (``grads_in_partition``: ``grads`` plus the parameters across its edges
+    whole, :func:`_edge_bytes`) lives from the first micro-batch's reduction to the step
+    (``accumulation_gradient_bytes``; MemTracker before the last micro-batch's forward on 2 ranks:
+    parameters, moments, master and gradient partitions, no bucket; Llama and GPT-NeoX of 0.6–1.4M
+    parameters, fp32, equal to the byte's 1e-3). The last micro-batch's ``copy_grads_in_partition``
+    allocates it anew after the bucket's reduction, and a plan that accumulates holds the earlier
+    micro-batches' partition beside it (``all_grad_tensors``, views into the buffer they were
+    copied into; ``step_accumulated_partition_bytes``). The bucket is allocated for backward only.
+
+    DeepSpeed's default reduction (``reduce_scatter`` on) goes through a flattened copy of the
+    bucket (``allreduce_bucket``), which on CPU lives until gloo's worker thread drops the
+    collective's work, sometimes after the partition buffer is allocated (a 2-rank ``all_reduce``
+    of 4 MB: its storage outlived the caller's last reference in 83 and 102 of 300 calls). MemTracker,
+    Qwen2 with AC on, fp32, 2 ranks: one micro-batch per step, 28,911,256 bytes when the copy was
+    still held (a third of the runs), 26,996,060 when not; two, 31,806,296 and 29,891,100.
+    memtrain's default reduces in place (:func:`deepspeed_buffer_settings`): 26,996,060 and
+    29,891,100 in every run."""
+    return grads + _edge_bytes(p_bytes, largest_parameter, world_size), p_bytes * reduce_bucket_elements
+
+
+def _zero3_reduce_copy(p_bytes: int, n: int, reduce_bucket_elements: int, largest_parameter: int) -> int:
+    """Bytes of the copy ZeRO-3's ``reduce_scatter_coalesced`` makes of a bucket of ``n`` trainable
+    parameters at most (DeepSpeed's default ``reduce_scatter``, or without
+    ``contiguous_gradients``): it ``torch.cat``s the gradients, interleaved by rank and padded, into
+    one buffer of the bucket's size (a parameter larger than the bucket: its own) in the
+    parameters' dtype. MemTracker on a Mistral of 1.3M parameters (2 ranks, fp32, AC on): the peak
+    fell by exactly 4 bytes per parameter with ``"reduce_scatter": false``, which reduces in place
+    (not memtrain's ZeRO-3 default: that all-reduces, twice a reduce-scatter's communication)."""
+    return p_bytes * max(min(n, reduce_bucket_elements), largest_parameter)
 
 
 def _edge_bytes(p_bytes: int, largest_parameter: int, world_size: int) -> int:
