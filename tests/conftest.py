@@ -211,10 +211,11 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "
 
 def launch(args: list[str], nproc: int = 2, timeout: float = 300, env: dict | None = None,
            launcher: list[str] | None = None, check: bool = True, script: str = TRAIN,
-           cwd=REPO) -> subprocess.CompletedProcess:
+           cwd=REPO, monitor_interval_s: float | None = None) -> subprocess.CompletedProcess:
     """Run ``script`` (``memtrain/train.py``, or a script using :class:`memtrain.Trainer`) with
-    ``nproc`` CPU ranks (gloo) in ``cwd``: forked by :mod:`forkserver` with torchrun's environment,
-    or under ``launcher`` (the command before the script, ``{port}`` filled in) when given.
+    ``nproc`` CPU ranks (gloo) in ``cwd``: forked by :mod:`forkserver` with torchrun's environment
+    (``monitor_interval_s``: torchrun's ``--monitor-interval``; its default when None), or under
+    ``launcher`` (the command before the script, ``{port}`` filled in) when given.
 
     Fails the test (instead of hanging CI) when the run does not finish within ``timeout`` s,
     and, with ``check``, when it exits non-zero.
@@ -223,7 +224,8 @@ def launch(args: list[str], nproc: int = 2, timeout: float = 300, env: dict | No
     full_env = _run_env(env)
     if launcher is None:
         cmd = ["forkserver", "--nproc_per_node", str(nproc), script, *args]
-        proc = _FORK_SERVER.run(cmd, script, args, nproc=nproc, port=port, env=full_env, cwd=str(cwd), timeout=timeout)
+        proc = _FORK_SERVER.run(cmd, script, args, nproc=nproc, port=port, env=full_env, cwd=str(cwd), timeout=timeout,
+                                monitor_interval_s=monitor_interval_s)
     else:
         cmd = [*[a.replace("{port}", str(port)) for a in launcher], script, *args]
         try:

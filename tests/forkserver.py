@@ -27,6 +27,7 @@ import shutil
 import signal
 import sys
 import time
+from typing import Optional
 
 WARM_MODULES = [
     "torch", "accelerate", "deepspeed", "transformers", "jsonargparse",
@@ -109,16 +110,17 @@ def _rank_main(req: dict, rank: int) -> None:
             os._exit(code)
 
 
-def _wait_ranks(pids: dict[int, int]) -> dict[int, int]:
-    """Wait for every rank as torchrun's agent does: look every :data:`MONITOR_INTERVAL_S`; once a
-    rank has failed, SIGTERM the rest (SIGKILL after :data:`STOP_GRACE_S`).
+def _wait_ranks(pids: dict[int, int], monitor_interval_s: float = MONITOR_INTERVAL_S) -> dict[int, int]:
+    """Wait for every rank as torchrun's agent does: look every ``monitor_interval_s`` (torchrun's
+    ``--monitor-interval``); once a rank has failed, SIGTERM the rest (SIGKILL after
+    :data:`STOP_GRACE_S`).
 
     Returns rank → exit code (negative: the signal that ended it).
     """
     results: dict[int, int] = {}
     stopping_since = None
     while len(results) < len(pids):
-        time.sleep(MONITOR_INTERVAL_S)
+        time.sleep(monitor_interval_s)
         while len(results) < len(pids):
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
@@ -151,7 +153,7 @@ def _serve_session(conn) -> None:
                 _rank_main(req, rank)
             pids[pid] = rank
         conn.send(sorted(pids))
-        results = _wait_ranks(pids)
+        results = _wait_ranks(pids, req.get("monitor_interval_s") or MONITOR_INTERVAL_S)
         if store is not None:
             _signal([store])
             try:
@@ -291,9 +293,10 @@ class ForkServer:
         self._address = address
 
     def run(self, cmd: list[str], script: str, args: list[str], *, nproc: int, port: int, env: dict[str, str],
-            cwd: str, timeout: float, torchrun: bool = True):
+            cwd: str, timeout: float, torchrun: bool = True, monitor_interval_s: Optional[float] = None):
         """Run ``script args`` on ``nproc`` forked ranks with torchrun's environment (``torchrun``
-        false: one process as ``python script args`` runs it); a
+        false: one process as ``python script args`` runs it; ``monitor_interval_s``: torchrun's
+        ``--monitor-interval``, default :data:`MONITOR_INTERVAL_S`); a
         :class:`subprocess.CompletedProcess` whose ``returncode`` is torchrun's (0, or 1 when a rank
         failed; the process's own without torchrun; ``None`` when the run outlived ``timeout`` s and
         was killed), stdout/stderr the ranks' in rank order, and torchrun's failure summary appended
@@ -309,7 +312,8 @@ class ForkServer:
             self._conn = Connection(sock.detach())
         base = os.path.join(os.path.dirname(self.address), f"run{os.getpid()}-{port}")
         self._conn.send({"script": script, "args": list(args), "nproc": nproc, "port": port, "env": dict(env),
-                         "cwd": cwd, "stdout": base + ".out", "stderr": base + ".err", "torchrun": torchrun})
+                         "cwd": cwd, "stdout": base + ".out", "stderr": base + ".err", "torchrun": torchrun,
+                         "monitor_interval_s": monitor_interval_s})
         pids: list[int] = []
         try:
             pids = self._conn.recv()

@@ -378,14 +378,18 @@ with open(os.path.join(sys.argv[1], f"summary_rank{rank}.json"), "w") as fh:
 def test_python_api_ranks_share_one_summary_and_a_dead_peer_is_one_line(tmp_path):
     """Two ranks from Python: result.summary is the same object on both (rank 0's, which wrote
     summary.json). Rank 1 killed after step 3: rank 0's fit raises memtrain.CollectiveError whose
-    one-line message names the rank, the operation and backend.timeout_s (not gloo's trace)."""
+    one-line message names the rank, the operation and backend.timeout_s (not gloo's trace). The
+    launcher looks at its ranks every 2 s (torchrun's ``--monitor-interval``): at its default 0.1 s
+    it stops rank 0 (SIGTERM) as soon as it sees rank 1 dead, before a rank 0 slowed by the
+    suite's other worker reaches its next collective (CI, twice)."""
     script = tmp_path / "two_ranks.py"
     script.write_text(TWO_RANKS)
     launch([str(tmp_path / "run")], script=str(script), timeout=180)
     summaries = [json.loads((tmp_path / "run" / f"summary_rank{r}.json").read_text()) for r in (0, 1)]
     assert summaries[0] == summaries[1] == json.loads((tmp_path / "run" / "summary.json").read_text())
     proc = launch([str(tmp_path / "dead"), "--faults.kill_at_step", "3", "--faults.kill_ranks", "[1]",
-                   "--backend.timeout_s", "30"], script=str(script), check=False, timeout=180)
+                   "--backend.timeout_s", "30"], script=str(script), check=False, timeout=180,
+                  monitor_interval_s=2.0)
     said = [line for line in proc.stdout.splitlines() if line.startswith("CollectiveError on rank 0: ")]
     assert len(said) == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "rank 0: a collective failed during" in said[0] and "backend.timeout_s 30" in said[0]
