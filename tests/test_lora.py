@@ -11,7 +11,8 @@ import torch
 
 from conftest import launch, read_metrics, tiny_args
 from memtrain.config import ConfigError, ModelConfig, parse_args
-from memtrain.memory.accounting import ddp_state_bytes, fsdp_state_bytes, zero_state_bytes
+from memtrain.memory.accounting import ddp_state_bytes, fsdp_state_bytes
+from memtrain.memory.zero_accounting import zero_state_bytes
 from memtrain.memory.shape import model_shape
 from memtrain.models import build_model
 from memtrain.optim import make_optimizer

@@ -35,7 +35,7 @@ from memtrain.backends.spec import EngineVariant
 from memtrain.checkpoint.formats import format_module
 from memtrain.distributed import ProcessState
 from memtrain.errors import CheckpointError, ConfigError
-from memtrain.memory.accounting import deepspeed_buffer_settings, zero_state_bytes
+from memtrain.memory.zero_accounting import deepspeed_buffer_settings, zero_state_bytes
 from memtrain.memory.shape import ModelShape, model_shape
 from memtrain.memory.machine import (HOST_DEVICE_BYTES_PER_S, NVME_BYTES_PER_S, Machine, cpu_adam_built,
                                      deepspeed_op_built)
@@ -564,7 +564,7 @@ def _require_async_io() -> None:
 
 def size_buffers(ds_config: dict, shape: ModelShape, trainable: int) -> dict[str, int]:
     """Write into ``ds_config`` the ``zero_optimization`` buffer sizes and flags it leaves unset or
-    ``auto`` (:func:`memtrain.memory.accounting.deepspeed_buffer_settings`, sized from the model;
+    ``auto`` (:func:`memtrain.memory.zero_accounting.deepspeed_buffer_settings`, sized from the model;
     under ZeRO-2 ``reduce_scatter`` off), and return every buffer size the run will use, in
     elements (the user's own values kept and counted), and ``reduce_scatter`` and
     ``contiguous_gradients`` (1 or 0: ZeRO-2 and ZeRO-3 reduce a bucket in place only with the

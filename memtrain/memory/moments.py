@@ -147,7 +147,7 @@ def fsdp_moments(state: Mapping[str, int], shape, precision: str, world_size: in
 
 def zero_moments(state: Mapping[str, int], shape, precision: str, zero_stage, world_size: int,
                  offload: str) -> dict[str, int]:
-    """DeepSpeed ZeRO (``state``: :func:`memtrain.memory.accounting._zero`'s dict). Between steps a
+    """DeepSpeed ZeRO (``state``: :func:`memtrain.memory.zero_accounting._zero`'s dict). Between steps a
     rank holds its parameters (partitions and ZeRO-3's persistent ones), its optimizer partition and
     the buffers DeepSpeed keeps (ZeRO-3's gradient partition and reduce bucket), not ZeRO-3's
     gathered parameters nor ZeRO-2's backward bucket. DeepSpeed's load reads the module's file and

@@ -253,7 +253,7 @@ def _kept_views(counter: _LiveBytes, model: nn.Module, params: list[nn.Parameter
     (``free_param``: ``param.data = torch.empty(0)``); a view saved meanwhile still holds the
     gathered buffer, until backward uses it. Its coalesced prefetch copies every parameter out of
     the prefetch buffer when the first of them is claimed, so until a module's forward ends its
-    parameters' copies are held (:func:`memtrain.memory.accounting.zero_state_bytes`). With
+    parameters' copies are held (:func:`memtrain.memory.zero_accounting.zero_state_bytes`). With
     ``linear_saves_weight`` (DeepSpeed's ``memory_efficient_linear``, its default, which its
     ZeRO-3 engine puts in place of torch's linear for the run: ``zero3_linear_wrap`` saves the
     weight itself) a linear layer's saved ``weight.t()`` is not counted. Parameters at or under

@@ -21,7 +21,7 @@ from memtrain.levers import LeverTarget, apply_levers, lever
 from memtrain.levers.activation_offload import moved_bytes
 from memtrain.levers.activation_checkpointing import setting as ac_setting
 from memtrain.memory import step_trace
-from memtrain.memory.accounting import ZERO3_PERSISTENCE_THRESHOLD
+from memtrain.memory.zero_accounting import ZERO3_PERSISTENCE_THRESHOLD
 from memtrain.memory.depth import by_depth
 from memtrain.memory.simulated import SimulatedMemory
 from memtrain.memory.step_trace import compute_precision_model, fake_batch

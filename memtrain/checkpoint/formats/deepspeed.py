@@ -13,7 +13,7 @@ import os
 import torch
 from torch import nn
 
-from memtrain.memory.accounting import ZERO3_PERSISTENCE_THRESHOLD, zero3_persistent_elements
+from memtrain.memory.zero_accounting import ZERO3_PERSISTENCE_THRESHOLD, zero3_persistent_elements
 from memtrain.optim import weight_decay_groups
 
 NAME = "deepspeed"
