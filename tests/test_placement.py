@@ -202,23 +202,25 @@ def test_a_plan_that_accumulates_or_not_holds_its_own_gradients():
     # accumulates holds the earlier micro-batches' partition beside it, one more (u bytes per
     # element over the 2 ranks). memtrain's default reduces the bucket in place: nothing else in
     # fp32; in bf16 the step's fp32 copy of the partition, made after the bucket (the model's size,
-    # counted as a buffer) is freed, so only what exceeds the bucket. A JSON's "reduce_scatter": true
-    # (or no contiguous_gradients) reduces through a flattened copy of the whole gradients, which may
+    # counted as a buffer) is freed, so only what exceeds the bucket, and the flattened bf16 copy
+    # it is made from, a partition's bytes in every plan. A JSON's "reduce_scatter": true (or no
+    # contiguous_gradients) reduces through a flattened copy of the whole gradients, which may
     # still be held then (gloo's worker drops it late)
     for precision, u in (("fp32", 4), ("bf16", 2)):
-        fp32_partition = max(0, 4 * n // 2 - u * n) if precision == "bf16" else 0
+        fp32_partition = max(0, 4 * n // 2 - u * n)
         for json, copy in (({}, 0), ({"reduce_scatter": 1}, u * n), ({"contiguous_gradients": 0}, u * n),
                            ({"reduce_scatter": 0}, 0)):
             zero2 = model_state_bytes("deepspeed", n, precision, 2, "none", 2, shape=shape, zero_settings=json)
             assert zero2["buffer_bytes"] == u * n  # the bucket
             partition = u * n // 2
             steps = [plan_terms(peak_terms(zero2), accumulating=a)["step"] for a in (True, False)]
-            assert steps[0] == zero2["step_gradient_bytes"] and steps[0] - steps[1] == partition
-            assert steps[1] == max(copy, fp32_partition) + partition, json
+            flattened = partition if precision == "bf16" else 0  # held in every plan
+            assert steps[0] == zero2["step_gradient_bytes"] and steps[0] - steps[1] == partition - flattened
+            assert steps[1] == max(copy, fp32_partition) + partition + flattened, json
         peaks = (small, small, small)  # the step is the peak
         assert (peak_tensor_bytes(device_state_bytes(zero2), peaks, **plan_terms(peak_terms(zero2), accumulating=True))
                 - peak_tensor_bytes(device_state_bytes(zero2), peaks, **plan_terms(peak_terms(zero2), accumulating=False))
-                ) == partition
+                ) == partition - flattened
 
 
 def test_a_plan_that_does_not_accumulate_holds_the_gradients_made_so_far():

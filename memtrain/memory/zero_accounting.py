@@ -181,8 +181,10 @@ def _zero(n_params: int, precision: str, zero_stage: Optional[int], offload: str
     transient, accumulating, backward, step_copy, step_accumulated = step, 0, 0, 0, 0
     if stage == 2 and on_device:
         partition, backward = _zero2_partition_bytes(grads, p_bytes, largest_parameter, w), bucket
-        # held from the first reduction to the step; at the step of a plan that accumulates, twice
-        step, grads, accumulating, step_accumulated = step + 2 * partition, 0, partition, partition
+        # held from the first reduction to the step; at the step of a plan that accumulates, twice; in
+        # 16-bit the step's flattened copy of the partition takes the second's bytes in every plan
+        step, grads, accumulating = step + 2 * partition, 0, partition
+        step_accumulated = 0 if p_bytes == 2 else partition
     # on one rank a "gathered" parameter is a view of its partition (DeepSpeed's _no_gather_coalesced),
     # a copy only when the partition is on the host
     alone = w == 1 and offload != "optimizer_and_params"
@@ -268,12 +270,18 @@ def _zero_step_transient(n: int, w: int, stage: int, p_bytes: int, on_device: bo
     larger of it and the copy counts: MemTracker on GPT-2 small's blocks in bf16 on one rank, 24
     bytes per parameter under ZeRO-3. Under ZeRO-2 on the device it is made after
     ``_release_ipg_buffers`` has freed the bucket at the end of backward, so it takes the
-    bucket's place and counts only beyond it. MemTracker, 2 ranks, bf16, two micro-batches per
-    step, AC off/selective/on, the 8 families at seeds 7 and 13 (the chain's ZeRO-2 rows of
-    fd15e3a): counted beside the bucket, +0.1 … +21.2% over the real peak (Mixtral, seed 13, AC
-    on, +21.2%); in its place +0.1 … +5.2%, none under."""
+    bucket's place and counts only beyond it; it is made from a flattened copy of the partition
+    in the parameters' dtype (``flatten(averaged_gradients)``, then ``.to(fp32)``), held beside
+    it, which :func:`_zero` counts as a second partition in every plan (in fp32 ``.to`` copies
+    nothing, and the flattened copy, 4 bytes per element, is what counts beyond the bucket).
+    MemTracker, 2 ranks, bf16, two micro-batches per step, AC off and on, the 8 families of
+    ``memory_accuracy.py --families`` at seeds 7 and 13 (fd15e3a's rows): counted beside the
+    bucket, +0.1 … +21.2% over the real peak (Mixtral, seed 13, AC on, +21.2%); in its place
+    +0.1 … +5.2%, none under. GPT-2 small's blocks in bf16 on one rank under ZeRO-2, four
+    micro-batches per step: 22 bytes per parameter (parameters 2, moments and master 12, partition
+    2, its flattened copy 2, the fp32 copy 4)."""
     step = 0 if stage == 2 and on_device and not reduce_copy else (p_bytes * n if stage >= 2 else 0)
-    if p_bytes == 2 and on_device and stage >= 1:
+    if on_device and (p_bytes == 2 and stage >= 1 or stage == 2):
         step = max(step, 4 * n // w - (bucket if stage == 2 else 0))
     return step
 
