@@ -33,7 +33,6 @@ from torch import nn
 from memtrain.levers.activation_checkpointing import enable_activation_checkpointing
 from memtrain.backends import engine_module, engine_name, engine_variants, model_state_bytes
 from memtrain.models import repeated_blocks
-from memtrain.backends.spec import resolve_engine
 from memtrain.config import ConfigError, parse_args
 from memtrain.data import build_corpus
 from memtrain.distributed import prepare_libraries
@@ -51,6 +50,7 @@ from memtrain.planning.placement import (Placement, allowed_pool, choose, config
                                        with_state_dtype)
 from memtrain.planning.activations import activation_tables
 from memtrain.planning.resumed import switch_read, with_resumed_switch
+from memtrain.planning.run_placement import configured_spec
 from memtrain.planning.planner import Planner, estimated_plan_s, make_candidates, state_terms
 from memtrain.memory.simulated import SimulatedMemory
 from memtrain.objectives import CausalLM
@@ -126,7 +126,7 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
     corpus = build_corpus(cfg.data)
     shape, objective = model_facts(cfg, corpus)  # on the meta device: nothing allocated
     n = shape.parameters
-    spec = resolve_engine(cfg.backend, world_size, 0)
+    spec = configured_spec(cfg, world_size)
     choices = lever_choices(cfg, spec, model_only=True)  # engine's: state bytes
     budget, host_limit = ((int(gpu_memory_gib * 2**30), None) if gpu_memory_gib else
                           run_device_budget(cfg, torch.device(device_type), world_size // nodes))

@@ -12,11 +12,11 @@ from typing import Optional
 
 import yaml
 
-from memtrain.backends.spec import resolve_engine
 from memtrain.config import parse_args, to_dict
 from memtrain.distributed import prepare_libraries
 from memtrain.launcher import apply_accelerate_settings
 from memtrain.levers import lever_choices
+from memtrain.planning.run_placement import configured_spec
 from memtrain.precision import resolve_precision
 from memtrain.validation import validate
 
@@ -43,7 +43,7 @@ def describe_run(argv: list[str], environ: Optional[dict] = None) -> dict:
     cfg = parse_args(argv)
     notes = apply_accelerate_settings(cfg, world_size, environ)
     validate(cfg, world_size)
-    spec = resolve_engine(cfg.backend, world_size, 0)
+    spec = configured_spec(cfg, world_size)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t = cfg.training
     share = t.global_batch_size // world_size

@@ -11,8 +11,8 @@ import glob
 import os
 from typing import Collection, Optional
 
-from memtrain.backends import engine_module, engine_name
-from memtrain.backends.ds_config import read_user_json
+from memtrain.backends import BACKENDS, engine_module, engine_name
+from memtrain.backends.spec import configured_engine
 from memtrain.checkpoint.layout import check_run_folder
 from memtrain.config import Config, ConfigError, freeze
 from memtrain.data.hf_datasets import is_dataset_source
@@ -170,25 +170,30 @@ def _check_model_builds(cfg: Config, mc: dict) -> None:
                           f"{type(exc).__name__}: {first}") from None
 
 
-USER_OPTIMIZER_ENGINES = (
-    "an optimizer_factory's optimizer runs under backend.name ddp or fsdp without offload (memtrain sizes "
-    "DeepSpeed's ZeRO partitions for AdamW and steps DeepSpeed's CPU Adam under its offload; FSDP2's optimizer "
-    "offload steps its own AdamW on the host): choose ddp or fsdp with backend.offload none, or drop the factory")
-"""Why a Python caller's optimizer is refused under an engine or placement (:func:`check_user_optimizer_placement`)."""
+def user_optimizer_engines() -> str:
+    """Why a Python caller's optimizer is refused under an engine or placement
+    (:func:`check_user_optimizer_placement`), naming the engines that step it (each engine
+    module's ``STEPS_USER_OPTIMIZER``)."""
+    ok = " or ".join(name for name in BACKENDS if engine_module(name).STEPS_USER_OPTIMIZER)
+    return (f"an optimizer_factory's optimizer runs under backend.name {ok} without offload (memtrain sizes "
+            "DeepSpeed's ZeRO partitions for AdamW and steps DeepSpeed's CPU Adam under its offload; FSDP2's optimizer "
+            f"offload steps its own AdamW on the host): choose {ok} with backend.offload none, or drop the factory")
 
 
 def check_user_optimizer_placement(engine: str, offload: Optional[str]) -> None:
     """A Python caller's optimizer runs where memtrain hands the engine a torch optimizer to step
-    as it is: DDP, and FSDP2 without offload. Checked on the config (``auto`` passes) and again
-    on the placement resolved from it (:func:`memtrain.build.optimizer_builders`).
+    as it is: an engine whose module says ``STEPS_USER_OPTIMIZER`` (DDP, FSDP2), without offload.
+    Checked on the config (``auto`` passes) and again on the placement resolved from it
+    (:func:`memtrain.build.optimizer_builders`).
 
     Raises:
-        memtrain.config.ConfigError: DeepSpeed (field ``backend.name``) or an offload (``backend.offload``).
+        memtrain.config.ConfigError: an engine that does not step it (field ``backend.name``) or an
+            offload (``backend.offload``).
     """
-    if engine == "deepspeed":
-        raise ConfigError("backend.name", USER_OPTIMIZER_ENGINES)
+    if engine in BACKENDS and not engine_module(engine).STEPS_USER_OPTIMIZER:  # auto: checked once resolved
+        raise ConfigError("backend.name", user_optimizer_engines())
     if offload not in (None, "none", "auto"):
-        raise ConfigError("backend.offload", f"{offload}: {USER_OPTIMIZER_ENGINES}")
+        raise ConfigError("backend.offload", f"{offload}: {user_optimizer_engines()}")
 
 
 def _validate_user_optimizer(cfg: Config) -> None:
@@ -321,8 +326,8 @@ def validate(cfg: Config, world_size: int, python: Collection[str] = ()) -> None
     ds = cfg.backend.deepspeed_config
     if ds is not None and not os.path.isfile(ds):
         raise ConfigError("backend.deepspeed_config", f"'{ds}' is not a file (a DeepSpeed JSON config is expected)")
-    if ds is not None:
-        read_user_json(ds)  # a comment or trailing comma is named now, with its line
+    if ds is not None:  # read by the one reader of the JSON: a comment or trailing comma is named now, with its line
+        configured_engine(cfg.backend)
     _validate_files_and_sizes(cfg)
     _validate_values(cfg)
     if t.gc_every_steps < 0:

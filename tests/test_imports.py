@@ -99,8 +99,8 @@ ENGINE_NAMES = {"ddp", "fsdp", "deepspeed"}
 
 def test_engine_names_are_compared_only_by_the_engines():
     """Outside backends/ and the config, code asks an engine's module what it can do instead of
-    comparing engine names (at most 3 comparisons: the launcher's mapping of Accelerate's
-    settings to engines)."""
+    comparing engine names (one comparison: the launcher's mapping of Accelerate's settings to
+    engines)."""
     found = []
     for path in PACKAGE.rglob("*.py"):
         rel = path.relative_to(PACKAGE).as_posix()
@@ -111,7 +111,24 @@ def test_engine_names_are_compared_only_by_the_engines():
                     isinstance(c, ast.Constant) and c.value in ENGINE_NAMES
                     for side in (node.left, *node.comparators) for c in ast.walk(side)):
                 found.append(f"{rel}:{node.lineno}")
-    assert len(found) <= 3, found
+    assert len(found) <= 1 and all(f.startswith("launcher.py:") for f in found), found
+
+
+def calls_of(function: str) -> list[str]:
+    """``file:line`` of every call of ``function`` (by its name) in the package."""
+    return [f"{path.relative_to(PACKAGE).as_posix()}:{node.lineno}" for path in PACKAGE.rglob("*.py")
+            for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)
+            and function in (getattr(node.func, "id", None), getattr(node.func, "attr", None))]
+
+
+def test_the_engine_is_resolved_and_the_deepspeed_json_read_in_one_place():
+    """Every command resolves its ``backend`` section through one call
+    (``run_placement.configured_spec``), and the user's DeepSpeed JSON has one reader
+    (``spec.configured_engine``), which validation calls too."""
+    resolves, reads = calls_of("resolve_engine"), calls_of("read_user_json")
+    assert len(resolves) == 1 and resolves[0].startswith("planning/run_placement.py:"), resolves
+    assert len(reads) == 1 and reads[0].startswith("backends/spec.py:"), reads
+    assert len(calls_of("configured_spec")) == 3, calls_of("configured_spec")  # the run, memtrain plan|memory, --print_config
 
 
 def test_a_plan_reaches_the_engine_in_one_place():

@@ -43,6 +43,8 @@ READS_DEEPSPEED_CONFIG = False
 """Whether ``backend.deepspeed_config`` (the user's DeepSpeed JSON) sets this engine's stage and offload."""
 AUTOCAST_MIXED_PRECISION = True
 """Mixed precision as the trace computes it: Accelerate's autocast: fp32 parameters, each matrix cast to the compute dtype on use."""
+STEPS_USER_OPTIMIZER = True
+"""A Python caller's optimizer (``optimizer_factory``) is stepped as it is, where nothing is offloaded."""
 
 
 def variant_label(zero_stage) -> str:

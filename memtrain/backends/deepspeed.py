@@ -65,6 +65,8 @@ READS_DEEPSPEED_CONFIG = True
 """Whether ``backend.deepspeed_config`` (the user's DeepSpeed JSON) sets this engine's stage and offload."""
 AUTOCAST_MIXED_PRECISION = False
 """Mixed precision as the trace computes it: DeepSpeed's bf16/fp16: 16-bit parameters, fp32 masters in the optimizer."""
+STEPS_USER_OPTIMIZER = False
+"""A Python caller's optimizer is refused: memtrain sizes ZeRO's partitions for AdamW, and its offload steps DeepSpeed's CPU Adam."""
 STAGING_LIMIT_BYTES = 4 * 10**9
 """The largest flat partition DeepSpeed serialises at once (its default sub-group of 1e9 fp32 elements)."""
 

@@ -27,6 +27,8 @@ class Engine(Protocol):
         AUTOCAST_MIXED_PRECISION: its bf16/fp16 is Accelerate's autocast (fp32 parameters, each
             matrix cast on use), not parameters held in the compute dtype — how the planner's
             trace computes (:func:`memtrain.memory.step_trace.compute_precision_model`).
+        STEPS_USER_OPTIMIZER: it steps a Python caller's optimizer (``optimizer_factory``) as it
+            is where nothing is offloaded (:func:`memtrain.validation.check_user_optimizer_placement`).
     """
 
     CHECKPOINT_FORMAT: str
@@ -36,6 +38,7 @@ class Engine(Protocol):
     SETTINGS: tuple
     READS_DEEPSPEED_CONFIG: bool
     AUTOCAST_MIXED_PRECISION: bool
+    STEPS_USER_OPTIMIZER: bool
     build: Callable[..., Any]
     model_build_context: Callable[..., Any]
     state_bytes: Callable[..., dict]

@@ -56,6 +56,9 @@ READS_DEEPSPEED_CONFIG = False
 """Whether ``backend.deepspeed_config`` (the user's DeepSpeed JSON) sets this engine's stage and offload."""
 AUTOCAST_MIXED_PRECISION = False
 """Mixed precision as the trace computes it: FSDP2's ``MixedPrecisionPolicy``: parameters gathered in the compute dtype."""
+STEPS_USER_OPTIMIZER = True
+"""A Python caller's optimizer (``optimizer_factory``) is stepped as it is, where nothing is offloaded
+(FSDP2's optimizer offload steps its own AdamW on the host)."""
 
 
 def offload_ratio(shape: ModelShape, ratio: float) -> float:

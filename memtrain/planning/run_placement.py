@@ -46,6 +46,21 @@ def run_machine(cfg, device: torch.device, world_size: int) -> Machine:
                    exports=cfg.checkpoint.export)
 
 
+def configured_spec(cfg, world_size: int, rank: int = 0):
+    """The engine ``cfg``'s ``backend`` section configures (the user's DeepSpeed JSON folded in),
+    before any placement: the one place every command resolves it (:func:`resolve` for a run,
+    ``memtrain plan|memory`` in :mod:`memtrain.estimate`, ``memtrain train --print_config`` in
+    :mod:`memtrain.show`), so they cannot disagree on the engine.
+
+    Returns:
+        A :class:`memtrain.backends.spec.EngineSpec`.
+
+    Raises:
+        memtrain.config.ConfigError: the DeepSpeed JSON cannot be read.
+    """
+    return resolve_engine(cfg.backend, world_size, rank)
+
+
 def resolve(cfg, corpus, process, precision: str, source=None, objective=None):
     """Before the model is built: the run's :class:`memtrain.backends.spec.EngineSpec`. With
     ``backend.offload auto`` the placement is chosen here (a resumed run keeps its checkpoint's);
@@ -59,7 +74,7 @@ def resolve(cfg, corpus, process, precision: str, source=None, objective=None):
             holds the numbers.
     """
     kept = resume_placement(cfg) if cfg.backend.offload == "auto" else None
-    configured = resolve_engine(cfg.backend, process.world_size, process.rank)
+    configured = configured_spec(cfg, process.world_size, process.rank)
     spec = configured.with_placement(kept) if kept is not None else configured
     if kept is not None and process.is_main:
         log_placement(None, "kept from the checkpoint", spec)

@@ -5,6 +5,8 @@ Each format is one module of this package with:
 * ``NAME``: its ``checkpoint_format`` value;
 * ``WRITTEN_BY`` (optional): the engine whose manifests meant it before manifests named their
   format (a format newer than that field leaves it out);
+* ``PARAMETERS_IN_COMPUTE_DTYPE`` (optional, default False): it saves 16-bit weights under
+  bf16/fp16 (:class:`SavedRun`);
 * ``expected_files(world_size, **details) -> list[str]``: the glob patterns a complete save holds;
 * ``read_full_weights(path) -> dict[str, Tensor]``: the whole model's weights (CPU) read in one
   process without a process group (``memtrain export``);
@@ -42,7 +44,8 @@ class SavedRun:
         world_size: the ranks that wrote it.
         zero_stage: DeepSpeed's ZeRO stage (None: not DeepSpeed).
         parameter_element_bytes: bytes per element of the module's parameters as saved (2 under
-            bf16/fp16 where the engine holds them so, else 4; unknown: 4).
+            bf16/fp16 where the format saves them as the engine holds them, its module's
+            ``PARAMETERS_IN_COMPUTE_DTYPE``, else 4; unknown: 4).
         state_element_bytes: bytes per element of each AdamW moment (4 fp32, 2 bf16).
     """
 
@@ -59,7 +62,9 @@ class SavedRun:
         spec = manifest.get("engine_spec") or {}
         dtype = spec.get("optimizer_state_dtype") or (config.get("optimizer") or {}).get("state_dtype", "fp32")
         stage = manifest.get("zero_stage")
-        half = manifest.get("backend") == "deepspeed" and config.get("precision") in ("bf16", "fp16")
+        name = manifest.get("checkpoint_format") or format_written_by(manifest.get("backend"))
+        half = (name in FORMATS and getattr(format_module(name), "PARAMETERS_IN_COMPUTE_DTYPE", False)
+                and config.get("precision") in ("bf16", "fp16"))
         return cls(int(manifest.get("world_size") or 1), stage, 2 if half else 4, 2 if dtype == "bf16" else 4)
 
 
@@ -87,6 +92,8 @@ def format_module(name: str) -> ModuleType:
 def format_written_by(engine: str):
     """The format ``engine`` wrote before manifests named their format (each format's
     ``WRITTEN_BY``), or None for an engine no format names."""
+    if not engine:
+        return None
     return next((name for name in FORMATS if getattr(format_module(name), "WRITTEN_BY", None) == engine), None)
 
 

@@ -20,6 +20,9 @@ NAME = "deepspeed"
 WRITTEN_BY = "deepspeed"
 """The engine whose manifests meant this format before manifests named their format."""
 TAG = "zero"
+PARAMETERS_IN_COMPUTE_DTYPE = True
+"""Its module weights are saved as the engine holds them: 16-bit under bf16/fp16 (a format without
+this name saves fp32 weights: :class:`memtrain.checkpoint.formats.SavedRun`)."""
 
 
 def expected_files(world_size: int, zero_stage: int = 0, partial_offload: bool = False) -> list[str]:
