@@ -111,12 +111,17 @@ bytes, none of them the parameters; step 6 8,933,537, the parameters' 1,142,912 
 modes logged from ``PartitionedParameterCoordinator``, DeepSpeed 0.19.8)."""
 
 
+def counted_step(engine: str) -> int:
+    """The optimizer step ``engine``'s runs are counted at (:data:`COUNTED_STEP`, else the second)."""
+    return COUNTED_STEP.get(engine, 2)
+
+
 def measured(args: list[str], engine: str, micro: int, ac: str, world_size: int, flags: tuple[str, ...] = ()) -> dict:
-    """The MemTracker count of the last step of a run of the plan (with the lever ``flags``), its
-    second step (:data:`COUNTED_STEP`), on the rank whose peak is highest (ranks of a speech batch
-    hold utterances of different lengths)."""
+    """The MemTracker count of a run of the plan (with the lever ``flags``) that ends at the step
+    :func:`counted_step` names and counts it, on the rank whose peak is highest (ranks of a speech
+    batch hold utterances of different lengths)."""
     out = scratch_dir(f"memacc-{engine}")
-    step = str(COUNTED_STEP.get(engine, 2))
+    step = str(counted_step(engine))
     try:
         run_memtrain(args + ENGINES[engine] + ["--training.max_steps", step, "--logging.memory_breakdown_step", step,
                                                "--training.micro_batch_size", str(micro),
@@ -141,7 +146,7 @@ def rows(args: list[str], plans: list[tuple[int, str]], engines: list[str], worl
             yield {"benchmark": "memory_accuracy", "shape": shape, "engine": engine, "world_size": world_size,
                    "micro_batch_size": micro, "activation_checkpointing": ac, **guess,
                    "measured_bytes": count["peak_bytes"], "measured_by_category": count["peak_by_category"],
-                   "counted_step": COUNTED_STEP.get(engine, 2),
+                   "counted_step": counted_step(engine),
                    "cuda_max_memory_allocated": count["cuda_max_memory_allocated"],
                    "relative_error": (guess["predicted_tensor_bytes"] - count["peak_bytes"]) / count["peak_bytes"],
                    **({"cuda_relative_error": (guess["predicted_bytes"] - count["cuda_max_memory_allocated"])
@@ -232,7 +237,7 @@ def family_rows(families: list[str], seed: int, engines: list[str], acs: list[st
                            "model_config": config, "engine": engine, "world_size": world_size,
                            "precision": precision, "micro_batch_size": FAMILY_MICRO_BATCH,
                            "activation_checkpointing": ac, **guess, "measured_bytes": count["peak_bytes"],
-                           "counted_step": COUNTED_STEP.get(engine, 2),
+                           "counted_step": counted_step(engine),
                            "measured_by_category": count["peak_by_category"],
                            "relative_error": (guess["predicted_tensor_bytes"] - count["peak_bytes"])
                            / count["peak_bytes"]}

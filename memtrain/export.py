@@ -6,9 +6,9 @@
 writes ``OUT_DIR/model.safetensors`` (sharded with ``model.safetensors.index.json`` past
 ``--max_shard_size``) and, for transformers models, ``config.json`` (and the tokenizer when the
 checkpoint holds it), so ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads it.
-The weights are read by the engine that wrote the checkpoint, in its own format (safetensors
-for DDP, torch.distributed.checkpoint for FSDP2 read without a process group, DeepSpeed's
-``zero_to_fp32`` for ZeRO 1/2/3), on CPU in one process.
+The weights are read by the format the checkpoint's manifest names (``checkpoint_format``:
+safetensors, DDP's by default; torch.distributed.checkpoint, FSDP2's, read without a process
+group; DeepSpeed's ``zero_to_fp32`` for ZeRO 1/2/3), on CPU in one process, never by an engine.
 """
 
 from __future__ import annotations

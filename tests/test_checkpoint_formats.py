@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from memtrain.checkpoint.formats import SavedRun, dcp, format_module, read_full_weights, safetensors
+from memtrain.checkpoint.formats import FORMATS, CheckpointState, SavedRun, dcp, format_module, read_full_weights, safetensors
 from memtrain.checkpoint.layout import read_manifest
 from memtrain.errors import CheckpointError
 from memtrain.memory.shape import model_shape
@@ -28,17 +28,15 @@ def test_each_format_reads_back_the_weights_it_wrote_without_a_process_group(tmp
     optimizer = torch.optim.AdamW(net.parameters())
     net(torch.ones(3, 4)).sum().backward()
     optimizer.step()
-    if name == "safetensors":
-        safetensors.save(net, optimizer.state_dict(), None, str(tmp_path), "5GB")
-    else:
-        dcp.save(net, optimizer, str(tmp_path))
+    format_module(name).save(CheckpointState(net, optimizer), str(tmp_path))
     weights = read_full_weights(str(tmp_path), {"checkpoint_format": name, "backend": "deepspeed"})
     assert weights.keys() == net.state_dict().keys()
     assert all(torch.equal(weights[k], v) for k, v in net.state_dict().items())
 
 
 def test_an_unknown_format_is_refused_by_name(tmp_path):
-    with pytest.raises(CheckpointError, match="'zip' is not one of safetensors, dcp, deepspeed"):
+    assert FORMATS == ("dcp", "deepspeed", "safetensors")  # the package's modules
+    with pytest.raises(CheckpointError, match="'zip' is not one of dcp, deepspeed, safetensors"):
         format_module("zip")
     with pytest.raises(CheckpointError, match="names no checkpoint_format"):
         read_full_weights(str(tmp_path), {})
@@ -90,10 +88,7 @@ def test_full_state_is_keyed_by_name_and_loads_into_another_model(tmp_path, name
     net, opt = trained()
     for _ in range(2):
         step(net, opt)
-    if name == "safetensors":
-        safetensors.save(net, opt.state_dict(), None, str(tmp_path), "5GB")
-    else:
-        dcp.save(net, opt, str(tmp_path))
+    format_module(name).save(CheckpointState(net, opt), str(tmp_path))
     fresh, fresh_opt = trained()
     weights, optim = format_module(name).read_full_state(str(tmp_path), fresh)
     assert set(optim["state"]) == {n for n, _ in net.named_parameters()}
@@ -127,7 +122,7 @@ def test_a_load_as_read_refuses_other_groups_and_weights_by_name(tmp_path):
 
     net = model()
     opt = torch.optim.AdamW(net.parameters())
-    safetensors.save(net, opt.state_dict(), None, str(tmp_path), "5GB")
+    safetensors.save(CheckpointState(net, opt), str(tmp_path))
     weights, optim = safetensors.read_full_state(str(tmp_path), net)
     split = torch.optim.AdamW([{"params": list(net.parameters())[:2]}, {"params": list(net.parameters())[2:]}])
     with pytest.raises(CheckpointError, match="parameter group 0 holds other parameters"):
@@ -185,3 +180,43 @@ def test_the_switch_read_is_sized_from_what_the_manifest_says_of_the_saving_run(
     deepspeed = format_module("deepspeed")
     one, four = (deepspeed.full_state_read_bytes(shape, SavedRun(n, 2)) for n in (1, 4))
     assert one[0] == four[0] == 12_000 and one[1] == 4 * 1000 + 12 * 1000 > four[1] == 12_000 + 4 * 400
+
+
+def test_an_engine_writes_and_reads_through_the_format_it_is_handed(tmp_path):
+    """The format is handed to the engine when it is built (``make_backend``), not imported by it:
+    DDP handed ``dcp`` in place of its own ``safetensors`` writes dcp's files, names dcp in its
+    manifest, and loads them back into a fresh model and optimizer exactly."""
+    from conftest import TINY_ARGS
+
+    from memtrain.backends import make_backend
+    from memtrain.config import parse_args
+    from memtrain.distributed import ProcessState
+    from memtrain.plan import Plan
+    from memtrain.planning.run_placement import configured_spec
+
+    cfg = parse_args(TINY_ARGS + ["--backend.name", "ddp"])
+    process = ProcessState(cpu=True)
+    try:
+        def built(checkpoint_format):
+            backend = make_backend(cfg, configured_spec(cfg, 1), process, "fp32", Plan(2, 1), checkpoint_format)
+            net, opt = backend.prepare(model(), lambda m: torch.optim.AdamW(m.parameters(), lr=0.1))
+            return backend, net, opt
+
+        assert built(None)[0].checkpoint_io.NAME == "safetensors"  # the engine's own
+        backend, net, opt = built("dcp")
+        net(torch.ones(3, 4)).pow(2).sum().backward()
+        opt.step()
+        backend.save_state(net, opt, str(tmp_path))
+        assert backend.manifest_fields()["checkpoint_format"] == "dcp"
+        assert backend.expected_files() == dcp.expected_files(CheckpointState(None, world_size=1))
+        assert (tmp_path / "dcp" / ".metadata").exists() and not list(tmp_path.glob("*.safetensors"))
+        _, fresh, fresh_opt = built("dcp")
+        fresh_opt.step()  # an optimizer state to load into (dcp loads in place)
+        backend.load_state(fresh, fresh_opt, str(tmp_path), 1)
+        assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), fresh.state_dict().values()))
+        saved, loaded = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
+        assert all(torch.equal(saved[i]["exp_avg_sq"], loaded[i]["exp_avg_sq"]) for i in saved)
+        with pytest.raises(CheckpointError, match="'zip' is not one of"):
+            built("zip")
+    finally:
+        process.close()

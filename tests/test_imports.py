@@ -131,6 +131,23 @@ def test_the_engine_is_resolved_and_the_deepspeed_json_read_in_one_place():
     assert len(calls_of("configured_spec")) == 3, calls_of("configured_spec")  # the run, memtrain plan|memory, --print_config
 
 
+def test_no_engine_imports_a_checkpoint_format():
+    """An engine writes through the format it is handed (``make_backend``: its ``checkpoint_io``);
+    no module of backends/ imports a format's module (the package's ``CheckpointState`` and
+    registry are the interface)."""
+    modules = module_names()
+    formats = {m for m in modules if m.startswith("memtrain.checkpoint.formats.")}
+    assert formats, "no format modules found"
+    found = [f"{name} → {dep}" for name, path in modules.items() if name.startswith("memtrain.backends")
+             for dep in imports_of(name, path, modules) if dep in formats]
+    for engine in ENGINE_NAMES:  # nor takes one from the registry by name
+        tree = ast.parse((PACKAGE / "backends" / f"{engine}.py").read_text())
+        found += [f"{engine}: {a.name}" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                  and (node.module or "").startswith("memtrain.checkpoint") for a in node.names
+                  if a.name != "CheckpointState"]
+    assert not found, found
+
+
 def test_a_plan_reaches_the_engine_in_one_place():
     """``Backend.set_plan`` is called from one function (the model transforms' ``apply_plan``)."""
     calls = [f"{path.relative_to(PACKAGE)}:{node.lineno}" for path in PACKAGE.rglob("*.py")

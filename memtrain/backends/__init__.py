@@ -6,7 +6,8 @@ bytes of model state per rank (``state_bytes``, :func:`model_state_bytes`), the 
 offers (``VARIANTS``), the engine settings that are levers (``SETTINGS``), whether it takes lossy
 optimizer state (``LOSSY_OPTIMIZER_STATE``), the config it cannot honour (``validate``) and what
 the OOM stop message says of it (``stop_words``, ``stop_advice``), so the planners, validation
-and the memory estimate do not branch on engine names. Checkpoint files are read by their format
+and the memory estimate do not branch on engine names. Checkpoint files are written through the
+format :func:`make_backend` hands the engine and read by the format their manifest names
 (:mod:`memtrain.checkpoint.formats`).
 """
 
@@ -19,6 +20,7 @@ from typing import Mapping, Optional
 
 from memtrain.backends.base import Backend
 from memtrain.backends.engine import check_engine
+from memtrain.checkpoint.formats import format_module
 from memtrain.engine_names import ENGINES
 from memtrain.memory.shape import ModelShape
 
@@ -83,7 +85,8 @@ def model_state_bytes(engine: str, n_params: int, precision: str, zero_stage: Op
                       zero_settings: Optional[Mapping[str, int]] = None, state_dtype: str = "fp32",
                       deferred_reduction: bool = True) -> dict[str, int]:
     """Per-rank bytes of model state for AdamW training under ``engine``: its module's
-    ``state_bytes`` (the formulas of :mod:`memtrain.memory.accounting`; ``zero_stage``,
+    ``state_bytes`` (the formulas of :mod:`memtrain.memory.accounting`, ZeRO's of
+    :mod:`memtrain.memory.zero_accounting`; ``zero_stage``,
     ``offload_optimizer_ratio``, ``offload_device`` and ``zero_settings`` are DeepSpeed's).
 
     Args:
@@ -124,16 +127,22 @@ def model_state_bytes(engine: str, n_params: int, precision: str, zero_stage: Op
         deferred_reduction=deferred_reduction)
 
 
-def make_backend(cfg, spec, process, precision: str, plan) -> Backend:
+def make_backend(cfg, spec, process, precision: str, plan, checkpoint_format: Optional[str] = None) -> Backend:
     """Build the engine ``spec`` (a :class:`memtrain.backends.spec.EngineSpec`) for ``cfg`` (a
     :class:`memtrain.config.Config`) on ``process`` (a :class:`memtrain.distributed.ProcessState`),
-    starting with micro-batch ``plan``.
+    starting with micro-batch ``plan``, and hand it the checkpoint format it writes through
+    (``checkpoint_io``, as Lightning Fabric's Strategy takes its ``checkpoint_io``):
+    ``checkpoint_format``, None = the engine module's ``CHECKPOINT_FORMAT``.
 
     Raises:
         ValueError: unknown engine or an option the engine cannot honour (message names the field).
         memtrain.config.ConfigError: a DeepSpeed JSON contradicting the memtrain config.
+        memtrain.errors.CheckpointError: an unknown ``checkpoint_format``.
     """
-    return engine_module(spec.name).build(cfg, spec, process, precision, plan)
+    module = engine_module(spec.name)
+    backend = module.build(cfg, spec, process, precision, plan)
+    backend.checkpoint_io = format_module(checkpoint_format or module.CHECKPOINT_FORMAT)
+    return backend
 
 
 def model_build_context(cfg, spec, precision: str, world_size: int, python_function: bool = False):

@@ -22,12 +22,16 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
-from typing import Any, Callable, NamedTuple, Optional, Protocol, runtime_checkable
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from memtrain.distributed import ProcessState
+
+if TYPE_CHECKING:
+    from memtrain.checkpoint.formats import CheckpointState
 
 
 class ComputeCollectives(NamedTuple):
@@ -76,6 +80,9 @@ class Backend(Protocol):
         optimizer_element_bytes: state bytes per parameter element of a Python caller's optimizer
             (:func:`memtrain.optim.state_bytes_per_element`), counted by :meth:`model_state_bytes`
             in place of AdamW's; None = memtrain's AdamW (set by the build before the planner runs).
+        checkpoint_io: the module of the checkpoint format it writes and reads through, handed to it
+            when it is built (:func:`memtrain.backends.make_backend`; the engine imports no format):
+            ``save``/``load``/``expected_files`` of a :class:`memtrain.checkpoint.formats.CheckpointState`.
     """
 
     name: str
@@ -85,6 +92,7 @@ class Backend(Protocol):
     supports_async_save: bool
     scheduler_config: Optional[dict]
     optimizer_element_bytes: Optional[float]
+    checkpoint_io: ModuleType
 
     def prepare(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
                 ) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -143,6 +151,12 @@ class Backend(Protocol):
         whose ``result()`` every rank must wait for before the checkpoint is committed; others
         return None.
         """
+
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                         max_shard_size: str = "5GB") -> "CheckpointState":
+        """What :attr:`checkpoint_io` saves and loads: the training state as this engine holds it
+        (:class:`memtrain.checkpoint.formats.CheckpointState`; ``model``, ``optimizer`` as the
+        engine prepared them, None when only the files are asked for)."""
 
     def expected_files(self) -> list[str]:
         """Glob patterns, relative to the checkpoint directory, that a complete save of this

@@ -21,7 +21,7 @@ from memtrain.backends.common import fp32_export_bytes as export_bytes_per_param
 from memtrain.backends.common import selective_checkpointing_works as takes_selective_checkpointing  # noqa: F401
 from memtrain.backends.common import whole_model_build_context as model_build_context  # noqa: F401 (registry)
 from memtrain.backends.spec import EngineVariant
-from memtrain.checkpoint.formats import format_module
+from memtrain.checkpoint.formats import CheckpointState
 from memtrain.distributed import ProcessState
 from memtrain.errors import ConfigError
 from memtrain.memory.accounting import (DEFERRED_REDUCE_BUCKET_BYTES, ddp_state_bytes, replicated_optimizer_bytes,
@@ -30,7 +30,6 @@ from memtrain.memory.shape import ModelShape, model_shape
 
 CHECKPOINT_FORMAT = "safetensors"
 """The checkpoint format this engine writes (:mod:`memtrain.checkpoint.formats`)."""
-checkpoint_format = format_module(CHECKPOINT_FORMAT)
 VARIANTS = (EngineVariant("ddp", "ddp"),)
 """DDP's one placement: everything replicated on the device."""
 LOSSY_OPTIMIZER_STATE = True
@@ -293,26 +292,24 @@ class DDPBackend:
                 "used on some steps only, set backend.find_unused_parameters true; if never, freeze them "
                 "(requires_grad=False) or remove them.")
 
+    def checkpoint_state(self, model: nn.Module, optimizer, max_shard_size: str = "5GB") -> CheckpointState:
+        """The replicated module, the optimizer and the fp16 GradScaler; rank 0 writes them."""
+        return CheckpointState(self.unwrap(model), optimizer, getattr(self.accelerator, "scaler", None),
+                               writes=self.process.is_main, world_size=self.world_size, max_shard_size=max_shard_size)
+
     def save_state(self, model: nn.Module, optimizer, directory: str, max_shard_size: str = "5GB",
                    async_save: bool = False) -> None:
-        """Rank 0 writes the (replicated) weights and the optimizer and GradScaler state
-        (:mod:`memtrain.checkpoint.formats.safetensors`)."""
-        if not self.process.is_main:
-            return
-        scaler = getattr(self.accelerator, "scaler", None)
-        checkpoint_format.save(self.unwrap(model), optimizer.state_dict(),
-                               scaler.state_dict() if scaler is not None else None, directory, max_shard_size)
+        """The run's format writes :meth:`checkpoint_state` (the engine's default,
+        :mod:`memtrain.checkpoint.formats.safetensors`: rank 0 writes the replicated weights and
+        the optimizer and GradScaler state)."""
+        self.checkpoint_io.save(self.checkpoint_state(model, optimizer, max_shard_size), directory)
 
     def expected_files(self) -> list[str]:
-        return checkpoint_format.expected_files(self.world_size)
+        return self.checkpoint_io.expected_files(self.checkpoint_state(None, None))
 
     def load_state(self, model: nn.Module, optimizer, directory: str, saved_world_size: int) -> None:
         """Every rank reads the full weights and optimizer state (any world size: nothing is sharded)."""
-        state = checkpoint_format.load(self.unwrap(model), directory)
-        optimizer.load_state_dict(state["optimizer"])
-        scaler = getattr(self.accelerator, "scaler", None)
-        if scaler is not None and state["scaler"] is not None:
-            scaler.load_state_dict(state["scaler"])
+        self.checkpoint_io.load(self.checkpoint_state(model, optimizer), directory)
 
     def load_full_state(self, model: nn.Module, optimizer, weights, optimizer_state, directory: str) -> None:
         """Another engine's state (:meth:`memtrain.backends.base.Backend.load_full_state`) into the
@@ -332,7 +329,7 @@ class DDPBackend:
         return {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()} if self.process.is_main else None
 
     def manifest_fields(self) -> dict:
-        return {"backend": self.name, "checkpoint_format": checkpoint_format.NAME, "zero_stage": None}
+        return {"backend": self.name, "checkpoint_format": self.checkpoint_io.NAME, "zero_stage": None}
 
     def model_state_bytes(self, n_params: int) -> dict[str, int]:
         return with_optimizer_element_bytes(ddp_state_bytes(n_params, self.world_size, self.shape, self.optimizer_state_dtype,

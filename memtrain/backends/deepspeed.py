@@ -32,7 +32,7 @@ from memtrain.backends.ds_zero_init import model_build_context  # noqa: F401 (re
 from memtrain.backends.ds_zero_init import restore_torch_linear, use_memory_efficient_linear
 from memtrain.backends.op_locks import clear_stale_locks
 from memtrain.backends.spec import EngineVariant
-from memtrain.checkpoint.formats import format_module
+from memtrain.checkpoint.formats import CheckpointState
 from memtrain.distributed import ProcessState
 from memtrain.errors import CheckpointError, ConfigError
 from memtrain.memory.zero_accounting import deepspeed_buffer_settings, zero_state_bytes
@@ -42,7 +42,6 @@ from memtrain.memory.machine import (HOST_DEVICE_BYTES_PER_S, NVME_BYTES_PER_S, 
 
 CHECKPOINT_FORMAT = "deepspeed"
 """The checkpoint format this engine writes (:mod:`memtrain.checkpoint.formats`)."""
-checkpoint_format = format_module(CHECKPOINT_FORMAT)
 VARIANTS = (
     *(EngineVariant(f"zero{s}", "deepspeed", s) for s in (1, 2, 3)),
     *(EngineVariant(f"zero{s}_offload_optimizer", "deepspeed", s, "optimizer") for s in (1, 2, 3)),
@@ -170,7 +169,6 @@ class DeepSpeedBackend:
 
     name = "deepspeed"
     supports_async_save = False
-    _TAG = checkpoint_format.TAG
 
     def __init__(self, process: ProcessState, precision: str, precision_requested: str, ds_config_path: Optional[str],
                  user_json: Optional[dict],
@@ -360,18 +358,27 @@ class DeepSpeedBackend:
 
     def save_state(self, model: nn.Module, optimizer, directory: str, max_shard_size: str = "5GB",
                    async_save: bool = False) -> None:
-        """DeepSpeed's native checkpoint under ``directory/zero`` (every rank writes its own
-        ZeRO partition; the loss scaler and engine counters are included)."""
-        self.engine.save_checkpoint(directory, tag=self._TAG, client_state={}, save_latest=False)
+        """The run's format writes :meth:`checkpoint_state` (the engine's default,
+        :mod:`memtrain.checkpoint.formats.deepspeed`: DeepSpeed's native checkpoint, every rank its
+        own ZeRO partition, the loss scaler and engine counters included); a partial offload's
+        device optimizer state beside it, one file per rank."""
+        self.checkpoint_io.save(self.checkpoint_state(model, optimizer), directory)
         if self.offload_ratio < 1.0:  # DeepSpeed does not save the device side of a partial offload
             torch.save(ds_partial_offload.state_dict(self.engine.optimizer), self._device_optimizer_file(directory))
 
     def _device_optimizer_file(self, directory: str, rank: Optional[int] = None) -> str:
         rank = self.process.rank if rank is None else rank
-        return os.path.join(directory, self._TAG, f"device_optimizer_rank_{rank}.pt")
+        return os.path.join(directory, self.checkpoint_io.TAG, f"device_optimizer_rank_{rank}.pt")
+
+    def checkpoint_state(self, model: nn.Module, optimizer, max_shard_size: str = "5GB") -> CheckpointState:
+        """DeepSpeed's engine (which holds the optimizer and the loss scaler); every rank writes its partition."""
+        return CheckpointState(self.engine, world_size=self.world_size, zero_stage=self.zero_stage,
+                               max_shard_size=max_shard_size)
 
     def expected_files(self) -> list[str]:
-        return checkpoint_format.expected_files(self.world_size, self.zero_stage, self.offload_ratio < 1.0)
+        partial = [self._device_optimizer_file("", r).lstrip(os.sep) for r in range(self.world_size)]
+        return self.checkpoint_io.expected_files(self.checkpoint_state(None, None)) + (
+            partial if self.offload_ratio < 1.0 else [])
 
     def load_state(self, model: nn.Module, optimizer, directory: str, saved_world_size: int) -> None:
         """Load DeepSpeed's checkpoint. ZeRO partitions are tied to the world size that wrote
@@ -389,10 +396,7 @@ class DeepSpeedBackend:
                                       "universal checkpoint has no conversion for it)")
             self._load_universal(directory, saved_world_size)
             return
-        path, _ = self.engine.load_checkpoint(directory, tag=self._TAG, load_module_strict=True,
-                                              load_optimizer_states=True, load_lr_scheduler_states=False)
-        if path is None:
-            raise CheckpointError(f"{directory}: DeepSpeed found no checkpoint under tag '{self._TAG}'")
+        self.checkpoint_io.load(self.checkpoint_state(model, optimizer), directory)
         if partial != (self.offload_ratio < 1.0):
             raise CheckpointError(f"{directory}: written {'with' if partial else 'without'} partial optimizer offload, "
                                   f"resumed {'with' if self.offload_ratio < 1.0 else 'without'}: keep "
@@ -412,7 +416,7 @@ class DeepSpeedBackend:
         Raises:
             CheckpointError: the conversion or the load failed (names the checkpoint).
         """
-        self._load_through_universal(directory, lambda work, _: checkpoint_format.to_universal(directory, work),
+        self._load_through_universal(directory, lambda work, _: self.checkpoint_io.to_universal(directory, work),
                                      f"the ZeRO-{self.zero_stage} checkpoint of {saved_world_size} ranks")
 
     def _load_through_universal(self, directory: str, write: Callable[[str, list[dict]], None], what: str) -> None:
@@ -446,7 +450,7 @@ class DeepSpeedBackend:
                                   f"ranks failed: {failure}")
         self.engine._config.load_universal_checkpoint = True  # DeepSpeed reads the flag at load time
         try:
-            path, _ = self.engine.load_checkpoint(work, tag=self._TAG, load_module_strict=True,
+            path, _ = self.engine.load_checkpoint(work, tag=self.checkpoint_io.TAG, load_module_strict=True,
                                                   load_optimizer_states=True, load_lr_scheduler_states=False)
         finally:
             self.engine._config.load_universal_checkpoint = False
@@ -481,7 +485,7 @@ class DeepSpeedBackend:
         module = self.unwrap(model)
         buffers = dict(module.named_buffers())
         weights, optimizer_state = _by_first_name(module, weights, optimizer_state)
-        self._load_through_universal(directory, lambda work, settings: checkpoint_format.write_universal(
+        self._load_through_universal(directory, lambda work, settings: self.checkpoint_io.write_universal(
             work, weights, optimizer_state, self.zero_stage, settings, frozenset(buffers)), "another engine's checkpoint")
         with torch.no_grad():
             for name, buffer in buffers.items():
@@ -494,7 +498,7 @@ class DeepSpeedBackend:
         return params + list(module.named_buffers())
 
     def manifest_fields(self) -> dict:
-        return {"backend": self.name, "checkpoint_format": checkpoint_format.NAME, "zero_stage": self.zero_stage}
+        return {"backend": self.name, "checkpoint_format": self.checkpoint_io.NAME, "zero_stage": self.zero_stage}
 
     @property
     def offload(self) -> str:

@@ -22,7 +22,7 @@ from memtrain.backends.common import (OffloadTime, load_full_state, load_full_st
 from memtrain.backends.common import selective_checkpointing_works as takes_selective_checkpointing  # noqa: F401
 from memtrain.backends.common import whole_model_build_context as model_build_context  # noqa: F401 (registry)
 from memtrain.backends.spec import EngineVariant
-from memtrain.checkpoint.formats import format_module
+from memtrain.checkpoint.formats import CheckpointState
 from memtrain.distributed import ProcessState
 from memtrain.errors import ConfigError
 from memtrain.memory.accounting import (fsdp_state_bytes, offloaded_parameter_count, sharded_optimizer_bytes,
@@ -35,7 +35,6 @@ from memtrain.backends.optimizer_offload import from_optimizer
 
 CHECKPOINT_FORMAT = "dcp"
 """The checkpoint format this engine writes (:mod:`memtrain.checkpoint.formats`)."""
-checkpoint_format = format_module(CHECKPOINT_FORMAT)
 OFFLOAD_STATE_DTYPES = ("fp32", "bf16")
 """The optimizer state dtypes the optimizer offload keeps (:mod:`memtrain.backends.optimizer_offload`)."""
 VARIANTS = (EngineVariant("fsdp", "fsdp"),
@@ -337,22 +336,27 @@ class FSDPBackend:
 
     def save_state(self, model: nn.Module, optimizer, directory: str, max_shard_size: str = "5GB",
                    async_save: bool = False):
-        """torch.distributed.checkpoint (:mod:`memtrain.checkpoint.formats.dcp`): every rank writes
-        its own shard. ``async_save``: stage to CPU, write in a background thread over a separate
-        gloo group, return the future."""
+        """The run's format writes :meth:`checkpoint_state` (the engine's default,
+        :mod:`memtrain.checkpoint.formats.dcp`: every rank writes its own shard). ``async_save``:
+        stage to CPU, write in a background thread over a separate gloo group, return the future."""
         self._settle()
         if async_save and self._async_group is None:  # a collective: every rank gets here at the same save
             self._async_group = torch.distributed.new_group(backend="gloo")
-        return checkpoint_format.save(model, optimizer, directory, self._async_group if async_save else None)
+        return self.checkpoint_io.save(self.checkpoint_state(model, optimizer), directory,
+                                       self._async_group if async_save else None, async_save=async_save)
+
+    def checkpoint_state(self, model: nn.Module, optimizer, max_shard_size: str = "5GB") -> CheckpointState:
+        """The sharded module and its optimizer; every rank writes its shard."""
+        return CheckpointState(model, optimizer, world_size=self.world_size, max_shard_size=max_shard_size)
 
     def expected_files(self) -> list[str]:
-        return checkpoint_format.expected_files(self.world_size)
+        return self.checkpoint_io.expected_files(self.checkpoint_state(None, None))
 
     def load_state(self, model: nn.Module, optimizer, directory: str, saved_world_size: int) -> None:
         """Load the DCP shards into this run's sharding; torch.distributed.checkpoint reshards, so
         the saved world size may differ from this one."""
         self._settle()
-        checkpoint_format.load(model, optimizer, directory)
+        self.checkpoint_io.load(self.checkpoint_state(model, optimizer), directory)
 
     def load_full_state(self, model: nn.Module, optimizer, weights, optimizer_state, directory: str) -> None:
         """Another engine's state (:meth:`memtrain.backends.base.Backend.load_full_state`): every
@@ -372,7 +376,7 @@ class FSDPBackend:
         return list(model.named_buffers())  # parameters are sharded DTensors
 
     def manifest_fields(self) -> dict:
-        return {"backend": self.name, "checkpoint_format": checkpoint_format.NAME, "zero_stage": None}
+        return {"backend": self.name, "checkpoint_format": self.checkpoint_io.NAME, "zero_stage": None}
 
     def model_state_bytes(self, n_params: int) -> dict[str, int]:
         return with_optimizer_element_bytes(fsdp_state_bytes(n_params, self.precision, self.offload, self.world_size,

@@ -101,7 +101,8 @@ def divergent_tensors(backend, model: nn.Module) -> list[str]:
 
 
 class EngineState:
-    """The model and optimizer, saved and loaded in the engine's own format.
+    """The model and optimizer, saved and loaded by the engine through the format it was handed
+    (its ``checkpoint_io``: :mod:`memtrain.checkpoint.formats`).
 
     Args:
         backend: the engine; model, optimizer: as the engine prepared them.

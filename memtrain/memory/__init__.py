@@ -1,8 +1,9 @@
 """Memory: the facts memtrain knows about bytes and the seconds they cost (no decisions).
 
-* :mod:`memtrain.memory.accounting` — bytes of model state per engine, ZeRO stage, offload and
-  precision (parameters, gradients, optimizer state), the allocator's headroom: written once,
-  used by the engines, the planner and the placement planner alike.
+* :mod:`memtrain.memory.accounting` — bytes of model state per engine, offload and precision
+  (parameters, gradients, optimizer state), the allocator's headroom: written once, used by the
+  engines, the planner and the placement planner alike; DeepSpeed's per ZeRO stage in
+  :mod:`memtrain.memory.zero_accounting`.
 * :mod:`memtrain.memory.host_limit` — the host's real limit: the smallest of the available memory,
   the cgroup's, the processes' resource limits and ``memory.host_memory_gib``, and which it is.
 * :mod:`memtrain.memory.machine` — facts of the machine a run plans for: device and host budgets,

@@ -1,13 +1,21 @@
-"""Checkpoint formats as plugins, chosen by the manifest's ``checkpoint_format``.
+"""Checkpoint formats as plugins: a run's engine writes through the format it was handed
+(:func:`memtrain.backends.make_backend` gives it its module's ``CHECKPOINT_FORMAT``, as Lightning
+Fabric's Strategy takes its ``checkpoint_io``; no engine imports a format), and a checkpoint is
+read by the format its manifest names (``checkpoint_format``).
 
-Each format is one module of this package with:
+Each format is one module of this package (found by scanning the package: :data:`FORMATS`) with:
 
 * ``NAME``: its ``checkpoint_format`` value;
 * ``WRITTEN_BY`` (optional): the engine whose manifests meant it before manifests named their
   format (a format newer than that field leaves it out);
 * ``PARAMETERS_IN_COMPUTE_DTYPE`` (optional, default False): it saves 16-bit weights under
   bf16/fp16 (:class:`SavedRun`);
-* ``expected_files(world_size, **details) -> list[str]``: the glob patterns a complete save holds;
+* ``save(state, directory, process_group=None, async_save=False) -> Optional[Future]`` and
+  ``load(state, directory, process_group=None)``: write and read ``state`` (a
+  :class:`CheckpointState`, what the engine holds) in ``directory``; every rank calls them (a
+  format decides which rank writes what). ``async_save``: write in the background over
+  ``process_group`` and return the future (a format that cannot writes now and returns None);
+* ``expected_files(state) -> list[str]``: the glob patterns a complete save of ``state`` holds;
 * ``read_full_weights(path) -> dict[str, Tensor]``: the whole model's weights (CPU) read in one
   process without a process group (``memtrain export``);
 * ``read_full_state(path, module)`` where the format can: the weights and the optimizer state
@@ -16,24 +24,52 @@ Each format is one module of this package with:
   ``read_full_state`` returns and the most it holds while reading, for a model of ``shape``
   (:class:`memtrain.memory.shape.ModelShape`) saved by the run ``saved`` (:class:`SavedRun`):
   the engine switch's resume moment (:func:`memtrain.memory.moments.switch_resume_bytes`);
-* its own ``save``/``load`` for the objects it stores (an engine names the format it writes,
-  ``CHECKPOINT_FORMAT`` in its module, and calls them through :func:`format_module`).
 
-A new format is one module here and its name in :data:`FORMATS`.
+A new format is one module here (and its tests).
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+from torch import nn
 
 from memtrain.errors import CheckpointError
 
-FORMATS = ("safetensors", "dcp", "deepspeed")
+FORMATS = tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")))
+"""Every format: the modules of this package."""
+
+
+@dataclass(frozen=True)
+class CheckpointState:
+    """What a format saves and loads: the training state as the engine holds it
+    (``checkpoint_state`` of :class:`memtrain.backends.base.Backend`).
+
+    Attributes:
+        model: the model as the format reads it: the user's module where every rank holds it
+            whole (DDP), the engine's sharded module (FSDP2), DeepSpeed's engine (which also
+            holds the optimizer and the loss scaler).
+        optimizer: the optimizer the engine steps (None where ``model`` holds it).
+        scaler: the fp16 GradScaler (DDP), or None.
+        writes: this rank writes the state every rank holds alike (rank 0).
+        world_size: the ranks that save or load it.
+        zero_stage: DeepSpeed's ZeRO stage (None elsewhere): which files a save holds.
+        max_shard_size: the largest weights file a format that shards by size writes
+            (``checkpoint.max_shard_size``, e.g. ``"5GB"``).
+    """
+
+    model: nn.Module
+    optimizer: Any = None
+    scaler: Any = None
+    writes: bool = True
+    world_size: int = 1
+    zero_stage: Optional[int] = None
+    max_shard_size: str = "5GB"
 
 
 @dataclass(frozen=True)
@@ -84,7 +120,7 @@ def format_module(name: str) -> ModuleType:
     Raises:
         CheckpointError: an unknown format (names the known ones).
     """
-    if name not in FORMATS:
+    if name not in FORMATS:  # also keeps a name from reaching import_module as a path
         raise CheckpointError(f"checkpoint format '{name}' is not one of {', '.join(FORMATS)}")
     return importlib.import_module(f"memtrain.checkpoint.formats.{name}")
 

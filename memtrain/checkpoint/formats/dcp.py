@@ -17,35 +17,37 @@ WRITTEN_BY = "fsdp"
 FOLDER = "dcp"
 
 
-def expected_files(world_size: int) -> list[str]:
-    """Glob patterns a complete save of ``world_size`` ranks holds."""
-    return [f"{FOLDER}/.metadata"] + [f"{FOLDER}/__{r}_*.distcp" for r in range(world_size)]
+def expected_files(state) -> list[str]:
+    """Glob patterns a complete save of ``state.world_size`` ranks holds."""
+    return [f"{FOLDER}/.metadata"] + [f"{FOLDER}/__{r}_*.distcp" for r in range(state.world_size)]
 
 
-def save(model: nn.Module, optimizer, directory: str, process_group=None):
-    """Save ``model`` and ``optimizer`` (a collective); with ``process_group`` (a separate gloo
-    group) in a background thread after staging to the CPU, returning its future; else None."""
+def save(state, directory: str, process_group=None, async_save: bool = False):
+    """Save ``state.model`` and ``state.optimizer`` (a collective over ``process_group``, None =
+    the default group; ``state``: a :class:`memtrain.checkpoint.formats.CheckpointState`). With
+    ``async_save``, in a background thread after staging to the CPU (``process_group``: a group
+    of its own, gloo), returning its future; else None."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
+    saved = {"model": model_sd, "optim": optim_sd}
     path = os.path.join(directory, FOLDER)
-    if process_group is not None:
-        return dcp.async_save(state, checkpoint_id=path, process_group=process_group)
-    dcp.save(state, checkpoint_id=path)
+    if async_save:
+        return dcp.async_save(saved, checkpoint_id=path, process_group=process_group)
+    dcp.save(saved, checkpoint_id=path, process_group=process_group)
     return None
 
 
-def load(model: nn.Module, optimizer, directory: str) -> None:
+def load(state, directory: str, process_group=None) -> None:
     """Load into this run's sharding (a collective; any saved world size)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=os.path.join(directory, FOLDER))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
+    saved = {"model": model_sd, "optim": optim_sd}
+    dcp.load(saved, checkpoint_id=os.path.join(directory, FOLDER), process_group=process_group)
+    set_state_dict(state.model, state.optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optim"])
 
 
 def full_state_read_bytes(shape, saved) -> tuple[int, int]:

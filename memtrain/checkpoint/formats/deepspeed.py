@@ -13,6 +13,7 @@ import os
 import torch
 from torch import nn
 
+from memtrain.errors import CheckpointError
 from memtrain.memory.zero_accounting import ZERO3_PERSISTENCE_THRESHOLD, zero3_persistent_elements
 from memtrain.optim import weight_decay_groups
 
@@ -25,14 +26,33 @@ PARAMETERS_IN_COMPUTE_DTYPE = True
 this name saves fp32 weights: :class:`memtrain.checkpoint.formats.SavedRun`)."""
 
 
-def expected_files(world_size: int, zero_stage: int = 0, partial_offload: bool = False) -> list[str]:
-    """Glob patterns a complete save holds."""
+def expected_files(state) -> list[str]:
+    """Glob patterns a complete save of ``state`` (its ``world_size`` and ``zero_stage``) holds."""
     files = [f"{TAG}/*model_states.pt"]
-    if zero_stage > 0:
-        files += [f"{TAG}/*zero_pp_rank_{r}_mp_rank_*optim_states.pt" for r in range(world_size)]
-    if partial_offload:
-        files += [f"{TAG}/device_optimizer_rank_{r}.pt" for r in range(world_size)]
+    if state.zero_stage:
+        files += [f"{TAG}/*zero_pp_rank_{r}_mp_rank_*optim_states.pt" for r in range(state.world_size)]
     return files
+
+
+def save(state, directory: str, process_group=None, async_save: bool = False) -> None:
+    """DeepSpeed's native checkpoint under ``directory/TAG``: ``state.model`` is DeepSpeed's engine,
+    every rank writes its own ZeRO partition (the loss scaler and engine counters included).
+    Written now, whatever ``async_save``."""
+    state.model.save_checkpoint(directory, tag=TAG, client_state={}, save_latest=False)
+    return None
+
+
+def load(state, directory: str, process_group=None) -> None:
+    """Load DeepSpeed's checkpoint into its engine ``state.model``, on the world size that wrote it
+    (another one converts through :func:`to_universal` first, beside the checkpoint).
+
+    Raises:
+        CheckpointError: DeepSpeed found no checkpoint under :data:`TAG`.
+    """
+    path, _ = state.model.load_checkpoint(directory, tag=TAG, load_module_strict=True,
+                                          load_optimizer_states=True, load_lr_scheduler_states=False)
+    if path is None:
+        raise CheckpointError(f"{directory}: DeepSpeed found no checkpoint under tag '{TAG}'")
 
 
 def read_full_weights(path: str) -> dict[str, torch.Tensor]:

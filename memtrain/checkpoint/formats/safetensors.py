@@ -19,24 +19,33 @@ WRITTEN_BY = "ddp"
 OPTIMIZER_FILE = "optimizer.pt"
 
 
-def expected_files(world_size: int) -> list[str]:
+def expected_files(state) -> list[str]:
     """Glob patterns a complete save holds (the same for any world size: nothing is sharded)."""
     return ["model*.safetensors", OPTIMIZER_FILE]
 
 
-def save(module: nn.Module, optimizer_state: dict[str, Any], scaler_state: Optional[dict], directory: str,
-         max_shard_size: str) -> None:
-    """Write ``module``'s weights and the optimizer (and GradScaler) state into ``directory``
-    (one process: the caller is rank 0)."""
-    save_weights(module.state_dict(), directory, max_shard_size)
-    torch.save({"optimizer": optimizer_state, "scaler": scaler_state}, os.path.join(directory, OPTIMIZER_FILE))
+def save(state, directory: str, process_group=None, async_save: bool = False) -> None:
+    """The writing rank (``state.writes``) writes the module's weights (sharded past
+    ``state.max_shard_size``) and the optimizer (and GradScaler) state into ``directory``; the
+    other ranks write nothing (``state``: a :class:`memtrain.checkpoint.formats.CheckpointState`
+    whose model every rank holds whole). Written now, whatever ``async_save``."""
+    if not state.writes:
+        return None
+    save_weights(state.model.state_dict(), directory, state.max_shard_size)
+    torch.save({"optimizer": state.optimizer.state_dict(),
+                "scaler": state.scaler.state_dict() if state.scaler is not None else None},
+               os.path.join(directory, OPTIMIZER_FILE))
+    return None
 
 
-def load(module: nn.Module, directory: str) -> dict[str, Any]:
-    """Load the weights into ``module``; returns ``{"optimizer": state dict, "scaler": state dict
-    or None}`` for the caller to load (any world size)."""
-    load_into(module, read_full_weights(directory))
-    return torch.load(os.path.join(directory, OPTIMIZER_FILE), map_location="cpu", weights_only=True)
+def load(state, directory: str, process_group=None) -> None:
+    """Every rank loads the weights into ``state.model`` and the optimizer (and GradScaler) state
+    (any saved world size). A GradScaler the checkpoint has none of starts afresh."""
+    load_into(state.model, read_full_weights(directory))
+    saved = torch.load(os.path.join(directory, OPTIMIZER_FILE), map_location="cpu", weights_only=True)
+    state.optimizer.load_state_dict(saved["optimizer"])
+    if state.scaler is not None and saved["scaler"] is not None:
+        state.scaler.load_state_dict(saved["scaler"])
 
 
 def full_state_read_bytes(shape, saved) -> tuple[int, int]:
