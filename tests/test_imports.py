@@ -145,6 +145,8 @@ def test_no_engine_imports_a_checkpoint_format():
         found += [f"{engine}: {a.name}" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                   and (node.module or "").startswith("memtrain.checkpoint") for a in node.names
                   if a.name != "CheckpointState"]
+        found += [f"{engine}: import {a.name}" for node in ast.walk(tree) if isinstance(node, ast.Import)
+                  for a in node.names if a.name.startswith("memtrain.checkpoint")]
     assert not found, found
 
 

@@ -8,7 +8,8 @@ process is (rank, device, collectives) is not the engine's business: that is
 Besides the class, each engine module defines what the registry (:mod:`memtrain.backends`)
 reads without building an engine:
 
-* ``build(cfg, spec, process, precision, plan) -> Backend``;
+* ``build(cfg, spec, process, precision, plan) -> Backend`` (:func:`memtrain.backends.make_backend`
+  calls it and hands the backend its ``checkpoint_io``);
 * ``model_build_context(cfg, spec, precision, world_size, python_function)``: the context the model
   is built in (ZeRO-3 builds a pretrained model, or a Python caller's model function, already partitioned);
 * ``VARIANTS``: its :class:`memtrain.backends.spec.EngineVariant` placements (the placement
@@ -144,10 +145,11 @@ class Backend(Protocol):
 
     def save_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: str,
                    max_shard_size: str = "5GB", async_save: bool = False) -> Optional[Future]:
-        """Write model and optimizer state (and the engine's loss-scaler state) into ``directory``.
+        """Write model and optimizer state (and the engine's loss-scaler state) into ``directory``
+        through :attr:`checkpoint_io`.
 
-        Every rank calls it; the engine decides who writes what, and no two ranks write the same
-        file. With ``async_save`` an engine that can (``supports_async_save``) returns a future
+        Every rank calls it; the format decides who writes what from :meth:`checkpoint_state`
+        (its ``writes``), and no two ranks write the same file. With ``async_save`` an engine that can (``supports_async_save``) returns a future
         whose ``result()`` every rank must wait for before the checkpoint is committed; others
         return None.
         """

@@ -28,8 +28,8 @@ from memtrain.memory.accounting import (DEFERRED_REDUCE_BUCKET_BYTES, ddp_state_
                                         with_optimizer_element_bytes)
 from memtrain.memory.shape import ModelShape, model_shape
 
-CHECKPOINT_FORMAT = "safetensors"
-"""The checkpoint format this engine writes (:mod:`memtrain.checkpoint.formats`)."""
+CHECKPOINT_FORMATS = ("safetensors", "dcp")
+"""The checkpoint formats this engine can be handed (:mod:`memtrain.checkpoint.formats`), its own first."""
 VARIANTS = (EngineVariant("ddp", "ddp"),)
 """DDP's one placement: everything replicated on the device."""
 LOSSY_OPTIMIZER_STATE = True

@@ -40,8 +40,9 @@ from memtrain.memory.shape import ModelShape, model_shape
 from memtrain.memory.machine import (HOST_DEVICE_BYTES_PER_S, NVME_BYTES_PER_S, Machine, cpu_adam_built,
                                      deepspeed_op_built)
 
-CHECKPOINT_FORMAT = "deepspeed"
-"""The checkpoint format this engine writes (:mod:`memtrain.checkpoint.formats`)."""
+CHECKPOINT_FORMATS = ("deepspeed",)
+"""The checkpoint formats this engine can be handed (:mod:`memtrain.checkpoint.formats`), its own
+first (its resharding converts through DeepSpeed's universal checkpoint)."""
 VARIANTS = (
     *(EngineVariant(f"zero{s}", "deepspeed", s) for s in (1, 2, 3)),
     *(EngineVariant(f"zero{s}_offload_optimizer", "deepspeed", s, "optimizer") for s in (1, 2, 3)),
@@ -362,7 +363,7 @@ class DeepSpeedBackend:
         :mod:`memtrain.checkpoint.formats.deepspeed`: DeepSpeed's native checkpoint, every rank its
         own ZeRO partition, the loss scaler and engine counters included); a partial offload's
         device optimizer state beside it, one file per rank."""
-        self.checkpoint_io.save(self.checkpoint_state(model, optimizer), directory)
+        self.checkpoint_io.save(self.checkpoint_state(model, optimizer, max_shard_size), directory)
         if self.offload_ratio < 1.0:  # DeepSpeed does not save the device side of a partial offload
             torch.save(ds_partial_offload.state_dict(self.engine.optimizer), self._device_optimizer_file(directory))
 

@@ -18,7 +18,8 @@ class Engine(Protocol):
     """The names every engine module defines (see :mod:`memtrain.backends.ddp` for their meaning).
 
     Attributes:
-        CHECKPOINT_FORMAT: the checkpoint format it writes (:mod:`memtrain.checkpoint.formats`).
+        CHECKPOINT_FORMATS: the checkpoint formats it can be handed (:mod:`memtrain.checkpoint.formats`),
+            its own first (:func:`memtrain.backends.make_backend`).
         VARIANTS: its placements (:class:`memtrain.backends.spec.EngineVariant`).
         LOSSY_OPTIMIZER_STATE: it takes bf16/int8 optimizer state.
         SHARDS_OPTIMIZER_STATE: each rank holds a shard of the optimizer state.
@@ -31,7 +32,7 @@ class Engine(Protocol):
             is where nothing is offloaded (:func:`memtrain.validation.check_user_optimizer_placement`).
     """
 
-    CHECKPOINT_FORMAT: str
+    CHECKPOINT_FORMATS: tuple
     VARIANTS: tuple
     LOSSY_OPTIMIZER_STATE: bool
     SHARDS_OPTIMIZER_STATE: bool

@@ -33,8 +33,8 @@ from memtrain.memory.machine import HOST_DEVICE_BYTES_PER_S, Machine
 from memtrain.models import repeated_blocks
 from memtrain.backends.optimizer_offload import from_optimizer
 
-CHECKPOINT_FORMAT = "dcp"
-"""The checkpoint format this engine writes (:mod:`memtrain.checkpoint.formats`)."""
+CHECKPOINT_FORMATS = ("dcp",)
+"""The checkpoint formats this engine can be handed (:mod:`memtrain.checkpoint.formats`), its own first."""
 OFFLOAD_STATE_DTYPES = ("fp32", "bf16")
 """The optimizer state dtypes the optimizer offload keeps (:mod:`memtrain.backends.optimizer_offload`)."""
 VARIANTS = (EngineVariant("fsdp", "fsdp"),
@@ -342,7 +342,7 @@ class FSDPBackend:
         self._settle()
         if async_save and self._async_group is None:  # a collective: every rank gets here at the same save
             self._async_group = torch.distributed.new_group(backend="gloo")
-        return self.checkpoint_io.save(self.checkpoint_state(model, optimizer), directory,
+        return self.checkpoint_io.save(self.checkpoint_state(model, optimizer, max_shard_size), directory,
                                        self._async_group if async_save else None, async_save=async_save)
 
     def checkpoint_state(self, model: nn.Module, optimizer, max_shard_size: str = "5GB") -> CheckpointState:

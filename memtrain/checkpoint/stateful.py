@@ -137,14 +137,15 @@ class EngineState:
 
     def load_files(self, directory: str, manifest: dict[str, Any]) -> None:
         """Load after checking every parameter's shape (and the ZeRO stage) against the manifest.
-        A checkpoint of another engine is converted (:meth:`_load_from_another_engine`).
+        A checkpoint of another engine, or in another format than this engine writes, is converted
+        (:meth:`_load_from_another_engine`).
 
         Raises:
             ConfigError: another ZeRO stage (field ``backend.zero_stage``).
             CheckpointError: another model shape, a world size the engine cannot reshard to, or
                 another engine whose state cannot be converted to this one's yet.
         """
-        if manifest["backend"] != self.backend.name:
+        if manifest["backend"] != self.backend.name or manifest.get("checkpoint_format") != self.backend.checkpoint_io.NAME:
             self._check_shapes(directory, manifest)
             self._load_from_another_engine(directory, manifest)
             return

@@ -1,7 +1,9 @@
 """Checkpoint formats as plugins: a run's engine writes through the format it was handed
-(:func:`memtrain.backends.make_backend` gives it its module's ``CHECKPOINT_FORMAT``, as Lightning
-Fabric's Strategy takes its ``checkpoint_io``; no engine imports a format), and a checkpoint is
-read by the format its manifest names (``checkpoint_format``).
+(:func:`memtrain.backends.make_backend` gives it one of its module's ``CHECKPOINT_FORMATS``, its
+own unless the caller names another, as Lightning Fabric's Strategy takes its ``checkpoint_io``;
+no engine imports a format), and a checkpoint is read by the format its manifest names
+(``checkpoint_format``; a resumed run whose engine writes another one takes the checkpoint's
+whole state from it, as from another engine).
 
 Each format is one module of this package (found by scanning the package: :data:`FORMATS`) with:
 
@@ -23,7 +25,7 @@ Each format is one module of this package (found by scanning the package: :data:
 * ``full_state_read_bytes(shape, saved) -> (read_bytes, read_peak_bytes)``: what its
   ``read_full_state`` returns and the most it holds while reading, for a model of ``shape``
   (:class:`memtrain.memory.shape.ModelShape`) saved by the run ``saved`` (:class:`SavedRun`):
-  the engine switch's resume moment (:func:`memtrain.memory.moments.switch_resume_bytes`);
+  the engine switch's resume moment (:func:`memtrain.memory.moments.switch_resume_bytes`).
 
 A new format is one module here (and its tests).
 """

@@ -11,6 +11,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from memtrain.errors import CheckpointError
+
 NAME = "dcp"
 WRITTEN_BY = "fsdp"
 """The engine whose manifests meant this format before manifests named their format."""
@@ -30,6 +32,7 @@ def save(state, directory: str, process_group=None, async_save: bool = False):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    _no_scaler(state)
     model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
     saved = {"model": model_sd, "optim": optim_sd}
     path = os.path.join(directory, FOLDER)
@@ -39,11 +42,22 @@ def save(state, directory: str, process_group=None, async_save: bool = False):
     return None
 
 
+def _no_scaler(state) -> None:
+    """Refuse a state with an fp16 GradScaler, whose state this format does not keep.
+
+    Raises:
+        CheckpointError: ``state.scaler`` is set (names the format that keeps it)."""
+    if state.scaler is not None:
+        raise CheckpointError("checkpoint format dcp keeps no fp16 GradScaler state: write this engine's "
+                              "fp16 run in safetensors")
+
+
 def load(state, directory: str, process_group=None) -> None:
     """Load into this run's sharding (a collective; any saved world size)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    _no_scaler(state)
     model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
     saved = {"model": model_sd, "optim": optim_sd}
     dcp.load(saved, checkpoint_id=os.path.join(directory, FOLDER), process_group=process_group)
