@@ -20,7 +20,6 @@ from memtrain.data.tokens import cache_setting, default_cache_dir
 from memtrain.extras import require
 from memtrain.folders import check_export_target, check_max_shard_size, nearest_existing
 from memtrain.levers import lever, validate as validate_levers
-from memtrain.levers.optimizer_state import BF16_MAX_BETA2
 from memtrain.metrics import check_tracker_names
 from memtrain.models import build_model, check_model_type, ctc_model_types
 
@@ -197,14 +196,9 @@ def check_user_optimizer_placement(engine: str, offload: Optional[str]) -> None:
 
 
 def _validate_user_optimizer(cfg: Config) -> None:
-    """An ``optimizer_factory`` keeps its own state: no DeepSpeed, no offload, no lossy state dtype."""
+    """An ``optimizer_factory`` keeps its own state: no DeepSpeed, no offload (its lossy state dtype:
+    the lever's :meth:`memtrain.levers.optimizer_state.OptimizerStateDtype.validate`)."""
     check_user_optimizer_placement(cfg.backend.name, cfg.backend.offload)
-    if cfg.optimizer.state_dtype != "fp32":
-        raise ConfigError("optimizer.state_dtype", f"{cfg.optimizer.state_dtype} is memtrain's AdamW's; an "
-                          "optimizer_factory's optimizer keeps its own state (set fp32)")
-    if cfg.memory.allow_lossy_levers:
-        raise ConfigError("memory.allow_lossy_levers", "would choose memtrain's AdamW's state dtype; an "
-                          "optimizer_factory's optimizer keeps its own state (set false)")
 
 
 def _validate_keep_best(cfg: Config) -> None:
@@ -382,17 +376,12 @@ def _validate_files_and_sizes(cfg: Config) -> None:
 
 
 def _validate_placement(cfg: Config) -> None:
-    """``backend.offload``, ``offload_optimizer_ratio``, ``nvme_path``, ``memory.host_memory_gib``,
+    """``backend.offload``, ``nvme_path``, ``memory.host_memory_gib``,
     and the settings of one engine given for another (``zero_stage``, ``reshard_after_forward``)."""
     b = cfg.backend
     engine = engine_name(b)  # auto: the launcher's, DeepSpeed with a zero_stage, else DDP
     engine_module(engine).validate(cfg)  # what this engine cannot honour, named by the engine
     _validate_optimizer_state(cfg, engine)
-    if not 0.0 < b.offload_optimizer_ratio <= 1.0:
-        raise ConfigError("backend.offload_optimizer_ratio", f"must be in (0, 1] (the fraction of the optimizer state "
-                          f"on the host), got {b.offload_optimizer_ratio}")
-    if b.offload_optimizer_ratio < 1.0 and b.offload == "auto":
-        raise ConfigError("backend.offload_optimizer_ratio", "is chosen by the planner under backend.offload auto: drop it")
     if b.nvme_path is not None and not os.path.isdir(b.nvme_path):
         raise ConfigError("backend.nvme_path", f"'{b.nvme_path}' is not a folder (NVMe offload writes its files there)")
     if cfg.memory.host_memory_gib < 0:
@@ -401,26 +390,9 @@ def _validate_placement(cfg: Config) -> None:
 
 
 def _validate_optimizer_state(cfg: Config, engine: str) -> None:
-    """``optimizer.state_dtype``: bf16 and int8 on DDP and FSDP2 only; bf16 with ``adam_beta2`` at
-    most :data:`BF16_MAX_BETA2`; int8 needs torchao and is not counted by MemTracker."""
-    import importlib.util
+    """``optimizer.state_dtype`` on ``engine``: bf16 and int8 on DDP and FSDP2 only (the lever's
+    choices name what DeepSpeed cannot take; its other rules: its ``validate``)."""
     from types import SimpleNamespace
 
-    lever("optimizer_state_dtype").choices(cfg, SimpleNamespace(name=engine))  # names what DeepSpeed cannot take
-    if cfg.optimizer.state_dtype == "bf16" and cfg.training.adam_beta2 > BF16_MAX_BETA2:
-        raise ConfigError("optimizer.state_dtype", f"bf16 with training.adam_beta2 {cfg.training.adam_beta2}: each step "
-                          f"decays the second moment by 1 - beta2, less than half a bf16 step (2^-9), which rounding to "
-                          f"nearest loses, so the moment stops decaying; use adam_beta2 <= {BF16_MAX_BETA2}, or fp32 "
-                          "or int8 (block-scaled)")
-    if cfg.optimizer.state_dtype == "int8" and importlib.util.find_spec("torchao") is None:
-        raise ConfigError("optimizer.state_dtype", "int8 is torchao's 8-bit AdamW, which is not installed: pip "
-                          "install 'memtrain[lowbit]', or choose fp32 or bf16")
-    if cfg.optimizer.state_dtype == "int8" and cfg.logging.memory_breakdown_step > 0:
-        raise ConfigError("logging.memory_breakdown_step", "cannot count a run with optimizer.state_dtype int8: "
-                          "torchao's 8-bit AdamW compiles its step, and torch.compile refuses to run under "
-                          "MemTracker's dispatch mode; set it to 0, or count the step with fp32 or bf16 moments")
-    if cfg.memory.allow_lossy_levers and cfg.memory.levers != "auto":
-        raise ConfigError("memory.allow_lossy_levers", "true lets the planner of memory.levers auto choose lossy "
-                          "levers, but memory.levers is off: set memory.levers auto, or choose "
-                          "optimizer.state_dtype yourself")
+    lever("optimizer_state_dtype").choices(cfg, SimpleNamespace(name=engine))
 

@@ -185,7 +185,8 @@ def test_the_switch_read_is_sized_from_what_the_manifest_says_of_the_saving_run(
 def test_an_engine_writes_and_reads_through_the_format_it_is_handed(tmp_path):
     """The format is handed to the engine when it is built (``make_backend``), not imported by it:
     DDP handed ``dcp`` in place of its own ``safetensors`` writes dcp's files, names dcp in its
-    manifest, and loads them back into a fresh model and optimizer exactly."""
+    manifest, and loads them back into a fresh model and optimizer exactly; a format that does not
+    save the model as the engine holds it (its ``SAVES``) is refused by name."""
     from conftest import TINY_ARGS
 
     from memtrain.backends import make_backend
@@ -215,8 +216,11 @@ def test_an_engine_writes_and_reads_through_the_format_it_is_handed(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), fresh.state_dict().values()))
         saved, loaded = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
         assert all(torch.equal(saved[i]["exp_avg_sq"], loaded[i]["exp_avg_sq"]) for i in saved)
-        with pytest.raises(CheckpointError, match="'deepspeed' cannot be handed to engine ddp: it writes safetensors, dcp"):
+        with pytest.raises(CheckpointError, match="'deepspeed' cannot be handed to engine ddp: it can be handed dcp, safetensors"):
             built("deepspeed")  # a format the engine cannot write through is refused when it is built
+        fsdp = parse_args(TINY_ARGS + ["--backend.name", "fsdp"])  # its sharded module: dcp only, before it is built
+        with pytest.raises(CheckpointError, match="'safetensors' cannot be handed to engine fsdp: it can be handed dcp$"):
+            make_backend(fsdp, configured_spec(fsdp, 1), process, "fp32", Plan(2, 1), "safetensors")
         # a checkpoint in another format than the engine's own is read as another engine's: its whole state
         from memtrain.checkpoint.stateful import EngineState
 

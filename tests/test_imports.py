@@ -134,7 +134,11 @@ def test_the_engine_is_resolved_and_the_deepspeed_json_read_in_one_place():
 def test_no_engine_imports_a_checkpoint_format():
     """An engine writes through the format it is handed (``make_backend``: its ``checkpoint_io``);
     no module of backends/ imports a format's module (the package's ``CheckpointState`` and
-    registry are the interface)."""
+    registry are the interface; the model kinds its ``CHECKPOINT_MODEL`` names)."""
+    import memtrain.checkpoint.formats as package
+
+    kinds = [name for name, value in vars(package).items() if isinstance(value, str) and value in package.MODEL_KINDS]
+    assert len(kinds) == len(package.MODEL_KINDS)
     modules = module_names()
     formats = {m for m in modules if m.startswith("memtrain.checkpoint.formats.")}
     assert formats, "no format modules found"
@@ -144,7 +148,7 @@ def test_no_engine_imports_a_checkpoint_format():
         tree = ast.parse((PACKAGE / "backends" / f"{engine}.py").read_text())
         found += [f"{engine}: {a.name}" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                   and (node.module or "").startswith("memtrain.checkpoint") for a in node.names
-                  if a.name != "CheckpointState"]
+                  if a.name not in ("CheckpointState", *kinds)]
         found += [f"{engine}: import {a.name}" for node in ast.walk(tree) if isinstance(node, ast.Import)
                   for a in node.names if a.name.startswith("memtrain.checkpoint")]
     assert not found, found
@@ -235,3 +239,33 @@ def test_the_config_imports_no_torch():
     probe = "import sys, memtrain.config, memtrain.train; print(sorted(m for m in ('torch', 'memtrain.levers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+LEVER_FIELD_READERS = {"backends/fsdp.py", "estimate.py", "launcher.py", "planning/placement.py",
+                       "planning/run_placement.py"}
+"""The modules outside levers/ and config.py that read a lever's config field: FSDP2 builds its
+optimizer with the state dtype; ``memtrain plan`` and the placement planner choose the state dtype
+(lossy only with ``memory.allow_lossy_levers``) before a model is built; the launcher maps
+Accelerate's FSDP settings onto the config's."""
+
+
+def test_a_levers_config_fields_are_read_by_at_most_six_modules_outside_levers():
+    """A lever's config fields (its ``config_key`` and its declared ``memory`` fields, from the
+    registry: a new lever's are counted) are read as ``<config>.<section>.<field>`` in at most six
+    modules outside levers/ and config.py: the planner, validation and the trace ask the lever
+    (its ``validate``, ``block_period``, ``copy_bytes_per_s``), not the config."""
+    from memtrain.levers import LEVERS
+
+    fields = {tuple(x.config_key.split(".")) for x in LEVERS}
+    fields |= {("memory", f.name) for x in LEVERS for f in x.config_fields}
+    fields.add(("memory", "allow_lossy_levers"))
+    readers = set()
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel.startswith("levers/") or rel == "config.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                    and (node.value.attr, node.attr) in fields):
+                readers.add(rel)
+    assert readers <= LEVER_FIELD_READERS and len(LEVER_FIELD_READERS) <= 6, sorted(readers)

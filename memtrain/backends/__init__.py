@@ -20,7 +20,7 @@ from typing import Mapping, Optional
 
 from memtrain.backends.base import Backend
 from memtrain.backends.engine import check_engine
-from memtrain.checkpoint.formats import format_module
+from memtrain.checkpoint.formats import format_module, formats_saving
 from memtrain.errors import CheckpointError
 from memtrain.engine_names import ENGINES
 from memtrain.memory.shape import ModelShape
@@ -133,7 +133,8 @@ def make_backend(cfg, spec, process, precision: str, plan, checkpoint_format: Op
     :class:`memtrain.config.Config`) on ``process`` (a :class:`memtrain.distributed.ProcessState`),
     starting with micro-batch ``plan``, and hand it the checkpoint format it writes through
     (``checkpoint_io``, as Lightning Fabric's Strategy takes its ``checkpoint_io``):
-    ``checkpoint_format``, one of the engine module's ``CHECKPOINT_FORMATS``; None = its own (the first).
+    ``checkpoint_format``, a format whose ``SAVES`` holds the model as the engine holds it (its
+    module's ``CHECKPOINT_MODEL``); None = the module's ``CHECKPOINT_FORMAT``.
 
     Raises:
         ValueError: unknown engine or an option the engine cannot honour (message names the field).
@@ -142,11 +143,10 @@ def make_backend(cfg, spec, process, precision: str, plan, checkpoint_format: Op
             (names the ones it can), or an unknown one.
     """
     module = engine_module(spec.name)
-    name = checkpoint_format or module.CHECKPOINT_FORMATS[0]
-    if name not in module.CHECKPOINT_FORMATS:
-        raise CheckpointError(f"checkpoint format '{name}' cannot be handed to engine {spec.name}: it writes "
-                              f"{', '.join(module.CHECKPOINT_FORMATS)}")
-    checkpoint_io = format_module(name)
+    checkpoint_io = format_module(checkpoint_format or module.CHECKPOINT_FORMAT)
+    if module.CHECKPOINT_MODEL not in checkpoint_io.SAVES:
+        raise CheckpointError(f"checkpoint format '{checkpoint_io.NAME}' cannot be handed to engine {spec.name}: "
+                              f"it can be handed {', '.join(formats_saving(module.CHECKPOINT_MODEL))}")
     backend = module.build(cfg, spec, process, precision, plan)
     backend.checkpoint_io = checkpoint_io
     return backend

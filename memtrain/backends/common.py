@@ -14,6 +14,23 @@ from memtrain.errors import CheckpointError, ConfigError
 
 log = logging.getLogger("memtrain")
 
+class ThroughItsFormat:
+    """What every engine answers of its checkpoints from the format it was handed
+    (``checkpoint_io``, :func:`memtrain.backends.make_backend`) and its ``checkpoint_state``: a
+    mixin of the engines' backends."""
+
+    def expected_files(self) -> list[str]:
+        """Glob patterns a complete save of this engine at this world size matches: its format's
+        ``expected_files`` of its :class:`memtrain.checkpoint.formats.CheckpointState`."""
+        return self.checkpoint_io.expected_files(self.checkpoint_state(None, None))
+
+    def manifest_fields(self) -> dict:
+        """``backend`` (the engine's name), ``checkpoint_format`` (its format's ``NAME``) and
+        ``zero_stage`` (its state's; None outside DeepSpeed)."""
+        return {"backend": self.name, "checkpoint_format": self.checkpoint_io.NAME,
+                "zero_stage": self.checkpoint_state(None, None).zero_stage}
+
+
 def sync_replicated_state(model: nn.Module, device: torch.device) -> list[str]:
     """Make parameters and buffers identical on every rank (rank 0's values win) before training.
 

@@ -15,21 +15,25 @@ import torch
 from torch import nn
 
 from memtrain.backends.base import ComputeCollectives
-from memtrain.backends.common import load_full_state_as_read, refuse_deepspeed_settings, refuse_unsharded_reshard
+from memtrain.backends.common import (ThroughItsFormat, load_full_state_as_read, refuse_deepspeed_settings,
+                                      refuse_unsharded_reshard)
 from memtrain.backends.common import all_checkpoint_staged as checkpoint_staging_bytes  # noqa: F401 (registry)
 from memtrain.backends.common import fp32_export_bytes as export_bytes_per_parameter  # noqa: F401 (registry)
 from memtrain.backends.common import selective_checkpointing_works as takes_selective_checkpointing  # noqa: F401
 from memtrain.backends.common import whole_model_build_context as model_build_context  # noqa: F401 (registry)
 from memtrain.backends.spec import EngineVariant
-from memtrain.checkpoint.formats import CheckpointState
+from memtrain.checkpoint.formats import WHOLE_MODULE, CheckpointState
 from memtrain.distributed import ProcessState
 from memtrain.errors import ConfigError
 from memtrain.memory.accounting import (DEFERRED_REDUCE_BUCKET_BYTES, ddp_state_bytes, replicated_optimizer_bytes,
                                         with_optimizer_element_bytes)
 from memtrain.memory.shape import ModelShape, model_shape
 
-CHECKPOINT_FORMATS = ("safetensors", "dcp")
-"""The checkpoint formats this engine can be handed (:mod:`memtrain.checkpoint.formats`), its own first."""
+CHECKPOINT_FORMAT = "safetensors"
+"""The checkpoint format it writes unless handed another (:mod:`memtrain.checkpoint.formats`)."""
+CHECKPOINT_MODEL = WHOLE_MODULE
+"""The model its ``checkpoint_state`` hands a format: the user's module, whole on every rank (any
+format whose ``SAVES`` holds it can be handed to DDP)."""
 VARIANTS = (EngineVariant("ddp", "ddp"),)
 """DDP's one placement: everything replicated on the device."""
 LOSSY_OPTIMIZER_STATE = True
@@ -120,7 +124,7 @@ def skips_layers(model: nn.Module) -> bool:
     return False
 
 
-class DDPBackend:
+class DDPBackend(ThroughItsFormat):
     """Data parallel: every rank holds the whole model; gradients are averaged by all-reduce
     on the last micro-batch of each step (``no_sync`` on the others), or, with the deferred
     reduction, after the step's last backward by memtrain's own bucketed all-reduce: then the
@@ -304,9 +308,6 @@ class DDPBackend:
         the optimizer and GradScaler state)."""
         self.checkpoint_io.save(self.checkpoint_state(model, optimizer, max_shard_size), directory)
 
-    def expected_files(self) -> list[str]:
-        return self.checkpoint_io.expected_files(self.checkpoint_state(None, None))
-
     def load_state(self, model: nn.Module, optimizer, directory: str, saved_world_size: int) -> None:
         """Every rank reads the full weights and optimizer state (any world size: nothing is sharded)."""
         self.checkpoint_io.load(self.checkpoint_state(model, optimizer), directory)
@@ -327,9 +328,6 @@ class DDPBackend:
 
     def full_state_dict(self, model: nn.Module):
         return {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()} if self.process.is_main else None
-
-    def manifest_fields(self) -> dict:
-        return {"backend": self.name, "checkpoint_format": self.checkpoint_io.NAME, "zero_stage": None}
 
     def model_state_bytes(self, n_params: int) -> dict[str, int]:
         return with_optimizer_element_bytes(ddp_state_bytes(n_params, self.world_size, self.shape, self.optimizer_state_dtype,

@@ -24,7 +24,8 @@ from torch import nn
 
 from memtrain.backends import ds_partial_offload
 from memtrain.backends.base import ComputeCollectives
-from memtrain.backends.common import OffloadTime, offload_advice, offload_words, refuse_unsharded_reshard
+from memtrain.backends.common import (OffloadTime, ThroughItsFormat, offload_advice, offload_words,
+                                      refuse_unsharded_reshard)
 from memtrain.backends.common import fp32_export_bytes as export_bytes_per_parameter  # noqa: F401 (registry)
 from memtrain.backends.ds_config import (OFFLOAD_DEVICES, ZERO_IN_PLACE_KEYS, build_ds_config, get_path,
                                         linear_saves_weight, zero_buffer_settings)
@@ -32,7 +33,7 @@ from memtrain.backends.ds_zero_init import model_build_context  # noqa: F401 (re
 from memtrain.backends.ds_zero_init import restore_torch_linear, use_memory_efficient_linear
 from memtrain.backends.op_locks import clear_stale_locks
 from memtrain.backends.spec import EngineVariant
-from memtrain.checkpoint.formats import CheckpointState
+from memtrain.checkpoint.formats import DEEPSPEED_ENGINE, CheckpointState
 from memtrain.distributed import ProcessState
 from memtrain.errors import CheckpointError, ConfigError
 from memtrain.memory.zero_accounting import deepspeed_buffer_settings, zero_state_bytes
@@ -40,9 +41,11 @@ from memtrain.memory.shape import ModelShape, model_shape
 from memtrain.memory.machine import (HOST_DEVICE_BYTES_PER_S, NVME_BYTES_PER_S, Machine, cpu_adam_built,
                                      deepspeed_op_built)
 
-CHECKPOINT_FORMATS = ("deepspeed",)
-"""The checkpoint formats this engine can be handed (:mod:`memtrain.checkpoint.formats`), its own
-first (its resharding converts through DeepSpeed's universal checkpoint)."""
+CHECKPOINT_FORMAT = "deepspeed"
+"""The checkpoint format it writes unless handed another (:mod:`memtrain.checkpoint.formats`)."""
+CHECKPOINT_MODEL = DEEPSPEED_ENGINE
+"""The model its ``checkpoint_state`` hands a format: DeepSpeed's engine (its resharding converts
+through DeepSpeed's universal checkpoint, its format's ``to_universal``)."""
 VARIANTS = (
     *(EngineVariant(f"zero{s}", "deepspeed", s) for s in (1, 2, 3)),
     *(EngineVariant(f"zero{s}_offload_optimizer", "deepspeed", s, "optimizer") for s in (1, 2, 3)),
@@ -149,7 +152,7 @@ def stop_advice(context: dict) -> list[str]:
 log = logging.getLogger("memtrain")
 
 
-class DeepSpeedBackend:
+class DeepSpeedBackend(ThroughItsFormat):
     """ZeRO data parallel through ``deepspeed.initialize``.
 
     Args:
@@ -378,8 +381,7 @@ class DeepSpeedBackend:
 
     def expected_files(self) -> list[str]:
         partial = [self._device_optimizer_file("", r).lstrip(os.sep) for r in range(self.world_size)]
-        return self.checkpoint_io.expected_files(self.checkpoint_state(None, None)) + (
-            partial if self.offload_ratio < 1.0 else [])
+        return super().expected_files() + (partial if self.offload_ratio < 1.0 else [])
 
     def load_state(self, model: nn.Module, optimizer, directory: str, saved_world_size: int) -> None:
         """Load DeepSpeed's checkpoint. ZeRO partitions are tied to the world size that wrote
@@ -497,9 +499,6 @@ class DeepSpeedBackend:
         module = self.unwrap(model)
         params = list(module.named_parameters()) if self.zero_stage < 3 else []  # ZeRO-3 partitions parameters
         return params + list(module.named_buffers())
-
-    def manifest_fields(self) -> dict:
-        return {"backend": self.name, "checkpoint_format": self.checkpoint_io.NAME, "zero_stage": self.zero_stage}
 
     @property
     def offload(self) -> str:

@@ -12,14 +12,19 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any, Callable, Protocol, runtime_checkable
 
+from memtrain.checkpoint.formats import MODEL_KINDS
+
 
 @runtime_checkable
 class Engine(Protocol):
     """The names every engine module defines (see :mod:`memtrain.backends.ddp` for their meaning).
 
     Attributes:
-        CHECKPOINT_FORMATS: the checkpoint formats it can be handed (:mod:`memtrain.checkpoint.formats`),
-            its own first (:func:`memtrain.backends.make_backend`).
+        CHECKPOINT_FORMAT: the checkpoint format it writes unless handed another
+            (:func:`memtrain.backends.make_backend`).
+        CHECKPOINT_MODEL: the model its ``checkpoint_state`` hands a format, one of
+            :data:`memtrain.checkpoint.formats.MODEL_KINDS`: it can be handed every format whose
+            ``SAVES`` holds it.
         VARIANTS: its placements (:class:`memtrain.backends.spec.EngineVariant`).
         LOSSY_OPTIMIZER_STATE: it takes bf16/int8 optimizer state.
         SHARDS_OPTIMIZER_STATE: each rank holds a shard of the optimizer state.
@@ -32,7 +37,8 @@ class Engine(Protocol):
             is where nothing is offloaded (:func:`memtrain.validation.check_user_optimizer_placement`).
     """
 
-    CHECKPOINT_FORMATS: tuple
+    CHECKPOINT_FORMAT: str
+    CHECKPOINT_MODEL: str
     VARIANTS: tuple
     LOSSY_OPTIMIZER_STATE: bool
     SHARDS_OPTIMIZER_STATE: bool
@@ -84,4 +90,7 @@ def check_engine(module: ModuleType, name: str) -> ModuleType:
     if missing:
         raise TypeError(f"engine '{name}' ({module.__name__}) does not define {', '.join(missing)} "
                         "(memtrain/backends/engine.py)")
+    if module.CHECKPOINT_MODEL not in MODEL_KINDS:
+        raise TypeError(f"engine '{name}': CHECKPOINT_MODEL {module.CHECKPOINT_MODEL!r} is not one of "
+                        f"{', '.join(MODEL_KINDS)}")
     return module

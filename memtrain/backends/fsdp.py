@@ -17,12 +17,12 @@ import torch
 from torch import nn
 
 from memtrain.backends.base import ComputeCollectives
-from memtrain.backends.common import (OffloadTime, load_full_state, load_full_state_as_read, offload_advice,
-                                      offload_words, refuse_deepspeed_settings)
+from memtrain.backends.common import (OffloadTime, ThroughItsFormat, load_full_state, load_full_state_as_read,
+                                      offload_advice, offload_words, refuse_deepspeed_settings)
 from memtrain.backends.common import selective_checkpointing_works as takes_selective_checkpointing  # noqa: F401
 from memtrain.backends.common import whole_model_build_context as model_build_context  # noqa: F401 (registry)
 from memtrain.backends.spec import EngineVariant
-from memtrain.checkpoint.formats import CheckpointState
+from memtrain.checkpoint.formats import SHARDED_MODULE, CheckpointState
 from memtrain.distributed import ProcessState
 from memtrain.errors import ConfigError
 from memtrain.memory.accounting import (fsdp_state_bytes, offloaded_parameter_count, sharded_optimizer_bytes,
@@ -33,8 +33,10 @@ from memtrain.memory.machine import HOST_DEVICE_BYTES_PER_S, Machine
 from memtrain.models import repeated_blocks
 from memtrain.backends.optimizer_offload import from_optimizer
 
-CHECKPOINT_FORMATS = ("dcp",)
-"""The checkpoint formats this engine can be handed (:mod:`memtrain.checkpoint.formats`), its own first."""
+CHECKPOINT_FORMAT = "dcp"
+"""The checkpoint format it writes unless handed another (:mod:`memtrain.checkpoint.formats`)."""
+CHECKPOINT_MODEL = SHARDED_MODULE
+"""The model its ``checkpoint_state`` hands a format: ``fully_shard``'s module of DTensors."""
 OFFLOAD_STATE_DTYPES = ("fp32", "bf16")
 """The optimizer state dtypes the optimizer offload keeps (:mod:`memtrain.backends.optimizer_offload`)."""
 VARIANTS = (EngineVariant("fsdp", "fsdp"),
@@ -173,7 +175,7 @@ def stop_advice(context: dict) -> list[str]:
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
 
-class FSDPBackend:
+class FSDPBackend(ThroughItsFormat):
     """Fully sharded data parallel: parameters, gradients and optimizer state are sharded over
     all ranks; blocks are all-gathered for their forward and backward, gradients reduce-scattered.
 
@@ -349,9 +351,6 @@ class FSDPBackend:
         """The sharded module and its optimizer; every rank writes its shard."""
         return CheckpointState(model, optimizer, world_size=self.world_size, max_shard_size=max_shard_size)
 
-    def expected_files(self) -> list[str]:
-        return self.checkpoint_io.expected_files(self.checkpoint_state(None, None))
-
     def load_state(self, model: nn.Module, optimizer, directory: str, saved_world_size: int) -> None:
         """Load the DCP shards into this run's sharding; torch.distributed.checkpoint reshards, so
         the saved world size may differ from this one."""
@@ -374,9 +373,6 @@ class FSDPBackend:
 
     def replicated_tensors(self, model: nn.Module):
         return list(model.named_buffers())  # parameters are sharded DTensors
-
-    def manifest_fields(self) -> dict:
-        return {"backend": self.name, "checkpoint_format": self.checkpoint_io.NAME, "zero_stage": None}
 
     def model_state_bytes(self, n_params: int) -> dict[str, int]:
         return with_optimizer_element_bytes(fsdp_state_bytes(n_params, self.precision, self.offload, self.world_size,

@@ -7,6 +7,7 @@ micro-batch floor moves the first lever that has a more memory-saving choice lef
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 from memtrain.errors import ConfigError
@@ -22,7 +23,7 @@ LEVERS: tuple[Lever, ...] = (ActivationCheckpointing(), ChunkedCrossEntropy(), A
 """Every lever memtrain has, in the order the OOM recovery escalates them."""
 
 __all__ = ["LEVERS", "Lever", "LeverCost", "LeverTarget", "PlanFacts", "lever", "lever_choices", "allowed_by",
-           "apply_levers", "validate", "recompute_fraction", "plan_cost", "resume_rules", "describe", "plan_words",
+           "apply_levers", "validate", "recompute_fraction", "block_period", "copy_bytes_per_s", "plan_cost", "resume_rules", "describe", "plan_words",
            "lever_events", "first_settings", "restore_settings", "offered_choices"]
 
 
@@ -126,6 +127,18 @@ def saved_plan_levers(state: dict) -> tuple[dict[str, Any], Optional[dict[str, A
 def recompute_fraction(settings: dict[str, Any], cfg) -> float:
     """Extra forwards per step the settings cost (fraction of one forward, summed over levers)."""
     return sum(lever(name).recompute_fraction(setting, cfg) for name, setting in settings.items())
+
+
+def block_period(settings: dict[str, Any], cfg) -> int:
+    """Blocks per repeat of what the levers' ``settings`` do to the model's blocks: the least common
+    multiple of each lever's :meth:`Lever.block_period` (1 = every block alike)."""
+    return math.lcm(1, *(lever(name).block_period(setting, cfg) for name, setting in settings.items()))
+
+
+def copy_bytes_per_s(cfg) -> float:
+    """The rate (bytes/s) a plan's host copies are charged at where they are not timed (a CPU run,
+    ``memtrain plan``): :class:`PlanFacts`' ``copy_bytes_per_s``, the activation offload lever's field."""
+    return ActivationOffload.copy_bytes_per_s(cfg)
 
 
 def plan_cost(settings: dict[str, Any], facts: PlanFacts) -> LeverCost:

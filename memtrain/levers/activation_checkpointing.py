@@ -208,6 +208,9 @@ class ActivationCheckpointing(Lever):
     def restore(self, saved):
         return setting(saved)
 
+    def block_period(self, value, cfg) -> int:
+        return cfg.memory.activation_checkpointing_every_n_blocks if setting(value) != "off" else 1
+
     def recompute_fraction(self, value, cfg) -> float:
         return RECOMPUTE[setting(value)] / cfg.memory.activation_checkpointing_every_n_blocks
 

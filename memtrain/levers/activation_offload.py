@@ -241,6 +241,12 @@ class ActivationOffload(Lever):
             return SOLVER_CHOICES
         return CHOICES[value]
 
+    @staticmethod
+    def copy_bytes_per_s(cfg) -> float:
+        """The rate host copies are charged at where they are not timed (bytes/s):
+        ``memory.activation_offload_bandwidth_gb_s`` × 10^9."""
+        return cfg.memory.activation_offload_bandwidth_gb_s * 1e9
+
     def apply(self, target: LeverTarget, setting) -> None:
         if setting == "on":
             enable_activation_offload(target.model)

@@ -212,6 +212,12 @@ class Lever:
         estimates of :func:`memtrain.planning.planner.estimated_step_s`); 0 = none."""
         return 0.0
 
+    def block_period(self, setting, cfg) -> int:
+        """Blocks per repeat of what ``setting`` does to the model's blocks (activation
+        checkpointing of every n-th block: n), for the planner's trace, which extrapolates a
+        model's depth from whole periods (:func:`memtrain.memory.depth.by_depth`); 1 = every block alike."""
+        return 1
+
     def cost(self, setting, facts: PlanFacts) -> LeverCost:
         """What ``setting`` costs the plan of ``facts`` beyond its traced bytes and its recompute
         (bytes the trace cannot see, seconds of copies); the default: nothing."""

@@ -8,6 +8,7 @@ device; the placement planner chooses the ratio under ``backend.offload auto``."
 from __future__ import annotations
 
 from memtrain.backends import engine_module
+from memtrain.errors import ConfigError
 from memtrain.levers.base import Lever
 
 
@@ -45,6 +46,16 @@ class OffloadOptimizerRatio(EngineSetting):
     column = "host share"
     config_key = "backend.offload_optimizer_ratio"
     on_resume = "must_match"
+
+    def validate(self, cfg, python: frozenset = frozenset()) -> None:
+        """A fraction in (0, 1], given by hand only where the planner does not choose it."""
+        ratio = cfg.backend.offload_optimizer_ratio
+        if not 0.0 < ratio <= 1.0:
+            raise ConfigError("backend.offload_optimizer_ratio", f"must be in (0, 1] (the fraction of the optimizer "
+                              f"state on the host), got {ratio}")
+        if ratio < 1.0 and cfg.backend.offload == "auto":
+            raise ConfigError("backend.offload_optimizer_ratio", "is chosen by the planner under backend.offload auto: "
+                              "drop it")
 
     def applies(self, cfg, spec) -> bool:
         return spec is not None and self.name in engine_module(spec.name).SETTINGS and _offload(cfg, spec)[0] != "none"

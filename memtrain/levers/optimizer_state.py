@@ -10,6 +10,7 @@ the tiny recipe's int8 step is charged 74 ms against the 91 ms measured: docs/be
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 from memtrain.backends import engine_module
@@ -31,8 +32,6 @@ def planner_dtypes(cfg, engine: str) -> tuple[str, ...]:
     ``state_dtype`` fp32) also bf16 (``adam_beta2`` at most 0.99, as validation asks) and int8
     (torchao installed; not under ``logging.memory_breakdown_step``, whose MemTracker torch.compile
     refuses), outside DeepSpeed (which keeps fp32 partitions)."""
-    import importlib.util
-
     dtype, m = cfg.optimizer.state_dtype, cfg.memory
     lossy_allowed = m.allow_lossy_levers and m.levers == "auto" and dtype == "fp32"
     if not lossy_allowed or not engine_module(engine).LOSSY_OPTIMIZER_STATE:
@@ -105,6 +104,34 @@ class OptimizerStateDtype(EngineSetting):
     config_key = "optimizer.state_dtype"
     on_resume = "must_match"
     by_hand = "bf16|int8"
+
+    def validate(self, cfg, python: frozenset = frozenset()) -> None:
+        """bf16 with ``adam_beta2`` at most :data:`BF16_MAX_BETA2`; int8 needs torchao and is not
+        counted by MemTracker; ``memory.allow_lossy_levers`` only under ``memory.levers auto``; a
+        Python caller's ``optimizer_factory`` keeps its own state (fp32 here, nothing lossy chosen)."""
+        dtype, m = cfg.optimizer.state_dtype, cfg.memory
+        if "optimizer_factory" in python and dtype != "fp32":
+            raise ConfigError("optimizer.state_dtype", f"{dtype} is memtrain's AdamW's; an optimizer_factory's "
+                              "optimizer keeps its own state (set fp32)")
+        if "optimizer_factory" in python and m.allow_lossy_levers:
+            raise ConfigError("memory.allow_lossy_levers", "would choose memtrain's AdamW's state dtype; an "
+                              "optimizer_factory's optimizer keeps its own state (set false)")
+        if dtype == "bf16" and cfg.training.adam_beta2 > BF16_MAX_BETA2:
+            raise ConfigError("optimizer.state_dtype", f"bf16 with training.adam_beta2 {cfg.training.adam_beta2}: each "
+                              f"step decays the second moment by 1 - beta2, less than half a bf16 step (2^-9), which "
+                              f"rounding to nearest loses, so the moment stops decaying; use adam_beta2 <= "
+                              f"{BF16_MAX_BETA2}, or fp32 or int8 (block-scaled)")
+        if dtype == "int8" and importlib.util.find_spec("torchao") is None:
+            raise ConfigError("optimizer.state_dtype", "int8 is torchao's 8-bit AdamW, which is not installed: pip "
+                              "install 'memtrain[lowbit]', or choose fp32 or bf16")
+        if dtype == "int8" and cfg.logging.memory_breakdown_step > 0:
+            raise ConfigError("logging.memory_breakdown_step", "cannot count a run with optimizer.state_dtype int8: "
+                              "torchao's 8-bit AdamW compiles its step, and torch.compile refuses to run under "
+                              "MemTracker's dispatch mode; set it to 0, or count the step with fp32 or bf16 moments")
+        if m.allow_lossy_levers and m.levers != "auto":
+            raise ConfigError("memory.allow_lossy_levers", "true lets the planner of memory.levers auto choose lossy "
+                              "levers, but memory.levers is off: set memory.levers auto, or choose "
+                              "optimizer.state_dtype yourself")
 
     def choices(self, cfg, spec) -> tuple:
         dtype = getattr(spec, "optimizer_state_dtype", None) or cfg.optimizer.state_dtype  # the planner's, else the config's

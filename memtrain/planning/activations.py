@@ -17,9 +17,8 @@ from memtrain.backends import engine_module, engine_name
 from memtrain.backends.ds_config import linear_saves_weight
 from memtrain.backends.spec import user_zero_settings
 from memtrain.fingerprint import weight_bytes as fingerprint_weight_bytes
-from memtrain.levers import LeverTarget, apply_levers, lever
+from memtrain.levers import LeverTarget, apply_levers, block_period, lever
 from memtrain.levers.activation_offload import moved_bytes
-from memtrain.levers.activation_checkpointing import setting as ac_setting
 from memtrain.memory import step_trace
 from memtrain.memory.zero_accounting import ZERO3_PERSISTENCE_THRESHOLD
 from memtrain.memory.depth import by_depth
@@ -129,8 +128,7 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
         if key not in cache:
             apply_levers(target, settings)
             batch = batch_of(plan.micro_batch_size)
-            checkpointed = ac_setting(settings.get("activation_checkpointing", "off")) != "off"
-            period = cfg.memory.activation_checkpointing_every_n_blocks if checkpointed else 1
+            period = block_period(settings, cfg)
             def traced_once() -> tuple[int, ...]:
                 moved_bytes(model)  # from 0 (a shortened trace that raised may have counted)
                 return (*trace(model, mode, target.objective, batch), moved_bytes(model))

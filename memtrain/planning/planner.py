@@ -46,6 +46,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from memtrain.levers import LeverCost, PlanFacts, plan_cost, recompute_fraction, restore_settings
+from memtrain.levers import copy_bytes_per_s as charged_copy_rate  # its parameters' name
 from memtrain.memory.accounting import device_state_bytes, divisors, with_allocator_headroom
 from memtrain.memory.moments import largest_moment_bytes
 from memtrain.memory.peak import peak_tensor_bytes, peak_terms, plan_terms
@@ -278,7 +279,7 @@ def estimated_plan_s(candidate: Candidate, cfg, n_params: int, tokens_per_sample
     ``memory.activation_offload_bandwidth_gb_s`` (``memtrain plan`` and the placement table)."""
     return estimated_step_s(candidate, n_params, tokens_per_sample, flops_per_s,
                             recompute_fraction(candidate.plan.settings(), cfg), 1e-3,
-                            cfg.memory.activation_offload_bandwidth_gb_s * 1e9)
+                            charged_copy_rate(cfg))
 
 
 class Planner:
@@ -590,7 +591,7 @@ def build_planner(cfg, corpus, objective, precision: str, device: torch.device, 
     # tests/test_host_oom.py) stays for the run and is not the plan's to use
     budget, host = run_device_budget(cfg, device, state_bytes=device_state_bytes(state))  # a CPU's: the host limit
     planner = Planner(candidates, budget, shortlist=cfg.memory.levers == "auto",
-                      copy_bytes_per_s=cfg.memory.activation_offload_bandwidth_gb_s * 1e9 if device.type == "cpu" else None,
+                      copy_bytes_per_s=charged_copy_rate(cfg) if device.type == "cpu" else None,
                       probe_budget_steps=probe_budget_steps(cfg.training.max_steps))
     planner.restrict_budget(budget, offload_host_room_bytes(cfg, device))  # build.py: every rank's smallest rules
     planner.budget_source = host.source if host is not None else None

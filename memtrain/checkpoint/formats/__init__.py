@@ -1,13 +1,17 @@
 """Checkpoint formats as plugins: a run's engine writes through the format it was handed
-(:func:`memtrain.backends.make_backend` gives it one of its module's ``CHECKPOINT_FORMATS``, its
-own unless the caller names another, as Lightning Fabric's Strategy takes its ``checkpoint_io``;
-no engine imports a format), and a checkpoint is read by the format its manifest names
+(:func:`memtrain.backends.make_backend` gives it its module's ``CHECKPOINT_FORMAT`` unless the
+caller names another format that saves the model as that engine holds it, its
+``CHECKPOINT_MODEL``, as Lightning Fabric's Strategy takes its ``checkpoint_io``; no engine
+imports or names another format), and a checkpoint is read by the format its manifest names
 (``checkpoint_format``; a resumed run whose engine writes another one takes the checkpoint's
 whole state from it, as from another engine).
 
 Each format is one module of this package (found by scanning the package: :data:`FORMATS`) with:
 
 * ``NAME``: its ``checkpoint_format`` value;
+* ``SAVES``: the models it saves, of :data:`MODEL_KINDS` (what an engine's ``checkpoint_state``
+  hands it: the engine module's ``CHECKPOINT_MODEL``), so every engine that holds one of them can
+  be handed it;
 * ``WRITTEN_BY`` (optional): the engine whose manifests meant it before manifests named their
   format (a format newer than that field leaves it out);
 * ``PARAMETERS_IN_COMPUTE_DTYPE`` (optional, default False): it saves 16-bit weights under
@@ -27,7 +31,8 @@ Each format is one module of this package (found by scanning the package: :data:
   (:class:`memtrain.memory.shape.ModelShape`) saved by the run ``saved`` (:class:`SavedRun`):
   the engine switch's resume moment (:func:`memtrain.memory.moments.switch_resume_bytes`).
 
-A new format is one module here (and its tests).
+A new format is one module here and its tests: nothing else names it (an engine is handed it by
+its ``SAVES``, a checkpoint read by the name in its manifest).
 """
 
 from __future__ import annotations
@@ -45,6 +50,15 @@ from memtrain.errors import CheckpointError
 
 FORMATS = tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")))
 """Every format: the modules of this package."""
+
+WHOLE_MODULE = "whole_module"
+"""A :class:`CheckpointState`'s model that is the user's module, whole on every rank (DDP)."""
+SHARDED_MODULE = "sharded_module"
+"""A model whose parameters are DTensors sharded over the ranks (FSDP2's ``fully_shard``)."""
+DEEPSPEED_ENGINE = "deepspeed_engine"
+"""DeepSpeed's engine, which also holds the optimizer and the loss scaler."""
+MODEL_KINDS = (WHOLE_MODULE, SHARDED_MODULE, DEEPSPEED_ENGINE)
+"""What an engine's ``CHECKPOINT_MODEL`` and a format's ``SAVES`` name."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +139,12 @@ def format_module(name: str) -> ModuleType:
     if name not in FORMATS:  # also keeps a name from reaching import_module as a path
         raise CheckpointError(f"checkpoint format '{name}' is not one of {', '.join(FORMATS)}")
     return importlib.import_module(f"memtrain.checkpoint.formats.{name}")
+
+
+def formats_saving(model_kind: str) -> tuple[str, ...]:
+    """The formats whose ``SAVES`` hold ``model_kind`` (one of :data:`MODEL_KINDS`): those an
+    engine holding that model can be handed."""
+    return tuple(name for name in FORMATS if model_kind in format_module(name).SAVES)
 
 
 def format_written_by(engine: str):

@@ -11,9 +11,12 @@ from typing import Optional
 import torch
 from torch import nn
 
+from memtrain.checkpoint.formats import SHARDED_MODULE, WHOLE_MODULE
 from memtrain.errors import CheckpointError
 
 NAME = "dcp"
+SAVES = (WHOLE_MODULE, SHARDED_MODULE)
+"""The models it saves (:data:`memtrain.checkpoint.formats.MODEL_KINDS`)."""
 WRITTEN_BY = "fsdp"
 """The engine whose manifests meant this format before manifests named their format."""
 FOLDER = "dcp"

@@ -13,11 +13,14 @@ import os
 import torch
 from torch import nn
 
+from memtrain.checkpoint.formats import DEEPSPEED_ENGINE
 from memtrain.errors import CheckpointError
 from memtrain.memory.zero_accounting import ZERO3_PERSISTENCE_THRESHOLD, zero3_persistent_elements
 from memtrain.optim import weight_decay_groups
 
 NAME = "deepspeed"
+SAVES = (DEEPSPEED_ENGINE,)
+"""The models it saves (:data:`memtrain.checkpoint.formats.MODEL_KINDS`)."""
 WRITTEN_BY = "deepspeed"
 """The engine whose manifests meant this format before manifests named their format."""
 TAG = "zero"

@@ -10,10 +10,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from memtrain.checkpoint.formats import WHOLE_MODULE
 from memtrain.optim import weight_decay_groups
 from memtrain.weights import load_into, load_weights, save_weights
 
 NAME = "safetensors"
+SAVES = (WHOLE_MODULE,)
+"""The models it saves (:data:`memtrain.checkpoint.formats.MODEL_KINDS`)."""
 WRITTEN_BY = "ddp"
 """The engine whose manifests meant this format before manifests named their format."""
 OPTIMIZER_FILE = "optimizer.pt"
