@@ -35,8 +35,13 @@ def test_each_format_reads_back_the_weights_it_wrote_without_a_process_group(tmp
 
 
 def test_an_unknown_format_is_refused_by_name(tmp_path):
-    assert FORMATS == ("dcp", "deepspeed", "safetensors")  # the package's modules
-    with pytest.raises(CheckpointError, match="'zip' is not one of dcp, deepspeed, safetensors"):
+    from pathlib import Path
+
+    import memtrain.checkpoint.formats as package
+
+    modules = sorted(p.stem for p in Path(package.__file__).parent.glob("*.py") if not p.stem.startswith("_"))
+    assert list(FORMATS) == modules and {"dcp", "deepspeed", "safetensors"} <= set(FORMATS)  # the package's modules
+    with pytest.raises(CheckpointError, match=f"'zip' is not one of {', '.join(FORMATS)}$"):
         format_module("zip")
     with pytest.raises(CheckpointError, match="names no checkpoint_format"):
         read_full_weights(str(tmp_path), {})
@@ -229,5 +234,75 @@ def test_an_engine_writes_and_reads_through_the_format_it_is_handed(tmp_path):
                     **{k: v for k, v in EngineState(backend, net, opt).prepare_save(1).items() if k == "model_shapes"}}
         EngineState(own, fresh, fresh_opt).load_files(str(tmp_path), manifest)
         assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), fresh.state_dict().values()))
+    finally:
+        process.close()
+
+
+class StandInFormat:
+    """A stand-in format, registered only in these tests: the whole state in one ``state.pt``,
+    rank 0 writes it, for a model every rank holds whole. It names no engine."""
+
+    NAME = "stand_in"
+    FILE = "state.pt"
+
+    def __init__(self):
+        from memtrain.checkpoint.formats import WHOLE_MODULE
+
+        self.SAVES = (WHOLE_MODULE,)
+
+    def expected_files(self, state):
+        return [self.FILE]
+
+    def save(self, state, directory, process_group=None, async_save=False):
+        if state.writes:
+            torch.save({"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict()},
+                       f"{directory}/{self.FILE}")
+
+    def load(self, state, directory, process_group=None):
+        saved = torch.load(f"{directory}/{self.FILE}", map_location="cpu", weights_only=True)
+        state.model.load_state_dict(saved["model"])
+        state.optimizer.load_state_dict(saved["optimizer"])
+
+    def read_full_weights(self, path):
+        return torch.load(f"{path}/{self.FILE}", map_location="cpu", weights_only=True)["model"]
+
+
+def test_a_new_format_registered_alone_is_handed_to_every_engine_holding_what_it_saves(tmp_path, monkeypatch):
+    """A format is its module and nothing else: registered as the package's scan would find it,
+    DDP (whose model it saves) is handed it, writes and reads it back exactly, and export reads its
+    weights; FSDP2, whose sharded module it does not save, is refused it by name."""
+    import sys
+
+    import memtrain.checkpoint.formats as package
+    from conftest import TINY_ARGS
+    from memtrain.backends import make_backend
+    from memtrain.config import parse_args
+    from memtrain.distributed import ProcessState
+    from memtrain.plan import Plan
+    from memtrain.planning.run_placement import configured_spec
+
+    monkeypatch.setattr(package, "FORMATS", tuple(sorted(package.FORMATS + ("stand_in",))))
+    monkeypatch.setitem(sys.modules, "memtrain.checkpoint.formats.stand_in", StandInFormat())
+    cfg = parse_args(TINY_ARGS + ["--backend.name", "ddp"])
+    process = ProcessState(cpu=True)
+    try:
+        def built():
+            backend = make_backend(cfg, configured_spec(cfg, 1), process, "fp32", Plan(2, 1), "stand_in")
+            return (backend, *backend.prepare(model(), lambda m: torch.optim.AdamW(m.parameters(), lr=0.1)))
+
+        backend, net, opt = built()
+        net(torch.ones(3, 4)).pow(2).sum().backward()
+        opt.step()
+        backend.save_state(net, opt, str(tmp_path))
+        assert backend.manifest_fields()["checkpoint_format"] == "stand_in" and backend.expected_files() == ["state.pt"]
+        _, fresh, fresh_opt = built()
+        backend.load_state(fresh, fresh_opt, str(tmp_path), 1)
+        assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), fresh.state_dict().values()))
+        assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+        weights = read_full_weights(str(tmp_path), {"checkpoint_format": "stand_in"})
+        assert all(torch.equal(weights[k], v) for k, v in net.state_dict().items())
+        fsdp = parse_args(TINY_ARGS + ["--backend.name", "fsdp"])
+        with pytest.raises(CheckpointError, match="'stand_in' cannot be handed to engine fsdp: it can be handed dcp$"):
+            make_backend(fsdp, configured_spec(fsdp, 1), process, "fp32", Plan(2, 1), "stand_in")
     finally:
         process.close()
