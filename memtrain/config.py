@@ -387,6 +387,11 @@ class CheckpointConfig:
     false: no export (a benchmark's run, say), and the placement planner leaves out its moment
     (the whole model gathered on rank 0's host); with ``every_steps`` 0 the trained weights are
     then not kept at all, which the run warns about at its start."""
+    format: str = "auto"
+    """The checkpoint format the engine writes: auto = its own (DDP safetensors, FSDP2 dcp,
+    DeepSpeed deepspeed), or another format that saves the model as the engine holds it
+    (``dcp`` under DDP: a shard file per rank, resharded on load; memtrain/checkpoint/formats/).
+    A checkpoint is always read by the format its manifest names, so a resumed run may change it."""
     max_shard_size: str = "5GB"
     """DDP model files and exports: split ``model.safetensors`` into shards of at most this size
     (with a ``model.safetensors.index.json``), as transformers' ``save_pretrained`` does."""

@@ -172,14 +172,14 @@ def _model_states(cfg, shape, precision: str, world_size: int) -> tuple[dict, st
     """``(model state bytes per engine variant, the run's engine, its model state bytes)`` with the
     config's ``optimizer.state_dtype`` (DeepSpeed's variants keep fp32)."""
     n, dtype, deferred = shape.parameters, cfg.optimizer.state_dtype, cfg.memory.oom_recovery
-    switch = switch_read(cfg, shape)  # a resume from another engine's checkpoint: its resume moment
+    switch = switch_read(cfg, shape)  # a resume from another engine's (or format's) checkpoint: its resume moment
     engines = {v.name: with_resumed_switch(
         model_state_bytes(v.engine, n, precision, v.zero_stage, v.offload, world_size, shape=shape,
                           state_dtype=dtype if engine_module(v.engine).LOSSY_OPTIMIZER_STATE else "fp32",
-                          deferred_reduction=deferred), v.engine, switch)
+                          deferred_reduction=deferred), cfg, v.engine, switch)
                for v in engine_variants() if not v.tune_ratio and not v.nvme}
     engine, state = engine_name(cfg.backend), configured_state_bytes(cfg, shape, precision, world_size)
-    return engines, engine, with_resumed_switch(state, engine, switch)
+    return engines, engine, with_resumed_switch(state, cfg, engine, switch)
 
 
 def _cpu_adam_rate(given: Optional[float], target: bool) -> tuple[Optional[float], str]:

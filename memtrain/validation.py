@@ -13,6 +13,7 @@ from typing import Collection, Optional
 
 from memtrain.backends import BACKENDS, engine_module, engine_name
 from memtrain.backends.spec import configured_engine
+from memtrain.checkpoint.formats import formats_saving
 from memtrain.checkpoint.layout import check_run_folder
 from memtrain.config import Config, ConfigError, freeze
 from memtrain.data.hf_datasets import is_dataset_source
@@ -382,6 +383,10 @@ def _validate_placement(cfg: Config) -> None:
     engine = engine_name(b)  # auto: the launcher's, DeepSpeed with a zero_stage, else DDP
     engine_module(engine).validate(cfg)  # what this engine cannot honour, named by the engine
     _validate_optimizer_state(cfg, engine)
+    writable = formats_saving(engine_module(engine).CHECKPOINT_MODEL)
+    if cfg.checkpoint.format not in ("auto", *writable):
+        raise ConfigError("checkpoint.format", f"'{cfg.checkpoint.format}' cannot be written by engine {engine}: "
+                          f"choose auto or {', '.join(writable)}")
     if b.nvme_path is not None and not os.path.isdir(b.nvme_path):
         raise ConfigError("backend.nvme_path", f"'{b.nvme_path}' is not a folder (NVMe offload writes its files there)")
     if cfg.memory.host_memory_gib < 0:

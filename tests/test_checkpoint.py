@@ -193,6 +193,30 @@ def test_resume_two_rank_checkpoint_on_one_rank(tmp_path, reference, cache_dir, 
         assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]  # the converted copy is gone
 
 
+def test_a_resumed_run_writes_the_checkpoint_format_it_chose(tmp_path, reference, cache_dir):
+    """``checkpoint.format dcp`` under DDP: 1 rank resumes the 2-rank run's safetensors checkpoint
+    of step 15 (read by the format its manifest names, as another format's whole state), trains
+    step 16 on the same samples with the same loss, and saves dcp's files, named in the manifest;
+    a format DDP's model cannot be saved in is refused naming the field and the choices."""
+    from memtrain.checkpoint.layout import read_manifest
+
+    base = read_metrics(continuous(reference, "ddp"))
+    shutil.copytree(continuous(reference, "ddp") / "checkpoints" / "step_00000015", tmp_path / "from")
+    launch(tiny_args(tmp_path / "run", cache_dir, *CKPT, *ENGINES["ddp"], "--checkpoint.format", "dcp",
+                     "--resume", str(tmp_path / "from")), nproc=1)
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == [16]
+    assert records[0]["batch_fingerprint"] == base[15]["batch_fingerprint"]
+    assert records[0]["loss"] == pytest.approx(base[15]["loss"], rel=1e-5)
+    saved = tmp_path / "run" / "checkpoints" / "step_00000016"
+    assert read_manifest(str(saved))["checkpoint_format"] == "dcp" and (saved / "dcp" / ".metadata").exists()
+    assert not list(saved.glob("*.safetensors")) and not (saved / "optimizer.pt").exists()
+    refused = run_cli(tiny_args(tmp_path / "bad", cache_dir, "--checkpoint.format", "deepspeed"))
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "'checkpoint.format': 'deepspeed' cannot be written by engine ddp: choose auto or dcp, safetensors" in refused.stderr
+    assert not (tmp_path / "bad").exists()
+
+
 @pytest.mark.parametrize("source,target,nproc", [("ddp", "fsdp", 2), ("fsdp", "ddp", 2), ("zero2", "ddp", 2),
                                                   ("ddp", "zero3", 2), ("fsdp", "zero3", 1)])
 def test_a_killed_run_resumes_under_another_engine(tmp_path, reference, cache_dir, source, target, nproc):

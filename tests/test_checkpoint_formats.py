@@ -166,6 +166,25 @@ def test_an_export_stores_a_tied_parameter_once_however_it_was_gathered(tmp_path
     assert "transformer.wte.weight" in names and "lm_head.weight" not in names
 
 
+def test_a_checkpoint_of_another_format_is_predicted_as_an_engine_switch():
+    """A run resumes another format's checkpoint the way it resumes another engine's (read whole):
+    its resume moment is the switch's when the engine differs or the format differs from the one
+    the run writes (``checkpoint.format``, ``auto``: the engine's own), and its own load's otherwise."""
+    from types import SimpleNamespace
+
+    from memtrain.planning.resumed import with_resumed_switch
+
+    state = {"held_bytes": 1000}
+    run = lambda fmt: SimpleNamespace(checkpoint=SimpleNamespace(format=fmt))  # noqa: E731
+    saved_by_ddp = (("ddp", "safetensors"), 300, 400)
+    assert with_resumed_switch(state, run("auto"), "ddp", saved_by_ddp) == state  # its own format
+    assert with_resumed_switch(state, run("safetensors"), "ddp", saved_by_ddp) == state
+    switched = with_resumed_switch(state, run("dcp"), "ddp", saved_by_ddp)
+    assert (switched["switch_read_bytes"], switched["switch_read_peak_bytes"]) == (300, 400)
+    assert "switch_read_bytes" in with_resumed_switch(state, run("auto"), "fsdp", saved_by_ddp)  # another engine
+    assert with_resumed_switch(state, run("auto"), "fsdp", (("fsdp", "dcp"), 300, 400)) == state
+
+
 def test_the_switch_read_is_sized_from_what_the_manifest_says_of_the_saving_run():
     """``SavedRun.of`` takes from a manifest what the read sizes depend on: the saving world size,
     the ZeRO stage, a DeepSpeed run's 16-bit module weights under bf16, the moments' dtype; what a

@@ -67,6 +67,8 @@ TAKES_EFFECT = {
     "training.adam_eps": "written into the restored optimizer",
     "training.micro_batch_size": "the plan restarts at it",
     "memory.levers": "the plan restarts with it",
+    "checkpoint.format": "the checkpoint is read by the format its manifest names (another format's whole state, "
+                         "as another engine's); the next save is in the new one",
 }
 """Settings besides the levers' whose change on resume needs a rule (the rule, as logged). Every
 other key that is not must-match is read from this run's config when the run is built, so its

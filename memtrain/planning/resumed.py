@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from memtrain.checkpoint.formats import full_state_read_bytes
+from memtrain.backends import engine_module
+from memtrain.checkpoint.formats import formats_saving, full_state_read_bytes
 from memtrain.checkpoint.layout import complete_checkpoints, latest_checkpoint, read_manifest
 from memtrain.errors import CheckpointError, ConfigError
 from memtrain.memory.moments import with_switch
@@ -64,24 +65,33 @@ def resume_state_dtype(cfg, chooses: bool) -> Optional[str]:
     return dtype
 
 
-def switch_read(cfg, shape) -> Optional[tuple[str, int, int]]:
-    """``(the engine that wrote it, read_bytes, read_peak_bytes)`` of the checkpoint the run will
-    resume, as another engine would read it (its format's ``full_state_read_bytes``, for a model
-    of ``shape``: a :class:`memtrain.memory.shape.ModelShape`); None when there is none or its
-    manifest names no known format."""
+def switch_read(cfg, shape) -> Optional[tuple[tuple[str, str], int, int]]:
+    """``((the engine that wrote it, its format), read_bytes, read_peak_bytes)`` of the checkpoint
+    the run will resume, as another engine would read it (its format's ``full_state_read_bytes``,
+    for a model of ``shape``: a :class:`memtrain.memory.shape.ModelShape`); None when there is
+    none or its manifest names no known format."""
     manifest = resumed_manifest(cfg)
     if not manifest or not manifest.get("backend"):
         return None
     try:
-        return (manifest["backend"], *full_state_read_bytes(manifest, shape))
+        return ((manifest["backend"], manifest.get("checkpoint_format")), *full_state_read_bytes(manifest, shape))
     except CheckpointError:
         return None
 
 
-def with_resumed_switch(state: dict, engine: str, switch: Optional[tuple[str, int, int]]) -> dict:
+def run_format(cfg, engine: str) -> str:
+    """The checkpoint format a run of ``engine`` writes and reads its own checkpoints with:
+    ``checkpoint.format`` where that engine can be handed it, else the engine's own."""
+    module = engine_module(engine)
+    chosen = cfg.checkpoint.format
+    return chosen if chosen in formats_saving(module.CHECKPOINT_MODEL) else module.CHECKPOINT_FORMAT
+
+
+def with_resumed_switch(state: dict, cfg, engine: str, switch: Optional[tuple[tuple[str, str], int, int]]) -> dict:
     """``state`` (engine ``engine``'s ``model_state_bytes`` dict) with the engine switch's resume
     moment when the checkpoint ``switch`` describes (:func:`switch_read`) was written by another
-    engine (:func:`memtrain.memory.moments.with_switch`); else ``state`` itself."""
-    if switch is None or switch[0] == engine or "held_bytes" not in state:
+    engine or in another format than the run's (:func:`run_format`: either is read whole, as
+    another engine's; :func:`memtrain.memory.moments.with_switch`); else ``state`` itself."""
+    if switch is None or switch[0] == (engine, run_format(cfg, engine)) or "held_bytes" not in state:
         return state
     return with_switch(state, switch[1], switch[2])
