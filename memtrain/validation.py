@@ -11,7 +11,7 @@ import glob
 import os
 from typing import Collection, Optional
 
-from memtrain.backends import BACKENDS, engine_module, engine_name
+from memtrain.backends import BACKENDS, engine_module, engine_name, writes_format
 from memtrain.backends.spec import configured_engine
 from memtrain.checkpoint.formats import formats_saving
 from memtrain.checkpoint.layout import check_run_folder
@@ -20,7 +20,7 @@ from memtrain.data.hf_datasets import is_dataset_source
 from memtrain.data.tokens import cache_setting, default_cache_dir
 from memtrain.extras import require
 from memtrain.folders import check_export_target, check_max_shard_size, nearest_existing
-from memtrain.levers import lever, validate as validate_levers
+from memtrain.levers import validate as validate_levers
 from memtrain.metrics import check_tracker_names
 from memtrain.models import build_model, check_model_type, ctc_model_types
 
@@ -382,22 +382,13 @@ def _validate_placement(cfg: Config) -> None:
     b = cfg.backend
     engine = engine_name(b)  # auto: the launcher's, DeepSpeed with a zero_stage, else DDP
     engine_module(engine).validate(cfg)  # what this engine cannot honour, named by the engine
-    _validate_optimizer_state(cfg, engine)
-    writable = formats_saving(engine_module(engine).CHECKPOINT_MODEL)
-    if cfg.checkpoint.format not in ("auto", *writable):
+    if not writes_format(cfg, engine):
         raise ConfigError("checkpoint.format", f"'{cfg.checkpoint.format}' cannot be written by engine {engine}: "
-                          f"choose auto or {', '.join(writable)}")
+                          f"choose auto or {', '.join(formats_saving(engine_module(engine).CHECKPOINT_MODEL))}")
     if b.nvme_path is not None and not os.path.isdir(b.nvme_path):
         raise ConfigError("backend.nvme_path", f"'{b.nvme_path}' is not a folder (NVMe offload writes its files there)")
     if cfg.memory.host_memory_gib < 0:
         raise ConfigError("memory.host_memory_gib", f"must be >= 0 (GiB of host memory; 0 = what is available), got "
                           f"{cfg.memory.host_memory_gib}")
 
-
-def _validate_optimizer_state(cfg: Config, engine: str) -> None:
-    """``optimizer.state_dtype`` on ``engine``: bf16 and int8 on DDP and FSDP2 only (the lever's
-    choices name what DeepSpeed cannot take; its other rules: its ``validate``)."""
-    from types import SimpleNamespace
-
-    lever("optimizer_state_dtype").choices(cfg, SimpleNamespace(name=engine))
 

@@ -82,6 +82,13 @@ BAD_VALUES = [
     # torch.compile (torchao's int8 step) refuses MemTracker's dispatch mode: the run would fail at step 1
     (["--optimizer.state_dtype", "int8", "--logging.memory_breakdown_step", "1"], "logging.memory_breakdown_step",
      "torch.compile refuses"),
+    (["--backend.offload_optimizer_ratio", "1.5"], "backend.offload_optimizer_ratio", "must be in (0, 1]"),
+    (["--backend.offload", "auto", "--backend.offload_optimizer_ratio", "0.5"], "backend.offload_optimizer_ratio",
+     "chosen by the planner"),
+    # DeepSpeed's refusal of lossy moments comes before the bf16 rules it would not need
+    (["--backend.name", "deepspeed", "--optimizer.state_dtype", "bf16", "--training.adam_beta2", "0.999"],
+     "optimizer.state_dtype", "is for ddp and fsdp"),
+    (["--checkpoint.format", "deepspeed"], "checkpoint.format", "cannot be written by engine ddp: choose auto or dcp"),
 ]
 
 

@@ -222,6 +222,12 @@ def test_an_engine_is_checked_when_registered(monkeypatch):
     partial.VARIANTS = backends.engine_module("fsdp").VARIANTS  # offloading placements ask for more
     with pytest.raises(TypeError, match="offload_ratio, offload_seconds"):
         check_engine(partial, "partial")
+    partial.VARIANTS, partial.CHECKPOINT_MODEL = ddp.VARIANTS, "sharded_module"  # safetensors saves no sharded module
+    with pytest.raises(TypeError, match="engine 'partial': its CHECKPOINT_FORMAT 'safetensors' does not save"):
+        check_engine(partial, "partial")
+    partial.CHECKPOINT_MODEL = "pieces"
+    with pytest.raises(TypeError, match="CHECKPOINT_MODEL 'pieces' is not one of whole_module, sharded_module"):
+        check_engine(partial, "partial")
     monkeypatch.setattr(backends, "_CHECKED", {})  # the registry checks a module it loads
     monkeypatch.delattr(ddp, "AUTOCAST_MIXED_PRECISION")
     with pytest.raises(TypeError, match="engine 'ddp'.*AUTOCAST_MIXED_PRECISION"):

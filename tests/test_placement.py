@@ -368,6 +368,11 @@ def test_lossy_optimizer_states_are_planned_only_when_allowed():
     order = ["fp32", "bf16", "int8"]
     assert [p.state_dtype for p in every] == sorted((p.state_dtype for p in every), key=order.index)
     assert {p.engine for p in every if p.state_dtype != "fp32"} == {"ddp", "fsdp"}
+    # checkpoint.format: only the engines that write it (safetensors saves DDP's whole module only)
+    assert {p.engine for p in every} == {"ddp", "fsdp", "deepspeed"}
+    for fmt, engines in (("safetensors", {"ddp"}), ("dcp", {"ddp", "fsdp"}), ("deepspeed", {"deepspeed"})):
+        pool = planning_pool(parse_args(["--backend.offload", "auto", "--checkpoint.format", fmt]), False)
+        assert {p.engine for p in pool} == engines, fmt
     n = 10**9
     shape = ModelShape(n, largest_block=n // 32, largest_module=n // 96)
     for device_gib, dtype in ((14, "bf16"), (80, "fp32")):

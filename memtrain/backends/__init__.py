@@ -128,6 +128,13 @@ def model_state_bytes(engine: str, n_params: int, precision: str, zero_stage: Op
         deferred_reduction=deferred_reduction)
 
 
+def writes_format(cfg, engine: str) -> bool:
+    """Whether engine ``engine`` can be handed ``cfg.checkpoint.format`` (``auto``, its own: always):
+    the format's ``SAVES`` holds the model as the engine holds it (its module's ``CHECKPOINT_MODEL``)."""
+    chosen = cfg.checkpoint.format
+    return chosen == "auto" or chosen in formats_saving(engine_module(engine).CHECKPOINT_MODEL)
+
+
 def make_backend(cfg, spec, process, precision: str, plan, checkpoint_format: Optional[str] = None) -> Backend:
     """Build the engine ``spec`` (a :class:`memtrain.backends.spec.EngineSpec`) for ``cfg`` (a
     :class:`memtrain.config.Config`) on ``process`` (a :class:`memtrain.distributed.ProcessState`),

@@ -151,8 +151,9 @@ def _own_settings(optimizer: torch.optim.Optimizer, optimizer_state: dict) -> di
             checkpoint holds them dequantized, which would stay fp32).
     """
     if type(getattr(optimizer, "optimizer", optimizer)).__module__.startswith("torchao"):  # Accelerate's wrapper
-        raise CheckpointError("optimizer.state_dtype int8 cannot resume under another engine: its quantized moments "
-                              "do not cross between DDP and FSDP2. Resume with the engine that saved the checkpoint")
+        raise CheckpointError("optimizer.state_dtype int8 cannot resume under another engine or checkpoint format: its "
+                              "quantized moments do not cross between DDP and FSDP2 or between formats. Resume with "
+                              "the engine and checkpoint.format that saved the checkpoint")
     keys = set().union(*(group.keys() for group in optimizer.param_groups))  # this optimizer's settings only
     return {**optimizer_state, "param_groups": [{k: v for k, v in group.items() if k in keys}
                                                 for group in optimizer_state["param_groups"]]}

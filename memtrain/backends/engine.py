@@ -12,7 +12,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any, Callable, Protocol, runtime_checkable
 
-from memtrain.checkpoint.formats import MODEL_KINDS
+from memtrain.checkpoint.formats import MODEL_KINDS, format_module
 
 
 @runtime_checkable
@@ -93,4 +93,7 @@ def check_engine(module: ModuleType, name: str) -> ModuleType:
     if module.CHECKPOINT_MODEL not in MODEL_KINDS:
         raise TypeError(f"engine '{name}': CHECKPOINT_MODEL {module.CHECKPOINT_MODEL!r} is not one of "
                         f"{', '.join(MODEL_KINDS)}")
+    if module.CHECKPOINT_MODEL not in format_module(module.CHECKPOINT_FORMAT).SAVES:
+        raise TypeError(f"engine '{name}': its CHECKPOINT_FORMAT {module.CHECKPOINT_FORMAT!r} does not save its "
+                        f"CHECKPOINT_MODEL {module.CHECKPOINT_MODEL!r}")
     return module

@@ -9,8 +9,8 @@ one), never silently ignored:
   (:mod:`memtrain.data.sampler`); it means the same samples only if the samples, their order and
   the step size are the same: the data (files and their contents, tokenizer, ``seq_len``,
   encoding), ``training.seed`` and ``training.global_batch_size``. The engine and where its state
-  lives (its checkpoint format), the optimizer state's dtype, and the weights the run started
-  from, must match too.
+  lives, the optimizer state's dtype, and the weights the run started from, must match too
+  (except the engine switches of docs/checkpoints.md, and ``checkpoint.format``, read as one).
 * **takes effect** — from the first resumed step, said in the log and in the ``resume`` event
   of ``metrics.jsonl`` (``changed``: key → ``[checkpoint's, this run's]``). The learning-rate
   schedule is a function of the optimizer step and ``training.lr``, ``warmup_steps``,
@@ -68,7 +68,7 @@ TAKES_EFFECT = {
     "training.micro_batch_size": "the plan restarts at it",
     "memory.levers": "the plan restarts with it",
     "checkpoint.format": "the checkpoint is read by the format its manifest names (another format's whole state, "
-                         "as another engine's); the next save is in the new one",
+                         "as another engine's: an fp16 loss scaler starts afresh); the next save is in the new one",
 }
 """Settings besides the levers' whose change on resume needs a rule (the rule, as logged). Every
 other key that is not must-match is read from this run's config when the run is built, so its

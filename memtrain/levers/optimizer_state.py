@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from types import SimpleNamespace
 
-from memtrain.backends import engine_module
+from memtrain.backends import engine_module, engine_name
 from memtrain.errors import ConfigError
 from memtrain.levers.engine_settings import EngineSetting
 
@@ -109,6 +110,7 @@ class OptimizerStateDtype(EngineSetting):
         """bf16 with ``adam_beta2`` at most :data:`BF16_MAX_BETA2`; int8 needs torchao and is not
         counted by MemTracker; ``memory.allow_lossy_levers`` only under ``memory.levers auto``; a
         Python caller's ``optimizer_factory`` keeps its own state (fp32 here, nothing lossy chosen)."""
+        self.choices(cfg, SimpleNamespace(name=engine_name(cfg.backend)))  # what the engine cannot take, first
         dtype, m = cfg.optimizer.state_dtype, cfg.memory
         if "optimizer_factory" in python and dtype != "fp32":
             raise ConfigError("optimizer.state_dtype", f"{dtype} is memtrain's AdamW's; an optimizer_factory's "

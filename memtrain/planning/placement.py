@@ -38,7 +38,8 @@ import dataclasses
 import os
 from typing import Optional
 
-from memtrain.backends import BACKENDS, DEFAULT_ENGINE, engine_module, engine_variants, model_state_bytes
+from memtrain.backends import (BACKENDS, DEFAULT_ENGINE, engine_module, engine_variants, model_state_bytes,
+                               writes_format)
 from memtrain.backends.deepspeed import async_io_available
 from memtrain.backends.spec import configured_engine, user_zero_settings
 from memtrain.config import ConfigError
@@ -394,8 +395,8 @@ def placement_table(cfg, spec, corpus, world_size: int, machine: Machine, precis
 
 def planning_pool(cfg, nvme: bool) -> list[Placement]:
     """Every placement ``cfg`` leaves open: the engine of ``backend.name`` (or of the launcher or
-    the DeepSpeed JSON; all three when nothing names one), the ZeRO stage of ``backend.zero_stage``
-    or the JSON (all three when neither sets one).
+    the DeepSpeed JSON; every engine that can write ``checkpoint.format`` when nothing names one),
+    the ZeRO stage of ``backend.zero_stage`` or the JSON (all three when neither sets one).
 
     Raises:
         memtrain.config.ConfigError: ``backend.offload auto`` with a DeepSpeed JSON that sets an
@@ -409,6 +410,7 @@ def planning_pool(cfg, nvme: bool) -> list[Placement]:
     dtype = cfg.optimizer.state_dtype
     if dtype in LOSSY:  # DeepSpeed keeps fp32 optimizer partitions (memtrain/levers/optimizer_state.py)
         engines = tuple(e for e in engines if engine_module(e).LOSSY_OPTIMIZER_STATE)
+    engines = tuple(e for e in engines if writes_format(cfg, e))  # checkpoint.format: the engines that write it
     pool = []
     for d in dict.fromkeys(d for e in engines for d in planner_dtypes(cfg, e)):  # the least lossy first: it wins ties
         pool += variants(tuple(e for e in engines if d in planner_dtypes(cfg, e)), (stage,) if stage else (1, 2, 3),

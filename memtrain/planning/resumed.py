@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from memtrain.backends import engine_module
-from memtrain.checkpoint.formats import formats_saving, full_state_read_bytes
+from memtrain.backends import engine_module, writes_format
+from memtrain.checkpoint.formats import full_state_read_bytes
 from memtrain.checkpoint.layout import complete_checkpoints, latest_checkpoint, read_manifest
 from memtrain.errors import CheckpointError, ConfigError
 from memtrain.memory.moments import with_switch
@@ -81,10 +81,11 @@ def switch_read(cfg, shape) -> Optional[tuple[tuple[str, str], int, int]]:
 
 def run_format(cfg, engine: str) -> str:
     """The checkpoint format a run of ``engine`` writes and reads its own checkpoints with:
-    ``checkpoint.format`` where that engine can be handed it, else the engine's own."""
-    module = engine_module(engine)
-    chosen = cfg.checkpoint.format
-    return chosen if chosen in formats_saving(module.CHECKPOINT_MODEL) else module.CHECKPOINT_FORMAT
+    ``checkpoint.format``, or the engine's own under ``auto`` and for an engine that cannot be
+    handed it (a placement the planner leaves out: :func:`memtrain.planning.placement.planning_pool`)."""
+    if cfg.checkpoint.format != "auto" and writes_format(cfg, engine):
+        return cfg.checkpoint.format
+    return engine_module(engine).CHECKPOINT_FORMAT
 
 
 def with_resumed_switch(state: dict, cfg, engine: str, switch: Optional[tuple[tuple[str, str], int, int]]) -> dict:
