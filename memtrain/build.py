@@ -269,8 +269,7 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
     make_planner = planner_factory(cfg, corpus, objective, precision, process, lambda: engine.model_state_bytes(n_params),
                                    choices, source, spec.name)
     controller = make_controller(cfg, spec.data_parallel_size, choices, make_planner)
-    engine = make_backend(cfg, spec, process, precision, controller.plan,
-                          None if cfg.checkpoint.format == "auto" else cfg.checkpoint.format)
+    engine = make_backend(cfg, spec, process, precision, controller.plan)
     closing.callback(engine.close)
     host = run_host_limit(cfg)  # the host memory the ranks here may use, and what sets it
     # every rank makes the same agreement points: armed where any rank's host allocations can fail

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from memtrain.levers.activation_checkpointing import enable_activation_checkpointing
-from memtrain.backends import engine_module, engine_name, engine_variants, model_state_bytes
+from memtrain.backends import engine_module, engine_name, engine_variants, model_state_bytes, writes_format
 from memtrain.models import repeated_blocks
 from memtrain.config import ConfigError, parse_args
 from memtrain.data import build_corpus
@@ -170,14 +170,15 @@ def plan_report(cfg, world_size: int, gpu_memory_gib: Optional[float] = None,
 
 def _model_states(cfg, shape, precision: str, world_size: int) -> tuple[dict, str, dict]:
     """``(model state bytes per engine variant, the run's engine, its model state bytes)`` with the
-    config's ``optimizer.state_dtype`` (DeepSpeed's variants keep fp32)."""
+    config's ``optimizer.state_dtype`` (DeepSpeed's variants keep fp32); the variants of the engines
+    that can write ``checkpoint.format`` only."""
     n, dtype, deferred = shape.parameters, cfg.optimizer.state_dtype, cfg.memory.oom_recovery
     switch = switch_read(cfg, shape)  # a resume from another engine's (or format's) checkpoint: its resume moment
     engines = {v.name: with_resumed_switch(
         model_state_bytes(v.engine, n, precision, v.zero_stage, v.offload, world_size, shape=shape,
                           state_dtype=dtype if engine_module(v.engine).LOSSY_OPTIMIZER_STATE else "fp32",
                           deferred_reduction=deferred), cfg, v.engine, switch)
-               for v in engine_variants() if not v.tune_ratio and not v.nvme}
+               for v in engine_variants() if not v.tune_ratio and not v.nvme and writes_format(cfg, v.engine)}
     engine, state = engine_name(cfg.backend), configured_state_bytes(cfg, shape, precision, world_size)
     return engines, engine, with_resumed_switch(state, cfg, engine, switch)
 

@@ -11,9 +11,8 @@ import glob
 import os
 from typing import Collection, Optional
 
-from memtrain.backends import BACKENDS, engine_module, engine_name, writes_format
+from memtrain.backends import BACKENDS, check_writes_format, engine_module, engine_name
 from memtrain.backends.spec import configured_engine
-from memtrain.checkpoint.formats import formats_saving
 from memtrain.checkpoint.layout import check_run_folder
 from memtrain.config import Config, ConfigError, freeze
 from memtrain.data.hf_datasets import is_dataset_source
@@ -382,9 +381,7 @@ def _validate_placement(cfg: Config) -> None:
     b = cfg.backend
     engine = engine_name(b)  # auto: the launcher's, DeepSpeed with a zero_stage, else DDP
     engine_module(engine).validate(cfg)  # what this engine cannot honour, named by the engine
-    if not writes_format(cfg, engine):
-        raise ConfigError("checkpoint.format", f"'{cfg.checkpoint.format}' cannot be written by engine {engine}: "
-                          f"choose auto or {', '.join(formats_saving(engine_module(engine).CHECKPOINT_MODEL))}")
+    check_writes_format(cfg, engine)
     if b.nvme_path is not None and not os.path.isdir(b.nvme_path):
         raise ConfigError("backend.nvme_path", f"'{b.nvme_path}' is not a folder (NVMe offload writes its files there)")
     if cfg.memory.host_memory_gib < 0:

@@ -368,17 +368,34 @@ def test_lossy_optimizer_states_are_planned_only_when_allowed():
     order = ["fp32", "bf16", "int8"]
     assert [p.state_dtype for p in every] == sorted((p.state_dtype for p in every), key=order.index)
     assert {p.engine for p in every if p.state_dtype != "fp32"} == {"ddp", "fsdp"}
-    # checkpoint.format: only the engines that write it (safetensors saves DDP's whole module only)
-    assert {p.engine for p in every} == {"ddp", "fsdp", "deepspeed"}
-    for fmt, engines in (("safetensors", {"ddp"}), ("dcp", {"ddp", "fsdp"}), ("deepspeed", {"deepspeed"})):
-        pool = planning_pool(parse_args(["--backend.offload", "auto", "--checkpoint.format", fmt]), False)
-        assert {p.engine for p in pool} == engines, fmt
     n = 10**9
     shape = ModelShape(n, largest_block=n // 32, largest_module=n // 96)
     for device_gib, dtype in ((14, "bf16"), (80, "fp32")):
         table = plan_placements(candidates(0.05), allowed_pool(ddp, False), shape, "bf16", 1, machine(device_gib))
         assert next(p for p in table if p.chosen).state_dtype == dtype
         assert table[0].fits_device == (dtype == "fp32")  # fp32: 16 GB of state
+
+
+def test_the_placement_pool_and_a_kept_placement_honour_checkpoint_format(monkeypatch):
+    """``checkpoint.format`` under ``backend.offload auto``: the pool holds only the engines that
+    can write it, and a resumed run whose checkpoint keeps a placement of an engine that cannot
+    is refused on the field, naming the engine and the formats it can write."""
+    from memtrain.config import ConfigError, parse_args
+    from memtrain.planning import run_placement
+    from memtrain.planning.placement import planning_pool
+
+    every = planning_pool(parse_args(["--backend.offload", "auto"]), False)
+    assert {p.engine for p in every} == {"ddp", "fsdp", "deepspeed"}
+    # only the engines that write it (safetensors saves DDP's whole module only)
+    for fmt, engines in (("safetensors", {"ddp"}), ("dcp", {"ddp", "fsdp"}), ("deepspeed", {"deepspeed"})):
+        pool = planning_pool(parse_args(["--backend.offload", "auto", "--checkpoint.format", fmt]), False)
+        assert {p.engine for p in pool} == engines, fmt
+    # a resumed run keeps its checkpoint's placement: one whose engine cannot write the format is refused by name
+    monkeypatch.setattr(run_placement, "resume_placement", lambda cfg: {"name": "fsdp"})
+    kept = parse_args(["--backend.offload", "auto", "--checkpoint.format", "safetensors"])
+    with pytest.raises(ConfigError, match="'safetensors' cannot be written by engine fsdp, whose placement the resumed "
+                                          "checkpoint keeps .backend.offload auto.: choose auto or dcp$"):
+        run_placement.resolve(kept, None, None, "fp32")
 
 
 def test_a_lossier_state_dtype_must_be_clearly_faster_and_bf16_keeps_its_beta2_limit():
@@ -1078,3 +1095,29 @@ def test_the_plan_fits_the_resume_and_export_moments_beside_its_steps():
     largest = max(roomy.candidates, key=lambda c: c.predicted_peak_bytes)
     smaller = roomy.after_oom(largest.plan)
     assert smaller is not None and smaller.predicted_peak_bytes < largest.predicted_peak_bytes
+
+
+def test_a_save_stages_on_the_host_what_its_checkpoint_format_copies():
+    """The host bytes a save stages are the format's, not the engine's: DDP writing safetensors
+    hands ``torch.save`` its whole optimizer state (copied to the host at once), DDP writing dcp
+    copies one tensor at a time (the largest, and the writer's copy-ahead, taken from torch's
+    ``FileSystemWriter``), so the same placement needs that much less host memory; an async save
+    stages everything in either."""
+    import inspect
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from memtrain.planning.placement import state_bytes
+
+    copy_ahead = inspect.signature(FileSystemWriter.__init__).parameters["per_thread_copy_ahead"].default
+
+    def host(checkpoint_format, async_save=False):
+        p = Placement("ddp", None, "none", checkpoint_format=checkpoint_format, async_save=async_save)
+        no_export = dataclasses.replace(machine(), exports=False)  # the export's host peak is larger still
+        (planned,) = plan_placements(candidates(), [p], SHAPE, "bf16", 1, no_export)
+        return planned.host_bytes
+
+    optimizer = state_bytes(Placement("ddp", None, "none"), SHAPE, "bf16", 1)["optimizer_bytes"]
+    assert host("auto") == host("safetensors")  # DDP's own
+    assert host("safetensors") - host("dcp") == optimizer - (4 * SHAPE.largest_module + copy_ahead)
+    assert host("safetensors", async_save=True) == host("dcp", async_save=True)

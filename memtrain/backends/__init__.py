@@ -21,7 +21,7 @@ from typing import Mapping, Optional
 from memtrain.backends.base import Backend
 from memtrain.backends.engine import check_engine
 from memtrain.checkpoint.formats import format_module, formats_saving
-from memtrain.errors import CheckpointError
+from memtrain.errors import CheckpointError, ConfigError
 from memtrain.engine_names import ENGINES
 from memtrain.memory.shape import ModelShape
 
@@ -128,34 +128,53 @@ def model_state_bytes(engine: str, n_params: int, precision: str, zero_stage: Op
         deferred_reduction=deferred_reduction)
 
 
+def run_format(engine: str, chosen: str) -> str:
+    """The name of the checkpoint format a run of engine ``engine`` writes (and reads its own
+    checkpoints with) under ``checkpoint.format`` ``chosen``: that one, or under ``auto`` the
+    engine's own (its module's ``CHECKPOINT_FORMAT``)."""
+    return engine_module(engine).CHECKPOINT_FORMAT if chosen == "auto" else chosen
+
+
 def writes_format(cfg, engine: str) -> bool:
     """Whether engine ``engine`` can be handed ``cfg.checkpoint.format`` (``auto``, its own: always):
-    the format's ``SAVES`` holds the model as the engine holds it (its module's ``CHECKPOINT_MODEL``)."""
-    chosen = cfg.checkpoint.format
-    return chosen == "auto" or chosen in formats_saving(engine_module(engine).CHECKPOINT_MODEL)
+    a known format whose ``SAVES`` holds the model as the engine holds it (its module's
+    ``CHECKPOINT_MODEL``). Imports that one format only."""
+    try:
+        return engine_module(engine).CHECKPOINT_MODEL in format_module(run_format(engine, cfg.checkpoint.format)).SAVES
+    except CheckpointError:  # a format no module of memtrain/checkpoint/formats/ is named
+        return False
 
 
-def make_backend(cfg, spec, process, precision: str, plan, checkpoint_format: Optional[str] = None) -> Backend:
+def check_writes_format(cfg, engine: str, why: str = "") -> None:
+    """Refuse ``cfg.checkpoint.format`` when engine ``engine`` cannot write it (:func:`writes_format`);
+    ``why``: the words after the engine's name saying why that engine runs.
+
+    Raises:
+        memtrain.errors.ConfigError: on ``checkpoint.format``, naming ``auto`` and every format
+            that saves the engine's model.
+    """
+    if not writes_format(cfg, engine):
+        writable = ", ".join(formats_saving(engine_module(engine).CHECKPOINT_MODEL))
+        raise ConfigError("checkpoint.format", f"'{cfg.checkpoint.format}' cannot be written by engine {engine}"
+                          f"{why}: choose auto or {writable}")
+
+
+def make_backend(cfg, spec, process, precision: str, plan) -> Backend:
     """Build the engine ``spec`` (a :class:`memtrain.backends.spec.EngineSpec`) for ``cfg`` (a
     :class:`memtrain.config.Config`) on ``process`` (a :class:`memtrain.distributed.ProcessState`),
     starting with micro-batch ``plan``, and hand it the checkpoint format it writes through
-    (``checkpoint_io``, as Lightning Fabric's Strategy takes its ``checkpoint_io``):
-    ``checkpoint_format``, a format whose ``SAVES`` holds the model as the engine holds it (its
-    module's ``CHECKPOINT_MODEL``); None = the module's ``CHECKPOINT_FORMAT``.
+    (``checkpoint_io``, as Lightning Fabric's Strategy takes its ``checkpoint_io``): the module of
+    ``cfg.checkpoint.format`` (:func:`run_format`), whose ``SAVES`` holds the model as the engine
+    holds it.
 
     Raises:
         ValueError: unknown engine or an option the engine cannot honour (message names the field).
-        memtrain.config.ConfigError: a DeepSpeed JSON contradicting the memtrain config.
-        memtrain.errors.CheckpointError: a ``checkpoint_format`` the engine cannot be handed
-            (names the ones it can), or an unknown one.
+        memtrain.errors.ConfigError: a DeepSpeed JSON contradicting the memtrain config, or a
+            ``checkpoint.format`` the engine cannot write (:func:`check_writes_format`).
     """
-    module = engine_module(spec.name)
-    checkpoint_io = format_module(checkpoint_format or module.CHECKPOINT_FORMAT)
-    if module.CHECKPOINT_MODEL not in checkpoint_io.SAVES:
-        raise CheckpointError(f"checkpoint format '{checkpoint_io.NAME}' cannot be handed to engine {spec.name}: "
-                              f"it can be handed {', '.join(formats_saving(module.CHECKPOINT_MODEL))}")
-    backend = module.build(cfg, spec, process, precision, plan)
-    backend.checkpoint_io = checkpoint_io
+    check_writes_format(cfg, spec.name)
+    backend = engine_module(spec.name).build(cfg, spec, process, precision, plan)
+    backend.checkpoint_io = format_module(run_format(spec.name, cfg.checkpoint.format))
     return backend
 
 

@@ -14,6 +14,7 @@ from memtrain.errors import CheckpointError, ConfigError
 
 log = logging.getLogger("memtrain")
 
+
 class ThroughItsFormat:
     """What every engine answers of its checkpoints from the format it was handed
     (``checkpoint_io``, :func:`memtrain.backends.make_backend`) and its ``checkpoint_state``: a
@@ -121,12 +122,6 @@ def fp32_export_bytes(precision: str, offload: str) -> int:
     rank 0's host (DDP's fp32 parameters; DeepSpeed's ``full_state_dict`` casts the gathered 16-bit
     parameters to fp32 there), whatever the precision and offload."""
     return 4
-
-
-def all_checkpoint_staged(optimizer_bytes: int, **save) -> int:
-    """``checkpoint_staging_bytes`` of the engines whose save stages all of the device-resident
-    optimizer state in host memory at once (DDP; ``save``, how the save runs, unused)."""
-    return optimizer_bytes
 
 
 def selective_checkpointing_works(spec) -> bool:

@@ -17,7 +17,6 @@ from torch import nn
 from memtrain.backends.base import ComputeCollectives
 from memtrain.backends.common import (ThroughItsFormat, load_full_state_as_read, refuse_deepspeed_settings,
                                       refuse_unsharded_reshard)
-from memtrain.backends.common import all_checkpoint_staged as checkpoint_staging_bytes  # noqa: F401 (registry)
 from memtrain.backends.common import fp32_export_bytes as export_bytes_per_parameter  # noqa: F401 (registry)
 from memtrain.backends.common import selective_checkpointing_works as takes_selective_checkpointing  # noqa: F401
 from memtrain.backends.common import whole_model_build_context as model_build_context  # noqa: F401 (registry)

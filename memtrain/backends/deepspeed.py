@@ -70,8 +70,6 @@ AUTOCAST_MIXED_PRECISION = False
 """Mixed precision as the trace computes it: DeepSpeed's bf16/fp16: 16-bit parameters, fp32 masters in the optimizer."""
 STEPS_USER_OPTIMIZER = False
 """A Python caller's optimizer is refused: memtrain sizes ZeRO's partitions for AdamW, and its offload steps DeepSpeed's CPU Adam."""
-STAGING_LIMIT_BYTES = 4 * 10**9
-"""The largest flat partition DeepSpeed serialises at once (its default sub-group of 1e9 fp32 elements)."""
 
 
 def offload_ratio(shape: ModelShape, ratio: float) -> float:
@@ -84,12 +82,6 @@ def offload_ratio(shape: ModelShape, ratio: float) -> float:
 def variant_label(zero_stage) -> str:
     """The engine's word in a placement's name (``memtrain plan``'s table)."""
     return f"zero{zero_stage}"
-
-
-def checkpoint_staging_bytes(optimizer_bytes: int, **save) -> int:
-    """Host bytes a checkpoint save stages of ``optimizer_bytes`` of device-resident optimizer
-    state (DeepSpeed serialises one flat partition at a time; ``save`` unused)."""
-    return min(optimizer_bytes, STAGING_LIMIT_BYTES)
 
 
 def takes_selective_checkpointing(spec) -> bool:

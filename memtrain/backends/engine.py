@@ -54,7 +54,6 @@ class Engine(Protocol):
     stop_words: Callable[..., str]
     stop_advice: Callable[..., str]
     takes_selective_checkpointing: Callable[..., bool]
-    checkpoint_staging_bytes: Callable[..., int]
     export_bytes_per_parameter: Callable[..., int]
 
 

@@ -115,19 +115,6 @@ FORWARD_SHARE = 1 / 3
 part's CPU step can run beside the next forward."""
 
 
-DCP_COPY_AHEAD_BYTES = 10_000_000
-"""torch.distributed.checkpoint's ``FileSystemWriter`` copies device tensors this many bytes ahead
-of writing them (``per_thread_copy_ahead``)."""
-
-
-def checkpoint_staging_bytes(optimizer_bytes: int, largest_tensor_bytes: int = 0, async_save: bool = False) -> int:
-    """Host bytes a save stages of ``optimizer_bytes`` of device-resident optimizer state: all of it
-    with ``checkpoint.async_save`` (``dcp.async_save`` copies the state to the CPU first); a
-    synchronous ``dcp.save`` copies one tensor at a time (the largest, ``largest_tensor_bytes``,
-    and :data:`DCP_COPY_AHEAD_BYTES`)."""
-    return optimizer_bytes if async_save else min(optimizer_bytes, largest_tensor_bytes + DCP_COPY_AHEAD_BYTES)
-
-
 def export_bytes_per_parameter(precision: str, offload: str) -> int:
     """Bytes per parameter of the whole model the export gathers on rank 0's host: the sharded
     parameters' dtype (fp32, or the compute dtype under the optimizer offload)."""

@@ -23,7 +23,8 @@ LEVERS: tuple[Lever, ...] = (ActivationCheckpointing(), ChunkedCrossEntropy(), A
 """Every lever memtrain has, in the order the OOM recovery escalates them."""
 
 __all__ = ["LEVERS", "Lever", "LeverCost", "LeverTarget", "PlanFacts", "lever", "lever_choices", "allowed_by",
-           "apply_levers", "validate", "recompute_fraction", "block_period", "copy_bytes_per_s", "plan_cost", "resume_rules", "describe", "plan_words",
+           "apply_levers", "validate", "recompute_fraction", "block_period", "copy_bytes_per_s", "plan_cost",
+           "resume_rules", "describe", "plan_words",
            "lever_events", "first_settings", "restore_settings", "offered_choices"]
 
 

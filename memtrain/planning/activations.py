@@ -66,6 +66,29 @@ def resident_bytes(micro_batch: dict[str, torch.Tensor], gradient_accumulation_s
     return micro_bytes * gradient_accumulation_steps + fingerprint_weight_bytes(micro_batch)
 
 
+def _peaks_tracer(cfg, simulated: bool) -> Callable[..., tuple[int, ...]]:
+    """``(model, mode, objective, batch) -> peaks`` as one flat tuple of bytes: peak, in_block,
+    in_backward, in_block_backward, in_block_forward, the made windows
+    (``step_trace.MADE_PEAKS``), the kept views. ``simulated``: the simulated device's count,
+    saved bytes alone whatever runs (no made windows). The kept views are traced at the
+    persistence threshold ZeRO-3 runs with (larger parameters are gathered, and kept through a
+    saved view: :class:`memtrain.memory.step_trace.StepPeaks` ``kept``, read only for an engine
+    that gathers them), and with DeepSpeed's memory-efficient linear when ``cfg``'s ZeRO
+    settings turn it on."""
+    zero = user_zero_settings(cfg)
+    kept_numel = zero.get("stage3_param_persistence_threshold", ZERO3_PERSISTENCE_THRESHOLD)
+    saves_weight = linear_saves_weight(zero)
+
+    def trace(*args) -> tuple[int, ...]:
+        if simulated:
+            saved = traced_activation_bytes(*args)
+            return (saved,) * 5 + (0,) * step_trace.MADE_PEAKS + (saved,) * 4
+        peaks = step_trace.step_peaks(*args, kept_numel=kept_numel, linear_saves_weight=saves_weight)
+        return (*peaks[:3], peaks.in_block_backward, peaks.in_block_forward, *peaks.made, *peaks.kept)
+
+    return trace
+
+
 def activation_table(cfg, corpus, objective, precision: str, device_type: str,
                      source=None, engine: Optional[str] = None) -> Callable[[Plan], int]:
     """``plan -> traced activation bytes`` of one micro-batch for ``cfg``'s model (built fake here,
@@ -109,19 +132,7 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
             batches[micro] = trace_batch(corpus, micro)
         return batches[micro]
 
-    # the persistence threshold ZeRO-3 runs with: larger parameters are gathered, and kept
-    # through a saved view (StepPeaks.kept; read only for an engine that gathers them)
-    zero = user_zero_settings(cfg)
-    kept_numel = zero.get("stage3_param_persistence_threshold", ZERO3_PERSISTENCE_THRESHOLD)
-    saves_weight = linear_saves_weight(zero)  # DeepSpeed's memory-efficient linear
-
-    def trace(*args) -> tuple[int, ...]:  # peak, in_block, in_backward, in_block_backward, in_block_forward, made, kept views
-        if simulated:  # the simulated device counts saved bytes alone, whatever runs (no made windows)
-            saved = traced_activation_bytes(*args)
-            return (saved,) * 5 + (0,) * step_trace.MADE_PEAKS + (saved,) * 4
-        peaks = step_trace.step_peaks(*args, kept_numel=kept_numel, linear_saves_weight=saves_weight)
-        return (*peaks[:3], peaks.in_block_backward, peaks.in_block_forward, *peaks.made, *peaks.kept)
-
+    trace = _peaks_tracer(cfg, simulated)
     def traced(plan: Plan) -> tuple[step_trace.StepPeaks, int]:
         settings = {name: setting for name, setting in plan.levers if lever(name).model_lever}
         key = (plan.micro_batch_size, tuple(settings.items()))

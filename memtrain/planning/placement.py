@@ -39,9 +39,10 @@ import os
 from typing import Optional
 
 from memtrain.backends import (BACKENDS, DEFAULT_ENGINE, engine_module, engine_variants, model_state_bytes,
-                               writes_format)
+                               run_format, writes_format)
 from memtrain.backends.deepspeed import async_io_available
 from memtrain.backends.spec import configured_engine, user_zero_settings
+from memtrain.checkpoint.formats import format_module
 from memtrain.config import ConfigError
 from memtrain.levers import allowed_by, describe, lever_choices, offered_choices
 from memtrain.levers.optimizer_state import (BF16_MAX_BETA2, LOSSY, STATE_DTYPES, choose_charging_steps,
@@ -79,7 +80,8 @@ class Placement:
     ``optimizer.state_dtype`` (DDP and FSDP2 take bf16 and int8); ``state_dtype_s``, in
     ``predicted_step_s``, its measured step beyond fp32 moments' (None: not measured);
     ``deferred_reduction``: ``memory.oom_recovery`` (DDP then holds no reducer buckets);
-    ``async_save``: ``checkpoint.async_save`` (what a save stages on the host);
+    ``async_save``: ``checkpoint.async_save`` and ``checkpoint_format``: ``checkpoint.format``
+    (what a save stages on the host: its format's ``staging_bytes``);
     ``device_s``: the plan's compute; ``host_step_s`` and ``copy_s``: the offload's CPU step and
     host↔device (and NVMe) copies per step (:class:`memtrain.backends.common.OffloadTime`);
     ``bound``: what the step waits for —
@@ -107,6 +109,7 @@ class Placement:
     levers: dict = dataclasses.field(default_factory=dict)  # the plan's other model levers: {name: setting}
     deferred_reduction: bool = True
     async_save: bool = False
+    checkpoint_format: str = "auto"
     device_s: float = 0.0
     host_step_s: float = 0.0
     copy_s: float = 0.0
@@ -134,12 +137,14 @@ class Placement:
 
 
 def variants(engines: tuple[str, ...], zero_stages: tuple[int, ...], nvme: bool,
-             state_dtype: str = "fp32", deferred_reduction: bool = True, async_save: bool = False) -> list[Placement]:
+             state_dtype: str = "fp32", deferred_reduction: bool = True, async_save: bool = False,
+             checkpoint_format: str = "auto") -> list[Placement]:
     """Every placement of ``engines`` (ZeRO stages restricted to ``zero_stages``; NVMe ones only
     with ``nvme``), least offload first: the engines' own variants
     (:func:`memtrain.backends.engine_variants`), with optimizer states in ``state_dtype``."""
     return [Placement(v.engine, v.zero_stage, v.offload, v.offload_optimizer_ratio, v.nvme, v.tune_ratio,
-                      state_dtype=state_dtype, deferred_reduction=deferred_reduction, async_save=async_save)
+                      state_dtype=state_dtype, deferred_reduction=deferred_reduction, async_save=async_save,
+                      checkpoint_format=checkpoint_format)
             for v in engine_variants(engines)
             if (v.zero_stage is None or v.zero_stage in zero_stages) and (nvme or not v.nvme)
             and (not v.state_dtypes or state_dtype in v.state_dtypes)]
@@ -164,7 +169,7 @@ def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_s
     device = max(candidate_peak_bytes(c, device_state_bytes(state), peak_terms(state), machine.device_type),
                  moment_fit_bytes(largest_moment_bytes(state, machine.device_type), machine.device_type))
     optimizer_on_device = state["optimizer_bytes"]
-    staging = engine_module(p.engine).checkpoint_staging_bytes(
+    staging = format_module(run_format(p.engine, p.checkpoint_format)).staging_bytes(
         optimizer_on_device, largest_tensor_bytes=4 * shape.largest_module // world_size, async_save=p.async_save)
     if machine.device_type == "cpu" and not p.async_save:
         staging = 0  # a CPU run's state is host memory already: a synchronous save writes it from there
@@ -414,7 +419,7 @@ def planning_pool(cfg, nvme: bool) -> list[Placement]:
     pool = []
     for d in dict.fromkeys(d for e in engines for d in planner_dtypes(cfg, e)):  # the least lossy first: it wins ties
         pool += variants(tuple(e for e in engines if d in planner_dtypes(cfg, e)), (stage,) if stage else (1, 2, 3),
-                         nvme, d, cfg.memory.oom_recovery, cfg.checkpoint.async_save)
+                         nvme, d, cfg.memory.oom_recovery, cfg.checkpoint.async_save, cfg.checkpoint.format)
     if cfg.model.lora_rank:  # LoRA trains without offload (memtrain.validation._validate_lora)
         pool = [p for p in pool if p.offload == "none"]
     return pool
@@ -429,7 +434,8 @@ def allowed_pool(cfg, nvme: bool) -> list[Placement]:
     c = configured_engine(cfg.backend)
     return [Placement(c.name, c.built_zero_stage, c.offload, c.offload_optimizer_ratio, nvme=c.offload_device == "nvme",
                       state_dtype=d,
-                      deferred_reduction=cfg.memory.oom_recovery, async_save=cfg.checkpoint.async_save)
+                      deferred_reduction=cfg.memory.oom_recovery, async_save=cfg.checkpoint.async_save,
+                      checkpoint_format=cfg.checkpoint.format)
             for d in planner_dtypes(cfg, c.name)]
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from memtrain.backends import engine_module, writes_format
+from memtrain.backends import run_format
 from memtrain.checkpoint.formats import full_state_read_bytes
 from memtrain.checkpoint.layout import complete_checkpoints, latest_checkpoint, read_manifest
 from memtrain.errors import CheckpointError, ConfigError
@@ -79,20 +79,11 @@ def switch_read(cfg, shape) -> Optional[tuple[tuple[str, str], int, int]]:
         return None
 
 
-def run_format(cfg, engine: str) -> str:
-    """The checkpoint format a run of ``engine`` writes and reads its own checkpoints with:
-    ``checkpoint.format``, or the engine's own under ``auto`` and for an engine that cannot be
-    handed it (a placement the planner leaves out: :func:`memtrain.planning.placement.planning_pool`)."""
-    if cfg.checkpoint.format != "auto" and writes_format(cfg, engine):
-        return cfg.checkpoint.format
-    return engine_module(engine).CHECKPOINT_FORMAT
-
-
 def with_resumed_switch(state: dict, cfg, engine: str, switch: Optional[tuple[tuple[str, str], int, int]]) -> dict:
     """``state`` (engine ``engine``'s ``model_state_bytes`` dict) with the engine switch's resume
     moment when the checkpoint ``switch`` describes (:func:`switch_read`) was written by another
-    engine or in another format than the run's (:func:`run_format`: either is read whole, as
+    engine or in another format than the run's (:func:`memtrain.backends.run_format`: either is read whole, as
     another engine's; :func:`memtrain.memory.moments.with_switch`); else ``state`` itself."""
-    if switch is None or switch[0] == (engine, run_format(cfg, engine)) or "held_bytes" not in state:
+    if switch is None or switch[0] == (engine, run_format(engine, cfg.checkpoint.format)) or "held_bytes" not in state:
         return state
     return with_switch(state, switch[1], switch[2])

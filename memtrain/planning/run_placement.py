@@ -16,9 +16,8 @@ from typing import Optional
 
 import torch
 
-from memtrain.backends import BACKENDS, engine_module, writes_format
+from memtrain.backends import BACKENDS, check_writes_format, engine_module
 from memtrain.backends.spec import backend_view, resolve_engine
-from memtrain.checkpoint.formats import formats_saving
 from memtrain.config import ConfigError
 from memtrain.folders import write_atomic
 from memtrain.levers.optimizer_state import planner_dtypes
@@ -75,11 +74,8 @@ def resolve(cfg, corpus, process, precision: str, source=None, objective=None):
             holds the numbers.
     """
     kept = resume_placement(cfg) if cfg.backend.offload == "auto" else None
-    if kept is not None and not writes_format(cfg, kept["name"]):
-        writable = formats_saving(engine_module(kept["name"]).CHECKPOINT_MODEL)
-        raise ConfigError("checkpoint.format", f"'{cfg.checkpoint.format}' cannot be written by engine {kept['name']}, "
-                          "whose placement the resumed checkpoint keeps (backend.offload auto): choose auto or "
-                          f"{', '.join(writable)}")
+    if kept is not None:
+        check_writes_format(cfg, kept["name"], ", whose placement the resumed checkpoint keeps (backend.offload auto)")
     configured = configured_spec(cfg, process.world_size, process.rank)
     spec = configured.with_placement(kept) if kept is not None else configured
     if kept is not None and process.is_main:

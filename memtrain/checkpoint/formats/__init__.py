@@ -22,6 +22,9 @@ Each format is one module of this package (found by scanning the package: :data:
   format decides which rank writes what). ``async_save``: write in the background over
   ``process_group`` and return the future (a format that cannot writes now and returns None);
 * ``expected_files(state) -> list[str]``: the glob patterns a complete save of ``state`` holds;
+* ``staging_bytes(optimizer_bytes, largest_tensor_bytes=0, async_save=False) -> int``: the host
+  bytes a save stages of a rank's ``optimizer_bytes`` of device-resident optimizer state (its
+  largest tensor ``largest_tensor_bytes``), for the placement planner's host peak;
 * ``read_full_weights(path) -> dict[str, Tensor]``: the whole model's weights (CPU) read in one
   process without a process group (``memtrain export``);
 * ``read_full_state(path, module)`` where the format can: the weights and the optimizer state

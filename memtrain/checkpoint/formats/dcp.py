@@ -22,6 +22,19 @@ WRITTEN_BY = "fsdp"
 FOLDER = "dcp"
 
 
+COPY_AHEAD_BYTES = 10_000_000
+"""torch.distributed.checkpoint's ``FileSystemWriter`` copies device tensors this many bytes ahead
+of writing them (``per_thread_copy_ahead``)."""
+
+
+def staging_bytes(optimizer_bytes: int, largest_tensor_bytes: int = 0, async_save: bool = False) -> int:
+    """Host bytes a save stages of ``optimizer_bytes`` of device-resident optimizer state: all of it
+    with ``async_save`` (``dcp.async_save`` copies the state to the CPU first); a synchronous
+    ``dcp.save`` copies one tensor at a time (the largest, ``largest_tensor_bytes``, and
+    :data:`COPY_AHEAD_BYTES`)."""
+    return optimizer_bytes if async_save else min(optimizer_bytes, largest_tensor_bytes + COPY_AHEAD_BYTES)
+
+
 def expected_files(state) -> list[str]:
     """Glob patterns a complete save of ``state.world_size`` ranks holds."""
     return [f"{FOLDER}/.metadata"] + [f"{FOLDER}/__{r}_*.distcp" for r in range(state.world_size)]

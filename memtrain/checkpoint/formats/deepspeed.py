@@ -29,6 +29,17 @@ PARAMETERS_IN_COMPUTE_DTYPE = True
 this name saves fp32 weights: :class:`memtrain.checkpoint.formats.SavedRun`)."""
 
 
+STAGING_LIMIT_BYTES = 4 * 10**9
+"""The largest flat partition DeepSpeed serialises at once (its default sub-group of 1e9 fp32 elements)."""
+
+
+def staging_bytes(optimizer_bytes: int, largest_tensor_bytes: int = 0, async_save: bool = False) -> int:
+    """Host bytes a save stages of ``optimizer_bytes`` of device-resident optimizer state:
+    DeepSpeed serialises one flat partition at a time (at most :data:`STAGING_LIMIT_BYTES`;
+    ``largest_tensor_bytes`` and ``async_save`` unused: it writes now)."""
+    return min(optimizer_bytes, STAGING_LIMIT_BYTES)
+
+
 def expected_files(state) -> list[str]:
     """Glob patterns a complete save of ``state`` (its ``world_size`` and ``zero_stage``) holds."""
     files = [f"{TAG}/*model_states.pt"]

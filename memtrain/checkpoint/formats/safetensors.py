@@ -22,6 +22,13 @@ WRITTEN_BY = "ddp"
 OPTIMIZER_FILE = "optimizer.pt"
 
 
+def staging_bytes(optimizer_bytes: int, largest_tensor_bytes: int = 0, async_save: bool = False) -> int:
+    """Host bytes a save stages of ``optimizer_bytes`` of device-resident optimizer state: all of it
+    (rank 0 hands ``torch.save`` the whole optimizer state dict, copied to the CPU first;
+    ``largest_tensor_bytes`` and ``async_save``, a save written now either way, unused)."""
+    return optimizer_bytes
+
+
 def expected_files(state) -> list[str]:
     """Glob patterns a complete save holds (the same for any world size: nothing is sharded)."""
     return ["model*.safetensors", OPTIMIZER_FILE]
