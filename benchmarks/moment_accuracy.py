@@ -12,7 +12,8 @@ counts (``covered``). The count is the highest rank's (rank 0 holds
 the export's copy).
 
 Rows ``moment_accuracy``: engine, ``resumed_from`` (the engine that wrote the checkpoint),
-world_size, precision, moment (``resume`` | ``export``), predicted_bytes, measured_bytes,
+``checkpoint_format`` and ``resumed_format`` (the run's ``checkpoint.format`` and the one the
+checkpoint was written in; ``auto``: the engine's own), world_size, precision, moment (``resume`` | ``export``), predicted_bytes, measured_bytes,
 relative_error = (predicted − measured) / measured, plan_peak_bytes, covered. Goal (issue 76's
 bounds): per moment |error| median ≤ 2%, p90 ≤ 4%, worst over ≤ 10%, none under by more than 2%.
 
@@ -25,8 +26,9 @@ bounds): per moment |error| median ≤ 2%, p90 ≤ 4%, worst over ≤ 10%, none 
 resumed under the second; 2 ranks, fp32). The engine switch reads the whole weights and
 optimizer state on every rank; the prediction is the switch's
 (:func:`memtrain.memory.moments.switch_resume_bytes`), which ``memtrain plan`` makes when the
-checkpoint it would resume was written by another engine. Not measured here: GPU runs, where the
-files' reads and rank 0's copy are host memory.
+checkpoint it would resume was written by another engine. A change of ``checkpoint.format`` is
+read the same way (:data:`FORMAT_SWITCHES`, measured with ``--switch``). Not measured here: GPU
+runs, where the files' reads and rank 0's copy are host memory.
 """
 
 from __future__ import annotations
@@ -49,10 +51,20 @@ MODEL_ARGS = CPU_ARGS + ["--model.config.n_embd", "256", "--training.global_batc
 SWITCHES = (("ddp", "fsdp"), ("fsdp", "ddp"), ("ddp", "zero2"), ("ddp", "zero3"), ("zero2", "ddp"),
             ("fsdp", "zero2"), ("zero2", "fsdp"), ("zero3", "ddp"), ("zero3", "fsdp"))
 """(the engine that writes the checkpoint, the engine that resumes it) for ``--switch``."""
+FORMAT_SWITCHES = (("ddp", "ddp+dcp"), ("ddp+dcp", "ddp"))
+"""The ``checkpoint.format`` changes ``--switch`` adds (``engine+format``: the engine writing that
+format): DDP's safetensors checkpoint resumed by DDP writing dcp, and the reverse."""
 QUICK_SWITCHES = (("fsdp", "zero2"), ("zero3", "fsdp"))
 """The switches ``--quick`` adds: torch.distributed.checkpoint's read into ZeRO's universal load,
 DeepSpeed's conversion into FSDP2's shards."""
 QUICK_ARGS = TINY_ARGS + ["--model.config.n_embd", "256", "--model.config.n_head", "4"]
+
+
+def engine_args(run: str) -> list[str]:
+    """The arguments of ``run``: an engine of ``common.ENGINES``, or ``engine+format`` (that engine
+    with ``--checkpoint.format format``)."""
+    engine, _, checkpoint_format = run.partition("+")
+    return ENGINES[engine] + (["--checkpoint.format", checkpoint_format] if checkpoint_format else [])
 
 
 def measured(args: list[str], engine: str, world_size: int, resumed_from: str) -> tuple[dict, dict]:
@@ -61,10 +73,10 @@ def measured(args: list[str], engine: str, world_size: int, resumed_from: str) -
     ``memtrain plan`` makes it before the resume, with the checkpoint in place."""
     out = scratch_dir(f"moments-{engine}")
     try:
-        run_memtrain(args + ENGINES[resumed_from] + ["--training.max_steps", "1", "--checkpoint.every_steps", "1"],
+        run_memtrain(args + engine_args(resumed_from) + ["--training.max_steps", "1", "--checkpoint.every_steps", "1"],
                      out, nproc=world_size, timeout=900)
         guess = predicted(args + ["--output_dir", out], engine, world_size)
-        run_memtrain(args + ENGINES[engine] + ["--training.max_steps", "2", "--checkpoint.every_steps", "1",
+        run_memtrain(args + engine_args(engine) + ["--training.max_steps", "2", "--checkpoint.every_steps", "1",
                                                "--logging.memory_breakdown_step", "2"],
                      out, nproc=world_size, timeout=900)
         counts = []
@@ -84,8 +96,8 @@ def predicted(args: list[str], engine: str, world_size: int) -> dict:
     from memtrain.memory.accounting import without_allocator_headroom
     from memtrain.memory.moments import moment_terms
 
-    report = plan_report(parse_args(args + ENGINES[engine]), world_size)
-    moments = moment_terms(report["model_state_bytes"][engine], "cpu")
+    report = plan_report(parse_args(args + engine_args(engine)), world_size)
+    moments = moment_terms(report["model_state_bytes"][engine.partition("+")[0]], "cpu")
     chosen = next(c for c in report["candidates"] if c.get("chosen"))
     planned = max(chosen["predicted_peak_bytes"], chosen["moment_bytes"])  # what the plan was fitted to
     return {**moments, "plan_peak_bytes": without_allocator_headroom(planned, "cpu")}
@@ -100,8 +112,10 @@ def rows(args: list[str], engines: list[str], world_sizes: list[int], precisions
             for engine in engines:
                 source = resumed_from or engine
                 count, guess = measured(run_args, engine, world_size, source)
+                (name, _, fmt), (saved_by, _, saved_fmt) = engine.partition("+"), source.partition("+")
                 for moment in ("resume", "export"):
-                    yield {"benchmark": "moment_accuracy", "engine": engine, "resumed_from": source,
+                    yield {"benchmark": "moment_accuracy", "engine": name, "resumed_from": saved_by,
+                           "checkpoint_format": fmt or "auto", "resumed_format": saved_fmt or "auto",
                            "world_size": world_size, "precision": precision, "moment": moment,
                            "predicted_bytes": guess[moment], "measured_bytes": count[moment],
                            "relative_error": (guess[moment] - count[moment]) / count[moment],
@@ -135,7 +149,8 @@ def main(argv=None) -> int:
     sizes, precisions = ([2], ["fp32"]) if opts.quick else ([int(w) for w in opts.world_sizes.split(",")],
                                                             opts.precisions.split(","))
     results = []
-    pairs = [(dst, src) for src, dst in SWITCHES] if opts.switch else [(e, None) for e in opts.engines.split(",")]
+    pairs = ([(dst, src) for src, dst in SWITCHES + FORMAT_SWITCHES] if opts.switch
+             else [(e, None) for e in opts.engines.split(",")])
     pairs += [(dst, src) for src, dst in QUICK_SWITCHES] if opts.quick else []
     every = (row for engine, source in pairs
              for row in rows(args, [engine], [2] if source else sizes, ["fp32"] if source else precisions, source))

@@ -544,14 +544,22 @@ def moment_accuracy(device: str) -> str:
     rank count and precision: each relative error, the |error| median and worst, and whether the
     plan's peak covered every count; each group's commits."""
     rows = newest_by("moment_accuracy", device, lambda row: (
-        row.get("engine"), row.get("resumed_from"), row.get("moment"), row.get("world_size"), row.get("precision")))
+        row.get("engine"), row.get("resumed_from"), row.get("moment"), row.get("world_size"), row.get("precision"),
+        row.get("checkpoint_format", "auto"), row.get("resumed_format", "auto")))
     mine = [r for r in rows.values() if "moment" in r]
+
+    def switched(r: dict) -> bool:  # another engine's checkpoint, or another format's
+        return (r["resumed_from"], r.get("resumed_format", "auto")) != (r["engine"], r.get("checkpoint_format", "auto"))
+
+    def named(engine: str, checkpoint_format: str) -> str:
+        return ENGINE_NAMES[engine] + ("" if checkpoint_format == "auto" else f" writing {checkpoint_format}")
+
     out = ["| engine | moment | rows | errors (ranks, precision: error) | \\|error\\| median | worst | lowest "
            "| within the plan's peak | commits |", "|---|---|---|---|---|---|---|---|---|"]
     for engine, name in ENGINE_NAMES.items():
         for moment in ("resume", "export"):
-            group = sorted((r for r in mine if r["engine"] == engine and r["moment"] == moment
-                            and r["resumed_from"] == engine), key=lambda r: (r["world_size"], r["precision"]))
+            group = sorted((r for r in mine if r["engine"] == engine and r["moment"] == moment and not switched(r)),
+                           key=lambda r: (r["world_size"], r["precision"]))
             if not group:
                 continue
             d = error_distribution([r["relative_error"] for r in group])
@@ -560,13 +568,16 @@ def moment_accuracy(device: str) -> str:
             covered = "all" if all(r["covered"] for r in group) else "**not all**"
             out.append(f"| {name} | {moment} | {d['rows']} | {cells} | {d['median']:.1%} | {d['worst']:.1%} "
                        f"| {min(r['relative_error'] for r in group):+.1%} | {covered} | {commits} |")
-    switches = sorted((r for r in mine if r["resumed_from"] != r["engine"] and r["moment"] == "resume"),
-                      key=lambda r: (r["resumed_from"], r["engine"]))
+    switches = sorted((r for r in mine if switched(r) and r["moment"] == "resume"),
+                      key=lambda r: (r["resumed_from"], r.get("resumed_format", "auto"), r["engine"],
+                                     r.get("checkpoint_format", "auto")))
     if switches:
-        out += ["", "The engine switch (another engine's checkpoint resumed; 2 ranks, fp32):", "",
+        out += ["", "The engine switch (another engine's checkpoint, or another checkpoint.format, resumed; "
+                "2 ranks, fp32):", "",
                 "| checkpoint of | resumed under | predicted | counted | error | within the plan's peak | commit |",
                 "|---|---|---|---|---|---|---|"]
-        out += [f"| {ENGINE_NAMES[r['resumed_from']]} | {ENGINE_NAMES[r['engine']]} | {r['predicted_bytes'] / 1e6:.1f} MB "
+        out += [f"| {named(r['resumed_from'], r.get('resumed_format', 'auto'))} "
+                f"| {named(r['engine'], r.get('checkpoint_format', 'auto'))} | {r['predicted_bytes'] / 1e6:.1f} MB "
                 f"| {r['measured_bytes'] / 1e6:.1f} MB | {r['relative_error']:+.1%} | {'yes' if r['covered'] else '**no**'} "
                 f"| {(r.get('commit') or 'none')[:7]} |" for r in switches]
     return "\n".join(out)

@@ -187,9 +187,11 @@ def test_a_checkpoint_of_another_format_is_predicted_as_an_engine_switch():
 
 def test_the_switch_read_is_sized_from_what_the_manifest_says_of_the_saving_run():
     """``SavedRun.of`` takes from a manifest what the read sizes depend on: the saving world size,
-    the ZeRO stage, a DeepSpeed run's 16-bit module weights under bf16, the moments' dtype; what a
-    manifest leaves out is taken at its largest (fp32, one rank). DeepSpeed's conversion reads one
-    rank's optimizer file at a time, so fewer saving ranks make a larger read peak."""
+    the ZeRO stage, a DeepSpeed run's 16-bit module weights under bf16, the moments' dtype, whether
+    the model was saved sharded; what a manifest leaves out is taken at its largest (fp32, one
+    rank, whole tensors). DeepSpeed's conversion reads one rank's optimizer file at a time, so
+    fewer saving ranks make a larger read peak; dcp's read holds two saved pieces beside what it
+    returns, each a shard where the model was saved sharded."""
     from memtrain.memory.shape import ModelShape
 
     ds = SavedRun.of({"backend": "deepspeed", "world_size": 4, "zero_stage": 2, "config": {"precision": "bf16"}})
@@ -197,10 +199,13 @@ def test_the_switch_read_is_sized_from_what_the_manifest_says_of_the_saving_run(
     bf16_moments = SavedRun.of({"backend": "ddp", "world_size": 2, "engine_spec": {"optimizer_state_dtype": "bf16"}})
     assert (bf16_moments.parameter_element_bytes, bf16_moments.state_element_bytes) == (4, 2)
     assert SavedRun.of({}) == SavedRun(world_size=1)
+    fsdp = SavedRun.of({"backend": "fsdp", "world_size": 2, "checkpoint_model": "sharded_module"})
+    assert fsdp.sharded and not bf16_moments.sharded
     shape = ModelShape(parameters=1000, largest_module=400, numels=(400, 300, 300))
     assert safetensors.full_state_read_bytes(shape, SavedRun(1)) == (12_000, 12_000)
     assert safetensors.full_state_read_bytes(shape, bf16_moments)[0] == 8_000
-    assert dcp.full_state_read_bytes(shape, SavedRun(1)) == (12_000, 12_000 + 4 * 400)
+    assert dcp.full_state_read_bytes(shape, SavedRun(1)) == (12_000, 12_000 + 2 * 4 * 400)
+    assert dcp.full_state_read_bytes(shape, fsdp) == (12_000, 12_000 + 2 * 4 * 200)
     deepspeed = format_module("deepspeed")
     one, four = (deepspeed.full_state_read_bytes(shape, SavedRun(n, 2)) for n in (1, 4))
     assert one[0] == four[0] == 12_000 and one[1] == 4 * 1000 + 12 * 1000 > four[1] == 12_000 + 4 * 400
@@ -328,3 +333,25 @@ def test_a_new_format_registered_alone_is_handed_to_every_engine_holding_what_it
             make_backend(fsdp, configured_spec(fsdp, 1), process, "fp32", Plan(2, 1))
     finally:
         process.close()
+
+
+def test_the_dcp_read_peak_is_what_memtracker_counts_for_whole_tensors(tmp_path):
+    """A dcp checkpoint of a model saved whole (DDP's, or any rank's whole module) read back in one
+    process: MemTracker's peak of what ``read_full_state`` allocates is the format's predicted
+    read peak (``full_state_read_bytes``, within 1%), which holds two whole fp32 parameters beside
+    the state it returns; with one, it is under by one parameter."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from memtrain.memory.shape import model_shape
+
+    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64), torch.nn.Linear(64, 8))
+    opt = torch.optim.AdamW(net.parameters())
+    net(torch.ones(2, 64)).sum().backward()
+    opt.step()
+    dcp.save(CheckpointState(net, opt), str(tmp_path))
+    tracker = MemTracker()
+    with tracker:
+        dcp.read_full_state(str(tmp_path), net)
+    counted = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    _, predicted = dcp.full_state_read_bytes(model_shape(net), SavedRun(world_size=1))
+    assert abs(predicted - counted) <= 0.01 * counted, (predicted, counted)

@@ -173,8 +173,10 @@ def make_backend(cfg, spec, process, precision: str, plan) -> Backend:
             ``checkpoint.format`` the engine cannot write (:func:`check_writes_format`).
     """
     check_writes_format(cfg, spec.name)
-    backend = engine_module(spec.name).build(cfg, spec, process, precision, plan)
+    module = engine_module(spec.name)
+    backend = module.build(cfg, spec, process, precision, plan)
     backend.checkpoint_io = format_module(run_format(spec.name, cfg.checkpoint.format))
+    backend.checkpoint_model = module.CHECKPOINT_MODEL
     return backend
 
 

@@ -84,6 +84,9 @@ class Backend(Protocol):
         checkpoint_io: the module of the checkpoint format it writes and reads through, handed to it
             when it is built (:func:`memtrain.backends.make_backend`; the engine imports no format):
             ``save``/``load``/``expected_files`` of a :class:`memtrain.checkpoint.formats.CheckpointState`.
+        checkpoint_model: what its ``checkpoint_state`` hands the format, one of
+            :data:`memtrain.checkpoint.formats.MODEL_KINDS` (its module's ``CHECKPOINT_MODEL``, set
+            with ``checkpoint_io``), written into the manifest: how the saved tensors are split.
     """
 
     name: str
@@ -94,6 +97,7 @@ class Backend(Protocol):
     scheduler_config: Optional[dict]
     optimizer_element_bytes: Optional[float]
     checkpoint_io: ModuleType
+    checkpoint_model: str
 
     def prepare(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
                 ) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -26,10 +26,12 @@ class ThroughItsFormat:
         return self.checkpoint_io.expected_files(self.checkpoint_state(None, None))
 
     def manifest_fields(self) -> dict:
-        """``backend`` (the engine's name), ``checkpoint_format`` (its format's ``NAME``) and
+        """``backend`` (the engine's name), ``checkpoint_format`` (its format's ``NAME``),
+        ``checkpoint_model`` (what the format saved: the model whole on every rank, sharded over
+        the ranks or DeepSpeed's engine, :data:`memtrain.checkpoint.formats.MODEL_KINDS`) and
         ``zero_stage`` (its state's; None outside DeepSpeed)."""
         return {"backend": self.name, "checkpoint_format": self.checkpoint_io.NAME,
-                "zero_stage": self.checkpoint_state(None, None).zero_stage}
+                "checkpoint_model": self.checkpoint_model, "zero_stage": self.checkpoint_state(None, None).zero_stage}
 
 
 def sync_replicated_state(model: nn.Module, device: torch.device) -> list[str]:

@@ -102,12 +102,16 @@ class SavedRun:
             bf16/fp16 where the format saves them as the engine holds them, its module's
             ``PARAMETERS_IN_COMPUTE_DTYPE``, else 4; unknown: 4).
         state_element_bytes: bytes per element of each AdamW moment (4 fp32, 2 bf16).
+        sharded: the saving engine held the model sharded over its ranks
+            (:data:`SHARDED_MODULE`), so each tensor was saved in ``world_size`` pieces; False:
+            whole (also where the manifest does not say).
     """
 
     world_size: int
     zero_stage: Optional[int] = None
     parameter_element_bytes: int = 4
     state_element_bytes: int = 4
+    sharded: bool = False
 
     @classmethod
     def of(cls, manifest: dict) -> "SavedRun":
@@ -120,7 +124,8 @@ class SavedRun:
         name = manifest.get("checkpoint_format") or format_written_by(manifest.get("backend"))
         half = (name in FORMATS and getattr(format_module(name), "PARAMETERS_IN_COMPUTE_DTYPE", False)
                 and config.get("precision") in ("bf16", "fp16"))
-        return cls(int(manifest.get("world_size") or 1), stage, 2 if half else 4, 2 if dtype == "bf16" else 4)
+        return cls(int(manifest.get("world_size") or 1), stage, 2 if half else 4, 2 if dtype == "bf16" else 4,
+                   manifest.get("checkpoint_model") == SHARDED_MODULE)
 
 
 def full_state_read_bytes(manifest: dict, shape) -> tuple[int, int]:
