@@ -142,7 +142,8 @@ def main(argv=None) -> int:
     parser.add_argument("--precisions", default="fp32,bf16", help="comma-separated precisions")
     parser.add_argument("--world_sizes", default="1,2", help="comma-separated rank counts")
     parser.add_argument("--results", action="store_true", help="append to benchmarks/results/ (not with --quick)")
-    parser.add_argument("--switch", action="store_true", help="the engine switch (SWITCHES), 2 ranks, fp32")
+    parser.add_argument("--switch", action="store_true",
+                        help="the engine switch (SWITCHES) and the checkpoint.format switch (FORMAT_SWITCHES), 2 ranks, fp32")
     opts = parser.parse_args(argv)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the CPU: one memory for the device and the host
     args = QUICK_ARGS if opts.quick else MODEL_ARGS

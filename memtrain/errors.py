@@ -37,8 +37,8 @@ class CollectiveError(RuntimeError):
 
 class OOMStop(RuntimeError):
     """Out of memory at the plan floor (micro-batch 1, activation checkpointing on or off by
-    request); the message holds the memory report and the settings to change (raised by
-    :mod:`memtrain.oom`).
+    request); the message holds the memory report and the settings to change (built by
+    :mod:`memtrain.oom`; raised by the plan controller and the loop).
 
     Attributes:
         memory: ``host`` or ``device``: which memory the last failure ran out of, where known

@@ -190,8 +190,8 @@ def test_the_switch_read_is_sized_from_what_the_manifest_says_of_the_saving_run(
     the ZeRO stage, a DeepSpeed run's 16-bit module weights under bf16, the moments' dtype, whether
     the model was saved sharded; what a manifest leaves out is taken at its largest (fp32, one
     rank, whole tensors). DeepSpeed's conversion reads one rank's optimizer file at a time, so
-    fewer saving ranks make a larger read peak; dcp's read holds two saved pieces beside what it
-    returns, each a shard where the model was saved sharded."""
+    fewer saving ranks make a larger read peak; dcp's read holds two stored pieces beside what it
+    returns: two whole parameters, or two shards (one parameter on 2 ranks)."""
     from memtrain.memory.shape import ModelShape
 
     ds = SavedRun.of({"backend": "deepspeed", "world_size": 4, "zero_stage": 2, "config": {"precision": "bf16"}})
@@ -205,7 +205,7 @@ def test_the_switch_read_is_sized_from_what_the_manifest_says_of_the_saving_run(
     assert safetensors.full_state_read_bytes(shape, SavedRun(1)) == (12_000, 12_000)
     assert safetensors.full_state_read_bytes(shape, bf16_moments)[0] == 8_000
     assert dcp.full_state_read_bytes(shape, SavedRun(1)) == (12_000, 12_000 + 2 * 4 * 400)
-    assert dcp.full_state_read_bytes(shape, fsdp) == (12_000, 12_000 + 2 * 4 * 200)
+    assert dcp.full_state_read_bytes(shape, fsdp) == (12_000, 12_000 + 4 * 400)
     deepspeed = format_module("deepspeed")
     one, four = (deepspeed.full_state_read_bytes(shape, SavedRun(n, 2)) for n in (1, 4))
     assert one[0] == four[0] == 12_000 and one[1] == 4 * 1000 + 12 * 1000 > four[1] == 12_000 + 4 * 400
@@ -333,13 +333,27 @@ def test_a_new_format_registered_alone_is_handed_to_every_engine_holding_what_it
             make_backend(fsdp, configured_spec(fsdp, 1), process, "fp32", Plan(2, 1))
     finally:
         process.close()
+    # planned too: the placement pool holds the engines it saves, and a save stages what it says
+    import dataclasses
+
+    from memtrain.planning.placement import plan_placements, planning_pool
+    from test_placement import SHAPE, candidates, machine
+
+    def planned(checkpoint_format):
+        pool = planning_pool(parse_args(["--backend.offload", "auto", "--checkpoint.format", checkpoint_format]), False)
+        no_export = dataclasses.replace(machine(), exports=False)
+        return pool, plan_placements(candidates(), pool[:1], SHAPE, "bf16", 1, no_export)[0].host_bytes
+
+    pool, host = planned("stand_in")
+    assert {p.engine for p in pool} == {"ddp"} and {p.checkpoint_format for p in pool} == {"stand_in"}
+    assert host == planned("safetensors")[1] > planned("dcp")[1]  # both stage the whole optimizer state
 
 
 def test_the_dcp_read_peak_is_what_memtracker_counts_for_whole_tensors(tmp_path):
     """A dcp checkpoint of a model saved whole (DDP's, or any rank's whole module) read back in one
     process: MemTracker's peak of what ``read_full_state`` allocates is the format's predicted
     read peak (``full_state_read_bytes``, within 1%), which holds two whole fp32 parameters beside
-    the state it returns; with one, it is under by one parameter."""
+    the state it returns; the read peak of a sharded save (one parameter) is under it."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from memtrain.memory.shape import model_shape
@@ -355,3 +369,5 @@ def test_the_dcp_read_peak_is_what_memtracker_counts_for_whole_tensors(tmp_path)
     counted = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
     _, predicted = dcp.full_state_read_bytes(model_shape(net), SavedRun(world_size=1))
     assert abs(predicted - counted) <= 0.01 * counted, (predicted, counted)
+    _, one_piece = dcp.full_state_read_bytes(model_shape(net), SavedRun(world_size=1, sharded=True))
+    assert one_piece < 0.95 * counted  # one parameter in flight would be under

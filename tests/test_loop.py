@@ -48,7 +48,7 @@ def _grads(backend, plan, dtype=torch.float64):
 
 
 def test_gradient_is_split_invariant(backend):
-    """fp32, as training runs: 1×8 and 4×2 agree to 1e-6 relative (summation order only)."""
+    """fp32, as training runs: 8×1 and 2×4 agree to 1e-6 relative (summation order only)."""
     whole_loss, whole = _grads(backend, Plan(8, 1), torch.float32)
     split_loss, split = _grads(backend, Plan(2, 4), torch.float32)
     assert split_loss == pytest.approx(whole_loss, rel=1e-6)

@@ -1100,9 +1100,10 @@ def test_the_plan_fits_the_resume_and_export_moments_beside_its_steps():
 def test_a_save_stages_on_the_host_what_its_checkpoint_format_copies():
     """The host bytes a save stages are the format's, not the engine's: DDP writing safetensors
     hands ``torch.save`` its whole optimizer state (copied to the host at once), DDP writing dcp
-    copies one tensor at a time (the largest, and the writer's copy-ahead, taken from torch's
-    ``FileSystemWriter``), so the same placement needs that much less host memory; an async save
-    stages everything in either."""
+    copies one tensor at a time (the largest, whole on every rank count, and the writer's
+    copy-ahead, taken from torch's ``FileSystemWriter``), so the same placement needs that much
+    less host memory; FSDP2 (dcp) copies a rank's shard of it, and with ``checkpoint.async_save``
+    its whole optimizer state, which DDP, saving synchronously, never stages."""
     import inspect
 
     from torch.distributed.checkpoint import FileSystemWriter
@@ -1111,13 +1112,18 @@ def test_a_save_stages_on_the_host_what_its_checkpoint_format_copies():
 
     copy_ahead = inspect.signature(FileSystemWriter.__init__).parameters["per_thread_copy_ahead"].default
 
-    def host(checkpoint_format, async_save=False):
-        p = Placement("ddp", None, "none", checkpoint_format=checkpoint_format, async_save=async_save)
-        no_export = dataclasses.replace(machine(), exports=False)  # the export's host peak is larger still
-        (planned,) = plan_placements(candidates(), [p], SHAPE, "bf16", 1, no_export)
-        return planned.host_bytes
+    def host(checkpoint_format, async_save=False, engine="ddp", ranks=1):
+        p = Placement(engine, None, "none", checkpoint_format=checkpoint_format, async_save=async_save)
+        no_export = dataclasses.replace(machine(ranks=ranks), exports=False)  # the export's host peak is larger
+        (planned,) = plan_placements(candidates(per_rank=16 // ranks), [p], SHAPE, "bf16", ranks, no_export)
+        return planned.host_bytes // ranks
 
-    optimizer = state_bytes(Placement("ddp", None, "none"), SHAPE, "bf16", 1)["optimizer_bytes"]
-    assert host("auto") == host("safetensors")  # DDP's own
-    assert host("safetensors") - host("dcp") == optimizer - (4 * SHAPE.largest_module + copy_ahead)
-    assert host("safetensors", async_save=True) == host("dcp", async_save=True)
+    for ranks in (1, 2):
+        optimizer = state_bytes(Placement("ddp", None, "none"), SHAPE, "bf16", ranks)["optimizer_bytes"]
+        assert host("auto", ranks=ranks) == host("safetensors", ranks=ranks)  # DDP's own
+        assert host("safetensors", ranks=ranks) - host("dcp", ranks=ranks) == optimizer - (
+            4 * SHAPE.largest_module + copy_ahead), ranks
+        assert host("dcp", True, ranks=ranks) == host("dcp", ranks=ranks)  # DDP saves synchronously
+    sharded = state_bytes(Placement("fsdp", None, "none"), SHAPE, "bf16", 2)["optimizer_bytes"]
+    assert host("auto", True, "fsdp", 2) - host("auto", False, "fsdp", 2) == sharded - (
+        4 * SHAPE.largest_module // 2 + copy_ahead)

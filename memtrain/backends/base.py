@@ -190,8 +190,9 @@ class Backend(Protocol):
 
     def manifest_fields(self) -> dict[str, Any]:
         """What a checkpoint manifest records about the engine: ``backend`` (the name),
-        ``checkpoint_format`` (``safetensors``, ``dcp`` or ``deepspeed``), ``zero_stage`` (None
-        outside DeepSpeed)."""
+        ``checkpoint_format`` (``safetensors``, ``dcp`` or ``deepspeed``), ``checkpoint_model``
+        (what the format saved: :data:`memtrain.checkpoint.formats.MODEL_KINDS`), ``zero_stage``
+        (None outside DeepSpeed)."""
 
     def model_state_bytes(self, n_params: int) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state this engine holds per rank for a

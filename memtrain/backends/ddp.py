@@ -47,6 +47,8 @@ AUTOCAST_MIXED_PRECISION = True
 """Mixed precision as the trace computes it: Accelerate's autocast: fp32 parameters, each matrix cast to the compute dtype on use."""
 STEPS_USER_OPTIMIZER = True
 """A Python caller's optimizer (``optimizer_factory``) is stepped as it is, where nothing is offloaded."""
+ASYNC_SAVE = False
+"""Its save writes now, never in the background (``checkpoint.async_save`` is warned about, ignored)."""
 
 
 def variant_label(zero_stage) -> str:
@@ -147,7 +149,7 @@ class DDPBackend(ThroughItsFormat):
     """
 
     name = "ddp"
-    supports_async_save = False
+    supports_async_save = ASYNC_SAVE
     scheduler_config = None  # memtrain's warmup + cosine
 
     def __init__(self, process: ProcessState, precision: str, find_unused_parameters: str = "auto",

@@ -70,6 +70,8 @@ AUTOCAST_MIXED_PRECISION = False
 """Mixed precision as the trace computes it: DeepSpeed's bf16/fp16: 16-bit parameters, fp32 masters in the optimizer."""
 STEPS_USER_OPTIMIZER = False
 """A Python caller's optimizer is refused: memtrain sizes ZeRO's partitions for AdamW, and its offload steps DeepSpeed's CPU Adam."""
+ASYNC_SAVE = False
+"""Its save writes now, never in the background (``checkpoint.async_save`` is warned about, ignored)."""
 
 
 def offload_ratio(shape: ModelShape, ratio: float) -> float:
@@ -164,7 +166,7 @@ class DeepSpeedBackend(ThroughItsFormat):
     """
 
     name = "deepspeed"
-    supports_async_save = False
+    supports_async_save = ASYNC_SAVE
 
     def __init__(self, process: ProcessState, precision: str, precision_requested: str, ds_config_path: Optional[str],
                  user_json: Optional[dict],

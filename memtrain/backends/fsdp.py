@@ -60,6 +60,8 @@ AUTOCAST_MIXED_PRECISION = False
 STEPS_USER_OPTIMIZER = True
 """A Python caller's optimizer (``optimizer_factory``) is stepped as it is, where nothing is offloaded
 (FSDP2's optimizer offload steps its own AdamW on the host)."""
+ASYNC_SAVE = True
+"""Its save can write in the background (``checkpoint.async_save``: ``dcp.async_save``)."""
 
 
 def offload_ratio(shape: ModelShape, ratio: float) -> float:
@@ -181,7 +183,7 @@ class FSDPBackend(ThroughItsFormat):
     """
 
     name = "fsdp"
-    supports_async_save = True
+    supports_async_save = ASYNC_SAVE
     scheduler_config = None  # memtrain's warmup + cosine
 
     def __init__(self, process: ProcessState, precision: str, reshard_after_forward: bool = True,

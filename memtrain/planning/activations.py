@@ -79,7 +79,7 @@ def _peaks_tracer(cfg, simulated: bool) -> Callable[..., tuple[int, ...]]:
     kept_numel = zero.get("stage3_param_persistence_threshold", ZERO3_PERSISTENCE_THRESHOLD)
     saves_weight = linear_saves_weight(zero)
 
-    def trace(*args) -> tuple[int, ...]:
+    def trace(*args) -> tuple[int, ...]:  # step_trace.step_peaks read at the call: a test's stand-in is seen
         if simulated:
             saved = traced_activation_bytes(*args)
             return (saved,) * 5 + (0,) * step_trace.MADE_PEAKS + (saved,) * 4
@@ -122,7 +122,6 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
     autocast = engine_module(engine).AUTOCAST_MIXED_PRECISION
     model, mode, extra = compute_precision_model(source.build_meta, precision, device_type, autocast)
     target = LeverTarget(model, repeated_blocks(model), copy.copy(objective), cfg)
-    # step_trace.step_peaks read here, at the call: a test's stand-in for it is seen
     simulated = cfg.faults.memory_budget_mib > 0
     cache: dict[tuple, tuple[step_trace.StepPeaks, int]] = {}
     batches: dict[int, dict[str, torch.Tensor]] = {}  # by micro-batch size: built once for every lever setting
@@ -140,6 +139,7 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
             apply_levers(target, settings)
             batch = batch_of(plan.micro_batch_size)
             period = block_period(settings, cfg)
+
             def traced_once() -> tuple[int, ...]:
                 moved_bytes(model)  # from 0 (a shortened trace that raised may have counted)
                 return (*trace(model, mode, target.objective, batch), moved_bytes(model))

@@ -169,9 +169,12 @@ def _size(p: Placement, c: Candidate, shape: ModelShape, precision: str, world_s
     device = max(candidate_peak_bytes(c, device_state_bytes(state), peak_terms(state), machine.device_type),
                  moment_fit_bytes(largest_moment_bytes(state, machine.device_type), machine.device_type))
     optimizer_on_device = state["optimizer_bytes"]
+    engine = engine_module(p.engine)
+    async_save = p.async_save and engine.ASYNC_SAVE  # an engine that cannot writes now
+    largest = 4 * shape.largest_module // (world_size if engine.SHARDS_OPTIMIZER_STATE else 1)  # a rank's tensor
     staging = format_module(run_format(p.engine, p.checkpoint_format)).staging_bytes(
-        optimizer_on_device, largest_tensor_bytes=4 * shape.largest_module // world_size, async_save=p.async_save)
-    if machine.device_type == "cpu" and not p.async_save:
+        optimizer_on_device, largest_tensor_bytes=largest, async_save=async_save)
+    if machine.device_type == "cpu" and not async_save:
         staging = 0  # a CPU run's state is host memory already: a synchronous save writes it from there
     per_rank_host = machine.process_bytes + state["cpu_offloaded_bytes"] + staging
     per_rank_host += state["accumulation_host_bytes"] if c.gradient_accumulation_steps > 1 else 0

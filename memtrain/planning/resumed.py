@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from memtrain.backends import run_format
+from memtrain.backends import BACKENDS, engine_module, run_format
 from memtrain.checkpoint.formats import full_state_read_bytes
 from memtrain.checkpoint.layout import complete_checkpoints, latest_checkpoint, read_manifest
 from memtrain.errors import CheckpointError, ConfigError
@@ -69,10 +69,14 @@ def switch_read(cfg, shape) -> Optional[tuple[tuple[str, str], int, int]]:
     """``((the engine that wrote it, its format), read_bytes, read_peak_bytes)`` of the checkpoint
     the run will resume, as another engine would read it (its format's ``full_state_read_bytes``,
     for a model of ``shape``: a :class:`memtrain.memory.shape.ModelShape`); None when there is
-    none or its manifest names no known format."""
+    none or its manifest names no known format. A manifest written before manifests named their
+    ``checkpoint_model`` is read with the one its engine hands every format (its module's
+    ``CHECKPOINT_MODEL``)."""
     manifest = resumed_manifest(cfg)
     if not manifest or not manifest.get("backend"):
         return None
+    if "checkpoint_model" not in manifest and manifest["backend"] in BACKENDS:
+        manifest = {**manifest, "checkpoint_model": engine_module(manifest["backend"]).CHECKPOINT_MODEL}
     try:
         return ((manifest["backend"], manifest.get("checkpoint_format")), *full_state_read_bytes(manifest, shape))
     except CheckpointError:

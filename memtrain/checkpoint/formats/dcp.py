@@ -83,15 +83,17 @@ def load(state, directory: str, process_group=None) -> None:
 def full_state_read_bytes(shape, saved) -> tuple[int, int]:
     """What :func:`read_full_state` returns and holds at most (bytes): the fp32 weights, a tied
     parameter under each of its names (FSDP2's full state dict gives every name its own copy), and
-    AdamW's two moments of each trained parameter; while reading, two saved pieces more (the
-    largest fp32 parameter's, whole or its shard of ``saved.world_size`` when the saving engine
-    held the model sharded): ``dcp_to_torch_save`` fills the whole state dict one stored piece at
-    a time, and torch's ``FileSystemReader.read_data`` still holds the piece it copied last while
-    ``torch.load`` reads the next. ``shape``: a :class:`memtrain.memory.shape.ModelShape`;
-    ``saved``: a :class:`memtrain.checkpoint.formats.SavedRun`."""
+    AdamW's two moments of each trained parameter; while reading, two stored pieces more:
+    ``dcp_to_torch_save`` fills the whole state dict one stored piece at a time, and torch's
+    ``FileSystemReader.read_data`` still holds the piece it copied last while ``torch.load`` reads
+    the next. Saved whole (``saved.sharded`` False), two whole fp32 parameters, the largest;
+    saved sharded, two of its shards, counted as one whole parameter (exact on 2 ranks, where
+    MemTracker counted it; an upper bound on more, whose shards are smaller, and within one row
+    of a parameter with an odd number of rows, which FSDP2 shards unevenly). ``shape``: a
+    :class:`memtrain.memory.shape.ModelShape`; ``saved``: a
+    :class:`memtrain.checkpoint.formats.SavedRun`."""
     read = 4 * (shape.parameters + shape.tied) + 2 * saved.state_element_bytes * shape.trained
-    piece = -(-shape.largest_parameter // saved.world_size) if saved.sharded else shape.largest_parameter
-    return read, read + 2 * 4 * piece
+    return read, read + 4 * shape.largest_parameter * (1 if saved.sharded else 2)
 
 
 def read_full_state(path: str, module: nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
