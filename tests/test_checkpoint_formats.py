@@ -371,3 +371,25 @@ def test_the_dcp_read_peak_is_what_memtracker_counts_for_whole_tensors(tmp_path)
     assert abs(predicted - counted) <= 0.01 * counted, (predicted, counted)
     _, one_piece = dcp.full_state_read_bytes(model_shape(net), SavedRun(world_size=1, sharded=True))
     assert one_piece < 0.95 * counted  # one parameter in flight would be under
+
+
+def test_a_manifest_from_before_checkpoint_model_is_read_with_its_engines(monkeypatch):
+    """A manifest written before manifests named ``checkpoint_model`` is sized with the model its
+    engine hands every format: FSDP2's dcp checkpoint as saved sharded (one parameter in flight,
+    as before the field existed), DDP's dcp checkpoint as saved whole (two)."""
+    from conftest import TINY_ARGS
+    from memtrain.config import parse_args
+    from memtrain.memory.shape import ModelShape
+    from memtrain.planning import resumed
+
+    shape = ModelShape(parameters=1000, largest_module=400, numels=(400, 300, 300))
+    cfg = parse_args(TINY_ARGS)
+
+    def read(backend):
+        monkeypatch.setattr(resumed, "resumed_manifest",
+                            lambda cfg: {"backend": backend, "checkpoint_format": "dcp", "world_size": 2})
+        (saved_by, _), read_bytes, peak = resumed.switch_read(cfg, shape)
+        assert saved_by == backend and read_bytes == 12_000
+        return peak - read_bytes
+
+    assert read("fsdp") == 4 * 400 and read("ddp") == 2 * 4 * 400
