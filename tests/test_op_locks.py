@@ -7,13 +7,15 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import fcntl
 import sys
+import threading
 import time
 
 import pytest
 
 from conftest import REPO
-from memtrain.backends.op_locks import LOCK_GRACE_S, stale_lock
+from memtrain.backends.op_locks import LOCK_GRACE_S, remove_stale_lock, stale_lock
 
 
 def _lock(folder, age_s: float) -> str:
@@ -43,6 +45,46 @@ def test_an_old_lock_with_no_builder_is_stale_and_a_live_or_new_one_is_not(tmp_p
     _lock(folder, LOCK_GRACE_S + 60)
     open(os.path.join(folder, "op.so"), "w").close()  # a build loading what it just wrote
     assert stale_lock(folder) is None
+
+
+def test_a_lock_its_loader_holds_open_is_not_stale_whatever_its_age(tmp_path):
+    """torch's ``FileBaton`` keeps the lock's descriptor open from taking it to releasing it: a
+    loader that holds it (working elsewhere, the lock and its folder old, as when the files' clock
+    is off or a build is slow) keeps it; once the loader is gone the lock is stale."""
+    folder = str(tmp_path / "deepspeed_shm_comm")
+    lock = _lock(folder, LOCK_GRACE_S + 60)
+    holder = subprocess.Popen([sys.executable, "-c", "import os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); "
+                               "print('held', flush=True); time.sleep(60)", lock], cwd=tmp_path,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert stale_lock(folder) is None
+        assert remove_stale_lock(folder) is None and os.path.exists(lock)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert remove_stale_lock(folder) == lock and not os.path.exists(lock)
+
+
+@pytest.mark.timeout(60)
+def test_two_cleaners_never_remove_the_lock_a_third_process_took_between_them(tmp_path):
+    """Two runs starting together find one stale lock; the first removes it, a loader takes a new
+    one, and the second cleaner, which judged the old lock stale, must not remove the new one:
+    the second waits on the folder's ``flock`` while the first judges and removes, and judges again."""
+    folder = str(tmp_path / "deepspeed_shm_comm")
+    stale = _lock(folder, LOCK_GRACE_S + 60)
+    first = os.open(folder, os.O_RDONLY)
+    fcntl.flock(first, fcntl.LOCK_EX)  # the first cleaner at work
+    removed = []
+    second = threading.Thread(target=lambda: removed.append(remove_stale_lock(folder)))
+    second.start()
+    time.sleep(0.5)
+    assert second.is_alive() and os.path.exists(stale)  # the second waits, and has removed nothing
+    os.remove(stale)  # the first removes the stale lock; a loader takes a new one
+    taken = _lock(folder, 0)
+    os.close(first)
+    second.join(10)
+    assert removed == [None] and os.path.exists(taken)
 
 
 @pytest.mark.timeout(240)

@@ -216,6 +216,7 @@ class DeepSpeedBackend(ThroughItsFormat):
         if self.process.is_main:  # a build stopped earlier would leave DeepSpeed waiting on its lock forever
             clear_stale_locks((["CPUAdamBuilder"] if self.offload_optimizer else [])
                               + (["ShareMemCommBuilder"] if self.device.type == "cpu" else []))
+        self.process.barrier()  # no rank waits on a lock rank 0 then removes, to import an op never built
         if self.offload_optimizer:  # ZeRO-Offload steps on CPU with its own Adam kernel (same AdamW math)
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 

@@ -7,14 +7,21 @@ needs the op meanwhile polls until the lock is gone (``torch.utils.file_baton.Fi
 time limit. A build stopped half-way (Ctrl-C, a kill, a time limit) leaves the lock, and every later
 run on the machine then waits in ``deepspeed.initialize`` forever.
 
-A lock is stale when no process works in its build folder (the compiler and ``ninja`` run there)
-and neither it nor any file beside it changed for :data:`LOCK_GRACE_S`: a build that is under way
-has its compiler running, and the moments between (writing the build file before the compiler
-starts, loading the op after it ends) have just written a file there.
+A lock is stale when no process holds it open (torch's ``FileBaton`` keeps the lock's file
+descriptor from taking it to releasing it), no process works in its build folder (the compiler and
+``ninja`` run there) and neither it nor any file beside it changed for :data:`LOCK_GRACE_S`: a build
+that is under way holds its lock open and has its compiler running, and the moments between
+(writing the build file before the compiler starts, loading the op after it ends) have just written
+a file there.
+
+Two runs starting together (two ranks' first runs, two jobs on one machine) may both find the
+same stale lock; the second must not remove the lock a third process took in between. Removing is
+therefore done under an exclusive ``flock`` on the build folder, with the lock judged again inside.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import time
@@ -44,9 +51,18 @@ def _working_dirs() -> list[str]:
     return dirs
 
 
+def _open_files() -> list[str]:
+    """The paths of the regular files this machine's processes hold open, those that can be read."""
+    paths = []
+    for proc in psutil.process_iter(["open_files"]):
+        paths += [f.path for f in proc.info.get("open_files") or []]
+    return paths
+
+
 def stale_lock(folder: str, now: Optional[float] = None,
                working_dirs: Optional[Callable[[], Iterable[str]]] = None,
-               grace_s: float = LOCK_GRACE_S) -> Optional[str]:
+               grace_s: float = LOCK_GRACE_S,
+               open_files: Optional[Callable[[], Iterable[str]]] = None) -> Optional[str]:
     """The path of ``folder``'s build lock if it is stale, else None (no lock, or a build holds it).
 
     Args:
@@ -55,6 +71,7 @@ def stale_lock(folder: str, now: Optional[float] = None,
         working_dirs: the machine's processes' working folders (None = read them; for tests).
         grace_s: :data:`LOCK_GRACE_S`, or 0 where the caller has just ended the builder itself
             (``benchmarks/gpu_suite.py`` after killing a step at its time limit).
+        open_files: the paths the machine's processes hold open (None = read them; for tests).
     """
     lock = os.path.join(folder, "lock")
     try:
@@ -67,26 +84,52 @@ def stale_lock(folder: str, now: Optional[float] = None,
     for cwd in (_working_dirs if working_dirs is None else working_dirs)():
         if os.path.realpath(cwd) == inside or os.path.realpath(cwd).startswith(inside + os.sep):
             return None  # a compiler works there: the build is alive
+    real_lock = os.path.realpath(lock)
+    if any(os.path.realpath(path) == real_lock for path in (_open_files if open_files is None else open_files)()):
+        return None  # a loader holds it between taking and releasing it
     return lock
 
 
+def remove_stale_lock(folder: str, grace_s: float = LOCK_GRACE_S) -> Optional[str]:
+    """Remove ``folder``'s build lock if it is stale (:func:`stale_lock`), judged and removed under
+    an exclusive ``flock`` on ``folder`` so that one cleaner at a time does it: a lock another
+    process took after a second cleaner removed the stale one is left alone. torch's loader does not
+    take that ``flock``, so a build is never held up by it. Returns the lock removed, or None.
+
+    Raises:
+        OSError: the stale lock could not be removed (its folder is not writable).
+    """
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # the folder went: no lock to judge
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        lock = stale_lock(folder, grace_s=grace_s)
+        if lock is not None:
+            os.remove(lock)
+        return lock
+    finally:
+        os.close(fd)  # closing releases the flock
+
+
 def clear_stale_locks(builder_names: Iterable[str], grace_s: float = LOCK_GRACE_S) -> list[str]:
-    """Remove the stale build locks (:func:`stale_lock`, with ``grace_s``) of the DeepSpeed ops
+    """Remove the stale build locks (:func:`remove_stale_lock`, with ``grace_s``) of the DeepSpeed ops
     ``builder_names`` (e.g. ``ShareMemCommBuilder``, ``CPUAdamBuilder``), each named in a warning;
     a lock that cannot be removed is named with the command that removes it. Returns the locks
     removed. Called by global rank 0 before ``deepspeed.initialize``."""
     removed = []
     for name in builder_names:
         for folder in deepspeed_op_folders(name) or []:
-            lock = stale_lock(folder, grace_s=grace_s)
-            if lock is None:
-                continue
             try:
-                os.remove(lock)
+                lock = remove_stale_lock(folder, grace_s=grace_s)
             except OSError as exc:
+                lock = os.path.join(folder, "lock")
                 log.warning("memtrain: %s is left by a DeepSpeed op build that was stopped (no process builds in "
                             "%s); DeepSpeed will wait on it forever: remove it with `rm %s` (%s)", lock, folder,
                             lock, exc.strerror)
+                continue
+            if lock is None:
                 continue
             log.warning("memtrain: removed %s, left by a DeepSpeed op build that was stopped (no process builds "
                         "in its folder); DeepSpeed builds the op again where that build did not finish", lock)
