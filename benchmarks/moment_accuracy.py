@@ -60,10 +60,17 @@ DeepSpeed's conversion into FSDP2's shards."""
 QUICK_ARGS = TINY_ARGS + ["--model.config.n_embd", "256", "--model.config.n_head", "4"]
 
 
-def engine_args(run: str) -> list[str]:
-    """The arguments of ``run``: an engine of ``common.ENGINES``, or ``engine+format`` (that engine
-    with ``--checkpoint.format format``)."""
+def split_run(run: str) -> tuple[str, str]:
+    """``run`` (an engine of ``common.ENGINES``, or ``engine+format``: that engine writing that
+    ``checkpoint.format``) as (engine, format; ``""`` for the engine's own)."""
     engine, _, checkpoint_format = run.partition("+")
+    return engine, checkpoint_format
+
+
+def engine_args(run: str) -> list[str]:
+    """The arguments of ``run`` (:func:`split_run`): the engine's, with ``--checkpoint.format``
+    where the run names one."""
+    engine, checkpoint_format = split_run(run)
     return ENGINES[engine] + (["--checkpoint.format", checkpoint_format] if checkpoint_format else [])
 
 
@@ -97,7 +104,7 @@ def predicted(args: list[str], engine: str, world_size: int) -> dict:
     from memtrain.memory.moments import moment_terms
 
     report = plan_report(parse_args(args + engine_args(engine)), world_size)
-    moments = moment_terms(report["model_state_bytes"][engine.partition("+")[0]], "cpu")
+    moments = moment_terms(report["model_state_bytes"][split_run(engine)[0]], "cpu")
     chosen = next(c for c in report["candidates"] if c.get("chosen"))
     planned = max(chosen["predicted_peak_bytes"], chosen["moment_bytes"])  # what the plan was fitted to
     return {**moments, "plan_peak_bytes": without_allocator_headroom(planned, "cpu")}
@@ -112,7 +119,7 @@ def rows(args: list[str], engines: list[str], world_sizes: list[int], precisions
             for engine in engines:
                 source = resumed_from or engine
                 count, guess = measured(run_args, engine, world_size, source)
-                (name, _, fmt), (saved_by, _, saved_fmt) = engine.partition("+"), source.partition("+")
+                (name, fmt), (saved_by, saved_fmt) = split_run(engine), split_run(source)
                 for moment in ("resume", "export"):
                     yield {"benchmark": "moment_accuracy", "engine": name, "resumed_from": saved_by,
                            "checkpoint_format": fmt or "auto", "resumed_format": saved_fmt or "auto",

@@ -172,11 +172,11 @@ def _check_model_builds(cfg: Config, mc: dict) -> None:
 def user_optimizer_engines() -> str:
     """Why a Python caller's optimizer is refused under an engine or placement
     (:func:`check_user_optimizer_placement`), naming the engines that step it (each engine
-    module's ``STEPS_USER_OPTIMIZER``)."""
+    module's ``STEPS_USER_OPTIMIZER``) and where the others step their own (``OWN_OPTIMIZER``)."""
     ok = " or ".join(name for name in BACKENDS if engine_module(name).STEPS_USER_OPTIMIZER)
-    return (f"an optimizer_factory's optimizer runs under backend.name {ok} without offload (memtrain sizes "
-            "DeepSpeed's ZeRO partitions for AdamW and steps DeepSpeed's CPU Adam under its offload; FSDP2's optimizer "
-            f"offload steps its own AdamW on the host): choose {ok} with backend.offload none, or drop the factory")
+    own = "; ".join(words for words in (engine_module(name).OWN_OPTIMIZER for name in BACKENDS) if words)
+    return (f"an optimizer_factory's optimizer runs under backend.name {ok} without offload ({own}): "
+            f"choose {ok} with backend.offload none, or drop the factory")
 
 
 def check_user_optimizer_placement(engine: str, offload: Optional[str]) -> None:

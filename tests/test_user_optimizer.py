@@ -62,16 +62,17 @@ def test_sgd_and_step_lr_from_the_factories_train_resume_bitwise_and_are_planned
     assert mine.keys() == theirs.keys() and all(theirs[k] - mine[k] == 4 * N_PARAMS for k in mine)
 
 
-@pytest.mark.parametrize("setting, field", [
-    ({"backend": {"name": "deepspeed"}}, "backend.name"),
-    ({"backend": {"name": "fsdp", "offload": "optimizer"}}, "backend.offload"),
-    ({"optimizer": {"state_dtype": "bf16"}}, "optimizer.state_dtype"),
+@pytest.mark.parametrize("setting, field, why", [
+    ({"backend": {"name": "deepspeed"}}, "backend.name", "DeepSpeed's CPU Adam"),
+    ({"backend": {"name": "fsdp", "offload": "optimizer"}}, "backend.offload", "steps its own AdamW on the host"),
+    ({"optimizer": {"state_dtype": "bf16"}}, "optimizer.state_dtype", ""),
 ])
-def test_an_engine_or_setting_that_cannot_take_the_users_optimizer_is_refused_by_name(tmp_path, setting, field):
+def test_an_engine_or_setting_that_cannot_take_the_users_optimizer_is_refused_by_name(tmp_path, setting, field, why):
+    """Refused by the field, with the engine's own words for the optimizer it steps instead."""
     with pytest.raises(ConfigError) as refused:
         memtrain.Trainer({"output_dir": str(tmp_path / "x"), **setting}, model=lambda: torch.nn.Linear(4, 3),
                          train_dataset=EXAMPLES, objective=lambda m, mb: m(mb["x"]).sum(), optimizer_factory=sgd)
-    assert refused.value.field == field and "optimizer_factory" in str(refused.value)
+    assert refused.value.field == field and "optimizer_factory" in str(refused.value) and why in str(refused.value)
     assert not (tmp_path / "x").exists()
 
 

@@ -47,6 +47,8 @@ AUTOCAST_MIXED_PRECISION = True
 """Mixed precision as the trace computes it: Accelerate's autocast: fp32 parameters, each matrix cast to the compute dtype on use."""
 STEPS_USER_OPTIMIZER = True
 """A Python caller's optimizer (``optimizer_factory``) is stepped as it is, where nothing is offloaded."""
+OWN_OPTIMIZER = ""
+"""Where it steps an optimizer of its own instead of a caller's: nowhere."""
 ASYNC_SAVE = False
 """Its save writes now, never in the background (``checkpoint.async_save`` is warned about, ignored)."""
 

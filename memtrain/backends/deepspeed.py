@@ -69,7 +69,9 @@ READS_DEEPSPEED_CONFIG = True
 AUTOCAST_MIXED_PRECISION = False
 """Mixed precision as the trace computes it: DeepSpeed's bf16/fp16: 16-bit parameters, fp32 masters in the optimizer."""
 STEPS_USER_OPTIMIZER = False
-"""A Python caller's optimizer is refused: memtrain sizes ZeRO's partitions for AdamW, and its offload steps DeepSpeed's CPU Adam."""
+"""A Python caller's optimizer is refused (:data:`OWN_OPTIMIZER`)."""
+OWN_OPTIMIZER = "memtrain sizes DeepSpeed's ZeRO partitions for AdamW and steps DeepSpeed's CPU Adam under its offload"
+"""Where it steps an optimizer of its own instead of a caller's."""
 ASYNC_SAVE = False
 """Its save writes now, never in the background (``checkpoint.async_save`` is warned about, ignored)."""
 

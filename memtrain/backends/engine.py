@@ -35,6 +35,8 @@ class Engine(Protocol):
             trace computes (:func:`memtrain.memory.step_trace.compute_precision_model`).
         STEPS_USER_OPTIMIZER: it steps a Python caller's optimizer (``optimizer_factory``) as it
             is where nothing is offloaded (:func:`memtrain.validation.check_user_optimizer_placement`).
+        OWN_OPTIMIZER: where it steps an optimizer of its own instead (words for the refusal; ``""``
+            where nowhere).
         ASYNC_SAVE: its save can write in the background under ``checkpoint.async_save`` (its
             backend's ``supports_async_save``; the placement planner stages what such a save copies).
     """
@@ -48,6 +50,7 @@ class Engine(Protocol):
     READS_DEEPSPEED_CONFIG: bool
     AUTOCAST_MIXED_PRECISION: bool
     STEPS_USER_OPTIMIZER: bool
+    OWN_OPTIMIZER: str
     ASYNC_SAVE: bool
     build: Callable[..., Any]
     model_build_context: Callable[..., Any]

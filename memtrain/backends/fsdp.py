@@ -59,7 +59,9 @@ AUTOCAST_MIXED_PRECISION = False
 """Mixed precision as the trace computes it: FSDP2's ``MixedPrecisionPolicy``: parameters gathered in the compute dtype."""
 STEPS_USER_OPTIMIZER = True
 """A Python caller's optimizer (``optimizer_factory``) is stepped as it is, where nothing is offloaded
-(FSDP2's optimizer offload steps its own AdamW on the host)."""
+(:data:`OWN_OPTIMIZER`)."""
+OWN_OPTIMIZER = "FSDP2's optimizer offload steps its own AdamW on the host"
+"""Where it steps an optimizer of its own instead of a caller's."""
 ASYNC_SAVE = True
 """Its save can write in the background (``checkpoint.async_save``: ``dcp.async_save``)."""
 

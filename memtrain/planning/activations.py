@@ -132,6 +132,7 @@ def activation_table(cfg, corpus, objective, precision: str, device_type: str,
         return batches[micro]
 
     trace = _peaks_tracer(cfg, simulated)
+
     def traced(plan: Plan) -> tuple[step_trace.StepPeaks, int]:
         settings = {name: setting for name, setting in plan.levers if lever(name).model_lever}
         key = (plan.micro_batch_size, tuple(settings.items()))
