@@ -4,10 +4,10 @@ forever; memtrain removes it when no process builds there, and leaves a live bui
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
-import fcntl
 import sys
 import threading
 import time
