@@ -25,7 +25,7 @@ import fcntl
 import logging
 import os
 import time
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 import psutil
 
@@ -59,19 +59,14 @@ def _open_files() -> list[str]:
     return paths
 
 
-def stale_lock(folder: str, now: Optional[float] = None,
-               working_dirs: Optional[Callable[[], Iterable[str]]] = None,
-               grace_s: float = LOCK_GRACE_S,
-               open_files: Optional[Callable[[], Iterable[str]]] = None) -> Optional[str]:
+def stale_lock(folder: str, now: Optional[float] = None, grace_s: float = LOCK_GRACE_S) -> Optional[str]:
     """The path of ``folder``'s build lock if it is stale, else None (no lock, or a build holds it).
 
     Args:
         folder: an op's build folder (:func:`memtrain.memory.machine.deepspeed_op_folders`).
         now: the time to age the lock against (seconds since the epoch; None = now).
-        working_dirs: the machine's processes' working folders (None = read them; for tests).
         grace_s: :data:`LOCK_GRACE_S`, or 0 where the caller has just ended the builder itself
             (``benchmarks/gpu_suite.py`` after killing a step at its time limit).
-        open_files: the paths the machine's processes hold open (None = read them; for tests).
     """
     lock = os.path.join(folder, "lock")
     try:
@@ -81,11 +76,11 @@ def stale_lock(folder: str, now: Optional[float] = None,
     if not os.path.exists(lock) or (time.time() if now is None else now) - changed < grace_s:
         return None
     inside = os.path.realpath(folder)
-    for cwd in (_working_dirs if working_dirs is None else working_dirs)():
+    for cwd in _working_dirs():
         if os.path.realpath(cwd) == inside or os.path.realpath(cwd).startswith(inside + os.sep):
             return None  # a compiler works there: the build is alive
     real_lock = os.path.realpath(lock)
-    if any(os.path.realpath(path) == real_lock for path in (_open_files if open_files is None else open_files)()):
+    if any(os.path.realpath(path) == real_lock for path in _open_files()):
         return None  # a loader holds it between taking and releasing it
     return lock
 
