@@ -377,7 +377,8 @@ def _validate_files_and_sizes(cfg: Config) -> None:
 
 def _validate_placement(cfg: Config) -> None:
     """``backend.offload``, ``nvme_path``, ``memory.host_memory_gib``,
-    and the settings of one engine given for another (``zero_stage``, ``reshard_after_forward``)."""
+    and the settings of one engine given for another (``zero_stage``; an engine setting that is a
+    lever, ``reshard_after_forward``, is refused by its lever)."""
     b = cfg.backend
     engine = engine_name(b)  # auto: the launcher's, DeepSpeed with a zero_stage, else DDP
     engine_module(engine).validate(cfg)  # what this engine cannot honour, named by the engine

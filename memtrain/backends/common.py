@@ -86,18 +86,6 @@ def refuse_deepspeed_settings(b, engine: str) -> None:
                           "use backend.name deepspeed (or auto), or drop backend.zero_stage")
 
 
-def refuse_unsharded_reshard(b, engine: str) -> None:
-    """``backend.reshard_after_forward false`` named for an engine that does not reshard (DDP,
-    DeepSpeed; ``backend.name auto`` may still plan FSDP2).
-
-    Raises:
-        memtrain.errors.ConfigError: it is.
-    """
-    if not b.reshard_after_forward and b.name == engine:
-        raise ConfigError("backend.reshard_after_forward", f"false is an FSDP2 setting, but backend.name is "
-                          f"'{b.name}'; use backend.name fsdp (or auto), or drop it")
-
-
 def offload_words(context: dict) -> str:
     """The offload in an engine's ``stop_words`` (``, offload optimizer``); empty without one."""
     return f", offload {context['offload']}" if context.get("offload") not in (None, "none") else ""

@@ -15,8 +15,7 @@ import torch
 from torch import nn
 
 from memtrain.backends.base import ComputeCollectives
-from memtrain.backends.common import (ThroughItsFormat, load_full_state_as_read, refuse_deepspeed_settings,
-                                      refuse_unsharded_reshard)
+from memtrain.backends.common import ThroughItsFormat, load_full_state_as_read, refuse_deepspeed_settings
 from memtrain.backends.common import fp32_export_bytes as export_bytes_per_parameter  # noqa: F401 (registry)
 from memtrain.backends.common import selective_checkpointing_works as takes_selective_checkpointing  # noqa: F401
 from memtrain.backends.common import whole_model_build_context as model_build_context  # noqa: F401 (registry)
@@ -62,8 +61,8 @@ def validate(cfg) -> None:
     """The ``backend`` settings DDP cannot honour, by name (:func:`memtrain.validation.validate`).
 
     Raises:
-        memtrain.errors.ConfigError: an offload, ``nvme_path``, a DeepSpeed setting, or
-            ``reshard_after_forward false``.
+        memtrain.errors.ConfigError: an offload, ``nvme_path`` or a DeepSpeed setting
+            (``reshard_after_forward false`` is its lever's: :class:`memtrain.levers.engine_settings.ReshardAfterForward`).
     """
     b = cfg.backend
     if b.offload not in (None, "none", "auto"):
@@ -75,7 +74,6 @@ def validate(cfg) -> None:
     if b.nvme_path is not None:
         raise ConfigError("backend.nvme_path", "NVMe offload is DeepSpeed's (ZeRO-3); the engine is DDP")
     refuse_deepspeed_settings(b, "ddp")
-    refuse_unsharded_reshard(b, "ddp")
 
 
 def state_bytes(n_params: int, precision: str, *, world_size: int, shape: ModelShape, state_dtype: str,

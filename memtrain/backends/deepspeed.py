@@ -24,8 +24,7 @@ from torch import nn
 
 from memtrain.backends import ds_partial_offload
 from memtrain.backends.base import ComputeCollectives
-from memtrain.backends.common import (OffloadTime, ThroughItsFormat, offload_advice, offload_words,
-                                      refuse_unsharded_reshard)
+from memtrain.backends.common import OffloadTime, ThroughItsFormat, offload_advice, offload_words
 from memtrain.backends.common import fp32_export_bytes as export_bytes_per_parameter  # noqa: F401 (registry)
 from memtrain.backends.ds_config import (OFFLOAD_DEVICES, ZERO_IN_PLACE_KEYS, build_ds_config, get_path,
                                         linear_saves_weight, zero_buffer_settings)
@@ -125,13 +124,10 @@ def offload_seconds(p, n_params: int, p_bytes: int, world_size: int, machine: Ma
 
 
 def validate(cfg) -> None:
-    """The ``backend`` settings DeepSpeed cannot honour, by name (:func:`memtrain.validation.validate`;
-    the DeepSpeed JSON against the config is checked when the engine is built).
-
-    Raises:
-        memtrain.errors.ConfigError: ``reshard_after_forward false``.
-    """
-    refuse_unsharded_reshard(cfg.backend, "deepspeed")
+    """The ``backend`` settings DeepSpeed cannot honour, by name (:func:`memtrain.validation.validate`):
+    none beyond what each lever refuses for an engine without it (``reshard_after_forward false``:
+    :class:`memtrain.levers.engine_settings.ReshardAfterForward`); the DeepSpeed JSON against the
+    config is checked when the engine is built."""
 
 
 def stop_words(context: dict) -> str:

@@ -8,6 +8,7 @@ device; the placement planner chooses the ratio under ``backend.offload auto``."
 from __future__ import annotations
 
 from memtrain.backends import engine_module
+from memtrain.engine_names import ENGINES
 from memtrain.errors import ConfigError
 from memtrain.levers.base import Lever
 
@@ -28,6 +29,16 @@ class ReshardAfterForward(EngineSetting):
     column = "reshard"
     config_key = "backend.reshard_after_forward"
     on_resume = "takes_effect"
+
+    def validate(self, cfg, python: frozenset = frozenset()) -> None:
+        """``false`` (keep blocks gathered) only for an engine that reshards: one whose module's
+        ``SETTINGS`` names this lever, or ``backend.name auto`` (which may still plan one)."""
+        name = cfg.backend.name
+        if cfg.backend.reshard_after_forward or name == "auto" or self.name in engine_module(name).SETTINGS:
+            return
+        owners = " or ".join(n for n in ENGINES if self.name in engine_module(n).SETTINGS)
+        raise ConfigError(self.config_key, f"false is a setting of backend.name {owners}, but backend.name is "
+                          f"'{name}'; use backend.name {owners} (or auto), or drop it")
 
     def applies(self, cfg, spec) -> bool:
         return spec is not None and self.name in engine_module(spec.name).SETTINGS

@@ -9,7 +9,7 @@ import os
 from typing import Optional
 
 from memtrain.backends import BACKENDS, engine_module, run_format
-from memtrain.checkpoint.formats import full_state_read_bytes
+from memtrain.checkpoint.formats import full_state_read_bytes, saved_state_dtype
 from memtrain.checkpoint.layout import complete_checkpoints, latest_checkpoint, read_manifest
 from memtrain.errors import CheckpointError, ConfigError
 from memtrain.memory.moments import with_switch
@@ -54,10 +54,9 @@ def resume_state_dtype(cfg, chooses: bool) -> Optional[str]:
     manifest = resumed_manifest(cfg)
     if manifest is None:
         return None
-    chosen = (manifest.get("engine_spec") or {}).get("optimizer_state_dtype")
+    chosen, dtype = saved_state_dtype(manifest)
     if chosen is None and not chooses:
         return None
-    dtype = chosen or ((manifest.get("config") or {}).get("optimizer") or {}).get("state_dtype", "fp32")
     if dtype == "int8" and cfg.logging.memory_breakdown_step > 0:
         raise ConfigError("logging.memory_breakdown_step", "cannot count this run: the checkpoint it resumes has "
                           "int8 optimizer moments (chosen under memory.allow_lossy_levers), whose compiled step "

@@ -118,14 +118,23 @@ class SavedRun:
         """From a manifest (:func:`memtrain.checkpoint.layout.read_manifest`); what it leaves out
         is taken at its largest."""
         config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
-        spec = manifest.get("engine_spec") or {}
-        dtype = spec.get("optimizer_state_dtype") or (config.get("optimizer") or {}).get("state_dtype", "fp32")
+        dtype = saved_state_dtype(manifest)[1]
         stage = manifest.get("zero_stage")
         name = manifest.get("checkpoint_format") or format_written_by(manifest.get("backend"))
         half = (name in FORMATS and getattr(format_module(name), "PARAMETERS_IN_COMPUTE_DTYPE", False)
                 and config.get("precision") in ("bf16", "fp16"))
         return cls(int(manifest.get("world_size") or 1), stage, 2 if half else 4, 2 if dtype == "bf16" else 4,
                    manifest.get("checkpoint_model") == SHARDED_MODULE)
+
+
+def saved_state_dtype(manifest: dict) -> tuple[Optional[str], str]:
+    """``(chosen, dtype)``: the optimizer state dtype a checkpoint's run chose through the planner
+    (its manifest's ``engine_spec``; None where the planner did not choose it, or the checkpoint
+    predates the spec) and the dtype its state was saved in (that choice, else its config's
+    ``optimizer.state_dtype``, else ``fp32``, what memtrain used before the field existed)."""
+    chosen = (manifest.get("engine_spec") or {}).get("optimizer_state_dtype")
+    config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
+    return chosen, chosen or (config.get("optimizer") or {}).get("state_dtype", "fp32")
 
 
 def full_state_read_bytes(manifest: dict, shape) -> tuple[int, int]:
