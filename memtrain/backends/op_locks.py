@@ -59,12 +59,11 @@ def _open_files() -> list[str]:
     return paths
 
 
-def stale_lock(folder: str, now: Optional[float] = None, grace_s: float = LOCK_GRACE_S) -> Optional[str]:
+def stale_lock(folder: str, grace_s: float = LOCK_GRACE_S) -> Optional[str]:
     """The path of ``folder``'s build lock if it is stale, else None (no lock, or a build holds it).
 
     Args:
         folder: an op's build folder (:func:`memtrain.memory.machine.deepspeed_op_folders`).
-        now: the time to age the lock against (seconds since the epoch; None = now).
         grace_s: :data:`LOCK_GRACE_S`, or 0 where the caller has just ended the builder itself
             (``benchmarks/gpu_suite.py`` after killing a step at its time limit).
     """
@@ -73,7 +72,7 @@ def stale_lock(folder: str, now: Optional[float] = None, grace_s: float = LOCK_G
         changed = max(os.stat(os.path.join(folder, name)).st_mtime for name in os.listdir(folder))
     except (OSError, ValueError):  # no lock (or the folder went)
         return None
-    if not os.path.exists(lock) or (time.time() if now is None else now) - changed < grace_s:
+    if not os.path.exists(lock) or time.time() - changed < grace_s:
         return None
     inside = os.path.realpath(folder)
     for cwd in _working_dirs():

@@ -134,7 +134,7 @@ def saved_state_dtype(manifest: dict) -> tuple[Optional[str], str]:
     ``optimizer.state_dtype``, else ``fp32``, what memtrain used before the field existed)."""
     chosen = (manifest.get("engine_spec") or {}).get("optimizer_state_dtype")
     config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
-    return chosen, chosen or (config.get("optimizer") or {}).get("state_dtype", "fp32")
+    return chosen, chosen or (config.get("optimizer") or {}).get("state_dtype") or "fp32"
 
 
 def full_state_read_bytes(manifest: dict, shape) -> tuple[int, int]:
