@@ -222,6 +222,10 @@ def test_an_engine_is_checked_when_registered(monkeypatch):
     partial.VARIANTS = backends.engine_module("fsdp").VARIANTS  # offloading placements ask for more
     with pytest.raises(TypeError, match="offload_ratio, offload_seconds"):
         check_engine(partial, "partial")
+    partial.offload_ratio, partial.offload_seconds = ddp.stop_words, ddp.stop_words  # any callables
+    partial.VARIANTS = backends.engine_module("deepspeed").VARIANTS  # NVMe placements ask whether files can run
+    with pytest.raises(TypeError, match="does not define nvme_available"):
+        check_engine(partial, "partial")
     partial.VARIANTS, partial.CHECKPOINT_MODEL = ddp.VARIANTS, "sharded_module"  # safetensors saves no sharded module
     with pytest.raises(TypeError, match="engine 'partial': its CHECKPOINT_FORMAT 'safetensors' does not save"):
         check_engine(partial, "partial")

@@ -754,9 +754,9 @@ def test_nvme_offload_trains_like_host_offload(tmp_path, cache_dir):
     """The same placement with its offloaded state in NVMe files: the same losses (the same CPU Adam
     on the same values)."""
     from conftest import launch, read_metrics
-    from memtrain.backends.deepspeed import async_io_available
+    from memtrain.backends.deepspeed import nvme_available
 
-    if not async_io_available():
+    if not nvme_available():
         pytest.skip("NVMe offload needs DeepSpeed's async_io op (libaio and its headers), not built on this machine")
     args = ["--backend.name", "deepspeed", "--backend.zero_stage", "3", "--backend.offload", "optimizer_and_params",
             "--training.max_steps", "4"]

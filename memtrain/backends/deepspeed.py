@@ -544,8 +544,9 @@ def build(cfg, spec, process: ProcessState, precision: str, plan) -> DeepSpeedBa
                             training=t, offload_optimizer_ratio=spec.offload_optimizer_ratio, nvme_path=spec.nvme_path)
 
 
-def async_io_available() -> bool:
-    """Whether DeepSpeed's async_io op (NVMe offload) can be built or loaded here (it needs libaio)."""
+def nvme_available() -> bool:
+    """Whether DeepSpeed's async_io op (NVMe offload) can be built or loaded here (it needs libaio):
+    :class:`memtrain.backends.engine.NvmeEngine`."""
     import io
 
     from deepspeed.ops.op_builder import AsyncIOBuilder
@@ -555,7 +556,7 @@ def async_io_available() -> bool:
 
 
 def _require_async_io() -> None:
-    if not async_io_available():
+    if not nvme_available():
         raise ConfigError("backend.nvme_path", "NVMe offload needs DeepSpeed's async_io op, which cannot be built on "
                           "this machine (libaio and its headers are missing: apt install libaio-dev); drop "
                           "backend.nvme_path to offload to host memory")

@@ -4,7 +4,8 @@ validation or the OOM message asks for fails by name at once, not in the middle 
 
 An engine is a module ``memtrain.backends.NAME`` (its name in :data:`memtrain.engine_names.ENGINES`)
 satisfying :class:`Engine`; one whose ``VARIANTS`` offload state also satisfies
-:class:`OffloadingEngine`, and one that takes lossy optimizer state :class:`LossyStateEngine`.
+:class:`OffloadingEngine` (:class:`NvmeEngine` too where one offloads to NVMe files), and one that
+takes lossy optimizer state :class:`LossyStateEngine`.
 """
 
 from __future__ import annotations
@@ -74,6 +75,14 @@ class OffloadingEngine(Protocol):
 
 
 @runtime_checkable
+class NvmeEngine(Protocol):
+    """What an engine with a placement in NVMe files (a variant with ``nvme``) adds: whether its
+    file I/O can run on this machine, asked by the placement planner before it offers one."""
+
+    nvme_available: Callable[[], bool]
+
+
+@runtime_checkable
 class LossyStateEngine(Protocol):
     """What an engine that takes lossy optimizer state adds: AdamW's moments per rank in each dtype."""
 
@@ -89,6 +98,8 @@ def check_engine(module: ModuleType, name: str) -> ModuleType:
     required = [Engine]
     if any(v.offload != "none" for v in getattr(module, "VARIANTS", ())):
         required.append(OffloadingEngine)
+    if any(v.nvme for v in getattr(module, "VARIANTS", ())):
+        required.append(NvmeEngine)
     if getattr(module, "LOSSY_OPTIMIZER_STATE", False):
         required.append(LossyStateEngine)
     missing = [member for protocol in required for member in protocol.__annotations__ if not hasattr(module, member)]

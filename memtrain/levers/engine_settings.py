@@ -21,6 +21,11 @@ class EngineSetting(Lever):
     model_lever = False
     runtime = False
 
+    def engine_has(self, engine: str) -> bool:
+        """Whether engine ``engine`` (a name of :data:`memtrain.engine_names.ENGINES`) is built with
+        this setting: its module's ``SETTINGS`` names it."""
+        return self.name in engine_module(engine).SETTINGS
+
 
 class ReshardAfterForward(EngineSetting):
     """Settings: bool (FSDP2 only)."""
@@ -34,14 +39,14 @@ class ReshardAfterForward(EngineSetting):
         """``false`` (keep blocks gathered) only for an engine that reshards: one whose module's
         ``SETTINGS`` names this lever, or ``backend.name auto`` (which may still plan one)."""
         name = cfg.backend.name
-        if cfg.backend.reshard_after_forward or name == "auto" or self.name in engine_module(name).SETTINGS:
+        if cfg.backend.reshard_after_forward or name == "auto" or self.engine_has(name):
             return
-        owners = " or ".join(n for n in ENGINES if self.name in engine_module(n).SETTINGS)
+        owners = " or ".join(n for n in ENGINES if self.engine_has(n))
         raise ConfigError(self.config_key, f"false is a setting of backend.name {owners}, but backend.name is "
                           f"'{name}'; use backend.name {owners} (or auto), or drop it")
 
     def applies(self, cfg, spec) -> bool:
-        return spec is not None and self.name in engine_module(spec.name).SETTINGS
+        return spec is not None and self.engine_has(spec.name)
 
     def choices(self, cfg, spec) -> tuple:
         return (bool(spec.reshard_after_forward),)
@@ -69,7 +74,7 @@ class OffloadOptimizerRatio(EngineSetting):
                               "drop it")
 
     def applies(self, cfg, spec) -> bool:
-        return spec is not None and self.name in engine_module(spec.name).SETTINGS and _offload(cfg, spec)[0] != "none"
+        return spec is not None and self.engine_has(spec.name) and _offload(cfg, spec)[0] != "none"
 
     def choices(self, cfg, spec) -> tuple:
         return (_offload(cfg, spec)[1],)

@@ -40,7 +40,6 @@ from typing import Optional
 
 from memtrain.backends import (BACKENDS, DEFAULT_ENGINE, engine_module, engine_variants, model_state_bytes,
                                run_format, writes_format)
-from memtrain.backends.deepspeed import async_io_available
 from memtrain.backends.spec import configured_engine, user_zero_settings
 from memtrain.checkpoint.formats import format_module
 from memtrain.config import ConfigError
@@ -325,11 +324,12 @@ def format_placements(table: list[Placement]) -> str:
 
 
 def nvme_usable(path: Optional[str]) -> bool:
-    """Whether NVMe offload can be planned: a folder is given and DeepSpeed's async_io op loads."""
+    """Whether NVMe offload can be planned: a folder is given and an engine with NVMe placements
+    can run its file I/O here (its ``nvme_available``: DeepSpeed's async_io op loads)."""
     if not path:
         return False
-
-    return os.path.isdir(os.path.expanduser(path)) and async_io_available()
+    return os.path.isdir(os.path.expanduser(path)) and any(
+        engine_module(e).nvme_available() for e in BACKENDS if any(v.nvme for v in engine_module(e).VARIANTS))
 
 
 def micro_batch_candidates(cfg, per_rank_batch: int, activation_bytes, n_params: int, tokens_per_sample: int,
