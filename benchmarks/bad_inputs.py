@@ -129,6 +129,7 @@ def cases(tmp: Path, run: Path) -> list[tuple[str, list[str], dict]]:
         ("a single data file", [*train, "--resume", "never", "--data.files", f"[{tmp / 'only.txt'}]",
                                 "--data.max_bytes", "0"], {}),
         ("model.config.n_layer four", [*train, "--model.config.n_layer", "four"], {}),
+        ("a misspelt model.config key", [*train, "--model.config.n_layr", "2"], {}),
         ("n_embd 100 with n_head 3", [*train, "--model.config.n_embd", "100", "--model.config.n_head", "3"], {}),
         ("an unknown model_type", [*train, "--model.config.model_type", "gtp2"], {}),
         ("a DeepSpeed JSON with a comment", [*train, "--backend.deepspeed_config", str(tmp / "commented.json")], {}),

@@ -137,6 +137,36 @@ def _pretrained_config(cfg: Config) -> dict:
         raise ConfigError("model.pretrained", f"'{config}' cannot be read: {exc}") from None
 
 
+def check_config_keys(model_type: str, given: dict) -> None:
+    """Every key of ``given`` (``model.config``) a setting of transformers' config class for
+    ``model_type``: one the class declares or its constructor takes (``num_labels``,
+    ``attn_implementation``, …). transformers keeps any other key as a stray attribute that no
+    model reads, so a misspelt ``n_layr`` would train the default size without a word.
+
+    Raises:
+        ConfigError: field ``model.config.KEY``, naming the closest settings of the class.
+    """
+    import difflib
+
+    from transformers import AutoConfig
+
+    defaults = AutoConfig.for_model(model_type)
+    cls = type(defaults)
+    for key, value in given.items():
+        if key == "model_type" or key in vars(defaults) or hasattr(cls, key):
+            continue
+        try:
+            kept = key in vars(AutoConfig.for_model(model_type, **{key: value}))  # stored as it was given
+        except Exception:  # noqa: BLE001 - a value transformers refuses: _check_model_builds names it
+            continue
+        if kept:
+            settings = [k for k in [*vars(defaults), *getattr(cls, "attribute_map", {})] if not k.startswith("_")]
+            close = difflib.get_close_matches(key, settings, n=3, cutoff=0.6)
+            raise ConfigError(f"model.config.{key}", f"is not a setting of transformers' {cls.__name__} "
+                              f"(model_type {model_type}), which would keep it unused"
+                              + (f"; did you mean {', '.join(close)}?" if close else ""))
+
+
 def _check_model_builds(cfg: Config, mc: dict) -> None:
     """A transformers config that the model cannot be built from (a value of the wrong type, a
     width not divisible by the heads): named now, not after the data is built. Each key's type is
@@ -151,6 +181,7 @@ def _check_model_builds(cfg: Config, mc: dict) -> None:
     from transformers import AutoConfig
 
     defaults = AutoConfig.for_model(mc["model_type"])
+    check_config_keys(mc["model_type"], cfg.model.config or {})
     for key, value in (cfg.model.config or {}).items():
         default = getattr(defaults, key, None)
         if isinstance(default, (int, float)) and not isinstance(default, bool) and (
@@ -271,6 +302,8 @@ def _validate_model(cfg: Config) -> None:
     check_model_type(mc["model_type"])
     if not cfg.model.pretrained:
         _check_model_builds(cfg, mc)
+    else:  # the pretrained folder's own keys are its; the config's are overrides of them
+        check_config_keys(mc["model_type"], cfg.model.config or {})
     positions = mc.get("n_positions", mc.get("max_position_embeddings"))
     if positions is None:
         from transformers import AutoConfig

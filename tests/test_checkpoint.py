@@ -269,6 +269,30 @@ def test_another_engines_checkpoint_is_refused_under_partial_offload_by_name(tmp
     assert os.listdir(tmp_path) == []
 
 
+def test_a_checkpoint_of_another_model_is_refused_naming_the_model_config_key(tmp_path):
+    """Resuming with another layer count: the refusal names ``model.config.n_layer`` with both
+    values (read from the manifest's config and the model's own), then the first parameter whose
+    shape differs, and loads nothing."""
+    import types
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from memtrain.checkpoint.stateful import EngineState, model_shapes
+    from memtrain.errors import CheckpointError
+
+    small = dict(n_embd=16, n_head=2, vocab_size=32, n_positions=8)
+    saved_model, this_model = GPT2LMHeadModel(GPT2Config(n_layer=2, **small)), GPT2LMHeadModel(GPT2Config(n_layer=1, **small))
+    backend = types.SimpleNamespace(name="ddp", checkpoint_io=types.SimpleNamespace(NAME="safetensors"),
+                                    manifest_fields=dict, unwrap=lambda m: m)
+    backend.load_state = lambda *a: pytest.fail("a checkpoint of another model was loaded")
+    manifest = {"backend": "ddp", "checkpoint_format": "safetensors", "model_shapes": model_shapes(saved_model),
+                "config": {"model": {"config": {"model_type": "gpt2", "n_layer": 2, **small}}}}
+    with pytest.raises(CheckpointError) as info:
+        EngineState(backend, this_model, None).load_files(str(tmp_path), manifest)
+    assert "(model.config.n_layer: checkpoint 2, this run 1), first at parameter transformer.h.1." in str(info.value)
+    assert "this run none (no such parameter)" in str(info.value)
+
+
 def test_explicit_corrupt_checkpoint_is_refused_by_name(tmp_path, reference, cache_dir):
     ckpt = tmp_path / "step"
     shutil.copytree(continuous(reference, "ddp") / "checkpoints" / "step_00000015", ckpt)

@@ -322,6 +322,8 @@ def test_user_mistakes_exit_2_naming_the_field_or_file(tmp_path, cache_dir, monk
     cases = [
         (["--config", str(recipe)], "config", f"{recipe}: key 'training' is given twice (first at line"),
         (["--model.config.n_layer", "four"], "model.config.n_layer", "expects an integer"),
+        (["--model.config.n_layr", "2"], "model.config.n_layr", "not a setting of transformers' GPT2Config "
+         "(model_type gpt2), which would keep it unused; did you mean n_layer"),
         (["--model.config.n_embd", "100", "--model.config.n_head", "3"], "model.config", "divisible"),
         (["--model.config.model_type", "gtp2"], "model.config.model_type", "close matches: gpt2"),
         (["--backend.deepspeed_config", str(commented)], "backend.deepspeed_config", f"{commented} is not valid JSON"),

@@ -158,11 +158,20 @@ class EngineState:
         self.backend.load_state(self.model, self.optimizer, directory, manifest["world_size"])
 
     def _check_shapes(self, directory: str, manifest: dict[str, Any]) -> None:
-        shapes, saved = model_shapes(self.backend.unwrap(self.model)), manifest["model_shapes"]
+        """Refuse a checkpoint of another model, naming the ``model.config`` keys the checkpoint's
+        run set to other values than this model has (:func:`changed_model_settings`) and the first
+        parameter whose shape differs."""
+        model = self.backend.unwrap(self.model)
+        shapes, saved = model_shapes(model), manifest["model_shapes"]
         if saved != shapes:
             diff = next((k for k in sorted(set(shapes) | set(saved)) if shapes.get(k) != saved.get(k)), None)
-            raise CheckpointError(f"{directory}: the model differs from the checkpoint's at parameter {diff}: "
-                                  f"checkpoint {saved.get(diff)}, this run {shapes.get(diff)}")
+            keys = changed_model_settings(manifest, model)
+            raise CheckpointError(
+                f"{directory}: the model differs from the checkpoint's"
+                + (f" ({'; '.join(keys)})" if keys else "")
+                + f", first at parameter {diff}: checkpoint {_shape_words(saved.get(diff))}, this run "
+                  f"{_shape_words(shapes.get(diff))}; resume with the checkpoint's model, or start a new run "
+                  "(--resume never, or another --output_dir)")
 
     def _load_from_another_engine(self, directory: str, manifest: dict[str, Any]) -> None:
         """The engine switch: the checkpoint's format gives the whole weights and the optimizer
@@ -170,6 +179,26 @@ class EngineState:
         (:meth:`memtrain.backends.base.Backend.load_full_state`)."""
         weights, optimizer_state = read_full_state(directory, manifest, self.backend.unwrap(self.model))
         self.backend.load_full_state(self.model, self.optimizer, weights, optimizer_state, directory)
+
+
+def changed_model_settings(manifest: dict[str, Any], model: nn.Module) -> list[str]:
+    """``model.config.KEY: checkpoint A, this run B`` for each key the checkpoint's run set in
+    ``model.config`` (its manifest's ``config``) that ``model``'s transformers config holds at
+    another value; [] for a model without one (a ``model.factory`` module) or a manifest without
+    the config."""
+    config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
+    saved = (config.get("model") or {}).get("config") or {}
+    current = getattr(model, "config", None)
+    if current is None or not isinstance(saved, dict):
+        return []
+    return [f"model.config.{key}: checkpoint {value!r}, this run {getattr(current, key)!r}"
+            for key, value in saved.items() if key != "model_type" and hasattr(current, key)
+            and getattr(current, key) != value]
+
+
+def _shape_words(shape) -> str:
+    """A parameter's shape as the refusal says it (``none`` where the model has no such parameter)."""
+    return "none (no such parameter)" if shape is None else str(shape)
 
 
 def rng_state() -> dict[str, Any]:
