@@ -165,6 +165,8 @@ class Trainer:
             hooks = Callbacks(callbacks)
         except TypeError as exc:
             raise ConfigError("callbacks", f"{exc} (subclass it and override its hooks)") from None
+        except ValueError as exc:
+            raise ConfigError("callbacks", str(exc)) from None
         for name, factory in (("optimizer_factory", optimizer_factory), ("scheduler_factory", scheduler_factory),
                               ("compute_metrics", compute_metrics)):
             if factory is not None and not callable(factory):

@@ -166,14 +166,14 @@ class UserInputs:
         train = self.examples(self.train_dataset, "train_dataset", say)
         named = {name: self.examples(data, f"eval_dataset[{name!r}]" if name else "eval_dataset", say)
                  for name, data in named_sets(self.eval_dataset).items()}
-        validation = next(iter(named.values())) if named else ExampleDataset([], self.collate_fn)
+        validation = next(iter(named.values())) if named else ExampleDataset([], self.collate_fn, "eval_dataset")
         return ExampleCorpus(train, validation, self.tokenizer,
                              named if isinstance(self.eval_dataset, Mapping) else None)
 
     def examples(self, dataset, name: str, say: bool = True) -> ExampleDataset:
         """``dataset`` as an :class:`ExampleDataset` with the caller's collate function, its labels
         shifted where they follow transformers' convention (see :meth:`corpus`; ``name`` in the warning)."""
-        split = ExampleDataset(dataset, self.collate_fn)
+        split = ExampleDataset(dataset, self.collate_fn, name)
         if self.objective is None and split.unshifted_labels():
             split.shift_labels = True
             if say:
@@ -305,7 +305,8 @@ def build_trainer(cfg: Config, process: ProcessState, closing: ExitStack,
     }
     return TrainingLoop(cfg, process, engine, model, optimizer, scheduler, corpus, objective, sampler, controller, sync,
                    faults, transforms, evaluator, guard, checkpointer, checkpoint_states, state, n_params, spec,
-                   layerdrop, *utilisation, breakdown=breakdown, host_limit=host, callbacks=inputs.callbacks)
+                   layerdrop, *utilisation, breakdown=breakdown, host_limit=host, callbacks=inputs.callbacks,
+                   user_schedule=inputs.scheduler_factory is not None)
 
 
 def build_model_for(cfg: Config, spec, precision: str, process: ProcessState, source: ModelSource,

@@ -106,13 +106,46 @@ class EarlyStopping(TrainerCallback):
             state.should_stop = True
 
 
+HOOKS = tuple(name for name in vars(TrainerCallback) if name.startswith("on_"))
+"""The hooks memtrain calls, in a run's order."""
+PEER_HOOKS = {"on_fit_start": "on_train_begin", "on_train_start": "on_train_begin", "on_fit_end": "on_train_end",
+              "on_train_batch_end": "on_step_end", "on_validation_end": "on_evaluate",
+              "on_validation_epoch_end": "on_evaluate", "on_save_checkpoint": "on_save", "on_log": "on_step_end"}
+"""Lightning's ``Callback`` and transformers' ``TrainerCallback`` hooks memtrain has under another
+name → that name."""
+
+
+def unknown_hooks(callback: TrainerCallback) -> list[str]:
+    """The ``on_*`` methods of ``callback`` that memtrain never calls, each with the hook meant
+    (:data:`PEER_HOOKS`, else the closest of :data:`HOOKS`) where there is one: e.g.
+    ``on_validation_end (memtrain calls on_evaluate)``."""
+    import difflib
+
+    out = []
+    for name in dir(type(callback)):
+        if name.startswith("on_") and name not in HOOKS and callable(getattr(callback, name)):
+            meant = PEER_HOOKS.get(name) or next(iter(difflib.get_close_matches(name, HOOKS, n=1, cutoff=0.7)), None)
+            out.append(f"{name} (memtrain calls {meant})" if meant else name)
+    return out
+
+
 class Callbacks:
-    """The run's callbacks (empty: nothing is called and nothing agreed)."""
+    """The run's callbacks (empty: nothing is called and nothing agreed).
+
+    Raises:
+        TypeError: an item is not a :class:`TrainerCallback`.
+        ValueError: a callback defines an ``on_*`` method memtrain never calls (a misspelt hook,
+            or another trainer's name for one: :func:`unknown_hooks`), which would never run.
+    """
 
     def __init__(self, callbacks: Sequence[TrainerCallback] = ()):
         for cb in callbacks:
             if not isinstance(cb, TrainerCallback):
                 raise TypeError(f"callbacks: {cb!r} is not a memtrain.TrainerCallback")
+            unknown = unknown_hooks(cb)
+            if unknown:
+                raise ValueError(f"{type(cb).__name__} defines {', '.join(unknown)}, which memtrain never calls, so "
+                                 f"it would never run; the hooks are {', '.join(HOOKS)}")
         self.callbacks = list(callbacks)
 
     def __bool__(self) -> bool:

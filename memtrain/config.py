@@ -22,7 +22,7 @@ from memtrain.argv import join_negative_numbers, strip_launcher_args
 from memtrain.cli_help import describe
 from memtrain.engine_names import ENGINE_CHOICES
 from memtrain.errors import ConfigError  # raised here; the rest of memtrain imports it from here too
-from memtrain.recipe import check_recipe, explain_parse_error
+from memtrain.recipe import check_recipe, explain_parse_error, not_a_section
 
 
 class FrozenConfigError(AttributeError):
@@ -460,16 +460,23 @@ def _parser(show_all: bool = False, helps: bool = True):
     return parser
 
 
-def _to_dataclass(cls, value: dict):
-    """Build dataclass ``cls`` (recursively) from the nested dict jsonargparse returns."""
+def _to_dataclass(cls, value: dict, prefix: str = ""):
+    """Build dataclass ``cls`` (recursively) from the nested dict jsonargparse returns.
+
+    Raises:
+        ConfigError: a section given a value instead of a mapping of its keys (field: the section).
+    """
     import typing
 
+    if not isinstance(value, dict):
+        raise ConfigError(prefix.rstrip("."), not_a_section(Config, prefix.rstrip(".")))
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name in value:
             sub = value[f.name]
-            kwargs[f.name] = _to_dataclass(hints[f.name], sub) if dataclasses.is_dataclass(hints[f.name]) else sub
+            kwargs[f.name] = (_to_dataclass(hints[f.name], sub, f"{prefix}{f.name}.")
+                              if dataclasses.is_dataclass(hints[f.name]) else sub)
     return cls(**kwargs)
 
 

@@ -109,6 +109,7 @@ class TrainingLoop(RunOutputs):
     host_limit: Any = None  # memtrain.memory.host_limit.HostLimit: the host memory the run's ranks here may use
     callbacks: Callbacks = field(default_factory=Callbacks)  # the user's (memtrain.Trainer(callbacks=...))
     last_metrics: dict = field(default_factory=dict)  # the last evaluation's, for the callbacks' state
+    user_schedule: bool = False  # the LR schedule is a Python caller's (scheduler_factory), not training.*'s
 
     def run(self) -> RunResult:
         """Train to ``training.max_steps`` (resuming from a checkpoint when ``resume`` finds one),
@@ -228,7 +229,7 @@ class TrainingLoop(RunOutputs):
                 or any(lever(name).config_key in changed for name in self.controller.choices)):
             self.controller.restart()
         if changed and self.process.is_main:
-            rule = {**rules.takes_effect, "backend.name": "converted on load"}  # other keys: as in a new run
+            rule = rules.words(self.user_schedule)  # other keys: as in a new run
             log.warning("memtrain: resuming %s with changed settings: %s", path, "; ".join(
                 f"{key} {old!r} → {new!r} ({rule.get(key, 'takes effect')})" for key, (old, new) in changed.items()))
         self._apply_plan()  # the checkpoint's (AC may have been switched on by an OOM before it)

@@ -98,7 +98,10 @@ def explain_parse_error(parser, config_cls, args: list[str], msg: str) -> tuple[
     wrong type or outside the choices in words (``'fp8' is not one of auto, bf16, fp16, fp32``,
     from ``config_cls``'s type hints); a recipe that is not valid YAML named with its line."""
     key = "config"
-    if 'Parser key "' in msg:
+    if 'Parser key "' in msg and dataclasses.is_dataclass(_field_type(config_cls, msg.split('Parser key "', 1)[1].split('"', 1)[0])):
+        key = msg.split('Parser key "', 1)[1].split('"', 1)[0]  # a section given a value, not its keys
+        msg = not_a_section(config_cls, key)
+    elif 'Parser key "' in msg:
         key = msg.split('Parser key "', 1)[1].split('"', 1)[0]
         got = re.search(r"Given value: (.*?)\s*$", msg) or re.search(r"Got value: (.*?)\s*$", msg)
         expected = _expected(_field_type(config_cls, key))
@@ -107,12 +110,35 @@ def explain_parse_error(parser, config_cls, args: list[str], msg: str) -> tuple[
     elif (group := re.search(r"Group '([\w.]+)' does not accept option '([\w.]+)'", msg)):  # a recipe's key
         key = f"{group[1]}.{group[2]}"
         msg = f"unknown key '{key}' in the recipe{closest_key(parser, key)}"
+    elif (option := re.search(r"Option '([\w.]+)' is not accepted", msg)):  # a recipe's key outside any section
+        key = option[1]
+        msg = f"unknown key '{key}' in the recipe{closest_key(parser, key) or _closest_section(config_cls, key)}"
     elif "unrecognized arguments:" in msg:
         key = msg.split("unrecognized arguments:", 1)[1].split()[0].lstrip("-").split("=", 1)[0]
         msg = f"unknown key '{key}'{closest_key(parser, key)}. " + msg
     elif "Problems parsing config" in msg:  # name the YAML file, not "<unicode string>"
         msg = yaml_problem([args[i + 1] for i, a in enumerate(args[:-1]) if a == "--config"]) or msg
     return key, msg.replace("\n", " ")
+
+
+def not_a_section(config_cls, key: str) -> str:
+    """The words for section ``key`` (``backend``, ``data.speech``) given a value instead of a
+    mapping of its keys."""
+    first = dataclasses.fields(_field_type(config_cls, key))[0].name
+    parts = key.split(".")
+    python = "".join(f"{{'{p}': " for p in parts) + f"{{'{first}': ...}}" + "}" * len(parts)
+    return (f"is a section of settings, not a value: give a mapping of its keys (in a recipe '{parts[-1]}:' with "
+            f"its keys indented below it, in Python {python}, on the command line --{key}.{first} ...)")
+
+
+def _closest_section(config_cls, key: str) -> str:
+    """`` (did you mean 'training'?)`` for a mistyped section at the start of ``key``, or ''."""
+    import difflib
+
+    head = key.split(".", 1)[0]
+    sections = [f.name for f in dataclasses.fields(config_cls)]
+    close = difflib.get_close_matches(head, sections, n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}{key[len(head):]}'?)" if close else ""
 
 
 def _field_type(cls, dotted: str):

@@ -128,6 +128,13 @@ def test_bad_python_inputs_are_refused_by_name(tmp_path):
         memtrain.Trainer(model=torch.nn.Linear(2, 2), tokenizer=object(), args=["--output_dir", str(out)])
     with pytest.raises(memtrain.ConfigError, match="'collate_fn'.*dict of tensors"):
         ExampleDataset([1, 2], collate_fn=lambda xs: xs).batch([0, 1])
+    pairs = [(torch.zeros(2), torch.ones(1))] * 4  # a TensorDataset's (x, y) tuples, no collate_fn: the data's fault
+    with pytest.raises(memtrain.ConfigError, match="'eval_dataset': its examples are tuple, collated into list"):
+        ExampleDataset(pairs, name="eval_dataset").batch([0, 1])
+    with pytest.raises(memtrain.ConfigError, match=r"'train_dataset': is a dict of columns \(x, y\)"):
+        memtrain.Trainer(model=torch.nn.Linear(2, 1), objective=lambda m, mb: m(mb["x"]).sum(),
+                         train_dataset={"x": torch.zeros(8, 2), "y": torch.zeros(8, 1)},
+                         args=["--output_dir", str(out)]).fit()
     assert not out.exists()
 
 

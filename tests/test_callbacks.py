@@ -108,6 +108,19 @@ def test_early_stopping_stops_after_patience_evaluations_without_improvement():
     with pytest.raises(memtrain.ConfigError, match="'callbacks'"):
         memtrain.Trainer(model=torch.nn.Linear(2, 1), train_dataset=EXAMPLES, callbacks=[lambda state: None])
 
+    class Misnamed(memtrain.TrainerCallback):  # a typo and Lightning's name: neither would ever run
+        def on_step_ends(self, state):
+            pass
+
+        def on_validation_end(self, state):
+            pass
+
+    with pytest.raises(memtrain.ConfigError) as info:
+        memtrain.Trainer(model=torch.nn.Linear(2, 1), train_dataset=EXAMPLES, callbacks=[Misnamed()])
+    assert info.value.field == "callbacks" and ("Misnamed defines on_step_ends (memtrain calls on_step_end), "
+                                                "on_validation_end (memtrain calls on_evaluate), which memtrain "
+                                                "never calls") in str(info.value)
+
 
 BOOM = """
 import os, sys, torch

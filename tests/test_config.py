@@ -49,6 +49,23 @@ def test_unknown_key_in_yaml_recipe(tmp_path):
     assert err.value.field == "training.max_step"
 
 
+@pytest.mark.parametrize("given, field, phrase", [
+    ({"training": 5}, "training", "is a section of settings, not a value"),  # was a TypeError from the parser's output
+    ({"backend": "fsdp"}, "backend", "in Python {'backend': {'name': ...}}, on the command line --backend.name"),
+    ({"data": {"speech": 3}}, "data.speech", "in Python {'data': {'speech': {"),
+    ({"preicsion": "fp32"}, "preicsion", "did you mean 'precision'"),
+    ({"trainig": {"max_steps": 3}}, "trainig.max_steps", "did you mean 'training.max_steps'"),
+])
+def test_a_section_given_a_value_or_a_mistyped_section_is_named(given, field, phrase):
+    """A Python dict (or recipe) whose section is a value, or whose section or top-level key is
+    mistyped: the key is named, with what was meant."""
+    import json
+
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", json.dumps(given)])
+    assert info.value.field == field and phrase in str(info.value), str(info.value)
+
+
 def test_overrides_reach_every_section():
     cfg = parse_args(TINY_ARGS + ["--training.max_steps", "7", "--model.config.n_layer", "3", "--local_rank=1"])
     assert cfg.training.max_steps == 7 and cfg.model.config["n_layer"] == 3

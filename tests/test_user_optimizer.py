@@ -40,7 +40,7 @@ def test_the_optimizers_own_state_is_counted_per_element():
     assert state_bytes_per_element(lambda g: torch.optim.Adagrad(g, lr=0.1)) == 4
 
 
-def test_sgd_and_step_lr_from_the_factories_train_resume_bitwise_and_are_planned(tmp_path):
+def test_sgd_and_step_lr_from_the_factories_train_resume_bitwise_and_are_planned(tmp_path, caplog):
     """The rates are StepLR's (0.05 halved every 2 optimizer steps), one per optimizer step; the
     run stopped at step 3 and rerun to 6 gives the uninterrupted run's losses bitwise; the
     planner's table counts SGD's one buffer where AdamW holds two (4 bytes a parameter less)."""
@@ -49,6 +49,7 @@ def test_sgd_and_step_lr_from_the_factories_train_resume_bitwise_and_are_planned
     trainer(tmp_path / "cut", max_steps=3, optimizer_factory=sgd, scheduler_factory=step_lr).fit()
     resumed = trainer(tmp_path / "cut", optimizer_factory=sgd, scheduler_factory=step_lr).fit().records
     assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert "training.max_steps 3 → 6 (the scheduler_factory's schedule carries on from its saved state)" in caplog.text
     assert [(r["loss"], r["lr"], r["grad_norm"]) for r in resumed] == [(r["loss"], r["lr"], r["grad_norm"])
                                                                        for r in whole[3:]]
     adamw = trainer(tmp_path / "adamw", max_steps=1).fit().records
@@ -89,3 +90,14 @@ def test_under_fsdp2_the_factory_steps_the_shards_as_ddp_steps_the_whole(tmp_pat
     fsdp, ddp = run("fsdp"), run("ddp")
     assert [r["lr"] for r in fsdp] == [r["lr"] for r in ddp] == [0.05, 0.05, 0.025, 0.025]
     assert [r["loss"] for r in fsdp] == pytest.approx([r["loss"] for r in ddp], rel=1e-5)
+
+
+def test_a_scheduler_that_steps_on_a_metric_is_refused_before_anything_is_written(tmp_path):
+    """ReduceLROnPlateau's ``step(metrics)`` cannot be stepped once per optimizer step: refused by
+    the field, naming what its step needs, with no run folder left behind."""
+    plateau = lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt)  # noqa: E731
+    with pytest.raises(ConfigError) as refused:
+        trainer(tmp_path / "x", optimizer_factory=sgd, scheduler_factory=plateau).fit()
+    assert refused.value.field == "scheduler_factory" and "ReduceLROnPlateau, whose step() needs metrics" in str(
+        refused.value)
+    assert not (tmp_path / "x").exists()

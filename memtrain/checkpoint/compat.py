@@ -73,6 +73,9 @@ TAKES_EFFECT = {
 """Settings besides the levers' whose change on resume needs a rule (the rule, as logged). Every
 other key that is not must-match is read from this run's config when the run is built, so its
 change takes effect as it would in a new run (cadences, engine tuning, logging, faults, …)."""
+SCHEDULE_KEYS = ("training.max_steps", "training.lr", "training.min_lr_ratio", "training.warmup_steps")
+"""The keys of memtrain's own learning-rate schedule; a Python caller's ``scheduler_factory``
+schedule does not read them (its state is restored as saved)."""
 RESTARTS_PLAN = "the plan restarts with it"
 """The rule of a lever whose ``on_resume`` is ``restarts_plan``."""
 
@@ -95,6 +98,14 @@ class ResumeRules:
         ``restarts_plan`` or ``takes_effect``; :func:`memtrain.levers.resume_rules`)."""
         return cls(MUST_MATCH + tuple(key for key, rule in lever_rules.items() if rule == "must_match"),
                    {**TAKES_EFFECT, **{key: RESTARTS_PLAN for key, rule in lever_rules.items() if rule == "restarts_plan"}})
+
+    def words(self, user_schedule: bool = False) -> dict[str, str]:
+        """Each changed key's rule as the resume log says it (``backend.name``: an engine switch);
+        ``user_schedule``: the learning-rate schedule is a Python caller's ``scheduler_factory``,
+        which :data:`SCHEDULE_KEYS` do not drive."""
+        own = "the scheduler_factory's schedule carries on from its saved state"
+        return {**self.takes_effect, "backend.name": "converted on load",
+                **({key: own for key in SCHEDULE_KEYS if key in self.takes_effect} if user_schedule else {})}
 
     def classes(self, config: dict) -> dict[str, str]:
         """:func:`settings_classes` under these rules."""

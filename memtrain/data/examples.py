@@ -35,12 +35,21 @@ class ExampleDataset:
             in torch format (each column a tensor).
         collate_fn: ``list of examples -> dict[str, Tensor]`` (each tensor [B, …]); None =
             ``torch.utils.data.default_collate``.
+        name: the argument the examples came from, as errors name it (``train_dataset``, …).
+
+    Raises:
+        memtrain.errors.ConfigError: ``examples`` is a dict of columns, not a dataset of examples
+            (field ``name``).
     """
 
-    def __init__(self, examples, collate_fn: Optional[Callable[[list], dict]] = None):
+    def __init__(self, examples, collate_fn: Optional[Callable[[list], dict]] = None, name: str = "train_dataset"):
         if collate_fn is None and hasattr(examples, "with_format") and getattr(examples, "format", {}).get("type") is None:
             examples = examples.with_format("torch")
-        self.examples = examples
+        if isinstance(examples, Mapping):
+            raise ConfigError(name, f"is a dict of columns ({', '.join(map(str, list(examples)[:4]))}), not a dataset "
+                              "of examples: give a list of examples, each a dict of tensors, e.g. [dict(zip(columns, "
+                              "row)) for row in zip(*columns.values())], or a datasets.Dataset")
+        self.examples, self.name = examples, name
         self.collate_fn = collate_fn or torch.utils.data.default_collate
         self.shift_labels = False
 
@@ -69,11 +78,18 @@ class ExampleDataset:
         """The collated examples ``indices`` (int sequence [B]).
 
         Raises:
-            memtrain.errors.ConfigError: the collate function gives no dict of tensors (field ``collate_fn``).
+            memtrain.errors.ConfigError: the collate function gives no dict of tensors (field
+                ``collate_fn``; the dataset's name where no collate function was given: its
+                examples are not dicts of tensors).
         """
-        out = self.collate_fn([self.examples[int(i)] for i in indices])
+        examples = [self.examples[int(i)] for i in indices]
+        out = self.collate_fn(examples)
         if not isinstance(out, dict) or not out or not all(isinstance(v, torch.Tensor) for v in out.values()):
             got = {k: type(v).__name__ for k, v in out.items()} if isinstance(out, dict) else type(out).__name__
+            if self.collate_fn is torch.utils.data.default_collate:
+                raise ConfigError(self.name, f"its examples are {type(examples[0]).__name__}, collated into {got}; "
+                                  "a batch must be a dict of tensors [batch, ...]: give each example as a dict "
+                                  "{name: tensor} (the objective reads the names), or a collate_fn that makes one")
             raise ConfigError("collate_fn", f"a batch must be a dict of tensors [batch, ...]; got {got}")
         if self.shift_labels:  # labels[t] becomes the token after input_ids[t], as memtrain's causal LM reads it
             labels = out["labels"]
