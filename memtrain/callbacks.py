@@ -110,22 +110,32 @@ HOOKS = tuple(name for name in vars(TrainerCallback) if name.startswith("on_"))
 """The hooks memtrain calls, in a run's order."""
 PEER_HOOKS = {"on_fit_start": "on_train_begin", "on_train_start": "on_train_begin", "on_fit_end": "on_train_end",
               "on_train_batch_end": "on_step_end", "on_validation_end": "on_evaluate",
-              "on_validation_epoch_end": "on_evaluate", "on_save_checkpoint": "on_save", "on_log": "on_step_end"}
+              "on_validation_epoch_end": "on_evaluate", "on_save_checkpoint": "on_save", "on_log": "on_step_end",
+              "on_batch_end": "on_step_end", "on_epoch_end": "on_step_end (state.epoch)", "on_train_epoch_end": "on_step_end (state.epoch)"}
 """Lightning's ``Callback`` and transformers' ``TrainerCallback`` hooks memtrain has under another
 name → that name."""
 
 
 def unknown_hooks(callback: TrainerCallback) -> list[str]:
-    """The ``on_*`` methods of ``callback`` that memtrain never calls, each with the hook meant
-    (:data:`PEER_HOOKS`, else the closest of :data:`HOOKS`) where there is one: e.g.
-    ``on_validation_end (memtrain calls on_evaluate)``."""
+    """The methods of ``callback``'s own classes (memtrain callback classes: not a base class of
+    another library's) that look meant as a hook memtrain never calls: another trainer's hook
+    (:data:`PEER_HOOKS`) or a near-miss of one of :data:`HOOKS` — each with the hook meant, e.g.
+    ``on_validation_end (memtrain calls on_evaluate)``. Attributes are read without running them
+    (a property is not called); a helper such as ``on_rank_zero`` is no hook's near-miss."""
     import difflib
+    import inspect
 
     out = []
-    for name in dir(type(callback)):
-        if name.startswith("on_") and name not in HOOKS and callable(getattr(callback, name)):
-            meant = PEER_HOOKS.get(name) or next(iter(difflib.get_close_matches(name, HOOKS, n=1, cutoff=0.7)), None)
-            out.append(f"{name} (memtrain calls {meant})" if meant else name)
+    for cls in type(callback).__mro__:
+        if cls is TrainerCallback or not issubclass(cls, TrainerCallback):
+            continue
+        for name, attr in vars(cls).items():
+            if not name.startswith("on_") or name in HOOKS or not isinstance(attr, (types.FunctionType, staticmethod,
+                                                                                   classmethod)):
+                continue
+            meant = PEER_HOOKS.get(name) or next(iter(difflib.get_close_matches(name, HOOKS, n=1, cutoff=0.8)), None)
+            if meant and f"{name} (memtrain calls {meant})" not in out:
+                out.append(f"{name} (memtrain calls {meant})")
     return out
 
 

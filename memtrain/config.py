@@ -468,6 +468,7 @@ def _to_dataclass(cls, value: dict, prefix: str = ""):
     """
     import typing
 
+    value = {} if value is None else value  # a recipe section whose keys are all commented out
     if not isinstance(value, dict):
         raise ConfigError(prefix.rstrip("."), not_a_section(Config, prefix.rstrip(".")))
     hints = typing.get_type_hints(cls)

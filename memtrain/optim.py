@@ -98,8 +98,11 @@ def user_scheduler(factory: Callable, optimizer: torch.optim.Optimizer):
     if missing:
         raise ConfigError("scheduler_factory", f"returned {type(scheduler).__name__} without {', '.join(missing)} "
                           "(a torch.optim.lr_scheduler.LRScheduler has them)")
-    needed = [p.name for p in inspect.signature(scheduler.step).parameters.values()
-              if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    try:
+        needed = [p.name for p in inspect.signature(scheduler.step).parameters.values()
+                  if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    except (TypeError, ValueError):  # a step whose signature Python cannot read (built in C): taken as it is
+        needed = []
     if needed:  # ReduceLROnPlateau's step(metrics)
         raise ConfigError("scheduler_factory", f"returned {type(scheduler).__name__}, whose step() needs "
                           f"{', '.join(needed)}; memtrain steps the schedule once per optimizer step with no "

@@ -138,10 +138,11 @@ def _pretrained_config(cfg: Config) -> dict:
 
 
 def check_config_keys(model_type: str, given: dict) -> None:
-    """Every key of ``given`` (``model.config``) a setting of transformers' config class for
-    ``model_type``: one the class declares or its constructor takes (``num_labels``,
-    ``attn_implementation``, …). transformers keeps any other key as a stray attribute that no
-    model reads, so a misspelt ``n_layr`` would train the default size without a word.
+    """Every key of ``given`` (``model.config``) a setting of transformers' model type
+    ``model_type``: one its config class declares, consumes or derives another setting from
+    (``num_labels``, ``attn_implementation``, Phi-3's ``partial_rotary_factor``), or one its
+    modeling code names. transformers keeps any other key as a stray attribute no code reads, so a
+    misspelt ``n_layr`` would train the default size without a word.
 
     Raises:
         ConfigError: field ``model.config.KEY``, naming the closest settings of the class.
@@ -156,15 +157,34 @@ def check_config_keys(model_type: str, given: dict) -> None:
         if key == "model_type" or key in vars(defaults) or hasattr(cls, key):
             continue
         try:
-            kept = key in vars(AutoConfig.for_model(model_type, **{key: value}))  # stored as it was given
+            probe = AutoConfig.for_model(model_type, **{key: value})
         except Exception:  # noqa: BLE001 - a value transformers refuses: _check_model_builds names it
             continue
-        if kept:
-            settings = [k for k in [*vars(defaults), *getattr(cls, "attribute_map", {})] if not k.startswith("_")]
-            close = difflib.get_close_matches(key, settings, n=3, cutoff=0.6)
-            raise ConfigError(f"model.config.{key}", f"is not a setting of transformers' {cls.__name__} "
-                              f"(model_type {model_type}), which would keep it unused"
-                              + (f"; did you mean {', '.join(close)}?" if close else ""))
+        derived = {k: v for k, v in probe.to_dict().items() if k != key} != defaults.to_dict()
+        if key not in vars(probe) or derived or _modeling_code_names(model_type, key):
+            continue
+        settings = [k for k in [*vars(defaults), *getattr(cls, "attribute_map", {})] if not k.startswith("_")]
+        close = difflib.get_close_matches(key, settings, n=3, cutoff=0.6)
+        raise ConfigError(f"model.config.{key}", f"is not a setting of transformers' {cls.__name__} "
+                          f"(model_type {model_type}), which would keep it unused"
+                          + (f"; did you mean {', '.join(close)}?" if close else ""))
+
+
+def _modeling_code_names(model_type: str, key: str) -> bool:
+    """Whether transformers' modeling source of ``model_type`` names ``key`` (read as text, not
+    imported); True where the source cannot be found, so an unknown layout refuses nothing."""
+    import importlib.util
+    import re
+
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    name = model_type_to_module_name(model_type)
+    try:
+        spec = importlib.util.find_spec(f"transformers.models.{name}.modeling_{name}")
+        with open(spec.origin, encoding="utf-8") as fh:
+            return re.search(rf"\b{re.escape(key)}\b", fh.read()) is not None
+    except (ImportError, AttributeError, TypeError, OSError):
+        return True
 
 
 def _check_model_builds(cfg: Config, mc: dict) -> None:

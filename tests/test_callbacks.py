@@ -120,6 +120,18 @@ def test_early_stopping_stops_after_patience_evaluations_without_improvement():
     assert info.value.field == "callbacks" and ("Misnamed defines on_step_ends (memtrain calls on_step_end), "
                                                 "on_validation_end (memtrain calls on_evaluate), which memtrain "
                                                 "never calls") in str(info.value)
+    import transformers
+
+    class Helpers(memtrain.TrainerCallback, transformers.TrainerCallback):  # one callback for two trainers
+        @property
+        def on_main_rank(self):  # read without being run: it would raise
+            raise AssertionError("the check ran a property")
+
+        @staticmethod
+        def on_rank_zero(fn):  # a helper, no hook's near-miss
+            return fn
+
+    memtrain.Trainer(model=torch.nn.Linear(2, 1), train_dataset=EXAMPLES, callbacks=[Helpers()])
 
 
 BOOM = """

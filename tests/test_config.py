@@ -64,6 +64,19 @@ def test_a_section_given_a_value_or_a_mistyped_section_is_named(given, field, ph
     with pytest.raises(ConfigError) as info:
         parse_args(["--config", json.dumps(given)])
     assert info.value.field == field and phrase in str(info.value), str(info.value)
+    assert parse_args(["--config", json.dumps({"training": None})]).training.max_steps > 0  # keys all commented out
+
+
+def test_model_config_keys_transformers_reads_are_taken_and_others_refused():
+    """A key the config class derives another setting from (Phi-3's partial_rotary_factor) or the
+    modeling code reads (T5's decoder_start_token_id) is taken; one nothing reads is refused."""
+    from memtrain.validation import check_config_keys
+
+    check_config_keys("phi3", {"partial_rotary_factor": 0.5})
+    check_config_keys("t5", {"decoder_start_token_id": 0})
+    check_config_keys("llama", {"rope_theta": 1e4, "head_dim": 8, "attn_implementation": "eager", "num_labels": 3})
+    with pytest.raises(ConfigError, match="'model.config.rope_theta': is not a setting of transformers' GPT2Config"):
+        check_config_keys("gpt2", {"rope_theta": 1e4})
 
 
 def test_overrides_reach_every_section():

@@ -189,11 +189,11 @@ def changed_model_settings(manifest: dict[str, Any], model: nn.Module) -> list[s
     config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
     saved = (config.get("model") or {}).get("config") or {}
     current = getattr(model, "config", None)
-    if current is None or not isinstance(saved, dict):
+    if not hasattr(current, "to_dict") or not isinstance(saved, dict):
         return []
-    return [f"model.config.{key}: checkpoint {value!r}, this run {getattr(current, key)!r}"
-            for key, value in saved.items() if key != "model_type" and hasattr(current, key)
-            and getattr(current, key) != value]
+    now = current.to_dict()  # values as a config.json holds them (a dtype as its name), as the manifest does
+    return [f"model.config.{key}: checkpoint {value!r}, this run {now[key]!r}"
+            for key, value in saved.items() if key != "model_type" and key in now and now[key] != value]
 
 
 def _shape_words(shape) -> str:
